@@ -1,0 +1,9 @@
+"""Validated configuration for xfuse (placeholder: filled in by the config work)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message starts with the dotted key, e.g. ``parallel.num_patches: ...``."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
