@@ -1,0 +1,54 @@
+"""Bytes a plan moves and holds, from shapes alone (no torch, no processes).
+
+``comm_volume`` is the contract the communication counters are tested against: per denoising step, the whole image
+passes every hand-off once whatever the number of patches (warm-up and pipelined steps move the same bytes).
+"""
+
+from __future__ import annotations
+
+from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.stage_plan import StagePlan
+
+KINDS = ("hidden", "skip", "latent")
+
+
+def comm_volume(
+    plan: StagePlan,
+    grid: PatchGrid,
+    *,
+    hidden_size: int,
+    batch: int,
+    latent_batch: int | None = None,
+    in_channels: int = 4,
+    dtype_bytes: int = 4,
+) -> dict[int, dict[str, int]]:
+    """Bytes each rank sends per denoising step, by kind.
+
+    Args:
+        plan, grid: the stage plan and patch grid of the request.
+        hidden_size: transformer width (HunyuanDiT ``inner_dim``).
+        batch: transformer batch (2 × images with classifier-free guidance batched as [uncond, cond]).
+        latent_batch: batch of the latent the scheduler steps (images); defaults to ``batch``.
+        in_channels: latent channels.
+        dtype_bytes: bytes per element of the model dtype.
+
+    Returns:
+        ``{rank: {"hidden": bytes, "skip": bytes, "latent": bytes}}`` for every rank of the plan.
+    """
+    latent_batch = batch if latent_batch is None else latent_batch
+    activation = batch * grid.num_tokens * hidden_size * dtype_bytes  # (B, tokens, hidden)
+    volume = {rank: dict.fromkeys(KINDS, 0) for rank in range(plan.degree)}
+    for handoff in plan.handoffs:
+        volume[handoff.src_rank]["hidden"] += activation
+    for skip in plan.cross_rank_skips:
+        volume[skip.src_rank]["skip"] += activation
+    if plan.output_rank != plan.embed_rank:  # linear: the stepped latent goes back to the embedding rank
+        latent = latent_batch * in_channels * grid.latent_height * grid.latent_width * dtype_bytes
+        volume[plan.output_rank]["latent"] += latent
+    return volume
+
+
+def kv_buffer_bytes(plan: StagePlan, grid: PatchGrid, *, hidden_size: int, batch: int, dtype_bytes: int = 4) -> dict:
+    """Bytes of the full-image stale K/V buffers each rank holds: K and V of (B, tokens, hidden) per block."""
+    per_block = 2 * batch * grid.num_tokens * hidden_size * dtype_bytes
+    return {rank: per_block * len(plan.blocks_of(rank)) for rank in range(plan.degree)}
