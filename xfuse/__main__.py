@@ -1,0 +1,5 @@
+import sys
+
+from xfuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""What a configuration will do, computed without any process group: ``xfuse plan``."""
+
+from __future__ import annotations
+
+import torch
+
+from xfuse.config import VAE_SCALE_FACTOR, XfuseConfig, check_world
+from xfuse.models import transformer_config
+from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import stage_plan
+
+
+def _ranges(blocks) -> str:
+    """(0, 1, 2, 5, 6) -> '0-2, 5-6'."""
+    runs, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            runs.append(f"{start}" if start == b else f"{start}-{b}")
+            start = None
+    return ", ".join(runs) or "-"
+
+
+def stage_parameter_bytes(model_config: dict, plan, dtype: torch.dtype) -> dict[int, int]:
+    """Transformer parameter bytes each rank keeps, from the real sharding applied to a weightless (meta) model."""
+    from diffusers import HunyuanDiT2DModel
+
+    from xfuse.models.hunyuandit import HunyuanDiTStage
+
+    element = torch.empty((), dtype=dtype).element_size()
+    config = {k: v for k, v in model_config.items() if not k.startswith("_")}
+    result = {}
+    for rank in range(plan.degree):
+        with torch.device("meta"):
+            stage = HunyuanDiTStage(HunyuanDiT2DModel(**config), plan, rank)
+        result[rank] = sum(p.numel() for p in stage.parameters()) * element
+    return result
+
+
+def plan_report(config: XfuseConfig) -> dict:
+    """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
+    model = transformer_config(config.model)
+    patch_size, num_layers = model["patch_size"], model["num_layers"]
+    hidden = model["num_attention_heads"] * model["attention_head_dim"]
+    default = model.get("sample_size", 128) * VAE_SCALE_FACTOR
+    height, width = config.generation.height or default, config.generation.width or default
+    check_world(config, world_size=config.world_size, num_layers=num_layers, patch_size=patch_size,
+                height=height, width=width)
+    par = config.parallel
+    plan = stage_plan(num_layers, par.pipefusion_degree, par.placement, par.stage_split)
+    grid = patch_grid(height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR, par.resolved_num_patches, patch_size)
+    dtype = getattr(torch, config.runtime.dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    cfg_batch = 2 if config.generation.guidance_scale > 1 else 1  # diffusers batches [uncond, cond]
+    batch = cfg_batch // par.cfg_degree  # each CFG group runs its half
+    volume = comm_volume(plan, grid, hidden_size=hidden, batch=batch, latent_batch=1,
+                         in_channels=model["in_channels"], dtype_bytes=element)
+    return dict(
+        model=config.model, num_layers=num_layers, hidden_size=hidden, patch_size=patch_size,
+        height=height, width=width, grid=grid, plan=plan, batch=batch, dtype=config.runtime.dtype,
+        volume=volume, kv_bytes=kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element),
+        param_bytes=stage_parameter_bytes(model, plan, dtype), config=config,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def format_plan_report(r: dict) -> str:
+    """The report as the text ``xfuse plan`` prints."""
+    cfg, plan, grid = r["config"], r["plan"], r["grid"]
+    par = cfg.parallel
+    lines = [
+        f"model {r['model']}: {r['num_layers']} blocks, hidden {r['hidden_size']}, patch size {r['patch_size']}",
+        f"image {r['height']}x{r['width']} px -> latent {grid.latent_height}x{grid.latent_width} -> "
+        f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r['batch']}; {r['dtype']}",
+        f"world {cfg.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "
+        f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
+        f"{cfg.generation.num_inference_steps} steps",
+        "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),
+        "route of a patch: " + " -> ".join(f"r{s.rank}[{_ranges(s.blocks)}]" for s in plan.route),
+        "cross-rank skips: " + (", ".join(f"{s.producer}->{s.consumer} (r{s.src_rank}->r{s.dst_rank})"
+                                          for s in plan.cross_rank_skips) or "none"),
+        "",
+        f"{'rank':>4}  {'blocks':<22} {'params':>12} {'K/V buffers':>12}  "
+        + "  ".join(f"{'sent ' + k:>12}" for k in KINDS) + "   (bytes sent per denoising step)",
+    ]
+    for rank in range(plan.degree):
+        vol = r["volume"][rank]
+        lines.append(
+            f"{rank:>4}  {_ranges(plan.blocks_of(rank)):<22} {_mib(r['param_bytes'][rank]):>12} "
+            f"{_mib(r['kv_bytes'][rank]):>12}  " + "  ".join(f"{_mib(vol[k]):>12}" for k in KINDS)
+        )
+    total = sum(sum(v.values()) for v in r["volume"].values())
+    lines.append(f"total sent per denoising step (one pipeline group): {_mib(total)}")
+    return "\n".join(lines)
