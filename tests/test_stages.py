@@ -4,10 +4,9 @@ import copy
 
 import pytest
 import torch
-from diffusers import HunyuanDiT2DModel
-
 from xfuse.models.hunyuandit import HunyuanDiTStage, rotary_embedding, staged_forward
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.models.tiny import build_tiny_transformer
 from xfuse.parallel.stage_plan import stage_plan
 
 NUM_LAYERS = 16
@@ -15,13 +14,10 @@ NUM_LAYERS = 16
 
 @pytest.fixture(scope="module")
 def model():
+    transformer = build_tiny_transformer("tiny", seed=0)
+    assert transformer.config.num_layers == NUM_LAYERS
+    # Perturb every weight so no part is zero-initialised: a wrong skip wiring or a dropped block must show.
     torch.manual_seed(0)
-    transformer = HunyuanDiT2DModel(
-        num_attention_heads=2, attention_head_dim=16, in_channels=4, patch_size=2, sample_size=16,
-        hidden_size=32, num_layers=NUM_LAYERS, mlp_ratio=2.0, cross_attention_dim=32, cross_attention_dim_t5=32,
-        pooled_projection_dim=16, text_len=77, text_len_t5=256, use_style_cond_and_image_meta_size=False,
-    ).eval()
-    # Random weights make every block matter (zero-initialised parts would hide a wrong skip wiring).
     with torch.no_grad():
         for p in transformer.parameters():
             p.add_(torch.randn_like(p) * 0.02)
