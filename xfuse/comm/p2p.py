@@ -1,0 +1,373 @@
+"""Point-to-point channels between pipeline stages.
+
+Usage, once per schedule slot (all of a slot's receives and sends together)::
+
+    sends_h, recvs_h = channels.exchange(
+        sends=[Send(peer=2, kind="hidden", tensor=out, step=s, patch=p)],
+        recvs=[Recv(peer=0, kind="hidden", shape=(2, 64, 32), dtype=torch.bfloat16, step=s, patch=p + 1)],
+    )
+    x = recvs_h[0].wait()        # pool buffer, valid until release()
+    ...compute on x...
+    recvs_h[0].release()         # buffer goes back to the pool
+    sends_h[0].wait()            # `out` must not be modified before this returns
+
+Rules this module enforces or makes natural (see DESIGN.md section 5):
+
+* gloo sends are rendezvous (a send's wait blocks until the peer posted the
+  receive), NCCL's are for large messages. ``exchange`` posts receives before sends
+  and posts everything before anyone waits, so a slot's operations never wait on
+  each other; the caller must still not wait on a send before it has posted
+  (via ``exchange``) the receives that its peer's progress depends on.
+* No tags: on both backends messages between one (src, dst) pair match in issue
+  order, and ``kind`` is only a label. (gloo honours tags, NCCL ignores them;
+  tagging on gloo would let CPU tests pass orders that NCCL mismatches.) A
+  receive matched to a larger message aborts the receiving process on gloo
+  ("Received data size doesn't match expected size", SIGABRT), so sender and
+  receiver schedules must agree exactly: that is what the pure schedule tests check.
+* Sent tensors must be contiguous: a non-contiguous one raises ValueError rather
+  than being copied, because a silent copy per patch is the allocation on the hot
+  path that this layer exists to avoid. Call ``.contiguous()`` where a copy is intended.
+* Receives land in preallocated buffers (``RecvBufferPool``); at most
+  ``max_inflight`` receives per (peer, kind) channel may be outstanding (posted
+  and not released). One more raises InflightLimitError before anything is posted.
+* Every wait is bounded by ``timeout_s`` (from the moment wait() is called). Any
+  failure is fatal: the channels refuse further work and every later wait raises.
+
+Not thread-safe: one engine thread drives the channels.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buffers import BufferSlot, RecvBufferPool
+from .errors import CommError, CommTimeout, InflightLimitError, describe_op, error_from_backend
+from .groups import DirectionGroups
+from .stats import OpLog, OpRecord, TrafficCounters
+
+__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels"]
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise makes no sense here
+class Send:
+    """Send ``tensor`` (contiguous, on the channels' device) to global rank ``peer``."""
+
+    peer: int
+    kind: str
+    tensor: torch.Tensor
+    step: int
+    patch: int
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Receive a ``shape``/``dtype`` tensor of ``kind`` from global rank ``peer``."""
+
+    peer: int
+    kind: str
+    shape: tuple
+    dtype: torch.dtype
+    step: int
+    patch: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+class _Expired(Exception):
+    """Our own deadline passed (polling path, or a backend wait that returned False)."""
+
+
+class _Pending:
+    """Common part of a posted operation's handle."""
+
+    def __init__(self, channels: "P2PChannels", work, record: OpRecord) -> None:
+        self._channels = channels
+        self._work = work  # may be shared with other handles (NCCL coalesces a batch into one Work)
+        self.record = record
+        self.state = "posted"  # -> "done" | "failed" (| "released" for receives)
+
+    @property
+    def done(self) -> bool:
+        """True once wait() returned successfully (never polls: gloo only completes inside wait())."""
+        return self.state in ("done", "released")
+
+    def __repr__(self) -> str:
+        r = self.record
+        where = f"{r.direction} {r.kind} peer {r.peer} step {r.step} patch {r.patch}"
+        return f"<{type(self).__name__} {where}: {self.state}>"
+
+
+class PendingSend(_Pending):
+    """Handle of a posted send; keeps the tensor alive until the send is complete."""
+
+    def __init__(self, channels, work, record, tensor: torch.Tensor) -> None:
+        super().__init__(channels, work, record)
+        self._tensor = tensor
+
+    def wait(self) -> None:
+        """Block until the peer has the data (bounded by ``timeout_s``); idempotent."""
+        self._channels._wait(self)
+        self._tensor = None  # the caller may reuse its tensor now
+
+
+class PendingRecv(_Pending):
+    """Handle of a posted receive into a pooled buffer.
+
+    Lifetime rule: the tensor returned by wait() belongs to the pool; it is valid until
+    release(), after which a later receive of the same shape will overwrite it. Copy
+    it (or finish using it) before releasing. Also usable as ``with handle as x: ...``.
+    """
+
+    def __init__(self, channels, work, record, slot: BufferSlot) -> None:
+        super().__init__(channels, work, record)
+        self._slot = slot
+
+    def wait(self) -> torch.Tensor:
+        """Block until the data has arrived (bounded by ``timeout_s``) and return the buffer; idempotent."""
+        if self.state == "released":
+            raise RuntimeError(f"{self!r}: wait() after release(); the buffer may hold another message now")
+        self._channels._wait(self)
+        return self._slot.tensor
+
+    def release(self) -> None:
+        """Give the buffer back to the pool. Only after wait(): before that the receive may still write to it."""
+        if self.state == "released":
+            return
+        if self.state == "posted":
+            raise RuntimeError(f"{self!r}: release() before wait(); the receive may still write into the buffer")
+        if self.state == "done":
+            self._channels._pool.release(self._slot)
+        # After a failure the buffer stays marked busy: the channels are dead anyway.
+        self.state = "released"
+
+    def __enter__(self) -> torch.Tensor:
+        return self.wait()
+
+    def __exit__(self, *exc) -> None:
+        if self.state != "posted":
+            self.release()
+
+
+class P2PChannels:
+    """Point-to-point sends and receives of one rank; see the module docstring.
+
+    ``rank`` and every ``peer`` are global ranks. ``device`` is where receive buffers
+    live and sent tensors must be. CPU tensors are assumed to travel over gloo, whose
+    ``Work.wait(timeout=...)`` is a real bounded wait; any other device is assumed to
+    use a stream-based backend (NCCL) whose ``wait()`` only orders streams, so there
+    the bounded wait polls ``Work.is_completed()`` against a deadline.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        timeout_s: float,
+        max_inflight: int,
+        device: torch.device | str,
+        groups: DirectionGroups | None = None,
+        log_size: int = 256,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.rank = rank
+        self.timeout_s = float(timeout_s)
+        self.max_inflight = max_inflight
+        self.device = torch.device(device)
+        self.groups = groups or DirectionGroups()
+        self.counters = TrafficCounters()
+        self.op_log = OpLog(log_size)
+        self.failure: CommError | None = None  # the first fatal error; the channels are dead after it
+        self._pool = RecvBufferPool(self.device)
+        self._poll = self.device.type != "cpu"
+        if self.device.type == "cuda" and self.device.index is not None:
+            # batch_isend_irecv on NCCL hangs if the current device is not the one the tensors live on.
+            if torch.cuda.current_device() != self.device.index:
+                raise ValueError(f"call torch.cuda.set_device({self.device}) before creating channels on it")
+
+    # ------------------------------------------------------------------ public
+
+    def exchange(
+        self, sends: Sequence[Send] = (), recvs: Sequence[Recv] = ()
+    ) -> tuple[list[PendingSend], list[PendingRecv]]:
+        """Post all ``recvs`` and ``sends`` at once (receives first); return their handles in the same order.
+
+        Ops are grouped by direction group and each group's ops go out in one
+        ``batch_isend_irecv`` call, "up" group first, so the issue order is the
+        same on every rank. Raises InflightLimitError / ValueError before posting anything.
+        """
+        if self.failure is not None:
+            raise CommError(f"rank {self.rank}: channels unusable after an earlier failure: {self.failure}")
+        for s in sends:
+            self._check_send(s)
+        for r in recvs:
+            self._check_peer(r.peer, r.kind)
+        slots = self._acquire_all(recvs)
+
+        now = time.monotonic()
+        posted: list[tuple[dist.ProcessGroup | None, dist.P2POp, _Pending]] = []
+        recv_handles: list[PendingRecv] = []
+        send_handles: list[PendingSend] = []
+        for r, slot in zip(recvs, slots):
+            rec = OpRecord("recv", r.kind, r.peer, r.shape, r.dtype, slot.tensor.nbytes, r.step, r.patch, now)
+            h = PendingRecv(self, None, rec, slot)
+            group = self.groups.group_for(r.peer, self.rank)
+            posted.append((group, dist.P2POp(dist.irecv, slot.tensor, r.peer, group), h))
+            recv_handles.append(h)
+        for s in sends:
+            t = s.tensor
+            rec = OpRecord("send", s.kind, s.peer, tuple(t.shape), t.dtype, t.nbytes, s.step, s.patch, now)
+            h = PendingSend(self, None, rec, t)
+            group = self.groups.group_for(self.rank, s.peer)
+            posted.append((group, dist.P2POp(dist.isend, t, s.peer, group), h))
+            send_handles.append(h)
+        for _, _, h in posted:
+            self.op_log.add(h.record)
+
+        for group in dict.fromkeys([self.groups.up, self.groups.down]):  # up first; once if shared
+            batch = [(op, h) for g, op, h in posted if g is group]
+            if batch:
+                self._post(batch)
+        return send_handles, recv_handles
+
+    def reset_buffers(self) -> None:
+        """Drop all pooled receive buffers (for a new request shape). Refused while any is in use."""
+        self._pool.clear()
+
+    def outstanding(self, peer: int, kind: str) -> int:
+        """Receives on channel (peer, kind) posted and not yet released."""
+        return self._pool.busy(peer, kind)
+
+    @property
+    def num_buffers(self) -> int:
+        """Receive buffers currently allocated by the pool."""
+        return self._pool.num_buffers()
+
+    def format_op_log(self) -> str:
+        """The recent operations, with state and timing, for failure reports."""
+        state = "healthy" if self.failure is None else f"FAILED: {self.failure}"
+        return self.op_log.format(f"rank {self.rank} p2p channels ({state})")
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_peer(self, peer: int, kind: str) -> None:
+        if not isinstance(peer, int) or peer < 0 or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: invalid peer {peer!r} for {kind!r}")
+        if not kind or not isinstance(kind, str):
+            raise ValueError(f"rank {self.rank}: kind must be a non-empty string, got {kind!r}")
+
+    def _check_send(self, s: Send) -> None:
+        self._check_peer(s.peer, s.kind)
+        t = s.tensor
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rank {self.rank}: send of {s.kind} to rank {s.peer}: expected a tensor, got {type(t)}")
+        if t.device != self.device:
+            raise ValueError(
+                f"rank {self.rank}: send of {s.kind} to rank {s.peer}: tensor on {t.device}, channels on {self.device}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"rank {self.rank}: send of {s.kind} {tuple(t.shape)} to rank {s.peer} "
+                f"at step {s.step}, patch {s.patch}: "
+                "tensor is not contiguous; call .contiguous() where a copy is intended"
+            )
+
+    def _acquire_all(self, recvs: Sequence[Recv]) -> list[BufferSlot]:
+        """One buffer per receive, or none at all (InflightLimitError) if any channel would overflow."""
+        slots: list[BufferSlot] = []
+        try:
+            for r in recvs:
+                busy = self._pool.busy(r.peer, r.kind)
+                if busy >= self.max_inflight:
+                    raise InflightLimitError(
+                        describe_op(rank=self.rank, op="recv", kind=r.kind, shape=r.shape, dtype=r.dtype,
+                                    nbytes=_nbytes(r.shape, r.dtype), peer=r.peer)
+                        + f" at step {r.step}, patch {r.patch} would be receive #{busy + 1} outstanding on channel "
+                        f"(peer {r.peer}, {r.kind!r}), but max_inflight={self.max_inflight}: release() the buffers "
+                        "of earlier receives first. This is a scheduling bug; nothing was posted."
+                    )
+                slots.append(self._pool.acquire(r.peer, r.kind, r.shape, r.dtype))
+        except BaseException:
+            for slot in slots:
+                self._pool.release(slot)
+            raise
+        return slots
+
+    def _post(self, batch: list[tuple[dist.P2POp, _Pending]]) -> None:
+        try:
+            works = dist.batch_isend_irecv([op for op, _ in batch])
+        except Exception as exc:
+            self._fail(batch[0][1], exc)
+        # gloo returns one Work per op; NCCL coalesces the batch into a single Work that completes
+        # when all of its ops have, so there every handle waits on that one.
+        if len(works) == len(batch):
+            for w, (_, h) in zip(works, batch):
+                h._work = w
+        else:
+            for _, h in batch:
+                h._work = works[-1]
+
+    def _fields(self, h: _Pending) -> dict:
+        r = h.record
+        return dict(rank=self.rank, peer=r.peer, op=r.direction, kind=r.kind, shape=r.shape, dtype=r.dtype,
+                    nbytes=r.nbytes, step=r.step, patch=r.patch)
+
+    def _wait(self, h: _Pending) -> None:
+        if h.state == "done":
+            return
+        if h.state == "failed" or self.failure is not None:
+            raise CommError.for_op(
+                what="not waited: the process group is unusable after an earlier failure",
+                detail=str(self.failure), **self._fields(h),
+            )
+        try:
+            if self._poll:
+                self._wait_polling(h._work, time.monotonic() + self.timeout_s)
+            # timedelta(0) would mean "the group's default timeout", so the timeout is always > 0.
+            elif h._work.wait(timeout=timedelta(seconds=self.timeout_s)) is False:
+                raise _Expired()
+        except Exception as exc:
+            self._fail(h, exc)
+        h.state = "done"
+        h.record.status, h.record.t_done = "done", time.monotonic()
+        self.counters.add(h.record.direction, h.record.kind, h.record.nbytes)
+
+    @staticmethod
+    def _wait_polling(work, deadline: float) -> None:
+        """Bounded wait for stream-based backends (NCCL), where wait() would not block the CPU."""
+        pause = 5e-5
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise _Expired()
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)  # latency first, then stop spinning a core
+        work.wait()  # orders the current stream after the op and surfaces an error it ended with
+
+    def _fail(self, h: _Pending, exc: Exception) -> NoReturn:
+        """Record the failure, make the channels unusable, raise the CommError."""
+        if isinstance(exc, _Expired):
+            err: CommError = CommTimeout.for_op(what=f"timed out after {self.timeout_s} s", **self._fields(h))
+        else:
+            err = error_from_backend(exc, timeout_s=self.timeout_s, **self._fields(h))
+        h.state = "failed"
+        h.record.status, h.record.t_done = "failed", time.monotonic()
+        if self.failure is None:
+            self.failure = err
+        err.op_log = self.format_op_log()  # travels with the error (also when pickled to another process)
+        raise err from (None if isinstance(exc, _Expired) else exc)

@@ -1,0 +1,101 @@
+"""Byte/op counters per tensor kind and a ring buffer of recent operations.
+
+Counters feed benchmarks (traffic per kind: hidden vs skip vs latent is exactly
+what separates the linear and folded placements). The op log feeds failure
+reports: when a rank times out, the last few dozen operations with their state
+and timing usually show which side of the schedule went wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TrafficCounters", "OpRecord", "OpLog"]
+
+
+class TrafficCounters:
+    """Completed operations per kind: ``sent_bytes["hidden"]``, ``recv_bytes``, ``sent_ops``, ``recv_ops``.
+
+    An operation counts when its wait() succeeds, so failed or never-waited
+    operations are not counted. Missing kinds read as 0 (``collections.Counter``).
+    """
+
+    def __init__(self) -> None:
+        self.sent_bytes: Counter[str] = Counter()
+        self.recv_bytes: Counter[str] = Counter()
+        self.sent_ops: Counter[str] = Counter()
+        self.recv_ops: Counter[str] = Counter()
+
+    def add(self, op: str, kind: str, nbytes: int) -> None:
+        if op == "send":
+            self.sent_bytes[kind] += nbytes
+            self.sent_ops[kind] += 1
+        else:
+            self.recv_bytes[kind] += nbytes
+            self.recv_ops[kind] += 1
+
+    def reset(self) -> None:
+        for c in (self.sent_bytes, self.recv_bytes, self.sent_ops, self.recv_ops):
+            c.clear()
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """Plain dicts (picklable, JSON-friendly), e.g. ``{"sent_bytes": {"hidden": 16384}, ...}``."""
+        return {
+            "sent_bytes": dict(self.sent_bytes),
+            "recv_bytes": dict(self.recv_bytes),
+            "sent_ops": dict(self.sent_ops),
+            "recv_ops": dict(self.recv_ops),
+        }
+
+    def __repr__(self) -> str:
+        return f"TrafficCounters({self.as_dict()})"
+
+
+@dataclass
+class OpRecord:
+    """One posted operation. ``status`` is "posted", "done" or "failed"; times are ``time.monotonic()``."""
+
+    direction: str  # "send" | "recv"
+    kind: str
+    peer: int
+    shape: tuple
+    dtype: torch.dtype
+    nbytes: int
+    step: int
+    patch: int
+    t_post: float
+    t_done: float | None = None
+    status: str = "posted"
+
+    def format(self, now: float) -> str:
+        arrow = "to  " if self.direction == "send" else "from"
+        dtype = str(self.dtype).removeprefix("torch.")
+        head = (
+            f"{self.t_post - now:+9.3f}s {self.direction:4} {self.kind:<8} {arrow} rank {self.peer:<3} "
+            f"{str(self.shape):<18} {dtype:<9} {self.nbytes:>10} B  step {self.step} patch {self.patch}"
+        )
+        if self.t_done is None:
+            return f"{head}  {self.status.upper()} for {now - self.t_post:.3f} s"
+        return f"{head}  {self.status} in {1e3 * (self.t_done - self.t_post):.1f} ms"
+
+
+class OpLog:
+    """The last ``maxlen`` operations, oldest first."""
+
+    def __init__(self, maxlen: int = 256) -> None:
+        self.records: deque[OpRecord] = deque(maxlen=maxlen)
+
+    def add(self, record: OpRecord) -> OpRecord:
+        self.records.append(record)
+        return record
+
+    def format(self, header: str = "") -> str:
+        now = time.monotonic()
+        lines = [header] if header else []
+        lines.append(f"last {len(self.records)} p2p ops (times relative to now):")
+        lines += ["  " + r.format(now) for r in self.records]
+        return "\n".join(lines)
