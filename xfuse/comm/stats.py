@@ -31,6 +31,8 @@ class TrafficCounters:
         self.recv_ops: Counter[str] = Counter()
 
     def add(self, op: str, kind: str, nbytes: int) -> None:
+        # A channel label "skip:12" (one channel per skip edge) counts under its kind, "skip".
+        kind = kind.partition(":")[0]
         if op == "send":
             self.sent_bytes[kind] += nbytes
             self.sent_ops[kind] += 1

@@ -1,0 +1,89 @@
+"""The schedule is a pure function: checked here for every degree, placement, M and W without any process."""
+
+import dataclasses
+
+import pytest
+
+from xfuse.parallel.schedule import COLLECT, ScheduleDeadlock, Task, build_schedule, check_protocol, protocol
+from xfuse.parallel.stage_plan import stage_plan
+
+NUM_LAYERS = 16
+STEPS = 4
+
+
+def cases():
+    for degree in range(1, 9):
+        for placement in ("folded", "linear"):
+            for m in sorted({1, degree, 2 * degree, 3}):
+                for warmup in (0, 1, STEPS):
+                    yield degree, placement, m, warmup
+
+
+@pytest.mark.parametrize("degree,placement,num_patches,warmup", list(cases()))
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_sends_match_receives_and_no_rank_cycle_waits(degree, placement, num_patches, warmup, lookahead):
+    schedule = build_schedule(stage_plan(NUM_LAYERS, degree, placement), STEPS, warmup, num_patches)
+    check_protocol(schedule, lookahead)  # asserts pairwise message order; raises on a deadlock
+
+
+@pytest.mark.parametrize("degree,placement,num_patches,warmup", list(cases()))
+def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placement, num_patches, warmup):
+    plan = stage_plan(NUM_LAYERS, degree, placement)
+    schedule = build_schedule(plan, STEPS, warmup, num_patches)
+    tasks = [t for order in schedule.orders.values() for t in order if t.hop != COLLECT]
+    expected = {Task(s, p, h) for s in range(STEPS) for p in schedule.patches_of(s) for h in range(len(plan.route))}
+    assert len(tasks) == len(expected) and set(tasks) == expected
+    for rank, order in schedule.orders.items():
+        for hop in {t.hop for t in order if t.hop != COLLECT}:
+            seq = [(t.step, -1 if t.patch is None else t.patch) for t in order if t.hop == hop]
+            assert seq == sorted(seq)  # stale K/V: each layer sees (step, patch) in order
+            assert plan.route[hop].rank == rank
+
+
+def test_folded_sends_no_skips_and_linear_returns_latents():
+    folded = build_schedule(stage_plan(16, 4, "folded"), STEPS, 1, 4)
+    kinds = {m.kind for order in folded.orders.values() for t in order for m in folded.sends(t)}
+    assert kinds == {"hidden"}
+    linear = build_schedule(stage_plan(16, 4, "linear"), STEPS, 1, 4)
+    latents = [m for t in linear.orders[3] for m in linear.sends(t) if m.kind == "latent"]
+    # one whole latent after the warm-up step, then one per patch for every pipelined step (the last: final latents)
+    assert [(m.step, m.patch) for m in latents] == [(0, None)] + [(s, p) for s in (1, 2, 3) for p in range(4)]
+    assert [t for t in linear.orders[0] if t.hop == COLLECT] == [Task(STEPS, p, COLLECT) for p in range(4)]
+
+
+def test_pipeline_stays_full_with_m_equal_n():
+    """With M = N the simulated pipelined steps keep every rank busy after the fill (folded, equal chunks)."""
+    plan = stage_plan(16, 4, "folded")
+    schedule = build_schedule(plan, 6, 0, 4)
+    # Rank 0 runs the first and the last segment: in steady state it alternates outbound and return work.
+    hops = [t.hop for t in schedule.orders[0]]
+    steady = hops[8:-8]
+    assert steady and all(a != b for a, b in zip(steady, steady[1:]))
+
+
+def test_a_wrong_order_is_caught():
+    """The checker is not vacuous: swapping two receives of rank 1 makes the pair disagree."""
+    schedule = build_schedule(stage_plan(8, 2, "linear"), 2, 0, 2)
+    order = list(schedule.orders[1])
+    order[0], order[1] = order[1], order[0]
+    broken = dataclasses.replace(schedule, orders={**schedule.orders, 1: tuple(order)})
+    with pytest.raises(AssertionError, match="disagree"):
+        check_protocol(broken, 1)
+
+
+def test_a_deadlocking_protocol_is_caught():
+    """Rank 1 running its return segment before the outbound one waits forever on itself: reported."""
+    schedule = build_schedule(stage_plan(8, 2, "folded"), 1, 1, 1)
+    assert [t.hop for t in schedule.orders[0]] == [0, 3]
+    broken = dataclasses.replace(schedule, orders={**schedule.orders, 0: tuple(reversed(schedule.orders[0]))})
+    with pytest.raises((ScheduleDeadlock, AssertionError)):
+        check_protocol(broken, 1)
+
+
+def test_protocol_posts_before_waiting_on_sends():
+    schedule = build_schedule(stage_plan(16, 3, "folded"), STEPS, 1, 3)
+    for rank in range(3):
+        actions = protocol(schedule, rank, 2)
+        first_wait_send = next(i for i, (a, _) in enumerate(actions) if a == "wait_send")
+        assert all(a == "post" for a, _ in actions[:2])
+        assert first_wait_send > actions.index(("post", schedule.orders[rank][2]))

@@ -1,0 +1,256 @@
+"""The PipeFusion schedule: what every rank computes, in what order, and what it sends and receives.
+
+A pure function of (plan, steps, warm-up, patches): no torch, no processes. The engine executes it; the tests check
+it without processes (every send list matches its receiver's list in order, and the protocol cannot deadlock).
+
+A *task* is one route segment run on one patch of one step (``patch=None``: the whole image, a warm-up step).
+Warm-up steps run the route synchronously on the whole image. Pipelined steps stream patches continuously across
+steps: patch p of step s+1 enters as soon as patch p of step s left the output layer. Each rank's order of
+pipelined tasks comes from a list-scheduling simulation with segment costs proportional to their block counts: a
+free rank takes, among its ready tasks, the one furthest along the route (drain before fill). Every segment sees
+its patches in (step, patch) order, which is what the stale K/V semantics need: patch p of step s attends to
+patches < p of step s and patches > p of step s-1.
+
+Linear placement ends with *collect* tasks on rank 0 (``hop=-1``): receiving the final latents from the output rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from xfuse.parallel.stage_plan import StagePlan
+
+COLLECT = -1  # hop of the tasks that receive the final latents on the embedding rank (linear placement)
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    step: int
+    patch: int | None  # None: the whole image
+    hop: int  # route segment index, or COLLECT
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor moving between ranks. ``channel`` names its (kind, skip edge) stream between the two ranks."""
+
+    kind: str  # "hidden" | "skip" | "latent"
+    src: int
+    dst: int
+    step: int  # diffusion step of the task that produces it
+    patch: int | None
+    block: int = -1  # producer block of a skip
+
+    @property
+    def channel(self) -> str:
+        return f"skip:{self.block}" if self.kind == "skip" else self.kind
+
+
+@dataclass(frozen=True)
+class Schedule:
+    plan: StagePlan
+    num_steps: int
+    warmup_steps: int
+    num_patches: int
+    orders: dict[int, tuple[Task, ...]]  # rank -> its tasks in execution order
+    times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task, in units of one block on a patch
+
+    def recv_post_times(self, lookahead: int) -> dict[Message, float]:
+        """Simulated time at which each message's receive is posted (``lookahead`` tasks ahead of its task)."""
+        result = {}
+        for order in self.orders.values():
+            for i, task in enumerate(order):
+                when = 0.0 if i < lookahead else self.times[order[i - lookahead]][1]
+                for m in self.recvs(task):
+                    result[m] = when
+        return result
+
+    def patches_of(self, step: int) -> tuple[int | None, ...]:
+        return (None,) if step < self.warmup_steps else tuple(range(self.num_patches))
+
+    def rank_of(self, task: Task) -> int:
+        return self.plan.embed_rank if task.hop == COLLECT else self.plan.route[task.hop].rank
+
+    def recvs(self, task: Task) -> list[Message]:
+        """Messages ``task`` needs before it runs, in the canonical order (latent, skips by producer, hidden)."""
+        plan, rank = self.plan, self.rank_of(task)
+        out: list[Message] = []
+        if task.hop in (0, COLLECT) and plan.output_rank != plan.embed_rank:
+            prev = task.step - 1  # the latent of step `step` is produced by step `step - 1`
+            if prev >= 0 and (prev >= self.warmup_steps or task.patch in (None, 0)):
+                # Whole-image steps send one whole latent: patch 0 of the first pipelined step receives it.
+                patch = task.patch if prev >= self.warmup_steps else None
+                out.append(Message("latent", plan.output_rank, rank, prev, patch))
+        if task.hop == COLLECT:
+            return out
+        segment = plan.route[task.hop]
+        for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
+            if edge.consumer in segment.blocks:
+                out.append(Message("skip", edge.src_rank, rank, task.step, task.patch, edge.producer))
+        if task.hop > 0 and plan.route[task.hop - 1].rank != rank:
+            out.append(Message("hidden", plan.route[task.hop - 1].rank, rank, task.step, task.patch))
+        return out
+
+    def sends(self, task: Task) -> list[Message]:
+        """Messages ``task`` produces, in the same canonical order as the receiver's ``recvs``."""
+        plan, rank = self.plan, self.rank_of(task)
+        if task.hop == COLLECT:
+            return []
+        out: list[Message] = []
+        last = len(plan.route) - 1
+        if task.hop == last and plan.output_rank != plan.embed_rank:
+            out.append(Message("latent", rank, plan.embed_rank, task.step, task.patch))
+        segment = plan.route[task.hop]
+        for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
+            if edge.producer in segment.blocks:
+                out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer))
+        if task.hop < last and plan.route[task.hop + 1].rank != rank:
+            out.append(Message("hidden", rank, plan.route[task.hop + 1].rank, task.step, task.patch))
+        return out
+
+
+def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int):
+    """Event-driven list scheduling of every task; returns per-rank orders and each task's (start, end) time."""
+    hops = len(plan.route)
+    units = [(s, None) for s in range(warmup_steps)]
+    units += [(s, p) for s in range(warmup_steps, num_steps) for p in range(num_patches)]  # the patch stream
+
+    def previous(step, patch):  # the unit whose output layer produced this unit's latent
+        if step == 0:
+            return None
+        return (step - 1, None) if step - 1 < warmup_steps else (step - 1, patch)
+
+    times: dict[Task, tuple[float, float]] = {}
+    orders: dict[int, list[Task]] = {r: [] for r in range(plan.degree)}
+    free_at = dict.fromkeys(range(plan.degree), 0.0)
+    next_unit = [0] * hops  # each segment runs the units in stream order
+    for _ in range(len(units) * hops):
+        best = None
+        for hop in range(hops):
+            if next_unit[hop] == len(units):
+                continue
+            step, patch = units[next_unit[hop]]
+            if hop > 0:
+                dep = times.get(Task(step, patch, hop - 1))
+            else:
+                prev = previous(step, patch)
+                dep = (0.0, 0.0) if prev is None else times.get(Task(*prev, hops - 1))
+            if dep is None:
+                continue
+            rank = plan.route[hop].rank
+            key = (max(dep[1], free_at[rank]), -hop)  # earliest start; then the task furthest along the route
+            if best is None or key < best[0]:
+                best = (key, Task(step, patch, hop))
+        (start, _), task = best
+        rank = plan.route[task.hop].rank
+        cost = len(plan.route[task.hop].blocks) * (num_patches if task.patch is None else 1)
+        times[task] = (start, start + cost)
+        free_at[rank] = start + cost
+        orders[rank].append(task)
+        next_unit[task.hop] += 1
+    if plan.output_rank != plan.embed_rank:  # linear: receive the final latents
+        last = units[-1][0]
+        for patch in (None,) if last < warmup_steps else range(num_patches):
+            t = max(times[Task(last, patch, hops - 1)][1], free_at[plan.embed_rank])
+            times[Task(num_steps, patch, COLLECT)] = (t, t)
+            orders[plan.embed_rank].append(Task(num_steps, patch, COLLECT))
+    return orders, times
+
+
+def build_schedule(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int) -> Schedule:
+    """The schedule of a request: per-rank task orders for ``num_steps`` steps, the first ``warmup_steps`` whole."""
+    if not 0 <= warmup_steps <= num_steps or num_steps < 1:
+        raise ValueError(f"need 1 <= num_steps and 0 <= warmup_steps <= num_steps (got {num_steps}, {warmup_steps})")
+    orders, times = _simulate(plan, num_steps, warmup_steps, num_patches)
+    return Schedule(plan, num_steps, warmup_steps, num_patches, {r: tuple(t) for r, t in orders.items()}, times)
+
+
+def protocol(schedule: Schedule, rank: int, lookahead: int):
+    """The communication protocol of ``rank`` as the engine runs it: a list of (action, task) pairs.
+
+    Actions: ``post`` (the task's receives), ``wait_recv``, ``compute``, ``send`` (the task's sends, issued with the
+    next ``post`` in one coalesced call) and ``wait_send``. Receives are posted ``lookahead`` tasks ahead. A send is
+    waited for only once the simulated timeline says its receiver has posted the matching receive (sends are
+    rendezvous on gloo and for large NCCL messages): waiting earlier could block this rank on a receiver that is
+    itself waiting for this rank. This also bounds how many sends are in flight by the pipeline's real lag.
+    """
+    order = schedule.orders[rank]
+    posted_at = schedule.recv_post_times(lookahead)
+    actions = [("post", t) for t in order[:lookahead]]
+    pending: list[Task] = []  # tasks whose sends were issued and not yet waited for
+    for i, task in enumerate(order):
+        now = schedule.times[task][0]
+        ready = [t for t in pending if all(posted_at[m] <= now for m in schedule.sends(t))]
+        actions.extend(("wait_send", t) for t in ready)
+        pending = [t for t in pending if t not in ready]
+        actions += [("wait_recv", task), ("compute", task), ("send", task)]
+        if i + lookahead < len(order):
+            actions.append(("post", order[i + lookahead]))
+        if schedule.sends(task):
+            pending.append(task)
+    actions.extend(("wait_send", t) for t in pending)
+    return actions
+
+
+class ScheduleDeadlock(RuntimeError):
+    pass
+
+
+def check_protocol(schedule: Schedule, lookahead: int) -> None:
+    """Run every rank's ``protocol`` against each other with rendezvous semantics (a send completes only once its
+    receive is posted, as on gloo and for large NCCL messages); raise ``ScheduleDeadlock`` naming what each
+    blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match."""
+    ranks = sorted(schedule.orders)
+    # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
+    sent = {(a, b): [] for a in ranks for b in ranks}
+    posted = {(a, b): [] for a in ranks for b in ranks}
+    for rank in ranks:
+        for task in schedule.orders[rank]:
+            for m in schedule.sends(task):
+                sent[(m.src, m.dst)].append(m)
+            for m in schedule.recvs(task):
+                posted[(m.src, m.dst)].append(m)
+    for pair in sent:
+        assert sent[pair] == posted[pair], f"messages {pair[0]} -> {pair[1]} disagree"
+
+    programs = {r: protocol(schedule, r, lookahead) for r in ranks}
+    pc = dict.fromkeys(ranks, 0)
+    n_sent = {pair: 0 for pair in sent}  # messages issued per pair so far
+    n_posted = {pair: 0 for pair in sent}
+    index = {}  # message -> its position in its pair's stream
+    for pair, msgs in sent.items():
+        for i, m in enumerate(msgs):
+            index[m] = i
+
+    def blocked(rank):
+        action, task = programs[rank][pc[rank]]
+        if action == "wait_recv":
+            for m in schedule.recvs(task):
+                if n_sent[(m.src, m.dst)] <= index[m]:
+                    return m
+        if action == "wait_send":
+            for m in schedule.sends(task):
+                if n_posted[(m.src, m.dst)] <= index[m]:
+                    return m
+        return None
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in ranks:
+            while pc[rank] < len(programs[rank]) and blocked(rank) is None:
+                action, task = programs[rank][pc[rank]]
+                if action == "post":
+                    for m in schedule.recvs(task):
+                        n_posted[(m.src, m.dst)] += 1
+                elif action == "send":
+                    for m in schedule.sends(task):
+                        n_sent[(m.src, m.dst)] += 1
+                pc[rank] += 1
+                progress = True
+    stuck = {r: (programs[r][pc[r]], blocked(r)) for r in ranks if pc[r] < len(programs[r])}
+    if stuck:
+        raise ScheduleDeadlock(
+            "ranks wait on each other: " + "; ".join(f"rank {r} at {a} waits for {m}" for r, (a, m) in stuck.items())
+        )
