@@ -77,7 +77,8 @@ class CommError(RuntimeError):
         """
         msg = (
             describe_op(**{k: fields.get(k) for k in ("rank", "op", "kind", "shape", "dtype", "nbytes", "peer")})
-            + f" {what} at step {fields.get('step')}, patch {fields.get('patch')}"
+            + f" {what} at step {fields.get('step')}, "
+            + ("whole image" if fields.get("patch") is None else f"patch {fields.get('patch')}")
         )
         if detail:
             msg += f": {detail}"

@@ -154,6 +154,10 @@ class HunyuanDiTStage(nn.Module):
     def config(self):
         return self.transformer.config
 
+    @property
+    def hidden_size(self) -> int:
+        return self.transformer.inner_dim
+
     def begin_request(self, num_tokens: int) -> None:
         """Start a request: forget every K/V of the previous one."""
         self.kv_cache.reset(num_tokens)
@@ -225,3 +229,40 @@ def staged_forward(stages: dict[int, HunyuanDiTStage], latents: torch.Tensor, ti
             hidden = stages[segment.rank].run_segment(hidden, segment, cond, band, skips)
         outputs.append(stages[plan.output_rank].head(hidden, cond, token_cols))
     return torch.cat(outputs, dim=2)  # bands stacked along latent rows: (B, C_out, H, W)
+
+
+def denoise_request(stage: HunyuanDiTStage, *, latents, timesteps, scheduler, prompt_embeds, prompt_attention_mask,
+                    prompt_embeds_2, prompt_attention_mask_2, image_meta_size, style, guidance_scale: float,
+                    extra_step_kwargs=None, generator=None):
+    """The engine's ``DenoiseRequest`` for HunyuanDiT, built from what ``HunyuanDiTPipeline`` prepares.
+
+    The text inputs are batched as the pipeline batches them ([uncond, cond] when ``guidance_scale > 1``). The
+    cross-attention input is computed once here, so every step and patch passes the same tensor (which is what
+    lets ``CachedCrossAttnProcessor`` reuse the text K/V).
+    """
+    from xfuse.parallel.engine import DenoiseRequest
+
+    do_cfg = guidance_scale > 1
+    copies = 2 if do_cfg else 1
+    model_batch = latents.shape[0] * copies
+    rope = rotary_embedding(stage.config, latents.shape[-2], latents.shape[-1], device=latents.device)
+    text = text_states(stage.transformer, prompt_embeds, prompt_attention_mask, prompt_embeds_2,
+                       prompt_attention_mask_2)
+
+    def conditioning(step: int, t: torch.Tensor) -> Conditioning:
+        t_batch = torch.tensor([t] * model_batch, device=latents.device).to(dtype=latents.dtype)  # as diffusers
+        return stage.conditioning(t_batch, text, prompt_embeds_2, image_meta_size, style, rope)
+
+    def model_input(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows] * copies) if do_cfg else rows  # (B, C, h, W) -> (copies*B, C, h, W)
+
+    def guide(output: torch.Tensor) -> torch.Tensor:
+        noise, _ = output.chunk(2, dim=1)  # learned sigma: keep the first half of the channels
+        if do_cfg:
+            uncond, cond = noise.chunk(2)
+            noise = uncond + guidance_scale * (cond - uncond)
+        return noise
+
+    return DenoiseRequest(latents=latents, timesteps=timesteps, scheduler=scheduler, conditioning=conditioning,
+                          model_input=model_input, guide=guide, model_batch=model_batch,
+                          extra_step_kwargs=extra_step_kwargs or {}, generator=generator)

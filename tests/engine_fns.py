@@ -1,0 +1,58 @@
+"""Rank functions for the engine tests (importable by spawned ranks)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from xfuse.comm.p2p import P2PChannels
+from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
+from xfuse.parallel.engine import PipeFusionEngine
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import stage_plan
+from xfuse.testing.hunyuan import prepare_inputs, swap_scheduler
+
+_PIPES = {}
+
+
+def tiny_pipe(scheduler="DDPMScheduler", dtype=torch.float32):
+    """The tiny pipeline, built once per process and scheduler (stages copy its transformer)."""
+    key = (scheduler, dtype)
+    if key not in _PIPES:
+        from xfuse.models.tiny import build_tiny_pipeline
+
+        pipe = swap_scheduler(build_tiny_pipeline("tiny", seed=0), scheduler)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[key] = pipe.to(dtype=dtype) if dtype != torch.float32 else pipe
+    return _PIPES[key]
+
+
+def run_engine(degree, placement, num_patches, warmup, *, height=128, width=96, steps=3, scheduler="DDPMScheduler",
+               dtype=torch.float32, prompt="a red house by a lake", seed=0, timeout_s=60.0, max_inflight=2,
+               requests=1):
+    """Run PipeFusion on ranks 0 … degree-1 of the world (the others idle); return rank 0's final latents of the
+    last request plus every rank's byte counters."""
+    rank = dist.get_rank()
+    if rank >= degree:
+        return None
+    pipe = tiny_pipe(scheduler, dtype)
+    plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
+    stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, rank)
+    channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=max_inflight, device=torch.device("cpu"))
+    engine = PipeFusionEngine(stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)),
+                              warmup_steps=warmup, lookahead=max_inflight)
+    grid = patch_grid(height // 8, width // 8, num_patches, pipe.transformer.config.patch_size)
+    outputs = []
+    for request_prompt in [prompt] if requests == 1 else requests:
+        inputs = prepare_inputs(pipe, prompt=request_prompt, height=height, width=width, num_inference_steps=steps,
+                                seed=seed)
+        channels.counters.reset()
+        request = denoise_request(
+            stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
+            **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
+                                      "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
+                                      "extra_step_kwargs", "generator")},
+        )
+        outputs.append(engine.denoise(request, grid))
+    return dict(latents=outputs if requests != 1 else outputs[0], counters=channels.counters.as_dict(),
+                num_buffers=channels.num_buffers)

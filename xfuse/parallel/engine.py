@@ -1,0 +1,268 @@
+"""The PipeFusion driver: one generic loop that runs a rank's share of the schedule.
+
+Model-agnostic: it calls a *stage* (``begin_request``, ``embed``, ``run_segment``, ``head``; see
+``xfuse.models.hunyuandit.HunyuanDiTStage``) and receives the model-specific parts of a request as callables
+(per-step conditioning, classifier-free guidance). The order of work and of every message is the pure schedule of
+``xfuse.parallel.schedule``; this file only executes it.
+
+Who owns what: the embedding rank (0) turns latent rows into hidden states; the output rank runs the output layer
+and ``scheduler.step`` (folded: rank 0 again; linear: the last rank, which sends the stepped latent rows back to
+rank 0 as the next step's model input, and the final latents at the end). Every rank gets the initial latents
+and computes its own conditioning, so no conditioning crosses ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
+from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule, protocol
+from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
+from xfuse.parallel.stage_plan import StagePlan
+
+
+@dataclass
+class DenoiseRequest:
+    """The model-specific inputs of one denoising loop, as the pipeline prepares them on every rank.
+
+    Attributes:
+        latents: (B, C, H, W) initial latents (already scaled by ``init_noise_sigma``), identical on every rank.
+        timesteps: the scheduler's timesteps after ``set_timesteps``.
+        scheduler: this rank's scheduler (a diffusers ``SchedulerMixin``), after ``set_timesteps``.
+        conditioning: ``conditioning(step_index, t) -> cond`` for this rank's stage.
+        model_input: latent rows (B, C, h, W) -> transformer input rows (e.g. doubled for CFG).
+        guide: transformer output rows -> noise prediction rows (B, C, h, W) (drops learned sigma, applies CFG).
+        extra_step_kwargs: keyword arguments of ``scheduler.step`` (``eta``, ``generator``).
+        generator: the user's generator, from which per-patch generators are derived.
+        model_batch: batch of the transformer input.
+    """
+
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    scheduler: Any
+    conditioning: Callable[[int, torch.Tensor], Any]
+    model_input: Callable[[torch.Tensor], torch.Tensor]
+    guide: Callable[[torch.Tensor], torch.Tensor]
+    model_batch: int
+    extra_step_kwargs: dict = field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+
+class PipeFusionEngine:
+    """Runs pipeline rank ``pipe_rank``'s share of PipeFusion denoising.
+
+    Args:
+        stage: this rank's model stage.
+        plan, grid: the stage plan and patch grid (the grid is for the request's latent size).
+        channels: point-to-point channels; ``group_ranks[i]`` is the global rank of pipeline rank i.
+        warmup_steps: synchronous whole-image steps before patches are pipelined.
+        lookahead: tasks whose receives are posted ahead (≤ ``comm.max_inflight``).
+    """
+
+    def __init__(self, stage, plan: StagePlan, channels: P2PChannels | None, *, pipe_rank: int,
+                 group_ranks: list[int], warmup_steps: int, lookahead: int = 2):
+        if plan.degree > 1 and channels is None:
+            raise ValueError("a pipeline of more than one rank needs channels")
+        self.stage, self.plan, self.channels = stage, plan, channels
+        self.pipe_rank, self.group_ranks = pipe_rank, list(group_ranks)
+        self.warmup_steps, self.lookahead = warmup_steps, lookahead
+        self._schedules: dict[tuple, tuple[Schedule, list]] = {}
+
+    def _program(self, num_steps: int, num_patches: int):
+        key = (num_steps, min(self.warmup_steps, num_steps), num_patches)
+        if key not in self._schedules:  # pure and cached: computed once per request shape
+            schedule = build_schedule(self.plan, key[0], key[1], num_patches)
+            self._schedules[key] = (schedule, protocol(schedule, self.pipe_rank, self.lookahead))
+        return self._schedules[key]
+
+    @torch.no_grad()
+    def denoise(self, request: DenoiseRequest, grid: PatchGrid) -> torch.Tensor | None:
+        """Run the denoising loop; return the final latents on the embedding rank (0), ``None`` elsewhere."""
+        schedule, program = self._program(len(request.timesteps), grid.num_patches)
+        run = _Run(self, request, grid, schedule)
+        return run.execute(program)
+
+
+class _Run:
+    """State of one request on one rank (kept off the engine so requests never share it)."""
+
+    def __init__(self, engine: PipeFusionEngine, request: DenoiseRequest, grid: PatchGrid, schedule: Schedule):
+        self.e, self.req, self.grid, self.schedule = engine, request, grid, schedule
+        self.plan, self.stage, self.me = engine.plan, engine.stage, engine.pipe_rank
+        latents = request.latents
+        self.latents = latents.clone() if self.me in (self.plan.output_rank, self.plan.embed_rank) else None
+        self.token_cols = grid.token_cols
+        self.local: dict[Task, torch.Tensor] = {}  # hidden states handed to this same rank's next segment
+        self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
+        self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
+        self.conds: dict[int, Any] = {}
+        self.recvs: dict[Message, PendingRecv] = {}
+        self.sends: dict[Task, list[PendingSend]] = {}
+        self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
+        self.patch_schedulers = None
+        self.stage.begin_request(grid.num_tokens)
+
+    # --- shapes -------------------------------------------------------------------------------------------
+    def _rows(self, patch) -> slice:
+        return slice(None) if patch is None else self.grid[patch].latent_rows
+
+    def _shape(self, m: Message) -> tuple:
+        lat = self.req.latents
+        rows = lat.shape[2] if m.patch is None else self.grid[m.patch].num_rows * self.grid.patch_size
+        if m.kind == "latent":
+            return (lat.shape[0], lat.shape[1], rows, lat.shape[3])  # (B, C, rows, W)
+        tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
+        return (self.req.model_batch, tokens, self.stage.hidden_size)  # (B_model, tokens, hidden)
+
+    # --- communication --------------------------------------------------------------------------------------
+    def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
+        group, dtype = self.e.group_ranks, self.req.latents.dtype
+        sends, send_owner = [], []
+        for task in send_tasks:
+            for m, tensor in self.outgoing.pop(task, {}).items():
+                sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch))
+                send_owner.append(task)
+        recvs, recv_msgs = [], []
+        for task in post_tasks:
+            for m in self.schedule.recvs(task):
+                recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch))
+                recv_msgs.append(m)
+        if not sends and not recvs:
+            return
+        send_handles, recv_handles = self.e.channels.exchange(sends, recvs)
+        for task, handle in zip(send_owner, send_handles):
+            self.sends.setdefault(task, []).append(handle)
+        self.recvs.update(zip(recv_msgs, recv_handles))
+
+    def _received(self, task: Task) -> dict[Message, torch.Tensor]:
+        return {m: self.recvs[m].wait() for m in self.schedule.recvs(task)}
+
+    def _release(self, task: Task) -> None:
+        for m in self.schedule.recvs(task):
+            self.recvs.pop(m).release()
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def execute(self, program) -> torch.Tensor | None:
+        i = 0
+        while i < len(program):
+            action, task = program[i]
+            if action in ("send", "post"):  # coalesce a task's sends with the next posts: one batch call
+                send_tasks, post_tasks = [], []
+                while i < len(program) and program[i][0] in ("send", "post"):
+                    (send_tasks if program[i][0] == "send" else post_tasks).append(program[i][1])
+                    i += 1
+                self._exchange(send_tasks, post_tasks)
+                continue
+            if action == "wait_send":
+                for handle in self.sends.pop(task, []):
+                    handle.wait()
+            elif action == "compute":
+                received = self._received(task)
+                self._compute(task, received)
+                self._release(task)
+            # "wait_recv" is folded into "compute": the buffers are waited for right before use.
+            i += 1
+        return self.latents if self.me == self.plan.embed_rank else None
+
+    def _cond(self, step: int):
+        if step not in self.conds:
+            self.conds.pop(step - 2, None)  # at most two steps are in flight on a rank
+            self.conds[step] = self.req.conditioning(step, self.req.timesteps[step])
+        return self.conds[step]
+
+    def _compute(self, task: Task, received: dict[Message, torch.Tensor]) -> None:
+        plan, step, patch = self.plan, task.step, task.patch
+        by_kind = {}
+        for m, tensor in received.items():
+            by_kind.setdefault(m.kind, []).append((m, tensor))
+        if task.hop == COLLECT:  # linear: the final latents arrive from the output rank
+            (_, tensor), = by_kind["latent"]
+            self.latents[:, :, self._rows(patch)] = tensor
+            return
+        key = (step, patch)
+        skips = self.skips.setdefault(key, {})
+        for m, tensor in by_kind.get("skip", []):
+            skips[m.block] = tensor
+        if task.hop == 0:
+            rows = self._model_input_rows(step, patch, by_kind.get("latent"))
+            hidden = self.stage.embed(self.req.model_input(rows))  # (B_model, C, h, W) -> (B_model, tokens, D)
+        elif "hidden" in by_kind:
+            hidden = by_kind["hidden"][0][1]
+        else:
+            hidden = self.local.pop(Task(step, patch, task.hop - 1))
+        band = None if patch is None else self.grid[patch]
+        segment = plan.route[task.hop]
+        hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips)
+        outgoing = {}
+        for m in self.schedule.sends(task):
+            if m.kind == "hidden":
+                outgoing[m] = hidden.contiguous()
+            elif m.kind == "skip":
+                outgoing[m] = skips.pop(m.block).contiguous()
+        if not skips:  # every skip of this patch consumed or sent
+            self.skips.pop(key, None)
+        if task.hop == len(plan.route) - 1:
+            next_rows = self._step_scheduler(step, patch, hidden)
+            for m in self.schedule.sends(task):
+                if m.kind == "latent":
+                    outgoing[m] = next_rows.contiguous()
+        elif plan.route[task.hop + 1].rank == self.me:
+            self.local[task] = hidden  # picked up by this rank's next segment
+        if outgoing:
+            self.outgoing[task] = outgoing
+
+    def _model_input_rows(self, step: int, patch, latent_msgs) -> torch.Tensor:
+        """Scaled model-input latent rows of (step, patch) on the embedding rank."""
+        rows = self._rows(patch)
+        if step == 0:
+            if 0 not in self.inputs:  # scale_model_input of the whole latent once (it may keep scheduler state)
+                self.inputs[0] = self.req.scheduler.scale_model_input(self.latents, self.req.timesteps[0])
+            full = self.inputs[0]
+            if patch is None or patch == self.grid.num_patches - 1:
+                self.inputs.pop(0)
+            return full[:, :, rows]
+        if latent_msgs:  # linear: received from the output rank
+            (m, tensor), = latent_msgs
+            if m.patch is None and patch is not None:  # a whole latent after warm-up: keep it for the other patches
+                self.inputs[(step, None)] = tensor.clone()
+                return self.inputs[(step, None)][:, :, rows]
+            return tensor
+        if (step, patch) in self.inputs:
+            return self.inputs.pop((step, patch))
+        whole = self.inputs[(step, None)]
+        if patch == self.grid.num_patches - 1:
+            self.inputs.pop((step, None))
+        return whole[:, :, rows]
+
+    def _step_scheduler(self, step: int, patch, hidden: torch.Tensor) -> torch.Tensor:
+        """Output rank: output layer, guidance, ``scheduler.step``; returns the next model-input rows (or, after
+        the last step, the final latent rows)."""
+        req, rows = self.req, self._rows(patch)
+        t = req.timesteps[step]
+        noise = req.guide(self.stage.head(hidden, self._cond(step), self.token_cols))  # (B, C, h, W)
+        if patch is None:
+            scheduler, kwargs = req.scheduler, req.extra_step_kwargs
+        else:
+            if self.patch_schedulers is None:  # first pipelined step: split the scheduler state per patch
+                self.patch_schedulers = patch_schedulers(
+                    req.scheduler, self.latents.shape, [band.latent_rows for band in self.grid]
+                )
+                gens = patch_generators(req.generator, self.grid.num_patches, self.latents.device)
+                self.patch_kwargs = [
+                    {**req.extra_step_kwargs, "generator": g} if "generator" in req.extra_step_kwargs
+                    else req.extra_step_kwargs for g in gens
+                ]
+            scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
+        stepped = scheduler.step(noise, t, self.latents[:, :, rows], **kwargs, return_dict=False)[0]
+        self.latents[:, :, rows] = stepped
+        if step + 1 == len(req.timesteps):
+            return self.latents[:, :, rows]
+        next_rows = scheduler.scale_model_input(stepped, req.timesteps[step + 1])
+        if self.plan.embed_rank == self.me:  # folded: the next step's input stays here
+            self.inputs[(step + 1, patch)] = next_rows
+        return next_rows
