@@ -1,0 +1,167 @@
+"""The PipeFusion engine across real gloo ranks on CPU, against the serial diffusers denoising loop.
+
+One 8-rank world serves the whole module; a run of degree N uses ranks 0 … N-1 and the others idle.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.engine_fns import run_engine, tiny_pipe
+from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
+from xfuse.parallel.costs import comm_volume
+from xfuse.parallel.engine import PipeFusionEngine
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import stage_plan
+from xfuse.testing.hunyuan import prepare_inputs, serial_latents
+from xfuse.testing.world import World
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+HEIGHT, WIDTH, STEPS = 128, 96, 3  # non-square: 8 x 6 tokens
+PLACEMENTS = ("folded", "linear")
+
+
+@pytest.fixture(scope="module")
+def world():
+    with World(8, start_timeout=240) as w:
+        yield w
+
+
+_REFS = {}
+
+
+def serial(scheduler="DDPMScheduler", height=HEIGHT, width=WIDTH, steps=STEPS, prompt="a red house by a lake"):
+    key = (scheduler, height, width, steps, prompt)
+    if key not in _REFS:
+        pipe = tiny_pipe(scheduler)
+        inputs = prepare_inputs(pipe, prompt=prompt, height=height, width=width, num_inference_steps=steps)
+        _REFS[key] = serial_latents(pipe, inputs, height, width)
+    return _REFS[key]
+
+
+def run(world, *args, **kwargs):
+    return world.run_ok(run_engine, *args, timeout=180, **kwargs)
+
+
+def rel_max(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+_EXACT = {}
+
+
+def exact_run(world, degree, placement):
+    if (degree, placement) not in _EXACT:  # M = 3 on 8 token rows: bands of 3, 3, 2 rows
+        _EXACT[degree, placement] = run(world, degree, placement, 3, STEPS)
+    return _EXACT[degree, placement]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("degree", range(2, 9))
+def test_exact_mode_equals_serial_diffusers(world, degree, placement):
+    results = exact_run(world, degree, placement)
+    assert rel_max(results[0]["latents"], serial()) <= 1e-5
+    assert all(r is None for r in results[degree:])
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("degree", range(2, 9))
+def test_counted_bytes_equal_comm_volume(world, degree, placement):
+    results = exact_run(world, degree, placement)
+    pipe = tiny_pipe()
+    plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
+    grid = patch_grid(HEIGHT // 8, WIDTH // 8, 3, 2)
+    volume = comm_volume(plan, grid, hidden_size=pipe.transformer.inner_dim, batch=2, latent_batch=1)
+    for rank in range(degree):
+        sent = results[rank]["counters"]["sent_bytes"]
+        for kind, per_step in volume[rank].items():
+            assert sent.get(kind, 0) == per_step * STEPS, (rank, kind)
+    total_recv = sum(sum(results[r]["counters"]["recv_bytes"].values()) for r in range(degree))
+    assert total_recv == sum(sum(v.values()) for v in volume.values()) * STEPS
+    if placement == "folded":
+        assert all("skip" not in results[r]["counters"]["sent_bytes"] for r in range(degree))
+
+
+@pytest.mark.parametrize("scheduler", ["DDIMScheduler", "EulerDiscreteScheduler", "DPMSolverMultistepScheduler"])
+def test_exact_mode_other_schedulers(world, scheduler):
+    for placement in PLACEMENTS:
+        out = run(world, 3, placement, 3, STEPS, scheduler=scheduler)[0]["latents"]
+        assert rel_max(out, serial(scheduler)) <= 1e-5
+
+
+def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
+    """The same engine in this process at degree 1: the pipelined semantics without any communication."""
+    pipe = tiny_pipe(scheduler)
+    plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
+    stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
+    inputs = prepare_inputs(pipe, height=height, width=width, num_inference_steps=steps)
+    request = denoise_request(
+        stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
+        **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
+                                  "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
+                                  "extra_step_kwargs", "generator")},
+    )
+    engine = PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup)
+    return engine.denoise(request, patch_grid(height // 8, width // 8, num_patches, 2))
+
+
+PIPELINED = [(n, m, p) for n in (2, 3, 4) for m in (n, 2 * n) for p in PLACEMENTS]
+
+
+@pytest.mark.parametrize("degree,num_patches,placement", PIPELINED)
+def test_pipelined_is_deterministic_finite_and_close_to_serial(world, degree, num_patches, placement):
+    height, width, steps, scheduler = 256, 192, 6, "EulerDiscreteScheduler"  # 16 token rows: M up to 8
+    first = run(world, degree, placement, num_patches, 1, height=height, width=width, steps=steps,
+                scheduler=scheduler)[0]["latents"]
+    second = run(world, degree, placement, num_patches, 1, height=height, width=width, steps=steps,
+                 scheduler=scheduler)[0]["latents"]
+    assert torch.equal(first, second)  # bit-identical: the schedule is a pure function of the config
+    assert torch.isfinite(first).all()
+    # Stale K/V are the only approximation: measured 2-4 % relative L2 on this model (see README), bound 8 %.
+    distance = rel_l2(first, serial(scheduler, height, width, steps))
+    assert 1e-4 < distance < 0.08
+    # The result depends on (M, W) only, not on how many ranks or which placement computed it.
+    assert rel_max(first, engine_degree1(num_patches, 1, scheduler, height, width, steps)) <= 1e-5
+
+
+def test_one_patch_or_all_rows_and_warmup_zero(world):
+    """M = 1 (no staleness: equals serial), M = token rows (8), and W = 0 all run; W = 0 first step is defined."""
+    scheduler = "DDIMScheduler"
+    one = run(world, 2, "folded", 1, 0, scheduler=scheduler)[0]["latents"]
+    assert rel_max(one, serial(scheduler)) <= 1e-5
+    rows = run(world, 2, "linear", 8, 0, scheduler=scheduler)[0]["latents"]
+    assert torch.isfinite(rows).all() and rel_l2(rows, serial(scheduler)) < 0.2
+
+
+def test_kv_buffers_reset_between_requests(world):
+    """With W = 0 the first pipelined step reads the K/V buffers: request B after A must equal B alone."""
+    a, b = "a red house by a lake", "a blue car in the snow"
+    both = run(world, 2, "folded", 2, 0, requests=[a, b])[0]["latents"]
+    alone = run(world, 2, "folded", 2, 0, requests=[b])[0]["latents"]
+    assert torch.equal(both[1], alone[0])
+    assert not torch.equal(both[0], both[1])
+
+
+@pytest.mark.parametrize("scheduler", ["DDPMScheduler", "DPMSolverMultistepScheduler"])
+def test_pipelined_stateful_and_stochastic_schedulers(world, scheduler):
+    """Multistep history is sliced per patch; DDPM noise comes from per-patch generators derived from the seed."""
+    out = run(world, 2, "linear", 4, 1, height=256, width=192, steps=5, scheduler=scheduler)[0]["latents"]
+    again = run(world, 2, "linear", 4, 1, height=256, width=192, steps=5, scheduler=scheduler)[0]["latents"]
+    assert torch.equal(out, again) and torch.isfinite(out).all()
+    assert rel_max(out, engine_degree1(4, 1, scheduler, 256, 192, 5)) <= 1e-5
+    if scheduler == "DPMSolverMultistepScheduler":
+        assert rel_l2(out, serial(scheduler, 256, 192, 5)) < 0.08
+
+
+def test_bfloat16(world):
+    exact = run(world, 2, "folded", 3, STEPS, dtype=torch.bfloat16)[0]["latents"]
+    assert exact.dtype == torch.bfloat16 and torch.isfinite(exact).all()
+    assert rel_l2(exact, serial()) < 0.05  # bf16 rounding against the fp32 reference
+    piped = run(world, 3, "linear", 3, 1, dtype=torch.bfloat16, scheduler="DDIMScheduler")[0]["latents"]
+    assert torch.isfinite(piped).all() and rel_l2(piped, serial("DDIMScheduler")) < 0.1
