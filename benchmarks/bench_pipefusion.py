@@ -1,0 +1,125 @@
+"""PipeFusion on CPU: wall time of the denoising loop and bytes per step per rank (issue 3's benchmark).
+
+    python benchmarks/bench_pipefusion.py [--steps 20] [--warmup 1] [--repeats 1] [--json out.json]
+
+* Time: the `small` preset (16 blocks, hidden 256, 512 px, batch 2 with CFG), one torch thread per rank, at degree 1
+  and degree 2 (folded and linear, M = 2), `steps` steps with `warmup` whole-image warm-up steps. With 20 steps and 1
+  warm-up step the ideal degree-2 speedup is 20 / (1 + 19/2) = 1.90x.
+* Bytes: the `bytes40` preset (40 blocks like the released checkpoint, hidden 32) at 1024 px, from the comm
+  counters of a real run, per step and rank, folded vs linear at N = 2, 4, 8; scaled x44 to hidden 1408.
+Each degree runs in its own world of real gloo processes (this machine: 2 cores, so degree 2 is the largest degree
+whose ranks each get a core for the timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+WIDTH_SCALE = 1408 / 32  # hidden states and skips scale with the width; latents do not
+
+
+def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats):
+    """On every rank: build the model (deterministic), run the loop `repeats` times, return times and counters."""
+    import torch
+    import torch.distributed as dist
+
+    from xfuse.comm.p2p import P2PChannels
+    from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
+    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.parallel.engine import PipeFusionEngine
+    from xfuse.parallel.patch_grid import patch_grid
+    from xfuse.parallel.stage_plan import stage_plan
+    from xfuse.testing.hunyuan import prepare_inputs
+
+    rank = dist.get_rank()
+    pipe = build_tiny_pipeline(preset, seed=0)
+    plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
+    stage = HunyuanDiTStage(pipe.transformer, plan, rank)
+    channels = P2PChannels(rank=rank, timeout_s=600, max_inflight=2, device=torch.device("cpu")) if degree > 1 else None
+    engine = PipeFusionEngine(stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)),
+                              warmup_steps=warmup)
+    grid = patch_grid(size // 8, size // 8, num_patches, 2)
+    times = []
+    for _ in range(repeats):
+        inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
+        request = denoise_request(
+            stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
+            **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
+                                      "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
+                                      "extra_step_kwargs", "generator")},
+        )
+        if channels is not None:
+            channels.counters.reset()
+        dist.barrier()
+        start = time.perf_counter()
+        engine.denoise(request, grid)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return dict(times=times, counters=None if channels is None else channels.counters.as_dict())
+
+
+def run_world(degree, *args, timeout=3600):
+    from xfuse.testing.world import World
+
+    with World(degree, threads_per_rank=1, start_timeout=600) as world:
+        return world.run_ok(bench_rank, *args, timeout=timeout)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    report = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+                  steps=args.steps, warmup=args.warmup, time={}, bytes={})
+    if not args.skip_time:
+        base = None
+        for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
+            times = run_world(degree, "small", degree, placement, degree, args.warmup, args.steps, 512, args.repeats)
+            wall = statistics.median(times[0]["times"])
+            base = base or wall
+            report["time"][f"{degree}-{placement}"] = dict(wall_s=wall, speedup=base / wall, runs=times[0]["times"])
+            print(f"degree {degree} {placement:>6}: {wall:7.2f} s  speedup {base / wall:.2f}x", flush=True)
+    for degree in (2, 4, 8):
+        for placement in ("folded", "linear"):
+            results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)
+            per_rank = [{k: v / 2 for k, v in r["counters"]["sent_bytes"].items()} for r in results]  # 2 steps
+            total = sum(sum(r.values()) for r in per_rank)
+            real = [sum(v * (1 if k == "latent" else WIDTH_SCALE) for k, v in r.items()) for r in per_rank]
+            report["bytes"][f"{degree}-{placement}"] = dict(per_rank=per_rank, total_per_step=total,
+                                                            per_rank_hidden1408=real)
+            print(f"N={degree} {placement:>6}: {sum(real) / 2**20:8.1f} MiB/step at hidden 1408 "
+                  f"(measured {total / 2**20:.2f} MiB at hidden 32)", flush=True)
+    print("\n| degree | placement | denoising loop | speedup |\n|---|---|---|---|")
+    for key, row in report["time"].items():
+        degree, placement = key.split("-")
+        print(f"| {degree} | {placement if degree != '1' else '-'} | {row['wall_s']:.1f} s | {row['speedup']:.2f}x |")
+    print("\n| N | folded MiB/step | linear MiB/step | folded/linear | per-rank folded | per-rank linear |"
+          "\n|---|---|---|---|---|---|")
+    for degree in (2, 4, 8):
+        f, l = (report["bytes"][f"{degree}-{p}"]["per_rank_hidden1408"] for p in ("folded", "linear"))
+        fmt = lambda rows: " / ".join(f"{b / 2**20:.0f}" for b in rows)  # noqa: E731
+        print(f"| {degree} | {sum(f) / 2**20:.0f} | {sum(l) / 2**20:.0f} | {sum(f) / sum(l):.3f} | {fmt(f)} | "
+              f"{fmt(l)} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
