@@ -530,16 +530,17 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
 # World / model checks (run once, before any communication)
 # ----------------------------------------------------------------------------------------------------------------
 
-def check_world(config: XfuseConfig, *, world_size: int, num_layers: int, patch_size: int,
+def check_world(config: XfuseConfig | ParallelConfig, *, world_size: int, num_layers: int, patch_size: int,
                 height: int, width: int) -> None:
     """Check the config against the launched world and the loaded model; raise :class:`ConfigError` on mismatch.
 
-    ``height``/``width`` are the image size in pixels actually requested (after resolving model defaults).
-    The block placement and the patch grid are validated by the pure planners themselves.
+    ``config`` is the whole config or just its ``parallel`` section. ``height``/``width`` are the image size in
+    pixels actually requested (after resolving model defaults). The block placement and the patch grid are
+    validated by the pure planners themselves.
     """
-    p = config.parallel
-    if config.world_size != world_size:
-        need = config.world_size
+    p = config.parallel if isinstance(config, XfuseConfig) else config
+    need = p.pipefusion_degree * p.cfg_degree
+    if need != world_size:
         hint = f"launch with torchrun --nproc_per_node={need}"
         if world_size % p.cfg_degree == 0 and 1 <= world_size // p.cfg_degree <= MAX_PIPEFUSION_DEGREE:
             hint += f", or set parallel.pipefusion_degree={world_size // p.cfg_degree} for {world_size} ranks"

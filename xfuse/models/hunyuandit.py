@@ -233,17 +233,22 @@ def staged_forward(stages: dict[int, HunyuanDiTStage], latents: torch.Tensor, ti
 
 def denoise_request(stage: HunyuanDiTStage, *, latents, timesteps, scheduler, prompt_embeds, prompt_attention_mask,
                     prompt_embeds_2, prompt_attention_mask_2, image_meta_size, style, guidance_scale: float,
-                    extra_step_kwargs=None, generator=None):
+                    guidance_rescale: float = 0.0, cfg_half=None, extra_step_kwargs=None, generator=None,
+                    on_step_end=None, on_progress=None):
     """The engine's ``DenoiseRequest`` for HunyuanDiT, built from what ``HunyuanDiTPipeline`` prepares.
 
-    The text inputs are batched as the pipeline batches them ([uncond, cond] when ``guidance_scale > 1``). The
-    cross-attention input is computed once here, so every step and patch passes the same tensor (which is what
-    lets ``CachedCrossAttnProcessor`` reuse the text K/V).
+    Text inputs are batched as the pipeline batches them: [uncond, cond] when ``guidance_scale > 1``. With CFG
+    parallelism (``cfg_half=(cfg_rank, exchange)``) they are this rank's half only (0: uncond, 1: cond) and
+    ``exchange(noise, step, patch)`` returns the other half's noise prediction of the same rows. The
+    cross-attention input is computed once here, so every step and patch passes the same tensor (which lets
+    ``CachedCrossAttnProcessor`` reuse the text K/V).
     """
+    from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import rescale_noise_cfg
+
     from xfuse.parallel.engine import DenoiseRequest
 
     do_cfg = guidance_scale > 1
-    copies = 2 if do_cfg else 1
+    copies = 2 if do_cfg and cfg_half is None else 1
     model_batch = latents.shape[0] * copies
     rope = rotary_embedding(stage.config, latents.shape[-2], latents.shape[-1], device=latents.device)
     text = text_states(stage.transformer, prompt_embeds, prompt_attention_mask, prompt_embeds_2,
@@ -254,15 +259,24 @@ def denoise_request(stage: HunyuanDiTStage, *, latents, timesteps, scheduler, pr
         return stage.conditioning(t_batch, text, prompt_embeds_2, image_meta_size, style, rope)
 
     def model_input(rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([rows] * copies) if do_cfg else rows  # (B, C, h, W) -> (copies*B, C, h, W)
+        return torch.cat([rows] * copies) if copies > 1 else rows  # (B, C, h, W) -> (copies*B, C, h, W)
 
-    def guide(output: torch.Tensor) -> torch.Tensor:
+    def guide(output: torch.Tensor, step: int, patch) -> torch.Tensor:
         noise, _ = output.chunk(2, dim=1)  # learned sigma: keep the first half of the channels
-        if do_cfg:
+        if not do_cfg:
+            return noise
+        if cfg_half is None:
             uncond, cond = noise.chunk(2)
-            noise = uncond + guidance_scale * (cond - uncond)
-        return noise
+        else:
+            cfg_rank, exchange = cfg_half
+            other = exchange(noise.contiguous(), step, patch)
+            uncond, cond = (noise, other) if cfg_rank == 0 else (other, noise)
+        guided = uncond + guidance_scale * (cond - uncond)
+        if guidance_rescale > 0.0:  # whole-image statistics: the pipeline allows it in whole-image steps only
+            guided = rescale_noise_cfg(guided, cond, guidance_rescale=guidance_rescale)
+        return guided
 
     return DenoiseRequest(latents=latents, timesteps=timesteps, scheduler=scheduler, conditioning=conditioning,
                           model_input=model_input, guide=guide, model_batch=model_batch,
-                          extra_step_kwargs=extra_step_kwargs or {}, generator=generator)
+                          extra_step_kwargs=extra_step_kwargs or {}, generator=generator, on_step_end=on_step_end,
+                          on_progress=on_progress)

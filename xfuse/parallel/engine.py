@@ -36,10 +36,15 @@ class DenoiseRequest:
         scheduler: this rank's scheduler (a diffusers ``SchedulerMixin``), after ``set_timesteps``.
         conditioning: ``conditioning(step_index, t) -> cond`` for this rank's stage.
         model_input: latent rows (B, C, h, W) -> transformer input rows (e.g. doubled for CFG).
-        guide: transformer output rows -> noise prediction rows (B, C, h, W) (drops learned sigma, applies CFG).
+        guide: ``guide(output_rows, step, patch)`` -> noise prediction rows (B, C, h, W) (drops learned sigma,
+            applies CFG; ``patch`` is None for a whole-image step).
         extra_step_kwargs: keyword arguments of ``scheduler.step`` (``eta``, ``generator``).
         generator: the user's generator, from which per-patch generators are derived.
         model_batch: batch of the transformer input.
+        on_step_end: called on the output rank as ``on_step_end(step, latents)`` once every patch of ``step`` has
+            been stepped (``latents`` is then exactly the latent after that step; no patch is further yet).
+        on_progress: called on every rank as ``on_progress(step)`` when this rank finished its last task of
+            ``step``.
     """
 
     latents: torch.Tensor
@@ -47,10 +52,12 @@ class DenoiseRequest:
     scheduler: Any
     conditioning: Callable[[int, torch.Tensor], Any]
     model_input: Callable[[torch.Tensor], torch.Tensor]
-    guide: Callable[[torch.Tensor], torch.Tensor]
+    guide: Callable[[torch.Tensor, int, int | None], torch.Tensor]
     model_batch: int
     extra_step_kwargs: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
+    on_step_end: Callable[[int, torch.Tensor], None] | None = None
+    on_progress: Callable[[int], None] | None = None
 
 
 class PipeFusionEngine:
@@ -148,6 +155,7 @@ class _Run:
 
     # --- the loop -------------------------------------------------------------------------------------------
     def execute(self, program) -> torch.Tensor | None:
+        last_of_step = {t.step: t for t in self.schedule.orders[self.me] if t.hop != COLLECT}
         i = 0
         while i < len(program):
             action, task = program[i]
@@ -165,6 +173,8 @@ class _Run:
                 received = self._received(task)
                 self._compute(task, received)
                 self._release(task)
+                if self.req.on_progress is not None and last_of_step.get(task.step) == task:
+                    self.req.on_progress(task.step)
             # "wait_recv" is folded into "compute": the buffers are waited for right before use.
             i += 1
         return self.latents if self.me == self.plan.embed_rank else None
@@ -244,7 +254,7 @@ class _Run:
         the last step, the final latent rows)."""
         req, rows = self.req, self._rows(patch)
         t = req.timesteps[step]
-        noise = req.guide(self.stage.head(hidden, self._cond(step), self.token_cols))  # (B, C, h, W)
+        noise = req.guide(self.stage.head(hidden, self._cond(step), self.token_cols), step, patch)  # (B, C, h, W)
         if patch is None:
             scheduler, kwargs = req.scheduler, req.extra_step_kwargs
         else:
@@ -260,6 +270,8 @@ class _Run:
             scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
         stepped = scheduler.step(noise, t, self.latents[:, :, rows], **kwargs, return_dict=False)[0]
         self.latents[:, :, rows] = stepped
+        if req.on_step_end is not None and patch in (None, self.grid.num_patches - 1):
+            req.on_step_end(step, self.latents)
         if step + 1 == len(req.timesteps):
             return self.latents[:, :, rows]
         next_rows = scheduler.scale_model_input(stepped, req.timesteps[step + 1])

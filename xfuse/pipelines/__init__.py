@@ -1,1 +1,5 @@
+"""diffusers-compatible pipelines running PipeFusion."""
 
+from xfuse.pipelines.hunyuandit import PipeFusionHunyuanDiTPipeline
+
+__all__ = ["PipeFusionHunyuanDiTPipeline"]

@@ -1,0 +1,106 @@
+"""Process groups and topology: world = cfg_degree x pipefusion_degree, launched by torchrun (or a test world).
+
+Global rank g belongs to CFG group ``g // pipefusion_degree`` (0: the unconditional half, 1: the conditional half
+when ``cfg_degree == 2``) at pipeline rank ``g % pipefusion_degree``. Global rank 0 is pipeline rank 0 of CFG group
+0: it owns the text encoders, the VAE and the output. Everything here is created once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from xfuse.comm.groups import DirectionGroups, make_direction_groups
+from xfuse.comm.p2p import P2PChannels
+from xfuse.config import CommConfig, ConfigError, ParallelConfig, RuntimeConfig
+
+
+@dataclass
+class ParallelContext:
+    """Where this process sits, and the channels it talks through."""
+
+    rank: int
+    world_size: int
+    pipe_rank: int
+    cfg_rank: int
+    pipe_ranks: list[int]  # global ranks of this rank's pipeline group, by pipeline rank
+    cfg_peer: int | None  # the same pipeline rank in the other CFG group
+    device: torch.device
+    backend: str | None  # None: a single process, no process group
+    channels: P2PChannels | None  # pipeline neighbours
+    cfg_channels: P2PChannels | None  # the CFG peer
+    control_group: dist.ProcessGroup | None  # gloo group for object collectives (None: the default group)
+
+    @property
+    def is_output(self) -> bool:
+        """The rank that returns the pipeline's output (global rank 0)."""
+        return self.rank == 0
+
+
+def resolve_device(runtime: RuntimeConfig) -> torch.device:
+    if runtime.device == "cpu" or (runtime.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("runtime.device", "is cuda but no CUDA device is available; use auto or cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def apply_socket_ifname(comm: CommConfig) -> None:
+    """Point gloo and NCCL at ``comm.socket_ifname``, refusing a name this host does not have."""
+    if comm.socket_ifname is None:
+        return
+    names = sorted(name for _, name in socket.if_nameindex())
+    if comm.socket_ifname not in names:
+        raise ConfigError("comm.socket_ifname", f"no interface {comm.socket_ifname!r} on this host; it has: "
+                                                f"{', '.join(names)}")
+    os.environ["GLOO_SOCKET_IFNAME"] = comm.socket_ifname
+    os.environ["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
+
+
+def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig) -> ParallelContext:
+    """Join (or create) the process group and build the topology; checks the world size first."""
+    pp, cfg = parallel.pipefusion_degree, parallel.cfg_degree
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if pp * cfg != world:
+        raise ConfigError(
+            "parallel.pipefusion_degree",
+            f"pipefusion_degree ({pp}) x cfg_degree ({cfg}) must equal the world size ({world}); launch with "
+            f"torchrun --nproc_per_node={pp * cfg} (or change parallel.pipefusion_degree / parallel.cfg_degree)",
+        )
+    device = resolve_device(runtime)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any NCCL call, or NCCL hangs
+    backend = None
+    if world > 1 and not dist.is_initialized():
+        apply_socket_ifname(comm)
+        backend = comm.resolved_backend(device.type)
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=max(comm.timeout_s, 1.0)), **kwargs)
+    if dist.is_initialized():
+        backend = dist.get_backend()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg_rank, pipe_rank = divmod(rank, pp)
+    all_pipes = [list(range(c * pp, (c + 1) * pp)) for c in range(cfg)]
+    channels = cfg_channels = control = None
+    if world > 1:
+        separate = backend != "gloo"
+        groups = DirectionGroups()
+        for ranks in all_pipes:  # collective: every rank creates every group, in the same order
+            made = make_direction_groups(ranks, separate=separate,
+                                         device_id=device if backend == "nccl" else None)
+            if rank in ranks:
+                groups = made
+        control = dist.new_group(backend="gloo") if backend != "gloo" else None
+        kw = dict(rank=rank, timeout_s=comm.timeout_s, max_inflight=comm.max_inflight, device=device)
+        channels = P2PChannels(groups=groups, **kw) if pp > 1 else None
+        cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
+    return ParallelContext(
+        rank=rank, world_size=world, pipe_rank=pipe_rank, cfg_rank=cfg_rank, pipe_ranks=all_pipes[cfg_rank],
+        cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp), device=device, backend=backend, channels=channels,
+        cfg_channels=cfg_channels, control_group=control,
+    )
