@@ -1,36 +1,73 @@
-"""Rank functions for the pipeline tests (importable by spawned ranks)."""
+"""Rank functions and callbacks for the pipeline tests (importable by spawned ranks and by diffusers runs)."""
 
 import numpy as np
 import torch
 
+CALLBACK_LOG = []
 
-def generate(folder, parallel, call, comm=None, torch_dtype=None):
-    """Load the folder with PipeFusionHunyuanDiTPipeline on every rank and call it; rank 0 returns the images."""
+
+def log_callback(pipe, step, t, kwargs):
+    """Observes the loop: records the step, timestep and the latents' norm; changes nothing."""
+    CALLBACK_LOG.append((step, float(t), float(kwargs["latents"].float().norm())))
+    return kwargs
+
+
+def changing_callback(pipe, step, t, kwargs):
+    return {"latents": kwargs["latents"] * 0.5}
+
+
+def interrupting_callback(pipe, step, t, kwargs):
+    pipe._interrupt = True
+    return kwargs
+
+
+def as_array(out):
+    """Images of a pipeline output (dataclass or tuple) as one numpy array."""
+    images = out.images if hasattr(out, "images") else out[0]
+    if isinstance(images, list):  # PIL images
+        return np.stack([np.asarray(im) for im in images])
+    return images.float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+
+
+def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None):
+    """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
+
+    Other ranks return their list of None / errors, so a test can check that every rank agrees.
+    """
     from xfuse import PipeFusionHunyuanDiTPipeline
 
     pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(folder, parallel=parallel, comm=comm or {"timeout_s": 60},
                                                         torch_dtype=torch_dtype)
     pipe.set_progress_bar_config(disable=True)
-    call = dict(call)
-    seed = call.pop("seed", 0)
-    out = pipe(**call, generator=torch.Generator().manual_seed(seed))
-    if out is None:
-        return None
-    images = out.images if hasattr(out, "images") else out[0]
-    return np.asarray(images) if not isinstance(images, list) else images
+    if scheduler is not None:
+        from xfuse.testing.hunyuan import swap_scheduler
 
-
-def generate_errors(folder, parallel, calls):
-    """Each call's exception (type name, message) or None, on every rank."""
-    from xfuse import PipeFusionHunyuanDiTPipeline
-
-    pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(folder, parallel=parallel, comm={"timeout_s": 20})
-    pipe.set_progress_bar_config(disable=True)
+        swap_scheduler(pipe.pipeline, scheduler)
     results = []
     for call in calls:
+        call = dict(call)
+        CALLBACK_LOG.clear()
         try:
-            pipe(**call)
-            results.append(None)
+            generator = generators(call)  # pops seed/seeds from call
+            out = pipe(**call, generator=generator)
         except Exception as err:  # noqa: BLE001 - the test inspects every error
-            results.append((type(err).__name__, str(err)))
+            results.append(dict(kind="error", type=type(err).__name__, message=str(err)))
+            continue
+        if out is None:
+            results.append(dict(kind="none", log=list(CALLBACK_LOG)))
+        else:
+            results.append(dict(kind="ok", images=as_array(out), log=list(CALLBACK_LOG), type=type(out).__name__))
     return results
+
+
+def generators(call):
+    """``seed`` (int) gives one generator, ``seeds`` (list) a list of them; both are removed from ``call``."""
+    seeds = call.pop("seeds", None)
+    seed = call.pop("seed", 0)
+    if seed == "rank":  # a deliberately inconsistent seed: each rank its own
+        import torch.distributed as dist
+
+        seed = dist.get_rank()
+    if seeds is not None:
+        return [torch.Generator().manual_seed(s) for s in seeds]
+    return torch.Generator().manual_seed(seed)

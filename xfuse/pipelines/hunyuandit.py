@@ -219,8 +219,9 @@ class PipeFusionHunyuanDiTPipeline:
           one generator).
         - `callback_on_step_end` runs on the rank that steps the scheduler of CFG group 0 (global rank 0 with
           folded placement, rank `pipefusion_degree - 1` with linear), once every patch of a step is stepped. It
-          may read the tensors; returning changed tensors or interrupting raises, because later patches are
-          already in flight.
+          may read the tensors. Returning changed tensors or setting the interrupt flag cannot be honoured (later
+          patches are already in flight): the loop finishes without further callbacks and that rank raises
+          `ValueError`.
         - `generator` must be seeded identically on every rank (checked).
 
         Returns:
@@ -311,11 +312,13 @@ class PipeFusionHunyuanDiTPipeline:
 
         # 5. The denoising loop: xfuse's engine.
         progress = pipe.progress_bar(total=num_inference_steps) if ctx.is_output else None
-        on_step_end = None
+        on_step_end, self._callback_error = None, None
         if callback_on_step_end is not None and ctx.cfg_rank == 0 and ctx.pipe_rank == self.plan.output_rank:
             def on_step_end(step, current):
-                self._run_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, step,
-                                   timesteps[step], current, batched, text)
+                if self._callback_error is None:  # after a refused change, the loop finishes without callbacks
+                    self._callback_error = self._run_callback(
+                        callback_on_step_end, callback_on_step_end_tensor_inputs, step, timesteps[step], current,
+                        batched, text)
         request = denoise_request(
             self.stage, latents=latents, timesteps=timesteps, scheduler=pipe.scheduler,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale, cfg_half=cfg_half,
@@ -329,6 +332,8 @@ class PipeFusionHunyuanDiTPipeline:
         finally:
             if progress is not None:
                 progress.close()
+        if self._callback_error is not None:  # raised once the loop is over, so no peer is left waiting
+            raise self._callback_error
         if not ctx.is_output:
             return None
 
@@ -371,7 +376,8 @@ class PipeFusionHunyuanDiTPipeline:
         self._same_everywhere("generator", [None if g is None else hashlib.sha1(
             g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens])
 
-    def _run_callback(self, callback, tensor_inputs, step, t, current, batched, text):
+    def _run_callback(self, callback, tensor_inputs, step, t, current, batched, text) -> ValueError | None:
+        """Run the user's callback on a copy of the tensors; return the error to raise if it changed any."""
         names = {"latents": current.clone(), "prompt_embeds": batched["prompt_embeds"],
                  "prompt_embeds_2": batched["prompt_embeds_2"],
                  "negative_prompt_embeds": text.get("negative_prompt_embeds"),
@@ -383,8 +389,9 @@ class PipeFusionHunyuanDiTPipeline:
             if value is not kwargs.get(key) and not (
                 isinstance(value, torch.Tensor) and original is not None and torch.equal(value, original)
             ):
-                raise ValueError(f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
-                                 "cannot apply it (later patches are already in flight)")
+                return ValueError(f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
+                                  "cannot apply it (later patches are already in flight)")
         if self._interrupt:
-            raise ValueError("callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop "
-                             "mid-pipeline")
+            return ValueError("callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop "
+                              "mid-pipeline")
+        return None
