@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from PIL import Image
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -40,11 +41,43 @@ def test_plan_bad_value_exits_2_naming_the_key():
     assert "parallel.num_patches: must be an integer from 1 to the number of token rows, 16" in out.stderr
 
 
-def test_generate_writes_png(tmp_path):
+def test_generate_degree_1_with_plain_python(tmp_path):
     target = tmp_path / "out.png"
-    out = xfuse("generate", "--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=2",
-                "--prompt", "a red house", "--output", str(target))
+    out = xfuse("generate", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.pipefusion_degree=1",
+                "--set", "generation.num_inference_steps=2", "--prompt", "a red house", "--output", str(target))
     assert out.returncode == 0, out.stderr
-    assert f"wrote {target}" in out.stdout
+    assert f"wrote {target}: 256x256, 2 steps" in out.stdout and "rank 0 sent 0.00 MiB (nothing)" in out.stdout
     image = np.asarray(Image.open(target))
     assert image.shape == (256, 256, 3) and image.std() > 0
+
+
+def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
+    target = tmp_path / "pp2.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse",
+           "generate", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.placement=linear",
+           "--set", "generation.height=192", "--set", "parallel.num_patches=3", "--output", str(target)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"wrote {target}: 256x192" in out.stdout and "linear, 3 patches" in out.stdout
+    assert "rank 0 sent" in out.stdout and "skip" in out.stdout  # linear sends skips
+    assert np.asarray(Image.open(target)).shape == (192, 256, 3)
+
+
+def test_generate_refuses_a_world_that_does_not_match():
+    out = xfuse("generate", "--config", "configs/tiny/pp2.yaml")  # pp2 without torchrun: world size 1
+    assert out.returncode == 2
+    assert "must equal the world size (1)" in out.stderr and "torchrun --nproc_per_node=2" in out.stderr
+
+
+@pytest.mark.parametrize("script,args", [
+    ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
+    ("examples/from_diffusers.py", ["tiny"]),
+])
+def test_examples_run_under_torchrun(tmp_path, script, args):
+    args = [*args, str(tmp_path / "out.png")] if args[-1] == "--output" else args
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "wrote" in out.stdout
+    assert len(list(tmp_path.glob("*.png"))) == 1

@@ -32,36 +32,50 @@ def _device(runtime) -> str:
 
 
 def cmd_generate(args) -> int:
+    """Generate one image. Under torchrun every rank runs this; rank 0 writes the PNG and reports."""
     import torch
+    import torch.distributed as dist
 
-    from xfuse.models import load_pipeline
-    from xfuse.models.local import LocalStagedTransformer
-    from xfuse.plan_report import plan_report
+    from xfuse.models import load_pipeline, transformer_config
+    from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
     config = load_config(args.config, overrides)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
-        raise ConfigError("WORLD_SIZE", f"multi-rank generation is not available yet; run with plain python, which "
-                                        f"executes every stage of the plan in one process (got {world})")
-    report = plan_report(config)  # validates the whole config against the model before loading anything
-    gen = config.generation
-    dtype = getattr(torch, config.runtime.dtype)
-    pipe = load_pipeline(config.model, torch_dtype=dtype).to(_device(config.runtime))
-    pipe.transformer = LocalStagedTransformer(pipe.transformer, report["plan"])
-    start = time.perf_counter()
-    image = pipe(
-        prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=report["height"], width=report["width"],
-        num_inference_steps=gen.num_inference_steps, guidance_scale=gen.guidance_scale,
-        generator=torch.Generator().manual_seed(gen.seed), use_resolution_binning=False,
-    ).images[0]
-    wall = time.perf_counter() - start
-    output = args.output or os.path.join("outputs", f"xfuse_{config.model}_{gen.seed}.png")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    image.save(output)
-    plan = report["plan"]
-    print(f"wrote {output} ({report['width']}x{report['height']}, {gen.num_inference_steps} steps, "
-          f"{wall:.2f} s): the {plan.degree} stages of the {plan.placement} plan run serially in one process")
+    gen, dtype = config.generation, getattr(torch, config.runtime.dtype)
+    device = None if config.runtime.device == "auto" else config.runtime.device
+    default = transformer_config(config.model).get("sample_size", 128) * 8
+    try:
+        if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
+            pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(config.model, dtype), parallel=config.parallel,
+                                                          comm=config.comm, device=device)
+        else:
+            pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(config.model, parallel=config.parallel,
+                                                                comm=config.comm, torch_dtype=dtype, device=device)
+        start = time.perf_counter()
+        out = pipe(prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height or default,
+                   width=gen.width or default, num_inference_steps=gen.num_inference_steps,
+                   guidance_scale=gen.guidance_scale, generator=torch.Generator().manual_seed(gen.seed),
+                   use_resolution_binning=False)
+        wall = time.perf_counter() - start
+        stats = pipe.rank_stats()
+        if out is not None:
+            output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
+            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+            out.images[0].save(output)
+            par = config.parallel
+            print(f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
+                  f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
+                  f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
+                  f"{par.warmup_steps})")
+            for rank, stat in enumerate(stats):
+                sent = stat["sent"]
+                kinds = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(sent.items())) or "nothing"
+                memory = f"peak RSS {stat['peak_rss_mib']:.0f} MiB" + (
+                    "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB")
+                print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -10,8 +10,8 @@ the denoising loop is xfuse's engine.
 from __future__ import annotations
 
 import hashlib
+import resource
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from diffusers import HunyuanDiTPipeline
@@ -145,6 +145,26 @@ class PipeFusionHunyuanDiTPipeline:
     def set_progress_bar_config(self, **kwargs) -> None:
         self.pipeline.set_progress_bar_config(**kwargs)
 
+    def rank_stats(self) -> list[dict] | None:
+        """Per rank: bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and peak memory.
+
+        Collective: call it on every rank; global rank 0 gets the list indexed by rank, the others ``None``.
+        ``peak_rss_mib`` is the process's peak resident memory; ``peak_cuda_mib`` the peak CUDA allocation.
+        """
+        sent: dict[str, int] = {}
+        for channels in (self.context.channels, self.context.cfg_channels):
+            if channels is not None:
+                for kind, nbytes in channels.counters.sent_bytes.items():
+                    sent[kind] = sent.get(kind, 0) + nbytes
+        mine = dict(sent=sent, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                    peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda"
+                    else None)
+        if self.context.world_size == 1:
+            return [mine]
+        gathered = [None] * self.context.world_size
+        dist.all_gather_object(gathered, mine, group=self.context.control_group)
+        return gathered if self.context.is_output else None
+
     # ------------------------------------------------------------------------------------------ collectives
     def _broadcast(self, payload):
         """Broadcast a picklable object from global rank 0 (tensors travel on the CPU)."""
@@ -248,6 +268,9 @@ class PipeFusionHunyuanDiTPipeline:
         )
         self._check_parallel_args(height, width, num_inference_steps, guidance_scale, guidance_rescale, generator)
         self._interrupt = False
+        for channels in (ctx.channels, ctx.cfg_channels):
+            if channels is not None:
+                channels.counters.reset()  # rank_stats() reports the last call
         do_cfg = guidance_scale > 1
         if prompt is not None and isinstance(prompt, str):
             batch_size = 1
