@@ -157,6 +157,9 @@ def test_preset_sizes():
     assert tiny_transformer_config("tiny")["num_layers"] >= 16  # folded placement at degree 8
     assert tiny_transformer_config("small")["num_layers"] >= 8
     assert tiny_transformer_config("bytes40")["num_layers"] == 40
+    full = tiny_transformer_config("dit-g2")  # the released HunyuanDiT-v1.2 transformer's shape
+    assert (full["num_layers"], full["hidden_size"], full["num_attention_heads"], full["sample_size"]) == (
+        40, 1408, 16, 128)
 
 
 def test_pipeline_defaults_and_text_widths(pipeline):

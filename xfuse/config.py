@@ -47,7 +47,7 @@ class ConfigError(ValueError):
 # Allowed values
 # ----------------------------------------------------------------------------------------------------------------
 
-PRESET_MODELS: tuple[str, ...] = ("tiny", "small", "bytes40")
+PRESET_MODELS: tuple[str, ...] = ("tiny", "small", "bytes40", "dit-g2")
 PLACEMENTS: tuple[str, ...] = ("folded", "linear")
 BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")

@@ -102,6 +102,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pooled_projection_dim": 32,
         "default_size": 256,
     },
+    # The released transformer's shape (DiT-g/2, ~1.5 B parameters) with random weights: `xfuse plan` figures and
+    # GPU timings of the real configuration. Its text encoders stay tiny (2 layers at the real widths).
+    "dit-g2": {
+        **_COMMON_TRANSFORMER_KWARGS,
+        "num_layers": 40,
+        "num_attention_heads": 16,
+        "attention_head_dim": 88,
+        "cross_attention_dim": 1024,
+        "cross_attention_dim_t5": 2048,
+        "pooled_projection_dim": 1024,
+        "default_size": 1024,
+    },
 }
 
 # Default image size in pixels of each preset; the pipeline's default height/width is
