@@ -165,3 +165,24 @@ def test_bfloat16(world):
     assert rel_l2(exact, serial()) < 0.05  # bf16 rounding against the fp32 reference
     piped = run(world, 3, "linear", 3, 1, dtype=torch.bfloat16, scheduler="DDIMScheduler")[0]["latents"]
     assert torch.isfinite(piped).all() and rel_l2(piped, serial("DDIMScheduler")) < 0.1
+
+
+def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
+    """Only the last warm-up step before pipelined steps stores whole-image K/V; exact mode never allocates."""
+    pipe = tiny_pipe("DDIMScheduler")
+    sizes = {}
+    for warmup in (STEPS, 1):
+        plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
+        stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
+        inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS)
+        request = denoise_request(
+            stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
+            **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
+                                      "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
+                                      "extra_step_kwargs", "generator")},
+        )
+        PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup).denoise(
+            request, patch_grid(HEIGHT // 8, WIDTH // 8, 2, 2))
+        sizes[warmup] = stage.kv_cache.nbytes()
+    tokens, hidden, layers = (HEIGHT // 16) * (WIDTH // 16), pipe.transformer.inner_dim, 16
+    assert sizes == {STEPS: 0, 1: 2 * 2 * tokens * hidden * 4 * layers}  # K and V, CFG batch 2, fp32

@@ -176,11 +176,13 @@ class HunyuanDiTStage(nn.Module):
         return self.transformer.pos_embed(latents)
 
     def run_segment(self, hidden: torch.Tensor, segment: Segment, cond: Conditioning, band: PatchBand | None,
-                    skips: dict[int, torch.Tensor]) -> torch.Tensor:
+                    skips: dict[int, torch.Tensor], keep_kv: bool = True) -> torch.Tensor:
         """Run ``segment``'s blocks on ``hidden`` (B, tokens, hidden): the band's tokens, or the whole image.
 
         ``skips`` maps a producer block to its output for this patch: producers add to it, consumers pop from it.
+        ``keep_kv=False`` (whole image only): do not store this pass's K/V, no patch will read them.
         """
+        self.kv_cache.store_whole = keep_kv
         cos, sin = cond.rope
         rope = (cos, sin) if band is None else (cos[band.tokens], sin[band.tokens])  # (tokens, head_dim) each
         self.kv_cache.tokens = None if band is None else band.tokens

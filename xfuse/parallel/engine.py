@@ -207,7 +207,9 @@ class _Run:
             hidden = self.local.pop(Task(step, patch, task.hop - 1))
         band = None if patch is None else self.grid[patch]
         segment = plan.route[task.hop]
-        hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips)
+        # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
+        keep_kv = patch is not None or step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
+        hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv)
         outgoing = {}
         for m in self.schedule.sends(task):
             if m.kind == "hidden":

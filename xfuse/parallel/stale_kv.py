@@ -22,6 +22,7 @@ class StaleKVCache:
         self._v: dict[int, torch.Tensor] = {}
         self._valid: dict[int, int] = {}  # tokens [0, valid) hold K/V of this request
         self.tokens: slice | None = None  # token range of the patch being computed; None = whole image
+        self.store_whole = True  # whether a whole-image pass stores its K/V (only the last warm-up step must)
         self.num_tokens = 0  # tokens of the whole image in the current request
 
     def reset(self, num_tokens: int) -> None:
@@ -45,13 +46,16 @@ class StaleKVCache:
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Store this pass's ``key``/``value`` (B, heads, S, D) and return the K/V to attend to.
 
-        Whole-image pass (``self.tokens is None``): store all and attend to ``key``/``value`` themselves.
+        Whole-image pass (``self.tokens is None``): store all (if ``store_whole``) and attend to ``key``/``value``
+        themselves. Only the last warm-up step before pipelined steps needs to store: exact mode never allocates.
         Patch pass: store into the patch's token range and attend to every valid token of the buffer.
         """
         num_tokens = self.num_tokens
         if self.tokens is None and key.shape[2] != num_tokens:
             raise RuntimeError(f"stale K/V of layer {layer}: whole-image pass of {key.shape[2]} tokens, "
                                f"but the request has {num_tokens} (reset() not called for this request?)")
+        if self.tokens is None and not self.store_whole:
+            return key, value
         k_buf, v_buf = self._buffers(layer, key, num_tokens)
         if self.tokens is None:
             k_buf.copy_(key)
