@@ -34,12 +34,12 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
     import torch.distributed as dist
 
     from xfuse.comm.p2p import P2PChannels
-    from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
+    from xfuse.models.hunyuandit import HunyuanDiTStage
     from xfuse.models.tiny import build_tiny_pipeline
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
     from xfuse.parallel.stage_plan import stage_plan
-    from xfuse.testing.hunyuan import prepare_inputs
+    from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs
 
     rank = dist.get_rank()
     pipe = build_tiny_pipeline(preset, seed=0)
@@ -52,12 +52,7 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
     times = []
     for _ in range(repeats):
         inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
-        request = denoise_request(
-            stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
-            **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
-                                      "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
-                                      "extra_step_kwargs", "generator")},
-        )
+        request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         if channels is not None:
             channels.counters.reset()
         dist.barrier()

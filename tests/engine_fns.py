@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 
 from xfuse.comm.p2p import P2PChannels
-from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
+from xfuse.models.hunyuandit import HunyuanDiTStage
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
-from xfuse.testing.hunyuan import prepare_inputs, swap_scheduler
+from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, swap_scheduler
 
 _PIPES = {}
 
@@ -47,12 +47,7 @@ def run_engine(degree, placement, num_patches, warmup, *, height=128, width=96, 
         inputs = prepare_inputs(pipe, prompt=request_prompt, height=height, width=width, num_inference_steps=steps,
                                 seed=seed)
         channels.counters.reset()
-        request = denoise_request(
-            stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
-            **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
-                                      "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
-                                      "extra_step_kwargs", "generator")},
-        )
+        request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         outputs.append(engine.denoise(request, grid))
     return dict(latents=outputs if requests != 1 else outputs[0], counters=channels.counters.as_dict(),
                 num_buffers=channels.num_buffers)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.engine_fns import run_engine, tiny_pipe
-from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
+from xfuse.models.hunyuandit import HunyuanDiTStage
 from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
-from xfuse.testing.hunyuan import prepare_inputs, serial_latents
+from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, serial_latents
 from xfuse.testing.world import World
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -101,12 +101,7 @@ def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
     plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
     stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
     inputs = prepare_inputs(pipe, height=height, width=width, num_inference_steps=steps)
-    request = denoise_request(
-        stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
-        **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
-                                  "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
-                                  "extra_step_kwargs", "generator")},
-    )
+    request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
     engine = PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup)
     return engine.denoise(request, patch_grid(height // 8, width // 8, num_patches, 2))
 
@@ -175,12 +170,7 @@ def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
         plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
         stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS)
-        request = denoise_request(
-            stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=copy.deepcopy(pipe.scheduler),
-            **{k: inputs[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
-                                      "prompt_attention_mask_2", "image_meta_size", "style", "guidance_scale",
-                                      "extra_step_kwargs", "generator")},
-        )
+        request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup).denoise(
             request, patch_grid(HEIGHT // 8, WIDTH // 8, 2, 2))
         sizes[warmup] = stage.kv_cache.nbytes()

@@ -71,3 +71,15 @@ def serial_latents(pipe, inputs: dict, height: int, width: int) -> torch.Tensor:
         eta=inputs["extra_step_kwargs"].get("eta", 0.0), output_type="latent", use_resolution_binning=False,
         **embeds,
     ).images
+
+
+REQUEST_KEYS = ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2",
+                "image_meta_size", "style", "guidance_scale", "extra_step_kwargs", "generator")
+
+
+def request_from_inputs(stage, inputs: dict, scheduler):
+    """The engine request for ``stage`` from ``prepare_inputs``' output, with its own ``scheduler`` copy."""
+    from xfuse.models.hunyuandit import denoise_request
+
+    return denoise_request(stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=scheduler,
+                           **{k: inputs[k] for k in REQUEST_KEYS})
