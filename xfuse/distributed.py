@@ -18,6 +18,16 @@ import torch.distributed as dist
 from xfuse.comm.groups import DirectionGroups, make_direction_groups
 from xfuse.comm.p2p import P2PChannels
 from xfuse.config import CommConfig, ConfigError, ParallelConfig, RuntimeConfig
+from xfuse.health import FailureMonitor, default_store, flatten, handshake, versions
+
+# NCCL's own diagnostics, on unless the user set them: async error handling tears a failed communicator down instead
+# of hanging, and the flight recorder dumps the last collectives/P2P ops of every rank on a timeout.
+NCCL_ENV_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/xfuse_nccl_trace_rank_",
+}
 
 
 @dataclass
@@ -35,6 +45,7 @@ class ParallelContext:
     channels: P2PChannels | None  # pipeline neighbours
     cfg_channels: P2PChannels | None  # the CFG peer
     control_group: dist.ProcessGroup | None  # gloo group for object collectives (None: the default group)
+    monitor: FailureMonitor  # first-failure propagation across ranks
 
     @property
     def is_output(self) -> bool:
@@ -62,16 +73,23 @@ def apply_socket_ifname(comm: CommConfig) -> None:
     os.environ["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
 
 
-def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig) -> ParallelContext:
-    """Join (or create) the process group and build the topology; checks the world size first."""
+_MONITORS: dict[tuple[int, int], FailureMonitor] = {}
+
+
+def _process_monitor(rank: int, world: int) -> FailureMonitor:
+    """One failure monitor (and watcher thread) per process and world, shared by every pipeline built in it."""
+    key = (rank, world)
+    if key not in _MONITORS:
+        _MONITORS[key] = FailureMonitor(rank, default_store() if world > 1 else None)
+    return _MONITORS[key]
+
+
+def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig,
+                  fingerprint: dict | None = None) -> ParallelContext:
+    """Join (or create) the process group, compare every rank's config (handshake), check the world size and
+    build the topology. ``fingerprint``: extra fields every rank must agree on (e.g. the CLI's whole config)."""
     pp, cfg = parallel.pipefusion_degree, parallel.cfg_degree
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if pp * cfg != world:
-        raise ConfigError(
-            "parallel.pipefusion_degree",
-            f"pipefusion_degree ({pp}) x cfg_degree ({cfg}) must equal the world size ({world}); launch with "
-            f"torchrun --nproc_per_node={pp * cfg} (or change parallel.pipefusion_degree / parallel.cfg_degree)",
-        )
     device = resolve_device(runtime)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any NCCL call, or NCCL hangs
@@ -79,14 +97,27 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
     if world > 1 and not dist.is_initialized():
         apply_socket_ifname(comm)
         backend = comm.resolved_backend(device.type)
+        if backend == "nccl":
+            for key, value in NCCL_ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=max(comm.timeout_s, 1.0)), **kwargs)
     if dist.is_initialized():
         backend = dist.get_backend()
+    control = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
+    # Before the world check: ranks started with different configs must all say which field differs.
+    handshake({**versions(), **flatten("parallel", vars(parallel)), **flatten("comm", vars(comm)),
+               **flatten("runtime", vars(runtime)), **(fingerprint or {})}, world_size=world, group=control)
+    if pp * cfg != world:
+        raise ConfigError(
+            "parallel.pipefusion_degree",
+            f"pipefusion_degree ({pp}) x cfg_degree ({cfg}) must equal the world size ({world}); launch with "
+            f"torchrun --nproc_per_node={pp * cfg} (or change parallel.pipefusion_degree / parallel.cfg_degree)",
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     cfg_rank, pipe_rank = divmod(rank, pp)
     all_pipes = [list(range(c * pp, (c + 1) * pp)) for c in range(cfg)]
-    channels = cfg_channels = control = None
+    channels = cfg_channels = None
     if world > 1:
         separate = backend != "gloo"
         groups = DirectionGroups()
@@ -95,12 +126,13 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
                                          device_id=device if backend == "nccl" else None)
             if rank in ranks:
                 groups = made
-        control = dist.new_group(backend="gloo") if backend != "gloo" else None
         kw = dict(rank=rank, timeout_s=comm.timeout_s, max_inflight=comm.max_inflight, device=device)
         channels = P2PChannels(groups=groups, **kw) if pp > 1 else None
         cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
+    monitor = _process_monitor(rank, world)
+    monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
     return ParallelContext(
         rank=rank, world_size=world, pipe_rank=pipe_rank, cfg_rank=cfg_rank, pipe_ranks=all_pipes[cfg_rank],
         cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp), device=device, backend=backend, channels=channels,
-        cfg_channels=cfg_channels, control_group=control,
+        cfg_channels=cfg_channels, control_group=control, monitor=monitor,
     )

@@ -34,6 +34,7 @@ from xfuse.config import (
     parallel_config,
 )
 from xfuse.distributed import ParallelContext, init_parallel
+from xfuse.health import config_hash, handshake
 from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
@@ -76,6 +77,11 @@ class PipeFusionHunyuanDiTPipeline:
         config = pipeline.transformer.config
         self.plan = stage_plan(config.num_layers, parallel.pipefusion_degree, parallel.placement,
                                parallel.stage_split)
+        # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
+        handshake({"model.config_hash": config_hash(dict(config)), "model.dtype": str(dtype),
+                   "model.scheduler": type(pipeline.scheduler).__name__,
+                   "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route)},
+                  world_size=context.world_size, group=context.control_group)
         self.stage = HunyuanDiTStage(pipeline.transformer, self.plan, context.pipe_rank).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
         if not context.is_output:
@@ -90,12 +96,12 @@ class PipeFusionHunyuanDiTPipeline:
             self.stage, self.plan, context.channels, pipe_rank=context.pipe_rank, group_ranks=context.pipe_ranks,
             warmup_steps=parallel.warmup_steps, lookahead=comm.max_inflight,
         )
-        self._interrupt = False
+        self._interrupt, self._callback_error = False, None
 
     # ---------------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, parallel=None, comm=None, torch_dtype=None,
-                        device=None, **kwargs) -> "PipeFusionHunyuanDiTPipeline":
+                        device=None, fingerprint=None, **kwargs) -> "PipeFusionHunyuanDiTPipeline":
         r"""
         Load a local diffusers HunyuanDiT folder (the HunyuanDiT-v1.2-Diffusers layout) on every rank.
 
@@ -107,13 +113,15 @@ class PipeFusionHunyuanDiTPipeline:
             torch_dtype (`torch.dtype`, *optional*): float32 (default), bfloat16 or float16.
             device (`str` or `torch.device`, *optional*): `cpu` or `cuda` (default: CUDA when available; each
                 rank uses `cuda:LOCAL_RANK`).
+            fingerprint (`dict`, *optional*): extra `{field: value}` every rank must agree on (checked at start-up
+                with the config, versions, model config and plan; a difference raises on every rank).
             kwargs: passed to [`~diffusers.DiffusionPipeline.from_pretrained`] (e.g. `scheduler=`).
 
         Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank loads the transformer
         and keeps only its blocks.
         """
         parallel, comm, runtime = parallel_config(parallel), comm_config(comm), _runtime(torch_dtype, device)
-        context = init_parallel(parallel, comm, runtime)
+        context = init_parallel(parallel, comm, runtime, fingerprint)
         skip = {} if context.is_output else {name: None for name in _RANK0_COMPONENTS}
         pipeline = HunyuanDiTPipeline.from_pretrained(
             pretrained_model_name_or_path, torch_dtype=torch_dtype, local_files_only=True, **skip, **kwargs
@@ -121,8 +129,8 @@ class PipeFusionHunyuanDiTPipeline:
         return cls(pipeline, parallel, comm, context, torch_dtype or torch.float32)
 
     @classmethod
-    def from_pipe(cls, pipeline: HunyuanDiTPipeline, parallel=None, comm=None,
-                  device=None) -> "PipeFusionHunyuanDiTPipeline":
+    def from_pipe(cls, pipeline: HunyuanDiTPipeline, parallel=None, comm=None, device=None,
+                  fingerprint=None) -> "PipeFusionHunyuanDiTPipeline":
         """Parallelise an already loaded diffusers ``HunyuanDiTPipeline`` (same object on every rank).
 
         The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and ranks other than 0
@@ -130,7 +138,7 @@ class PipeFusionHunyuanDiTPipeline:
         """
         dtype = pipeline.transformer.dtype
         parallel, comm = parallel_config(parallel), comm_config(comm)
-        context = init_parallel(parallel, comm, _runtime(dtype, device))
+        context = init_parallel(parallel, comm, _runtime(dtype, device), fingerprint)
         return cls(pipeline, parallel, comm, context, dtype)
 
     # ----------------------------------------------------------------------------------------------- properties
@@ -266,6 +274,8 @@ class PipeFusionHunyuanDiTPipeline:
             negative_prompt_attention_mask, prompt_embeds_2, negative_prompt_embeds_2, prompt_attention_mask_2,
             negative_prompt_attention_mask_2, callback_on_step_end_tensor_inputs,
         )
+        self._check_call_args(output_type, num_images_per_prompt, latents, original_size, target_size,
+                              crops_coords_top_left, height, width, prompt, prompt_embeds)
         self._check_parallel_args(height, width, num_inference_steps, guidance_scale, guidance_rescale, generator)
         self._interrupt = False
         for channels in (ctx.channels, ctx.cfg_channels):
@@ -278,88 +288,94 @@ class PipeFusionHunyuanDiTPipeline:
             batch_size = len(prompt)
         else:
             batch_size = prompt_embeds.shape[0]
-        device = ctx.device
 
-        # 2. Encode the prompts on rank 0 and broadcast the embeddings.
-        text = None
-        if ctx.is_output:
-            text = {}
-            for index, length, suffix, given in (
-                (0, 77, "", (prompt_embeds, negative_prompt_embeds, prompt_attention_mask,
-                             negative_prompt_attention_mask)),
-                (1, 256, "_2", (prompt_embeds_2, negative_prompt_embeds_2, prompt_attention_mask_2,
-                                negative_prompt_attention_mask_2)),
-            ):
-                emb, neg, mask, neg_mask = pipe.encode_prompt(
-                    prompt=prompt, device=device, dtype=self.dtype, num_images_per_prompt=num_images_per_prompt,
-                    do_classifier_free_guidance=do_cfg, negative_prompt=negative_prompt, prompt_embeds=given[0],
-                    negative_prompt_embeds=given[1], prompt_attention_mask=given[2],
-                    negative_prompt_attention_mask=given[3], max_sequence_length=length, text_encoder_index=index,
-                )
-                text[f"prompt_embeds{suffix}"], text[f"prompt_attention_mask{suffix}"] = emb.cpu(), mask.cpu()
-                if do_cfg:
-                    text[f"negative_prompt_embeds{suffix}"] = neg.cpu()
-                    text[f"negative_prompt_attention_mask{suffix}"] = neg_mask.cpu()
-        text = {k: v.to(device) for k, v in self._broadcast(text).items()}
+        result = None
+        with ctx.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
+            device = ctx.device
+            # 2. Encode the prompts on rank 0 and broadcast the embeddings.
+            text = None
+            if ctx.is_output:
+                text = {}
+                for index, length, suffix, given in (
+                    (0, 77, "", (prompt_embeds, negative_prompt_embeds, prompt_attention_mask,
+                                 negative_prompt_attention_mask)),
+                    (1, 256, "_2", (prompt_embeds_2, negative_prompt_embeds_2, prompt_attention_mask_2,
+                                    negative_prompt_attention_mask_2)),
+                ):
+                    emb, neg, mask, neg_mask = pipe.encode_prompt(
+                        prompt=prompt, device=device, dtype=self.dtype, num_images_per_prompt=num_images_per_prompt,
+                        do_classifier_free_guidance=do_cfg, negative_prompt=negative_prompt, prompt_embeds=given[0],
+                        negative_prompt_embeds=given[1], prompt_attention_mask=given[2],
+                        negative_prompt_attention_mask=given[3], max_sequence_length=length, text_encoder_index=index,
+                    )
+                    text[f"prompt_embeds{suffix}"], text[f"prompt_attention_mask{suffix}"] = emb.cpu(), mask.cpu()
+                    if do_cfg:
+                        text[f"negative_prompt_embeds{suffix}"] = neg.cpu()
+                        text[f"negative_prompt_attention_mask{suffix}"] = neg_mask.cpu()
+            text = {k: v.to(device) for k, v in self._broadcast(text).items()}
 
-        # 3. Timesteps, latents (rank 0's, broadcast), scheduler kwargs.
-        pipe.scheduler.set_timesteps(num_inference_steps, device=device)
-        timesteps = pipe.scheduler.timesteps
-        if generator is None:  # every rank (and both CFG groups) must draw the same scheduler noise
-            seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if ctx.is_output else None)
-            generator = torch.Generator().manual_seed(seed)
-        latents = pipe.prepare_latents(batch_size * num_images_per_prompt, self.stage.config.in_channels, height,
-                                       width, self.dtype, device, generator, latents)
-        latents = self._broadcast(latents.cpu() if ctx.is_output else None).to(device)
-        extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, eta)
+            # 3. Timesteps, latents (rank 0's, broadcast), scheduler kwargs.
+            pipe.scheduler.set_timesteps(num_inference_steps, device=device)
+            timesteps = pipe.scheduler.timesteps
+            if generator is None:  # every rank (and both CFG groups) must draw the same scheduler noise
+                seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if ctx.is_output else None)
+                generator = torch.Generator().manual_seed(seed)
+            latents = pipe.prepare_latents(batch_size * num_images_per_prompt, self.stage.config.in_channels, height,
+                                           width, self.dtype, device, generator, latents)
+            latents = self._broadcast(latents.cpu() if ctx.is_output else None).to(device)
+            extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, eta)
 
-        # 4. Size/style conditioning, as diffusers builds it.
-        style = torch.tensor([0], device=device)
-        add_time_ids = torch.tensor([list(original_size + (target_size or (height, width)) + crops_coords_top_left)],
-                                    dtype=self.dtype)
-        if do_cfg:
-            keys = ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2")
-            batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) for k in keys}
-            add_time_ids, style = torch.cat([add_time_ids] * 2, dim=0), torch.cat([style] * 2, dim=0)
-        else:
-            batched = {k: text[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
-                                            "prompt_attention_mask_2")}
-        add_time_ids = add_time_ids.to(device=device).repeat(batch_size * num_images_per_prompt, 1)
-        style = style.to(device=device).repeat(batch_size * num_images_per_prompt)
-        model_text = dict(batched, image_meta_size=add_time_ids, style=style)
-        cfg_half = None
-        if par.cfg_degree == 2:  # this CFG group's half of every batched tensor: [uncond | cond]
-            half = latents.shape[0]
-            model_text = {k: v[ctx.cfg_rank * half:(ctx.cfg_rank + 1) * half] for k, v in model_text.items()}
-            cfg_half = (ctx.cfg_rank, self._cfg_exchange)
+            # 4. Size/style conditioning, as diffusers builds it.
+            style = torch.tensor([0], device=device)
+            add_time_ids = torch.tensor([list(original_size + (target_size or (height, width)) + crops_coords_top_left)],
+                                        dtype=self.dtype)
+            if do_cfg:
+                keys = ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2")
+                batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) for k in keys}
+                add_time_ids, style = torch.cat([add_time_ids] * 2, dim=0), torch.cat([style] * 2, dim=0)
+            else:
+                batched = {k: text[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
+                                                "prompt_attention_mask_2")}
+            add_time_ids = add_time_ids.to(device=device).repeat(batch_size * num_images_per_prompt, 1)
+            style = style.to(device=device).repeat(batch_size * num_images_per_prompt)
+            model_text = dict(batched, image_meta_size=add_time_ids, style=style)
+            cfg_half = None
+            if par.cfg_degree == 2:  # this CFG group's half of every batched tensor: [uncond | cond]
+                half = latents.shape[0]
+                model_text = {k: v[ctx.cfg_rank * half:(ctx.cfg_rank + 1) * half] for k, v in model_text.items()}
+                cfg_half = (ctx.cfg_rank, self._cfg_exchange)
 
-        # 5. The denoising loop: xfuse's engine.
-        progress = pipe.progress_bar(total=num_inference_steps) if ctx.is_output else None
-        on_step_end, self._callback_error = None, None
-        if callback_on_step_end is not None and ctx.cfg_rank == 0 and ctx.pipe_rank == self.plan.output_rank:
-            def on_step_end(step, current):
-                if self._callback_error is None:  # after a refused change, the loop finishes without callbacks
-                    self._callback_error = self._run_callback(
-                        callback_on_step_end, callback_on_step_end_tensor_inputs, step, timesteps[step], current,
-                        batched, text)
-        request = denoise_request(
-            self.stage, latents=latents, timesteps=timesteps, scheduler=pipe.scheduler,
-            guidance_scale=guidance_scale, guidance_rescale=guidance_rescale, cfg_half=cfg_half,
-            extra_step_kwargs=extra_step_kwargs, generator=generator, on_step_end=on_step_end,
-            on_progress=None if progress is None else (lambda step: progress.update()), **model_text,
-        )
-        grid = patch_grid(height // pipe.vae_scale_factor, width // pipe.vae_scale_factor,
-                          par.resolved_num_patches, self.stage.config.patch_size)
-        try:
-            final = self.engine.denoise(request, grid)
-        finally:
-            if progress is not None:
-                progress.close()
+            # 5. The denoising loop: xfuse's engine.
+            progress = pipe.progress_bar(total=num_inference_steps) if ctx.is_output else None
+            on_step_end, self._callback_error = None, None
+            if callback_on_step_end is not None and ctx.cfg_rank == 0 and ctx.pipe_rank == self.plan.output_rank:
+                def on_step_end(step, current):
+                    if self._callback_error is None:  # after a refused change, the loop finishes without callbacks
+                        self._callback_error = self._run_callback(
+                            callback_on_step_end, callback_on_step_end_tensor_inputs, step, timesteps[step], current,
+                            batched, text)
+            request = denoise_request(
+                self.stage, latents=latents, timesteps=timesteps, scheduler=pipe.scheduler,
+                guidance_scale=guidance_scale, guidance_rescale=guidance_rescale, cfg_half=cfg_half,
+                extra_step_kwargs=extra_step_kwargs, generator=generator, on_step_end=on_step_end,
+                on_progress=None if progress is None else (lambda step: progress.update()), **model_text,
+            )
+            grid = patch_grid(height // pipe.vae_scale_factor, width // pipe.vae_scale_factor,
+                              par.resolved_num_patches, self.stage.config.patch_size)
+            try:
+                final = self.engine.denoise(request, grid)
+            finally:
+                if progress is not None:
+                    progress.close()
+            if ctx.is_output:
+                result = self._decode(final, output_type, return_dict)
         if self._callback_error is not None:  # raised once the loop is over, so no peer is left waiting
             raise self._callback_error
-        if not ctx.is_output:
-            return None
+        return result
 
+    def _decode(self, final, output_type, return_dict):
+        """Rank 0: VAE decode, safety checker and post-processing, as diffusers does."""
+        pipe, device = self.pipeline, self.context.device
         # 6. Decode and post-process on rank 0, as diffusers does.
         if output_type != "latent":
             image = pipe.vae.decode(final / pipe.vae.config.scaling_factor, return_dict=False)[0]
@@ -372,6 +388,31 @@ class PipeFusionHunyuanDiTPipeline:
         if not return_dict:
             return (image, has_nsfw_concept)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=has_nsfw_concept)
+
+    def _check_call_args(self, output_type, num_images_per_prompt, latents, original_size, target_size,
+                         crops_coords_top_left, height, width, prompt, prompt_embeds):
+        """Checks diffusers makes late (after the loop, or on one rank only): made up front, on every rank."""
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ValueError(f"output_type must be one of 'pil', 'np', 'pt', 'latent' (got {output_type!r})")
+        if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or (
+            num_images_per_prompt < 1
+        ):
+            raise ValueError(f"num_images_per_prompt must be a positive integer (got {num_images_per_prompt!r})")
+        for name, value in (("original_size", original_size), ("target_size", target_size),
+                            ("crops_coords_top_left", crops_coords_top_left)):
+            if value is None and name == "target_size":
+                continue
+            if not isinstance(value, tuple) or len(value) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
+                raise ValueError(f"{name} must be a tuple of two ints (got {value!r})")
+        if latents is not None:
+            batch = (1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list)
+                     else prompt_embeds.shape[0]) * num_images_per_prompt
+            shape = (batch, self.stage.config.in_channels, height // 8, width // 8)
+            if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
+                raise ValueError(f"latents must be a tensor of shape {shape} for this request "
+                                 f"(got {getattr(latents, 'shape', type(latents).__name__)})")
 
     def _check_parallel_args(self, height, width, num_inference_steps, guidance_scale, guidance_rescale, generator):
         par = self.parallel

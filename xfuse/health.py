@@ -1,0 +1,193 @@
+"""Never hang, always say why: the start-up handshake and failure propagation across ranks.
+
+* ``handshake``: before any data moves, every rank publishes a fingerprint (versions, resolved config, model
+  config hash, stage plan) and all compare; any difference raises the same ``StartupMismatch`` on every rank,
+  listing each differing field and which ranks hold which value.
+* ``FailureMonitor``: the first rank to fail writes its error into the process group's key-value store
+  (``compare_set``: the first writer wins). Every later failure on any rank names that first failure. A daemon
+  thread polls the store: a rank stuck in communication after another rank failed reports and exits instead of
+  sitting out its timeout; under torchrun, a rank terminated by the launcher (SIGTERM) says why before exiting.
+  On failure each rank writes its ring buffer of recent communication ops to stderr (and to
+  ``$XFUSE_LOG_DIR/rank<R>.ops.log`` when set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+FAILURE_KEY = "xfuse/first_failure"
+
+
+class StartupMismatch(ValueError):
+    """Ranks disagree on something they must share (config, versions, model, plan)."""
+
+
+class WorldFailure(RuntimeError):
+    """This rank stopped because a rank of the world failed; the message names the first failure."""
+
+
+def flatten(prefix: str, value) -> dict[str, str]:
+    """{"parallel": {"num_patches": 4}} -> {"parallel.num_patches": "4"}."""
+    if isinstance(value, dict):
+        out = {}
+        for key, sub in value.items():
+            out.update(flatten(f"{prefix}.{key}" if prefix else str(key), sub))
+        return out
+    return {prefix: repr(value)}
+
+
+def config_hash(config: dict) -> str:
+    """Hash of a model config, without the keys that name where it was loaded from."""
+    clean = {k: v for k, v in sorted(config.items()) if not k.startswith("_")}
+    return hashlib.sha1(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def versions() -> dict[str, str]:
+    import diffusers
+    import torch
+
+    import xfuse
+
+    return {"version.xfuse": xfuse.__version__, "version.torch": torch.__version__,
+            "version.diffusers": diffusers.__version__}
+
+
+def handshake(fingerprint: dict[str, str], *, world_size: int, group=None) -> None:
+    """Compare ``fingerprint`` across all ranks; raise ``StartupMismatch`` on every rank if any field differs."""
+    if world_size == 1:
+        return
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, fingerprint, group=group)
+    lines = []
+    for key in sorted(set().union(*everyone)):
+        holders: dict[str, list[int]] = {}
+        for rank, fp in enumerate(everyone):
+            holders.setdefault(fp.get(key, "<missing>"), []).append(rank)
+        if len(holders) > 1:
+            lines.append(f"  {key}: " + "; ".join(
+                f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} = {v}" for v, r in holders.items()))
+    if lines:
+        raise StartupMismatch("ranks disagree at start-up (every rank must run the same xfuse, torch and "
+                              "diffusers, config and model):\n" + "\n".join(lines))
+
+
+class FailureMonitor:
+    """Propagates the first failure of the world to every rank (see the module docstring).
+
+    Args:
+        rank: this global rank.
+        store: the process group's key-value store (``None``: a single process, nothing to propagate).
+        op_logs: callables returning this rank's recent communication ops as text, for failure reports.
+        grace_s: how long a rank stuck in communication waits for its own error after another rank failed.
+    """
+
+    def __init__(self, rank: int, store, op_logs=(), grace_s: float = 2.0, poll_s: float = 0.25):
+        self.rank, self.store, self.op_logs = rank, store, list(op_logs)
+        self.grace_s, self.poll_s = grace_s, poll_s
+        self.active = 0  # >0 while this rank is inside a guarded (communicating) section
+        self.failure: str | None = None  # the world's first failure, once known here
+        self._reported = False
+        if store is not None:
+            threading.Thread(target=self._watch, name=f"xfuse-monitor-{rank}", daemon=True).start()
+
+    # --- the store ----------------------------------------------------------------------------------------
+    def record(self, error: BaseException) -> str:
+        """Make ``error`` the world's first failure unless one exists; return the first failure."""
+        mine = f"rank {self.rank}: {type(error).__name__}: {error}"
+        if self.store is None:
+            self.failure = self.failure or mine
+            return self.failure
+        try:
+            first = self.store.compare_set(FAILURE_KEY, "", mine)
+            self.failure = first.decode() if isinstance(first, bytes) else str(first)
+        except Exception:  # noqa: BLE001 - the store died with its host: this error is the best we know
+            self.failure = self.failure or mine
+        return self.failure
+
+    def first(self) -> str | None:
+        if self.failure is None and self.store is not None:
+            try:
+                if self.store.check([FAILURE_KEY]):
+                    value = self.store.get(FAILURE_KEY)
+                    self.failure = (value.decode() if isinstance(value, bytes) else str(value)) or None
+            except Exception as err:  # noqa: BLE001 - losing the store means its host (rank 0 / agent) is gone
+                self.failure = f"the rendezvous store is unreachable ({type(err).__name__}: {err})"
+        return self.failure
+
+    # --- reporting ----------------------------------------------------------------------------------------
+    def report(self, headline: str) -> None:
+        """Write ``headline`` and the recent communication ops to stderr (and $XFUSE_LOG_DIR), once."""
+        if self._reported:
+            return
+        self._reported = True
+        ops = "\n".join(log() for log in self.op_logs)
+        print(f"[xfuse] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
+        log_dir = os.environ.get("XFUSE_LOG_DIR")
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, f"rank{self.rank}.ops.log"), "w") as fh:
+                fh.write(f"{headline}\n{ops}\n")
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Around work that communicates: on failure, record it, report, and raise naming the first failure."""
+        if self.failure is not None:
+            raise WorldFailure(f"rank {self.rank}: the world failed earlier ({self.failure}); restart every rank")
+        self.active += 1
+        try:
+            yield
+        except BaseException as err:
+            first = self.record(err)
+            own = first.startswith(f"rank {self.rank}:")
+            message = f"rank {self.rank} failed: {type(err).__name__}: {err}" + (
+                "" if own else f"\n  first failure in the world: {first}")
+            self.report(message)
+            if own and not isinstance(err, WorldFailure):
+                raise
+            raise WorldFailure(message) from err
+        finally:
+            self.active -= 1
+
+    # --- the watcher --------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        stuck_since = None
+        while True:
+            time.sleep(self.poll_s)
+            first = self.first()
+            if first is None or first.startswith(f"rank {self.rank}:") or not self.active:
+                stuck_since = None
+                continue
+            stuck_since = stuck_since or time.monotonic()
+            if time.monotonic() - stuck_since >= self.grace_s:  # our own error path did not fire: stop here
+                self.report(f"rank {self.rank} stopped: waiting in communication after another rank failed"
+                            f"\n  first failure in the world: {first}")
+                os._exit(1)
+
+    def install_sigterm_handler(self) -> None:
+        """Under torchrun: when the launcher terminates this rank after another failed, say why first."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_sigterm(signum, frame):
+            first = self.first() or "unknown (no rank recorded a failure)"
+            self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: "
+                        f"{first}")
+            os._exit(1)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def default_store():
+    """The default process group's store (None without a process group)."""
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
