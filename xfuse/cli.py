@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import traceback
 import sys
 import time
 
@@ -36,21 +37,31 @@ def cmd_generate(args) -> int:
     import torch
     import torch.distributed as dist
 
+    from xfuse.health import flatten
     from xfuse.models import load_pipeline, transformer_config
     from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
     config = load_config(args.config, overrides)
-    gen, dtype = config.generation, getattr(torch, config.runtime.dtype)
+    gen, dtype, par = config.generation, getattr(torch, config.runtime.dtype), config.parallel
     device = None if config.runtime.device == "auto" else config.runtime.device
     default = transformer_config(config.model).get("sample_size", 128) * 8
+    # Every rank must run the same model and generation settings: compared at start-up with the rest.
+    fingerprint = flatten("", {"model": config.model, "generation": config.to_dict()["generation"]})
     try:
         if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
             pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(config.model, dtype), parallel=config.parallel,
-                                                          comm=config.comm, device=device)
+                                                          comm=config.comm, device=device, fingerprint=fingerprint)
         else:
             pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(config.model, parallel=config.parallel,
-                                                                comm=config.comm, torch_dtype=dtype, device=device)
+                                                                comm=config.comm, torch_dtype=dtype, device=device,
+                                                                fingerprint=fingerprint)
+        if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
+            pipe.context.monitor.install_sigterm_handler()
+        if os.environ.get("XFUSE_FAULT"):  # fault-injection tests only
+            from xfuse.testing.faults import install
+
+            install(pipe.stage, par.warmup_steps, par.resolved_num_patches, pipe.context.rank)
         start = time.perf_counter()
         out = pipe(prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height or default,
                    width=gen.width or default, num_inference_steps=gen.num_inference_steps,
@@ -62,7 +73,6 @@ def cmd_generate(args) -> int:
             output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
             os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
             out.images[0].save(output)
-            par = config.parallel
             print(f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
                   f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
                   f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
@@ -93,8 +103,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # xfuse loads local folders only
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    rank = os.environ.get("RANK", "0")
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"xfuse {args.command}: error: {err}", file=sys.stderr)
+    except ConfigError as err:  # a bad value: the same on every rank
+        print(f"xfuse {args.command}: rank {rank}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - report every failure in one line after its traceback
+        traceback.print_exc()
+        print(f"xfuse {args.command}: rank {rank}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1

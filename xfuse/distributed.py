@@ -61,16 +61,22 @@ def resolve_device(runtime: RuntimeConfig) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def apply_socket_ifname(comm: CommConfig) -> None:
-    """Point gloo and NCCL at ``comm.socket_ifname``, refusing a name this host does not have."""
+def check_socket_ifname(comm: CommConfig) -> None:
+    """Refuse a ``comm.socket_ifname`` this host does not have, listing the ones it has."""
     if comm.socket_ifname is None:
         return
     names = sorted(name for _, name in socket.if_nameindex())
     if comm.socket_ifname not in names:
         raise ConfigError("comm.socket_ifname", f"no interface {comm.socket_ifname!r} on this host; it has: "
                                                 f"{', '.join(names)}")
-    os.environ["GLOO_SOCKET_IFNAME"] = comm.socket_ifname
-    os.environ["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
+
+
+def apply_socket_ifname(comm: CommConfig) -> None:
+    """Point gloo and NCCL at ``comm.socket_ifname`` (before the process group is created)."""
+    check_socket_ifname(comm)
+    if comm.socket_ifname is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = comm.socket_ifname
+        os.environ["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
 
 
 _MONITORS: dict[tuple[int, int], FailureMonitor] = {}
@@ -91,6 +97,7 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
     pp, cfg = parallel.pipefusion_degree, parallel.cfg_degree
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(runtime)
+    check_socket_ifname(comm)  # also when the process group exists already: a wrong name is still wrong
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any NCCL call, or NCCL hangs
     backend = None
@@ -131,6 +138,7 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
         cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
     monitor = _process_monitor(rank, world)
     monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
+    monitor.state_sources = [c.describe_state for c in (channels, cfg_channels) if c is not None]
     return ParallelContext(
         rank=rank, world_size=world, pipe_rank=pipe_rank, cfg_rank=cfg_rank, pipe_ranks=all_pipes[cfg_rank],
         cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp), device=device, backend=backend, channels=channels,

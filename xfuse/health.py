@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -33,6 +34,12 @@ class StartupMismatch(ValueError):
 
 class WorldFailure(RuntimeError):
     """This rank stopped because a rank of the world failed; the message names the first failure."""
+
+
+def clock() -> str:
+    """Wall-clock time with milliseconds, for failure reports: 09:59:42.313."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
 
 
 def flatten(prefix: str, value) -> dict[str, str]:
@@ -92,6 +99,8 @@ class FailureMonitor:
 
     def __init__(self, rank: int, store, op_logs=(), grace_s: float = 2.0, poll_s: float = 0.25):
         self.rank, self.store, self.op_logs = rank, store, list(op_logs)
+        self.state_sources: list = []  # callables: what this rank's channels wait for (None when not waiting)
+        self._last_wait = time.monotonic()
         self.grace_s, self.poll_s = grace_s, poll_s
         self.active = 0  # >0 while this rank is inside a guarded (communicating) section
         self.failure: str | None = None  # the world's first failure, once known here
@@ -130,7 +139,7 @@ class FailureMonitor:
             return
         self._reported = True
         ops = "\n".join(log() for log in self.op_logs)
-        print(f"[xfuse] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
+        print(f"[xfuse {clock()}] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
         log_dir = os.environ.get("XFUSE_LOG_DIR")
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
@@ -146,6 +155,11 @@ class FailureMonitor:
         try:
             yield
         except BaseException as err:
+            peer = getattr(err, "peer", None)
+            if peer is not None and type(err).__name__ == "CommTimeout":  # say where the chain of waits ends
+                chain = self.diagnose(peer, world_size=10**6)
+                if chain:
+                    err.args = (f"{err}\n  {chain}",)
             first = self.record(err)
             own = first.startswith(f"rank {self.rank}:")
             message = f"rank {self.rank} failed: {type(err).__name__}: {err}" + (
@@ -158,10 +172,41 @@ class FailureMonitor:
             self.active -= 1
 
     # --- the watcher --------------------------------------------------------------------------------------
+    def publish_state(self) -> None:
+        """Tell the other ranks what this rank is doing (read by ``diagnose`` when a wait times out)."""
+        states = [state for source in self.state_sources if (state := source()) is not None]
+        if states:
+            self._last_wait = time.monotonic()
+            text = "; ".join(states)
+        else:
+            text = f"not communicating for {time.monotonic() - self._last_wait:.1f} s (computing, or stalled)"
+        try:
+            self.store.set(f"xfuse/state/{self.rank}", text)
+        except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
+            pass
+
+    def diagnose(self, peer: int, world_size: int) -> str:
+        """Follow who-waits-for-whom from ``peer``: the rank that is not waiting is where the chain is stuck."""
+        if self.store is None:
+            return ""
+        lines, seen = [], {self.rank}
+        while peer is not None and peer not in seen and len(seen) <= world_size:
+            seen.add(peer)
+            try:
+                state = self.store.get(f"xfuse/state/{peer}").decode() if self.store.check(
+                    [f"xfuse/state/{peer}"]) else "no state published"
+            except Exception as err:  # noqa: BLE001
+                state = f"unknown ({type(err).__name__})"
+            lines.append(f"rank {peer}: {state}")
+            found = re.search(r" rank (\d+) at step", state) if state.startswith("waiting") else None
+            peer = int(found.group(1)) if found else None
+        return "\n  ".join(["who waits for whom:", *lines]) if lines else ""
+
     def _watch(self) -> None:
         stuck_since = None
         while True:
             time.sleep(self.poll_s)
+            self.publish_state()
             first = self.first()
             if first is None or first.startswith(f"rank {self.rank}:") or not self.active:
                 stuck_since = None

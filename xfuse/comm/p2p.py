@@ -194,6 +194,7 @@ class P2PChannels:
         self.counters = TrafficCounters()
         self.op_log = OpLog(log_size)
         self.failure: CommError | None = None  # the first fatal error; the channels are dead after it
+        self.waiting_on = None  # (record, since) while a wait blocks: the failure monitor reports it
         self._pool = RecvBufferPool(self.device)
         self._poll = self.device.type != "cpu"
         if self.device.type == "cuda" and self.device.index is not None:
@@ -258,6 +259,18 @@ class P2PChannels:
     def num_buffers(self) -> int:
         """Receive buffers currently allocated by the pool."""
         return self._pool.num_buffers()
+
+    def describe_state(self) -> str | None:
+        """What this rank's channels are doing now, e.g. ``waiting 3.2 s: recv of hidden from rank 1 at step 2,
+        patch 0`` (None when not waiting). Safe to call from another thread."""
+        waiting = self.waiting_on
+        if waiting is None:
+            return None
+        r, since = waiting
+        patch = "whole image" if r.patch is None else f"patch {r.patch}"
+        preposition = "from" if r.direction == "recv" else "to"
+        return (f"waiting {time.monotonic() - since:.1f} s: {r.direction} of {r.kind} {preposition} rank {r.peer} "
+                f"at step {r.step}, {patch}")
 
     def format_op_log(self) -> str:
         """The recent operations, with state and timing, for failure reports."""
@@ -336,6 +349,7 @@ class P2PChannels:
                 what="not waited: the process group is unusable after an earlier failure",
                 detail=str(self.failure), **self._fields(h),
             )
+        self.waiting_on = (h.record, time.monotonic())  # read by the failure monitor's thread
         try:
             if self._poll:
                 self._wait_polling(h._work, time.monotonic() + self.timeout_s)
@@ -344,6 +358,8 @@ class P2PChannels:
                 raise _Expired()
         except Exception as exc:
             self._fail(h, exc)
+        finally:
+            self.waiting_on = None
         h.state = "done"
         h.record.status, h.record.t_done = "done", time.monotonic()
         self.counters.add(h.record.direction, h.record.kind, h.record.nbytes)

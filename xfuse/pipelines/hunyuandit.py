@@ -261,9 +261,15 @@ class PipeFusionHunyuanDiTPipeline:
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
 
-        # 0. Default height and width, as diffusers does (rounded to 16, optionally binned).
-        height = int(((height or pipe.default_sample_size * pipe.vae_scale_factor) // 16) * 16)
-        width = int(((width or pipe.default_sample_size * pipe.vae_scale_factor) // 16) * 16)
+        # 0. Default height and width as diffusers does, optionally binned. diffusers silently rounds a size down to
+        #    a multiple of 16; xfuse refuses it instead (binning, which users opt into and which logs, still maps).
+        height = height or pipe.default_sample_size * pipe.vae_scale_factor
+        width = width or pipe.default_sample_size * pipe.vae_scale_factor
+        for name, value in (("height", height), ("width", width)):
+            if not use_resolution_binning and (not isinstance(value, int) or isinstance(value, bool) or value % 16):
+                raise ValueError(f"{name} must be a positive multiple of 16 (got {value!r}; diffusers would "
+                                 f"silently use {int(value // 16 * 16) if isinstance(value, (int, float)) else '?'})")
+        height, width = int(height // 16 * 16), int(width // 16 * 16)
         if use_resolution_binning and (height, width) not in SUPPORTED_SHAPE:
             width, height = map(int, map_to_standard_shapes(width, height))
             logger.warning(f"Reshaped to (height, width)=({height}, {width}), Supported shapes are {SUPPORTED_SHAPE}")

@@ -1,0 +1,169 @@
+"""Failures with real processes: ranks really killed, stalled or raising under torchrun; mismatched start-up;
+bad inputs refused on every rank. Every world here has a wall-clock limit, so a regression fails instead of hanging.
+"""
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.fault_fns import build_errors, start_with_config
+from tests.pipeline_fns import run_calls
+from xfuse.models.tiny import save_tiny_pipeline
+from xfuse.testing.world import World
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+REPORT = re.compile(r"\[xfuse (\d\d:\d\d:\d\d\.\d{3})\] (rank (\d+) .*)")
+FAULT = re.compile(r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at step (\d+)")
+
+
+def at(stamp: str, day: datetime.date) -> float:
+    return datetime.datetime.combine(day, datetime.time.fromisoformat(stamp)).timestamp()
+
+
+def launch(tmp_path, degree, fault, timeout_s, steps=6):
+    """torchrun a PipeFusion generation with a fault armed; return (returncode, stderr, fault time, end time,
+    {rank: (report time, report text)})."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={degree}", "-m",
+           "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", "--set", f"parallel.pipefusion_degree={degree}",
+           "--set", f"parallel.num_patches={degree}", "--set", f"comm.timeout_s={timeout_s}",
+           "--set", f"generation.num_inference_steps={steps}", "--output", str(tmp_path / "never.png")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "XFUSE_FAULT": fault}, timeout=240)
+    end = datetime.datetime.now().timestamp()
+    day = datetime.date.today()
+    lines = out.stderr.splitlines()
+    fault_match = next(m for line in lines if (m := FAULT.search(line)))
+    reports = {}
+    for i, line in enumerate(lines):
+        match = REPORT.search(line)
+        if match and int(match.group(3)) not in reports:
+            block = [match.group(2)]
+            for follow in lines[i + 1:i + 8]:  # the report's indented lines, up to its op log
+                if not follow.startswith("  "):
+                    break
+                block.append(follow)
+            reports[int(match.group(3))] = (at(match.group(1), day), "\n".join(block))
+    return out.returncode, out.stderr, at(fault_match.group(1), day), end, reports
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_killed_rank_stops_every_rank_quickly_naming_it(tmp_path, degree):
+    timeout_s, victim = 30, degree - 1
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, f"kill:{victim}:2", timeout_s)
+    assert rc != 0
+    assert end_t - fault_t < timeout_s + 5  # nobody sat out the 30 s timeout
+    survivors = set(range(degree)) - {victim}
+    assert set(reports) >= survivors, stderr[-3000:]
+    for rank in survivors:
+        when, text = reports[rank]
+        assert when - fault_t < 5 and f"rank {victim}" in text, text  # each names the lost rank
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_stalled_rank_gives_comm_timeout_with_rank_peer_op_step_patch(tmp_path, degree):
+    timeout_s, victim = 3, 1
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, f"stall:{victim}:2", timeout_s)
+    assert rc != 0
+    timeouts = [(when, text) for rank, (when, text) in reports.items() if "CommTimeout" in text.splitlines()[0]]
+    assert timeouts, stderr[-3000:]
+    when, text = min(timeouts)
+    assert when - fault_t < timeout_s + 2
+    assert re.search(r"rank \d+: (recv|send) of hidden \(2, \d+, 32\) float32, \d+ bytes, (from|to) rank \d+ timed "
+                     r"out after 3.0 s at step 2, patch \d", text), text
+    assert f"rank {victim}: not communicating" in text  # who-waits-for-whom ends at the stalled rank
+    assert end_t - fault_t < timeout_s + 10
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_exception_in_a_forward_stops_every_rank_naming_it(tmp_path, degree):
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, "raise:1:1", 30)
+    assert rc != 0 and end_t - fault_t < 10
+    assert set(reports) == set(range(degree)), stderr[-3000:]
+    for rank, (_, text) in reports.items():
+        assert "RuntimeError: injected fault: rank 1 raised in its forward at step 1" in text, text
+    assert "xfuse generate: rank 1: error: RuntimeError: injected fault" in stderr
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_ranks_with_different_yaml_files_are_refused_at_start(tmp_path, degree):
+    base = open("configs/tiny/pp2.yaml").read().replace("pipefusion_degree: 2", f"pipefusion_degree: {degree}")
+    paths = []
+    for rank in range(degree):
+        text = base.replace("warmup_steps: 1", "warmup_steps: 2") if rank == degree - 1 else base
+        text = text.replace("seed: 0", "seed: 7") if rank == 0 else text
+        (tmp_path / f"rank{rank}.yaml").write_text(text)
+        paths.append(str(tmp_path / f"rank{rank}.yaml"))
+    with World(degree) as world:
+        results = world.run_ok(start_with_config, paths, timeout=120)
+    others = ", ".join(map(str, range(degree - 1)))
+    for error_type, message in results:  # the same error, naming each field and who holds what, on every rank
+        assert error_type == "StartupMismatch"
+        assert f"parallel.warmup_steps: rank{'s' if degree > 2 else ''} {others} = 1; rank {degree - 1} = 2" in message
+        assert "generation.seed: rank 0 = 0" not in message and "generation.seed: rank 0 = 7" in message
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "HunyuanDiT-tiny")
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+import torch  # noqa: E402  (after the fixtures: only the tables below need it)
+
+BAD_CONFIG = [  # from_pretrained keyword arguments -> (error type, text naming the field)
+    (dict(parallel={"pipefusion_degree": 3}), "ConfigError", "parallel.pipefusion_degree"),
+    (dict(parallel={"pipefusion_degree": 2, "num_patches": 0}), "ConfigError", "parallel.num_patches"),
+    (dict(parallel={"pipefusion_degree": 2, "placement": "diagonal"}), "ConfigError", "parallel.placement"),
+    (dict(parallel={"pipefusion_degree": 2, "cfg_degree": 3}), "ConfigError", "parallel.cfg_degree"),
+    (dict(parallel={"pipefusion_degree": 2, "warmup_steps": -1}), "ConfigError", "parallel.warmup_steps"),
+    (dict(parallel={"pipefusion_degree": 2, "stage_split": [1, 2]}), "ConfigError", "parallel.stage_split"),
+    (dict(parallel={"pipefusion_degre": 2}), "ConfigError", "parallel.pipefusion_degre"),
+    (dict(parallel={"pipefusion_degree": 2}, comm={"timeout_s": 0}), "ConfigError", "comm.timeout_s"),
+    (dict(parallel={"pipefusion_degree": 2}, comm={"max_inflight": 0}), "ConfigError", "comm.max_inflight"),
+    (dict(parallel={"pipefusion_degree": 2}, comm={"backend": "mpi"}), "ConfigError", "comm.backend"),
+    (dict(parallel={"pipefusion_degree": 2}, comm={"socket_ifname": "nope0"}), "ConfigError",
+     "comm.socket_ifname: no interface 'nope0' on this host; it has: "),
+    (dict(parallel={"pipefusion_degree": 2}, torch_dtype=torch.int8), "ValueError", "torch_dtype must be one of"),
+]
+CALL = dict(prompt="a red house", height=128, width=96, num_inference_steps=3, output_type="np",
+            use_resolution_binning=False)
+BAD_CALLS = [  # __call__ overrides -> (error type, text naming the field)
+    (dict(height=100), "ValueError", "height must be a positive multiple of 16 (got 100; diffusers would silently"),
+    (dict(width=96.0), "ValueError", "width must be a positive multiple of 16 (got 96.0"),
+    (dict(height=16), "ConfigError", "parallel.num_patches"),
+    (dict(output_type="jpg"), "ValueError", "output_type must be one of"),
+    (dict(num_images_per_prompt=0), "ValueError", "num_images_per_prompt must be a positive integer"),
+    (dict(latents=torch.zeros(1, 4, 8, 8)), "ValueError", "latents must be a tensor of shape (1, 4, 16, 12)"),
+    (dict(original_size=[1024, 1024]), "ValueError", "original_size must be a tuple of two ints"),
+    (dict(crops_coords_top_left=(0.5, 0)), "ValueError", "crops_coords_top_left must be a tuple of two ints"),
+    (dict(guidance_rescale=0.3), "ValueError", "guidance_rescale=0.3 needs whole-image statistics"),
+    (dict(prompt=123), "ValueError", "`prompt` has to be of type `str` or `list`"),
+    (dict(callback_on_step_end_tensor_inputs=["noise"]), "ValueError", "callback_on_step_end_tensor_inputs"),
+    (dict(num_inference_steps=0), "ValueError", "num_inference_steps must be a positive integer"),
+    (dict(seed="rank"), "ValueError", "generator must be the same on every rank"),
+    (dict(prompt=["a", "b"], seeds=[0, 1]), "ValueError", "generator: a list of generators"),
+    (dict(prompt=None), "ValueError", "Provide either `prompt` or `prompt_embeds`"),
+    (dict(prompt=None, prompt_embeds=torch.zeros(1, 77, 32)), "ValueError", "prompt_embeds_2"),
+]
+
+
+def test_bad_config_values_and_call_arguments_refused_on_every_rank(world2, folder):
+    built = world2.run_ok(build_errors, folder, [kw for kw, _, _ in BAD_CONFIG], timeout=300)
+    calls = world2.run_ok(run_calls, folder, {"pipefusion_degree": 2, "warmup_steps": 1},
+                          [{**CALL, **extra} for extra, _, _ in BAD_CALLS] + [CALL], timeout=300)
+    assert len(BAD_CONFIG) + len(BAD_CALLS) >= 20
+    for rank in range(2):
+        for (kwargs, err_type, text), result in zip(BAD_CONFIG, built[rank]):
+            assert result is not None and result[0] == err_type and text in result[1], (kwargs, result)
+        for (extra, err_type, text), result in zip(BAD_CALLS, calls[rank]):
+            assert result["kind"] == "error" and result["type"] == err_type and text in result["message"], (
+                extra, result)
+        assert calls[rank][-1]["kind"] == ("ok" if rank == 0 else "none")  # nothing hung, the world still works
