@@ -81,3 +81,20 @@ def test_examples_run_under_torchrun(tmp_path, script, args):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "wrote" in out.stdout
     assert len(list(tmp_path.glob("*.png"))) == 1
+
+
+def test_doctor_reports_and_passes_its_self_test():
+    out = xfuse("doctor")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("xfuse 0.1.0, torch ") and "backends: gloo yes" in out.stdout
+    assert "flash-attn: " in out.stdout and "attention: torch SDPA" in out.stdout
+    assert lines[-1].startswith("self-test: 2-rank gloo p2p on loopback") and lines[-1].split(": ")[-1].startswith("PASS")
+
+
+def test_doctor_self_test_fails_on_a_missing_interface():
+    out = subprocess.run([sys.executable, "-m", "xfuse", "doctor", "--timeout", "5"], capture_output=True, text=True,
+                         env={**ENV, "GLOO_SOCKET_IFNAME": "nope0"}, timeout=120)
+    assert out.returncode == 1
+    assert "GLOO_SOCKET_IFNAME=nope0" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("self-test: 2-rank gloo p2p on loopback: FAIL")

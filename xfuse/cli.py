@@ -89,6 +89,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from xfuse.doctor import main as doctor
+
+    return doctor(args.timeout)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +106,9 @@ def main(argv=None) -> int:
     gen.add_argument("--prompt", help="overrides generation.prompt")
     gen.add_argument("--output", "-o", help="PNG path (default outputs/xfuse_<model>_<seed>.png)")
     gen.set_defaults(func=cmd_generate)
+    doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
+    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait")
+    doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # xfuse loads local folders only
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -7,6 +7,7 @@ when ``cfg_degree == 2``) at pipeline rank ``g % pipefusion_degree``. Global ran
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -79,6 +80,11 @@ def apply_socket_ifname(comm: CommConfig) -> None:
         os.environ["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
 
 
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 _MONITORS: dict[tuple[int, int], FailureMonitor] = {}
 
 
@@ -109,6 +115,7 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
                 os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=max(comm.timeout_s, 1.0)), **kwargs)
+        atexit.register(_destroy)  # xfuse created it: destroy it at exit, so torch does not warn
     if dist.is_initialized():
         backend = dist.get_backend()
     control = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
