@@ -1,5 +1,6 @@
 """The xfuse command line, run as a real subprocess."""
 
+import json
 import os
 import subprocess
 import sys
@@ -55,12 +56,23 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     target = tmp_path / "pp2.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse",
            "generate", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.placement=linear",
-           "--set", "generation.height=192", "--set", "parallel.num_patches=3", "--output", str(target)]
+           "--set", "generation.height=192", "--set", "parallel.num_patches=3", "--output", str(target),
+           "--trace", str(tmp_path / "trace.json")]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 256x192" in out.stdout and "linear, 3 patches" in out.stdout
     assert "rank 0 sent" in out.stdout and "skip" in out.stdout  # linear sends skips
     assert np.asarray(Image.open(target)).shape == (192, 256, 3)
+    # The merged timeline: both ranks, compute spans per segment and patch that never overlap on a rank.
+    events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    for rank in (0, 1):
+        compute = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans if e["pid"] == rank and e["tid"] == 0)
+        # configs/tiny/pp2.yaml has 8 steps: 1 whole-image warm-up task, then 7 steps x 3 patches per rank
+        assert len(compute) == 1 + 7 * 3 + (3 if rank == 0 else 0)  # rank 0 also collects 3 final patches
+        assert all(a[1] <= b[0] + 1 for a, b in zip(compute, compute[1:]))
+        assert any(e["tid"] == 1 and e["pid"] == rank for e in spans)  # waits on the communication track
 
 
 def test_generate_refuses_a_world_that_does_not_match():

@@ -62,6 +62,8 @@ def cmd_generate(args) -> int:
             from xfuse.testing.faults import install
 
             install(pipe.stage, par.warmup_steps, par.resolved_num_patches, pipe.context.rank)
+        if args.trace:
+            pipe.enable_trace()
         start = time.perf_counter()
         out = pipe(prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height or default,
                    width=gen.width or default, num_inference_steps=gen.num_inference_steps,
@@ -69,6 +71,7 @@ def cmd_generate(args) -> int:
                    use_resolution_binning=False)
         wall = time.perf_counter() - start
         stats = pipe.rank_stats()
+        events = pipe.write_trace(args.trace) if args.trace else None
         if out is not None:
             output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
             os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
@@ -83,6 +86,8 @@ def cmd_generate(args) -> int:
                 memory = f"peak RSS {stat['peak_rss_mib']:.0f} MiB" + (
                     "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB")
                 print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
+            if events is not None:
+                print(f"wrote {args.trace}: {events} trace events (open in https://ui.perfetto.dev)")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -105,6 +110,7 @@ def main(argv=None) -> int:
     _add_config_args(gen)
     gen.add_argument("--prompt", help="overrides generation.prompt")
     gen.add_argument("--output", "-o", help="PNG path (default outputs/xfuse_<model>_<seed>.png)")
+    gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     gen.set_defaults(func=cmd_generate)
     doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
     doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait")

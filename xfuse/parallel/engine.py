@@ -13,6 +13,7 @@ and computes its own conditioning, so no conditioning crosses ranks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule, protocol
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
 from xfuse.parallel.stage_plan import StagePlan
+from xfuse.parallel.trace import COMM, COMPUTE, Tracer
 
 
 @dataclass
@@ -88,18 +90,22 @@ class PipeFusionEngine:
         return self._schedules[key]
 
     @torch.no_grad()
-    def denoise(self, request: DenoiseRequest, grid: PatchGrid) -> torch.Tensor | None:
-        """Run the denoising loop; return the final latents on the embedding rank (0), ``None`` elsewhere."""
+    def denoise(self, request: DenoiseRequest, grid: PatchGrid, tracer: Tracer | None = None) -> torch.Tensor | None:
+        """Run the denoising loop; return the final latents on the embedding rank (0), ``None`` elsewhere.
+
+        With a ``tracer``, every segment computed and every wait on a message is recorded on the timeline.
+        """
         schedule, program = self._program(len(request.timesteps), grid.num_patches)
-        run = _Run(self, request, grid, schedule)
+        run = _Run(self, request, grid, schedule, tracer)
         return run.execute(program)
 
 
 class _Run:
     """State of one request on one rank (kept off the engine so requests never share it)."""
 
-    def __init__(self, engine: PipeFusionEngine, request: DenoiseRequest, grid: PatchGrid, schedule: Schedule):
-        self.e, self.req, self.grid, self.schedule = engine, request, grid, schedule
+    def __init__(self, engine: PipeFusionEngine, request: DenoiseRequest, grid: PatchGrid, schedule: Schedule,
+                 tracer: Tracer | None = None):
+        self.e, self.req, self.grid, self.schedule, self.tracer = engine, request, grid, schedule, tracer
         self.plan, self.stage, self.me = engine.plan, engine.stage, engine.pipe_rank
         latents = request.latents
         self.latents = latents.clone() if self.me in (self.plan.output_rank, self.plan.embed_rank) else None
@@ -147,7 +153,13 @@ class _Run:
         self.recvs.update(zip(recv_msgs, recv_handles))
 
     def _received(self, task: Task) -> dict[Message, torch.Tensor]:
-        return {m: self.recvs[m].wait() for m in self.schedule.recvs(task)}
+        if self.tracer is None:
+            return {m: self.recvs[m].wait() for m in self.schedule.recvs(task)}
+        received = {}
+        for m in self.schedule.recvs(task):
+            with self.tracer.span(f"recv {m.channel} from r{m.src}", COMM, step=m.step, patch=m.patch):
+                received[m] = self.recvs[m].wait()
+        return received
 
     def _release(self, task: Task) -> None:
         for m in self.schedule.recvs(task):
@@ -167,17 +179,29 @@ class _Run:
                 self._exchange(send_tasks, post_tasks)
                 continue
             if action == "wait_send":
-                for handle in self.sends.pop(task, []):
-                    handle.wait()
+                handles = self.sends.pop(task, [])
+                with self.tracer.span("send wait", COMM, step=task.step, patch=task.patch) if (
+                    self.tracer and handles) else contextlib.nullcontext():
+                    for handle in handles:
+                        handle.wait()
             elif action == "compute":
                 received = self._received(task)
-                self._compute(task, received)
+                with self.tracer.span(self._label(task), COMPUTE, step=task.step, patch=task.patch,
+                                      hop=task.hop) if self.tracer else contextlib.nullcontext():
+                    self._compute(task, received)
                 self._release(task)
                 if self.req.on_progress is not None and last_of_step.get(task.step) == task:
                     self.req.on_progress(task.step)
             # "wait_recv" is folded into "compute": the buffers are waited for right before use.
             i += 1
         return self.latents if self.me == self.plan.embed_rank else None
+
+    def _label(self, task: Task) -> str:
+        where = "whole" if task.patch is None else f"p{task.patch}"
+        if task.hop == COLLECT:
+            return f"s{task.step - 1} {where} collect"
+        blocks = self.plan.route[task.hop].blocks
+        return f"s{task.step} {where} blocks {blocks[0]}-{blocks[-1]}"
 
     def _cond(self, step: int):
         if step not in self.conds:

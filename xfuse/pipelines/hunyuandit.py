@@ -39,6 +39,7 @@ from xfuse.models.hunyuandit import HunyuanDiTStage, denoise_request
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
+from xfuse.parallel.trace import Tracer, write_trace
 
 logger = logging.get_logger(__name__)
 
@@ -97,6 +98,7 @@ class PipeFusionHunyuanDiTPipeline:
             warmup_steps=parallel.warmup_steps, lookahead=comm.max_inflight,
         )
         self._interrupt, self._callback_error = False, None
+        self._tracer: Tracer | None = None
 
     # ---------------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -152,6 +154,22 @@ class PipeFusionHunyuanDiTPipeline:
 
     def set_progress_bar_config(self, **kwargs) -> None:
         self.pipeline.set_progress_bar_config(**kwargs)
+
+    def enable_trace(self, enabled: bool = True) -> None:
+        """Record a timeline of the following calls (compute per segment and patch, communication waits)."""
+        self._tracer = Tracer(self.context.rank) if enabled else None
+
+    def write_trace(self, path: str) -> int | None:
+        """Collective: merge every rank's timeline into one Chrome/Perfetto trace at ``path`` (written by global
+        rank 0, which gets the number of events; the others get ``None``)."""
+        if self._tracer is None:
+            raise ValueError("write_trace: call enable_trace() before the calls to record")
+        mine = self._tracer.metadata() + self._tracer.events
+        if self.context.world_size == 1:
+            return write_trace(path, [mine])
+        gathered = [None] * self.context.world_size
+        dist.all_gather_object(gathered, mine, group=self.context.control_group)
+        return write_trace(path, gathered) if self.context.is_output else None
 
     def rank_stats(self) -> list[dict] | None:
         """Per rank: bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and peak memory.
@@ -369,7 +387,7 @@ class PipeFusionHunyuanDiTPipeline:
             grid = patch_grid(height // pipe.vae_scale_factor, width // pipe.vae_scale_factor,
                               par.resolved_num_patches, self.stage.config.patch_size)
             try:
-                final = self.engine.denoise(request, grid)
+                final = self.engine.denoise(request, grid, self._tracer)
             finally:
                 if progress is not None:
                     progress.close()
