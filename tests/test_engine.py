@@ -163,16 +163,18 @@ def test_bfloat16(world):
 
 
 def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
-    """Only the last warm-up step before pipelined steps stores whole-image K/V; exact mode never allocates."""
+    """Only the last warm-up step before pipelined steps stores whole-image K/V; exact mode and a single patch
+    (nothing is ever stale) never allocate."""
     pipe = tiny_pipe("DDIMScheduler")
     sizes = {}
-    for warmup in (STEPS, 1):
+    for warmup, num_patches in ((STEPS, 2), (1, 2), (1, 1)):
         plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
         stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS)
         request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup).denoise(
-            request, patch_grid(HEIGHT // 8, WIDTH // 8, 2, 2))
-        sizes[warmup] = stage.kv_cache.nbytes()
+            request, patch_grid(HEIGHT // 8, WIDTH // 8, num_patches, 2))
+        sizes[warmup, num_patches] = stage.kv_cache.nbytes()
     tokens, hidden, layers = (HEIGHT // 16) * (WIDTH // 16), pipe.transformer.inner_dim, 16
-    assert sizes == {STEPS: 0, 1: 2 * 2 * tokens * hidden * 4 * layers}  # K and V, CFG batch 2, fp32
+    kv = 2 * 2 * tokens * hidden * 4 * layers  # K and V, CFG batch 2, fp32
+    assert sizes == {(STEPS, 2): 0, (1, 2): kv, (1, 1): 0}

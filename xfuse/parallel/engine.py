@@ -229,10 +229,12 @@ class _Run:
             hidden = by_kind["hidden"][0][1]
         else:
             hidden = self.local.pop(Task(step, patch, task.hop - 1))
-        band = None if patch is None else self.grid[patch]
+        # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
+        band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         segment = plan.route[task.hop]
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
-        keep_kv = patch is not None or step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
+        keep_kv = band is not None or (
+            self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1)
         hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv)
         outgoing = {}
         for m in self.schedule.sends(task):
