@@ -60,7 +60,10 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
         engine.denoise(request, grid)
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return dict(times=times, counters=None if channels is None else channels.counters.as_dict())
+    import resource
+
+    return dict(times=times, counters=None if channels is None else channels.counters.as_dict(),
+                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def run_world(degree, *args, timeout=3600):

@@ -1,0 +1,189 @@
+"""Every CPU benchmark of the README in one command; JSON and Markdown out.
+
+    python benchmarks/run_all.py [--repeats 3] [--steps 20] [--out benchmarks/results]
+
+Each timed figure is the median of ``--repeats`` runs with min and max. One torch thread per rank, real gloo
+processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch 2:
+
+1. degree-1 xfuse vs diffusers' ``HunyuanDiTPipeline`` (whole ``__call__``, same model and settings);
+2. denoising loop at degree 2 (folded, linear; M = 2, warm-up 1) vs degree 1 (ideal 20 / (1 + 19/2) = 1.90x);
+3. bytes sent per denoising step per rank, folded vs linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
+   1024 px; scaled to hidden 1408), from the comm counters;
+4. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
+   peak resident memory of each rank in (2);
+5. distance of pipelined output from the serial output (DDIM, M = 2 and 4, warm-up 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_pipefusion import WIDTH_SCALE, bench_rank, run_world  # noqa: E402
+
+SIZE = 512
+
+
+def pipeline_call_rank(repeats: int, steps: int) -> dict:
+    """diffusers' pipeline, then xfuse at degree 1 on the same model: whole __call__ wall times."""
+    import resource
+
+    import torch
+
+    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
+
+    call = dict(prompt="a red house by a lake", height=SIZE, width=SIZE, num_inference_steps=steps,
+                use_resolution_binning=False, output_type="np")
+    times = {"diffusers": [], "xfuse": []}
+    diffusers_pipe = build_tiny_pipeline("small", seed=0)
+    diffusers_pipe.set_progress_bar_config(disable=True)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        diffusers_pipe(**call, generator=torch.Generator().manual_seed(0))
+        times["diffusers"].append(time.perf_counter() - start)
+    xfuse_pipe = PipeFusionHunyuanDiTPipeline.from_pipe(build_tiny_pipeline("small", seed=0),
+                                                        parallel={"pipefusion_degree": 1})
+    xfuse_pipe.set_progress_bar_config(disable=True)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        xfuse_pipe(**call, generator=torch.Generator().manual_seed(0))
+        times["xfuse"].append(time.perf_counter() - start)
+    times["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return times
+
+
+def distance_rank(steps: int) -> dict:
+    """Pipelined vs serial on one rank (the result depends on M and W only, not on the degree)."""
+    import torch
+
+    from xfuse.models.hunyuandit import HunyuanDiTStage
+    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.parallel.engine import PipeFusionEngine
+    from xfuse.parallel.patch_grid import patch_grid
+    from xfuse.parallel.stage_plan import stage_plan
+    from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, swap_scheduler
+
+    pipe = swap_scheduler(build_tiny_pipeline("small", seed=0), "DDIMScheduler")
+    plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
+    outputs = {}
+    for name, patches, warmup in (("serial", 1, steps), ("M=2", 2, 1), ("M=4", 4, 1)):
+        stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
+        inputs = prepare_inputs(pipe, height=SIZE, width=SIZE, num_inference_steps=steps)
+        request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
+        latents = PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup).denoise(
+            request, patch_grid(SIZE // 8, SIZE // 8, patches, 2))
+        with torch.no_grad():
+            image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        outputs[name] = (latents, image.clamp(-1, 1))
+    serial_latents, serial_image = outputs.pop("serial")
+    result = {}
+    for name, (latents, image) in outputs.items():
+        mse = float(((image - serial_image) / 2).pow(2).mean())  # images in [-1, 1] -> [0, 1] scale
+        result[name] = dict(latent_rel_l2=float((latents - serial_latents).norm() / serial_latents.norm()),
+                            image_psnr_db=float(10 * torch.log10(torch.tensor(1.0 / mse))))
+    return result
+
+
+def spread(values: list[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    report = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}, "
+                          f"python {platform.python_version()}", repeats=args.repeats, steps=args.steps)
+
+    from xfuse.testing.world import World
+
+    with World(1, threads_per_rank=1, start_timeout=600) as world:
+        calls = world.run_ok(pipeline_call_rank, args.repeats, args.steps, timeout=7200)[0]
+    report["degree1_vs_diffusers"] = dict(diffusers=spread(calls["diffusers"]), xfuse=spread(calls["xfuse"]),
+                                          ratio=statistics.median(calls["xfuse"]) / statistics.median(
+                                              calls["diffusers"]))
+    print(f"degree-1 xfuse / diffusers: {report['degree1_vs_diffusers']['ratio']:.3f}", flush=True)
+
+    loops = {}
+    for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
+        results = run_world(degree, "small", degree, placement, degree, 1, args.steps, SIZE, args.repeats)
+        loops[f"{degree}-{placement}"] = dict(**spread(results[0]["times"]),
+                                              peak_rss_mib=[r["peak_rss_mib"] for r in results])
+        print(f"loop degree {degree} {placement}: {loops[f'{degree}-{placement}']['median']:.2f} s", flush=True)
+    base = loops["1-folded"]["median"]
+    for row in loops.values():
+        row["speedup"] = base / row["median"]
+    report["denoising_loop"] = loops
+
+    volume = {}
+    for degree in (2, 4, 8):
+        for placement in ("folded", "linear"):
+            results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)
+            per_rank = [{k: v / 2 for k, v in r["counters"]["sent_bytes"].items()} for r in results]  # 2 steps
+            volume[f"{degree}-{placement}"] = [
+                sum(v * (1 if k == "latent" else WIDTH_SCALE) for k, v in r.items()) for r in per_rank]
+    report["bytes_per_step_hidden1408"] = volume
+
+    from xfuse.config import load_config
+    from xfuse.plan_report import plan_report
+
+    memory = {}
+    for degree in (1, 2, 4, 8):
+        r = plan_report(load_config("configs/hunyuandit/pp2.yaml", [
+            "model=dit-g2", f"parallel.pipefusion_degree={degree}", f"parallel.num_patches={max(degree, 1)}"]))
+        memory[degree] = dict(param_bytes=r["param_bytes"], kv_bytes=r["kv_bytes"])
+    report["dit_g2_memory_per_rank"] = memory
+
+    with World(1, threads_per_rank=1, start_timeout=600) as world:
+        report["pipelined_distance"] = world.run_ok(distance_rank, args.steps, timeout=7200)[0]
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cpu.json"), "w") as fh:
+        json.dump(report, fh, indent=2)
+    with open(os.path.join(args.out, "cpu.md"), "w") as fh:
+        fh.write(markdown(report))
+    print(markdown(report))
+
+
+def fmt(row: dict) -> str:
+    return f"{row['median']:.2f} s ({row['min']:.2f}–{row['max']:.2f})"
+
+
+def markdown(r: dict) -> str:
+    d1 = r["degree1_vs_diffusers"]
+    out = [f"Machine: {r['machine']}; {r['repeats']} runs each (median, min–max); {r['steps']} steps.", "",
+           "| pipeline `__call__`, small, 512 px | wall time |", "|---|---|",
+           f"| diffusers `HunyuanDiTPipeline` | {fmt(d1['diffusers'])} |",
+           f"| xfuse, degree 1 | {fmt(d1['xfuse'])} |",
+           f"| ratio xfuse / diffusers | {d1['ratio']:.3f} |", "",
+           "| denoising loop | wall time | speedup (ideal 1.90x) | peak RSS per rank |", "|---|---|---|---|"]
+    for key, row in r["denoising_loop"].items():
+        rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
+        out.append(f"| degree {key.replace('-', ', ')} | {fmt(row)} | {row['speedup']:.2f}x | {rss} |")
+    out += ["", "| N | folded MiB/step | linear MiB/step | folded / linear |", "|---|---|---|---|"]
+    for n in (2, 4, 8):
+        f, l = sum(r["bytes_per_step_hidden1408"][f"{n}-folded"]), sum(r["bytes_per_step_hidden1408"][f"{n}-linear"])
+        out.append(f"| {n} | {f / 2**20:.0f} | {l / 2**20:.0f} | {f / l:.3f} |")
+    out += ["", "| pipelined vs serial (DDIM) | latent relative L2 | image PSNR |", "|---|---|---|"]
+    for name, row in r["pipelined_distance"].items():
+        out.append(f"| {name}, warm-up 1 | {row['latent_rel_l2']:.4f} | {row['image_psnr_db']:.1f} dB |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()
