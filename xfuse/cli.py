@@ -18,9 +18,12 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args) -> int:
-    from xfuse.plan_report import format_plan_report, plan_report
+    from xfuse.plan_report import format_plan_report, plan_report, predicted_latency
 
-    print(format_plan_report(plan_report(load_config(args.config, args.overrides))))
+    report = plan_report(load_config(args.config, args.overrides))
+    print(format_plan_report(report))
+    for link in args.predict:
+        print(predicted_latency(report, link))
     return 0
 
 
@@ -105,6 +108,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print ranks -> blocks, patches, skips, bytes and memory per rank")
     _add_config_args(plan)
+    plan.add_argument("--predict", action="append", default=[], metavar="LINK",
+                      help="also print the modelled latency on a100-nvlink or l40-pcie (repeatable)")
     plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser("generate", help="generate an image with the configured model and plan")
     _add_config_args(gen)

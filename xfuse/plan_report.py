@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xfuse.config import VAE_SCALE_FACTOR, XfuseConfig, check_world
+from xfuse.config import VAE_SCALE_FACTOR, ConfigError, XfuseConfig, check_world
 from xfuse.models import transformer_config
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes
 from xfuse.parallel.patch_grid import patch_grid
@@ -67,6 +67,28 @@ def plan_report(config: XfuseConfig) -> dict:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def predicted_latency(r: dict, link: str) -> str:
+    """The performance model's latency for this plan (HunyuanDiT-g/2 shape, 1024 or 2048 px, CFG batch 2)."""
+    from xfuse.perf_model import A100, LINKS, l40_profile, predict
+
+    if link not in LINKS:
+        raise ConfigError("--predict", f"must be one of {', '.join(LINKS)} (got {link!r})")
+    cfg = r["config"]
+    par = cfg.parallel
+    size = r["height"]
+    if (r["num_layers"], r["hidden_size"]) != (40, 1408) or r["width"] != size or size not in A100.outside_loop:
+        return (f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "
+                f"square {sorted(A100.outside_loop)} px")
+    if par.cfg_degree != 1:
+        return f"predicted latency ({link}): the model does not cover cfg_degree 2"
+    profile = A100 if link == "a100-nvlink" else l40_profile(A100)
+    seconds = predict(profile, LINKS[link], degree=par.pipefusion_degree, placement=par.placement, size=size,
+                      steps=cfg.generation.num_inference_steps, warmup=par.warmup_steps,
+                      num_patches=par.resolved_num_patches, split=par.stage_split)
+    return (f"predicted latency ({LINKS[link].name}): {seconds:.1f} s per image "
+            f"(xfuse.perf_model, fitted to xDiT's A100 numbers; see README)")
 
 
 def format_plan_report(r: dict) -> str:

@@ -1,0 +1,40 @@
+"""The latency model replays the engine's own schedule: checked against the schedule and against physics."""
+
+import pytest
+
+from xfuse.parallel.schedule import build_schedule
+from xfuse.parallel.stage_plan import stage_plan
+from xfuse.perf_model import A100, LINKS, LinkProfile, block_flops, l40_profile, predict, replay
+
+
+@pytest.mark.parametrize("degree,placement,patches,warmup", [(2, "folded", 2, 1), (3, "linear", 4, 0),
+                                                             (4, "folded", 8, 2)])
+def test_replay_with_unit_costs_reproduces_the_schedule_timeline(degree, placement, patches, warmup):
+    schedule = build_schedule(stage_plan(16, degree, placement), 5, warmup, patches)
+    cost = lambda t: 0.0 if t.hop < 0 else len(schedule.plan.route[t.hop].blocks) * (  # noqa: E731
+        patches if t.patch is None else 1)
+    makespan = replay(schedule, cost, lambda m: 0.0)
+    assert makespan == max(end for _, end in schedule.times.values())
+
+
+def test_attention_grows_with_image_tokens_and_patches_sum_to_the_whole():
+    whole = block_flops(4096, 4096)
+    assert block_flops(1024, 4096) * 4 == pytest.approx(whole)  # 4 patches of 1024 queries = the whole image
+    assert block_flops(4096, 16384) > block_flops(4096, 4096)
+
+
+def test_a_slower_link_never_helps_and_hurts_linear_more_than_folded():
+    slow = LinkProfile("slow", 2e9, 1e-4)
+    for placement in ("folded", "linear"):
+        fast_t = predict(A100, LINKS["a100-nvlink"], degree=2, placement=placement, size=1024)
+        slow_t = predict(A100, slow, degree=2, placement=placement, size=1024)
+        assert slow_t >= fast_t
+    folded = predict(A100, slow, degree=2, placement="folded", size=1024)
+    linear = predict(A100, slow, degree=2, placement="linear", size=1024)
+    assert linear > folded  # 19 skips per patch queue on the only link at pp2
+
+
+def test_more_gpus_are_faster_on_nvlink_and_l40_is_slower_than_a100():
+    times = [predict(A100, LINKS["a100-nvlink"], degree=n, placement="folded", size=1024) for n in (1, 2, 4)]
+    assert times[0] > times[1] > times[2]
+    assert predict(l40_profile(A100), LINKS["l40-pcie"], degree=2, placement="folded", size=1024) > times[1]
