@@ -13,7 +13,6 @@ and computes its own conditioning, so no conditioning crosses ranks.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule, protocol
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
 from xfuse.parallel.stage_plan import StagePlan
-from xfuse.parallel.trace import COMM, COMPUTE, Tracer
+from xfuse.parallel.trace import COMM, COMPUTE, Tracer, null_span
 
 
 @dataclass
@@ -105,7 +104,8 @@ class _Run:
 
     def __init__(self, engine: PipeFusionEngine, request: DenoiseRequest, grid: PatchGrid, schedule: Schedule,
                  tracer: Tracer | None = None):
-        self.e, self.req, self.grid, self.schedule, self.tracer = engine, request, grid, schedule, tracer
+        self.e, self.req, self.grid, self.schedule = engine, request, grid, schedule
+        self.span = tracer.span if tracer is not None else null_span
         self.plan, self.stage, self.me = engine.plan, engine.stage, engine.pipe_rank
         latents = request.latents
         self.latents = latents.clone() if self.me in (self.plan.output_rank, self.plan.embed_rank) else None
@@ -153,11 +153,9 @@ class _Run:
         self.recvs.update(zip(recv_msgs, recv_handles))
 
     def _received(self, task: Task) -> dict[Message, torch.Tensor]:
-        if self.tracer is None:
-            return {m: self.recvs[m].wait() for m in self.schedule.recvs(task)}
         received = {}
         for m in self.schedule.recvs(task):
-            with self.tracer.span(f"recv {m.channel} from r{m.src}", COMM, step=m.step, patch=m.patch):
+            with self.span(f"recv {m.channel} from r{m.src}", COMM, step=m.step, patch=m.patch):
                 received[m] = self.recvs[m].wait()
         return received
 
@@ -178,16 +176,13 @@ class _Run:
                     i += 1
                 self._exchange(send_tasks, post_tasks)
                 continue
-            if action == "wait_send":
-                handles = self.sends.pop(task, [])
-                with self.tracer.span("send wait", COMM, step=task.step, patch=task.patch) if (
-                    self.tracer and handles) else contextlib.nullcontext():
-                    for handle in handles:
+            if action == "wait_send" and task in self.sends:
+                with self.span("send wait", COMM, step=task.step, patch=task.patch):
+                    for handle in self.sends.pop(task):
                         handle.wait()
             elif action == "compute":
                 received = self._received(task)
-                with self.tracer.span(self._label(task), COMPUTE, step=task.step, patch=task.patch,
-                                      hop=task.hop) if self.tracer else contextlib.nullcontext():
+                with self.span(self._label(task), COMPUTE, step=task.step, patch=task.patch, hop=task.hop):
                     self._compute(task, received)
                 self._release(task)
                 if self.req.on_progress is not None and last_of_step.get(task.step) == task:
