@@ -85,7 +85,9 @@ class PipeFusionEngine:
         key = (num_steps, min(self.warmup_steps, num_steps), num_patches)
         if key not in self._schedules:  # pure and cached: computed once per request shape
             schedule = build_schedule(self.plan, key[0], key[1], num_patches)
-            self._schedules[key] = (schedule, protocol(schedule, self.pipe_rank, self.lookahead))
+            # Each task's message lists, computed once per request shape instead of on every use in the loop.
+            messages = {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}
+            self._schedules[key] = (schedule, protocol(schedule, self.pipe_rank, self.lookahead), messages)
         return self._schedules[key]
 
     @torch.no_grad()
@@ -94,8 +96,8 @@ class PipeFusionEngine:
 
         With a ``tracer``, every segment computed and every wait on a message is recorded on the timeline.
         """
-        schedule, program = self._program(len(request.timesteps), grid.num_patches)
-        run = _Run(self, request, grid, schedule, tracer)
+        schedule, program, messages = self._program(len(request.timesteps), grid.num_patches)
+        run = _Run(self, request, grid, schedule, messages, tracer)
         return run.execute(program)
 
 
@@ -103,8 +105,10 @@ class _Run:
     """State of one request on one rank (kept off the engine so requests never share it)."""
 
     def __init__(self, engine: PipeFusionEngine, request: DenoiseRequest, grid: PatchGrid, schedule: Schedule,
-                 tracer: Tracer | None = None):
+                 messages: dict, tracer: Tracer | None = None):
         self.e, self.req, self.grid, self.schedule = engine, request, grid, schedule
+        self.recv_msgs = {t: r for t, (r, _) in messages.items()}  # task -> messages it receives, in order
+        self.send_msgs = {t: s for t, (_, s) in messages.items()}  # task -> messages it sends, in order
         self.span = tracer.span if tracer is not None else null_span
         self.plan, self.stage, self.me = engine.plan, engine.stage, engine.pipe_rank
         latents = request.latents
@@ -140,27 +144,27 @@ class _Run:
             for m, tensor in self.outgoing.pop(task, {}).items():
                 sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch))
                 send_owner.append(task)
-        recvs, recv_msgs = [], []
+        recvs, posted = [], []
         for task in post_tasks:
-            for m in self.schedule.recvs(task):
+            for m in self.recv_msgs[task]:
                 recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch))
-                recv_msgs.append(m)
+                posted.append(m)
         if not sends and not recvs:
             return
         send_handles, recv_handles = self.e.channels.exchange(sends, recvs)
         for task, handle in zip(send_owner, send_handles):
             self.sends.setdefault(task, []).append(handle)
-        self.recvs.update(zip(recv_msgs, recv_handles))
+        self.recvs.update(zip(posted, recv_handles))
 
     def _received(self, task: Task) -> dict[Message, torch.Tensor]:
         received = {}
-        for m in self.schedule.recvs(task):
+        for m in self.recv_msgs[task]:
             with self.span(f"recv {m.channel} from r{m.src}", COMM, step=m.step, patch=m.patch):
                 received[m] = self.recvs[m].wait()
         return received
 
     def _release(self, task: Task) -> None:
-        for m in self.schedule.recvs(task):
+        for m in self.recv_msgs[task]:
             self.recvs.pop(m).release()
 
     # --- the loop -------------------------------------------------------------------------------------------
@@ -232,7 +236,7 @@ class _Run:
             self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1)
         hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv)
         outgoing = {}
-        for m in self.schedule.sends(task):
+        for m in self.send_msgs[task]:
             if m.kind == "hidden":
                 outgoing[m] = hidden.contiguous()
             elif m.kind == "skip":
@@ -241,7 +245,7 @@ class _Run:
             self.skips.pop(key, None)
         if task.hop == len(plan.route) - 1:
             next_rows = self._step_scheduler(step, patch, hidden)
-            for m in self.schedule.sends(task):
+            for m in self.send_msgs[task]:
                 if m.kind == "latent":
                     outgoing[m] = next_rows.contiguous()
         elif plan.route[task.hop + 1].rank == self.me:
