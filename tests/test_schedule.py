@@ -51,14 +51,19 @@ def test_folded_sends_no_skips_and_linear_returns_latents():
     assert [t for t in linear.orders[0] if t.hop == COLLECT] == [Task(STEPS, p, COLLECT) for p in range(4)]
 
 
-def test_pipeline_stays_full_with_m_equal_n():
-    """With M = N the simulated pipelined steps keep every rank busy after the fill (folded, equal chunks)."""
-    plan = stage_plan(16, 4, "folded")
-    schedule = build_schedule(plan, 6, 0, 4)
-    # Rank 0 runs the first and the last segment: in steady state it alternates outbound and return work.
-    hops = [t.hop for t in schedule.orders[0]]
-    steady = hops[8:-8]
-    assert steady and all(a != b for a, b in zip(steady, steady[1:]))
+@pytest.mark.parametrize("num_layers", [16, 40])
+@pytest.mark.parametrize("placement", ["folded", "linear"])
+@pytest.mark.parametrize("degree", range(2, 9))
+def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement):
+    """With M >= N, a pipelined step takes exactly the busiest rank's work (its blocks x M patches): no bubbles."""
+    plan = stage_plan(num_layers, degree, placement)
+    last = len(plan.route) - 1
+    for num_patches in (degree, degree + 1, 2 * degree):
+        schedule = build_schedule(plan, 12, 1, num_patches)
+        ends = [schedule.times[Task(s, num_patches - 1, last)][1] for s in range(1, 12)]
+        busiest = max(len(plan.blocks_of(r)) for r in range(degree)) * num_patches
+        steady = ends[3:-3]  # away from the fill and from the drain of the last steps
+        assert all(b - a == busiest for a, b in zip(steady, steady[1:])), (num_patches, ends)
 
 
 def test_a_wrong_order_is_caught():

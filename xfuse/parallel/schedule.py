@@ -7,7 +7,9 @@ A *task* is one route segment run on one patch of one step (``patch=None``: the 
 Warm-up steps run the route synchronously on the whole image. Pipelined steps stream patches continuously across
 steps: patch p of step s+1 enters as soon as patch p of step s left the output layer. Each rank's order of
 pipelined tasks comes from a list-scheduling simulation with segment costs proportional to their block counts: a
-free rank takes, among its ready tasks, the one furthest along the route (drain before fill). Every segment sees
+free rank takes, among its ready tasks, the one nearest the start of the route (fill before drain). In steady state
+this keeps the busiest rank busy for every degree, placement and M >= N (tested), which the half-slot staggering
+rule of DESIGN.md aims for on folded routes. Every segment sees
 its patches in (step, patch) order, which is what the stale K/V semantics need: patch p of step s attends to
 patches < p of step s and patches > p of step s-1.
 
@@ -139,7 +141,9 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
             if dep is None:
                 continue
             rank = plan.route[hop].rank
-            key = (max(dep[1], free_at[rank]), -hop)  # earliest start; then the task furthest along the route
+            # Earliest start; among equals the task nearest the start of the route (fill before drain). Preferring
+            # the furthest task instead leaves bubbles on folded routes (e.g. N=3, M=3: 33 % slower per step).
+            key = (max(dep[1], free_at[rank]), hop)
             if best is None or key < best[0]:
                 best = (key, Task(step, patch, hop))
         (start, _), task = best
