@@ -79,3 +79,24 @@ def test_stage_keeps_only_its_blocks_with_stable_names(model):
         assert ("proj_out.weight" in names) == (rank == 0)  # folded: rank 0 owns both ends
         for n, p in stage.named_parameters():
             assert torch.equal(p, full_names[n.removeprefix("transformer.")])
+
+
+def test_stage_from_pretrained_reads_only_its_tensors(tmp_path):
+    """A rank loads its share from the checkpoint: same tensors as the full model, nothing else, nothing meta."""
+    from diffusers import HunyuanDiT2DModel
+
+    from xfuse.models.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline(tmp_path / "tiny")
+    full = HunyuanDiT2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
+    full_tensors = dict(full.state_dict())
+    plan = stage_plan(NUM_LAYERS, 4, "linear")
+    for rank in (0, 3):
+        stage = HunyuanDiTStage.from_pretrained(folder, plan, rank)
+        tensors = {n.removeprefix("transformer."): t for n, t in stage.state_dict().items()}
+        blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blocks.")}
+        assert blocks == set(plan.blocks_of(rank))
+        assert ("pos_embed.proj.weight" in tensors) == (rank == 0) and ("proj_out.weight" in tensors) == (rank == 3)
+        assert all(t.device.type == "cpu" and torch.equal(t, full_tensors[n]) for n, t in tensors.items())
+    half = HunyuanDiTStage.from_pretrained(folder, plan, 1, torch_dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}

@@ -150,6 +150,44 @@ class HunyuanDiTStage(nn.Module):
         self.skip_source = {consumer: producer for producer, consumer in pairs}  # consumer block -> producer block
         self.skip_producers = {producer for producer, _ in pairs}
 
+    @classmethod
+    def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None) -> "HunyuanDiTStage":
+        """Load only what ``rank`` runs from a diffusers folder's ``transformer/*.safetensors``.
+
+        The model is built without memory (accelerate's ``init_empty_weights``), sharded, and only the remaining
+        tensors are read from the checkpoint, so a rank's peak memory is its share, not the whole transformer.
+        """
+        import glob
+        import os
+
+        from accelerate import init_empty_weights
+        from accelerate.utils import set_module_tensor_to_device
+        from safetensors import safe_open
+
+        config = HunyuanDiT2DModel.load_config(folder, subfolder="transformer", local_files_only=True)
+        with init_empty_weights():
+            model = HunyuanDiT2DModel.from_config(config)
+        stage = cls(model, plan, rank)
+        wanted = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        files = sorted(glob.glob(os.path.join(folder, "transformer", "*.safetensors")))
+        if not files:
+            raise ValueError(f"{folder!r}: no transformer/*.safetensors (xfuse loads safetensors checkpoints)")
+        loaded = set()
+        for file in files:
+            with safe_open(file, framework="pt") as checkpoint:
+                for key in checkpoint.keys():
+                    if key in wanted:
+                        tensor = checkpoint.get_tensor(key)
+                        dtype = torch_dtype if torch_dtype is not None and tensor.is_floating_point() else None
+                        # Without a dtype accelerate casts to the empty model's (float32) dtype.
+                        set_module_tensor_to_device(model, key, "cpu", value=tensor, dtype=dtype or tensor.dtype)
+                        loaded.add(key)
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"{folder!r}: the checkpoint lacks {len(missing)} tensors of rank {rank}'s stage, "
+                             f"e.g. {sorted(missing)[:3]}")
+        return stage.eval()
+
     @property
     def config(self):
         return self.transformer.config

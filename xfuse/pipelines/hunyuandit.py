@@ -14,7 +14,7 @@ import resource
 
 import torch
 import torch.distributed as dist
-from diffusers import HunyuanDiTPipeline
+from diffusers import HunyuanDiT2DModel, HunyuanDiTPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import (
     SUPPORTED_SHAPE,
@@ -73,9 +73,9 @@ class PipeFusionHunyuanDiTPipeline:
     """
 
     def __init__(self, pipeline: HunyuanDiTPipeline, parallel: ParallelConfig, comm: CommConfig,
-                 context: ParallelContext, dtype: torch.dtype):
+                 context: ParallelContext, dtype: torch.dtype, stage: HunyuanDiTStage | None = None):
         self.pipeline, self.parallel, self.comm, self.context, self.dtype = pipeline, parallel, comm, context, dtype
-        config = pipeline.transformer.config
+        config = (stage or pipeline.transformer).config
         self.plan = stage_plan(config.num_layers, parallel.pipefusion_degree, parallel.placement,
                                parallel.stage_split)
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
@@ -83,8 +83,9 @@ class PipeFusionHunyuanDiTPipeline:
                    "model.scheduler": type(pipeline.scheduler).__name__,
                    "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route)},
                   world_size=context.world_size, group=context.control_group)
-        self.stage = HunyuanDiTStage(pipeline.transformer, self.plan, context.pipe_rank).to(context.device)
+        self.stage = (stage or HunyuanDiTStage(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
+        pipeline.default_sample_size = config.sample_size  # what diffusers derives from the transformer
         if not context.is_output:
             for name in _RANK0_COMPONENTS:
                 setattr(pipeline, name, None)
@@ -119,16 +120,22 @@ class PipeFusionHunyuanDiTPipeline:
                 with the config, versions, model config and plan; a difference raises on every rank).
             kwargs: passed to [`~diffusers.DiffusionPipeline.from_pretrained`] (e.g. `scheduler=`).
 
-        Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank loads the transformer
-        and keeps only its blocks.
+        Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank reads only its own
+        transformer blocks from the checkpoint (`transformer/*.safetensors`).
         """
         parallel, comm, runtime = parallel_config(parallel), comm_config(comm), _runtime(torch_dtype, device)
         context = init_parallel(parallel, comm, runtime, fingerprint)
         skip = {} if context.is_output else {name: None for name in _RANK0_COMPONENTS}
+        config = HunyuanDiT2DModel.load_config(pretrained_model_name_or_path, subfolder="transformer",
+                                               local_files_only=True)
+        plan = stage_plan(config["num_layers"], parallel.pipefusion_degree, parallel.placement, parallel.stage_split)
+        # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
+        stage = HunyuanDiTStage.from_pretrained(pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype)
         pipeline = HunyuanDiTPipeline.from_pretrained(
-            pretrained_model_name_or_path, torch_dtype=torch_dtype, local_files_only=True, **skip, **kwargs
+            pretrained_model_name_or_path, torch_dtype=torch_dtype, local_files_only=True, transformer=None, **skip,
+            **kwargs,
         )
-        return cls(pipeline, parallel, comm, context, torch_dtype or torch.float32)
+        return cls(pipeline, parallel, comm, context, torch_dtype or torch.float32, stage)
 
     @classmethod
     def from_pipe(cls, pipeline: HunyuanDiTPipeline, parallel=None, comm=None, device=None,
