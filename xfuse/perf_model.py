@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xfuse.parallel.costs import comm_volume  # noqa: F401  (the same byte accounting the counters are tested on)
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule
 from xfuse.parallel.stage_plan import stage_plan

@@ -1,8 +1,8 @@
 """``PipeFusionHunyuanDiTPipeline``: diffusers' ``HunyuanDiTPipeline`` with PipeFusion inside, under torchrun.
 
 Every rank runs the same script. Global rank 0 keeps the text encoders, tokenizers, VAE and safety checker; it
-encodes the prompts and broadcasts the embeddings, and it decodes and returns the images. Every rank keeps only
-the transformer blocks of its stage. The diffusers pipeline object does the pre- and post-processing (its
+encodes the prompts and broadcasts the embeddings, and it decodes and returns the images. Every rank loads and
+keeps only the transformer blocks of its stage. The diffusers pipeline object does the pre- and post-processing (its
 ``check_inputs``, ``encode_prompt``, ``prepare_latents``, ``prepare_extra_step_kwargs``, VAE and image processor);
 the denoising loop is xfuse's engine.
 """
@@ -16,11 +16,7 @@ import torch
 import torch.distributed as dist
 from diffusers import HunyuanDiT2DModel, HunyuanDiTPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import (
-    SUPPORTED_SHAPE,
-    get_resize_crop_region_for_grid,  # noqa: F401  (re-exported for users porting scripts)
-    map_to_standard_shapes,
-)
+from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import SUPPORTED_SHAPE, map_to_standard_shapes
 from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.utils import logging
 
