@@ -157,7 +157,7 @@ class FailureMonitor:
         except BaseException as err:
             peer = getattr(err, "peer", None)
             if peer is not None and type(err).__name__ == "CommTimeout":  # say where the chain of waits ends
-                chain = self.diagnose(peer, world_size=10**6)
+                chain = self.diagnose(peer)
                 if chain:
                     err.args = (f"{err}\n  {chain}",)
             first = self.record(err)
@@ -185,12 +185,12 @@ class FailureMonitor:
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
 
-    def diagnose(self, peer: int, world_size: int) -> str:
+    def diagnose(self, peer: int) -> str:
         """Follow who-waits-for-whom from ``peer``: the rank that is not waiting is where the chain is stuck."""
         if self.store is None:
             return ""
         lines, seen = [], {self.rank}
-        while peer is not None and peer not in seen and len(seen) <= world_size:
+        while peer is not None and peer not in seen:  # a cycle of waits ends the walk too
             seen.add(peer)
             try:
                 state = self.store.get(f"xfuse/state/{peer}").decode() if self.store.check(

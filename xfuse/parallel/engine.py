@@ -117,6 +117,8 @@ class _Run:
         self.local: dict[Task, torch.Tensor] = {}  # hidden states handed to this same rank's next segment
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
         self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
+        if self.me == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
+            self.inputs[(0, None)] = request.scheduler.scale_model_input(self.latents, request.timesteps[0])
         self.conds: dict[int, Any] = {}
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
@@ -256,22 +258,15 @@ class _Run:
     def _model_input_rows(self, step: int, patch, latent_msgs) -> torch.Tensor:
         """Scaled model-input latent rows of (step, patch) on the embedding rank."""
         rows = self._rows(patch)
-        if step == 0:
-            if 0 not in self.inputs:  # scale_model_input of the whole latent once (it may keep scheduler state)
-                self.inputs[0] = self.req.scheduler.scale_model_input(self.latents, self.req.timesteps[0])
-            full = self.inputs[0]
-            if patch is None or patch == self.grid.num_patches - 1:
-                self.inputs.pop(0)
-            return full[:, :, rows]
         if latent_msgs:  # linear: received from the output rank
             (m, tensor), = latent_msgs
             if m.patch is None and patch is not None:  # a whole latent after warm-up: keep it for the other patches
                 self.inputs[(step, None)] = tensor.clone()
                 return self.inputs[(step, None)][:, :, rows]
             return tensor
-        if (step, patch) in self.inputs:
+        if (step, patch) in self.inputs:  # this patch's own rows, or a whole-image step's whole latent
             return self.inputs.pop((step, patch))
-        whole = self.inputs[(step, None)]
+        whole = self.inputs[(step, None)]  # a whole latent (step 0, or after warm-up) shared by the patches
         if patch == self.grid.num_patches - 1:
             self.inputs.pop((step, None))
         return whole[:, :, rows]
