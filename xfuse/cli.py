@@ -38,7 +38,6 @@ def _device(runtime) -> str:
 def cmd_generate(args) -> int:
     """Generate one image. Under torchrun every rank runs this; rank 0 writes the PNG and reports."""
     import torch
-    import torch.distributed as dist
 
     from xfuse.health import flatten
     from xfuse.models import load_pipeline, transformer_config
@@ -51,50 +50,58 @@ def cmd_generate(args) -> int:
     default = transformer_config(config.model).get("sample_size", 128) * 8
     # Every rank must run the same model and generation settings: compared at start-up with the rest.
     fingerprint = flatten("", {"model": config.model, "generation": config.to_dict()["generation"]})
-    try:
-        if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
-            pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(config.model, dtype), parallel=config.parallel,
-                                                          comm=config.comm, device=device, fingerprint=fingerprint)
-        else:
-            pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(config.model, parallel=config.parallel,
-                                                                comm=config.comm, torch_dtype=dtype, device=device,
-                                                                fingerprint=fingerprint)
-        if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
-            pipe.context.monitor.install_sigterm_handler()
-        if os.environ.get("XFUSE_FAULT"):  # fault-injection tests only
-            from xfuse.testing.faults import install
+    if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
+        pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(config.model, dtype), parallel=config.parallel,
+                                                      comm=config.comm, device=device, fingerprint=fingerprint)
+    else:
+        pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(config.model, parallel=config.parallel,
+                                                            comm=config.comm, torch_dtype=dtype, device=device,
+                                                            fingerprint=fingerprint)
+    if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
+        pipe.context.monitor.install_sigterm_handler()
+    if os.environ.get("XFUSE_FAULT"):  # fault-injection tests only
+        from xfuse.testing.faults import install
 
-            install(pipe.stage, par.warmup_steps, par.resolved_num_patches, pipe.context.rank)
-        if args.trace:
-            pipe.enable_trace()
-        start = time.perf_counter()
-        out = pipe(prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height or default,
-                   width=gen.width or default, num_inference_steps=gen.num_inference_steps,
-                   guidance_scale=gen.guidance_scale, generator=torch.Generator().manual_seed(gen.seed),
-                   use_resolution_binning=False)
-        wall = time.perf_counter() - start
-        stats = pipe.rank_stats()
-        events = pipe.write_trace(args.trace) if args.trace else None
-        if out is not None:
-            output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
-            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-            out.images[0].save(output)
-            print(f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
-                  f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
-                  f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
-                  f"{par.warmup_steps})")
-            for rank, stat in enumerate(stats):
-                sent = stat["sent"]
-                kinds = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(sent.items())) or "nothing"
-                memory = f"peak RSS {stat['peak_rss_mib']:.0f} MiB" + (
-                    "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB")
-                print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
-            if events is not None:
-                print(f"wrote {args.trace}: {events} trace events (open in https://ui.perfetto.dev)")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        install(pipe.stage, par.warmup_steps, par.resolved_num_patches, pipe.context.rank)
+    if args.trace:
+        pipe.enable_trace()
+    start = time.perf_counter()
+    out = pipe(prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height or default,
+               width=gen.width or default, num_inference_steps=gen.num_inference_steps,
+               guidance_scale=gen.guidance_scale, generator=torch.Generator().manual_seed(gen.seed),
+               use_resolution_binning=False)
+    wall = time.perf_counter() - start
+    stats = pipe.rank_stats()
+    events = pipe.write_trace(args.trace) if args.trace else None
+    if out is not None:
+        output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        out.images[0].save(output)
+        print(f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
+              f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
+              f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
+              f"{par.warmup_steps})")
+        for rank, stat in enumerate(stats):
+            sent = stat["sent"]
+            kinds = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(sent.items())) or "nothing"
+            memory = f"peak RSS {stat['peak_rss_mib']:.0f} MiB" + (
+                "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB")
+            print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
+        if events is not None:
+            print(f"wrote {args.trace}: {events} trace events (open in https://ui.perfetto.dev)")
     return 0
+
+
+def _shutdown_or_exit(code: int) -> int:
+    """Tear down what xfuse started (``xfuse.distributed.shutdown``: monitor -> channels -> groups) and return
+    ``code``. If the monitor's thread cannot be joined (stuck in a store call), leave now with ``os._exit(code)``:
+    finalizing the interpreter under that thread is what aborts a finished run with SIGABRT."""
+    distributed = sys.modules.get("xfuse.distributed")  # never imported: nothing was started (plan)
+    if distributed is not None and not distributed.shutdown():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_doctor(args) -> int:
@@ -125,11 +132,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     rank = os.environ.get("RANK", "0")
     try:
-        return args.func(args)
+        code = args.func(args)
     except ConfigError as err:  # a bad value: the same on every rank
         print(f"xfuse {args.command}: rank {rank}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except Exception as err:  # noqa: BLE001 - report every failure in one line after its traceback
         traceback.print_exc()
         print(f"xfuse {args.command}: rank {rank}: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        code = 1
+    return _shutdown_or_exit(code)  # success and error paths alike

@@ -9,6 +9,12 @@
   sitting out its timeout; under torchrun, a rank terminated by the launcher (SIGTERM) says why before exiting.
   On failure each rank writes its ring buffer of recent communication ops to stderr (and to
   ``$XFUSE_LOG_DIR/rank<R>.ops.log`` when set).
+
+The watcher thread must be stopped and joined (``FailureMonitor.stop``) before the interpreter finalizes: a Python
+thread that returns from a C++ call (a store call releases the GIL) after finalization has begun is ended by
+``pthread_exit``, whose forced unwind through pybind11's noexcept ``gil_scoped_release`` destructor calls
+``std::terminate`` -- "terminate called without an active exception", SIGABRT, at the end of a run that had
+succeeded. ``xfuse.distributed.shutdown`` owns that stop (and the teardown order around it).
 """
 
 from __future__ import annotations
@@ -92,9 +98,13 @@ class FailureMonitor:
 
     Args:
         rank: this global rank.
-        store: the process group's key-value store (``None``: a single process, nothing to propagate).
+        store: the process group's key-value store (``None``: a single process, nothing to propagate, no thread).
         op_logs: callables returning this rank's recent communication ops as text, for failure reports.
         grace_s: how long a rank stuck in communication waits for its own error after another rank failed.
+        poll_s: how often the watcher thread publishes this rank's state and looks for a failure.
+
+    The watcher thread runs until ``stop()``; its owner (``xfuse.distributed.shutdown``) stops it before the process
+    groups are destroyed and before the interpreter exits.
     """
 
     def __init__(self, rank: int, store, op_logs=(), grace_s: float = 2.0, poll_s: float = 0.25):
@@ -105,8 +115,40 @@ class FailureMonitor:
         self.active = 0  # >0 while this rank is inside a guarded (communicating) section
         self.failure: str | None = None  # the world's first failure, once known here
         self._reported = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         if store is not None:
-            threading.Thread(target=self._watch, name=f"xfuse-monitor-{rank}", daemon=True).start()
+            # The watcher talks to the store through its own client (torch: one clone per thread), so a slow call
+            # of the watcher never holds up the main thread's record() behind the same connection.
+            self._watch_store = _thread_client(store)
+            # daemon: a monitor nobody stopped must not keep a finished process alive; stop() is what joins it.
+            self._thread = threading.Thread(target=self._watch, name=f"xfuse-monitor-{rank}", daemon=True)
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """True while the watcher thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop the watcher thread and join it; idempotent. Returns True once no watcher thread runs.
+
+        The thread finishes the store call it is in (milliseconds on a healthy store) and then sees the stop.
+        False means it is still inside a store call after ``timeout_s`` (the store's host is alive but does not
+        answer): that is reported on stderr, and the caller must not let the interpreter finalize under it
+        (the CLI then leaves with ``os._exit``).
+        """
+        self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            print(f"[xfuse {clock()}] rank {self.rank}: the failure monitor is still inside a rendezvous-store call "
+                  f"after {timeout_s:.1f} s (the store's host does not answer)", file=sys.stderr, flush=True)
+            return False
+        self._thread = None
+        return True
 
     # --- the store ----------------------------------------------------------------------------------------
     def record(self, error: BaseException) -> str:
@@ -122,11 +164,13 @@ class FailureMonitor:
             self.failure = self.failure or mine
         return self.failure
 
-    def first(self) -> str | None:
-        if self.failure is None and self.store is not None:
+    def first(self, store=None) -> str | None:
+        """The world's first failure, if any rank recorded one (read from ``store``, default the main client)."""
+        store = store or self.store
+        if self.failure is None and store is not None:
             try:
-                if self.store.check([FAILURE_KEY]):
-                    value = self.store.get(FAILURE_KEY)
+                if store.check([FAILURE_KEY]):
+                    value = store.get(FAILURE_KEY)
                     self.failure = (value.decode() if isinstance(value, bytes) else str(value)) or None
             except Exception as err:  # noqa: BLE001 - losing the store means its host (rank 0 / agent) is gone
                 self.failure = f"the rendezvous store is unreachable ({type(err).__name__}: {err})"
@@ -181,7 +225,7 @@ class FailureMonitor:
         else:
             text = f"not communicating for {time.monotonic() - self._last_wait:.1f} s (computing, or stalled)"
         try:
-            self.store.set(f"xfuse/state/{self.rank}", text)
+            self._watch_store.set(f"xfuse/state/{self.rank}", text)
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
 
@@ -204,10 +248,9 @@ class FailureMonitor:
 
     def _watch(self) -> None:
         stuck_since = None
-        while True:
-            time.sleep(self.poll_s)
+        while not self._stop.wait(self.poll_s):
             self.publish_state()
-            first = self.first()
+            first = None if self._stop.is_set() else self.first(self._watch_store)
             if first is None or first.startswith(f"rank {self.rank}:") or not self.active:
                 stuck_since = None
                 continue
@@ -215,7 +258,7 @@ class FailureMonitor:
             if time.monotonic() - stuck_since >= self.grace_s:  # our own error path did not fire: stop here
                 self.report(f"rank {self.rank} stopped: waiting in communication after another rank failed"
                             f"\n  first failure in the world: {first}")
-                os._exit(1)
+                os._exit(1)  # from this thread: the main thread is blocked in communication and cannot unwind
 
     def install_sigterm_handler(self) -> None:
         """Under torchrun: when the launcher terminates this rank after another failed, say why first."""
@@ -226,9 +269,21 @@ class FailureMonitor:
             first = self.first() or "unknown (no rank recorded a failure)"
             self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: "
                         f"{first}")
+            # The main thread may be inside a collective: no orderly teardown of channels and groups from here.
+            # Stop the watcher, then leave without finalizing the interpreter (os._exit), so no thread can be
+            # caught returning from C++ into a finalizing interpreter (see xfuse.distributed.shutdown).
+            self.stop(timeout_s=2.0)
             os._exit(1)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _thread_client(store):
+    """A client of ``store`` for the watcher thread's own use: ``clone()`` where the store supports it."""
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):  # stores without clone(): share the main client
+        return store
 
 
 def default_store():

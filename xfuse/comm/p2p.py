@@ -195,6 +195,7 @@ class P2PChannels:
         self.op_log = OpLog(log_size)
         self.failure: CommError | None = None  # the first fatal error; the channels are dead after it
         self.waiting_on = None  # (record, since) while a wait blocks: the failure monitor reports it
+        self.closed = False  # set by close(): part of xfuse.distributed.shutdown, before the groups go
         self._pool = RecvBufferPool(self.device)
         self._poll = self.device.type != "cpu"
         if self.device.type == "cuda" and self.device.index is not None:
@@ -215,6 +216,8 @@ class P2PChannels:
         """
         if self.failure is not None:
             raise CommError(f"rank {self.rank}: channels unusable after an earlier failure: {self.failure}")
+        if self.closed:
+            raise CommError(f"rank {self.rank}: channels closed (xfuse.distributed.shutdown); build a new pipeline")
         for s in sends:
             self._check_send(s)
         for r in recvs:
@@ -246,6 +249,16 @@ class P2PChannels:
             if batch:
                 self._post(batch)
         return send_handles, recv_handles
+
+    def close(self) -> None:
+        """Refuse further work and drop the pooled receive buffers; idempotent.
+
+        Buffers of receives still outstanding (an error path) stay referenced: the backend may write into them
+        until the process group is destroyed, which comes after this in ``shutdown``.
+        """
+        self.closed = True
+        if self._pool.num_busy() == 0:
+            self._pool.clear()
 
     def reset_buffers(self) -> None:
         """Drop all pooled receive buffers (for a new request shape). Refused while any is in use."""

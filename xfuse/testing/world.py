@@ -135,10 +135,9 @@ def _send_result(conn, res: RankResult) -> None:
     conn.send_bytes(data)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
     """Exit when the parent is gone, so a SIGKILLed test runner leaves no orphan ranks."""
-    while True:
-        time.sleep(1.0)
+    while not stop.wait(1.0):
         if os.getppid() != parent_pid:
             os._exit(1)
 
@@ -149,7 +148,9 @@ def _worker_main(rank, size, backend, store_path, threads, env, conn, parent_pid
     os.environ.update(env)
     # Ctrl-C reaches the whole foreground process group; let the parent decide how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    parent_stop = threading.Event()
+    parent_watcher = threading.Thread(target=_watch_parent, args=(parent_pid, parent_stop), daemon=True)
+    parent_watcher.start()
     try:
         import torch
         import torch.distributed as dist
@@ -180,13 +181,16 @@ def _worker_main(rank, size, backend, store_path, threads, env, conn, parent_pid
 
     code = 0
     try:
-        if dist.is_initialized():  # fn may have torn the group down itself
-            dist.destroy_process_group()
-        conn.close()
         # Normal interpreter teardown with torch loaded takes 1-2 s per rank; run the exit
-        # hooks (coverage, multiprocessing finalizers) ourselves and skip the rest.
+        # hooks (xfuse.distributed.shutdown, coverage, multiprocessing finalizers) ourselves and
+        # skip the rest. xfuse's shutdown stops its monitor thread before the group goes.
         atexit._run_exitfuncs()
         mp.util._exit_function()
+        if dist.is_initialized():  # this world created the group: it destroys it
+            dist.destroy_process_group()
+        conn.close()
+        parent_stop.set()
+        parent_watcher.join()
     except BaseException:
         tb_mod.print_exc()
         code = 1
