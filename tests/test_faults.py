@@ -34,6 +34,7 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6):
     out = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "XFUSE_FAULT": fault}, timeout=240)
     end = datetime.datetime.now().timestamp()
     day = datetime.date.today()
+    assert "terminate called" not in out.stderr, out.stderr[-3000:]  # the error path tears down in order too
     lines = out.stderr.splitlines()
     fault_match = next(m for line in lines if (m := FAULT.search(line)))
     reports = {}
