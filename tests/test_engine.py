@@ -6,10 +6,14 @@ One 8-rank world serves the whole module; a run of degree N uses ranks 0 … N-1
 import copy
 import os
 
+import xfuse.parallel.engine as engine_module
+from xfuse.parallel.stale_kv import StaleKVCache
+
 import pytest
 import torch
 
 from tests.engine_fns import run_engine, tiny_pipe
+from tests.pipefusion_oracle import pipefusion_reference
 from xfuse.models.hunyuandit import HunyuanDiTStage
 from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
@@ -178,3 +182,58 @@ def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
     tokens, hidden, layers = (HEIGHT // 16) * (WIDTH // 16), pipe.transformer.inner_dim, 16
     kv = 2 * 2 * tokens * hidden * 4 * layers  # K and V, CFG batch 2, fp32
     assert sizes == {(STEPS, 2): 0, (1, 2): kv, (1, 1): 0}
+
+
+# --- pipelined mode against the independent oracle (tests/pipefusion_oracle.py: diffusers alone, no xfuse code) ---
+
+_ORACLE = {}
+
+
+def oracle(num_patches, warmup, scheduler="DDPMScheduler", height=HEIGHT, width=WIDTH, steps=STEPS):
+    key = (num_patches, warmup, scheduler, height, width, steps)
+    if key not in _ORACLE:
+        pipe = tiny_pipe(scheduler)
+        inputs = prepare_inputs(pipe, height=height, width=width, num_inference_steps=steps)
+        _ORACLE[key] = pipefusion_reference(pipe, inputs, height=height, width=width, num_patches=num_patches,
+                                            warmup=warmup)
+    return _ORACLE[key]
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_pipelined_equals_the_oracle(world, degree, placement, warmup):
+    """DDPM (per-patch noise) on 8 x 6 token rows: M = 1, 2 and N + 1 (uneven bands for N + 1 = 3, 5)."""
+    for num_patches in sorted({1, 2, degree + 1}):
+        out = run(world, degree, placement, num_patches, warmup)[0]["latents"]
+        assert rel_max(out, oracle(num_patches, warmup)) <= 1e-5, (num_patches, warmup)
+
+
+@pytest.mark.parametrize("scheduler", ["DDIMScheduler", "EulerDiscreteScheduler", "DPMSolverMultistepScheduler"])
+def test_pipelined_equals_the_oracle_other_schedulers(world, scheduler):
+    out = run(world, 3, "folded", 4, 1, scheduler=scheduler, height=256, width=192, steps=5)[0]["latents"]
+    assert rel_max(out, oracle(4, 1, scheduler, 256, 192, 5)) <= 1e-5
+    assert rel_l2(out, serial(scheduler, 256, 192, 5)) > 1e-3  # stale K/V matter: the oracle is not serial
+
+
+def test_oracle_catches_a_buffer_never_refreshed_after_warmup(monkeypatch):
+    def update_without_refresh(cache, layer, key, value):  # patch passes read the warm-up K/V, never write
+        if cache.tokens is None:
+            return original(cache, layer, key, value)
+        k, v = cache._buffers(layer, key, cache.num_tokens)
+        return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
+
+    original = StaleKVCache.update
+    assert rel_max(engine_degree1(2, 1, "DDIMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1, "DDIMScheduler")) <= 1e-5
+    monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)
+    assert rel_max(engine_degree1(2, 1, "DDIMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1, "DDIMScheduler")) > 0.01
+
+
+def test_oracle_catches_every_patch_drawing_the_same_noise(monkeypatch):
+    def same_seed_everywhere(generator, count, device):  # draws as many seeds, uses the first for every patch
+        seeds = torch.randint(0, 2**62, (count,), generator=generator).tolist()
+        return [torch.Generator(device=device).manual_seed(seeds[0]) for _ in seeds]
+
+    assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) <= 1e-5
+    monkeypatch.setattr(engine_module, "patch_generators", same_seed_everywhere)
+    assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) > 0.01
