@@ -46,8 +46,9 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
     plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
     stage = HunyuanDiTStage(pipe.transformer, plan, rank)
     channels = P2PChannels(rank=rank, timeout_s=600, max_inflight=2, device=torch.device("cpu")) if degree > 1 else None
-    engine = PipeFusionEngine(stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)),
-                              warmup_steps=warmup)
+    engine = PipeFusionEngine(
+        stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)), warmup_steps=warmup
+    )
     grid = patch_grid(size // 8, size // 8, num_patches, 2)
     times = []
     for _ in range(repeats):
@@ -62,8 +63,11 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
         times.append(time.perf_counter() - start)
     import resource
 
-    return dict(times=times, counters=None if channels is None else channels.counters.as_dict(),
-                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return dict(
+        times=times,
+        counters=None if channels is None else channels.counters.as_dict(),
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
 
 
 def run_world(degree, *args, timeout=3600):
@@ -83,8 +87,13 @@ def main():
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    report = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-                  steps=args.steps, warmup=args.warmup, time={}, bytes={})
+    report = dict(
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        steps=args.steps,
+        warmup=args.warmup,
+        time={},
+        bytes={},
+    )
     if not args.skip_time:
         base = None
         for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
@@ -99,21 +108,32 @@ def main():
             per_rank = [{k: v / 2 for k, v in r["counters"]["sent_bytes"].items()} for r in results]  # 2 steps
             total = sum(sum(r.values()) for r in per_rank)
             real = [sum(v * (1 if k == "latent" else WIDTH_SCALE) for k, v in r.items()) for r in per_rank]
-            report["bytes"][f"{degree}-{placement}"] = dict(per_rank=per_rank, total_per_step=total,
-                                                            per_rank_hidden1408=real)
-            print(f"N={degree} {placement:>6}: {sum(real) / 2**20:8.1f} MiB/step at hidden 1408 "
-                  f"(measured {total / 2**20:.2f} MiB at hidden 32)", flush=True)
+            report["bytes"][f"{degree}-{placement}"] = dict(
+                per_rank=per_rank, total_per_step=total, per_rank_hidden1408=real
+            )
+            print(
+                f"N={degree} {placement:>6}: {sum(real) / 2**20:8.1f} MiB/step at hidden 1408 "
+                f"(measured {total / 2**20:.2f} MiB at hidden 32)",
+                flush=True,
+            )
     print("\n| degree | placement | denoising loop | speedup |\n|---|---|---|---|")
     for key, row in report["time"].items():
         degree, placement = key.split("-")
         print(f"| {degree} | {placement if degree != '1' else '-'} | {row['wall_s']:.1f} s | {row['speedup']:.2f}x |")
-    print("\n| N | folded MiB/step | linear MiB/step | folded/linear | per-rank folded | per-rank linear |"
-          "\n|---|---|---|---|---|---|")
+    print(
+        "\n| N | folded MiB/step | linear MiB/step | folded/linear | per-rank folded | per-rank linear |"
+        "\n|---|---|---|---|---|---|"
+    )
     for degree in (2, 4, 8):
-        f, l = (report["bytes"][f"{degree}-{p}"]["per_rank_hidden1408"] for p in ("folded", "linear"))
-        fmt = lambda rows: " / ".join(f"{b / 2**20:.0f}" for b in rows)  # noqa: E731
-        print(f"| {degree} | {sum(f) / 2**20:.0f} | {sum(l) / 2**20:.0f} | {sum(f) / sum(l):.3f} | {fmt(f)} | "
-              f"{fmt(l)} |")
+        folded, linear = (report["bytes"][f"{degree}-{p}"]["per_rank_hidden1408"] for p in ("folded", "linear"))
+
+        def fmt(rows):
+            return " / ".join(f"{b / 2**20:.0f}" for b in rows)
+
+        print(
+            f"| {degree} | {sum(folded) / 2**20:.0f} | {sum(linear) / 2**20:.0f} | {sum(folded) / sum(linear):.3f} | "
+            f"{fmt(folded)} | {fmt(linear)} |"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

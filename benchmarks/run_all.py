@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import WIDTH_SCALE, bench_rank, run_world  # noqa: E402
+from benchmarks.bench_pipefusion import WIDTH_SCALE, run_world  # noqa: E402
 
 SIZE = 512
 
@@ -41,8 +41,14 @@ def pipeline_call_rank(repeats: int, steps: int) -> dict:
     from xfuse.models.tiny import build_tiny_pipeline
     from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
 
-    call = dict(prompt="a red house by a lake", height=SIZE, width=SIZE, num_inference_steps=steps,
-                use_resolution_binning=False, output_type="np")
+    call = dict(
+        prompt="a red house by a lake",
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        use_resolution_binning=False,
+        output_type="np",
+    )
     times = {"diffusers": [], "xfuse": []}
     diffusers_pipe = build_tiny_pipeline("small", seed=0)
     diffusers_pipe.set_progress_bar_config(disable=True)
@@ -50,8 +56,9 @@ def pipeline_call_rank(repeats: int, steps: int) -> dict:
         start = time.perf_counter()
         diffusers_pipe(**call, generator=torch.Generator().manual_seed(0))
         times["diffusers"].append(time.perf_counter() - start)
-    xfuse_pipe = PipeFusionHunyuanDiTPipeline.from_pipe(build_tiny_pipeline("small", seed=0),
-                                                        parallel={"pipefusion_degree": 1})
+    xfuse_pipe = PipeFusionHunyuanDiTPipeline.from_pipe(
+        build_tiny_pipeline("small", seed=0), parallel={"pipefusion_degree": 1}
+    )
     xfuse_pipe.set_progress_bar_config(disable=True)
     for _ in range(repeats):
         start = time.perf_counter()
@@ -80,7 +87,8 @@ def distance_rank(steps: int) -> dict:
         inputs = prepare_inputs(pipe, height=SIZE, width=SIZE, num_inference_steps=steps)
         request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         latents = PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup).denoise(
-            request, patch_grid(SIZE // 8, SIZE // 8, patches, 2))
+            request, patch_grid(SIZE // 8, SIZE // 8, patches, 2)
+        )
         with torch.no_grad():
             image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
         outputs[name] = (latents, image.clamp(-1, 1))
@@ -88,8 +96,10 @@ def distance_rank(steps: int) -> dict:
     result = {}
     for name, (latents, image) in outputs.items():
         mse = float(((image - serial_image) / 2).pow(2).mean())  # images in [-1, 1] -> [0, 1] scale
-        result[name] = dict(latent_rel_l2=float((latents - serial_latents).norm() / serial_latents.norm()),
-                            image_psnr_db=float(10 * torch.log10(torch.tensor(1.0 / mse))))
+        result[name] = dict(
+            latent_rel_l2=float((latents - serial_latents).norm() / serial_latents.norm()),
+            image_psnr_db=float(10 * torch.log10(torch.tensor(1.0 / mse))),
+        )
     return result
 
 
@@ -107,23 +117,30 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
 
-    report = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}, "
-                          f"python {platform.python_version()}", repeats=args.repeats, steps=args.steps)
+    report = dict(
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}, "
+        f"python {platform.python_version()}",
+        repeats=args.repeats,
+        steps=args.steps,
+    )
 
     from xfuse.testing.world import World
 
     with World(1, threads_per_rank=1, start_timeout=600) as world:
         calls = world.run_ok(pipeline_call_rank, args.repeats, args.steps, timeout=7200)[0]
-    report["degree1_vs_diffusers"] = dict(diffusers=spread(calls["diffusers"]), xfuse=spread(calls["xfuse"]),
-                                          ratio=statistics.median(calls["xfuse"]) / statistics.median(
-                                              calls["diffusers"]))
+    report["degree1_vs_diffusers"] = dict(
+        diffusers=spread(calls["diffusers"]),
+        xfuse=spread(calls["xfuse"]),
+        ratio=statistics.median(calls["xfuse"]) / statistics.median(calls["diffusers"]),
+    )
     print(f"degree-1 xfuse / diffusers: {report['degree1_vs_diffusers']['ratio']:.3f}", flush=True)
 
     loops = {}
     for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
         results = run_world(degree, "small", degree, placement, degree, 1, args.steps, SIZE, args.repeats)
-        loops[f"{degree}-{placement}"] = dict(**spread(results[0]["times"]),
-                                              peak_rss_mib=[r["peak_rss_mib"] for r in results])
+        loops[f"{degree}-{placement}"] = dict(
+            **spread(results[0]["times"]), peak_rss_mib=[r["peak_rss_mib"] for r in results]
+        )
         print(f"loop degree {degree} {placement}: {loops[f'{degree}-{placement}']['median']:.2f} s", flush=True)
     base = loops["1-folded"]["median"]
     for row in loops.values():
@@ -136,7 +153,8 @@ def main() -> None:
             results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)
             per_rank = [{k: v / 2 for k, v in r["counters"]["sent_bytes"].items()} for r in results]  # 2 steps
             volume[f"{degree}-{placement}"] = [
-                sum(v * (1 if k == "latent" else WIDTH_SCALE) for k, v in r.items()) for r in per_rank]
+                sum(v * (1 if k == "latent" else WIDTH_SCALE) for k, v in r.items()) for r in per_rank
+            ]
     report["bytes_per_step_hidden1408"] = volume
 
     from xfuse.config import load_config
@@ -144,8 +162,12 @@ def main() -> None:
 
     memory = {}
     for degree in (1, 2, 4, 8):
-        r = plan_report(load_config("configs/hunyuandit/pp2.yaml", [
-            "model=dit-g2", f"parallel.pipefusion_degree={degree}", f"parallel.num_patches={max(degree, 1)}"]))
+        r = plan_report(
+            load_config(
+                "configs/hunyuandit/pp2.yaml",
+                ["model=dit-g2", f"parallel.pipefusion_degree={degree}", f"parallel.num_patches={max(degree, 1)}"],
+            )
+        )
         memory[degree] = dict(param_bytes=r["param_bytes"], kv_bytes=r["kv_bytes"])
     report["dit_g2_memory_per_rank"] = memory
 
@@ -166,19 +188,26 @@ def fmt(row: dict) -> str:
 
 def markdown(r: dict) -> str:
     d1 = r["degree1_vs_diffusers"]
-    out = [f"Machine: {r['machine']}; {r['repeats']} runs each (median, min–max); {r['steps']} steps.", "",
-           "| pipeline `__call__`, small, 512 px | wall time |", "|---|---|",
-           f"| diffusers `HunyuanDiTPipeline` | {fmt(d1['diffusers'])} |",
-           f"| xfuse, degree 1 | {fmt(d1['xfuse'])} |",
-           f"| ratio xfuse / diffusers | {d1['ratio']:.3f} |", "",
-           "| denoising loop | wall time | speedup (ideal 1.90x) | peak RSS per rank |", "|---|---|---|---|"]
+    out = [
+        f"Machine: {r['machine']}; {r['repeats']} runs each (median, min–max); {r['steps']} steps.",
+        "",
+        "| pipeline `__call__`, small, 512 px | wall time |",
+        "|---|---|",
+        f"| diffusers `HunyuanDiTPipeline` | {fmt(d1['diffusers'])} |",
+        f"| xfuse, degree 1 | {fmt(d1['xfuse'])} |",
+        f"| ratio xfuse / diffusers | {d1['ratio']:.3f} |",
+        "",
+        "| denoising loop | wall time | speedup (ideal 1.90x) | peak RSS per rank |",
+        "|---|---|---|---|",
+    ]
     for key, row in r["denoising_loop"].items():
         rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
         out.append(f"| degree {key.replace('-', ', ')} | {fmt(row)} | {row['speedup']:.2f}x | {rss} |")
     out += ["", "| N | folded MiB/step | linear MiB/step | folded / linear |", "|---|---|---|---|"]
     for n in (2, 4, 8):
-        f, l = sum(r["bytes_per_step_hidden1408"][f"{n}-folded"]), sum(r["bytes_per_step_hidden1408"][f"{n}-linear"])
-        out.append(f"| {n} | {f / 2**20:.0f} | {l / 2**20:.0f} | {f / l:.3f} |")
+        folded = sum(r["bytes_per_step_hidden1408"][f"{n}-folded"])
+        linear = sum(r["bytes_per_step_hidden1408"][f"{n}-linear"])
+        out.append(f"| {n} | {folded / 2**20:.0f} | {linear / 2**20:.0f} | {folded / linear:.3f} |")
     out += ["", "| pipelined vs serial (DDIM) | latent relative L2 | image PSNR |", "|---|---|---|"]
     for name, row in r["pipelined_distance"].items():
         out.append(f"| {name}, warm-up 1 | {row['latent_rel_l2']:.4f} | {row['image_psnr_db']:.1f} dB |")

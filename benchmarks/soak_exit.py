@@ -37,9 +37,11 @@ ABORT = re.compile(r"terminate called|Fatal Python error: Aborted|exitcode\s*:\s
 def write_config(folder: str, model: str, world: str) -> str:
     path = os.path.join(folder, f"{world}.yaml")
     with open(path, "w") as fh:
-        fh.write(f"model: {model}\n{WORLDS[world][1]}comm: {{timeout_s: 10}}\n"
-                 "runtime: {device: cpu, dtype: float32}\n"
-                 "generation: {height: 256, width: 256, num_inference_steps: 4, seed: 0}\n")
+        fh.write(
+            f"model: {model}\n{WORLDS[world][1]}comm: {{timeout_s: 10}}\n"
+            "runtime: {device: cpu, dtype: float32}\n"
+            "generation: {height: 256, width: 256, num_inference_steps: 4, seed: 0}\n"
+        )
     return path
 
 
@@ -47,14 +49,29 @@ def launch(config: str, ranks: int, output: str, env: dict, timeout_s: float) ->
     """One torchrun launch: (outcome, stderr, seconds)."""
     if os.path.exists(output):
         os.remove(output)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
-           "xfuse", "generate", "--config", config, "--output", output]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "xfuse",
+        "generate",
+        "--config",
+        config,
+        "--output",
+        output,
+    ]
     start = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=ROOT)
     except subprocess.TimeoutExpired as err:
-        return "timeout", (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (
-            err.stderr or ""), time.perf_counter() - start
+        return (
+            "timeout",
+            (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or ""),
+            time.perf_counter() - start,
+        )
     seconds = time.perf_counter() - start
     if ABORT.search(out.stderr):
         return "abort", out.stderr, seconds
@@ -72,8 +89,11 @@ def main(argv=None) -> int:
     parser.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", "soak_exit"))
     parser.add_argument("--json", help="write the summary here (default <log-dir>/<world>.json)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a launch counts as hung")
-    parser.add_argument("--keep-cores", action="store_true",
-                        help="raise the core-file limit so aborted ranks leave core dumps in <log-dir>/cores")
+    parser.add_argument(
+        "--keep-cores",
+        action="store_true",
+        help="raise the core-file limit so aborted ranks leave core dumps in <log-dir>/cores",
+    )
     args = parser.parse_args(argv)
 
     from xfuse.models.tiny import save_tiny_pipeline
@@ -101,13 +121,22 @@ def main(argv=None) -> int:
                     fh.write(stderr)
             print(f"run {run}/{args.runs}: {outcome} ({took:.1f} s); so far {dict(outcomes)}", flush=True)
     seconds.sort()
-    summary = {"world": args.world, "ranks": ranks, "runs": args.runs, "outcomes": dict(outcomes),
-               "clean": outcomes["ok"], "seconds_median": seconds[len(seconds) // 2],
-               "seconds_min": seconds[0], "seconds_max": seconds[-1]}
+    summary = {
+        "world": args.world,
+        "ranks": ranks,
+        "runs": args.runs,
+        "outcomes": dict(outcomes),
+        "clean": outcomes["ok"],
+        "seconds_median": seconds[len(seconds) // 2],
+        "seconds_min": seconds[0],
+        "seconds_max": seconds[-1],
+    }
     with open(args.json or os.path.join(args.log_dir, f"{args.world}.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
-    print(f"{args.world}: {outcomes['ok']} of {args.runs} launches exited 0 with their PNG written; "
-          f"outcomes {dict(outcomes)}; {summary['seconds_median']:.1f} s median per launch")
+    print(
+        f"{args.world}: {outcomes['ok']} of {args.runs} launches exited 0 with their PNG written; "
+        f"outcomes {dict(outcomes)}; {summary['seconds_median']:.1f} s median per launch"
+    )
     return 0 if outcomes["ok"] == args.runs else 1
 
 

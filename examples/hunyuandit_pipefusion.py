@@ -37,8 +37,13 @@ def main():
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    parallel = dict(pipefusion_degree=world // args.cfg_degree, cfg_degree=args.cfg_degree,
-                    num_patches=args.num_patches, warmup_steps=args.warmup_steps, placement=args.placement)
+    parallel = dict(
+        pipefusion_degree=world // args.cfg_degree,
+        cfg_degree=args.cfg_degree,
+        num_patches=args.num_patches,
+        warmup_steps=args.warmup_steps,
+        placement=args.placement,
+    )
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if args.model in PRESET_MODELS:
         from xfuse.models import load_pipeline
@@ -47,9 +52,14 @@ def main():
     else:
         pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(args.model, parallel=parallel, torch_dtype=dtype)
 
-    out = pipe(prompt=args.prompt, height=args.size, width=args.size, num_inference_steps=args.steps,
-               generator=torch.Generator().manual_seed(args.seed),
-               use_resolution_binning=args.model not in PRESET_MODELS)
+    out = pipe(
+        prompt=args.prompt,
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        generator=torch.Generator().manual_seed(args.seed),
+        use_resolution_binning=args.model not in PRESET_MODELS,
+    )
     if out is not None:  # global rank 0
         out.images[0].save(args.output)
         print(f"wrote {args.output}")

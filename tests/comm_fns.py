@@ -77,16 +77,21 @@ def counters_reset() -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     ch = P2PChannels(rank=rank, timeout_s=20.0, max_inflight=1, device="cpu")
     nxt, prv = (rank + 1) % size, (rank - 1) % size
-    send_h, recv_h = ch.exchange([Send(nxt, "a", torch.zeros(5, dtype=torch.float16), 0, 0)],
-                                 [Recv(prv, "a", (5,), torch.float16, 0, 0)])
+    send_h, recv_h = ch.exchange(
+        [Send(nxt, "a", torch.zeros(5, dtype=torch.float16), 0, 0)], [Recv(prv, "a", (5,), torch.float16, 0, 0)]
+    )
     before_wait = ch.counters.as_dict()
     recv_h[0].wait()
     recv_h[0].release()
     send_h[0].wait()
     after = ch.counters.as_dict()
     ch.counters.reset()
-    return {"before_wait": before_wait, "after": after, "after_reset": ch.counters.as_dict(),
-            "missing_kind": ch.counters.sent_bytes["nope"]}
+    return {
+        "before_wait": before_wait,
+        "after": after,
+        "after_reset": ch.counters.as_dict(),
+        "missing_kind": ch.counters.sent_bytes["nope"],
+    }
 
 
 def buffer_reuse_and_inflight() -> dict:

@@ -27,9 +27,23 @@ def tiny_pipe(scheduler="DDPMScheduler", dtype=torch.float32):
     return _PIPES[key]
 
 
-def run_engine(degree, placement, num_patches, warmup, *, height=128, width=96, steps=3, scheduler="DDPMScheduler",
-               dtype=torch.float32, prompt="a red house by a lake", seed=0, timeout_s=60.0, max_inflight=2,
-               requests=1):
+def run_engine(
+    degree,
+    placement,
+    num_patches,
+    warmup,
+    *,
+    height=128,
+    width=96,
+    steps=3,
+    scheduler="DDPMScheduler",
+    dtype=torch.float32,
+    prompt="a red house by a lake",
+    seed=0,
+    timeout_s=60.0,
+    max_inflight=2,
+    requests=1,
+):
     """Run PipeFusion on ranks 0 … degree-1 of the world (the others idle); return rank 0's final latents of the
     last request plus every rank's byte counters."""
     rank = dist.get_rank()
@@ -39,15 +53,26 @@ def run_engine(degree, placement, num_patches, warmup, *, height=128, width=96, 
     plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
     stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, rank)
     channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=max_inflight, device=torch.device("cpu"))
-    engine = PipeFusionEngine(stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)),
-                              warmup_steps=warmup, lookahead=max_inflight)
+    engine = PipeFusionEngine(
+        stage,
+        plan,
+        channels,
+        pipe_rank=rank,
+        group_ranks=list(range(degree)),
+        warmup_steps=warmup,
+        lookahead=max_inflight,
+    )
     grid = patch_grid(height // 8, width // 8, num_patches, pipe.transformer.config.patch_size)
     outputs = []
     for request_prompt in [prompt] if requests == 1 else requests:
-        inputs = prepare_inputs(pipe, prompt=request_prompt, height=height, width=width, num_inference_steps=steps,
-                                seed=seed)
+        inputs = prepare_inputs(
+            pipe, prompt=request_prompt, height=height, width=width, num_inference_steps=steps, seed=seed
+        )
         channels.counters.reset()
         request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         outputs.append(engine.denoise(request, grid))
-    return dict(latents=outputs if requests != 1 else outputs[0], counters=channels.counters.as_dict(),
-                num_buffers=channels.num_buffers)
+    return dict(
+        latents=outputs if requests != 1 else outputs[0],
+        counters=channels.counters.as_dict(),
+        num_buffers=channels.num_buffers,
+    )

@@ -13,8 +13,11 @@ def start_with_config(paths):
     config = load_config(paths[dist.get_rank()])
     try:
         PipeFusionHunyuanDiTPipeline.from_pipe(
-            load_pipeline(config.model), parallel=config.parallel, comm=config.comm,
-            fingerprint=flatten("", {"generation": config.to_dict()["generation"]}))
+            load_pipeline(config.model),
+            parallel=config.parallel,
+            comm=config.comm,
+            fingerprint=flatten("", {"generation": config.to_dict()["generation"]}),
+        )
     except Exception as err:  # noqa: BLE001 - the test inspects it
         return type(err).__name__, str(err)
     return None

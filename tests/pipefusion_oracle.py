@@ -44,8 +44,9 @@ class StaleSelfAttention:
     def __init__(self, buffers: KVBuffers, layer: int) -> None:
         self.buffers, self.layer = buffers, layer
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
-                 image_rotary_emb=None):
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, image_rotary_emb=None
+    ):
         assert encoder_hidden_states is None and attention_mask is None and attn.spatial_norm is None
         batch = hidden_states.shape[0]
 
@@ -63,7 +64,10 @@ class StaleSelfAttention:
             if layer not in buffers.k:  # W = 0: nothing written yet in this request
                 shape = (*key.shape[:2], buffers.num_tokens, key.shape[3])  # (B, heads, all tokens, D)
                 buffers.k[layer], buffers.v[layer], buffers.written[layer] = (
-                    torch.zeros(shape, dtype=key.dtype), torch.zeros(shape, dtype=key.dtype), 0)
+                    torch.zeros(shape, dtype=key.dtype),
+                    torch.zeros(shape, dtype=key.dtype),
+                    0,
+                )
             buffers.k[layer][:, :, start:stop] = key
             buffers.v[layer][:, :, start:stop] = value
             buffers.written[layer] = max(buffers.written[layer], stop)
@@ -110,15 +114,18 @@ def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_pat
     # Lines of HunyuanDiTPipeline.__call__ (step 7): the whole image's RoPE table.
     base_size = 512 // 8 // patch_size
     crops = get_resize_crop_region_for_grid((token_rows, token_cols), base_size)
-    cos, sin = get_2d_rotary_pos_embed(transformer.inner_dim // transformer.num_heads, crops,
-                                       (token_rows, token_cols), output_type="pt")
+    cos, sin = get_2d_rotary_pos_embed(
+        transformer.inner_dim // transformer.num_heads, crops, (token_rows, token_cols), output_type="pt"
+    )
     bands = token_row_bands(token_rows, num_patches)
     guidance_scale = inputs["guidance_scale"]
     do_cfg = guidance_scale > 1
     text = {k: inputs[k] for k in ("image_meta_size", "style")} | {
-        "encoder_hidden_states": inputs["prompt_embeds"], "text_embedding_mask": inputs["prompt_attention_mask"],
+        "encoder_hidden_states": inputs["prompt_embeds"],
+        "text_embedding_mask": inputs["prompt_attention_mask"],
         "encoder_hidden_states_t5": inputs["prompt_embeds_2"],
-        "text_embedding_mask_t5": inputs["prompt_attention_mask_2"]}
+        "text_embedding_mask_t5": inputs["prompt_attention_mask_2"],
+    }
 
     def noise_prediction(latents, t, scheduler, tokens: slice | None):
         """Lines of HunyuanDiTPipeline.__call__ (step 8) on ``latents`` (whole image or one band)."""
@@ -154,8 +161,12 @@ def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_pat
                     patch_schedulers.append(patch_scheduler)
                 generator = inputs["generator"]
                 seeds = torch.randint(0, 2**62, (num_patches,), generator=generator).tolist()
-                patch_kwargs = [step_kwargs | {"generator": torch.Generator().manual_seed(s)}
-                                if "generator" in step_kwargs else step_kwargs for s in seeds]
+                patch_kwargs = [
+                    step_kwargs | {"generator": torch.Generator().manual_seed(s)}
+                    if "generator" in step_kwargs
+                    else step_kwargs
+                    for s in seeds
+                ]
             for band, r, patch_scheduler, kwargs in zip(bands, rows, patch_schedulers, patch_kwargs):
                 tokens = slice(band.start * token_cols, band.stop * token_cols)
                 noise = noise_prediction(latents[:, :, r], t, patch_scheduler, tokens)

@@ -36,8 +36,9 @@ def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=No
     """
     from xfuse import PipeFusionHunyuanDiTPipeline
 
-    pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(folder, parallel=parallel, comm=comm or {"timeout_s": 60},
-                                                        torch_dtype=torch_dtype)
+    pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(
+        folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype
+    )
     pipe.set_progress_bar_config(disable=True)
     if scheduler is not None:
         from xfuse.testing.hunyuan import swap_scheduler

@@ -13,13 +13,21 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def xfuse(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "xfuse", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "xfuse", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 def test_plan_prints_ranks_blocks_skips_and_bytes():
-    out = xfuse("plan", "--config", "configs/hunyuandit/pp2.yaml", "--set", "model=bytes40",
-                "--set", "parallel.placement=linear")
+    out = xfuse(
+        "plan",
+        "--config",
+        "configs/hunyuandit/pp2.yaml",
+        "--set",
+        "model=bytes40",
+        "--set",
+        "parallel.placement=linear",
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "route of a patch: r0[0-19] -> r1[20-39]" in text
@@ -28,8 +36,15 @@ def test_plan_prints_ranks_blocks_skips_and_bytes():
 
 
 def test_plan_folded_has_no_cross_rank_skips_and_uneven_patches():
-    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.pipefusion_degree=3",
-                "--set", "parallel.num_patches=5")
+    out = xfuse(
+        "plan",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "parallel.pipefusion_degree=3",
+        "--set",
+        "parallel.num_patches=5",
+    )
     assert out.returncode == 0, out.stderr
     assert "cross-rank skips: none" in out.stdout
     assert "patches (token rows): 0:[0,4)  1:[4,7)  2:[7,10)  3:[10,13)  4:[13,16)" in out.stdout
@@ -44,8 +59,19 @@ def test_plan_bad_value_exits_2_naming_the_key():
 
 def test_generate_degree_1_with_plain_python(tmp_path):
     target = tmp_path / "out.png"
-    out = xfuse("generate", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.pipefusion_degree=1",
-                "--set", "generation.num_inference_steps=2", "--prompt", "a red house", "--output", str(target))
+    out = xfuse(
+        "generate",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "parallel.pipefusion_degree=1",
+        "--set",
+        "generation.num_inference_steps=2",
+        "--prompt",
+        "a red house",
+        "--output",
+        str(target),
+    )
     assert out.returncode == 0, out.stderr
     assert f"wrote {target}: 256x256, 2 steps" in out.stdout and "rank 0 sent 0.00 MiB (nothing)" in out.stdout
     image = np.asarray(Image.open(target))
@@ -54,10 +80,28 @@ def test_generate_degree_1_with_plain_python(tmp_path):
 
 def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     target = tmp_path / "pp2.png"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse",
-           "generate", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.placement=linear",
-           "--set", "generation.height=192", "--set", "parallel.num_patches=3", "--output", str(target),
-           "--trace", str(tmp_path / "trace.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "xfuse",
+        "generate",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "parallel.placement=linear",
+        "--set",
+        "generation.height=192",
+        "--set",
+        "parallel.num_patches=3",
+        "--output",
+        str(target),
+        "--trace",
+        str(tmp_path / "trace.json"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 256x192" in out.stdout and "linear, 3 patches" in out.stdout
@@ -81,14 +125,24 @@ def test_generate_refuses_a_world_that_does_not_match():
     assert "must equal the world size (1)" in out.stderr and "torchrun --nproc_per_node=2" in out.stderr
 
 
-@pytest.mark.parametrize("script,args", [
-    ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
-    ("examples/from_diffusers.py", ["tiny"]),
-])
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
+        ("examples/from_diffusers.py", ["tiny"]),
+    ],
+)
 def test_examples_run_under_torchrun(tmp_path, script, args):
     args = [*args, str(tmp_path / "out.png")] if args[-1] == "--output" else args
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.abspath(script),
+        *args,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "wrote" in out.stdout
@@ -101,12 +155,19 @@ def test_doctor_reports_and_passes_its_self_test():
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("xfuse 0.1.0, torch ") and "backends: gloo yes" in out.stdout
     assert "flash-attn: " in out.stdout and "attention: torch SDPA" in out.stdout
-    assert lines[-1].startswith("self-test: 2-rank gloo p2p on loopback") and lines[-1].split(": ")[-1].startswith("PASS")
+    assert lines[-1].startswith("self-test: 2-rank gloo p2p on loopback") and lines[-1].split(": ")[-1].startswith(
+        "PASS"
+    )
 
 
 def test_doctor_self_test_fails_on_a_missing_interface():
-    out = subprocess.run([sys.executable, "-m", "xfuse", "doctor", "--timeout", "5"], capture_output=True, text=True,
-                         env={**ENV, "GLOO_SOCKET_IFNAME": "nope0"}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "xfuse", "doctor", "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        env={**ENV, "GLOO_SOCKET_IFNAME": "nope0"},
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "GLOO_SOCKET_IFNAME=nope0" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("self-test: 2-rank gloo p2p on loopback: FAIL")

@@ -27,8 +27,9 @@ from xfuse.comm import (
 from xfuse.comm.errors import error_from_backend
 from xfuse.testing import RankDied, World
 
-FIELDS = dict(rank=1, peer=0, op="recv", kind="hidden", shape=(2, 64, 32), dtype=torch.float32, nbytes=16384,
-              step=3, patch=1)
+FIELDS = dict(
+    rank=1, peer=0, op="recv", kind="hidden", shape=(2, 64, 32), dtype=torch.float32, nbytes=16384, step=3, patch=1
+)
 
 
 # --------------------------------------------------------------------------- in-process
@@ -42,7 +43,16 @@ def test_error_message_names_the_operation_and_pickles():
     back = pickle.loads(pickle.dumps(err))  # errors travel between processes
     assert type(back) is CommTimeout and str(back) == str(err)
     assert (back.rank, back.peer, back.op, back.kind, back.shape, back.dtype, back.nbytes, back.step, back.patch) == (
-        1, 0, "recv", "hidden", (2, 64, 32), torch.float32, 16384, 3, 1)
+        1,
+        0,
+        "recv",
+        "hidden",
+        (2, 64, 32),
+        torch.float32,
+        16384,
+        3,
+        1,
+    )
     assert isinstance(err, CommError) and isinstance(err, RuntimeError)
 
 
@@ -52,8 +62,9 @@ def test_backend_errors_are_classified():
     assert type(lost) is PeerLost and "peer lost" in str(lost) and "Connection closed by peer" in str(lost)
     reset = error_from_backend(RuntimeError("Connection reset by peer"), timeout_s=5.0, **{**FIELDS, "op": "send"})
     assert type(reset) is PeerLost and "send of hidden" in str(reset) and "to rank 0" in str(reset)
-    slow = error_from_backend(RuntimeError("Timed out waiting 5000ms for recv operation to complete"),
-                              timeout_s=5.0, **FIELDS)
+    slow = error_from_backend(
+        RuntimeError("Timed out waiting 5000ms for recv operation to complete"), timeout_s=5.0, **FIELDS
+    )
     assert type(slow) is CommTimeout and "timed out after 5.0 s" in str(slow)
     # The next op after our own timeout: not a new timeout, not a lost peer.
     other = error_from_backend(RuntimeError("Application timeout caused pair closure"), timeout_s=5.0, **FIELDS)
@@ -83,8 +94,12 @@ def test_counters_and_op_log_format():
     c.add("send", "hidden", 100), c.add("send", "hidden", 50), c.add("recv", "skip", 8)
     assert c.sent_bytes["hidden"] == 150 and c.sent_ops["hidden"] == 2 and c.recv_bytes["skip"] == 8
     assert c.recv_ops["hidden"] == 0
-    assert c.as_dict() == {"sent_bytes": {"hidden": 150}, "recv_bytes": {"skip": 8}, "sent_ops": {"hidden": 2},
-                           "recv_ops": {"skip": 1}}
+    assert c.as_dict() == {
+        "sent_bytes": {"hidden": 150},
+        "recv_bytes": {"skip": 8},
+        "sent_ops": {"hidden": 2},
+        "recv_ops": {"skip": 1},
+    }
     c.reset()
     assert c.as_dict() == {"sent_bytes": {}, "recv_bytes": {}, "sent_ops": {}, "recv_ops": {}}
 
@@ -152,8 +167,12 @@ def test_ring_exchange_dtypes_counters_and_reuse(world, separate_groups):
 def test_counters_count_completed_ops_and_reset(world):
     for r in world.run_ok(fns.counters_reset, timeout=30):
         assert r["before_wait"] == {"sent_bytes": {}, "recv_bytes": {}, "sent_ops": {}, "recv_ops": {}}
-        assert r["after"] == {"sent_bytes": {"a": 10}, "recv_bytes": {"a": 10}, "sent_ops": {"a": 1},
-                              "recv_ops": {"a": 1}}
+        assert r["after"] == {
+            "sent_bytes": {"a": 10},
+            "recv_bytes": {"a": 10},
+            "sent_ops": {"a": 1},
+            "recv_ops": {"a": 1},
+        }
         assert r["after_reset"]["sent_bytes"] == {} and r["missing_kind"] == 0
 
 
@@ -208,8 +227,10 @@ def test_killed_peer_is_reported_quickly():
         wall = time.monotonic() - t0
     assert isinstance(res[1].error, RankDied)
     assert wall < 10.0  # noticed within moments of the kill, not at timeout_s
-    for r, op in ((res[0], "recv of hidden (64, 64) float32, 16384 bytes, from rank 1"),
-                  (res[2], "send of latent (64, 64) float32, 16384 bytes, to rank 1")):
+    for r, op in (
+        (res[0], "recv of hidden (64, 64) float32, 16384 bytes, from rank 1"),
+        (res[2], "send of latent (64, 64) float32, 16384 bytes, to rank 1"),
+    ):
         err = r.value["error"]
         assert isinstance(err, PeerLost), err
         assert str(err).startswith(f"rank {r.rank}: {op} failed: peer lost at step 5")

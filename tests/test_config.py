@@ -39,20 +39,33 @@ def _write(tmp_path, text: str, name: str = "c.yaml") -> str:
 # Defaults and basics
 # ------------------------------------------------------------------------------------------------------------------
 
+
 def test_defaults():
     c = XfuseConfig()
     assert c == load_config() == config_from_dict({}) == config_from_dict(None)
     assert c.model == "tiny" and c.model_is_preset
     p = c.parallel
     assert (p.pipefusion_degree, p.num_patches, p.warmup_steps, p.cfg_degree, p.placement, p.stage_split) == (
-        1, None, 1, 1, "folded", None)
+        1,
+        None,
+        1,
+        1,
+        "folded",
+        None,
+    )
     assert p.resolved_num_patches == 1
     assert (c.comm.backend, c.comm.timeout_s, c.comm.max_inflight, c.comm.socket_ifname) == ("auto", 60.0, 2, None)
     assert (c.runtime.device, c.runtime.dtype) == ("auto", "float32")
     g = c.generation
     assert isinstance(g.prompt, str) and g.prompt
     assert (g.negative_prompt, g.height, g.width, g.num_inference_steps, g.guidance_scale, g.seed) == (
-        None, None, None, 20, 5.0, 0)
+        None,
+        None,
+        None,
+        20,
+        5.0,
+        0,
+    )
     assert c.world_size == 1
 
 
@@ -110,16 +123,32 @@ def test_torch_dtype():
 # Round trip
 # ------------------------------------------------------------------------------------------------------------------
 
+
 def _non_default() -> XfuseConfig:
-    return config_from_dict({
-        "model": "/models/HunyuanDiT-v1.2-Diffusers",
-        "parallel": {"pipefusion_degree": 3, "num_patches": 6, "warmup_steps": 2, "cfg_degree": 2,
-                     "placement": "linear", "stage_split": [14, 13, 13]},
-        "comm": {"backend": "nccl", "timeout_s": 12.5, "max_inflight": 4, "socket_ifname": "eth0"},
-        "runtime": {"device": "cuda", "dtype": "bfloat16"},
-        "generation": {"prompt": "a cat: 'quoted' \"text\"", "negative_prompt": "blurry", "height": 864,
-                       "width": 1024, "num_inference_steps": 30, "guidance_scale": 6, "seed": 1234},
-    })
+    return config_from_dict(
+        {
+            "model": "/models/HunyuanDiT-v1.2-Diffusers",
+            "parallel": {
+                "pipefusion_degree": 3,
+                "num_patches": 6,
+                "warmup_steps": 2,
+                "cfg_degree": 2,
+                "placement": "linear",
+                "stage_split": [14, 13, 13],
+            },
+            "comm": {"backend": "nccl", "timeout_s": 12.5, "max_inflight": 4, "socket_ifname": "eth0"},
+            "runtime": {"device": "cuda", "dtype": "bfloat16"},
+            "generation": {
+                "prompt": "a cat: 'quoted' \"text\"",
+                "negative_prompt": "blurry",
+                "height": 864,
+                "width": 1024,
+                "num_inference_steps": 30,
+                "guidance_scale": 6,
+                "seed": 1234,
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize("config", [XfuseConfig(), _non_default()], ids=["defaults", "non_default"])
@@ -150,6 +179,7 @@ def test_yaml_exponent_float(tmp_path):
 # Overrides
 # ------------------------------------------------------------------------------------------------------------------
 
+
 def test_parse_override_values():
     assert parse_override("parallel.warmup_steps=2") == ("parallel.warmup_steps", 2)
     assert parse_override("parallel.stage_split=[3,5]") == ("parallel.stage_split", [3, 5])
@@ -162,15 +192,18 @@ def test_parse_override_values():
 
 def test_overrides_apply_on_file(tmp_path):
     path = _write(tmp_path, "parallel:\n  pipefusion_degree: 2\n  num_patches: 4\nruntime:\n  dtype: float16\n")
-    c = load_config(path, [
-        "parallel.warmup_steps=2",
-        "parallel.stage_split=[3,5]",
-        "parallel.num_patches=null",
-        "runtime.dtype=bfloat16",
-        "generation.height=512",
-        "comm.socket_ifname=lo",
-        "model=small",
-    ])
+    c = load_config(
+        path,
+        [
+            "parallel.warmup_steps=2",
+            "parallel.stage_split=[3,5]",
+            "parallel.num_patches=null",
+            "runtime.dtype=bfloat16",
+            "generation.height=512",
+            "comm.socket_ifname=lo",
+            "model=small",
+        ],
+    )
     assert c.parallel.pipefusion_degree == 2  # kept from the file
     assert c.parallel.warmup_steps == 2
     assert c.parallel.stage_split == (3, 5)
@@ -197,6 +230,7 @@ def test_overrides_are_validated():
 # ------------------------------------------------------------------------------------------------------------------
 # parallel_config / comm_config inputs
 # ------------------------------------------------------------------------------------------------------------------
+
 
 def test_parallel_config_inputs():
     dc = ParallelConfig(pipefusion_degree=2, num_patches=4)
@@ -236,45 +270,93 @@ def test_xfuse_config_accepts_section_dicts():
 BAD_DICTS = [
     ("unknown_section", {"paralel": {}}, "paralel", ["unknown section", "'parallel'", "generation"]),
     ("flat_key_at_top", {"pipefusion_degree": 2}, "pipefusion_degree", ["parallel.pipefusion_degree"]),
-    ("unknown_key", {"parallel": {"pipefusion_degre": 2}}, "parallel.pipefusion_degre",
-     ["did you mean 'parallel.pipefusion_degree'", "num_patches"]),
+    (
+        "unknown_key",
+        {"parallel": {"pipefusion_degre": 2}},
+        "parallel.pipefusion_degre",
+        ["did you mean 'parallel.pipefusion_degree'", "num_patches"],
+    ),
     ("key_in_wrong_section", {"parallel": {"backend": "gloo"}}, "parallel.backend", ["comm.backend"]),
     ("section_not_mapping", {"parallel": 3}, "parallel", ["mapping", "pipefusion_degree"]),
     ("degree_zero", {"parallel": {"pipefusion_degree": 0}}, "parallel.pipefusion_degree", ["from 1 to 8", "(got 0)"]),
     ("degree_nine", {"parallel": {"pipefusion_degree": 9}}, "parallel.pipefusion_degree", ["from 1 to 8", "(got 9)"]),
-    ("degree_bool", {"parallel": {"pipefusion_degree": True}}, "parallel.pipefusion_degree",
-     ["from 1 to 8", "boolean"]),
-    ("degree_string", {"parallel": {"pipefusion_degree": "2"}}, "parallel.pipefusion_degree",
-     ["from 1 to 8", "string", "(got '2')"]),
+    (
+        "degree_bool",
+        {"parallel": {"pipefusion_degree": True}},
+        "parallel.pipefusion_degree",
+        ["from 1 to 8", "boolean"],
+    ),
+    (
+        "degree_string",
+        {"parallel": {"pipefusion_degree": "2"}},
+        "parallel.pipefusion_degree",
+        ["from 1 to 8", "string", "(got '2')"],
+    ),
     ("degree_float", {"parallel": {"pipefusion_degree": 2.0}}, "parallel.pipefusion_degree", ["from 1 to 8"]),
     ("num_patches_zero", {"parallel": {"num_patches": 0}}, "parallel.num_patches", [">= 1 or null", "(got 0)"]),
     ("warmup_negative", {"parallel": {"warmup_steps": -1}}, "parallel.warmup_steps", [">= 0", "(got -1)"]),
-    ("warmup_more_than_steps", {"parallel": {"warmup_steps": 5}, "generation": {"num_inference_steps": 4}},
-     "parallel.warmup_steps", ["generation.num_inference_steps", "(got 5)"]),
+    (
+        "warmup_more_than_steps",
+        {"parallel": {"warmup_steps": 5}, "generation": {"num_inference_steps": 4}},
+        "parallel.warmup_steps",
+        ["generation.num_inference_steps", "(got 5)"],
+    ),
     ("cfg_degree_three", {"parallel": {"cfg_degree": 3}}, "parallel.cfg_degree", ["must be 1 or 2", "(got 3)"]),
     ("cfg_degree_true", {"parallel": {"cfg_degree": True}}, "parallel.cfg_degree", ["must be 1 or 2"]),
-    ("cfg2_without_guidance", {"parallel": {"cfg_degree": 2}, "generation": {"guidance_scale": 1.0}},
-     "parallel.cfg_degree", ["guidance_scale > 1"]),
-    ("placement", {"parallel": {"placement": "Folded"}}, "parallel.placement",
-     ["'folded', 'linear'", "did you mean 'folded'"]),
-    ("stage_split_wrong_length", {"parallel": {"pipefusion_degree": 2, "stage_split": [2, 2, 2]}},
-     "parallel.stage_split", ["one per PipeFusion rank", "3 entries"]),
-    ("stage_split_zero_entry", {"parallel": {"pipefusion_degree": 2, "stage_split": [4, 0]}},
-     "parallel.stage_split", ["positive", "entry 1"]),
-    ("stage_split_not_list", {"parallel": {"pipefusion_degree": 2, "stage_split": "4,4"}},
-     "parallel.stage_split", ["list of positive block counts"]),
+    (
+        "cfg2_without_guidance",
+        {"parallel": {"cfg_degree": 2}, "generation": {"guidance_scale": 1.0}},
+        "parallel.cfg_degree",
+        ["guidance_scale > 1"],
+    ),
+    (
+        "placement",
+        {"parallel": {"placement": "Folded"}},
+        "parallel.placement",
+        ["'folded', 'linear'", "did you mean 'folded'"],
+    ),
+    (
+        "stage_split_wrong_length",
+        {"parallel": {"pipefusion_degree": 2, "stage_split": [2, 2, 2]}},
+        "parallel.stage_split",
+        ["one per PipeFusion rank", "3 entries"],
+    ),
+    (
+        "stage_split_zero_entry",
+        {"parallel": {"pipefusion_degree": 2, "stage_split": [4, 0]}},
+        "parallel.stage_split",
+        ["positive", "entry 1"],
+    ),
+    (
+        "stage_split_not_list",
+        {"parallel": {"pipefusion_degree": 2, "stage_split": "4,4"}},
+        "parallel.stage_split",
+        ["list of positive block counts"],
+    ),
     ("backend", {"comm": {"backend": "mpi"}}, "comm.backend", ["'auto', 'nccl', 'gloo'", "(got 'mpi')"]),
-    ("nccl_on_cpu", {"comm": {"backend": "nccl"}, "runtime": {"device": "cpu"}}, "comm.backend",
-     ["gloo", "runtime.device"]),
+    (
+        "nccl_on_cpu",
+        {"comm": {"backend": "nccl"}, "runtime": {"device": "cpu"}},
+        "comm.backend",
+        ["gloo", "runtime.device"],
+    ),
     ("timeout_zero", {"comm": {"timeout_s": 0}}, "comm.timeout_s", ["> 0.0", "(got 0.0)"]),
     ("timeout_string", {"comm": {"timeout_s": "60"}}, "comm.timeout_s", ["> 0.0", "string"]),
     ("timeout_inf", {"comm": {"timeout_s": float("inf")}}, "comm.timeout_s", ["finite"]),
     ("max_inflight_zero", {"comm": {"max_inflight": 0}}, "comm.max_inflight", [">= 1", "(got 0)"]),
     ("socket_ifname_int", {"comm": {"socket_ifname": 0}}, "comm.socket_ifname", ["string or null"]),
-    ("device", {"runtime": {"device": "gpu"}}, "runtime.device",
-     ["'auto', 'cpu', 'cuda'", "did you mean 'cuda'", "(got 'gpu')"]),
-    ("dtype", {"runtime": {"dtype": "bf16"}}, "runtime.dtype",
-     ["'float32', 'bfloat16', 'float16'", "did you mean 'bfloat16'"]),
+    (
+        "device",
+        {"runtime": {"device": "gpu"}},
+        "runtime.device",
+        ["'auto', 'cpu', 'cuda'", "did you mean 'cuda'", "(got 'gpu')"],
+    ),
+    (
+        "dtype",
+        {"runtime": {"dtype": "bf16"}},
+        "runtime.dtype",
+        ["'float32', 'bfloat16', 'float16'", "did you mean 'bfloat16'"],
+    ),
     ("prompt_not_string", {"generation": {"prompt": 42}}, "generation.prompt", ["string", "(got 42)"]),
     ("height_negative", {"generation": {"height": -8}}, "generation.height", [">= 1 or null", "(got -8)"]),
     ("width_string", {"generation": {"width": "1024"}}, "generation.width", ["integer", "string"]),
@@ -381,31 +463,77 @@ def test_check_world_ok():
 
 
 CHECK_WORLD_BAD = [
-    ("world_mismatch", dict(pipefusion_degree=2), dict(world_size=4), "parallel.pipefusion_degree",
-     ["parallel.cfg_degree", "world size is 4", "--nproc_per_node=2", "pipefusion_degree=4"]),
-    ("world_mismatch_cfg", dict(pipefusion_degree=4, cfg_degree=2), dict(world_size=4), "parallel.pipefusion_degree",
-     ["= 8 ranks", "--nproc_per_node=8"]),
-    ("bad_height", dict(pipefusion_degree=2), dict(world_size=2, height=1000), "generation.height",
-     ["multiple of 16", "992", "(got 1000)"]),
+    (
+        "world_mismatch",
+        dict(pipefusion_degree=2),
+        dict(world_size=4),
+        "parallel.pipefusion_degree",
+        ["parallel.cfg_degree", "world size is 4", "--nproc_per_node=2", "pipefusion_degree=4"],
+    ),
+    (
+        "world_mismatch_cfg",
+        dict(pipefusion_degree=4, cfg_degree=2),
+        dict(world_size=4),
+        "parallel.pipefusion_degree",
+        ["= 8 ranks", "--nproc_per_node=8"],
+    ),
+    (
+        "bad_height",
+        dict(pipefusion_degree=2),
+        dict(world_size=2, height=1000),
+        "generation.height",
+        ["multiple of 16", "992", "(got 1000)"],
+    ),
     ("bad_width", dict(pipefusion_degree=2), dict(world_size=2, width=1032), "generation.width", ["multiple of 16"]),
     ("odd_layers", dict(pipefusion_degree=2), dict(world_size=2, num_layers=39), "model", ["even", "skip"]),
-    ("num_patches_too_large", dict(pipefusion_degree=2, num_patches=65), dict(world_size=2), "parallel.num_patches",
-     ["64", "(got 65)"]),
-    ("num_patches_small_image", dict(pipefusion_degree=2, num_patches=9), dict(world_size=2, height=128, width=128),
-     "parallel.num_patches", ["8"]),
-    ("folded_degree_too_large", dict(pipefusion_degree=8), dict(world_size=8, num_layers=8),
-     "parallel.pipefusion_degree", ["folded"]),
-    ("linear_degree_too_large", dict(pipefusion_degree=8, placement="linear"), dict(world_size=8, num_layers=6),
-     "parallel.pipefusion_degree", ["linear"]),
-    ("stage_split_bad_sum_folded", dict(pipefusion_degree=2, stage_split=[10, 20]), dict(world_size=2),
-     "parallel.stage_split", ["20"]),
-    ("stage_split_bad_sum_linear", dict(pipefusion_degree=2, placement="linear", stage_split=[10, 10]),
-     dict(world_size=2), "parallel.stage_split", ["40"]),
+    (
+        "num_patches_too_large",
+        dict(pipefusion_degree=2, num_patches=65),
+        dict(world_size=2),
+        "parallel.num_patches",
+        ["64", "(got 65)"],
+    ),
+    (
+        "num_patches_small_image",
+        dict(pipefusion_degree=2, num_patches=9),
+        dict(world_size=2, height=128, width=128),
+        "parallel.num_patches",
+        ["8"],
+    ),
+    (
+        "folded_degree_too_large",
+        dict(pipefusion_degree=8),
+        dict(world_size=8, num_layers=8),
+        "parallel.pipefusion_degree",
+        ["folded"],
+    ),
+    (
+        "linear_degree_too_large",
+        dict(pipefusion_degree=8, placement="linear"),
+        dict(world_size=8, num_layers=6),
+        "parallel.pipefusion_degree",
+        ["linear"],
+    ),
+    (
+        "stage_split_bad_sum_folded",
+        dict(pipefusion_degree=2, stage_split=[10, 20]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["20"],
+    ),
+    (
+        "stage_split_bad_sum_linear",
+        dict(pipefusion_degree=2, placement="linear", stage_split=[10, 10]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["40"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("parallel,world,key,fragments", [c[1:] for c in CHECK_WORLD_BAD],
-                         ids=[c[0] for c in CHECK_WORLD_BAD])
+@pytest.mark.parametrize(
+    "parallel,world,key,fragments", [c[1:] for c in CHECK_WORLD_BAD], ids=[c[0] for c in CHECK_WORLD_BAD]
+)
 def test_check_world_bad(parallel, world, key, fragments):
     kwargs = {**HUNYUAN, **world}
     with pytest.raises(ConfigError) as e:
@@ -418,6 +546,7 @@ def test_check_world_bad(parallel, world, key, fragments):
 # ------------------------------------------------------------------------------------------------------------------
 # Shipped YAML files
 # ------------------------------------------------------------------------------------------------------------------
+
 
 def test_config_files_exist():
     names = {str(p.relative_to(REPO / "configs")) for p in CONFIG_FILES}
@@ -432,8 +561,14 @@ def test_config_file_loads(path):
     if path.parent.name == "hunyuandit":
         # the released HunyuanDiT: 40 blocks, patch size 2, 1024 px
         assert c.generation.height == c.generation.width == 1024
-        check_world(c, world_size=c.world_size, num_layers=40, patch_size=2,
-                    height=c.generation.height, width=c.generation.width)
+        check_world(
+            c,
+            world_size=c.world_size,
+            num_layers=40,
+            patch_size=2,
+            height=c.generation.height,
+            width=c.generation.width,
+        )
 
 
 def test_tiny_demo_config():

@@ -6,12 +6,10 @@ One 8-rank world serves the whole module; a run of degree N uses ranks 0 … N-1
 import copy
 import os
 
-import xfuse.parallel.engine as engine_module
-from xfuse.parallel.stale_kv import StaleKVCache
-
 import pytest
 import torch
 
+import xfuse.parallel.engine as engine_module
 from tests.engine_fns import run_engine, tiny_pipe
 from tests.pipefusion_oracle import pipefusion_reference
 from xfuse.models.hunyuandit import HunyuanDiTStage
@@ -19,6 +17,7 @@ from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
+from xfuse.parallel.stale_kv import StaleKVCache
 from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, serial_latents
 from xfuse.testing.world import World
 
@@ -116,10 +115,12 @@ PIPELINED = [(n, m, p) for n in (2, 3, 4) for m in (n, 2 * n) for p in PLACEMENT
 @pytest.mark.parametrize("degree,num_patches,placement", PIPELINED)
 def test_pipelined_is_deterministic_finite_and_close_to_serial(world, degree, num_patches, placement):
     height, width, steps, scheduler = 256, 192, 6, "EulerDiscreteScheduler"  # 16 token rows: M up to 8
-    first = run(world, degree, placement, num_patches, 1, height=height, width=width, steps=steps,
-                scheduler=scheduler)[0]["latents"]
-    second = run(world, degree, placement, num_patches, 1, height=height, width=width, steps=steps,
-                 scheduler=scheduler)[0]["latents"]
+    first = run(world, degree, placement, num_patches, 1, height=height, width=width, steps=steps, scheduler=scheduler)[
+        0
+    ]["latents"]
+    second = run(
+        world, degree, placement, num_patches, 1, height=height, width=width, steps=steps, scheduler=scheduler
+    )[0]["latents"]
     assert torch.equal(first, second)  # bit-identical: the schedule is a pure function of the config
     assert torch.isfinite(first).all()
     # Stale K/V are the only approximation: measured 2-4 % relative L2 on this model (see README), bound 8 %.
@@ -177,7 +178,8 @@ def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS)
         request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
         PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=warmup).denoise(
-            request, patch_grid(HEIGHT // 8, WIDTH // 8, num_patches, 2))
+            request, patch_grid(HEIGHT // 8, WIDTH // 8, num_patches, 2)
+        )
         sizes[warmup, num_patches] = stage.kv_cache.nbytes()
     tokens, hidden, layers = (HEIGHT // 16) * (WIDTH // 16), pipe.transformer.inner_dim, 16
     kv = 2 * 2 * tokens * hidden * 4 * layers  # K and V, CFG batch 2, fp32
@@ -194,8 +196,9 @@ def oracle(num_patches, warmup, scheduler="DDPMScheduler", height=HEIGHT, width=
     if key not in _ORACLE:
         pipe = tiny_pipe(scheduler)
         inputs = prepare_inputs(pipe, height=height, width=width, num_inference_steps=steps)
-        _ORACLE[key] = pipefusion_reference(pipe, inputs, height=height, width=width, num_patches=num_patches,
-                                            warmup=warmup)
+        _ORACLE[key] = pipefusion_reference(
+            pipe, inputs, height=height, width=width, num_patches=num_patches, warmup=warmup
+        )
     return _ORACLE[key]
 
 

@@ -51,9 +51,18 @@ class LockedStore:
 
 def test_rank_exits_cleanly_while_its_monitor_is_inside_a_store_call(tmp_path):
     store = tmp_path / "store"
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.exit_child", str(rank), str(store)], cwd=ROOT, env=ENV,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.exit_child", str(rank), str(store)],
+            cwd=ROOT,
+            env=ENV,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         for proc in ranks:
             expect(proc, "ready", timeout_s=120)

@@ -27,10 +27,28 @@ def at(stamp: str, day: datetime.date) -> float:
 def launch(tmp_path, degree, fault, timeout_s, steps=6):
     """torchrun a PipeFusion generation with a fault armed; return (returncode, stderr, fault time, end time,
     {rank: (report time, report text)})."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={degree}", "-m",
-           "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", "--set", f"parallel.pipefusion_degree={degree}",
-           "--set", f"parallel.num_patches={degree}", "--set", f"comm.timeout_s={timeout_s}",
-           "--set", f"generation.num_inference_steps={steps}", "--output", str(tmp_path / "never.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={degree}",
+        "-m",
+        "xfuse",
+        "generate",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        f"parallel.pipefusion_degree={degree}",
+        "--set",
+        f"parallel.num_patches={degree}",
+        "--set",
+        f"comm.timeout_s={timeout_s}",
+        "--set",
+        f"generation.num_inference_steps={steps}",
+        "--output",
+        str(tmp_path / "never.png"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "XFUSE_FAULT": fault}, timeout=240)
     end = datetime.datetime.now().timestamp()
     day = datetime.date.today()
@@ -42,7 +60,7 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6):
         match = REPORT.search(line)
         if match and int(match.group(3)) not in reports:
             block = [match.group(2)]
-            for follow in lines[i + 1:i + 8]:  # the report's indented lines, up to its op log
+            for follow in lines[i + 1 : i + 8]:  # the report's indented lines, up to its op log
                 if not follow.startswith("  "):
                     break
                 block.append(follow)
@@ -72,8 +90,11 @@ def test_stalled_rank_gives_comm_timeout_with_rank_peer_op_step_patch(tmp_path, 
     assert timeouts, stderr[-3000:]
     when, text = min(timeouts)
     assert when - fault_t < timeout_s + 2
-    assert re.search(r"rank \d+: (recv|send) of hidden \(2, \d+, 32\) float32, \d+ bytes, (from|to) rank \d+ timed "
-                     r"out after 3.0 s at step 2, patch \d", text), text
+    assert re.search(
+        r"rank \d+: (recv|send) of hidden \(2, \d+, 32\) float32, \d+ bytes, (from|to) rank \d+ timed "
+        r"out after 3.0 s at step 2, patch \d",
+        text,
+    ), text
     assert f"rank {victim}: not communicating" in text  # who-waits-for-whom ends at the stalled rank
     assert end_t - fault_t < timeout_s + 10
 
@@ -83,7 +104,7 @@ def test_exception_in_a_forward_stops_every_rank_naming_it(tmp_path, degree):
     rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, "raise:1:1", 30)
     assert rc != 0 and end_t - fault_t < 10
     assert set(reports) == set(range(degree)), stderr[-3000:]
-    for rank, (_, text) in reports.items():
+    for _, text in reports.values():
         assert "RuntimeError: injected fault: rank 1 raised in its forward at step 1" in text, text
     assert "xfuse generate: rank 1: error: RuntimeError: injected fault" in stderr
 
@@ -130,12 +151,16 @@ BAD_CONFIG = [  # from_pretrained keyword arguments -> (error type, text naming 
     (dict(parallel={"pipefusion_degree": 2}, comm={"timeout_s": 0}), "ConfigError", "comm.timeout_s"),
     (dict(parallel={"pipefusion_degree": 2}, comm={"max_inflight": 0}), "ConfigError", "comm.max_inflight"),
     (dict(parallel={"pipefusion_degree": 2}, comm={"backend": "mpi"}), "ConfigError", "comm.backend"),
-    (dict(parallel={"pipefusion_degree": 2}, comm={"socket_ifname": "nope0"}), "ConfigError",
-     "comm.socket_ifname: no interface 'nope0' on this host; it has: "),
+    (
+        dict(parallel={"pipefusion_degree": 2}, comm={"socket_ifname": "nope0"}),
+        "ConfigError",
+        "comm.socket_ifname: no interface 'nope0' on this host; it has: ",
+    ),
     (dict(parallel={"pipefusion_degree": 2}, torch_dtype=torch.int8), "ValueError", "torch_dtype must be one of"),
 ]
-CALL = dict(prompt="a red house", height=128, width=96, num_inference_steps=3, output_type="np",
-            use_resolution_binning=False)
+CALL = dict(
+    prompt="a red house", height=128, width=96, num_inference_steps=3, output_type="np", use_resolution_binning=False
+)
 BAD_CALLS = [  # __call__ overrides -> (error type, text naming the field)
     (dict(height=100), "ValueError", "height must be a positive multiple of 16 (got 100; diffusers would silently"),
     (dict(width=96.0), "ValueError", "width must be a positive multiple of 16 (got 96.0"),
@@ -158,13 +183,20 @@ BAD_CALLS = [  # __call__ overrides -> (error type, text naming the field)
 
 def test_bad_config_values_and_call_arguments_refused_on_every_rank(world2, folder):
     built = world2.run_ok(build_errors, folder, [kw for kw, _, _ in BAD_CONFIG], timeout=300)
-    calls = world2.run_ok(run_calls, folder, {"pipefusion_degree": 2, "warmup_steps": 1},
-                          [{**CALL, **extra} for extra, _, _ in BAD_CALLS] + [CALL], timeout=300)
+    calls = world2.run_ok(
+        run_calls,
+        folder,
+        {"pipefusion_degree": 2, "warmup_steps": 1},
+        [{**CALL, **extra} for extra, _, _ in BAD_CALLS] + [CALL],
+        timeout=300,
+    )
     assert len(BAD_CONFIG) + len(BAD_CALLS) >= 20
     for rank in range(2):
         for (kwargs, err_type, text), result in zip(BAD_CONFIG, built[rank]):
             assert result is not None and result[0] == err_type and text in result[1], (kwargs, result)
         for (extra, err_type, text), result in zip(BAD_CALLS, calls[rank]):
             assert result["kind"] == "error" and result["type"] == err_type and text in result["message"], (
-                extra, result)
+                extra,
+                result,
+            )
         assert calls[rank][-1]["kind"] == ("ok" if rank == 0 else "none")  # nothing hung, the world still works

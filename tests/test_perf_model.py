@@ -7,12 +7,15 @@ from xfuse.parallel.stage_plan import stage_plan
 from xfuse.perf_model import A100, LINKS, LinkProfile, block_flops, l40_profile, predict, replay
 
 
-@pytest.mark.parametrize("degree,placement,patches,warmup", [(2, "folded", 2, 1), (3, "linear", 4, 0),
-                                                             (4, "folded", 8, 2)])
+@pytest.mark.parametrize(
+    "degree,placement,patches,warmup", [(2, "folded", 2, 1), (3, "linear", 4, 0), (4, "folded", 8, 2)]
+)
 def test_replay_with_unit_costs_reproduces_the_schedule_timeline(degree, placement, patches, warmup):
     schedule = build_schedule(stage_plan(16, degree, placement), 5, warmup, patches)
-    cost = lambda t: 0.0 if t.hop < 0 else len(schedule.plan.route[t.hop].blocks) * (  # noqa: E731
-        patches if t.patch is None else 1)
+
+    def cost(t):  # one unit per block per patch; a whole-image task costs all patches
+        return 0.0 if t.hop < 0 else len(schedule.plan.route[t.hop].blocks) * (patches if t.patch is None else 1)
+
     makespan = replay(schedule, cost, lambda m: 0.0)
     assert makespan == max(end for _, end in schedule.times.values())
 

@@ -21,8 +21,14 @@ from xfuse.testing.hunyuan import swap_scheduler
 from xfuse.testing.world import World
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-BASE = dict(prompt="a red house by a lake", height=128, width=96, num_inference_steps=3, output_type="np",
-            use_resolution_binning=False)
+BASE = dict(
+    prompt="a red house by a lake",
+    height=128,
+    width=96,
+    num_inference_steps=3,
+    output_type="np",
+    use_resolution_binning=False,
+)
 EXACT = {"warmup_steps": 100}  # warm-up covers every step: exact mode
 
 
@@ -51,12 +57,24 @@ def embeds(reference, prompt, negative=""):
     """Precomputed prompt embeddings, as a user of prompt_embeds would pass them."""
     pipe, out = reference.pipe, {}
     for index, length, suffix in ((0, 77, ""), (1, 256, "_2")):
-        emb, neg, mask, neg_mask = pipe.encode_prompt(prompt, device="cpu", dtype=torch.float32,
-                                                      num_images_per_prompt=1, do_classifier_free_guidance=True,
-                                                      negative_prompt=negative, max_sequence_length=length,
-                                                      text_encoder_index=index)
-        out.update({f"prompt_embeds{suffix}": emb, f"negative_prompt_embeds{suffix}": neg,
-                    f"prompt_attention_mask{suffix}": mask, f"negative_prompt_attention_mask{suffix}": neg_mask})
+        emb, neg, mask, neg_mask = pipe.encode_prompt(
+            prompt,
+            device="cpu",
+            dtype=torch.float32,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=True,
+            negative_prompt=negative,
+            max_sequence_length=length,
+            text_encoder_index=index,
+        )
+        out.update(
+            {
+                f"prompt_embeds{suffix}": emb,
+                f"negative_prompt_embeds{suffix}": neg,
+                f"prompt_attention_mask{suffix}": mask,
+                f"negative_prompt_attention_mask{suffix}": neg_mask,
+            }
+        )
     return out
 
 
@@ -120,28 +138,42 @@ def check_against_diffusers(per_rank, calls, reference, atol=1e-4):
 
 def test_every_argument_honoured_at_pp2(world2, folder, reference):
     calls = honoured_calls(reference)
-    results = world2.run_ok(run_calls, folder, {"pipefusion_degree": 2, **EXACT},
-                            [{**BASE, **c} for c in calls.values()], timeout=600)
+    results = world2.run_ok(
+        run_calls, folder, {"pipefusion_degree": 2, **EXACT}, [{**BASE, **c} for c in calls.values()], timeout=600
+    )
     check_against_diffusers(results, calls, reference)
 
 
-@pytest.mark.parametrize("parallel", [
-    {"pipefusion_degree": 4, "num_patches": 3},
-    {"pipefusion_degree": 4, "num_patches": 5, "placement": "linear"},
-    {"pipefusion_degree": 2, "cfg_degree": 2},
-])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pipefusion_degree": 4, "num_patches": 3},
+        {"pipefusion_degree": 4, "num_patches": 5, "placement": "linear"},
+        {"pipefusion_degree": 2, "cfg_degree": 2},
+    ],
+)
 def test_equivalence_and_batches_on_four_ranks(world4, folder, reference, parallel):
-    calls = {k: v for k, v in honoured_calls(reference).items()
-             if k in ("base", "batch_and_images", "prompt_list_and_negative", "callback", "output_latent")}
-    results = world4.run_ok(run_calls, folder, {**parallel, **EXACT}, [{**BASE, **c} for c in calls.values()],
-                            timeout=600)
+    calls = {
+        k: v
+        for k, v in honoured_calls(reference).items()
+        if k in ("base", "batch_and_images", "prompt_list_and_negative", "callback", "output_latent")
+    }
+    results = world4.run_ok(
+        run_calls, folder, {**parallel, **EXACT}, [{**BASE, **c} for c in calls.values()], timeout=600
+    )
     check_against_diffusers(results, calls, reference)
 
 
 def test_pipelined_mode_runs_and_is_deterministic(world4, folder, reference):
     call = {**BASE, "num_inference_steps": 6, "height": 256, "width": 192}
-    results = world4.run_ok(run_calls, folder, {"pipefusion_degree": 2, "cfg_degree": 2, "warmup_steps": 1},
-                            [call, call], scheduler="DDIMScheduler", timeout=600)
+    results = world4.run_ok(
+        run_calls,
+        folder,
+        {"pipefusion_degree": 2, "cfg_degree": 2, "warmup_steps": 1},
+        [call, call],
+        scheduler="DDIMScheduler",
+        timeout=600,
+    )
     first, second = (r["images"] for r in results[0])
     assert np.array_equal(first, second) and np.isfinite(first).all()
     swap_scheduler(reference.pipe, "DDIMScheduler")
@@ -161,8 +193,9 @@ CALLBACK_REFUSED = [
 def test_callback_changes_are_refused_after_a_clean_loop(world2, folder):
     """Bad arguments in general: tests/test_faults.py. Here: what only shows during the loop."""
     calls = [{**BASE, "callback_on_step_end": cb} for _, cb, _ in CALLBACK_REFUSED] + [BASE]
-    results = world2.run_ok(run_calls, folder, {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2},
-                            calls, timeout=300)
+    results = world2.run_ok(
+        run_calls, folder, {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}, calls, timeout=300
+    )
     for rank, rank_results in enumerate(results):
         # A refused callback change is raised where the callback ran (rank 0, folded), after a clean loop.
         for (name, _, text), result in zip(CALLBACK_REFUSED, rank_results):

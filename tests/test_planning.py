@@ -87,8 +87,9 @@ def test_bad_plans(args, key):
     assert err.value.key == key and str(err.value).startswith(key)
 
 
-@pytest.mark.parametrize("split,placement", [([3, 2], "folded"), ([4, 0], "folded"), ([3, 3, 2], "linear"),
-                                             ([4, 3], "linear")])
+@pytest.mark.parametrize(
+    "split,placement", [([3, 2], "folded"), ([4, 0], "folded"), ([3, 3, 2], "linear"), ([4, 3], "linear")]
+)
 def test_bad_stage_split(split, placement):
     with pytest.raises(ConfigError, match=r"parallel.stage_split: must list 2 positive block counts"):
         stage_plan(8, 2, placement, stage_split=split)
@@ -120,8 +121,9 @@ def test_comm_volume_folded_vs_linear_40_blocks():
     act = 2 * grid.num_tokens * 1408 * 2  # CFG batch 2, bf16
     for n in (2, 4, 8):
         folded = comm_volume(stage_plan(40, n, "folded"), grid, hidden_size=1408, batch=2, dtype_bytes=2)
-        linear = comm_volume(stage_plan(40, n, "linear"), grid, hidden_size=1408, batch=2, latent_batch=1,
-                             dtype_bytes=2)
+        linear = comm_volume(
+            stage_plan(40, n, "linear"), grid, hidden_size=1408, batch=2, latent_batch=1, dtype_bytes=2
+        )
         assert all(v["skip"] == 0 and v["latent"] == 0 for v in folded.values())
         # Folded: ranks 0..N-2 send once outbound; ranks 1..N-1 once on the way back.
         assert [folded[r]["hidden"] for r in range(n)] == [act if r in (0, n - 1) else 2 * act for r in range(n)]
@@ -135,4 +137,7 @@ def test_comm_volume_folded_vs_linear_40_blocks():
 
 def test_kv_buffer_bytes_per_rank():
     plan, grid = stage_plan(8, 2, "folded"), patch_grid(16, 16, 2, 2)
-    assert kv_buffer_bytes(plan, grid, hidden_size=32, batch=2) == {0: 2 * 2 * 64 * 32 * 4 * 4, 1: 2 * 2 * 64 * 32 * 4 * 4}
+    assert kv_buffer_bytes(plan, grid, hidden_size=32, batch=2) == {
+        0: 2 * 2 * 64 * 32 * 4 * 4,
+        1: 2 * 2 * 64 * 32 * 4 * 4,
+    }

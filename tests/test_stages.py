@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
+
 from xfuse.models.hunyuandit import HunyuanDiTStage, rotary_embedding, staged_forward
-from xfuse.parallel.patch_grid import patch_grid
 from xfuse.models.tiny import build_tiny_transformer
+from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
 
 NUM_LAYERS = 16
@@ -30,15 +31,19 @@ def inputs(config, height, width, batch=2, seed=1):
     mask[0, 40:] = 0  # padding: the learned padding parameter is swapped in
     mask_t5 = torch.ones(batch, 256, dtype=torch.long)
     mask_t5[1, 100:] = 0
-    return dict(
-        encoder_hidden_states=torch.randn(batch, 77, 32, generator=g),
-        text_embedding_mask=mask,
-        encoder_hidden_states_t5=torch.randn(batch, 256, 32, generator=g),
-        text_embedding_mask_t5=mask_t5,
-        image_meta_size=None,
-        style=None,
-        image_rotary_emb=rotary_embedding(config, height, width),
-    ), torch.randn(batch, 4, height, width, generator=g), torch.tensor([500.0, 500.0])
+    return (
+        dict(
+            encoder_hidden_states=torch.randn(batch, 77, 32, generator=g),
+            text_embedding_mask=mask,
+            encoder_hidden_states_t5=torch.randn(batch, 256, 32, generator=g),
+            text_embedding_mask_t5=mask_t5,
+            image_meta_size=None,
+            style=None,
+            image_rotary_emb=rotary_embedding(config, height, width),
+        ),
+        torch.randn(batch, 4, height, width, generator=g),
+        torch.tensor([500.0, 500.0]),
+    )
 
 
 def rel_diff(a, b):

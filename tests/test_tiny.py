@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from diffusers import HunyuanDiTPipeline
+
 from xfuse.config import PRESET_MODELS
 from xfuse.models.tiny import (
     DEFAULT_SIZE,
@@ -159,7 +159,11 @@ def test_preset_sizes():
     assert tiny_transformer_config("bytes40")["num_layers"] == 40
     full = tiny_transformer_config("dit-g2")  # the released HunyuanDiT-v1.2 transformer's shape
     assert (full["num_layers"], full["hidden_size"], full["num_attention_heads"], full["sample_size"]) == (
-        40, 1408, 16, 128)
+        40,
+        1408,
+        16,
+        128,
+    )
 
 
 def test_pipeline_defaults_and_text_widths(pipeline):
@@ -173,7 +177,10 @@ def test_default_size_generation(pipeline):
     # No height/width: the preset's default size. Binning must stay off, it would snap 256 px up to 1024 px.
     pipeline.set_progress_bar_config(disable=True)
     image = pipeline(
-        PROMPT, num_inference_steps=1, use_resolution_binning=False, output_type="np",
+        PROMPT,
+        num_inference_steps=1,
+        use_resolution_binning=False,
+        output_type="np",
         generator=torch.Generator().manual_seed(0),
     ).images
     assert image.shape == (1, DEFAULT_SIZE["tiny"], DEFAULT_SIZE["tiny"], 3)

@@ -14,7 +14,13 @@ _state: dict = {}  # per-process: survives between calls on the same rank
 
 
 def whoami():
-    return dist.get_rank(), dist.get_world_size(), os.getpid(), torch.get_num_threads(), os.environ.get("HF_HUB_OFFLINE")
+    return (
+        dist.get_rank(),
+        dist.get_world_size(),
+        os.getpid(),
+        torch.get_num_threads(),
+        os.environ.get("HF_HUB_OFFLINE"),
+    )
 
 
 def all_reduce_sum(scale=1.0):

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import traceback
 import sys
 import time
+import traceback
 
 from xfuse.config import ConfigError, load_config
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML file (keys: model, parallel, comm, runtime, generation)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set parallel.num_patches=4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set parallel.num_patches=4 (repeatable)",
+    )
 
 
 def cmd_plan(args) -> int:
@@ -51,12 +57,22 @@ def cmd_generate(args) -> int:
     # Every rank must run the same model and generation settings: compared at start-up with the rest.
     fingerprint = flatten("", {"model": config.model, "generation": config.to_dict()["generation"]})
     if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
-        pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(config.model, dtype), parallel=config.parallel,
-                                                      comm=config.comm, device=device, fingerprint=fingerprint)
+        pipe = PipeFusionHunyuanDiTPipeline.from_pipe(
+            load_pipeline(config.model, dtype),
+            parallel=config.parallel,
+            comm=config.comm,
+            device=device,
+            fingerprint=fingerprint,
+        )
     else:
-        pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(config.model, parallel=config.parallel,
-                                                            comm=config.comm, torch_dtype=dtype, device=device,
-                                                            fingerprint=fingerprint)
+        pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(
+            config.model,
+            parallel=config.parallel,
+            comm=config.comm,
+            torch_dtype=dtype,
+            device=device,
+            fingerprint=fingerprint,
+        )
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
     if os.environ.get("XFUSE_FAULT"):  # fault-injection tests only
@@ -66,10 +82,16 @@ def cmd_generate(args) -> int:
     if args.trace:
         pipe.enable_trace()
     start = time.perf_counter()
-    out = pipe(prompt=gen.prompt, negative_prompt=gen.negative_prompt, height=gen.height or default,
-               width=gen.width or default, num_inference_steps=gen.num_inference_steps,
-               guidance_scale=gen.guidance_scale, generator=torch.Generator().manual_seed(gen.seed),
-               use_resolution_binning=False)
+    out = pipe(
+        prompt=gen.prompt,
+        negative_prompt=gen.negative_prompt,
+        height=gen.height or default,
+        width=gen.width or default,
+        num_inference_steps=gen.num_inference_steps,
+        guidance_scale=gen.guidance_scale,
+        generator=torch.Generator().manual_seed(gen.seed),
+        use_resolution_binning=False,
+    )
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()
     events = pipe.write_trace(args.trace) if args.trace else None
@@ -77,15 +99,18 @@ def cmd_generate(args) -> int:
         output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         out.images[0].save(output)
-        print(f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
-              f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
-              f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
-              f"{par.warmup_steps})")
+        print(
+            f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
+            f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
+            f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
+            f"{par.warmup_steps})"
+        )
         for rank, stat in enumerate(stats):
             sent = stat["sent"]
             kinds = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(sent.items())) or "nothing"
             memory = f"peak RSS {stat['peak_rss_mib']:.0f} MiB" + (
-                "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB")
+                "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB"
+            )
             print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
         if events is not None:
             print(f"wrote {args.trace}: {events} trace events (open in https://ui.perfetto.dev)")
@@ -115,8 +140,13 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print ranks -> blocks, patches, skips, bytes and memory per rank")
     _add_config_args(plan)
-    plan.add_argument("--predict", action="append", default=[], metavar="LINK",
-                      help="also print the modelled latency on a100-nvlink or l40-pcie (repeatable)")
+    plan.add_argument(
+        "--predict",
+        action="append",
+        default=[],
+        metavar="LINK",
+        help="also print the modelled latency on a100-nvlink or l40-pcie (repeatable)",
+    )
     plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser("generate", help="generate an image with the configured model and plan")
     _add_config_args(gen)

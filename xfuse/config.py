@@ -62,6 +62,7 @@ MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived 
 # Small validators (each returns the value, possibly normalised: int -> float for float fields, list -> tuple)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _type_hint(value: Any) -> str:
     if isinstance(value, bool):
         return ", not a boolean"
@@ -80,8 +81,9 @@ def _range_text(lo: int | float | None, hi: int | float | None) -> str:
     return ""
 
 
-def _check_int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
-               allow_none: bool = False) -> int | None:
+def _check_int(
+    key: str, value: Any, *, lo: int | None = None, hi: int | None = None, allow_none: bool = False
+) -> int | None:
     allowed = " ".join(p for p in ("an integer", _range_text(lo, hi)) if p)
     if allow_none:
         allowed += " or null"
@@ -108,8 +110,14 @@ def _check_float(key: str, value: Any, *, lo: float, lo_inclusive: bool) -> floa
 
 
 # Common spellings of allowed values, for the did-you-mean hint only (never accepted silently).
-_ALIASES = {"gpu": "cuda", "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-            "bf16": "bfloat16"}
+_ALIASES = {
+    "gpu": "cuda",
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+}
 
 
 def _check_choice(key: str, value: Any, choices: Sequence[Any]) -> Any:
@@ -145,6 +153,7 @@ def _set(obj: Any, name: str, value: Any) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Section dataclasses
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class _Section:
     """Shared helpers for the section dataclasses. ``SECTION`` is the YAML section name (the key prefix)."""
@@ -202,11 +211,16 @@ class ParallelConfig(_Section):
         _check_int(self._key("pipefusion_degree"), self.pipefusion_degree, lo=1, hi=MAX_PIPEFUSION_DEGREE)
         _check_int(self._key("num_patches"), self.num_patches, lo=1, allow_none=True)
         _check_int(self._key("warmup_steps"), self.warmup_steps, lo=0)
-        if isinstance(self.cfg_degree, bool) or self.cfg_degree not in CFG_DEGREES \
-                or not isinstance(self.cfg_degree, int):
-            raise ConfigError(self._key("cfg_degree"),
-                              f"must be 1 or 2 (2 runs the unconditional and conditional CFG branches on two "
-                              f"rank groups) (got {self.cfg_degree!r})")
+        if (
+            isinstance(self.cfg_degree, bool)
+            or self.cfg_degree not in CFG_DEGREES
+            or not isinstance(self.cfg_degree, int)
+        ):
+            raise ConfigError(
+                self._key("cfg_degree"),
+                f"must be 1 or 2 (2 runs the unconditional and conditional CFG branches on two "
+                f"rank groups) (got {self.cfg_degree!r})",
+            )
         _check_choice(self._key("placement"), self.placement, PLACEMENTS)
         _set(self, "stage_split", self._checked_split())
 
@@ -214,8 +228,10 @@ class ParallelConfig(_Section):
         key, split = self._key("stage_split"), self.stage_split
         if split is None:
             return None
-        what = ("a list of positive block counts, one per PipeFusion rank "
-                f"(parallel.pipefusion_degree = {self.pipefusion_degree} entries), or null")
+        what = (
+            "a list of positive block counts, one per PipeFusion rank "
+            f"(parallel.pipefusion_degree = {self.pipefusion_degree} entries), or null"
+        )
         if isinstance(split, (str, bytes)) or not isinstance(split, Sequence):
             raise ConfigError(key, f"must be {what} (got {split!r})")
         for i, n in enumerate(split):
@@ -295,8 +311,11 @@ class GenerationConfig(_Section):
         _check_int(self._key("height"), self.height, lo=1, allow_none=True)
         _check_int(self._key("width"), self.width, lo=1, allow_none=True)
         _check_int(self._key("num_inference_steps"), self.num_inference_steps, lo=1)
-        _set(self, "guidance_scale",
-             _check_float(self._key("guidance_scale"), self.guidance_scale, lo=0.0, lo_inclusive=True))
+        _set(
+            self,
+            "guidance_scale",
+            _check_float(self._key("guidance_scale"), self.guidance_scale, lo=0.0, lo_inclusive=True),
+        )
         _check_int(self._key("seed"), self.seed, lo=0, hi=MAX_SEED)
 
 
@@ -327,6 +346,7 @@ def _unknown_key_error(section: str | None, key: Any, known: Sequence[str]) -> C
 # Whole config
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class XfuseConfig:
     """The whole configuration. Sections may be given as dataclasses or plain dicts (they are validated)."""
@@ -344,18 +364,24 @@ class XfuseConfig:
         p, g = self.parallel, self.generation
         # Cross-section checks that need no world and no model.
         if p.warmup_steps > g.num_inference_steps:
-            raise ConfigError("parallel.warmup_steps",
-                              f"must be <= generation.num_inference_steps ({g.num_inference_steps}); "
-                              f"warm-up = all steps runs fully synchronously (got {p.warmup_steps})")
+            raise ConfigError(
+                "parallel.warmup_steps",
+                f"must be <= generation.num_inference_steps ({g.num_inference_steps}); "
+                f"warm-up = all steps runs fully synchronously (got {p.warmup_steps})",
+            )
         if p.cfg_degree == 2 and g.guidance_scale <= 1.0:
-            raise ConfigError("parallel.cfg_degree",
-                              f"2 needs classifier-free guidance, which diffusers runs only when "
-                              f"generation.guidance_scale > 1 (guidance_scale is {g.guidance_scale}); use "
-                              f"cfg_degree 1 or a larger guidance_scale (got {p.cfg_degree})")
+            raise ConfigError(
+                "parallel.cfg_degree",
+                f"2 needs classifier-free guidance, which diffusers runs only when "
+                f"generation.guidance_scale > 1 (guidance_scale is {g.guidance_scale}); use "
+                f"cfg_degree 1 or a larger guidance_scale (got {p.cfg_degree})",
+            )
         if self.comm.backend == "nccl" and self.runtime.device == "cpu":
-            raise ConfigError("comm.backend",
-                              "'nccl' needs CUDA tensors but runtime.device is 'cpu'; use 'gloo' or 'auto', "
-                              "or set runtime.device to 'cuda' or 'auto' (got 'nccl')")
+            raise ConfigError(
+                "comm.backend",
+                "'nccl' needs CUDA tensors but runtime.device is 'cpu'; use 'gloo' or 'auto', "
+                "or set runtime.device to 'cuda' or 'auto' (got 'nccl')",
+            )
 
     @property
     def world_size(self) -> int:
@@ -384,8 +410,9 @@ def _section_config(cls: type[_Section], x: Any) -> Any:
         return getattr(x, cls.SECTION)
     if isinstance(x, Mapping):
         return cls.from_dict(x)
-    raise ConfigError(cls.SECTION, f"must be a {cls.__name__} or a mapping with keys "
-                                   f"{', '.join(cls.keys())} (got {x!r})")
+    raise ConfigError(
+        cls.SECTION, f"must be a {cls.__name__} or a mapping with keys {', '.join(cls.keys())} (got {x!r})"
+    )
 
 
 def parallel_config(x: ParallelConfig | Mapping[str, Any] | None) -> ParallelConfig:
@@ -428,17 +455,21 @@ def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
 # YAML loading and --set overrides
 # ----------------------------------------------------------------------------------------------------------------
 
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e3`` / ``5e-1`` as floats (YAML 1.2; PyYAML's 1.1 rules need a dot)."""
 
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
                    |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
+                   |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
     list("-+0123456789."),
 )
 
@@ -454,11 +485,15 @@ def parse_override(text: str) -> tuple[str, Any]:
         if key == "model":
             pass
         elif key in _SECTIONS:
-            raise ConfigError(key, f"is a section; set one of its keys, e.g. {key}.{_SECTIONS[key].keys()[0]}=... "
-                                   f"(got {text!r})")
+            raise ConfigError(
+                key, f"is a section; set one of its keys, e.g. {key}.{_SECTIONS[key].keys()[0]}=... (got {text!r})"
+            )
         else:
-            raise _unknown_key_error(None, key, TOP_LEVEL_KEYS) if key else \
-                ConfigError("--set", f"must be KEY=VALUE with a non-empty KEY (got {text!r})")
+            raise (
+                _unknown_key_error(None, key, TOP_LEVEL_KEYS)
+                if key
+                else ConfigError("--set", f"must be KEY=VALUE with a non-empty KEY (got {text!r})")
+            )
     elif len(parts) == 2:
         section, name = parts
         if section == "model":
@@ -468,13 +503,15 @@ def parse_override(text: str) -> tuple[str, Any]:
         if name not in _SECTIONS[section].keys():
             raise _unknown_key_error(section, name, _SECTIONS[section].keys())
     else:
-        raise ConfigError(key, f"keys have the form SECTION.KEY (or model), e.g. parallel.num_patches "
-                               f"(got {text!r})")
+        raise ConfigError(key, f"keys have the form SECTION.KEY (or model), e.g. parallel.num_patches (got {text!r})")
     try:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(key, f"value is not valid YAML ({exc.__class__.__name__}); quote strings that contain "
-                               f"':' or start with '[' (got {raw!r})") from None
+        raise ConfigError(
+            key,
+            f"value is not valid YAML ({exc.__class__.__name__}); quote strings that contain "
+            f"':' or start with '[' (got {raw!r})",
+        ) from None
     return key, value
 
 
@@ -493,8 +530,9 @@ def apply_overrides(d: Mapping[str, Any], overrides: Sequence[str]) -> dict[str,
         if current is None:
             current = {}
         elif not isinstance(current, dict):
-            raise ConfigError(section, f"must be a mapping with keys {', '.join(_SECTIONS[section].keys())} "
-                                       f"(got {current!r})")
+            raise ConfigError(
+                section, f"must be a mapping with keys {', '.join(_SECTIONS[section].keys())} (got {current!r})"
+            )
         current[name] = value
         out[section] = current
     return out
@@ -515,8 +553,11 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is None:  # empty file: all defaults
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(p, f"the top level must be a mapping with sections {', '.join(TOP_LEVEL_KEYS)} "
-                             f"(got a {type(data).__name__}: {data!r})")
+        raise ConfigError(
+            p,
+            f"the top level must be a mapping with sections {', '.join(TOP_LEVEL_KEYS)} "
+            f"(got a {type(data).__name__}: {data!r})",
+        )
     return data
 
 
@@ -530,8 +571,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
 # World / model checks (run once, before any communication)
 # ----------------------------------------------------------------------------------------------------------------
 
-def check_world(config: XfuseConfig | ParallelConfig, *, world_size: int, num_layers: int, patch_size: int,
-                height: int, width: int) -> None:
+
+def check_world(
+    config: XfuseConfig | ParallelConfig, *, world_size: int, num_layers: int, patch_size: int, height: int, width: int
+) -> None:
     """Check the config against the launched world and the loaded model; raise :class:`ConfigError` on mismatch.
 
     ``config`` is the whole config or just its ``parallel`` section. ``height``/``width`` are the image size in
@@ -544,22 +587,29 @@ def check_world(config: XfuseConfig | ParallelConfig, *, world_size: int, num_la
         hint = f"launch with torchrun --nproc_per_node={need}"
         if world_size % p.cfg_degree == 0 and 1 <= world_size // p.cfg_degree <= MAX_PIPEFUSION_DEGREE:
             hint += f", or set parallel.pipefusion_degree={world_size // p.cfg_degree} for {world_size} ranks"
-        raise ConfigError("parallel.pipefusion_degree",
-                          f"parallel.pipefusion_degree ({p.pipefusion_degree}) x parallel.cfg_degree "
-                          f"({p.cfg_degree}) = {need} ranks, but the world size is {world_size}; {hint} "
-                          f"(got pipefusion_degree={p.pipefusion_degree}, cfg_degree={p.cfg_degree})")
+        raise ConfigError(
+            "parallel.pipefusion_degree",
+            f"parallel.pipefusion_degree ({p.pipefusion_degree}) x parallel.cfg_degree "
+            f"({p.cfg_degree}) = {need} ranks, but the world size is {world_size}; {hint} "
+            f"(got pipefusion_degree={p.pipefusion_degree}, cfg_degree={p.cfg_degree})",
+        )
 
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 2 or num_layers % 2:
-        raise ConfigError("model", f"has {num_layers} transformer blocks; HunyuanDiT's long skips pair block k with "
-                                   f"block N-1-k, so it needs an even block count >= 2 (got num_layers={num_layers!r})")
+        raise ConfigError(
+            "model",
+            f"has {num_layers} transformer blocks; HunyuanDiT's long skips pair block k with "
+            f"block N-1-k, so it needs an even block count >= 2 (got num_layers={num_layers!r})",
+        )
 
     multiple = VAE_SCALE_FACTOR * patch_size
     for name, value in (("height", height), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
             lower = max(multiple, (value // multiple) * multiple) if isinstance(value, int) else multiple
-            raise ConfigError(f"generation.{name}",
-                              f"must be a positive multiple of {multiple} pixels (VAE factor {VAE_SCALE_FACTOR} x "
-                              f"patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})")
+            raise ConfigError(
+                f"generation.{name}",
+                f"must be a positive multiple of {multiple} pixels (VAE factor {VAE_SCALE_FACTOR} x "
+                f"patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
+            )
 
     # Imported here: the planners import ConfigError from this module.
     from xfuse.parallel.patch_grid import patch_grid
@@ -570,9 +620,29 @@ def check_world(config: XfuseConfig | ParallelConfig, *, world_size: int, num_la
 
 
 __all__ = [
-    "BACKENDS", "CFG_DEGREES", "DEVICES", "DTYPES", "MAX_PIPEFUSION_DEGREE", "PLACEMENTS", "PRESET_MODELS",
-    "TOP_LEVEL_KEYS", "VAE_SCALE_FACTOR",
-    "CommConfig", "ConfigError", "GenerationConfig", "ParallelConfig", "RuntimeConfig", "XfuseConfig",
-    "apply_overrides", "check_world", "comm_config", "config_from_dict", "generation_config", "load_config",
-    "parallel_config", "parse_override", "read_yaml", "runtime_config",
+    "BACKENDS",
+    "CFG_DEGREES",
+    "DEVICES",
+    "DTYPES",
+    "MAX_PIPEFUSION_DEGREE",
+    "PLACEMENTS",
+    "PRESET_MODELS",
+    "TOP_LEVEL_KEYS",
+    "VAE_SCALE_FACTOR",
+    "CommConfig",
+    "ConfigError",
+    "GenerationConfig",
+    "ParallelConfig",
+    "RuntimeConfig",
+    "XfuseConfig",
+    "apply_overrides",
+    "check_world",
+    "comm_config",
+    "config_from_dict",
+    "generation_config",
+    "load_config",
+    "parallel_config",
+    "parse_override",
+    "read_yaml",
+    "runtime_config",
 ]

@@ -84,8 +84,9 @@ def check_socket_ifname(comm: CommConfig) -> None:
         return
     names = sorted(name for _, name in socket.if_nameindex())
     if comm.socket_ifname not in names:
-        raise ConfigError("comm.socket_ifname", f"no interface {comm.socket_ifname!r} on this host; it has: "
-                                                f"{', '.join(names)}")
+        raise ConfigError(
+            "comm.socket_ifname", f"no interface {comm.socket_ifname!r} on this host; it has: {', '.join(names)}"
+        )
 
 
 def apply_socket_ifname(comm: CommConfig) -> None:
@@ -146,8 +147,9 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
     return stopped
 
 
-def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig,
-                  fingerprint: dict | None = None) -> ParallelContext:
+def init_parallel(
+    parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig, fingerprint: dict | None = None
+) -> ParallelContext:
     """Join (or create) the process group, compare every rank's config (handshake), check the world size and
     build the topology. ``fingerprint``: extra fields every rank must agree on (e.g. the CLI's whole config)."""
     pp, cfg = parallel.pipefusion_degree, parallel.cfg_degree
@@ -171,8 +173,17 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
         backend = dist.get_backend()
     control = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
     # Before the world check: ranks started with different configs must all say which field differs.
-    handshake({**versions(), **flatten("parallel", vars(parallel)), **flatten("comm", vars(comm)),
-               **flatten("runtime", vars(runtime)), **(fingerprint or {})}, world_size=world, group=control)
+    handshake(
+        {
+            **versions(),
+            **flatten("parallel", vars(parallel)),
+            **flatten("comm", vars(comm)),
+            **flatten("runtime", vars(runtime)),
+            **(fingerprint or {}),
+        },
+        world_size=world,
+        group=control,
+    )
     if pp * cfg != world:
         raise ConfigError(
             "parallel.pipefusion_degree",
@@ -187,8 +198,7 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
         separate = backend != "gloo"
         groups = DirectionGroups()
         for ranks in all_pipes:  # collective: every rank creates every group, in the same order
-            made = make_direction_groups(ranks, separate=separate,
-                                         device_id=device if backend == "nccl" else None)
+            made = make_direction_groups(ranks, separate=separate, device_id=device if backend == "nccl" else None)
             if rank in ranks:
                 groups = made
         kw = dict(rank=rank, timeout_s=comm.timeout_s, max_inflight=comm.max_inflight, device=device)
@@ -199,7 +209,16 @@ def init_parallel(parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeCo
     monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
     monitor.state_sources = [c.describe_state for c in (channels, cfg_channels) if c is not None]
     return ParallelContext(
-        rank=rank, world_size=world, pipe_rank=pipe_rank, cfg_rank=cfg_rank, pipe_ranks=all_pipes[cfg_rank],
-        cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp), device=device, backend=backend, channels=channels,
-        cfg_channels=cfg_channels, control_group=control, monitor=monitor,
+        rank=rank,
+        world_size=world,
+        pipe_rank=pipe_rank,
+        cfg_rank=cfg_rank,
+        pipe_ranks=all_pipes[cfg_rank],
+        cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp),
+        device=device,
+        backend=backend,
+        channels=channels,
+        cfg_channels=cfg_channels,
+        control_group=control,
+        monitor=monitor,
     )

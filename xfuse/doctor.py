@@ -32,8 +32,9 @@ def self_test_rank(timeout_s: float) -> str:
     channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=2, device=torch.device("cpu"))
     for step, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
         mine = torch.arange(4096, dtype=torch.float32).mul_(rank + 1).to(dtype).reshape(2, 64, 32)
-        sends, recvs = channels.exchange([Send(peer, "hidden", mine, step, 0)],
-                                         [Recv(peer, "hidden", (2, 64, 32), dtype, step, 0)])
+        sends, recvs = channels.exchange(
+            [Send(peer, "hidden", mine, step, 0)], [Recv(peer, "hidden", (2, 64, 32), dtype, step, 0)]
+        )
         got = recvs[0].wait().clone()
         recvs[0].release()
         sends[0].wait()
@@ -47,26 +48,39 @@ def lines() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    out = [f"xfuse {_version('xfuse')}, torch {torch.__version__}, diffusers {_version('diffusers')}, transformers "
-           f"{_version('transformers')}, python {platform.python_version()} ({platform.machine()})"]
+    out = [
+        f"xfuse {_version('xfuse')}, torch {torch.__version__}, diffusers {_version('diffusers')}, transformers "
+        f"{_version('transformers')}, python {platform.python_version()} ({platform.machine()})"
+    ]
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         out.append(f"devices: cpu ({os.cpu_count()} cores); cuda {torch.version.cuda}: {names}")
     else:
         out.append(f"devices: cpu ({os.cpu_count()} cores); cuda: not available")
     backends = {name: getattr(dist, f"is_{name}_available")() for name in ("gloo", "nccl", "mpi")}
-    out.append("backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in backends.items())
-               + f" (auto picks {'nccl' if torch.cuda.is_available() and backends['nccl'] else 'gloo'})")
+    out.append(
+        "backends: "
+        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in backends.items())
+        + f" (auto picks {'nccl' if torch.cuda.is_available() and backends['nccl'] else 'gloo'})"
+    )
     interfaces = ", ".join(name for _, name in socket.if_nameindex())
     env = ", ".join(f"{k}={os.environ.get(k, 'unset')}" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))
     out.append(f"interfaces: {interfaces}; {env}")
     spec = importlib.util.find_spec("flash_attn")
-    out.append(f"flash-attn: {'installed ' + _version('flash-attn') if spec else 'not installed'} "
-               f"(looked up only; xfuse never builds kernels)")
+    out.append(
+        f"flash-attn: {'installed ' + _version('flash-attn') if spec else 'not installed'} "
+        f"(looked up only; xfuse never builds kernels)"
+    )
     if torch.cuda.is_available():
-        enabled = [n for n, on in (("flash", torch.backends.cuda.flash_sdp_enabled()),
-                                   ("memory-efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
-                                   ("math", torch.backends.cuda.math_sdp_enabled())) if on]
+        enabled = [
+            n
+            for n, on in (
+                ("flash", torch.backends.cuda.flash_sdp_enabled()),
+                ("memory-efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
+                ("math", torch.backends.cuda.math_sdp_enabled()),
+            )
+            if on
+        ]
         attention = f"torch SDPA on CUDA, backends enabled: {', '.join(enabled)} (bf16/fp16 pick flash first)"
     else:
         attention = "torch SDPA on CPU (fused CPU kernel for fp32/bf16)"
@@ -83,8 +97,10 @@ def main(timeout_s: float = 30.0) -> int:
     try:
         with World(2, start_timeout=timeout_s * 4) as world:
             results = world.run_ok(self_test_rank, timeout_s, timeout=timeout_s * 2)
-        print(f"self-test: 2-rank gloo p2p on loopback, fp32/bf16/fp16, {results[0]}: PASS "
-              f"({time.perf_counter() - start:.1f} s)")
+        print(
+            f"self-test: 2-rank gloo p2p on loopback, fp32/bf16/fp16, {results[0]}: PASS "
+            f"({time.perf_counter() - start:.1f} s)"
+        )
         return 0
     except Exception as err:  # noqa: BLE001 - the one line says what failed
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -70,8 +70,11 @@ def versions() -> dict[str, str]:
 
     import xfuse
 
-    return {"version.xfuse": xfuse.__version__, "version.torch": torch.__version__,
-            "version.diffusers": diffusers.__version__}
+    return {
+        "version.xfuse": xfuse.__version__,
+        "version.torch": torch.__version__,
+        "version.diffusers": diffusers.__version__,
+    }
 
 
 def handshake(fingerprint: dict[str, str], *, world_size: int, group=None) -> None:
@@ -86,11 +89,17 @@ def handshake(fingerprint: dict[str, str], *, world_size: int, group=None) -> No
         for rank, fp in enumerate(everyone):
             holders.setdefault(fp.get(key, "<missing>"), []).append(rank)
         if len(holders) > 1:
-            lines.append(f"  {key}: " + "; ".join(
-                f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} = {v}" for v, r in holders.items()))
+            lines.append(
+                f"  {key}: "
+                + "; ".join(
+                    f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} = {v}" for v, r in holders.items()
+                )
+            )
     if lines:
-        raise StartupMismatch("ranks disagree at start-up (every rank must run the same xfuse, torch and "
-                              "diffusers, config and model):\n" + "\n".join(lines))
+        raise StartupMismatch(
+            "ranks disagree at start-up (every rank must run the same xfuse, torch and "
+            "diffusers, config and model):\n" + "\n".join(lines)
+        )
 
 
 class FailureMonitor:
@@ -144,8 +153,12 @@ class FailureMonitor:
             return True
         thread.join(timeout_s)
         if thread.is_alive():
-            print(f"[xfuse {clock()}] rank {self.rank}: the failure monitor is still inside a rendezvous-store call "
-                  f"after {timeout_s:.1f} s (the store's host does not answer)", file=sys.stderr, flush=True)
+            print(
+                f"[xfuse {clock()}] rank {self.rank}: the failure monitor is still inside a rendezvous-store call "
+                f"after {timeout_s:.1f} s (the store's host does not answer)",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         self._thread = None
         return True
@@ -207,7 +220,8 @@ class FailureMonitor:
             first = self.record(err)
             own = first.startswith(f"rank {self.rank}:")
             message = f"rank {self.rank} failed: {type(err).__name__}: {err}" + (
-                "" if own else f"\n  first failure in the world: {first}")
+                "" if own else f"\n  first failure in the world: {first}"
+            )
             self.report(message)
             if own and not isinstance(err, WorldFailure):
                 raise
@@ -237,8 +251,11 @@ class FailureMonitor:
         while peer is not None and peer not in seen:  # a cycle of waits ends the walk too
             seen.add(peer)
             try:
-                state = self.store.get(f"xfuse/state/{peer}").decode() if self.store.check(
-                    [f"xfuse/state/{peer}"]) else "no state published"
+                state = (
+                    self.store.get(f"xfuse/state/{peer}").decode()
+                    if self.store.check([f"xfuse/state/{peer}"])
+                    else "no state published"
+                )
             except Exception as err:  # noqa: BLE001
                 state = f"unknown ({type(err).__name__})"
             lines.append(f"rank {peer}: {state}")
@@ -256,8 +273,10 @@ class FailureMonitor:
                 continue
             stuck_since = stuck_since or time.monotonic()
             if time.monotonic() - stuck_since >= self.grace_s:  # our own error path did not fire: stop here
-                self.report(f"rank {self.rank} stopped: waiting in communication after another rank failed"
-                            f"\n  first failure in the world: {first}")
+                self.report(
+                    f"rank {self.rank} stopped: waiting in communication after another rank failed"
+                    f"\n  first failure in the world: {first}"
+                )
                 os._exit(1)  # from this thread: the main thread is blocked in communication and cannot unwind
 
     def install_sigterm_handler(self) -> None:
@@ -267,8 +286,7 @@ class FailureMonitor:
 
         def on_sigterm(signum, frame):
             first = self.first() or "unknown (no rank recorded a failure)"
-            self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: "
-                        f"{first}")
+            self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: {first}")
             # The main thread may be inside a collective: no orderly teardown of channels and groups from here.
             # Stop the watcher, then leave without finalizing the interpreter (os._exit), so no thread can be
             # caught returning from C++ into a finalizing interpreter (see xfuse.distributed.shutdown).

@@ -127,8 +127,18 @@ def replay(schedule: Schedule, duration, transfer) -> float:
     return max(free.values())
 
 
-def predict(compute: ComputeProfile, link: LinkProfile, *, degree: int, placement: str, size: int,
-            steps: int = 50, warmup: int = 1, num_patches: int | None = None, split=None) -> float:
+def predict(
+    compute: ComputeProfile,
+    link: LinkProfile,
+    *,
+    degree: int,
+    placement: str,
+    size: int,
+    steps: int = 50,
+    warmup: int = 1,
+    num_patches: int | None = None,
+    split=None,
+) -> float:
     """Seconds for one 50-step (default) HunyuanDiT image of ``size`` px on ``degree`` GPUs."""
     plan = stage_plan(LAYERS, degree, placement, split)
     grid = patch_grid(size // 8, size // 8, num_patches or degree, 2)
@@ -138,8 +148,9 @@ def predict(compute: ComputeProfile, link: LinkProfile, *, degree: int, placemen
 
 
 # Result of ``fit()`` (python -m xfuse.perf_model --fit), kept so that `xfuse plan --predict` is instant.
-A100 = ComputeProfile("A100 (fit to xDiT)", {1024: 93.6e12, 2048: 205.92e12}, 4.0e-4,
-                      {1024: 4.306385630385606, 2048: 38.0439086232397})
+A100 = ComputeProfile(
+    "A100 (fit to xDiT)", {1024: 93.6e12, 2048: 205.92e12}, 4.0e-4, {1024: 4.306385630385606, 2048: 38.0439086232397}
+)
 
 
 def fit(steps: int = 50, per_block_grid=None, efficiency_grid=None) -> ComputeProfile:
@@ -159,8 +170,10 @@ def fit(steps: int = 50, per_block_grid=None, efficiency_grid=None) -> ComputePr
             size_best = None
             for eff in efficiency_grid:
                 trial = ComputeProfile("", {size: eff * 312e12}, per_block, {size: 0.0})
-                loops = {n: predict(trial, LINKS["a100-nvlink"], degree=n, placement="linear", size=size,
-                                    steps=steps) for n in measured}
+                loops = {
+                    n: predict(trial, LINKS["a100-nvlink"], degree=n, placement="linear", size=size, steps=steps)
+                    for n in measured
+                }
                 o = max(sum(measured[n] - loops[n] for n in measured) / len(measured), 0.0)
                 err = sum((measured[n] - loops[n] - o) ** 2 for n in measured)
                 if size_best is None or err < size_best[0]:
@@ -176,14 +189,22 @@ def l40_profile(a100: ComputeProfile) -> ComputeProfile:
     """L40 from the A100 fit: dense bf16 throughput ratio 181/312 (spec sheets), the same launch cost, and the
     time outside the loop scaled by the same ratio."""
     ratio = 181 / 312
-    return ComputeProfile("L40 (A100 fit x 181/312)", {k: v * ratio for k, v in a100.flops.items()},
-                          a100.per_block, {k: v / ratio for k, v in a100.outside_loop.items()})
+    return ComputeProfile(
+        "L40 (A100 fit x 181/312)",
+        {k: v * ratio for k, v in a100.flops.items()},
+        a100.per_block,
+        {k: v / ratio for k, v in a100.outside_loop.items()},
+    )
 
 
 def table(profile: ComputeProfile, link: LinkProfile, sizes=(1024, 2048), degrees=range(1, 9)) -> dict:
     """{(size, placement, degree): seconds} for every degree and both placements."""
-    return {(size, placement, n): predict(profile, link, degree=n, placement=placement, size=size)
-            for size in sizes for placement in ("linear", "folded") for n in degrees}
+    return {
+        (size, placement, n): predict(profile, link, degree=n, placement=placement, size=size)
+        for size in sizes
+        for placement in ("linear", "folded")
+        for n in degrees
+    }
 
 
 def main(argv=None) -> None:
@@ -194,19 +215,27 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     a100 = fit() if args.fit else A100
     print(a100)
-    for name, profile, link in (("A100 NVLink", a100, LINKS["a100-nvlink"]),
-                                ("L40 PCIe", l40_profile(a100), LINKS["l40-pcie"])):
+    for name, profile, link in (
+        ("A100 NVLink", a100, LINKS["a100-nvlink"]),
+        ("L40 PCIe", l40_profile(a100), LINKS["l40-pcie"]),
+    ):
         rows = table(profile, link)
         print(f"\n{name}: predicted seconds per 50-step image (M = N, warm-up 1)")
         print("| size | placement | " + " | ".join(f"N={n}" for n in range(1, 9)) + " |")
         print("|---|---|" + "---|" * 8)
         for size in (1024, 2048):
             for placement in ("linear", "folded"):
-                print(f"| {size} | {placement} | " + " | ".join(f"{rows[size, placement, n]:.1f}"
-                                                              for n in range(1, 9)) + " |")
+                print(
+                    f"| {size} | {placement} | "
+                    + " | ".join(f"{rows[size, placement, n]:.1f}" for n in range(1, 9))
+                    + " |"
+                )
             if name.startswith("A100"):
-                print(f"| {size} | xDiT measured | " + " | ".join(
-                    f"{XDIT_A100[size][n]:.1f}" if n in XDIT_A100[size] else "" for n in range(1, 9)) + " |")
+                print(
+                    f"| {size} | xDiT measured | "
+                    + " | ".join(f"{XDIT_A100[size][n]:.1f}" if n in XDIT_A100[size] else "" for n in range(1, 9))
+                    + " |"
+                )
 
 
 if __name__ == "__main__":

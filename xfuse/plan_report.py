@@ -46,8 +46,9 @@ def plan_report(config: XfuseConfig) -> dict:
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
     default = model.get("sample_size", 128) * VAE_SCALE_FACTOR
     height, width = config.generation.height or default, config.generation.width or default
-    check_world(config, world_size=config.world_size, num_layers=num_layers, patch_size=patch_size,
-                height=height, width=width)
+    check_world(
+        config, world_size=config.world_size, num_layers=num_layers, patch_size=patch_size, height=height, width=width
+    )
     par = config.parallel
     plan = stage_plan(num_layers, par.pipefusion_degree, par.placement, par.stage_split)
     grid = patch_grid(height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR, par.resolved_num_patches, patch_size)
@@ -55,13 +56,30 @@ def plan_report(config: XfuseConfig) -> dict:
     element = torch.empty((), dtype=dtype).element_size()
     cfg_batch = 2 if config.generation.guidance_scale > 1 else 1  # diffusers batches [uncond, cond]
     batch = cfg_batch // par.cfg_degree  # each CFG group runs its half
-    volume = comm_volume(plan, grid, hidden_size=hidden, batch=batch, latent_batch=1,
-                         in_channels=model["in_channels"], dtype_bytes=element)
+    volume = comm_volume(
+        plan,
+        grid,
+        hidden_size=hidden,
+        batch=batch,
+        latent_batch=1,
+        in_channels=model["in_channels"],
+        dtype_bytes=element,
+    )
     return dict(
-        model=config.model, num_layers=num_layers, hidden_size=hidden, patch_size=patch_size,
-        height=height, width=width, grid=grid, plan=plan, batch=batch, dtype=config.runtime.dtype,
-        volume=volume, kv_bytes=kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element),
-        param_bytes=stage_parameter_bytes(model, plan, dtype), config=config,
+        model=config.model,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        patch_size=patch_size,
+        height=height,
+        width=width,
+        grid=grid,
+        plan=plan,
+        batch=batch,
+        dtype=config.runtime.dtype,
+        volume=volume,
+        kv_bytes=kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element),
+        param_bytes=stage_parameter_bytes(model, plan, dtype),
+        config=config,
     )
 
 
@@ -79,16 +97,28 @@ def predicted_latency(r: dict, link: str) -> str:
     par = cfg.parallel
     size = r["height"]
     if (r["num_layers"], r["hidden_size"]) != (40, 1408) or r["width"] != size or size not in A100.outside_loop:
-        return (f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "
-                f"square {sorted(A100.outside_loop)} px")
+        return (
+            f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "
+            f"square {sorted(A100.outside_loop)} px"
+        )
     if par.cfg_degree != 1:
         return f"predicted latency ({link}): the model does not cover cfg_degree 2"
     profile = A100 if link == "a100-nvlink" else l40_profile(A100)
-    seconds = predict(profile, LINKS[link], degree=par.pipefusion_degree, placement=par.placement, size=size,
-                      steps=cfg.generation.num_inference_steps, warmup=par.warmup_steps,
-                      num_patches=par.resolved_num_patches, split=par.stage_split)
-    return (f"predicted latency ({LINKS[link].name}): {seconds:.1f} s per image "
-            f"(xfuse.perf_model, fitted to xDiT's A100 numbers; see README)")
+    seconds = predict(
+        profile,
+        LINKS[link],
+        degree=par.pipefusion_degree,
+        placement=par.placement,
+        size=size,
+        steps=cfg.generation.num_inference_steps,
+        warmup=par.warmup_steps,
+        num_patches=par.resolved_num_patches,
+        split=par.stage_split,
+    )
+    return (
+        f"predicted latency ({LINKS[link].name}): {seconds:.1f} s per image "
+        f"(xfuse.perf_model, fitted to xDiT's A100 numbers; see README)"
+    )
 
 
 def format_plan_report(r: dict) -> str:
@@ -104,11 +134,15 @@ def format_plan_report(r: dict) -> str:
         f"{cfg.generation.num_inference_steps} steps",
         "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),
         "route of a patch: " + " -> ".join(f"r{s.rank}[{_ranges(s.blocks)}]" for s in plan.route),
-        "cross-rank skips: " + (", ".join(f"{s.producer}->{s.consumer} (r{s.src_rank}->r{s.dst_rank})"
-                                          for s in plan.cross_rank_skips) or "none"),
+        "cross-rank skips: "
+        + (
+            ", ".join(f"{s.producer}->{s.consumer} (r{s.src_rank}->r{s.dst_rank})" for s in plan.cross_rank_skips)
+            or "none"
+        ),
         "",
         f"{'rank':>4}  {'blocks':<22} {'params':>12} {'K/V buffers':>12}  "
-        + "  ".join(f"{'sent ' + k:>12}" for k in KINDS) + "   (bytes sent per denoising step)",
+        + "  ".join(f"{'sent ' + k:>12}" for k in KINDS)
+        + "   (bytes sent per denoising step)",
     ]
     for rank in range(plan.degree):
         vol = r["volume"][rank]

@@ -69,7 +69,7 @@ class CommError(RuntimeError):
         self.dtype, self.nbytes, self.step, self.patch, self.detail = dtype, nbytes, step, patch, detail
 
     @classmethod
-    def for_op(cls, *, what: str, detail: str | None = None, **fields) -> "CommError":
+    def for_op(cls, *, what: str, detail: str | None = None, **fields) -> CommError:
         """Build the error with the standard message.
 
         ``what`` says what happened ("timed out after 5.0 s", "failed: peer lost");

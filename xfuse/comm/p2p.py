@@ -39,9 +39,10 @@ Not thread-safe: one engine thread drives the channels.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ class _Expired(Exception):
 class _Pending:
     """Common part of a posted operation's handle."""
 
-    def __init__(self, channels: "P2PChannels", work, record: OpRecord) -> None:
+    def __init__(self, channels: P2PChannels, work, record: OpRecord) -> None:
         self._channels = channels
         self._work = work  # may be shared with other handles (NCCL coalesces a batch into one Work)
         self.record = record
@@ -282,8 +283,10 @@ class P2PChannels:
         r, since = waiting
         patch = "whole image" if r.patch is None else f"patch {r.patch}"
         preposition = "from" if r.direction == "recv" else "to"
-        return (f"waiting {time.monotonic() - since:.1f} s: {r.direction} of {r.kind} {preposition} rank {r.peer} "
-                f"at step {r.step}, {patch}")
+        return (
+            f"waiting {time.monotonic() - since:.1f} s: {r.direction} of {r.kind} {preposition} rank {r.peer} "
+            f"at step {r.step}, {patch}"
+        )
 
     def format_op_log(self) -> str:
         """The recent operations, with state and timing, for failure reports."""
@@ -322,8 +325,15 @@ class P2PChannels:
                 busy = self._pool.busy(r.peer, r.kind)
                 if busy >= self.max_inflight:
                     raise InflightLimitError(
-                        describe_op(rank=self.rank, op="recv", kind=r.kind, shape=r.shape, dtype=r.dtype,
-                                    nbytes=_nbytes(r.shape, r.dtype), peer=r.peer)
+                        describe_op(
+                            rank=self.rank,
+                            op="recv",
+                            kind=r.kind,
+                            shape=r.shape,
+                            dtype=r.dtype,
+                            nbytes=_nbytes(r.shape, r.dtype),
+                            peer=r.peer,
+                        )
                         + f" at step {r.step}, patch {r.patch} would be receive #{busy + 1} outstanding on channel "
                         f"(peer {r.peer}, {r.kind!r}), but max_inflight={self.max_inflight}: release() the buffers "
                         "of earlier receives first. This is a scheduling bug; nothing was posted."
@@ -351,8 +361,17 @@ class P2PChannels:
 
     def _fields(self, h: _Pending) -> dict:
         r = h.record
-        return dict(rank=self.rank, peer=r.peer, op=r.direction, kind=r.kind, shape=r.shape, dtype=r.dtype,
-                    nbytes=r.nbytes, step=r.step, patch=r.patch)
+        return dict(
+            rank=self.rank,
+            peer=r.peer,
+            op=r.direction,
+            kind=r.kind,
+            shape=r.shape,
+            dtype=r.dtype,
+            nbytes=r.nbytes,
+            step=r.step,
+            patch=r.patch,
+        )
 
     def _wait(self, h: _Pending) -> None:
         if h.state == "done":
@@ -360,7 +379,8 @@ class P2PChannels:
         if h.state == "failed" or self.failure is not None:
             raise CommError.for_op(
                 what="not waited: the process group is unusable after an earlier failure",
-                detail=str(self.failure), **self._fields(h),
+                detail=str(self.failure),
+                **self._fields(h),
             )
         self.waiting_on = (h.record, time.monotonic())  # read by the failure monitor's thread
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from xfuse.config import ConfigError, PRESET_MODELS
+from xfuse.config import PRESET_MODELS, ConfigError
 
 
 def transformer_config(model: str) -> dict:
@@ -28,9 +28,9 @@ def transformer_config(model: str) -> dict:
 def load_pipeline(model: str, torch_dtype=None):
     """A diffusers ``HunyuanDiTPipeline`` on CPU: built from a preset, or loaded from a local folder."""
     if model in PRESET_MODELS:
-        from xfuse.models.tiny import build_tiny_pipeline
-
         import torch
+
+        from xfuse.models.tiny import build_tiny_pipeline
 
         pipe = build_tiny_pipeline(model)  # built in float32
         return pipe if torch_dtype in (None, torch.float32) else pipe.to(dtype=torch_dtype)

@@ -45,8 +45,15 @@ class StaleKVSelfAttnProcessor:
     def __init__(self, cache: StaleKVCache, layer: int):
         self.cache, self.layer = cache, layer
 
-    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 temb=None, image_rotary_emb=None):
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        image_rotary_emb=None,
+    ):
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("StaleKVSelfAttnProcessor is for unmasked self-attention only")
         query = attn.norm_q(_project_heads(attn, hidden_states, attn.to_q))
@@ -72,8 +79,15 @@ class CachedCrossAttnProcessor:
     def reset(self) -> None:
         self._text, self._kv = None, None
 
-    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 temb=None, image_rotary_emb=None):
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        image_rotary_emb=None,
+    ):
         if attention_mask is not None:
             raise ValueError("CachedCrossAttnProcessor does not take an attention mask")
         if self._text is not encoder_hidden_states:
@@ -93,8 +107,13 @@ class Conditioning:
     rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (tokens, head_dim), row-major over the whole image
 
 
-def text_states(model: HunyuanDiT2DModel, encoder_hidden_states, text_embedding_mask, encoder_hidden_states_t5,
-                text_embedding_mask_t5) -> torch.Tensor:
+def text_states(
+    model: HunyuanDiT2DModel,
+    encoder_hidden_states,
+    text_embedding_mask,
+    encoder_hidden_states_t5,
+    text_embedding_mask_t5,
+) -> torch.Tensor:
     """The cross-attention input, as ``HunyuanDiT2DModel.forward`` builds it: constant for a whole request."""
     batch, seq, _ = encoder_hidden_states_t5.shape
     t5 = model.text_embedder(encoder_hidden_states_t5.view(-1, encoder_hidden_states_t5.shape[-1]))
@@ -151,7 +170,7 @@ class HunyuanDiTStage(nn.Module):
         self.skip_producers = {producer for producer, _ in pairs}
 
     @classmethod
-    def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None) -> "HunyuanDiTStage":
+    def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None) -> HunyuanDiTStage:
         """Load only what ``rank`` runs from a diffusers folder's ``transformer/*.safetensors``.
 
         The model is built without memory (accelerate's ``init_empty_weights``), sharded, and only the remaining
@@ -184,8 +203,10 @@ class HunyuanDiTStage(nn.Module):
                         loaded.add(key)
         missing = {name for name, _ in model.named_parameters()} - loaded
         if missing:
-            raise ValueError(f"{folder!r}: the checkpoint lacks {len(missing)} tensors of rank {rank}'s stage, "
-                             f"e.g. {sorted(missing)[:3]}")
+            raise ValueError(
+                f"{folder!r}: the checkpoint lacks {len(missing)} tensors of rank {rank}'s stage, "
+                f"e.g. {sorted(missing)[:3]}"
+            )
         return stage.eval()
 
     @property
@@ -213,8 +234,15 @@ class HunyuanDiTStage(nn.Module):
         """(B, C, rows, W) latent band -> (B, tokens, hidden)."""
         return self.transformer.pos_embed(latents)
 
-    def run_segment(self, hidden: torch.Tensor, segment: Segment, cond: Conditioning, band: PatchBand | None,
-                    skips: dict[int, torch.Tensor], keep_kv: bool = True) -> torch.Tensor:
+    def run_segment(
+        self,
+        hidden: torch.Tensor,
+        segment: Segment,
+        cond: Conditioning,
+        band: PatchBand | None,
+        skips: dict[int, torch.Tensor],
+        keep_kv: bool = True,
+    ) -> torch.Tensor:
         """Run ``segment``'s blocks on ``hidden`` (B, tokens, hidden): the band's tokens, or the whole image.
 
         ``skips`` maps a producer block to its output for this patch: producers add to it, consumers pop from it.
@@ -244,9 +272,20 @@ class HunyuanDiTStage(nn.Module):
         return out.reshape(batch, channels, (tokens // token_cols) * p, token_cols * p)  # (B, C, h*p, w*q)
 
 
-def staged_forward(stages: dict[int, HunyuanDiTStage], latents: torch.Tensor, timestep: torch.Tensor, *,
-                   encoder_hidden_states, text_embedding_mask, encoder_hidden_states_t5, text_embedding_mask_t5,
-                   image_meta_size, style, image_rotary_emb, grid=None) -> torch.Tensor:
+def staged_forward(
+    stages: dict[int, HunyuanDiTStage],
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    *,
+    encoder_hidden_states,
+    text_embedding_mask,
+    encoder_hidden_states_t5,
+    text_embedding_mask_t5,
+    image_meta_size,
+    style,
+    image_rotary_emb,
+    grid=None,
+) -> torch.Tensor:
     """Run every rank's stage in one process, in route order: ``HunyuanDiT2DModel.forward`` rebuilt from stages.
 
     With ``grid`` the image goes through the route patch by patch (patches in order, each through every stage),
@@ -255,8 +294,13 @@ def staged_forward(stages: dict[int, HunyuanDiTStage], latents: torch.Tensor, ti
     """
     plan = next(iter(stages.values())).plan
     any_stage = next(iter(stages.values()))
-    text = text_states(any_stage.transformer, encoder_hidden_states, text_embedding_mask, encoder_hidden_states_t5,
-                       text_embedding_mask_t5)
+    text = text_states(
+        any_stage.transformer,
+        encoder_hidden_states,
+        text_embedding_mask,
+        encoder_hidden_states_t5,
+        text_embedding_mask_t5,
+    )
     cond = any_stage.conditioning(timestep, text, encoder_hidden_states_t5, image_meta_size, style, image_rotary_emb)
     token_cols = latents.shape[-1] // any_stage.config.patch_size
     bands = [None] if grid is None else list(grid)
@@ -271,10 +315,26 @@ def staged_forward(stages: dict[int, HunyuanDiTStage], latents: torch.Tensor, ti
     return torch.cat(outputs, dim=2)  # bands stacked along latent rows: (B, C_out, H, W)
 
 
-def denoise_request(stage: HunyuanDiTStage, *, latents, timesteps, scheduler, prompt_embeds, prompt_attention_mask,
-                    prompt_embeds_2, prompt_attention_mask_2, image_meta_size, style, guidance_scale: float,
-                    guidance_rescale: float = 0.0, cfg_half=None, extra_step_kwargs=None, generator=None,
-                    on_step_end=None, on_progress=None):
+def denoise_request(
+    stage: HunyuanDiTStage,
+    *,
+    latents,
+    timesteps,
+    scheduler,
+    prompt_embeds,
+    prompt_attention_mask,
+    prompt_embeds_2,
+    prompt_attention_mask_2,
+    image_meta_size,
+    style,
+    guidance_scale: float,
+    guidance_rescale: float = 0.0,
+    cfg_half=None,
+    extra_step_kwargs=None,
+    generator=None,
+    on_step_end=None,
+    on_progress=None,
+):
     """The engine's ``DenoiseRequest`` for HunyuanDiT, built from what ``HunyuanDiTPipeline`` prepares.
 
     Text inputs are batched as the pipeline batches them: [uncond, cond] when ``guidance_scale > 1``. With CFG
@@ -291,8 +351,9 @@ def denoise_request(stage: HunyuanDiTStage, *, latents, timesteps, scheduler, pr
     copies = 2 if do_cfg and cfg_half is None else 1
     model_batch = latents.shape[0] * copies
     rope = rotary_embedding(stage.config, latents.shape[-2], latents.shape[-1], device=latents.device)
-    text = text_states(stage.transformer, prompt_embeds, prompt_attention_mask, prompt_embeds_2,
-                       prompt_attention_mask_2)
+    text = text_states(
+        stage.transformer, prompt_embeds, prompt_attention_mask, prompt_embeds_2, prompt_attention_mask_2
+    )
 
     def conditioning(step: int, t: torch.Tensor) -> Conditioning:
         t_batch = torch.tensor([t] * model_batch, device=latents.device).to(dtype=latents.dtype)  # as diffusers
@@ -316,7 +377,16 @@ def denoise_request(stage: HunyuanDiTStage, *, latents, timesteps, scheduler, pr
             guided = rescale_noise_cfg(guided, cond, guidance_rescale=guidance_rescale)
         return guided
 
-    return DenoiseRequest(latents=latents, timesteps=timesteps, scheduler=scheduler, conditioning=conditioning,
-                          model_input=model_input, guide=guide, model_batch=model_batch,
-                          extra_step_kwargs=extra_step_kwargs or {}, generator=generator, on_step_end=on_step_end,
-                          on_progress=on_progress)
+    return DenoiseRequest(
+        latents=latents,
+        timesteps=timesteps,
+        scheduler=scheduler,
+        conditioning=conditioning,
+        model_input=model_input,
+        guide=guide,
+        model_batch=model_batch,
+        extra_step_kwargs=extra_step_kwargs or {},
+        generator=generator,
+        on_step_end=on_step_end,
+        on_progress=on_progress,
+    )

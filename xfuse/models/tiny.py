@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from xfuse.config import ConfigError
 
@@ -127,9 +128,22 @@ _NON_TRANSFORMER_KEYS = frozenset({"default_size"})
 # importing diffusers.
 _TRANSFORMER_ARGS = frozenset(
     {
-        "num_attention_heads", "attention_head_dim", "in_channels", "patch_size", "activation_fn", "sample_size",
-        "hidden_size", "num_layers", "mlp_ratio", "learn_sigma", "cross_attention_dim", "norm_type",
-        "cross_attention_dim_t5", "pooled_projection_dim", "text_len", "text_len_t5",
+        "num_attention_heads",
+        "attention_head_dim",
+        "in_channels",
+        "patch_size",
+        "activation_fn",
+        "sample_size",
+        "hidden_size",
+        "num_layers",
+        "mlp_ratio",
+        "learn_sigma",
+        "cross_attention_dim",
+        "norm_type",
+        "cross_attention_dim_t5",
+        "pooled_projection_dim",
+        "text_len",
+        "text_len_t5",
         "use_style_cond_and_image_meta_size",
     }
 )

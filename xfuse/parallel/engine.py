@@ -72,8 +72,17 @@ class PipeFusionEngine:
         lookahead: tasks whose receives are posted ahead (≤ ``comm.max_inflight``).
     """
 
-    def __init__(self, stage, plan: StagePlan, channels: P2PChannels | None, *, pipe_rank: int,
-                 group_ranks: list[int], warmup_steps: int, lookahead: int = 2):
+    def __init__(
+        self,
+        stage,
+        plan: StagePlan,
+        channels: P2PChannels | None,
+        *,
+        pipe_rank: int,
+        group_ranks: list[int],
+        warmup_steps: int,
+        lookahead: int = 2,
+    ):
         if plan.degree > 1 and channels is None:
             raise ValueError("a pipeline of more than one rank needs channels")
         self.stage, self.plan, self.channels = stage, plan, channels
@@ -104,8 +113,15 @@ class PipeFusionEngine:
 class _Run:
     """State of one request on one rank (kept off the engine so requests never share it)."""
 
-    def __init__(self, engine: PipeFusionEngine, request: DenoiseRequest, grid: PatchGrid, schedule: Schedule,
-                 messages: dict, tracer: Tracer | None = None):
+    def __init__(
+        self,
+        engine: PipeFusionEngine,
+        request: DenoiseRequest,
+        grid: PatchGrid,
+        schedule: Schedule,
+        messages: dict,
+        tracer: Tracer | None = None,
+    ):
         self.e, self.req, self.grid, self.schedule = engine, request, grid, schedule
         self.recv_msgs = {t: r for t, (r, _) in messages.items()}  # task -> messages it receives, in order
         self.send_msgs = {t: s for t, (_, s) in messages.items()}  # task -> messages it sends, in order
@@ -216,7 +232,7 @@ class _Run:
         for m, tensor in received.items():
             by_kind.setdefault(m.kind, []).append((m, tensor))
         if task.hop == COLLECT:  # linear: the final latents arrive from the output rank
-            (_, tensor), = by_kind["latent"]
+            ((_, tensor),) = by_kind["latent"]
             self.latents[:, :, self._rows(patch)] = tensor
             return
         key = (step, patch)
@@ -235,7 +251,8 @@ class _Run:
         segment = plan.route[task.hop]
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
         keep_kv = band is not None or (
-            self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1)
+            self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
+        )
         hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv)
         outgoing = {}
         for m in self.send_msgs[task]:
@@ -259,7 +276,7 @@ class _Run:
         """Scaled model-input latent rows of (step, patch) on the embedding rank."""
         rows = self._rows(patch)
         if latent_msgs:  # linear: received from the output rank
-            (m, tensor), = latent_msgs
+            ((m, tensor),) = latent_msgs
             if m.patch is None and patch is not None:  # a whole latent after warm-up: keep it for the other patches
                 self.inputs[(step, None)] = tensor.clone()
                 return self.inputs[(step, None)][:, :, rows]
@@ -286,8 +303,10 @@ class _Run:
                 )
                 gens = patch_generators(req.generator, self.grid.num_patches, self.latents.device)
                 self.patch_kwargs = [
-                    {**req.extra_step_kwargs, "generator": g} if "generator" in req.extra_step_kwargs
-                    else req.extra_step_kwargs for g in gens
+                    {**req.extra_step_kwargs, "generator": g}
+                    if "generator" in req.extra_step_kwargs
+                    else req.extra_step_kwargs
+                    for g in gens
                 ]
             scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
         stepped = scheduler.step(noise, t, self.latents[:, :, rows], **kwargs, return_dict=False)[0]

@@ -18,7 +18,6 @@ Linear placement ends with *collect* tasks on rank 0 (``hop=-1``): receiving the
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from xfuse.parallel.stage_plan import StagePlan
@@ -223,7 +222,7 @@ def check_protocol(schedule: Schedule, lookahead: int) -> None:
     n_sent = {pair: 0 for pair in sent}  # messages issued per pair so far
     n_posted = {pair: 0 for pair in sent}
     index = {}  # message -> its position in its pair's stream
-    for pair, msgs in sent.items():
+    for msgs in sent.values():
         for i, m in enumerate(msgs):
             index[m] = i
 

@@ -87,9 +87,7 @@ class StagePlan:
     @property
     def handoffs(self) -> tuple[Handoff, ...]:
         """Hidden-state transfers along the route (consecutive segments on different ranks)."""
-        return tuple(
-            Handoff(a.hop, a.rank, b.rank) for a, b in zip(self.route, self.route[1:]) if a.rank != b.rank
-        )
+        return tuple(Handoff(a.hop, a.rank, b.rank) for a, b in zip(self.route, self.route[1:]) if a.rank != b.rank)
 
     @property
     def cross_rank_skips(self) -> tuple[SkipEdge, ...]:
@@ -117,8 +115,10 @@ def _check_split(split: Sequence[int] | None, degree: int, total: int, what: str
     if split is None:
         return _even_split(total, degree)
     split = list(split)
-    if len(split) != degree or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split) or (
-        sum(split) != total
+    if (
+        len(split) != degree
+        or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split)
+        or (sum(split) != total)
     ):
         raise ConfigError(
             "parallel.stage_split",

@@ -52,8 +52,10 @@ class StaleKVCache:
         """
         num_tokens = self.num_tokens
         if self.tokens is None and key.shape[2] != num_tokens:
-            raise RuntimeError(f"stale K/V of layer {layer}: whole-image pass of {key.shape[2]} tokens, "
-                               f"but the request has {num_tokens} (reset() not called for this request?)")
+            raise RuntimeError(
+                f"stale K/V of layer {layer}: whole-image pass of {key.shape[2]} tokens, "
+                f"but the request has {num_tokens} (reset() not called for this request?)"
+            )
         if self.tokens is None and not self.store_whole:
             return key, value
         k_buf, v_buf = self._buffers(layer, key, num_tokens)

@@ -28,12 +28,23 @@ class Tracer:
         try:
             yield
         finally:
-            self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": (time.time() - start) * 1e6,
-                                "pid": self.rank, "tid": track, "args": args})
+            self.events.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "ts": start * 1e6,
+                    "dur": (time.time() - start) * 1e6,
+                    "pid": self.rank,
+                    "tid": track,
+                    "args": args,
+                }
+            )
 
     def metadata(self) -> list[dict]:
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
-                {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}}]
+        meta = [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
+        ]
         for tid, label in ((COMPUTE, "compute"), (COMM, "communication waits")):
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": label}})
         return meta

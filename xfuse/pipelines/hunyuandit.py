@@ -41,8 +41,15 @@ logger = logging.get_logger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Components only global rank 0 uses: the others never load them.
-_RANK0_COMPONENTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "safety_checker",
-                     "feature_extractor")
+_RANK0_COMPONENTS = (
+    "text_encoder",
+    "text_encoder_2",
+    "tokenizer",
+    "tokenizer_2",
+    "vae",
+    "safety_checker",
+    "feature_extractor",
+)
 
 
 def _runtime(torch_dtype, device) -> RuntimeConfig:
@@ -68,17 +75,29 @@ class PipeFusionHunyuanDiTPipeline:
         parallel, comm: the validated configs; context: this rank's place in the world.
     """
 
-    def __init__(self, pipeline: HunyuanDiTPipeline, parallel: ParallelConfig, comm: CommConfig,
-                 context: ParallelContext, dtype: torch.dtype, stage: HunyuanDiTStage | None = None):
+    def __init__(
+        self,
+        pipeline: HunyuanDiTPipeline,
+        parallel: ParallelConfig,
+        comm: CommConfig,
+        context: ParallelContext,
+        dtype: torch.dtype,
+        stage: HunyuanDiTStage | None = None,
+    ):
         self.pipeline, self.parallel, self.comm, self.context, self.dtype = pipeline, parallel, comm, context, dtype
         config = (stage or pipeline.transformer).config
-        self.plan = stage_plan(config.num_layers, parallel.pipefusion_degree, parallel.placement,
-                               parallel.stage_split)
+        self.plan = stage_plan(config.num_layers, parallel.pipefusion_degree, parallel.placement, parallel.stage_split)
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
-        handshake({"model.config_hash": config_hash(dict(config)), "model.dtype": str(dtype),
-                   "model.scheduler": type(pipeline.scheduler).__name__,
-                   "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route)},
-                  world_size=context.world_size, group=context.control_group)
+        handshake(
+            {
+                "model.config_hash": config_hash(dict(config)),
+                "model.dtype": str(dtype),
+                "model.scheduler": type(pipeline.scheduler).__name__,
+                "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route),
+            },
+            world_size=context.world_size,
+            group=context.control_group,
+        )
         self.stage = (stage or HunyuanDiTStage(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
         pipeline.default_sample_size = config.sample_size  # what diffusers derives from the transformer
@@ -91,16 +110,29 @@ class PipeFusionHunyuanDiTPipeline:
                 if getattr(pipeline, name, None) is not None:
                     getattr(pipeline, name).to(context.device)
         self.engine = PipeFusionEngine(
-            self.stage, self.plan, context.channels, pipe_rank=context.pipe_rank, group_ranks=context.pipe_ranks,
-            warmup_steps=parallel.warmup_steps, lookahead=comm.max_inflight,
+            self.stage,
+            self.plan,
+            context.channels,
+            pipe_rank=context.pipe_rank,
+            group_ranks=context.pipe_ranks,
+            warmup_steps=parallel.warmup_steps,
+            lookahead=comm.max_inflight,
         )
         self._interrupt, self._callback_error = False, None
         self._tracer: Tracer | None = None
 
     # ---------------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str, parallel=None, comm=None, torch_dtype=None,
-                        device=None, fingerprint=None, **kwargs) -> "PipeFusionHunyuanDiTPipeline":
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str,
+        parallel=None,
+        comm=None,
+        torch_dtype=None,
+        device=None,
+        fingerprint=None,
+        **kwargs,
+    ) -> PipeFusionHunyuanDiTPipeline:
         r"""
         Load a local diffusers HunyuanDiT folder (the HunyuanDiT-v1.2-Diffusers layout) on every rank.
 
@@ -122,20 +154,26 @@ class PipeFusionHunyuanDiTPipeline:
         parallel, comm, runtime = parallel_config(parallel), comm_config(comm), _runtime(torch_dtype, device)
         context = init_parallel(parallel, comm, runtime, fingerprint)
         skip = {} if context.is_output else {name: None for name in _RANK0_COMPONENTS}
-        config = HunyuanDiT2DModel.load_config(pretrained_model_name_or_path, subfolder="transformer",
-                                               local_files_only=True)
+        config = HunyuanDiT2DModel.load_config(
+            pretrained_model_name_or_path, subfolder="transformer", local_files_only=True
+        )
         plan = stage_plan(config["num_layers"], parallel.pipefusion_degree, parallel.placement, parallel.stage_split)
         # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
         stage = HunyuanDiTStage.from_pretrained(pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype)
         pipeline = HunyuanDiTPipeline.from_pretrained(
-            pretrained_model_name_or_path, torch_dtype=torch_dtype, local_files_only=True, transformer=None, **skip,
+            pretrained_model_name_or_path,
+            torch_dtype=torch_dtype,
+            local_files_only=True,
+            transformer=None,
+            **skip,
             **kwargs,
         )
         return cls(pipeline, parallel, comm, context, torch_dtype or torch.float32, stage)
 
     @classmethod
-    def from_pipe(cls, pipeline: HunyuanDiTPipeline, parallel=None, comm=None, device=None,
-                  fingerprint=None) -> "PipeFusionHunyuanDiTPipeline":
+    def from_pipe(
+        cls, pipeline: HunyuanDiTPipeline, parallel=None, comm=None, device=None, fingerprint=None
+    ) -> PipeFusionHunyuanDiTPipeline:
         """Parallelise an already loaded diffusers ``HunyuanDiTPipeline`` (same object on every rank).
 
         The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and ranks other than 0
@@ -185,9 +223,11 @@ class PipeFusionHunyuanDiTPipeline:
             if channels is not None:
                 for kind, nbytes in channels.counters.sent_bytes.items():
                     sent[kind] = sent.get(kind, 0) + nbytes
-        mine = dict(sent=sent, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                    peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda"
-                    else None)
+        mine = dict(
+            sent=sent,
+            peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda" else None,
+        )
         if self.context.world_size == 1:
             return [mine]
         gathered = [None] * self.context.world_size
@@ -288,8 +328,10 @@ class PipeFusionHunyuanDiTPipeline:
         width = width or pipe.default_sample_size * pipe.vae_scale_factor
         for name, value in (("height", height), ("width", width)):
             if not use_resolution_binning and (not isinstance(value, int) or isinstance(value, bool) or value % 16):
-                raise ValueError(f"{name} must be a positive multiple of 16 (got {value!r}; diffusers would "
-                                 f"silently use {int(value // 16 * 16) if isinstance(value, (int, float)) else '?'})")
+                raise ValueError(
+                    f"{name} must be a positive multiple of 16 (got {value!r}; diffusers would "
+                    f"silently use {int(value // 16 * 16) if isinstance(value, (int, float)) else '?'})"
+                )
         height, width = int(height // 16 * 16), int(width // 16 * 16)
         if use_resolution_binning and (height, width) not in SUPPORTED_SHAPE:
             width, height = map(int, map_to_standard_shapes(width, height))
@@ -297,12 +339,32 @@ class PipeFusionHunyuanDiTPipeline:
 
         # 1. Every check before any communication, the same on every rank.
         pipe.check_inputs(
-            prompt, height, width, negative_prompt, prompt_embeds, negative_prompt_embeds, prompt_attention_mask,
-            negative_prompt_attention_mask, prompt_embeds_2, negative_prompt_embeds_2, prompt_attention_mask_2,
-            negative_prompt_attention_mask_2, callback_on_step_end_tensor_inputs,
+            prompt,
+            height,
+            width,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            prompt_attention_mask,
+            negative_prompt_attention_mask,
+            prompt_embeds_2,
+            negative_prompt_embeds_2,
+            prompt_attention_mask_2,
+            negative_prompt_attention_mask_2,
+            callback_on_step_end_tensor_inputs,
         )
-        self._check_call_args(output_type, num_images_per_prompt, latents, original_size, target_size,
-                              crops_coords_top_left, height, width, prompt, prompt_embeds)
+        self._check_call_args(
+            output_type,
+            num_images_per_prompt,
+            latents,
+            original_size,
+            target_size,
+            crops_coords_top_left,
+            height,
+            width,
+            prompt,
+            prompt_embeds,
+        )
         self._check_parallel_args(height, width, num_inference_steps, guidance_scale, guidance_rescale, generator)
         self._interrupt = False
         for channels in (ctx.channels, ctx.cfg_channels):
@@ -324,16 +386,37 @@ class PipeFusionHunyuanDiTPipeline:
             if ctx.is_output:
                 text = {}
                 for index, length, suffix, given in (
-                    (0, 77, "", (prompt_embeds, negative_prompt_embeds, prompt_attention_mask,
-                                 negative_prompt_attention_mask)),
-                    (1, 256, "_2", (prompt_embeds_2, negative_prompt_embeds_2, prompt_attention_mask_2,
-                                    negative_prompt_attention_mask_2)),
+                    (
+                        0,
+                        77,
+                        "",
+                        (prompt_embeds, negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask),
+                    ),
+                    (
+                        1,
+                        256,
+                        "_2",
+                        (
+                            prompt_embeds_2,
+                            negative_prompt_embeds_2,
+                            prompt_attention_mask_2,
+                            negative_prompt_attention_mask_2,
+                        ),
+                    ),
                 ):
                     emb, neg, mask, neg_mask = pipe.encode_prompt(
-                        prompt=prompt, device=device, dtype=self.dtype, num_images_per_prompt=num_images_per_prompt,
-                        do_classifier_free_guidance=do_cfg, negative_prompt=negative_prompt, prompt_embeds=given[0],
-                        negative_prompt_embeds=given[1], prompt_attention_mask=given[2],
-                        negative_prompt_attention_mask=given[3], max_sequence_length=length, text_encoder_index=index,
+                        prompt=prompt,
+                        device=device,
+                        dtype=self.dtype,
+                        num_images_per_prompt=num_images_per_prompt,
+                        do_classifier_free_guidance=do_cfg,
+                        negative_prompt=negative_prompt,
+                        prompt_embeds=given[0],
+                        negative_prompt_embeds=given[1],
+                        prompt_attention_mask=given[2],
+                        negative_prompt_attention_mask=given[3],
+                        max_sequence_length=length,
+                        text_encoder_index=index,
                     )
                     text[f"prompt_embeds{suffix}"], text[f"prompt_attention_mask{suffix}"] = emb.cpu(), mask.cpu()
                     if do_cfg:
@@ -347,48 +430,79 @@ class PipeFusionHunyuanDiTPipeline:
             if generator is None:  # every rank (and both CFG groups) must draw the same scheduler noise
                 seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if ctx.is_output else None)
                 generator = torch.Generator().manual_seed(seed)
-            latents = pipe.prepare_latents(batch_size * num_images_per_prompt, self.stage.config.in_channels, height,
-                                           width, self.dtype, device, generator, latents)
+            latents = pipe.prepare_latents(
+                batch_size * num_images_per_prompt,
+                self.stage.config.in_channels,
+                height,
+                width,
+                self.dtype,
+                device,
+                generator,
+                latents,
+            )
             latents = self._broadcast(latents.cpu() if ctx.is_output else None).to(device)
             extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, eta)
 
             # 4. Size/style conditioning, as diffusers builds it.
             style = torch.tensor([0], device=device)
-            add_time_ids = torch.tensor([list(original_size + (target_size or (height, width)) + crops_coords_top_left)],
-                                        dtype=self.dtype)
+            add_time_ids = torch.tensor(
+                [list(original_size + (target_size or (height, width)) + crops_coords_top_left)], dtype=self.dtype
+            )
             if do_cfg:
                 keys = ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2")
                 batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) for k in keys}
                 add_time_ids, style = torch.cat([add_time_ids] * 2, dim=0), torch.cat([style] * 2, dim=0)
             else:
-                batched = {k: text[k] for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2",
-                                                "prompt_attention_mask_2")}
+                batched = {
+                    k: text[k]
+                    for k in ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2")
+                }
             add_time_ids = add_time_ids.to(device=device).repeat(batch_size * num_images_per_prompt, 1)
             style = style.to(device=device).repeat(batch_size * num_images_per_prompt)
             model_text = dict(batched, image_meta_size=add_time_ids, style=style)
             cfg_half = None
             if par.cfg_degree == 2:  # this CFG group's half of every batched tensor: [uncond | cond]
                 half = latents.shape[0]
-                model_text = {k: v[ctx.cfg_rank * half:(ctx.cfg_rank + 1) * half] for k, v in model_text.items()}
+                model_text = {k: v[ctx.cfg_rank * half : (ctx.cfg_rank + 1) * half] for k, v in model_text.items()}
                 cfg_half = (ctx.cfg_rank, self._cfg_exchange)
 
             # 5. The denoising loop: xfuse's engine.
             progress = pipe.progress_bar(total=num_inference_steps) if ctx.is_output else None
             on_step_end, self._callback_error = None, None
             if callback_on_step_end is not None and ctx.cfg_rank == 0 and ctx.pipe_rank == self.plan.output_rank:
+
                 def on_step_end(step, current):
                     if self._callback_error is None:  # after a refused change, the loop finishes without callbacks
                         self._callback_error = self._run_callback(
-                            callback_on_step_end, callback_on_step_end_tensor_inputs, step, timesteps[step], current,
-                            batched, text)
+                            callback_on_step_end,
+                            callback_on_step_end_tensor_inputs,
+                            step,
+                            timesteps[step],
+                            current,
+                            batched,
+                            text,
+                        )
+
             request = denoise_request(
-                self.stage, latents=latents, timesteps=timesteps, scheduler=pipe.scheduler,
-                guidance_scale=guidance_scale, guidance_rescale=guidance_rescale, cfg_half=cfg_half,
-                extra_step_kwargs=extra_step_kwargs, generator=generator, on_step_end=on_step_end,
-                on_progress=None if progress is None else (lambda step: progress.update()), **model_text,
+                self.stage,
+                latents=latents,
+                timesteps=timesteps,
+                scheduler=pipe.scheduler,
+                guidance_scale=guidance_scale,
+                guidance_rescale=guidance_rescale,
+                cfg_half=cfg_half,
+                extra_step_kwargs=extra_step_kwargs,
+                generator=generator,
+                on_step_end=on_step_end,
+                on_progress=None if progress is None else (lambda step: progress.update()),
+                **model_text,
             )
-            grid = patch_grid(height // pipe.vae_scale_factor, width // pipe.vae_scale_factor,
-                              par.resolved_num_patches, self.stage.config.patch_size)
+            grid = patch_grid(
+                height // pipe.vae_scale_factor,
+                width // pipe.vae_scale_factor,
+                par.resolved_num_patches,
+                self.stage.config.patch_size,
+            )
             try:
                 final = self.engine.denoise(request, grid, self._tracer)
             finally:
@@ -416,40 +530,69 @@ class PipeFusionHunyuanDiTPipeline:
             return (image, has_nsfw_concept)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=has_nsfw_concept)
 
-    def _check_call_args(self, output_type, num_images_per_prompt, latents, original_size, target_size,
-                         crops_coords_top_left, height, width, prompt, prompt_embeds):
+    def _check_call_args(
+        self,
+        output_type,
+        num_images_per_prompt,
+        latents,
+        original_size,
+        target_size,
+        crops_coords_top_left,
+        height,
+        width,
+        prompt,
+        prompt_embeds,
+    ):
         """Checks diffusers makes late (after the loop, or on one rank only): made up front, on every rank."""
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type must be one of 'pil', 'np', 'pt', 'latent' (got {output_type!r})")
-        if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or (
-            num_images_per_prompt < 1
+        if (
+            not isinstance(num_images_per_prompt, int)
+            or isinstance(num_images_per_prompt, bool)
+            or (num_images_per_prompt < 1)
         ):
             raise ValueError(f"num_images_per_prompt must be a positive integer (got {num_images_per_prompt!r})")
-        for name, value in (("original_size", original_size), ("target_size", target_size),
-                            ("crops_coords_top_left", crops_coords_top_left)):
+        for name, value in (
+            ("original_size", original_size),
+            ("target_size", target_size),
+            ("crops_coords_top_left", crops_coords_top_left),
+        ):
             if value is None and name == "target_size":
                 continue
-            if not isinstance(value, tuple) or len(value) != 2 or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value
+            if (
+                not isinstance(value, tuple)
+                or len(value) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
             ):
                 raise ValueError(f"{name} must be a tuple of two ints (got {value!r})")
         if latents is not None:
-            batch = (1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list)
-                     else prompt_embeds.shape[0]) * num_images_per_prompt
+            batch = (
+                1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else prompt_embeds.shape[0]
+            ) * num_images_per_prompt
             shape = (batch, self.stage.config.in_channels, height // 8, width // 8)
             if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
-                raise ValueError(f"latents must be a tensor of shape {shape} for this request "
-                                 f"(got {getattr(latents, 'shape', type(latents).__name__)})")
+                raise ValueError(
+                    f"latents must be a tensor of shape {shape} for this request "
+                    f"(got {getattr(latents, 'shape', type(latents).__name__)})"
+                )
 
     def _check_parallel_args(self, height, width, num_inference_steps, guidance_scale, guidance_rescale, generator):
         par = self.parallel
-        if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or (
-            num_inference_steps < 1
+        if (
+            not isinstance(num_inference_steps, int)
+            or isinstance(num_inference_steps, bool)
+            or (num_inference_steps < 1)
         ):
             raise ValueError(f"num_inference_steps must be a positive integer (got {num_inference_steps!r})")
         config = self.stage.config
-        check_world(par, world_size=self.context.world_size,
-                    num_layers=config.num_layers, patch_size=config.patch_size, height=height, width=width)
+        check_world(
+            par,
+            world_size=self.context.world_size,
+            num_layers=config.num_layers,
+            patch_size=config.patch_size,
+            height=height,
+            width=width,
+        )
         pipelined = par.warmup_steps < num_inference_steps
         if guidance_rescale > 0 and pipelined:
             raise ValueError(
@@ -458,21 +601,30 @@ class PipeFusionHunyuanDiTPipeline:
                 f"({par.warmup_steps} < {num_inference_steps})"
             )
         if par.cfg_degree == 2 and not guidance_scale > 1:
-            raise ValueError(f"guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the "
-                             f"classifier-free-guidance batch (got {guidance_scale})")
+            raise ValueError(
+                f"guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the "
+                f"classifier-free-guidance batch (got {guidance_scale})"
+            )
         if isinstance(generator, list) and pipelined:
-            raise ValueError("generator: a list of generators works only with parallel.warmup_steps >= "
-                             "num_inference_steps; pipelined steps derive per-patch generators from one generator")
+            raise ValueError(
+                "generator: a list of generators works only with parallel.warmup_steps >= "
+                "num_inference_steps; pipelined steps derive per-patch generators from one generator"
+            )
         gens = generator if isinstance(generator, list) else [generator]
-        self._same_everywhere("generator", [None if g is None else hashlib.sha1(
-            g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens])
+        self._same_everywhere(
+            "generator",
+            [None if g is None else hashlib.sha1(g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens],
+        )
 
     def _run_callback(self, callback, tensor_inputs, step, t, current, batched, text) -> ValueError | None:
         """Run the user's callback on a copy of the tensors; return the error to raise if it changed any."""
-        names = {"latents": current.clone(), "prompt_embeds": batched["prompt_embeds"],
-                 "prompt_embeds_2": batched["prompt_embeds_2"],
-                 "negative_prompt_embeds": text.get("negative_prompt_embeds"),
-                 "negative_prompt_embeds_2": text.get("negative_prompt_embeds_2")}
+        names = {
+            "latents": current.clone(),
+            "prompt_embeds": batched["prompt_embeds"],
+            "prompt_embeds_2": batched["prompt_embeds_2"],
+            "negative_prompt_embeds": text.get("negative_prompt_embeds"),
+            "negative_prompt_embeds_2": text.get("negative_prompt_embeds_2"),
+        }
         kwargs = {k: names[k] for k in tensor_inputs}
         outputs = callback(self, step, t, dict(kwargs)) or {}
         for key, value in outputs.items():
@@ -480,9 +632,12 @@ class PipeFusionHunyuanDiTPipeline:
             if value is not kwargs.get(key) and not (
                 isinstance(value, torch.Tensor) and original is not None and torch.equal(value, original)
             ):
-                return ValueError(f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
-                                  "cannot apply it (later patches are already in flight)")
+                return ValueError(
+                    f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
+                    "cannot apply it (later patches are already in flight)"
+                )
         if self._interrupt:
-            return ValueError("callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop "
-                              "mid-pipeline")
+            return ValueError(
+                "callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop mid-pipeline"
+            )
         return None

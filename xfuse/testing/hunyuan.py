@@ -17,8 +17,19 @@ def swap_scheduler(pipe, name: str):
     return pipe
 
 
-def prepare_inputs(pipe, *, prompt="a red house by a lake", negative_prompt=None, height=64, width=64,
-                   num_inference_steps=4, guidance_scale=5.0, seed=0, eta=0.0, batch=1):
+def prepare_inputs(
+    pipe,
+    *,
+    prompt="a red house by a lake",
+    negative_prompt=None,
+    height=64,
+    width=64,
+    num_inference_steps=4,
+    guidance_scale=5.0,
+    seed=0,
+    eta=0.0,
+    batch=1,
+):
     """Everything the denoising loop of ``pipe`` needs, built as the diffusers pipeline builds it.
 
     Returns a dict with ``latents`` (after ``init_noise_sigma``), ``timesteps``, the text tensors batched
@@ -32,23 +43,36 @@ def prepare_inputs(pipe, *, prompt="a red house by a lake", negative_prompt=None
     enc = {}
     for index, length, suffix in ((0, 77, ""), (1, 256, "_2")):
         emb, neg, mask, neg_mask = pipe.encode_prompt(
-            prompt=prompts, device=device, dtype=dtype, num_images_per_prompt=1, do_classifier_free_guidance=do_cfg,
-            negative_prompt=negatives, max_sequence_length=length, text_encoder_index=index,
+            prompt=prompts,
+            device=device,
+            dtype=dtype,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=do_cfg,
+            negative_prompt=negatives,
+            max_sequence_length=length,
+            text_encoder_index=index,
         )
         if do_cfg:
             emb, mask = torch.cat([neg, emb]), torch.cat([neg_mask, mask])
         enc[f"prompt_embeds{suffix}"], enc[f"prompt_attention_mask{suffix}"] = emb, mask
     pipe.scheduler.set_timesteps(num_inference_steps, device=device)
     generator = torch.Generator().manual_seed(seed)
-    latents = pipe.prepare_latents(batch, pipe.transformer.config.in_channels, height, width, dtype, device,
-                                   generator, None)
+    latents = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels, height, width, dtype, device, generator, None
+    )
     noise = latents / pipe.scheduler.init_noise_sigma  # what a user passes as `latents=` (the pipeline rescales)
     copies = 2 if do_cfg else 1
     meta = torch.tensor([[1024, 1024, height, width, 0, 0]] * copies, dtype=dtype).repeat(batch, 1)
     return dict(
-        latents=latents, noise=noise, timesteps=pipe.scheduler.timesteps, **enc, image_meta_size=meta,
-        style=torch.tensor([0] * copies).repeat(batch), guidance_scale=guidance_scale,
-        extra_step_kwargs=pipe.prepare_extra_step_kwargs(generator, eta), generator=generator,
+        latents=latents,
+        noise=noise,
+        timesteps=pipe.scheduler.timesteps,
+        **enc,
+        image_meta_size=meta,
+        style=torch.tensor([0] * copies).repeat(batch),
+        guidance_scale=guidance_scale,
+        extra_step_kwargs=pipe.prepare_extra_step_kwargs(generator, eta),
+        generator=generator,
     )
 
 
@@ -61,25 +85,47 @@ def serial_latents(pipe, inputs: dict, height: int, width: int) -> torch.Tensor:
         if inputs["guidance_scale"] > 1:  # the pipeline takes the halves separately and concatenates them again
             embeds[f"negative_prompt_embeds{suffix}"], embeds[f"prompt_embeds{suffix}"] = emb[:n], emb[n:]
             embeds[f"negative_prompt_attention_mask{suffix}"], embeds[f"prompt_attention_mask{suffix}"] = (
-                mask[:n], mask[n:])
+                mask[:n],
+                mask[n:],
+            )
         else:
             embeds[f"prompt_embeds{suffix}"], embeds[f"prompt_attention_mask{suffix}"] = emb, mask
     generator = inputs["extra_step_kwargs"].get("generator")
     return pipe(
-        height=height, width=width, num_inference_steps=len(inputs["timesteps"]),
-        guidance_scale=inputs["guidance_scale"], latents=inputs["noise"].clone(), generator=generator,
-        eta=inputs["extra_step_kwargs"].get("eta", 0.0), output_type="latent", use_resolution_binning=False,
+        height=height,
+        width=width,
+        num_inference_steps=len(inputs["timesteps"]),
+        guidance_scale=inputs["guidance_scale"],
+        latents=inputs["noise"].clone(),
+        generator=generator,
+        eta=inputs["extra_step_kwargs"].get("eta", 0.0),
+        output_type="latent",
+        use_resolution_binning=False,
         **embeds,
     ).images
 
 
-REQUEST_KEYS = ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2",
-                "image_meta_size", "style", "guidance_scale", "extra_step_kwargs", "generator")
+REQUEST_KEYS = (
+    "prompt_embeds",
+    "prompt_attention_mask",
+    "prompt_embeds_2",
+    "prompt_attention_mask_2",
+    "image_meta_size",
+    "style",
+    "guidance_scale",
+    "extra_step_kwargs",
+    "generator",
+)
 
 
 def request_from_inputs(stage, inputs: dict, scheduler):
     """The engine request for ``stage`` from ``prepare_inputs``' output, with its own ``scheduler`` copy."""
     from xfuse.models.hunyuandit import denoise_request
 
-    return denoise_request(stage, latents=inputs["latents"], timesteps=inputs["timesteps"], scheduler=scheduler,
-                           **{k: inputs[k] for k in REQUEST_KEYS})
+    return denoise_request(
+        stage,
+        latents=inputs["latents"],
+        timesteps=inputs["timesteps"],
+        scheduler=scheduler,
+        **{k: inputs[k] for k in REQUEST_KEYS},
+    )

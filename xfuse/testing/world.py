@@ -30,8 +30,9 @@ import threading
 import time
 import traceback as tb_mod
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["RankResult", "RemoteError", "RankDied", "WorldTimeout", "WorldError", "World", "run_world"]
 
@@ -248,9 +249,7 @@ class World:
         self._procs: list[mp.Process] = []
         self._conns: list[mp.connection.Connection] = []
         # Registered before anything starts, so a failure half way still cleans up.
-        self._finalizer = weakref.finalize(
-            self, _shutdown, os.getpid(), self._procs, self._conns, self._tmpdir
-        )
+        self._finalizer = weakref.finalize(self, _shutdown, os.getpid(), self._procs, self._conns, self._tmpdir)
         ctx = mp.get_context("spawn")  # never fork a process that has torch loaded
         store_path = os.path.join(self._tmpdir, "store")
         for rank in range(size):
@@ -419,7 +418,7 @@ class World:
             self._dead = "closed"
         self._finalizer()  # runs _shutdown at most once, here or at interpreter exit
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc) -> None:
