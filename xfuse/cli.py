@@ -75,8 +75,8 @@ def cmd_generate(args) -> int:
         )
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
-    if os.environ.get("XFUSE_FAULT"):  # fault-injection tests only
-        from xfuse.testing.faults import install
+    if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/faults.py
+        from xfuse.faults import install
 
         install(pipe.stage, par.warmup_steps, par.resolved_num_patches, pipe.context.rank)
     if args.trace:

@@ -34,14 +34,9 @@ from typing import Any, ClassVar
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong. The message starts with the dotted key, e.g. ``parallel.num_patches: ...``."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}")
-
+from xfuse.errors import ConfigError
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import stage_plan
 
 # ----------------------------------------------------------------------------------------------------------------
 # Allowed values
@@ -610,10 +605,6 @@ def check_world(
                 f"must be a positive multiple of {multiple} pixels (VAE factor {VAE_SCALE_FACTOR} x "
                 f"patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
             )
-
-    # Imported here: the planners import ConfigError from this module.
-    from xfuse.parallel.patch_grid import patch_grid
-    from xfuse.parallel.stage_plan import stage_plan
 
     stage_plan(num_layers, p.pipefusion_degree, p.placement, p.stage_split)
     patch_grid(height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR, p.resolved_num_patches, patch_size)

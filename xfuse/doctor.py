@@ -44,6 +44,61 @@ def self_test_rank(timeout_s: float) -> str:
     return f"{channels.counters.sent_bytes['hidden']} bytes each way"
 
 
+def _self_test_process(rank: int, store_path: str, timeout_s: float, results) -> None:
+    """One rank of the self-test, in its own spawned process: join a 2-rank gloo group, run the test, report."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
+        results.put((rank, True, self_test_rank(timeout_s)))
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - reported by the parent as the FAIL line
+        results.put((rank, False, f"{type(err).__name__}: {err}"))
+
+
+def run_self_test(timeout_s: float) -> str:
+    """Spawn 2 ranks, run ``self_test_rank`` on both, return rank 0's summary; raise naming the first failure.
+
+    Bounded: ranks that have not answered within ``6 * timeout_s`` (start-up and test) are killed, and no process
+    outlives this call.
+    """
+    import multiprocessing as mp
+    import queue
+    import tempfile
+
+    context = mp.get_context("spawn")  # fresh interpreters: torch's state of this process is not inherited
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="xfuse-doctor-") as folder:
+        ranks = [
+            context.Process(target=_self_test_process, args=(rank, os.path.join(folder, "store"), timeout_s, results))
+            for rank in (0, 1)
+        ]
+        for process in ranks:
+            process.start()
+        answers = {}
+        deadline = time.monotonic() + 6 * timeout_s
+        try:
+            while len(answers) < 2:
+                try:
+                    rank, ok, text = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    missing = sorted(set(range(2)) - set(answers))
+                    raise TimeoutError(f"rank(s) {missing} did not answer within {6 * timeout_s:.0f} s") from None
+                if not ok:
+                    raise RuntimeError(f"rank {rank}: {text}")
+                answers[rank] = text
+        finally:
+            for process in ranks:
+                process.join(timeout=5)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    return answers[0]
+
+
 def lines() -> list[str]:
     import torch
     import torch.distributed as dist
@@ -91,14 +146,11 @@ def lines() -> list[str]:
 def main(timeout_s: float = 30.0) -> int:
     for line in lines():
         print(line, flush=True)
-    from xfuse.testing.world import World
-
     start = time.perf_counter()
     try:
-        with World(2, start_timeout=timeout_s * 4) as world:
-            results = world.run_ok(self_test_rank, timeout_s, timeout=timeout_s * 2)
+        summary = run_self_test(timeout_s)
         print(
-            f"self-test: 2-rank gloo p2p on loopback, fp32/bf16/fp16, {results[0]}: PASS "
+            f"self-test: 2-rank gloo p2p on loopback, fp32/bf16/fp16, {summary}: PASS "
             f"({time.perf_counter() - start:.1f} s)"
         )
         return 0

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from xfuse.config import ConfigError
+from xfuse.errors import ConfigError
 
 if TYPE_CHECKING:
     from diffusers import HunyuanDiT2DModel, HunyuanDiTPipeline

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xfuse.config import ConfigError
+from xfuse.errors import ConfigError
 
 
 @dataclass(frozen=True)

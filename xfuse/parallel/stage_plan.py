@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xfuse.config import ConfigError
+from xfuse.errors import ConfigError
 
 PLACEMENTS = ("folded", "linear")
 

@@ -1,4 +1,4 @@
-"""Fault injection for the failure tests, driven by ``XFUSE_FAULT="kind:rank:step"``.
+"""Fault injection for failure drills (and xfuse's own fault tests), driven by ``XFUSE_FAULT="kind:rank:step"``.
 
 ``kind`` is ``kill`` (the rank SIGKILLs itself), ``stall`` (it sleeps for an hour) or ``raise`` (a RuntimeError
 inside its forward). The fault fires when global rank ``rank`` starts its first block on a patch (or the whole
