@@ -4,7 +4,6 @@ One 8-rank world serves the whole module; a run of degree N uses ranks 0 … N-1
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from xfuse.parallel.stale_kv import StaleKVCache
 from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, serial_latents
 from xfuse.testing.world import World
 
-os.environ["HF_HUB_OFFLINE"] = "1"
 HEIGHT, WIDTH, STEPS = 128, 96, 3  # non-square: 8 x 6 tokens
 PLACEMENTS = ("folded", "linear")
 

@@ -17,7 +17,7 @@ from xfuse.comm.p2p import P2PChannels
 from xfuse.health import FailureMonitor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONFAULTHANDLER": "1"}
+ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # offline: tests/conftest.py
 
 
 def expect(proc: subprocess.Popen, word: str, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from tests.pipeline_fns import run_calls
 from xfuse.models.tiny import save_tiny_pipeline
 from xfuse.testing.world import World
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+ENV = dict(os.environ)  # offline: tests/conftest.py
 REPORT = re.compile(r"\[xfuse (\d\d:\d\d:\d\d\.\d{3})\] (rank (\d+) .*)")
 FAULT = re.compile(r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at step (\d+)")
 
@@ -181,7 +181,9 @@ BAD_CALLS = [  # __call__ overrides -> (error type, text naming the field)
 ]
 
 
-def test_bad_config_values_and_call_arguments_refused_on_every_rank(world2, folder):
+@pytest.fixture(scope="module")
+def refusals(world2, folder):
+    """Every bad input tried once on both ranks of one world (one call each): what each rank answered."""
     built = world2.run_ok(build_errors, folder, [kw for kw, _, _ in BAD_CONFIG], timeout=300)
     calls = world2.run_ok(
         run_calls,
@@ -190,13 +192,29 @@ def test_bad_config_values_and_call_arguments_refused_on_every_rank(world2, fold
         [{**CALL, **extra} for extra, _, _ in BAD_CALLS] + [CALL],
         timeout=300,
     )
-    assert len(BAD_CONFIG) + len(BAD_CALLS) >= 20
+    return built, calls
+
+
+def _case_id(case) -> str:
+    return ",".join(f"{k}={v!r}"[:40] for k, v in case[0].items())
+
+
+@pytest.mark.parametrize("index", range(len(BAD_CONFIG)), ids=[_case_id(c) for c in BAD_CONFIG])
+def test_bad_config_value_refused_on_every_rank(refusals, index):
+    _, err_type, text = BAD_CONFIG[index]
     for rank in range(2):
-        for (kwargs, err_type, text), result in zip(BAD_CONFIG, built[rank]):
-            assert result is not None and result[0] == err_type and text in result[1], (kwargs, result)
-        for (extra, err_type, text), result in zip(BAD_CALLS, calls[rank]):
-            assert result["kind"] == "error" and result["type"] == err_type and text in result["message"], (
-                extra,
-                result,
-            )
-        assert calls[rank][-1]["kind"] == ("ok" if rank == 0 else "none")  # nothing hung, the world still works
+        result = refusals[0][rank][index]
+        assert result is not None and result[0] == err_type and text in result[1], (rank, result)
+
+
+@pytest.mark.parametrize("index", range(len(BAD_CALLS)), ids=[_case_id(c) for c in BAD_CALLS])
+def test_bad_call_argument_refused_on_every_rank(refusals, index):
+    _, err_type, text = BAD_CALLS[index]
+    for rank in range(2):
+        result = refusals[1][rank][index]
+        assert result["kind"] == "error" and result["type"] == err_type and text in result["message"], (rank, result)
+
+
+def test_world_still_works_after_every_refusal(refusals):
+    calls = refusals[1]
+    assert [calls[rank][-1]["kind"] for rank in range(2)] == ["ok", "none"]  # nothing hung; rank 0 returns

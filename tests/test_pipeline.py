@@ -1,7 +1,5 @@
 """PipeFusionHunyuanDiTPipeline against diffusers' own HunyuanDiTPipeline loaded from the same saved folder."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -20,7 +18,6 @@ from xfuse.models.tiny import save_tiny_pipeline
 from xfuse.testing.hunyuan import swap_scheduler
 from xfuse.testing.world import World
 
-os.environ["HF_HUB_OFFLINE"] = "1"
 BASE = dict(
     prompt="a red house by a lake",
     height=128,

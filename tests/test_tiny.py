@@ -1,10 +1,7 @@
 """Tests of `xfuse.models.tiny`: offline, seeded, save/load-stable tiny HunyuanDiT pipelines."""
 
-import os
-
-os.environ["HF_HUB_OFFLINE"] = "1"  # before diffusers/transformers are imported: never wait on a hub
-
 import json
+import os
 
 import numpy as np
 import pytest
