@@ -285,6 +285,11 @@ class FailureMonitor:
             return
 
         def on_sigterm(signum, frame):
+            # torchrun terminates the survivors as soon as it sees a rank die; the dead rank's neighbours record
+            # the failure only once they next wait on it. Give them ``grace_s`` to do so before saying "unknown".
+            deadline = time.monotonic() + self.grace_s
+            while self.first() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             first = self.first() or "unknown (no rank recorded a failure)"
             self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: {first}")
             # The main thread may be inside a collective: no orderly teardown of channels and groups from here.
