@@ -179,7 +179,7 @@ class FailureMonitor:
 
     def first(self, store=None) -> str | None:
         """The world's first failure, if any rank recorded one (read from ``store``, default the main client)."""
-        store = store or self.store
+        store = self.store if store is None else store
         if self.failure is None and store is not None:
             try:
                 if store.check([FAILURE_KEY]):
