@@ -104,7 +104,6 @@ class _ProcessResources:
         self.monitors: dict[tuple[int, int], FailureMonitor] = {}  # (rank, world size) -> its monitor
         self.channels: weakref.WeakSet[P2PChannels] = weakref.WeakSet()  # weak: a dropped pipeline frees them
         self.owns_default_group = False
-        self.atexit_registered = False
 
 
 _RESOURCES = _ProcessResources()
@@ -115,14 +114,7 @@ def _process_monitor(rank: int, world: int) -> FailureMonitor:
     key = (rank, world)
     if key not in _RESOURCES.monitors:
         _RESOURCES.monitors[key] = FailureMonitor(rank, default_store() if world > 1 else None)
-        _register_shutdown()
     return _RESOURCES.monitors[key]
-
-
-def _register_shutdown() -> None:
-    if not _RESOURCES.atexit_registered:
-        atexit.register(shutdown)
-        _RESOURCES.atexit_registered = True
 
 
 def shutdown(join_timeout_s: float = 10.0) -> bool:
@@ -147,6 +139,10 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
     return stopped
 
 
+# A no-op when nothing was started; atexit handlers run before the interpreter starts finalizing.
+atexit.register(shutdown)
+
+
 def init_parallel(
     parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig, fingerprint: dict | None = None
 ) -> ParallelContext:
@@ -168,7 +164,6 @@ def init_parallel(
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=max(comm.timeout_s, 1.0)), **kwargs)
         _RESOURCES.owns_default_group = True  # xfuse created it: shutdown() destroys it
-        _register_shutdown()
     if dist.is_initialized():
         backend = dist.get_backend()
     control = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
