@@ -35,6 +35,7 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
 
     from xfuse.comm.p2p import P2PChannels
     from xfuse.models.hunyuandit import HunyuanDiTStage
+    from xfuse.models.registry import HUNYUANDIT
     from xfuse.models.tiny import build_tiny_pipeline
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
@@ -43,7 +44,12 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
 
     rank = dist.get_rank()
     pipe = build_tiny_pipeline(preset, seed=0)
-    plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
+    plan = stage_plan(
+        pipe.transformer.config.num_layers,
+        degree,
+        placement,
+        skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
+    )
     stage = HunyuanDiTStage(pipe.transformer, plan, rank)
     channels = P2PChannels(rank=rank, timeout_s=600, max_inflight=2, device=torch.device("cpu")) if degree > 1 else None
     engine = PipeFusionEngine(

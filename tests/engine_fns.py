@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from xfuse.comm.p2p import P2PChannels
 from xfuse.models.hunyuandit import HunyuanDiTStage
+from xfuse.models.registry import HUNYUANDIT
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
@@ -50,7 +51,12 @@ def run_engine(
     if rank >= degree:
         return None
     pipe = tiny_pipe(scheduler, dtype)
-    plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
+    plan = stage_plan(
+        pipe.transformer.config.num_layers,
+        degree,
+        placement,
+        skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
+    )
     stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, rank)
     channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=max_inflight, device=torch.device("cpu"))
     engine = PipeFusionEngine(

@@ -1,7 +1,8 @@
 """An independent reference for PipeFusion's pipelined mode, written on diffusers alone: no xfuse code.
 
-One process, a plain loop over steps, patches and blocks, using diffusers' own ``HunyuanDiT2DModel.forward`` on each
-patch's latent rows with a stale-K/V self-attention processor of its own. It states the semantics the engine must
+One process, a plain loop over steps, patches and blocks, using diffusers' own transformer forward
+(``HunyuanDiT2DModel``, ``PixArtTransformer2DModel``) on each patch's latent rows with a stale-K/V self-attention
+processor of its own. It states the semantics the engine must
 have, independently of the engine's schedule, stages, channels, K/V cache and per-patch scheduler code:
 
 * Warm-up steps ``0 … W-1`` run the whole image, like ``HunyuanDiTPipeline.__call__``; each self-attention layer
@@ -13,7 +14,8 @@ have, independently of the engine's schedule, stages, channels, K/V cache and pe
 * From the first pipelined step on, each patch has its own copy of the scheduler, with whole-latent state cut to
   its rows, and (for schedulers that draw noise) its own generator seeded by ``M`` draws of
   ``torch.randint(0, 2**62)`` from the user's generator, made before the first patch is stepped.
-* RoPE rows of a patch are the rows of the whole image's table (never recomputed for a band).
+* Positions of a patch are the rows of the whole image's table (never recomputed for a band): HunyuanDiT's RoPE
+  table, PixArt's sin-cos table.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed
+from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed, get_2d_sincos_pos_embed
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
 
 
@@ -38,8 +40,8 @@ class KVBuffers:
 
 
 class StaleSelfAttention:
-    """diffusers' ``HunyuanAttnProcessor2_0`` for self-attention (qk-norm, RoPE on q and k, no mask), except that
-    K/V go through ``KVBuffers``."""
+    """diffusers' ``HunyuanAttnProcessor2_0`` / ``AttnProcessor2_0`` for self-attention (qk-norm and RoPE on q and k
+    where the model has them, no mask), except that K/V go through ``KVBuffers``."""
 
     def __init__(self, buffers: KVBuffers, layer: int) -> None:
         self.buffers, self.layer = buffers, layer
@@ -53,9 +55,15 @@ class StaleSelfAttention:
         def heads(x):  # (B, S, heads * D) -> (B, heads, S, D)
             return x.view(batch, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
 
-        query = apply_rotary_emb(attn.norm_q(heads(attn.to_q(hidden_states))), image_rotary_emb)
-        key = apply_rotary_emb(attn.norm_k(heads(attn.to_k(hidden_states))), image_rotary_emb)
-        value = heads(attn.to_v(hidden_states))
+        query, key, value = (
+            heads(attn.to_q(hidden_states)),
+            heads(attn.to_k(hidden_states)),
+            heads(attn.to_v(hidden_states)),
+        )
+        if attn.norm_q is not None:
+            query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query, key = apply_rotary_emb(query, image_rotary_emb), apply_rotary_emb(key, image_rotary_emb)
         buffers, layer = self.buffers, self.layer
         if buffers.tokens is None:  # whole image: attend to itself, keep a copy for the patches
             buffers.k[layer], buffers.v[layer], buffers.written[layer] = key.clone(), value.clone(), key.shape[2]
@@ -97,29 +105,41 @@ def _rows_of_state(value, full_shape, rows: slice):
     return value
 
 
-def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int):
-    """Final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps (module docstring).
+class BandPositions(torch.nn.Module):
+    """PixArt's ``PatchEmbed`` (projection, optional norm) adding the band's rows of the whole image's sin-cos
+    table: the table is built once for the whole image, as ``PatchEmbed.forward`` builds it for the whole image."""
 
-    ``pipe``: a diffusers ``HunyuanDiTPipeline`` (its transformer is deep-copied, never modified). ``inputs``: the
-    tensors its ``__call__`` would prepare (latents after ``init_noise_sigma``, timesteps, text batched
-    [uncond, cond], ``image_meta_size``, ``style``, ``guidance_scale``, ``extra_step_kwargs``, ``generator``).
-    """
-    transformer = copy.deepcopy(pipe.transformer)
-    buffers = KVBuffers()
+    def __init__(self, embed, buffers: KVBuffers, token_rows: int, token_cols: int) -> None:
+        super().__init__()
+        self.embed, self.buffers = embed, buffers
+        table = get_2d_sincos_pos_embed(
+            embed.pos_embed.shape[-1],
+            (token_rows, token_cols),
+            base_size=embed.base_size,
+            interpolation_scale=embed.interpolation_scale,
+            output_type="pt",
+        )
+        self.table = table.float().unsqueeze(0)  # (1, tokens, D)
+
+    def forward(self, latent):
+        x = self.embed.proj(latent).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
+        if self.embed.layer_norm:
+            x = self.embed.norm(x)
+        tokens = self.buffers.tokens
+        return (x + (self.table if tokens is None else self.table[:, tokens])).to(x.dtype)
+
+
+def _hunyuandit(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of HunyuanDiTPipeline.__call__ (steps 7-8): the whole image's RoPE table, one noise prediction."""
     for layer, block in enumerate(transformer.blocks):
         block.attn1.set_processor(StaleSelfAttention(buffers, layer))
     patch_size = transformer.config.patch_size
-    token_rows, token_cols = height // 8 // patch_size, width // 8 // patch_size
-    buffers.num_tokens = token_rows * token_cols
-    # Lines of HunyuanDiTPipeline.__call__ (step 7): the whole image's RoPE table.
     base_size = 512 // 8 // patch_size
     crops = get_resize_crop_region_for_grid((token_rows, token_cols), base_size)
     cos, sin = get_2d_rotary_pos_embed(
         transformer.inner_dim // transformer.num_heads, crops, (token_rows, token_cols), output_type="pt"
     )
-    bands = token_row_bands(token_rows, num_patches)
     guidance_scale = inputs["guidance_scale"]
-    do_cfg = guidance_scale > 1
     text = {k: inputs[k] for k in ("image_meta_size", "style")} | {
         "encoder_hidden_states": inputs["prompt_embeds"],
         "text_embedding_mask": inputs["prompt_attention_mask"],
@@ -127,19 +147,71 @@ def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_pat
         "text_embedding_mask_t5": inputs["prompt_attention_mask_2"],
     }
 
-    def noise_prediction(latents, t, scheduler, tokens: slice | None):
-        """Lines of HunyuanDiTPipeline.__call__ (step 8) on ``latents`` (whole image or one band)."""
-        latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
-        latent_model_input = scheduler.scale_model_input(latent_model_input, t)
+    def predict(latent_model_input, t, tokens):
         t_expand = torch.tensor([t] * latent_model_input.shape[0]).to(dtype=latent_model_input.dtype)
-        buffers.tokens = tokens
         rope = (cos, sin) if tokens is None else (cos[tokens], sin[tokens])  # (tokens, head_dim) rows
         noise_pred = transformer(latent_model_input, t_expand, image_rotary_emb=rope, return_dict=False, **text)[0]
         noise_pred, _ = noise_pred.chunk(2, dim=1)
-        if do_cfg:
+        if guidance_scale > 1:
             noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
             noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
         return noise_pred
+
+    return predict
+
+
+def _pixart(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of PixArtSigmaPipeline.__call__ (step 7): one noise prediction, positions sliced per band."""
+    for layer, block in enumerate(transformer.transformer_blocks):
+        block.attn1.set_processor(StaleSelfAttention(buffers, layer))
+    transformer.pos_embed = BandPositions(transformer.pos_embed, buffers, token_rows, token_cols)
+    guidance_scale = inputs["guidance_scale"]
+
+    def predict(latent_model_input, t, tokens):
+        noise_pred = transformer(
+            latent_model_input,
+            encoder_hidden_states=inputs["prompt_embeds"],
+            encoder_attention_mask=inputs["prompt_attention_mask"],
+            timestep=t[None].expand(latent_model_input.shape[0]),
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+            return_dict=False,
+        )[0]
+        if guidance_scale > 1:
+            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+            noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+        if transformer.config.out_channels // 2 == transformer.config.in_channels:
+            noise_pred = noise_pred.chunk(2, dim=1)[0]
+        return noise_pred
+
+    return predict
+
+
+FAMILIES = {"HunyuanDiTPipeline": _hunyuandit, "PixArtSigmaPipeline": _pixart}
+
+
+def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int):
+    """Final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps (module docstring).
+
+    ``pipe``: a diffusers ``HunyuanDiTPipeline`` or ``PixArtSigmaPipeline`` (its transformer is deep-copied, never
+    modified). ``inputs``: the tensors its ``__call__`` would prepare (latents after ``init_noise_sigma``,
+    timesteps, text batched [uncond, cond] with its masks, HunyuanDiT's ``image_meta_size`` and ``style``,
+    ``guidance_scale``, ``extra_step_kwargs``, ``generator``).
+    """
+    transformer = copy.deepcopy(pipe.transformer)
+    buffers = KVBuffers()
+    patch_size = transformer.config.patch_size
+    token_rows, token_cols = height // 8 // patch_size, width // 8 // patch_size
+    buffers.num_tokens = token_rows * token_cols
+    predict = FAMILIES[type(pipe).__name__](transformer, inputs, buffers, token_rows, token_cols)
+    bands = token_row_bands(token_rows, num_patches)
+    do_cfg = inputs["guidance_scale"] > 1
+
+    def noise_prediction(latents, t, scheduler, tokens: slice | None):
+        """The pipeline's loop body up to the scheduler step, on ``latents`` (whole image or one band)."""
+        latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
+        latent_model_input = scheduler.scale_model_input(latent_model_input, t)
+        buffers.tokens = tokens
+        return predict(latent_model_input, t, tokens)
 
     scheduler = copy.deepcopy(pipe.scheduler)
     latents = inputs["latents"].clone()

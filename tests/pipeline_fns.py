@@ -12,6 +12,11 @@ def log_callback(pipe, step, t, kwargs):
     return kwargs
 
 
+def legacy_callback(step, t, latents):
+    """The older ``callback(step, timestep, latents)`` of PixArt's pipelines: records like ``log_callback``."""
+    CALLBACK_LOG.append((step, float(t), float(latents.float().norm())))
+
+
 def changing_callback(pipe, step, t, kwargs):
     return {"latents": kwargs["latents"] * 0.5}
 
@@ -29,15 +34,17 @@ def as_array(out):
     return images.float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
 
 
-def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None):
+def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None, family="hunyuandit"):
     """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
 
     Other ranks return their list of None / errors, so a test can check that every rank agrees.
     """
-    from xfuse import PipeFusionHunyuanDiTPipeline
+    from xfuse.models.registry import MODEL_SPECS
 
-    pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(
-        folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype
+    pipe = (
+        MODEL_SPECS[family]
+        .pipeline_class()
+        .from_pretrained(folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype)
     )
     pipe.set_progress_bar_config(disable=True)
     if scheduler is not None:

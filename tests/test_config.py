@@ -24,6 +24,7 @@ from xfuse.config import (
     parallel_config,
     parse_override,
 )
+from xfuse.models.registry import HUNYUANDIT
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((REPO / "configs").rglob("*.yaml"))
@@ -50,7 +51,7 @@ def test_defaults():
         None,
         1,
         1,
-        "folded",
+        None,  # placement: the model family's default (ModelSpec.default_placement)
         None,
     )
     assert p.resolved_num_patches == 1
@@ -444,7 +445,7 @@ def test_direct_construction_validates():
 # check_world
 # ------------------------------------------------------------------------------------------------------------------
 
-HUNYUAN = dict(num_layers=40, patch_size=2, height=1024, width=1024)
+HUNYUAN = dict(spec=HUNYUANDIT, num_layers=40, patch_size=2, height=1024, width=1024)
 
 
 def _cfg(**parallel) -> XfuseConfig:
@@ -457,7 +458,7 @@ def test_check_world_ok():
         check_world(_cfg(pipefusion_degree=n, placement="linear"), world_size=n, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=4, cfg_degree=2), world_size=8, **HUNYUAN)
     # uneven bands (864 px -> 54 token rows) and uneven folded chunks are fine
-    check_world(_cfg(pipefusion_degree=4), world_size=4, num_layers=40, patch_size=2, height=864, width=1024)
+    check_world(_cfg(pipefusion_degree=4), world_size=4, **{**HUNYUAN, "height": 864})
     check_world(_cfg(pipefusion_degree=3, stage_split=[6, 7, 7]), world_size=3, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
 
@@ -564,6 +565,7 @@ def test_config_file_loads(path):
         check_world(
             c,
             world_size=c.world_size,
+            spec=HUNYUANDIT,
             num_layers=40,
             patch_size=2,
             height=c.generation.height,

@@ -12,6 +12,7 @@ import xfuse.parallel.engine as engine_module
 from tests.engine_fns import run_engine, tiny_pipe
 from tests.pipefusion_oracle import pipefusion_reference
 from xfuse.models.hunyuandit import HunyuanDiTStage
+from xfuse.models.registry import HUNYUANDIT
 from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
@@ -76,7 +77,12 @@ def test_exact_mode_equals_serial_diffusers(world, degree, placement):
 def test_counted_bytes_equal_comm_volume(world, degree, placement):
     results = exact_run(world, degree, placement)
     pipe = tiny_pipe()
-    plan = stage_plan(pipe.transformer.config.num_layers, degree, placement)
+    plan = stage_plan(
+        pipe.transformer.config.num_layers,
+        degree,
+        placement,
+        skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
+    )
     grid = patch_grid(HEIGHT // 8, WIDTH // 8, 3, 2)
     volume = comm_volume(plan, grid, hidden_size=pipe.transformer.inner_dim, batch=2, latent_batch=1)
     for rank in range(degree):
@@ -99,7 +105,9 @@ def test_exact_mode_other_schedulers(world, scheduler):
 def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
     """The same engine in this process at degree 1: the pipelined semantics without any communication."""
     pipe = tiny_pipe(scheduler)
-    plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
+    plan = stage_plan(
+        pipe.transformer.config.num_layers, 1, "folded", skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers)
+    )
     stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
     inputs = prepare_inputs(pipe, height=height, width=width, num_inference_steps=steps)
     request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
@@ -171,7 +179,12 @@ def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
     pipe = tiny_pipe("DDIMScheduler")
     sizes = {}
     for warmup, num_patches in ((STEPS, 2), (1, 2), (1, 1)):
-        plan = stage_plan(pipe.transformer.config.num_layers, 1, "folded")
+        plan = stage_plan(
+            pipe.transformer.config.num_layers,
+            1,
+            "folded",
+            skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
+        )
         stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, 0)
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS)
         request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))

@@ -3,9 +3,12 @@
 import pytest
 
 from xfuse.config import ConfigError
+from xfuse.models.registry import HUNYUANDIT, PIXART_SIGMA
 from xfuse.parallel.costs import comm_volume, kv_buffer_bytes
 from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.stage_plan import skip_pairs, stage_plan
+from xfuse.parallel.stage_plan import stage_plan
+
+skip_pairs = HUNYUANDIT.skip_pairs
 
 
 def diffusers_skip_wiring(num_layers):
@@ -31,10 +34,10 @@ def test_every_block_once_and_route_shape(num_layers, degree, placement):
     limit = num_layers // 2 if placement == "folded" else num_layers
     if degree > limit:
         with pytest.raises(ConfigError) as err:
-            stage_plan(num_layers, degree, placement)
+            stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
         assert err.value.key == "parallel.pipefusion_degree"
         return
-    plan = stage_plan(num_layers, degree, placement)
+    plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
     route_blocks = [b for seg in plan.route for b in seg.blocks]
     assert route_blocks == list(range(num_layers))  # the route runs the model's blocks in order
     assert sorted(b for r in range(degree) for b in plan.blocks_of(r)) == list(range(num_layers))
@@ -58,14 +61,14 @@ def test_every_block_once_and_route_shape(num_layers, degree, placement):
 
 
 def test_linear_matches_xdit_contiguous_split():
-    plan = stage_plan(40, 4, "linear")
+    plan = stage_plan(40, 4, "linear", skips=HUNYUANDIT.skip_pairs(40))
     assert [plan.blocks_of(r) for r in range(4)] == [tuple(range(10 * r, 10 * r + 10)) for r in range(4)]
     # At pp=2 every skip crosses: blocks 0..18 on rank 0 feed blocks 39..21 on rank 1.
-    assert len(stage_plan(40, 2, "linear").cross_rank_skips) == 19
+    assert len(stage_plan(40, 2, "linear", skips=HUNYUANDIT.skip_pairs(40)).cross_rank_skips) == 19
 
 
 def test_folded_split_and_odd_degree():
-    plan = stage_plan(40, 3, "folded", stage_split=[6, 7, 7])
+    plan = stage_plan(40, 3, "folded", stage_split=[6, 7, 7], skips=HUNYUANDIT.skip_pairs(40))
     assert plan.blocks_of(0) == (*range(0, 6), *range(34, 40))
     assert plan.blocks_of(2) == tuple(range(13, 27))
 
@@ -83,7 +86,7 @@ def test_folded_split_and_odd_degree():
 )
 def test_bad_plans(args, key):
     with pytest.raises(ConfigError) as err:
-        stage_plan(*args)
+        stage_plan(*args, skips=HUNYUANDIT.skip_pairs(args[0]))
     assert err.value.key == key and str(err.value).startswith(key)
 
 
@@ -92,7 +95,7 @@ def test_bad_plans(args, key):
 )
 def test_bad_stage_split(split, placement):
     with pytest.raises(ConfigError, match=r"parallel.stage_split: must list 2 positive block counts"):
-        stage_plan(8, 2, placement, stage_split=split)
+        stage_plan(8, 2, placement, stage_split=split, skips=HUNYUANDIT.skip_pairs(8))
 
 
 def test_patch_grid_uneven_bands():
@@ -120,9 +123,16 @@ def test_comm_volume_folded_vs_linear_40_blocks():
     grid = patch_grid(128, 128, 4, 2)  # 1024 px
     act = 2 * grid.num_tokens * 1408 * 2  # CFG batch 2, bf16
     for n in (2, 4, 8):
-        folded = comm_volume(stage_plan(40, n, "folded"), grid, hidden_size=1408, batch=2, dtype_bytes=2)
+        folded = comm_volume(
+            stage_plan(40, n, "folded", skips=HUNYUANDIT.skip_pairs(40)), grid, hidden_size=1408, batch=2, dtype_bytes=2
+        )
         linear = comm_volume(
-            stage_plan(40, n, "linear"), grid, hidden_size=1408, batch=2, latent_batch=1, dtype_bytes=2
+            stage_plan(40, n, "linear", skips=HUNYUANDIT.skip_pairs(40)),
+            grid,
+            hidden_size=1408,
+            batch=2,
+            latent_batch=1,
+            dtype_bytes=2,
         )
         assert all(v["skip"] == 0 and v["latent"] == 0 for v in folded.values())
         # Folded: ranks 0..N-2 send once outbound; ranks 1..N-1 once on the way back.
@@ -136,8 +146,30 @@ def test_comm_volume_folded_vs_linear_40_blocks():
 
 
 def test_kv_buffer_bytes_per_rank():
-    plan, grid = stage_plan(8, 2, "folded"), patch_grid(16, 16, 2, 2)
+    plan, grid = stage_plan(8, 2, "folded", skips=HUNYUANDIT.skip_pairs(8)), patch_grid(16, 16, 2, 2)
     assert kv_buffer_bytes(plan, grid, hidden_size=32, batch=2) == {
         0: 2 * 2 * 64 * 32 * 4 * 4,
         1: 2 * 2 * 64 * 32 * 4 * 4,
     }
+
+
+@pytest.mark.parametrize("num_layers", [5, 28])
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_a_family_without_long_skips_plans_any_block_count_linearly(num_layers, degree):
+    plan = stage_plan(num_layers, degree, "linear", skips=PIXART_SIGMA.skip_pairs(num_layers))
+    assert plan.skips == () and plan.cross_rank_skips == ()
+    assert [b for seg in plan.route for b in seg.blocks] == list(range(num_layers))
+
+
+def test_folded_needs_an_even_block_count_whatever_the_skips():
+    with pytest.raises(ConfigError, match=r"^parallel.placement: 'folded' puts block j and its mirror"):
+        stage_plan(5, 2, "folded")
+
+
+@pytest.mark.parametrize("spec,placement", [(HUNYUANDIT, "folded"), (PIXART_SIGMA, "linear")])
+def test_the_default_placement_comes_from_the_family(spec, placement):
+    from xfuse.config import ParallelConfig
+
+    assert ParallelConfig(pipefusion_degree=2).placement is None  # "the family's default"
+    assert spec.plan(28, ParallelConfig(pipefusion_degree=2)).placement == placement
+    assert spec.plan(28, ParallelConfig(pipefusion_degree=2, placement="folded")).placement == "folded"

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from xfuse.models.registry import HUNYUANDIT
 from xfuse.parallel.schedule import COLLECT, ScheduleDeadlock, Task, build_schedule, check_protocol, protocol
 from xfuse.parallel.stage_plan import stage_plan
 
@@ -22,13 +23,15 @@ def cases():
 @pytest.mark.parametrize("degree,placement,num_patches,warmup", list(cases()))
 @pytest.mark.parametrize("lookahead", [1, 2])
 def test_sends_match_receives_and_no_rank_cycle_waits(degree, placement, num_patches, warmup, lookahead):
-    schedule = build_schedule(stage_plan(NUM_LAYERS, degree, placement), STEPS, warmup, num_patches)
+    schedule = build_schedule(
+        stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS)), STEPS, warmup, num_patches
+    )
     check_protocol(schedule, lookahead)  # asserts pairwise message order; raises on a deadlock
 
 
 @pytest.mark.parametrize("degree,placement,num_patches,warmup", list(cases()))
 def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placement, num_patches, warmup):
-    plan = stage_plan(NUM_LAYERS, degree, placement)
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
     schedule = build_schedule(plan, STEPS, warmup, num_patches)
     tasks = [t for order in schedule.orders.values() for t in order if t.hop != COLLECT]
     expected = {Task(s, p, h) for s in range(STEPS) for p in schedule.patches_of(s) for h in range(len(plan.route))}
@@ -41,10 +44,10 @@ def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placem
 
 
 def test_folded_sends_no_skips_and_linear_returns_latents():
-    folded = build_schedule(stage_plan(16, 4, "folded"), STEPS, 1, 4)
+    folded = build_schedule(stage_plan(16, 4, "folded", skips=HUNYUANDIT.skip_pairs(16)), STEPS, 1, 4)
     kinds = {m.kind for order in folded.orders.values() for t in order for m in folded.sends(t)}
     assert kinds == {"hidden"}
-    linear = build_schedule(stage_plan(16, 4, "linear"), STEPS, 1, 4)
+    linear = build_schedule(stage_plan(16, 4, "linear", skips=HUNYUANDIT.skip_pairs(16)), STEPS, 1, 4)
     latents = [m for t in linear.orders[3] for m in linear.sends(t) if m.kind == "latent"]
     # one whole latent after the warm-up step, then one per patch for every pipelined step (the last: final latents)
     assert [(m.step, m.patch) for m in latents] == [(0, None)] + [(s, p) for s in (1, 2, 3) for p in range(4)]
@@ -56,7 +59,7 @@ def test_folded_sends_no_skips_and_linear_returns_latents():
 @pytest.mark.parametrize("degree", range(2, 9))
 def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement):
     """With M >= N, a pipelined step takes exactly the busiest rank's work (its blocks x M patches): no bubbles."""
-    plan = stage_plan(num_layers, degree, placement)
+    plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
     last = len(plan.route) - 1
     for num_patches in (degree, degree + 1, 2 * degree):
         schedule = build_schedule(plan, 12, 1, num_patches)
@@ -68,7 +71,7 @@ def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement)
 
 def test_a_wrong_order_is_caught():
     """The checker is not vacuous: swapping two receives of rank 1 makes the pair disagree."""
-    schedule = build_schedule(stage_plan(8, 2, "linear"), 2, 0, 2)
+    schedule = build_schedule(stage_plan(8, 2, "linear", skips=HUNYUANDIT.skip_pairs(8)), 2, 0, 2)
     order = list(schedule.orders[1])
     order[0], order[1] = order[1], order[0]
     broken = dataclasses.replace(schedule, orders={**schedule.orders, 1: tuple(order)})
@@ -78,7 +81,7 @@ def test_a_wrong_order_is_caught():
 
 def test_a_deadlocking_protocol_is_caught():
     """Rank 1 running its return segment before the outbound one waits forever on itself: reported."""
-    schedule = build_schedule(stage_plan(8, 2, "folded"), 1, 1, 1)
+    schedule = build_schedule(stage_plan(8, 2, "folded", skips=HUNYUANDIT.skip_pairs(8)), 1, 1, 1)
     assert [t.hop for t in schedule.orders[0]] == [0, 3]
     broken = dataclasses.replace(schedule, orders={**schedule.orders, 0: tuple(reversed(schedule.orders[0]))})
     with pytest.raises((ScheduleDeadlock, AssertionError)):
@@ -86,7 +89,7 @@ def test_a_deadlocking_protocol_is_caught():
 
 
 def test_protocol_posts_before_waiting_on_sends():
-    schedule = build_schedule(stage_plan(16, 3, "folded"), STEPS, 1, 3)
+    schedule = build_schedule(stage_plan(16, 3, "folded", skips=HUNYUANDIT.skip_pairs(16)), STEPS, 1, 3)
     for rank in range(3):
         actions = protocol(schedule, rank, 2)
         first_wait_send = next(i for i, (a, _) in enumerate(actions) if a == "wait_send")

@@ -9,6 +9,7 @@ import torch
 from diffusers import HunyuanDiTPipeline
 
 from xfuse.config import PRESET_MODELS
+from xfuse.models.registry import HUNYUANDIT
 from xfuse.models.tiny import (
     DEFAULT_SIZE,
     PRESETS,
@@ -265,4 +266,4 @@ def test_unknown_preset(call):
 
 
 def test_presets_match_config():
-    assert tuple(PRESETS) == PRESET_MODELS
+    assert tuple(PRESETS) == HUNYUANDIT.presets and set(PRESETS) <= set(PRESET_MODELS)

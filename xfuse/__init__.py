@@ -1,13 +1,13 @@
-"""xfuse: PipeFusion patch-level pipeline parallelism for diffusion transformers (HunyuanDiT first)."""
+"""xfuse: PipeFusion patch-level pipeline parallelism for diffusion transformers (HunyuanDiT, PixArt-Σ)."""
 
 __version__ = "0.1.0"
-__all__ = ["PipeFusionHunyuanDiTPipeline", "__version__"]
+__all__ = ["PipeFusionHunyuanDiTPipeline", "PipeFusionPixArtSigmaPipeline", "__version__"]
 
 
 def __getattr__(name):
     # Lazy: importing xfuse (every test rank does) must not import diffusers.
-    if name == "PipeFusionHunyuanDiTPipeline":
-        from xfuse.pipelines.hunyuandit import PipeFusionHunyuanDiTPipeline
+    if name in ("PipeFusionHunyuanDiTPipeline", "PipeFusionPixArtSigmaPipeline"):
+        import xfuse.pipelines
 
-        return PipeFusionHunyuanDiTPipeline
+        return getattr(xfuse.pipelines, name)
     raise AttributeError(f"module 'xfuse' has no attribute {name!r}")

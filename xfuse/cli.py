@@ -46,18 +46,19 @@ def cmd_generate(args) -> int:
     import torch
 
     from xfuse.health import flatten
-    from xfuse.models import load_pipeline, transformer_config
-    from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
+    from xfuse.models.registry import load_pipeline, transformer_config
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
     config = load_config(args.config, overrides)
     gen, dtype, par = config.generation, getattr(torch, config.runtime.dtype), config.parallel
     device = None if config.runtime.device == "auto" else config.runtime.device
-    default = transformer_config(config.model).get("sample_size", 128) * 8
+    spec = config.model_spec  # the family, from the preset name or the folder's model_index.json
+    pipeline_class = spec.pipeline_class()
+    default = transformer_config(config.model)["sample_size"] * spec.vae_scale_factor
     # Every rank must run the same model and generation settings: compared at start-up with the rest.
     fingerprint = flatten("", {"model": config.model, "generation": config.to_dict()["generation"]})
     if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
-        pipe = PipeFusionHunyuanDiTPipeline.from_pipe(
+        pipe = pipeline_class.from_pipe(
             load_pipeline(config.model, dtype),
             parallel=config.parallel,
             comm=config.comm,
@@ -65,7 +66,7 @@ def cmd_generate(args) -> int:
             fingerprint=fingerprint,
         )
     else:
-        pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(
+        pipe = pipeline_class.from_pretrained(
             config.model,
             parallel=config.parallel,
             comm=config.comm,
@@ -102,7 +103,7 @@ def cmd_generate(args) -> int:
         print(
             f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
             f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
-            f"{par.cfg_degree}, {par.placement}, {par.resolved_num_patches} patches, warm-up "
+            f"{par.cfg_degree}, {pipe.plan.placement}, {par.resolved_num_patches} patches, warm-up "
             f"{par.warmup_steps})"
         )
         for rank, stat in enumerate(stats):

@@ -9,9 +9,9 @@ message reads ``<dotted.key>: <what is wrong and what is allowed> (got <repr>)``
 
 YAML layout (every key optional)::
 
-    model: tiny                      # local diffusers folder, or a preset: tiny | small | bytes40
+    model: tiny                      # local diffusers folder, or a preset (xfuse.models.registry.PRESET_MODELS)
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
-               placement: folded, stage_split: null}
+               placement: null, stage_split: null}   # placement null: the model family's default
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
@@ -35,21 +35,19 @@ from typing import Any, ClassVar
 import yaml
 
 from xfuse.errors import ConfigError
+from xfuse.models.registry import PRESET_MODELS, ModelSpec
 from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.stage_plan import stage_plan
 
 # ----------------------------------------------------------------------------------------------------------------
 # Allowed values
 # ----------------------------------------------------------------------------------------------------------------
 
-PRESET_MODELS: tuple[str, ...] = ("tiny", "small", "bytes40", "dit-g2")
 PLACEMENTS: tuple[str, ...] = ("folded", "linear")
 BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 MAX_PIPEFUSION_DEGREE = 8
 CFG_DEGREES: tuple[int, ...] = (1, 2)
-VAE_SCALE_FACTOR = 8  # HunyuanDiT's AutoencoderKL: 4 blocks -> 3 downsamplings
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 
@@ -187,7 +185,8 @@ class ParallelConfig(_Section):
     """How the work is split across ranks.
 
     ``num_patches`` is kept exactly as given (``None`` means "one patch per stage"); use
-    :attr:`resolved_num_patches` for the value the engine runs with.
+    :attr:`resolved_num_patches` for the value the engine runs with. ``placement`` ``None`` means the model
+    family's default (``ModelSpec.default_placement``: folded for HunyuanDiT's long skips, linear otherwise).
     ``stage_split`` lists block counts per chunk, one entry per PipeFusion rank: for ``folded`` the chunk sizes of the
     first half of the blocks (the mirrored chunks of the second half are equal), for ``linear`` the blocks per rank.
     Whether the split fits the model's block count is checked by :func:`check_world`.
@@ -199,7 +198,7 @@ class ParallelConfig(_Section):
     num_patches: int | None = None
     warmup_steps: int = 1
     cfg_degree: int = 1
-    placement: str = "folded"
+    placement: str | None = None
     stage_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -216,7 +215,8 @@ class ParallelConfig(_Section):
                 f"must be 1 or 2 (2 runs the unconditional and conditional CFG branches on two "
                 f"rank groups) (got {self.cfg_degree!r})",
             )
-        _check_choice(self._key("placement"), self.placement, PLACEMENTS)
+        if self.placement is not None:
+            _check_choice(self._key("placement"), self.placement, PLACEMENTS)
         _set(self, "stage_split", self._checked_split())
 
     def _checked_split(self) -> tuple[int, ...] | None:
@@ -387,6 +387,13 @@ class XfuseConfig:
     def model_is_preset(self) -> bool:
         """True if :attr:`model` names a built-in tiny preset rather than a local diffusers folder."""
         return self.model in PRESET_MODELS
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model's family (from the preset name or the folder's ``model_index.json``)."""
+        from xfuse.models.registry import model_spec
+
+        return model_spec(self.model)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, no tuples); round-trips through :func:`config_from_dict` and YAML."""
@@ -568,13 +575,20 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
 
 
 def check_world(
-    config: XfuseConfig | ParallelConfig, *, world_size: int, num_layers: int, patch_size: int, height: int, width: int
+    config: XfuseConfig | ParallelConfig,
+    *,
+    world_size: int,
+    spec: ModelSpec,
+    num_layers: int,
+    patch_size: int,
+    height: int,
+    width: int,
 ) -> None:
     """Check the config against the launched world and the loaded model; raise :class:`ConfigError` on mismatch.
 
-    ``config`` is the whole config or just its ``parallel`` section. ``height``/``width`` are the image size in
-    pixels actually requested (after resolving model defaults). The block placement and the patch grid are
-    validated by the pure planners themselves.
+    ``config`` is the whole config or just its ``parallel`` section; ``spec`` the model's family. ``height``/
+    ``width`` are the image size in pixels actually requested (after resolving model defaults). The block placement
+    and the patch grid are validated by the pure planners themselves.
     """
     p = config.parallel if isinstance(config, XfuseConfig) else config
     need = p.pipefusion_degree * p.cfg_degree
@@ -589,25 +603,20 @@ def check_world(
             f"(got pipefusion_degree={p.pipefusion_degree}, cfg_degree={p.cfg_degree})",
         )
 
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 2 or num_layers % 2:
-        raise ConfigError(
-            "model",
-            f"has {num_layers} transformer blocks; HunyuanDiT's long skips pair block k with "
-            f"block N-1-k, so it needs an even block count >= 2 (got num_layers={num_layers!r})",
-        )
-
-    multiple = VAE_SCALE_FACTOR * patch_size
+    spec.skip_pairs(num_layers)  # the family's own rule on its block count
+    vae = spec.vae_scale_factor
+    multiple = vae * patch_size
     for name, value in (("height", height), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
             lower = max(multiple, (value // multiple) * multiple) if isinstance(value, int) else multiple
             raise ConfigError(
                 f"generation.{name}",
-                f"must be a positive multiple of {multiple} pixels (VAE factor {VAE_SCALE_FACTOR} x "
+                f"must be a positive multiple of {multiple} pixels (VAE factor {vae} x "
                 f"patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
             )
 
-    stage_plan(num_layers, p.pipefusion_degree, p.placement, p.stage_split)
-    patch_grid(height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR, p.resolved_num_patches, patch_size)
+    spec.plan(num_layers, p)
+    patch_grid(height // vae, width // vae, p.resolved_num_patches, patch_size)
 
 
 __all__ = [
@@ -619,7 +628,6 @@ __all__ = [
     "PLACEMENTS",
     "PRESET_MODELS",
     "TOP_LEVEL_KEYS",
-    "VAE_SCALE_FACTOR",
     "CommConfig",
     "ConfigError",
     "GenerationConfig",

@@ -57,5 +57,5 @@ def install(stage, warmup_steps: int, num_patches: int, rank: int, spec: str | N
             raise RuntimeError(f"injected fault: rank {rank} raised in its forward at step {step}")
 
     stage.begin_request = begin_request
-    stage.transformer.blocks[stage.block_ids[0]].register_forward_pre_hook(pre_hook)
+    stage.blocks[stage.block_ids[0]].register_forward_pre_hook(pre_hook)
     return True

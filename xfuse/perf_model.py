@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xfuse.models.registry import HUNYUANDIT
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule
 from xfuse.parallel.stage_plan import stage_plan
 
 # HunyuanDiT-v1.2 (DiT-g/2) transformer shape.
-HIDDEN, LAYERS, MLP_RATIO, TEXT_TOKENS, TEXT_DIM = 1408, 40, 4.3637, 77 + 256, 1024
+HIDDEN, LAYERS, MLP_RATIO = 1408, 40, 4.3637
+TEXT_TOKENS, VAE = sum(HUNYUANDIT.text_lengths), HUNYUANDIT.vae_scale_factor
 XDIT_A100 = {  # xDiT's published HunyuanDiT latencies in seconds (linear placement, PipeFusion only, 50 steps)
     1024: {1: 19.9, 2: 12.5, 4: 9.0, 8: 7.3},
     2048: {1: 90.2, 2: 57.5, 4: 51.0, 8: 50.7},
@@ -79,7 +81,7 @@ def _duration(schedule: Schedule, grid: PatchGrid, compute: ComputeProfile):
             return 0.0
         query = grid.num_tokens if task.patch is None else grid[task.patch].num_tokens
         blocks = len(route[task.hop].blocks)
-        size = grid.latent_height * 8
+        size = grid.latent_height * VAE
         return blocks * (block_flops(query, grid.num_tokens) / compute.flops[size] + compute.per_block)
 
     return duration
@@ -140,8 +142,8 @@ def predict(
     split=None,
 ) -> float:
     """Seconds for one 50-step (default) HunyuanDiT image of ``size`` px on ``degree`` GPUs."""
-    plan = stage_plan(LAYERS, degree, placement, split)
-    grid = patch_grid(size // 8, size // 8, num_patches or degree, 2)
+    plan = stage_plan(LAYERS, degree, placement, split, skips=HUNYUANDIT.skip_pairs(LAYERS))
+    grid = patch_grid(size // VAE, size // VAE, num_patches or degree, 2)
     schedule = build_schedule(plan, steps, min(warmup, steps), grid.num_patches)
     loop = replay(schedule, _duration(schedule, grid, compute), _transfer(grid, link))
     return compute.outside_loop[size] + loop

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from xfuse.config import VAE_SCALE_FACTOR, ConfigError, XfuseConfig, check_world
-from xfuse.models import transformer_config
+from xfuse.config import ConfigError, XfuseConfig, check_world
+from xfuse.models.registry import HUNYUANDIT, ModelSpec, transformer_config
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes
 from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.stage_plan import stage_plan
 
 
 def _ranges(blocks) -> str:
@@ -23,35 +22,40 @@ def _ranges(blocks) -> str:
     return ", ".join(runs) or "-"
 
 
-def stage_parameter_bytes(model_config: dict, plan, dtype: torch.dtype) -> dict[int, int]:
+def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torch.dtype) -> dict[int, int]:
     """Transformer parameter bytes each rank keeps, from the real sharding applied to a weightless (meta) model."""
-    from diffusers import HunyuanDiT2DModel
+    import diffusers
 
-    from xfuse.models.hunyuandit import HunyuanDiTStage
-
+    model_class, stage_class = getattr(diffusers, spec.diffusers_transformer), spec.stage_class()
     element = torch.empty((), dtype=dtype).element_size()
     config = {k: v for k, v in model_config.items() if not k.startswith("_")}
     result = {}
     for rank in range(plan.degree):
         with torch.device("meta"):
-            stage = HunyuanDiTStage(HunyuanDiT2DModel(**config), plan, rank)
+            stage = stage_class(model_class(**config), plan, rank)
         result[rank] = sum(p.numel() for p in stage.parameters()) * element
     return result
 
 
 def plan_report(config: XfuseConfig) -> dict:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
-    model = transformer_config(config.model)
-    patch_size, num_layers = model["patch_size"], model["num_layers"]
+    spec, model = config.model_spec, transformer_config(config.model)
+    patch_size, num_layers, vae = model["patch_size"], model["num_layers"], spec.vae_scale_factor
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
-    default = model.get("sample_size", 128) * VAE_SCALE_FACTOR
+    default = model["sample_size"] * vae
     height, width = config.generation.height or default, config.generation.width or default
     check_world(
-        config, world_size=config.world_size, num_layers=num_layers, patch_size=patch_size, height=height, width=width
+        config,
+        world_size=config.world_size,
+        spec=spec,
+        num_layers=num_layers,
+        patch_size=patch_size,
+        height=height,
+        width=width,
     )
     par = config.parallel
-    plan = stage_plan(num_layers, par.pipefusion_degree, par.placement, par.stage_split)
-    grid = patch_grid(height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR, par.resolved_num_patches, patch_size)
+    plan = spec.plan(num_layers, par)
+    grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size)
     dtype = getattr(torch, config.runtime.dtype)
     element = torch.empty((), dtype=dtype).element_size()
     cfg_batch = 2 if config.generation.guidance_scale > 1 else 1  # diffusers batches [uncond, cond]
@@ -67,6 +71,7 @@ def plan_report(config: XfuseConfig) -> dict:
     )
     return dict(
         model=config.model,
+        spec=spec,
         num_layers=num_layers,
         hidden_size=hidden,
         patch_size=patch_size,
@@ -78,7 +83,7 @@ def plan_report(config: XfuseConfig) -> dict:
         dtype=config.runtime.dtype,
         volume=volume,
         kv_bytes=kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element),
-        param_bytes=stage_parameter_bytes(model, plan, dtype),
+        param_bytes=stage_parameter_bytes(spec, model, plan, dtype),
         config=config,
     )
 
@@ -96,7 +101,8 @@ def predicted_latency(r: dict, link: str) -> str:
     cfg = r["config"]
     par = cfg.parallel
     size = r["height"]
-    if (r["num_layers"], r["hidden_size"]) != (40, 1408) or r["width"] != size or size not in A100.outside_loop:
+    shape = (r["spec"], r["num_layers"], r["hidden_size"])
+    if shape != (HUNYUANDIT, 40, 1408) or r["width"] != size or size not in A100.outside_loop:
         return (
             f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "
             f"square {sorted(A100.outside_loop)} px"
@@ -108,7 +114,7 @@ def predicted_latency(r: dict, link: str) -> str:
         profile,
         LINKS[link],
         degree=par.pipefusion_degree,
-        placement=par.placement,
+        placement=r["plan"].placement,
         size=size,
         steps=cfg.generation.num_inference_steps,
         warmup=par.warmup_steps,
@@ -126,7 +132,8 @@ def format_plan_report(r: dict) -> str:
     cfg, plan, grid = r["config"], r["plan"], r["grid"]
     par = cfg.parallel
     lines = [
-        f"model {r['model']}: {r['num_layers']} blocks, hidden {r['hidden_size']}, patch size {r['patch_size']}",
+        f"model {r['model']} ({r['spec'].name}): {r['num_layers']} blocks, hidden {r['hidden_size']}, "
+        f"patch size {r['patch_size']}",
         f"image {r['height']}x{r['width']} px -> latent {grid.latent_height}x{grid.latent_width} -> "
         f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r['batch']}; {r['dtype']}",
         f"world {cfg.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from xfuse.errors import ConfigError
+from xfuse.models.registry import HUNYUANDIT
 
 if TYPE_CHECKING:
     from diffusers import HunyuanDiT2DModel, HunyuanDiTPipeline
@@ -45,8 +46,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_SIZE",
     "PRESETS",
+    "build_preset_pipeline",
     "build_tiny_pipeline",
     "build_tiny_transformer",
+    "preset_transformer_config",
     "save_tiny_pipeline",
     "tiny_transformer_config",
 ]
@@ -61,8 +64,8 @@ _COMMON_TRANSFORMER_KWARGS: dict[str, Any] = {
     "mlp_ratio": 4.3637,
     "learn_sigma": True,
     "norm_type": "layer_norm",
-    "text_len": 77,
-    "text_len_t5": 256,
+    "text_len": HUNYUANDIT.text_lengths[0],
+    "text_len_t5": HUNYUANDIT.text_lengths[1],
     # v1.2 dropped the style and image-size conditioning; the pipeline still passes `style` / `image_meta_size`
     # and the model simply ignores them.
     "use_style_cond_and_image_meta_size": False,
@@ -148,11 +151,10 @@ _TRANSFORMER_ARGS = frozenset(
     }
 )
 
-_VAE_SCALE_FACTOR = 8
+_VAE_SCALE_FACTOR = HUNYUANDIT.vae_scale_factor
 
 # Prompt lengths the pipeline pads to; recorded as the tokenizers' `model_max_length`.
-_BERT_MAX_LENGTH = 77
-_T5_MAX_LENGTH = 256
+_BERT_MAX_LENGTH, _T5_MAX_LENGTH = HUNYUANDIT.text_lengths
 
 # A small fixed vocabulary shared by both tokenizers: enough to tokenize typical English test prompts into real
 # pieces (rarer words fall back to sub-word or unknown pieces) plus a few CJK characters, as HunyuanDiT is
@@ -458,3 +460,8 @@ def save_tiny_pipeline(path: str | os.PathLike, preset: str = "tiny", seed: int 
     path = os.fspath(path)
     pipeline.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# The preset hooks of ``HUNYUANDIT`` (``ModelSpec.preset_module``).
+preset_transformer_config = tiny_transformer_config
+build_preset_pipeline = build_tiny_pipeline

@@ -23,6 +23,7 @@ from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule, protocol
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
+from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.trace import COMM, COMPUTE, Tracer, null_span
 
@@ -65,7 +66,7 @@ class PipeFusionEngine:
     """Runs pipeline rank ``pipe_rank``'s share of PipeFusion denoising.
 
     Args:
-        stage: this rank's model stage.
+        stage: this rank's share of the model (a family's adapter: the ``Stage`` protocol).
         plan, grid: the stage plan and patch grid (the grid is for the request's latent size).
         channels: point-to-point channels; ``group_ranks[i]`` is the global rank of pipeline rank i.
         warmup_steps: synchronous whole-image steps before patches are pipelined.
@@ -74,7 +75,7 @@ class PipeFusionEngine:
 
     def __init__(
         self,
-        stage,
+        stage: Stage,
         plan: StagePlan,
         channels: P2PChannels | None,
         *,
@@ -140,7 +141,7 @@ class _Run:
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
         self.patch_schedulers = None
-        self.stage.begin_request(grid.num_tokens)
+        self.stage.begin_request(grid)
 
     # --- shapes -------------------------------------------------------------------------------------------
     def _rows(self, patch) -> slice:
@@ -239,15 +240,15 @@ class _Run:
         skips = self.skips.setdefault(key, {})
         for m, tensor in by_kind.get("skip", []):
             skips[m.block] = tensor
+        # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
+        band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         if task.hop == 0:
             rows = self._model_input_rows(step, patch, by_kind.get("latent"))
-            hidden = self.stage.embed(self.req.model_input(rows))  # (B_model, C, h, W) -> (B_model, tokens, D)
+            hidden = self.stage.embed(self.req.model_input(rows), band)  # (B_model, C, h, W) -> (B_model, tokens, D)
         elif "hidden" in by_kind:
             hidden = by_kind["hidden"][0][1]
         else:
             hidden = self.local.pop(Task(step, patch, task.hop - 1))
-        # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
-        band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         segment = plan.route[task.hop]
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
         keep_kv = band is not None or (

@@ -1,7 +1,8 @@
-"""Which transformer blocks each rank runs, in what order, and where HunyuanDiT's long skips go.
+"""Which transformer blocks each rank runs, in what order, and where the model's long skips go.
 
-HunyuanDiT with B blocks (B even, L = B // 2) has long skips: blocks ``0 … L-2`` push their output, and block
-``k > L`` consumes the output of block ``B-1-k``. Blocks ``j`` and ``B-1-j`` are "mirrors".
+A model is B blocks run in order, plus optional long skips: (producer, consumer) pairs where the output of an early
+block is also an input of a later one (HunyuanDiT: block ``k`` feeds block ``B-1-k``; most DiTs have none). The
+skips come from the model family's spec; the planner knows no model. Blocks ``j`` and ``B-1-j`` are "mirrors".
 
 Two placements (DESIGN.md §3):
 
@@ -9,7 +10,8 @@ Two placements (DESIGN.md §3):
   visits ranks 0 → N-1 once; a skip whose producer and consumer live on different ranks is a cross-rank transfer,
   and the last rank (which owns the output layer) hands the stepped latent back to rank 0.
 * ``folded`` — the first half of the blocks is cut into N chunks; chunk r and its mirror live on rank r. A patch
-  visits 0 → N-1 and back N-1 → 0, so every skip pair stays on one rank and rank 0 owns both ends of the model.
+  visits 0 → N-1 and back N-1 → 0, so every mirror-pair skip stays on one rank and rank 0 owns both ends of the
+  model. Without long skips it only doubles the hand-offs.
 
 Everything here is pure: no torch, no processes.
 """
@@ -100,12 +102,6 @@ class StagePlan:
         raise KeyError(block)
 
 
-def skip_pairs(num_layers: int) -> tuple[tuple[int, int], ...]:
-    """(producer, consumer) block pairs of HunyuanDiT's long skips, as ``HunyuanDiT2DModel.forward`` wires them."""
-    half = num_layers // 2
-    return tuple((k, num_layers - 1 - k) for k in range(half - 1))
-
-
 def _even_split(total: int, parts: int) -> list[int]:
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
@@ -128,16 +124,22 @@ def _check_split(split: Sequence[int] | None, degree: int, total: int, what: str
 
 
 def stage_plan(
-    num_layers: int, degree: int, placement: str = "folded", stage_split: Sequence[int] | None = None
+    num_layers: int,
+    degree: int,
+    placement: str,
+    stage_split: Sequence[int] | None = None,
+    *,
+    skips: Sequence[tuple[int, int]] = (),
 ) -> StagePlan:
     """Plan which blocks each of ``degree`` ranks runs.
 
     Args:
-        num_layers: number of transformer blocks (must be even: HunyuanDiT's skips pair block j with block B-1-j).
+        num_layers: number of transformer blocks (even for ``folded``, which pairs block j with block B-1-j).
         degree: number of pipeline ranks (PipeFusion degree).
-        placement: ``"folded"`` (default) or ``"linear"``.
+        placement: ``"folded"`` or ``"linear"``.
         stage_split: optional block counts per rank. Folded: sizes of the N first-half chunks (sum = B/2; each
             rank also runs the mirror chunk). Linear: blocks per rank (sum = B).
+        skips: the model's long skips as (producer, consumer) block pairs (its spec's ``skip_pairs``).
 
     Raises:
         ConfigError: naming ``model``, ``parallel.placement``, ``parallel.pipefusion_degree`` or
@@ -145,12 +147,17 @@ def stage_plan(
     """
     if placement not in PLACEMENTS:
         raise ConfigError("parallel.placement", f"must be one of {', '.join(PLACEMENTS)} (got {placement!r})")
-    if num_layers < 2 or num_layers % 2:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError("model", f"must have at least one transformer block (got num_layers={num_layers!r})")
+    if placement == "folded" and num_layers % 2:
         raise ConfigError(
-            "model",
-            f"HunyuanDiT's long skips pair block j with block B-1-j, so the block count must be even and >= 2 "
-            f"(got num_layers={num_layers})",
+            "parallel.placement",
+            f"'folded' puts block j and its mirror B-1-j on one rank, so it needs an even block count; use "
+            f"'linear' for this {num_layers}-block model (got 'folded')",
         )
+    bad = [pair for pair in skips if not 0 <= pair[0] < pair[1] < num_layers]
+    if bad:
+        raise ValueError(f"long skips must be (producer, consumer) pairs, producer < consumer < {num_layers}: {bad}")
     half = num_layers // 2
     max_degree = half if placement == "folded" else num_layers
     if not isinstance(degree, int) or isinstance(degree, bool) or not 1 <= degree <= max_degree:
@@ -177,5 +184,5 @@ def stage_plan(
             start += size
 
     owner = {b: seg.rank for seg in route for b in seg.blocks}
-    skips = tuple(SkipEdge(p, c, owner[p], owner[c]) for p, c in skip_pairs(num_layers))
-    return StagePlan(num_layers, degree, placement, tuple(route), skips)
+    edges = tuple(SkipEdge(p, c, owner[p], owner[c]) for p, c in skips)
+    return StagePlan(num_layers, degree, placement, tuple(route), edges)

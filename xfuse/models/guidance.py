@@ -1,0 +1,55 @@
+"""Classifier-free guidance of one patch's noise prediction, as the diffusers DiT pipelines combine it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def cfg_batch(latents: torch.Tensor, guidance_scale: float, cfg_half=None):
+    """The transformer batch and the request's ``model_input``: the latent rows twice ([uncond | cond]) when CFG
+    runs batched on this rank, once without CFG or with CFG parallelism (each group runs its half)."""
+    copies = 2 if guidance_scale > 1 and cfg_half is None else 1
+
+    def model_input(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows] * copies) if copies > 1 else rows  # (B, C, h, W) -> (copies*B, C, h, W)
+
+    return latents.shape[0] * copies, model_input
+
+
+def guidance(
+    guidance_scale: float,
+    cfg_half=None,
+    *,
+    learned_sigma: bool,
+    guidance_rescale: float = 0.0,
+) -> Callable[[torch.Tensor, int, int | None], torch.Tensor]:
+    """The request's ``guide(output, step, patch)``: transformer output rows -> the noise the scheduler steps with.
+
+    ``learned_sigma``: the transformer predicts noise and variance; only the noise half of the channels is kept
+    (guidance is elementwise, so splitting before or after it, as HunyuanDiT and PixArt do, gives the same numbers).
+    With CFG batched, the output is [uncond | cond]. With CFG parallelism (``cfg_half=(cfg_rank, exchange)``) it
+    is this rank's half (0: uncond, 1: cond) and ``exchange(noise, step, patch)`` returns the other half's rows.
+    ``guidance_rescale`` needs whole-image statistics: pipelines allow it in whole-image steps only.
+    """
+    do_cfg = guidance_scale > 1
+
+    def guide(output: torch.Tensor, step: int, patch) -> torch.Tensor:
+        noise = output.chunk(2, dim=1)[0] if learned_sigma else output  # (B, 2C, h, W) -> (B, C, h, W)
+        if not do_cfg:
+            return noise
+        if cfg_half is None:
+            uncond, cond = noise.chunk(2)
+        else:
+            cfg_rank, exchange = cfg_half
+            other = exchange(noise.contiguous(), step, patch)
+            uncond, cond = (noise, other) if cfg_rank == 0 else (other, noise)
+        guided = uncond + guidance_scale * (cond - uncond)
+        if guidance_rescale > 0.0:
+            from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import rescale_noise_cfg
+
+            guided = rescale_noise_cfg(guided, cond, guidance_rescale=guidance_rescale)
+        return guided
+
+    return guide

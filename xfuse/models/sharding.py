@@ -1,0 +1,123 @@
+"""What every family adapter shares: keeping only one rank's blocks of a diffusers transformer, reading only those
+from a checkpoint, and PipeFusion's attention processors on their ``attn1`` (self) and ``attn2`` (cross to text).
+
+Blocks a rank does not run are replaced by ``nn.Identity``, so the kept parameters keep their names
+(``blocks.12.attn1.to_q.weight``) and their global index (long skips and K/V buffers are keyed by it). The patch
+embedding stays on the plan's embedding rank and the output layer on its output rank; the small conditioning
+embedders stay on every rank, so that no rank needs ``temb`` or text states sent to it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import ClassVar
+
+from torch import nn
+
+from xfuse.models.attention import CachedCrossAttnProcessor, StaleKVSelfAttnProcessor, check_attention
+from xfuse.models.registry import ModelSpec
+from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.stage_plan import StagePlan
+from xfuse.parallel.stale_kv import StaleKVCache
+
+
+class ShardedStage(nn.Module):
+    """Base of a family's ``Stage``: the sharded transformer; the subclass adds the per-patch forward.
+
+    Class attributes a family sets: ``spec`` (its ``ModelSpec``), ``blocks_attr`` (the ``nn.ModuleList`` of
+    blocks), ``embed_modules`` and ``output_modules`` (attributes only the embedding / output rank keeps).
+    """
+
+    spec: ClassVar[ModelSpec]
+    blocks_attr: ClassVar[str]
+    embed_modules: ClassVar[tuple[str, ...]]
+    output_modules: ClassVar[tuple[str, ...]]
+
+    def __init__(self, transformer: nn.Module, plan: StagePlan, rank: int):
+        super().__init__()
+        if transformer.config.num_layers != plan.num_layers:
+            raise ValueError(
+                f"stage plan is for {plan.num_layers} blocks but the transformer has {transformer.config.num_layers}"
+            )
+        self.plan, self.rank = plan, rank
+        self.block_ids = plan.blocks_of(rank)
+        blocks = getattr(transformer, self.blocks_attr)
+        for index in range(plan.num_layers):
+            if index not in self.block_ids:
+                blocks[index] = nn.Identity()
+        for names, keeper in ((self.embed_modules, plan.embed_rank), (self.output_modules, plan.output_rank)):
+            if rank != keeper:
+                for name in names:
+                    setattr(transformer, name, None)
+        self.transformer = transformer
+        self.blocks = blocks
+        self.kv_cache = StaleKVCache()
+        self._cross = []
+        for index in self.block_ids:
+            block = blocks[index]
+            check_attention(block.attn1, cross=False)
+            check_attention(block.attn2, cross=True)
+            block.attn1.set_processor(StaleKVSelfAttnProcessor(self.kv_cache, index))
+            self._cross.append(CachedCrossAttnProcessor())
+            block.attn2.set_processor(self._cross[-1])
+
+    def begin_request(self, grid: PatchGrid) -> None:
+        """Start a request: forget every K/V of the previous one."""
+        self.kv_cache.reset(grid.num_tokens)
+        for cross in self._cross:
+            cross.reset()
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
+
+    @classmethod
+    def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None):
+        """Load only what ``rank`` runs from a diffusers folder's ``transformer/*.safetensors``.
+
+        The model is built without memory (accelerate's ``init_empty_weights``), sharded, and only the remaining
+        tensors are read from the checkpoint, so a rank's peak memory is its share, not the whole transformer.
+        """
+        import diffusers
+        from accelerate import init_empty_weights
+        from accelerate.utils import set_module_tensor_to_device
+        from safetensors import safe_open
+
+        model_class = getattr(diffusers, cls.spec.diffusers_transformer)
+        config = model_class.load_config(folder, subfolder="transformer", local_files_only=True)
+        with init_empty_weights():
+            model = model_class.from_config(config)
+        stage = cls(model, plan, rank)
+        wanted = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        files = sorted(glob.glob(os.path.join(folder, "transformer", "*.safetensors")))
+        if not files:
+            raise ValueError(f"{folder!r}: no transformer/*.safetensors (xfuse loads safetensors checkpoints)")
+        loaded = set()
+        for file in files:
+            with safe_open(file, framework="pt") as checkpoint:
+                for key in checkpoint.keys():
+                    if key in wanted:
+                        tensor = checkpoint.get_tensor(key)
+                        dtype = torch_dtype if torch_dtype is not None and tensor.is_floating_point() else None
+                        # Without a dtype accelerate casts to the empty model's (float32) dtype.
+                        set_module_tensor_to_device(model, key, "cpu", value=tensor, dtype=dtype or tensor.dtype)
+                        loaded.add(key)
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(
+                f"{folder!r}: the checkpoint lacks {len(missing)} tensors of rank {rank}'s stage, "
+                f"e.g. {sorted(missing)[:3]}"
+            )
+        stage.after_load()
+        still_empty = [name for name, t in model.named_buffers() if t.is_meta]
+        if still_empty:
+            raise ValueError(f"{folder!r}: buffers neither in the checkpoint nor rebuilt: {still_empty[:3]}")
+        return stage.eval()
+
+    def after_load(self) -> None:
+        """Rebuild what the checkpoint does not hold (non-persistent buffers of an empty-weight model)."""

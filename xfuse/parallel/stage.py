@@ -1,0 +1,47 @@
+"""The model boundary: what the engine calls on one rank's share of a model (a family's adapter implements it).
+
+The engine knows blocks only by index (a ``Segment``), patches only as row bands (a ``PatchBand``) and the model's
+per-step conditioning only as an opaque object the request builds. Everything a family does differently (text,
+positions, modulation, long skips, unpatchify) stays behind these methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+from xfuse.parallel.stage_plan import Segment
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """One pipeline rank's blocks of a diffusers transformer, run on the whole image or on one patch."""
+
+    hidden_size: int  # width of the hidden states that travel between ranks
+
+    def begin_request(self, grid: PatchGrid) -> None:
+        """Start a request on the image ``grid`` describes: forget every K/V and per-request cache."""
+
+    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
+        """(B, C, rows, W) model-input latent rows of ``band`` (``None``: the whole image) -> (B, tokens, hidden).
+
+        Position information is that of the band's rows in the whole image, never recomputed for the band's size.
+        """
+
+    def run_segment(
+        self,
+        hidden: torch.Tensor,
+        segment: Segment,
+        cond: Any,
+        band: PatchBand | None,
+        skips: dict[int, torch.Tensor],
+        keep_kv: bool = True,
+    ) -> torch.Tensor:
+        """Run ``segment``'s blocks on (B, tokens, hidden). ``skips`` maps a long-skip producer block to its output
+        for this patch (producers add, consumers pop). ``keep_kv=False``: a whole-image pass whose K/V no patch
+        will read."""
+
+    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int) -> torch.Tensor:
+        """(B, tokens, hidden) -> the transformer's output (B, C_out, rows, W) for the same rows."""

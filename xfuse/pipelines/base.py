@@ -1,0 +1,371 @@
+"""``PipeFusionPipelineBase``: what every family's PipeFusion pipeline shares under torchrun.
+
+Every rank runs the same script. Global rank 0 keeps the text encoders, tokenizers, VAE and safety checker; it
+encodes the prompts and broadcasts the embeddings, and it decodes and returns the images. Every rank loads and keeps
+only the transformer blocks of its stage. This class holds the world, the handshakes, the loading, the broadcasts,
+the CFG exchange, the engine call, progress, tracing and statistics; a family's subclass holds its diffusers
+``__call__`` preparation (checks, prompt encoding, conditioning) and its decoding, and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import resource
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from xfuse.comm.p2p import Recv, Send
+from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, check_world, comm_config, parallel_config
+from xfuse.distributed import ParallelContext, init_parallel
+from xfuse.health import config_hash, handshake
+from xfuse.models.registry import ModelSpec
+from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.trace import Tracer, write_trace
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+def _runtime(torch_dtype, device) -> RuntimeConfig:
+    if torch_dtype is not None and torch_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"torch_dtype must be one of {list(_DTYPE_NAMES)} (got {torch_dtype!r})")
+    device = "auto" if device is None else str(torch.device(device).type)
+    return RuntimeConfig(device=device, dtype=_DTYPE_NAMES.get(torch_dtype, "float32"))
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer (got {value!r})")
+
+
+class PipeFusionPipelineBase:
+    r"""
+    A diffusers pipeline of one family run on ``cfg_degree x pipefusion_degree`` ranks with PipeFusion.
+
+    Subclasses set ``spec`` (the family's [`~xfuse.models.registry.ModelSpec`]) and ``rank0_components`` (the
+    pipeline components only global rank 0 uses), and implement `__call__` with their diffusers pipeline's
+    arguments.
+
+    Attributes:
+        pipeline: the wrapped diffusers pipeline (rank 0 has every component; other ranks have no text encoders,
+            tokenizers or VAE). stage: this rank's share of the transformer. plan: the stage plan.
+        parallel, comm: the validated configs (``parallel.placement`` resolved from the spec when unset);
+            context: this rank's place in the world.
+    """
+
+    spec: ClassVar[ModelSpec]
+    rank0_components: ClassVar[tuple[str, ...]]
+
+    def __init__(
+        self,
+        pipeline,
+        parallel: ParallelConfig,
+        comm: CommConfig,
+        context: ParallelContext,
+        dtype: torch.dtype,
+        stage=None,
+    ):
+        parallel = dataclasses.replace(parallel, placement=self.spec.placement(parallel))
+        self.pipeline, self.parallel, self.comm, self.context, self.dtype = pipeline, parallel, comm, context, dtype
+        config = (stage or pipeline.transformer).config
+        self.plan = self.spec.plan(config.num_layers, parallel)
+        # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
+        handshake(
+            {
+                "model.family": self.spec.name,
+                "model.config_hash": config_hash(dict(config)),
+                "model.dtype": str(dtype),
+                "model.scheduler": type(pipeline.scheduler).__name__,
+                "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route),
+            },
+            world_size=context.world_size,
+            group=context.control_group,
+        )
+        stage_class = self.spec.stage_class()
+        self.stage = (stage or stage_class(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
+        pipeline.transformer = None  # the stage owns what is left of it
+        self.default_sample_size = config.sample_size  # what diffusers derives from the transformer
+        if not context.is_output:
+            for name in self.rank0_components:
+                setattr(pipeline, name, None)
+        else:
+            for name in self.rank0_components:
+                module = getattr(pipeline, name, None)
+                if isinstance(module, torch.nn.Module):
+                    module.to(context.device)
+        self.engine = PipeFusionEngine(
+            self.stage,
+            self.plan,
+            context.channels,
+            pipe_rank=context.pipe_rank,
+            group_ranks=context.pipe_ranks,
+            warmup_steps=parallel.warmup_steps,
+            lookahead=comm.max_inflight,
+        )
+        self._interrupt, self._callback_error = False, None
+        self._tracer: Tracer | None = None
+
+    # ---------------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str,
+        parallel=None,
+        comm=None,
+        torch_dtype=None,
+        device=None,
+        fingerprint=None,
+        **kwargs,
+    ):
+        r"""
+        Load a local diffusers folder of this family on every rank.
+
+        Args:
+            pretrained_model_name_or_path (`str`): local folder with `model_index.json` and the pipeline's
+                components, as `save_pretrained` writes it.
+            parallel ([`~xfuse.config.ParallelConfig`] or `dict`): parallel degrees, patches, warm-up, placement.
+            comm ([`~xfuse.config.CommConfig`] or `dict`): backend, timeout, in-flight bound, interface.
+            torch_dtype (`torch.dtype`, *optional*): float32 (default), bfloat16 or float16.
+            device (`str` or `torch.device`, *optional*): `cpu` or `cuda` (default: CUDA when available; each
+                rank uses `cuda:LOCAL_RANK`).
+            fingerprint (`dict`, *optional*): extra `{field: value}` every rank must agree on (checked at start-up
+                with the config, versions, model config and plan; a difference raises on every rank).
+            kwargs: passed to the diffusers pipeline's `from_pretrained` (e.g. `scheduler=`).
+
+        Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank reads only its own
+        transformer blocks from the checkpoint (`transformer/*.safetensors`).
+        """
+        import diffusers
+
+        parallel, comm, runtime = parallel_config(parallel), comm_config(comm), _runtime(torch_dtype, device)
+        context = init_parallel(parallel, comm, runtime, fingerprint)
+        skip = {} if context.is_output else {name: None for name in cls.rank0_components}
+        diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
+        model_class = getattr(diffusers, cls.spec.diffusers_transformer)
+        config = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
+        plan = cls.spec.plan(config["num_layers"], parallel)
+        # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
+        stage = cls.spec.stage_class().from_pretrained(
+            pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype
+        )
+        pipeline = diffusers_class.from_pretrained(
+            pretrained_model_name_or_path,
+            torch_dtype=torch_dtype,
+            local_files_only=True,
+            transformer=None,
+            **skip,
+            **kwargs,
+        )
+        return cls(pipeline, parallel, comm, context, torch_dtype or torch.float32, stage)
+
+    @classmethod
+    def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, fingerprint=None):
+        """Parallelise an already loaded diffusers pipeline of this family (the same object on every rank).
+
+        The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and ranks other than 0
+        drop the text encoders and VAE: do not keep using ``pipeline`` itself afterwards.
+        """
+        if type(pipeline).__name__ != cls.spec.diffusers_pipeline:
+            raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.spec.diffusers_pipeline} (got {type(pipeline)})")
+        dtype = pipeline.transformer.dtype
+        parallel, comm = parallel_config(parallel), comm_config(comm)
+        context = init_parallel(parallel, comm, _runtime(dtype, device), fingerprint)
+        return cls(pipeline, parallel, comm, context, dtype)
+
+    # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def scheduler(self):
+        return self.pipeline.scheduler
+
+    @property
+    def interrupt(self) -> bool:
+        return self._interrupt
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        self.pipeline.set_progress_bar_config(**kwargs)
+
+    def enable_trace(self, enabled: bool = True) -> None:
+        """Record a timeline of the following calls (compute per segment and patch, communication waits)."""
+        self._tracer = Tracer(self.context.rank) if enabled else None
+
+    def write_trace(self, path: str) -> int | None:
+        """Collective: merge every rank's timeline into one Chrome/Perfetto trace at ``path`` (written by global
+        rank 0, which gets the number of events; the others get ``None``)."""
+        if self._tracer is None:
+            raise ValueError("write_trace: call enable_trace() before the calls to record")
+        mine = self._tracer.metadata() + self._tracer.events
+        gathered = self._gather(mine)
+        return write_trace(path, gathered) if gathered is not None else None
+
+    def rank_stats(self) -> list[dict] | None:
+        """Per rank: bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and peak memory.
+
+        Collective: call it on every rank; global rank 0 gets the list indexed by rank, the others ``None``.
+        ``peak_rss_mib`` is the process's peak resident memory; ``peak_cuda_mib`` the peak CUDA allocation.
+        """
+        sent: dict[str, int] = {}
+        for channels in (self.context.channels, self.context.cfg_channels):
+            if channels is not None:
+                for kind, nbytes in channels.counters.sent_bytes.items():
+                    sent[kind] = sent.get(kind, 0) + nbytes
+        mine = dict(
+            sent=sent,
+            peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda" else None,
+        )
+        return self._gather(mine)
+
+    # ------------------------------------------------------------------------------------------ collectives
+    def _gather(self, value) -> list | None:
+        """Every rank's ``value``, indexed by rank, on global rank 0 (``None`` elsewhere)."""
+        if self.context.world_size == 1:
+            return [value]
+        gathered = [None] * self.context.world_size
+        dist.all_gather_object(gathered, value, group=self.context.control_group)
+        return gathered if self.context.is_output else None
+
+    def _broadcast(self, payload):
+        """Broadcast a picklable object from global rank 0 (tensors travel on the CPU)."""
+        if self.context.world_size == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=0, group=self.context.control_group)
+        return box[0]
+
+    def _broadcast_tensors(self, make) -> dict[str, torch.Tensor]:
+        """``make()`` on global rank 0 (a dict of tensors), broadcast, on this rank's device everywhere."""
+        payload = {k: v.cpu() for k, v in make().items()} if self.context.is_output else None
+        return {k: v.to(self.context.device) for k, v in self._broadcast(payload).items()}
+
+    def _same_everywhere(self, name: str, value) -> None:
+        """Raise the same ValueError on every rank if ``value`` differs between ranks."""
+        if self.context.world_size == 1:
+            return
+        values = [None] * self.context.world_size
+        dist.all_gather_object(values, value, group=self.context.control_group)
+        if any(v != values[0] for v in values):
+            held = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"{name} must be the same on every rank ({held})")
+
+    def _cfg_exchange(self, noise: torch.Tensor, step: int, patch) -> torch.Tensor:
+        """Swap noise-prediction rows with the other CFG group's rank at the same pipeline position."""
+        peer = self.context.cfg_peer
+        sends, recvs = self.context.cfg_channels.exchange(
+            [Send(peer, "cfg", noise, step, patch)], [Recv(peer, "cfg", tuple(noise.shape), noise.dtype, step, patch)]
+        )
+        other = recvs[0].wait().clone()
+        recvs[0].release()
+        sends[0].wait()
+        return other
+
+    # ----------------------------------------------------------------------------------- shared __call__ steps
+    def _check_common(
+        self,
+        *,
+        height: int,
+        width: int,
+        num_inference_steps,
+        guidance_scale: float,
+        generator,
+        output_type,
+        num_images_per_prompt,
+        latents,
+        batch_size: int,
+    ) -> None:
+        """Checks every family makes up front, on every rank, before any communication (diffusers makes some of
+        them late, after the loop, or on one rank only)."""
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {', '.join(map(repr, OUTPUT_TYPES))} (got {output_type!r})")
+        _positive_int("num_images_per_prompt", num_images_per_prompt)
+        _positive_int("num_inference_steps", num_inference_steps)
+        par, config = self.parallel, self.stage.config
+        check_world(
+            par,
+            world_size=self.context.world_size,
+            spec=self.spec,
+            num_layers=config.num_layers,
+            patch_size=config.patch_size,
+            height=height,
+            width=width,
+        )
+        if latents is not None:
+            vae = self.spec.vae_scale_factor
+            shape = (batch_size * num_images_per_prompt, config.in_channels, height // vae, width // vae)
+            if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
+                raise ValueError(
+                    f"latents must be a tensor of shape {shape} for this request "
+                    f"(got {getattr(latents, 'shape', type(latents).__name__)})"
+                )
+        pipelined = par.warmup_steps < num_inference_steps
+        if par.cfg_degree == 2 and not guidance_scale > 1:
+            raise ValueError(
+                f"guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the "
+                f"classifier-free-guidance batch (got {guidance_scale})"
+            )
+        if isinstance(generator, list) and pipelined:
+            raise ValueError(
+                "generator: a list of generators works only with parallel.warmup_steps >= "
+                "num_inference_steps; pipelined steps derive per-patch generators from one generator"
+            )
+        gens = generator if isinstance(generator, list) else [generator]
+        self._same_everywhere(
+            "generator",
+            [None if g is None else hashlib.sha1(g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens],
+        )
+
+    def _begin_call(self) -> None:
+        self._interrupt, self._callback_error = False, None
+        for channels in (self.context.channels, self.context.cfg_channels):
+            if channels is not None:
+                channels.counters.reset()  # rank_stats() reports the last call
+
+    def _shared_generator(self, generator):
+        """Without a generator every rank (and both CFG groups) must still draw the same scheduler noise: rank 0
+        draws a seed and broadcasts it."""
+        if generator is not None:
+            return generator
+        seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if self.context.is_output else None)
+        return torch.Generator().manual_seed(seed)
+
+    def _shared_latents(self, prepare) -> torch.Tensor:
+        """The initial latents: rank 0's ``prepare()`` (the diffusers pipeline's ``prepare_latents``), broadcast.
+
+        Every rank runs ``prepare()``: drawing the latents advances the generator, and the rank that steps the
+        scheduler (not rank 0 with linear placement) must continue from the same generator state as diffusers."""
+        latents = prepare()
+        return self._broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)
+
+    def _cfg_split(self, tensors: dict[str, torch.Tensor], half: int):
+        """With ``cfg_degree: 2``: this CFG group's half of every [uncond | cond] batched tensor, and the
+        ``(cfg_rank, exchange)`` pair a request uses to swap noise predictions. Otherwise the tensors as they are."""
+        if self.parallel.cfg_degree == 1:
+            return tensors, None
+        rank = self.context.cfg_rank
+        return {k: v[rank * half : (rank + 1) * half] for k, v in tensors.items()}, (rank, self._cfg_exchange)
+
+    def _observer(self) -> bool:
+        """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""
+        return self.context.cfg_rank == 0 and self.context.pipe_rank == self.plan.output_rank
+
+    def _denoise(self, request: DenoiseRequest, height: int, width: int, num_inference_steps: int):
+        """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
+        vae = self.spec.vae_scale_factor
+        grid = patch_grid(height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size)
+        progress = self.pipeline.progress_bar(total=num_inference_steps) if self.context.is_output else None
+        if progress is not None:
+            request.on_progress = lambda step: progress.update()
+        try:
+            return self.engine.denoise(request, grid, self._tracer)
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def _finish(self, result: Any):
+        """After the loop: raise a refused callback change (every peer is done by now), else return the result."""
+        if self._callback_error is not None:
+            raise self._callback_error
+        return result
