@@ -85,7 +85,8 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     out = pipe(
         prompt=gen.prompt,
-        negative_prompt=gen.negative_prompt,
+        # null: the family's own default (HunyuanDiT's None, PixArt's "": PixArt cannot take None)
+        **({} if gen.negative_prompt is None else {"negative_prompt": gen.negative_prompt}),
         height=gen.height or default,
         width=gen.width or default,
         num_inference_steps=gen.num_inference_steps,
