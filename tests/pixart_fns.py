@@ -76,3 +76,22 @@ def run_engine(degree, placement, num_patches, warmup, *, height=128, width=96, 
         return engine_latents(stages, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup, channels, rank)
     finally:
         channels.close()
+
+
+def from_pipe_call(parallel, call):
+    """``from_pipe`` on the ``pixart-tiny`` preset (the same weights as its saved folder): rank 0's images, and the
+    error ``from_pipe`` raises for a pipeline of another family."""
+    from tests.pipeline_fns import as_array, generators
+    from xfuse import PipeFusionPixArtSigmaPipeline
+    from xfuse.models.registry import load_pipeline
+
+    try:
+        PipeFusionPixArtSigmaPipeline.from_pipe(load_pipeline("tiny"), parallel=parallel)
+        refused = None
+    except TypeError as err:
+        refused = str(err)
+    pipe = PipeFusionPixArtSigmaPipeline.from_pipe(load_pipeline("pixart-tiny"), parallel=parallel)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(call)
+    out = pipe(**call, generator=generators(call))
+    return refused, None if out is None else as_array(out)

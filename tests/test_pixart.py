@@ -16,7 +16,7 @@ from diffusers import PixArtSigmaPipeline
 
 from tests.pipefusion_oracle import pipefusion_reference
 from tests.pipeline_fns import CALLBACK_LOG, as_array, generators, legacy_callback, run_calls
-from tests.pixart_fns import engine_latents, prepare_inputs, run_engine, tiny_pixart
+from tests.pixart_fns import engine_latents, from_pipe_call, prepare_inputs, run_engine, tiny_pixart
 from xfuse.config import ParallelConfig
 from xfuse.models.pixart import PixArtStage
 from xfuse.models.registry import PIXART_SIGMA, model_spec
@@ -288,6 +288,13 @@ def test_cfg_parallel_and_pipelined_calls(world4, folder, reference):
     assert np.array_equal(piped[0]["images"], piped[1]["images"])  # deterministic
     assert 0 < np.abs(piped[0]["images"] - reference(BASE)[0]).mean() < 0.05  # stale K/V: close to serial
     assert piped[2]["kind"] == "error" and "unexpected keyword arguments ['unknown_argument']" in piped[2]["message"]
+
+
+def test_from_pipe_equals_diffusers_and_refuses_another_family(world4, reference):
+    results = world4.run_ok(from_pipe_call, {"pipefusion_degree": 2, "cfg_degree": 2, **EXACT}, BASE, timeout=300)
+    assert all("takes a PixArtSigmaPipeline" in refused for refused, _ in results)
+    assert all(images is None for _, images in results[1:])
+    assert np.abs(results[0][1] - reference(BASE)[0]).max() <= 1e-4
 
 
 # --- the CLI -------------------------------------------------------------------------------------------------

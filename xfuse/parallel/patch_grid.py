@@ -79,14 +79,14 @@ def patch_grid(latent_height: int, latent_width: int, num_patches: int, patch_si
 
     Raises:
         ConfigError: ``parallel.num_patches`` outside ``1 … token rows``, or a latent side that is not a multiple of
-            ``patch_size`` (named ``generation.height`` / ``generation.width`` in pixels).
+            ``patch_size`` (named ``generation.height`` / ``generation.width``; ``check_world`` says it in pixels
+            first, with the family's VAE factor).
     """
     for key, side in (("generation.height", latent_height), ("generation.width", latent_width)):
         if side <= 0 or side % patch_size:
             raise ConfigError(
                 key,
-                f"the latent side {side} must be a positive multiple of the patch size {patch_size} "
-                f"(pixels: a multiple of {8 * patch_size}) (got {side * 8} px)",
+                f"the latent side must be a positive multiple of the patch size {patch_size} (got {side})",
             )
     token_rows, token_cols = latent_height // patch_size, latent_width // patch_size
     if not isinstance(num_patches, int) or isinstance(num_patches, bool) or not 1 <= num_patches <= token_rows:

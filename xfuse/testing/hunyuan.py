@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from xfuse.models.registry import HUNYUANDIT
+
 SCHEDULERS = ("DDPMScheduler", "DDIMScheduler", "EulerDiscreteScheduler", "DPMSolverMultistepScheduler")
 
 
@@ -41,7 +43,7 @@ def prepare_inputs(
     prompts = [prompt] * batch
     negatives = None if negative_prompt is None else [negative_prompt] * batch
     enc = {}
-    for index, length, suffix in ((0, 77, ""), (1, 256, "_2")):
+    for index, (length, suffix) in enumerate(zip(HUNYUANDIT.text_lengths, ("", "_2"))):
         emb, neg, mask, neg_mask = pipe.encode_prompt(
             prompt=prompts,
             device=device,
