@@ -22,6 +22,7 @@ from xfuse.models.pixart import PixArtStage
 from xfuse.models.registry import PIXART_SIGMA, model_spec
 from xfuse.models.tiny_pixart import save_preset_pipeline
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stale_kv import StaleKVCache
 from xfuse.testing.world import World
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3
@@ -176,19 +177,31 @@ def test_pipelined_equals_the_oracle(world4, degree, placement, warmup):
     assert rel_max(oracle(2, warmup), serial()) > 1e-4  # stale K/V matter here: the oracle is not serial
 
 
-def test_oracle_catches_positions_recomputed_for_a_band(monkeypatch):
-    """The injected bug: embedding a band with diffusers' ``PatchEmbed.forward`` (grid rescaled to the band)."""
+def test_oracle_catches_recomputed_positions_and_unrefreshed_kv(monkeypatch):
+    """Injected bugs: a band embedded by diffusers' ``PatchEmbed.forward`` (grid rescaled to the band), and patch
+    K/V never written after warm-up."""
     pipe = tiny_pixart()
-    inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS)
     the_plan, grid = plan(1, "linear"), patch_grid(HEIGHT // 8, WIDTH // 8, 2, 2)
 
     def run():
+        inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS)  # also resets the scheduler
         stages = {0: PixArtStage(copy.deepcopy(pipe.transformer), the_plan, 0)}
         return engine_latents(stages, the_plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup=1)
 
     assert rel_max(run(), oracle(2, 1)) <= 1e-5
     monkeypatch.setattr(PixArtStage, "embed", lambda self, rows, band: self.transformer.pos_embed(rows))
-    assert rel_max(run(), oracle(2, 1)) > 1e-3
+    assert rel_max(run(), oracle(2, 1)) > 1e-3  # observed 1.7e-3; the oracle is 2.9e-4 from serial here
+    monkeypatch.undo()
+
+    def update_without_refresh(cache, layer, key, value):  # patch passes read the warm-up K/V, never write
+        if cache.tokens is None:
+            return original(cache, layer, key, value)
+        k, v = cache._buffers(layer, key, cache.num_tokens)
+        return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
+
+    original = StaleKVCache.update
+    monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)
+    assert rel_max(run(), oracle(2, 1)) > 1e-4  # observed 6.3e-4
 
 
 # --- the pipeline class against diffusers.PixArtSigmaPipeline -------------------------------------------------
