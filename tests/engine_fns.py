@@ -11,6 +11,7 @@ from xfuse.models.registry import HUNYUANDIT
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
+from xfuse.parallel.stale_kv import StaleKVCache
 from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, swap_scheduler
 
 _PIPES = {}
@@ -82,3 +83,16 @@ def run_engine(
         counters=channels.counters.as_dict(),
         num_buffers=channels.num_buffers,
     )
+
+
+def inject_unrefreshed_kv(monkeypatch) -> None:
+    """An injected bug for the oracle tests: patch passes read the warm-up K/V and never write theirs."""
+    original = StaleKVCache.update
+
+    def update_without_refresh(cache, layer, key, value):
+        if cache.tokens is None:
+            return original(cache, layer, key, value)
+        k, v = cache._buffers(layer, key, cache.num_tokens)
+        return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
+
+    monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)

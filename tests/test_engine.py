@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xfuse.parallel.engine as engine_module
-from tests.engine_fns import run_engine, tiny_pipe
+from tests.engine_fns import inject_unrefreshed_kv, run_engine, tiny_pipe
 from tests.pipefusion_oracle import pipefusion_reference
 from xfuse.models.hunyuandit import HunyuanDiTStage
 from xfuse.models.registry import HUNYUANDIT
@@ -17,7 +17,6 @@ from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import stage_plan
-from xfuse.parallel.stale_kv import StaleKVCache
 from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, serial_latents
 from xfuse.testing.world import World
 
@@ -231,15 +230,8 @@ def test_pipelined_equals_the_oracle_other_schedulers(world, scheduler):
 
 
 def test_oracle_catches_a_buffer_never_refreshed_after_warmup(monkeypatch):
-    def update_without_refresh(cache, layer, key, value):  # patch passes read the warm-up K/V, never write
-        if cache.tokens is None:
-            return original(cache, layer, key, value)
-        k, v = cache._buffers(layer, key, cache.num_tokens)
-        return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
-
-    original = StaleKVCache.update
     assert rel_max(engine_degree1(2, 1, "DDIMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1, "DDIMScheduler")) <= 1e-5
-    monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)
+    inject_unrefreshed_kv(monkeypatch)
     assert rel_max(engine_degree1(2, 1, "DDIMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1, "DDIMScheduler")) > 0.01
 
 

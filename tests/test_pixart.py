@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers import PixArtSigmaPipeline
 
+from tests.engine_fns import inject_unrefreshed_kv
 from tests.pipefusion_oracle import pipefusion_reference
 from tests.pipeline_fns import CALLBACK_LOG, as_array, generators, legacy_callback, run_calls
 from tests.pixart_fns import engine_latents, from_pipe_call, prepare_inputs, run_engine, tiny_pixart
@@ -22,7 +23,6 @@ from xfuse.models.pixart import PixArtStage
 from xfuse.models.registry import PIXART_SIGMA, model_spec
 from xfuse.models.tiny_pixart import save_preset_pipeline
 from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.stale_kv import StaleKVCache
 from xfuse.testing.world import World
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3
@@ -192,15 +192,7 @@ def test_oracle_catches_recomputed_positions_and_unrefreshed_kv(monkeypatch):
     monkeypatch.setattr(PixArtStage, "embed", lambda self, rows, band: self.transformer.pos_embed(rows))
     assert rel_max(run(), oracle(2, 1)) > 1e-3  # observed 1.7e-3; the oracle is 2.9e-4 from serial here
     monkeypatch.undo()
-
-    def update_without_refresh(cache, layer, key, value):  # patch passes read the warm-up K/V, never write
-        if cache.tokens is None:
-            return original(cache, layer, key, value)
-        k, v = cache._buffers(layer, key, cache.num_tokens)
-        return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
-
-    original = StaleKVCache.update
-    monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)
+    inject_unrefreshed_kv(monkeypatch)
     assert rel_max(run(), oracle(2, 1)) > 1e-4  # observed 6.3e-4
 
 

@@ -318,7 +318,7 @@ def _divisor_heads(width: int, head_dim: int) -> int:
 
 
 def _build_text_encoders(transformer_config: dict[str, Any], vocab_size: int, vocab_size_2: int, seed: int):
-    from transformers import BertConfig, BertModel, T5Config, T5EncoderModel
+    from transformers import BertConfig, BertModel
 
     bert_width = transformer_config["cross_attention_dim"]
     bert_config = BertConfig(
@@ -334,15 +334,23 @@ def _build_text_encoders(transformer_config: dict[str, Any], vocab_size: int, vo
         attention_probs_dropout_prob=0.0,
         pad_token_id=0,
     )
-    t5_width = transformer_config["cross_attention_dim_t5"]
-    t5_config = T5Config(
-        vocab_size=vocab_size_2,
-        d_model=t5_width,
+    with _seeded(seed, "text_encoder"):
+        text_encoder = BertModel(bert_config)
+    text_encoder_2 = tiny_t5_encoder(transformer_config["cross_attention_dim_t5"], vocab_size_2, seed, "text_encoder_2")
+    return text_encoder.eval(), text_encoder_2
+
+
+def tiny_t5_encoder(width: int, vocab_size: int, seed: int, component: str):
+    """A 2-layer T5 v1.1 / mT5-style encoder (gated GELU, untied embeddings) of ``width``, seeded per component."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=width,
         d_kv=8,
-        num_heads=_divisor_heads(t5_width, 8),
-        d_ff=2 * t5_width,
+        num_heads=_divisor_heads(width, 8),
+        d_ff=2 * width,
         num_layers=2,
-        # mT5 style: gated GELU feed-forward, untied input/output embeddings.
         feed_forward_proj="gated-gelu",
         tie_word_embeddings=False,
         dropout_rate=0.0,
@@ -351,11 +359,8 @@ def _build_text_encoders(transformer_config: dict[str, Any], vocab_size: int, vo
         pad_token_id=0,
         eos_token_id=1,
     )
-    with _seeded(seed, "text_encoder"):
-        text_encoder = BertModel(bert_config)
-    with _seeded(seed, "text_encoder_2"):
-        text_encoder_2 = T5EncoderModel(t5_config)
-    return text_encoder.eval(), text_encoder_2.eval()
+    with _seeded(seed, component):
+        return T5EncoderModel(config).eval()
 
 
 def _build_vae(sample_size: int, seed: int):

@@ -14,7 +14,7 @@ from typing import Any
 
 from xfuse.errors import ConfigError
 from xfuse.models.registry import PIXART_SIGMA
-from xfuse.models.tiny import _build_vae, _seeded, _t5_vocab
+from xfuse.models.tiny import _build_vae, _seeded, _t5_vocab, tiny_t5_encoder
 
 # 8 blocks: folded placement (which PixArt allows, though it defaults to linear) reaches degree 4.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -56,31 +56,14 @@ def preset_transformer_config(preset: str = "pixart-tiny") -> dict[str, Any]:
 def build_preset_pipeline(preset: str = "pixart-tiny", seed: int = 0):
     """A complete, randomly initialised ``diffusers.PixArtSigmaPipeline`` (CPU, float32, eval mode)."""
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+    from transformers import T5Tokenizer
 
     config = preset_transformer_config(preset)
     with _seeded(seed, "transformer"):
         transformer = PixArtTransformer2DModel(**config).eval()
     (max_length,) = PIXART_SIGMA.text_lengths
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=max_length)
-    width = config["caption_channels"]
-    t5 = T5Config(
-        vocab_size=len(_t5_vocab()),
-        d_model=width,
-        d_kv=8,
-        num_heads=width // 8,
-        d_ff=2 * width,
-        num_layers=2,
-        feed_forward_proj="gated-gelu",  # T5 v1.1, as PixArt's T5-XXL
-        tie_word_embeddings=False,
-        dropout_rate=0.0,
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    with _seeded(seed, "text_encoder"):
-        text_encoder = T5EncoderModel(t5).eval()
+    text_encoder = tiny_t5_encoder(config["caption_channels"], len(_t5_vocab()), seed, "text_encoder")
     # PixArt-Σ's sampling configuration: DPM-Solver++ 2M on SD's linear-beta epsilon schedule.
     scheduler = DPMSolverMultistepScheduler(
         num_train_timesteps=1000,
