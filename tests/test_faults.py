@@ -7,11 +7,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
+import torch.distributed as dist
 
 from tests.fault_fns import build_errors, start_with_config
 from tests.pipeline_fns import run_calls
+from xfuse.health import TERMINATED_KEY, FailureMonitor
 from xfuse.models.tiny import save_tiny_pipeline
 from xfuse.testing.world import World
 
@@ -218,3 +221,20 @@ def test_bad_call_argument_refused_on_every_rank(refusals, index):
 def test_world_still_works_after_every_refusal(refusals):
     calls = refusals[1]
     assert [calls[rank][-1]["kind"] for rank in range(2)] == ["ok", "none"]  # nothing hung; rank 0 returns
+
+
+def test_a_rank_that_died_without_a_report_is_named_by_its_stale_heartbeat(tmp_path, capfd):
+    """A killed rank records nothing; when its neighbours lose another peer first (the launcher already terminated
+    it), the reports still name the dead rank: its heartbeat stopped, and no launcher marker explains it."""
+    store = dist.PrefixStore("default_pg", dist.FileStore(str(tmp_path / "store"), 1))
+    monitor = FailureMonitor(0, store, poll_s=0.05, world_size=4)
+    stopped = FailureMonitor(1, store, poll_s=0.05, world_size=4)
+    time.sleep(0.2)
+    assert stopped.stop() and not store.check(["xfuse/alive/1"])  # left in order: no heartbeat to go stale
+    store.set("xfuse/alive/2", f"{time.time() - 5:.3f}")  # killed 5 s ago
+    store.set("xfuse/alive/3", f"{time.time() - 5:.3f}")
+    store.set(f"{TERMINATED_KEY}/3", "12:00:00.000")  # stale too, but the launcher terminated it
+    monitor.report("rank 0 failed: PeerLost: lost rank 3")
+    err = capfd.readouterr().err
+    assert "no heartbeat, no report (killed?): rank 2 (5." in err and "rank 3 (" not in err and "rank 1 (" not in err
+    assert monitor.stop()

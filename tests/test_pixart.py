@@ -275,6 +275,23 @@ def test_every_argument_honoured_at_pp4(world4, folder, reference, placement):
     check_against_diffusers(results, calls, reference)
 
 
+@pytest.fixture(scope="module")
+def world3():
+    with World(3, start_timeout=240) as w:
+        yield w
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_pp3_from_the_folder(world3, folder, reference, placement):
+    """An odd degree: 8 blocks as 3 + 3 + 2 (linear) or chunks 2, 1, 1 and their mirrors (folded); M = 4 on 8 rows."""
+    calls = {k: v for k, v in honoured_calls(reference).items() if k in ("base", "no_guidance", "batch_and_images")}
+    parallel = {"pipefusion_degree": 3, "num_patches": 4, "placement": placement, **EXACT}
+    results = world3.run_ok(
+        run_calls, folder, parallel, [{**BASE, **c} for c in calls.values()], family="pixart-sigma", timeout=600
+    )
+    check_against_diffusers(results, calls, reference)
+
+
 def test_cfg_parallel_and_pipelined_calls(world4, folder, reference):
     calls = {k: v for k, v in honoured_calls(reference).items() if k in ("base", "batch_and_images", "callback")}
     parallel = {"pipefusion_degree": 2, "cfg_degree": 2, **EXACT}

@@ -113,7 +113,7 @@ def _process_monitor(rank: int, world: int) -> FailureMonitor:
     """One failure monitor (and watcher thread) per process and world, shared by every pipeline built in it."""
     key = (rank, world)
     if key not in _RESOURCES.monitors:
-        _RESOURCES.monitors[key] = FailureMonitor(rank, default_store() if world > 1 else None)
+        _RESOURCES.monitors[key] = FailureMonitor(rank, default_store() if world > 1 else None, world_size=world)
     return _RESOURCES.monitors[key]
 
 

@@ -32,6 +32,7 @@ import time
 import torch.distributed as dist
 
 FAILURE_KEY = "xfuse/first_failure"
+TERMINATED_KEY = "xfuse/terminated"  # + "/<rank>": the launcher terminated that rank (SIGTERM), it did not fail
 
 
 class StartupMismatch(ValueError):
@@ -110,14 +111,17 @@ class FailureMonitor:
         store: the process group's key-value store (``None``: a single process, nothing to propagate, no thread).
         op_logs: callables returning this rank's recent communication ops as text, for failure reports.
         grace_s: how long a rank stuck in communication waits for its own error after another rank failed.
-        poll_s: how often the watcher thread publishes this rank's state and looks for a failure.
+        poll_s: how often the watcher thread publishes this rank's state and heartbeat and looks for a failure.
+        world_size: the ranks whose heartbeats a failure report checks (``None``: none).
 
     The watcher thread runs until ``stop()``; its owner (``xfuse.distributed.shutdown``) stops it before the process
     groups are destroyed and before the interpreter exits.
     """
 
-    def __init__(self, rank: int, store, op_logs=(), grace_s: float = 2.0, poll_s: float = 0.25):
-        self.rank, self.store, self.op_logs = rank, store, list(op_logs)
+    def __init__(
+        self, rank: int, store, op_logs=(), grace_s: float = 2.0, poll_s: float = 0.25, world_size: int | None = None
+    ):
+        self.rank, self.store, self.op_logs, self.world_size = rank, store, list(op_logs), world_size
         self.state_sources: list = []  # callables: what this rank's channels wait for (None when not waiting)
         self._last_wait = time.monotonic()
         self.grace_s, self.poll_s = grace_s, poll_s
@@ -195,6 +199,9 @@ class FailureMonitor:
         if self._reported:
             return
         self._reported = True
+        silent = self.silent_ranks()
+        if silent:
+            headline += "\n  " + silent
         ops = "\n".join(log() for log in self.op_logs)
         print(f"[xfuse {clock()}] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
         log_dir = os.environ.get("XFUSE_LOG_DIR")
@@ -240,8 +247,27 @@ class FailureMonitor:
             text = f"not communicating for {time.monotonic() - self._last_wait:.1f} s (computing, or stalled)"
         try:
             self._watch_store.set(f"xfuse/state/{self.rank}", text)
+            self._watch_store.set(f"xfuse/alive/{self.rank}", f"{time.time():.3f}")
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
+
+    def silent_ranks(self) -> str:
+        """Ranks whose heartbeat stopped more than ``max(1 s, 4 poll_s)`` ago without the launcher terminating them:
+        a rank killed (or crashed in C++) dies without a report, and its neighbours may lose another peer first."""
+        if self.store is None or self.world_size is None:
+            return ""
+        now, limit, silent = time.time(), max(1.0, 4 * self.poll_s), []
+        try:
+            for peer in range(self.world_size):
+                key = f"xfuse/alive/{peer}"
+                if peer == self.rank or not self.store.check([key]) or self.store.check([f"{TERMINATED_KEY}/{peer}"]):
+                    continue
+                age = now - float(self.store.get(key).decode())
+                if age > limit:
+                    silent.append(f"rank {peer} ({age:.1f} s)")
+        except Exception:  # noqa: BLE001 - the store is gone: say nothing rather than guess
+            return ""
+        return f"no heartbeat, no report (killed?): {', '.join(silent)}" if silent else ""
 
     def diagnose(self, peer: int) -> str:
         """Follow who-waits-for-whom from ``peer``: the rank that is not waiting is where the chain is stuck."""
@@ -264,6 +290,15 @@ class FailureMonitor:
         return "\n  ".join(["who waits for whom:", *lines]) if lines else ""
 
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        finally:  # a stopped monitor is a rank that left in order: its stale heartbeat must not read as a death
+            try:
+                self._watch_store.delete_key(f"xfuse/alive/{self.rank}")
+            except Exception:  # noqa: BLE001 - the store is gone
+                pass
+
+    def _watch_loop(self) -> None:
         stuck_since = None
         while not self._stop.wait(self.poll_s):
             self.publish_state()
@@ -286,9 +321,15 @@ class FailureMonitor:
 
         def on_sigterm(signum, frame):
             # torchrun terminates the survivors as soon as it sees a rank die; the dead rank's neighbours record
-            # the failure only once they next wait on it. Give them ``grace_s`` to do so before saying "unknown".
+            # the failure only once they next wait on it, and a killed rank records nothing. Give them ``grace_s``
+            # to record it, or the dead rank's heartbeat time to go stale, before saying "unknown". The marker
+            # tells the others that this rank's disappearance is the launcher's doing, not a failure.
+            try:
+                self.store.set(f"{TERMINATED_KEY}/{self.rank}", clock())
+            except Exception:  # noqa: BLE001 - no store: the report says what this rank knows
+                pass
             deadline = time.monotonic() + self.grace_s
-            while self.first() is None and time.monotonic() < deadline:
+            while self.first() is None and not self.silent_ranks() and time.monotonic() < deadline:
                 time.sleep(0.05)
             first = self.first() or "unknown (no rank recorded a failure)"
             self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: {first}")
