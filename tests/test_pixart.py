@@ -163,7 +163,7 @@ def serial(guidance_scale=4.5):
 @pytest.mark.parametrize("degree", [2, 3, 4])
 def test_exact_mode_equals_diffusers(world4, degree, placement, guidance_scale):
     out = world4.run_ok(run_engine, degree, placement, degree + 1, STEPS, guidance_scale=guidance_scale)[0]
-    assert (out - serial(guidance_scale)).abs().max().item() <= 1e-4 * max(1.0, serial(guidance_scale).abs().max())
+    assert (out - serial(guidance_scale)).abs().max().item() <= 1e-4  # latents of magnitude ~600 here
 
 
 @pytest.mark.parametrize("warmup", [0, 1])
@@ -255,8 +255,7 @@ def check_against_diffusers(per_rank, calls, reference):
         expected, expected_log = reference({**BASE, **call})
         images = result["images"]
         assert images.shape == expected.shape, name
-        scale = max(1.0, float(np.abs(expected).max())) if call.get("output_type") == "latent" else 1.0
-        tolerance = 1 if images.dtype == np.uint8 else 1e-4 * scale  # PIL: one 8-bit level may flip
+        tolerance = 1 if images.dtype == np.uint8 else 1e-4  # PIL: one 8-bit level may flip
         assert np.abs(images.astype(np.float64) - expected).max() <= tolerance, name
         assert result["type"] == ("tuple" if call.get("return_dict") is False else "ImagePipelineOutput"), name
         if "callback" in call:
