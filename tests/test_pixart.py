@@ -332,7 +332,7 @@ def test_cli_plans_and_generates_from_a_pixart_folder(folder, tmp_path):
     )
     assert planned.returncode == 0, planned.stderr
     assert "(pixart-sigma): 8 blocks" in planned.stdout and "placement linear" in planned.stdout
-    assert "cross-rank skips: none" in planned.stdout
+    assert "cross-rank skips: none" in planned.stdout and "the T5 text is static" in planned.stdout
     output = tmp_path / "pixart.png"
     generated = subprocess.run(
         [

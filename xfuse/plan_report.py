@@ -141,6 +141,7 @@ def format_plan_report(r: dict) -> str:
         f"{cfg.generation.num_inference_steps} steps",
         "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),
         "route of a patch: " + " -> ".join(f"r{s.rank}[{_ranges(s.blocks)}]" for s in plan.route),
+        f"what crosses ranks per patch ({r['spec'].name}): {r['spec'].crosses_per_patch}",
         "cross-rank skips: "
         + (
             ", ".join(f"{s.producer}->{s.consumer} (r{s.src_rank}->r{s.dst_rank})" for s in plan.cross_rank_skips)

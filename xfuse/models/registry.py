@@ -116,7 +116,8 @@ HUNYUANDIT = ModelSpec(
     text_lengths=(77, 256),  # BERT, mT5
     skip_pairs=hunyuandit_skip_pairs,
     default_placement="folded",
-    crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks",
+    crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks "
+    "and the stepped latent rows back to rank 0",
 )
 
 PIXART_SIGMA = ModelSpec(
@@ -131,7 +132,8 @@ PIXART_SIGMA = ModelSpec(
     text_lengths=(300,),  # T5 (PixArtSigmaPipeline's default max_sequence_length)
     skip_pairs=no_skips,
     default_placement="linear",
-    crosses_per_patch="hidden states at each hand-off (the T5 text is static: projected once per request per rank)",
+    crosses_per_patch="hidden states at each hand-off; with linear placement the stepped latent rows back to rank 0 "
+    "(the T5 text is static: projected once per request on every rank)",
 )
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (HUNYUANDIT, PIXART_SIGMA)}
