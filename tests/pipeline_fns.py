@@ -79,3 +79,18 @@ def generators(call):
     if seeds is not None:
         return [torch.Generator().manual_seed(s) for s in seeds]
     return torch.Generator().manual_seed(seed)
+
+
+def reference_runner(pipe):
+    """``run(call) -> (images, callback log)`` of a diffusers pipeline on a call dict (``seed``/``seeds`` become
+    generators); ``run.pipe`` is the pipeline."""
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(call):
+        call = dict(call)
+        CALLBACK_LOG.clear()
+        generator = generators(call)  # pops seed/seeds from call
+        return as_array(pipe(**call, generator=generator)), list(CALLBACK_LOG)
+
+    run.pipe = pipe
+    return run

@@ -18,6 +18,12 @@ def xfuse(*args, timeout=120):
     )
 
 
+def torchrun(*args, nproc=2, timeout=180, cwd=None):
+    """``torchrun --standalone --nproc_per_node=nproc ARGS`` (a script path, or ``-m xfuse ...``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd)
+
+
 def test_plan_prints_ranks_blocks_skips_and_bytes():
     out = xfuse(
         "plan",
@@ -80,12 +86,7 @@ def test_generate_degree_1_with_plain_python(tmp_path):
 
 def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     target = tmp_path / "pp2.png"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
+    out = torchrun(
         "-m",
         "xfuse",
         "generate",
@@ -101,8 +102,7 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
         str(target),
         "--trace",
         str(tmp_path / "trace.json"),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 256x192" in out.stdout and "linear, 3 patches" in out.stdout
     assert "rank 0 sent" in out.stdout and "skip" in out.stdout  # linear sends skips
@@ -130,20 +130,12 @@ def test_generate_refuses_a_world_that_does_not_match():
     [
         ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
         ("examples/from_diffusers.py", ["tiny"]),
+        ("examples/pixart_pipefusion.py", ["--model", "pixart-tiny", "--steps", "2", "--output"]),
     ],
 )
 def test_examples_run_under_torchrun(tmp_path, script, args):
     args = [*args, str(tmp_path / "out.png")] if args[-1] == "--output" else args
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        os.path.abspath(script),
-        *args,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180, cwd=tmp_path)
+    out = torchrun(os.path.abspath(script), *args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "wrote" in out.stdout
     assert len(list(tmp_path.glob("*.png"))) == 1
@@ -171,3 +163,20 @@ def test_doctor_self_test_fails_on_a_missing_interface():
     assert out.returncode == 1
     assert "GLOO_SOCKET_IFNAME=nope0" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("self-test: 2-rank gloo p2p on loopback: FAIL")
+
+
+def test_plan_and_generate_detect_pixart_from_the_folder(tmp_path):
+    from xfuse.models.tiny_pixart import save_preset_pipeline
+
+    folder = save_preset_pipeline(tmp_path / "pixart")
+    planned = xfuse("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
+    assert planned.returncode == 0, planned.stderr
+    assert "(pixart-sigma): 8 blocks" in planned.stdout and "placement linear" in planned.stdout
+    assert "cross-rank skips: none" in planned.stdout and "the T5 text is static" in planned.stdout
+    output = tmp_path / "pixart.png"
+    settings = ("parallel.pipefusion_degree=2", "generation.height=128", "generation.width=96")
+    sets = [arg for value in (*settings, "generation.num_inference_steps=3") for arg in ("--set", value)]
+    generated = torchrun("-m", "xfuse", "generate", "--set", f"model={folder}", *sets, "--output", str(output))
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert f"wrote {output}: 96x128, 3 steps" in generated.stdout and "linear" in generated.stdout
+    assert np.asarray(Image.open(output)).shape == (128, 96, 3)

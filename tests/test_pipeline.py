@@ -6,12 +6,10 @@ import torch
 from diffusers import HunyuanDiTPipeline
 
 from tests.pipeline_fns import (
-    CALLBACK_LOG,
-    as_array,
     changing_callback,
-    generators,
     interrupting_callback,
     log_callback,
+    reference_runner,
     run_calls,
 )
 from xfuse.models.tiny import save_tiny_pipeline
@@ -36,18 +34,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    pipe = HunyuanDiTPipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-
-    def run(call):
-        call = dict(call)
-        CALLBACK_LOG.clear()
-        generator = generators(call)  # pops seed/seeds from call
-        out = pipe(**call, generator=generator)
-        return as_array(out), list(CALLBACK_LOG)
-
-    run.pipe = pipe
-    return run
+    return reference_runner(HunyuanDiTPipeline.from_pretrained(folder, local_files_only=True))
 
 
 def embeds(reference, prompt, negative=""):

@@ -1,13 +1,11 @@
 """PixArt-Σ, the second family: its stage against diffusers' forward, the pipelined engine against the independent
-oracle, and ``PipeFusionPixArtSigmaPipeline`` against diffusers' own ``PixArtSigmaPipeline`` from the same folder.
+oracle, and ``PipeFusionPixArtSigmaPipeline`` against diffusers' own ``PixArtSigmaPipeline`` from the same folder
+(the CLI on a PixArt folder: tests/test_cli.py).
 
 Sizes are non-square (128 x 96 px: 8 x 6 token rows) so that M = N + 1 gives uneven bands.
 """
 
 import copy
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from diffusers import PixArtSigmaPipeline
 
 from tests.engine_fns import inject_unrefreshed_kv
 from tests.pipefusion_oracle import pipefusion_reference
-from tests.pipeline_fns import CALLBACK_LOG, as_array, generators, legacy_callback, run_calls
+from tests.pipeline_fns import legacy_callback, reference_runner, run_calls
 from tests.pixart_fns import engine_latents, from_pipe_call, prepare_inputs, run_engine, tiny_pixart
 from xfuse.config import ParallelConfig
 from xfuse.models.pixart import PixArtStage
@@ -206,17 +204,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    pipe = PixArtSigmaPipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-
-    def run(call):
-        call = dict(call)
-        CALLBACK_LOG.clear()
-        out = pipe(**call, generator=generators(call))
-        return as_array(out), list(CALLBACK_LOG)
-
-    run.pipe = pipe
-    return run
+    return reference_runner(PixArtSigmaPipeline.from_pretrained(folder, local_files_only=True))
 
 
 def honoured_calls(reference):
@@ -316,52 +304,3 @@ def test_from_pipe_equals_diffusers_and_refuses_another_family(world4, reference
     assert all("takes a PixArtSigmaPipeline" in refused for refused, _ in results)
     assert all(images is None for _, images in results[1:])
     assert np.abs(results[0][1] - reference(BASE)[0]).max() <= 1e-4
-
-
-# --- the CLI -------------------------------------------------------------------------------------------------
-
-
-def test_cli_plans_and_generates_from_a_pixart_folder(folder, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    planned = subprocess.run(
-        [sys.executable, "-m", "xfuse", "plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert planned.returncode == 0, planned.stderr
-    assert "(pixart-sigma): 8 blocks" in planned.stdout and "placement linear" in planned.stdout
-    assert "cross-rank skips: none" in planned.stdout and "the T5 text is static" in planned.stdout
-    output = tmp_path / "pixart.png"
-    generated = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "xfuse",
-            "generate",
-            "--set",
-            f"model={folder}",
-            "--set",
-            "parallel.pipefusion_degree=2",
-            "--set",
-            "generation.height=128",
-            "--set",
-            "generation.width=96",
-            "--set",
-            "generation.num_inference_steps=3",
-            "--output",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert generated.returncode == 0, generated.stderr[-3000:]
-    assert f"wrote {output}: 96x128, 3 steps" in generated.stdout and "linear" in generated.stdout
-    assert output.stat().st_size > 0

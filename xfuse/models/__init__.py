@@ -8,7 +8,6 @@ from xfuse.models.registry import (
     ModelSpec,
     load_pipeline,
     model_spec,
-    spec_of_pipeline,
     transformer_config,
 )
 
@@ -20,6 +19,5 @@ __all__ = [
     "ModelSpec",
     "load_pipeline",
     "model_spec",
-    "spec_of_pipeline",
     "transformer_config",
 ]

@@ -34,6 +34,8 @@ def guidance(
     ``guidance_rescale`` needs whole-image statistics: pipelines allow it in whole-image steps only.
     """
     do_cfg = guidance_scale > 1
+    if guidance_rescale > 0.0:
+        from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import rescale_noise_cfg
 
     def guide(output: torch.Tensor, step: int, patch) -> torch.Tensor:
         noise = output.chunk(2, dim=1)[0] if learned_sigma else output  # (B, 2C, h, W) -> (B, C, h, W)
@@ -47,8 +49,6 @@ def guidance(
             uncond, cond = (noise, other) if cfg_rank == 0 else (other, noise)
         guided = uncond + guidance_scale * (cond - uncond)
         if guidance_rescale > 0.0:
-            from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import rescale_noise_cfg
-
             guided = rescale_noise_cfg(guided, cond, guidance_rescale=guidance_rescale)
         return guided
 

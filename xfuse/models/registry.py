@@ -163,14 +163,6 @@ def model_spec(model: str) -> ModelSpec:
     return _BY_PIPELINE[class_name]
 
 
-def spec_of_pipeline(pipeline) -> ModelSpec:
-    """The family of a loaded diffusers pipeline object."""
-    name = type(pipeline).__name__
-    if name not in _BY_PIPELINE:
-        raise TypeError(f"xfuse runs {', '.join(_BY_PIPELINE)}; got a {name}")
-    return _BY_PIPELINE[name]
-
-
 def transformer_config(model: str) -> dict:
     """The transformer config of ``model`` without loading weights (a preset name or a local folder)."""
     spec = model_spec(model)

@@ -113,11 +113,4 @@ class ShardedStage(nn.Module):
                 f"{folder!r}: the checkpoint lacks {len(missing)} tensors of rank {rank}'s stage, "
                 f"e.g. {sorted(missing)[:3]}"
             )
-        stage.after_load()
-        still_empty = [name for name, t in model.named_buffers() if t.is_meta]
-        if still_empty:
-            raise ValueError(f"{folder!r}: buffers neither in the checkpoint nor rebuilt: {still_empty[:3]}")
         return stage.eval()
-
-    def after_load(self) -> None:
-        """Rebuild what the checkpoint does not hold (non-persistent buffers of an empty-weight model)."""
