@@ -1,4 +1,4 @@
-"""The ``xfuse`` command line: ``plan`` (no processes) and ``generate``."""
+"""The ``xfuse`` command line: ``plan`` (no processes), ``generate``, ``serve`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -43,37 +43,12 @@ def _device(runtime) -> str:
 
 def cmd_generate(args) -> int:
     """Generate one image. Under torchrun every rank runs this; rank 0 writes the PNG and reports."""
-    import torch
-
-    from xfuse.health import flatten
-    from xfuse.models.registry import load_pipeline, transformer_config
+    from xfuse.launch import build_pipeline, default_size, image_call_kwargs
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
     config = load_config(args.config, overrides)
-    gen, dtype, par = config.generation, getattr(torch, config.runtime.dtype), config.parallel
-    device = None if config.runtime.device == "auto" else config.runtime.device
-    spec = config.model_spec  # the family, from the preset name or the folder's model_index.json
-    pipeline_class = spec.pipeline_class()
-    default = transformer_config(config.model)["sample_size"] * spec.vae_scale_factor
-    # Every rank must run the same model and generation settings: compared at start-up with the rest.
-    fingerprint = flatten("", {"model": config.model, "generation": config.to_dict()["generation"]})
-    if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
-        pipe = pipeline_class.from_pipe(
-            load_pipeline(config.model, dtype),
-            parallel=config.parallel,
-            comm=config.comm,
-            device=device,
-            fingerprint=fingerprint,
-        )
-    else:
-        pipe = pipeline_class.from_pretrained(
-            config.model,
-            parallel=config.parallel,
-            comm=config.comm,
-            torch_dtype=dtype,
-            device=device,
-            fingerprint=fingerprint,
-        )
+    gen, par = config.generation, config.parallel
+    pipe = build_pipeline(config)
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
     if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/faults.py
@@ -83,16 +58,17 @@ def cmd_generate(args) -> int:
     if args.trace:
         pipe.enable_trace()
     start = time.perf_counter()
+    width, height = default_size(config)
     out = pipe(
-        prompt=gen.prompt,
-        # null: the family's own default (HunyuanDiT's None, PixArt's "": PixArt cannot take None)
-        **({} if gen.negative_prompt is None else {"negative_prompt": gen.negative_prompt}),
-        height=gen.height or default,
-        width=gen.width or default,
-        num_inference_steps=gen.num_inference_steps,
-        guidance_scale=gen.guidance_scale,
-        generator=torch.Generator().manual_seed(gen.seed),
-        use_resolution_binning=False,
+        **image_call_kwargs(
+            prompt=gen.prompt,
+            negative_prompt=gen.negative_prompt,
+            width=width,
+            height=height,
+            num_inference_steps=gen.num_inference_steps,
+            guidance_scale=gen.guidance_scale,
+            seed=gen.seed,
+        )
     )
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()
@@ -131,6 +107,17 @@ def _shutdown_or_exit(code: int) -> int:
     return code
 
 
+def cmd_serve(args) -> int:
+    """Serve the OpenAI Images API on rank 0 until stopped (every rank runs this under torchrun)."""
+    from xfuse.serve.server import serve
+
+    overrides = list(args.overrides)
+    overrides += [f"serve.host={args.host!r}"] if args.host is not None else []
+    overrides += [f"serve.port={args.port}"] if args.port is not None else []
+    config = load_config(args.config, overrides)
+    return serve(config, api_key=args.api_key or os.environ.get("XFUSE_API_KEY") or None)
+
+
 def cmd_doctor(args) -> int:
     from xfuse.doctor import main as doctor
 
@@ -156,6 +143,14 @@ def main(argv=None) -> int:
     gen.add_argument("--output", "-o", help="PNG path (default outputs/xfuse_<model>_<seed>.png)")
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI Images API (rank 0) with the configured model and plan")
+    _add_config_args(srv)
+    srv.add_argument("--host", help="overrides serve.host (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="overrides serve.port (default 8000; 0: any free port)")
+    srv.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' (default: $XFUSE_API_KEY; none: no key needed)"
+    )
+    srv.set_defaults(func=cmd_serve)
     doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
     doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait")
     doctor.set_defaults(func=cmd_doctor)

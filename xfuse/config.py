@@ -16,6 +16,10 @@ YAML layout (every key optional)::
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
                  num_inference_steps: 20, guidance_scale: 5.0, seed: 0}
+    serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_images_per_request: 4,
+               max_side: 2048, max_pixels: 4194304, max_steps: 100, max_prompt_chars: 4000,
+               max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
+               heartbeat_timeout_s: 2.0}   # xfuse serve only; generation holds the requests' defaults
 
 Checks that need the world size or the model (block count, patch size, image size) live in :func:`check_world`,
 which the launcher runs once before any communication.
@@ -314,8 +318,50 @@ class GenerationConfig(_Section):
         _check_int(self._key("seed"), self.seed, lo=0, hi=MAX_SEED)
 
 
+@dataclass(frozen=True)
+class ServeConfig(_Section):
+    """``xfuse serve``: where it listens and what one request may ask for. The ``generation`` section gives the
+    defaults of a request's optional fields (size, steps, guidance, negative prompt)."""
+
+    SECTION: ClassVar[str] = "serve"
+
+    host: str = "127.0.0.1"  # loopback unless the operator opens it
+    port: int = 8000  # 0: any free port (printed at start-up)
+    model_name: str | None = None  # the id in /v1/models and the requests' ``model``; null: the model's name
+    max_queue: int = 8  # requests waiting behind the running one; more get 429 + Retry-After
+    max_images_per_request: int = 4  # the largest ``n``
+    max_side: int = 2048  # pixels, width and height alike
+    max_pixels: int = 2048 * 2048  # width x height
+    max_steps: int = 100  # the largest ``num_inference_steps``
+    max_prompt_chars: int = 4000
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are read
+    request_timeout_s: float = 300.0  # a request not started within this is answered 503 and never runs
+    heartbeat_interval_s: float = 1.0  # rank 0 -> every rank while idle
+    heartbeat_timeout_s: float = 2.0  # a rank that does not answer within this is lost: the world stops
+
+    def __post_init__(self) -> None:
+        _check_str(self._key("host"), self.host, nonempty=True)
+        _check_int(self._key("port"), self.port, lo=0, hi=65535)
+        _check_str(self._key("model_name"), self.model_name, allow_none=True, nonempty=True)
+        _check_int(self._key("max_queue"), self.max_queue, lo=1)
+        _check_int(self._key("max_images_per_request"), self.max_images_per_request, lo=1)
+        _check_int(self._key("max_side"), self.max_side, lo=16)
+        _check_int(self._key("max_pixels"), self.max_pixels, lo=256)
+        _check_int(self._key("max_steps"), self.max_steps, lo=1)
+        _check_int(self._key("max_prompt_chars"), self.max_prompt_chars, lo=1)
+        _check_int(self._key("max_body_bytes"), self.max_body_bytes, lo=1024)
+        for name in ("request_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+            _set(self, name, _check_float(self._key(name), getattr(self, name), lo=0.0, lo_inclusive=False))
+        if self.heartbeat_interval_s > 1.0:
+            raise ConfigError(
+                self._key("heartbeat_interval_s"),
+                f"must be at most 1.0 s: a dead or stalled rank must be noticed within about 2 s of idle time "
+                f"(got {self.heartbeat_interval_s!r})",
+            )
+
+
 _SECTIONS: dict[str, type[_Section]] = {
-    c.SECTION: c for c in (ParallelConfig, CommConfig, RuntimeConfig, GenerationConfig)
+    c.SECTION: c for c in (ParallelConfig, CommConfig, RuntimeConfig, GenerationConfig, ServeConfig)
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = ("model", *_SECTIONS)
 
@@ -351,6 +397,7 @@ class XfuseConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         _check_str("model", self.model, nonempty=True)
@@ -370,6 +417,12 @@ class XfuseConfig:
                 f"2 needs classifier-free guidance, which diffusers runs only when "
                 f"generation.guidance_scale > 1 (guidance_scale is {g.guidance_scale}); use "
                 f"cfg_degree 1 or a larger guidance_scale (got {p.cfg_degree})",
+            )
+        if self.serve.heartbeat_interval_s >= self.comm.timeout_s:
+            raise ConfigError(
+                "serve.heartbeat_interval_s",
+                f"must be below comm.timeout_s ({self.comm.timeout_s} s), or idle ranks waiting for the next "
+                f"heartbeat time out (got {self.serve.heartbeat_interval_s!r})",
             )
         if self.comm.backend == "nccl" and self.runtime.device == "cpu":
             raise ConfigError(
@@ -433,6 +486,10 @@ def runtime_config(x: RuntimeConfig | Mapping[str, Any] | None) -> RuntimeConfig
 
 def generation_config(x: GenerationConfig | Mapping[str, Any] | None) -> GenerationConfig:
     return _section_config(GenerationConfig, x)
+
+
+def serve_config(x: ServeConfig | Mapping[str, Any] | None) -> ServeConfig:
+    return _section_config(ServeConfig, x)
 
 
 def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
@@ -633,6 +690,7 @@ __all__ = [
     "GenerationConfig",
     "ParallelConfig",
     "RuntimeConfig",
+    "ServeConfig",
     "XfuseConfig",
     "apply_overrides",
     "check_world",
@@ -644,4 +702,5 @@ __all__ = [
     "parse_override",
     "read_yaml",
     "runtime_config",
+    "serve_config",
 ]

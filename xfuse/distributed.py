@@ -166,7 +166,11 @@ def init_parallel(
         _RESOURCES.owns_default_group = True  # xfuse created it: shutdown() destroys it
     if dist.is_initialized():
         backend = dist.get_backend()
-    control = dist.new_group(backend="gloo") if backend not in (None, "gloo") else None
+    control = (  # object collectives, and xfuse serve's control plane: CPU only, bounded like the data plane
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=max(comm.timeout_s, 1.0)))
+        if backend not in (None, "gloo")
+        else None
+    )
     # Before the world check: ranks started with different configs must all say which field differs.
     handshake(
         {

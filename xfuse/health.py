@@ -194,6 +194,11 @@ class FailureMonitor:
         return self.failure
 
     # --- reporting ----------------------------------------------------------------------------------------
+    @property
+    def reported(self) -> bool:
+        """True once this rank wrote its failure report (`report` writes one per process)."""
+        return self._reported
+
     def report(self, headline: str) -> None:
         """Write ``headline`` and the recent communication ops to stderr (and $XFUSE_LOG_DIR), once."""
         if self._reported:
@@ -300,6 +305,7 @@ class FailureMonitor:
 
     def _watch_loop(self) -> None:
         stuck_since = None
+        self.publish_state()  # at once: a rank that dies right after start-up must still have a heartbeat to go stale
         while not self._stop.wait(self.poll_s):
             self.publish_state()
             first = None if self._stop.is_set() else self.first(self._watch_store)

@@ -13,6 +13,7 @@ and computes its own conditioning, so no conditioning crosses ranks.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
 from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.trace import COMM, COMPUTE, Tracer, null_span
+
+MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches) whose schedule and program are kept
 
 
 @dataclass
@@ -89,11 +92,16 @@ class PipeFusionEngine:
         self.stage, self.plan, self.channels = stage, plan, channels
         self.pipe_rank, self.group_ranks = pipe_rank, list(group_ranks)
         self.warmup_steps, self.lookahead = warmup_steps, lookahead
-        self._schedules: dict[tuple, tuple[Schedule, list]] = {}
+        # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
+        self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
 
     def _program(self, num_steps: int, num_patches: int):
         key = (num_steps, min(self.warmup_steps, num_steps), num_patches)
-        if key not in self._schedules:  # pure and cached: computed once per request shape
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+        else:  # pure and cached: computed once per request shape
+            while len(self._schedules) >= MAX_CACHED_PROGRAMS:
+                self._schedules.popitem(last=False)
             schedule = build_schedule(self.plan, key[0], key[1], num_patches)
             # Each task's message lists, computed once per request shape instead of on every use in the loop.
             messages = {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}

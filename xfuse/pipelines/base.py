@@ -108,6 +108,7 @@ class PipeFusionPipelineBase:
         )
         self._interrupt, self._callback_error = False, None
         self._tracer: Tracer | None = None
+        self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
 
     # ---------------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -355,6 +356,12 @@ class PipeFusionPipelineBase:
         """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
         vae = self.spec.vae_scale_factor
         grid = patch_grid(height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size)
+        shape = (grid.token_rows, grid.token_cols, tuple(request.latents.shape), request.latents.dtype)
+        if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
+            for channels in (self.context.channels, self.context.cfg_channels):
+                if channels is not None:
+                    channels.reset_buffers()
+            self._buffer_shape = shape
         progress = self.pipeline.progress_bar(total=num_inference_steps) if self.context.is_output else None
         if progress is not None:
             request.on_progress = lambda step: progress.update()

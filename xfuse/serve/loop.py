@@ -1,0 +1,125 @@
+"""The loop every rank's main thread runs under ``xfuse serve``: the only code that touches ``torch.distributed``.
+
+Rank 0 takes the next request from the service's bounded queue (or, idle for ``serve.heartbeat_interval_s``, sends a
+tick), posts it on the control plane, runs its own share of the pipeline call and answers the request's future.
+Workers receive, run the same call, answer. Every message ends in an answer round, so rank 0 hears from every rank at
+least once a second while idle and after every request. A worker's loop returns only on ``shutdown``; anything else
+that ends it is an exception, and the process exits non-zero (torchrun restarts a world only on a non-zero exit: a
+worker that returned 0 would leave rank 0 serving alone).
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import threading
+import time
+from typing import Any
+
+from xfuse.launch import image_call_kwargs
+from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane, peak_rss_bytes
+from xfuse.serve.protocol import GenerationJob
+from xfuse.serve.service import GenerationResult, Service
+
+
+class DrainSignal:
+    """SIGTERM / SIGINT set ``requested`` (and the service's ``drain_requested`` on rank 0) and nothing else: the
+    loop drains at its next turn, within a heartbeat interval when idle or after the running request."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.service: Service | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested = True
+        if self.service is not None:
+            self.service.drain_requested = True
+
+
+def _sent_bytes(pipe) -> int:
+    """Bytes this rank sent to other ranks in the pipeline's last call."""
+    channels = (pipe.context.channels, pipe.context.cfg_channels)
+    return sum(sum(c.counters.sent_bytes.values()) for c in channels if c is not None)
+
+
+def _answer(pipe, drain: DrainSignal, sent_bytes: int = 0) -> dict[str, Any]:
+    return {
+        "rank": pipe.context.rank,
+        "drain": drain.requested,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "sent_bytes": sent_bytes,
+    }
+
+
+def run_job(pipe, job: dict[str, Any]):
+    """This rank's share of one request (every rank makes the same call; rank 0 gets the output)."""
+    return pipe(
+        **image_call_kwargs(
+            prompt=job["prompt"],
+            negative_prompt=job["negative_prompt"],
+            width=job["width"],
+            height=job["height"],
+            num_inference_steps=job["num_inference_steps"],
+            guidance_scale=job["guidance_scale"],
+            seed=job["seed"],
+            num_images=job["num_images"],
+        )
+    )
+
+
+def server_loop(
+    pipe, control: ControlPlane, service: Service, *, heartbeat_interval_s: float, drain: DrainSignal
+) -> None:
+    """Rank 0: serve until a drain is requested (on any rank), then shut every rank down in order. Raises on any
+    failure of any rank; the caller turns that into 503s and a non-zero exit."""
+    metrics = service.metrics
+
+    def answer_round(sent_bytes: int = 0) -> None:
+        answers = control.answer_round(_answer(pipe, drain, sent_bytes))
+        now = time.monotonic()
+        for answer in answers:
+            metrics.answered(answer["rank"], now, answer["peak_rss_bytes"])
+            metrics.sent_bytes.labels(str(answer["rank"])).inc(answer["sent_bytes"])
+            if answer["drain"]:  # a worker was asked to stop: the whole world drains
+                service.drain_requested = True
+
+    last_round = time.monotonic()
+    while not (drain.requested or service.drain_requested):
+        pending = service.next_request(timeout_s=heartbeat_interval_s - (time.monotonic() - last_round))
+        if pending is None:
+            control.post(TICK)
+            answer_round()
+            last_round = time.monotonic()
+            continue
+        job: GenerationJob = pending.job
+        seed = job.seed if job.seed is not None else secrets.randbelow(2**32)
+        started = time.monotonic()
+        control.post(JOB, {**job.as_dict(), "seed": seed})
+        output = run_job(pipe, {**job.as_dict(), "seed": seed})
+        answer_round(_sent_bytes(pipe))
+        last_round = time.monotonic()
+        service.finish(pending, GenerationResult(output.images, seed, started - pending.enqueued, last_round - started))
+    service.start_draining()
+    control.post(SHUTDOWN)
+    answer_round()
+
+
+def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
+    """Ranks 1..N-1: follow rank 0 until it says ``shutdown``. Raises on any failure (including rank 0's loss)."""
+    while True:
+        kind, payload = control.receive()
+        if kind == TICK:
+            control.answer_round(_answer(pipe, drain))
+        elif kind == JOB:
+            run_job(pipe, payload)
+            control.answer_round(_answer(pipe, drain, _sent_bytes(pipe)))
+        elif kind == SHUTDOWN:
+            control.answer_round(_answer(pipe, drain))
+            return
+        else:
+            raise RuntimeError(f"unknown control message {kind!r} from rank 0")

@@ -1,0 +1,260 @@
+"""``xfuse serve``: one torchrun world serving images until it is stopped.
+
+Rank 0 binds the port and starts the HTTP server first (``/health`` answers 503 "starting" while the model loads),
+then every rank loads its share of the model and enters its loop (``xfuse.serve.loop``). The way out:
+
+* drained (SIGTERM/SIGINT on any rank of a healthy world): the running request finishes, queued ones get 503,
+  every rank answers ``shutdown`` and exits 0;
+* anything else (a rank dead or stalled, idle or mid-request; an exception): rank 0 marks the service broken
+  (``/health`` 503 naming the rank and the cause, every pending request 503), lets those answers go out, and every
+  surviving rank exits non-zero, so torchrun or the orchestrator restarts the world. A broken world never exits 0,
+  even when the launcher's SIGTERM arrives first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from typing import NoReturn
+
+from xfuse.config import XfuseConfig, check_world
+from xfuse.errors import ConfigError
+from xfuse.health import clock
+from xfuse.launch import build_pipeline, default_size
+from xfuse.serve.control import ControlPlane, RankLost
+from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
+from xfuse.serve.metrics import ServeMetrics
+from xfuse.serve.protocol import RequestLimits
+from xfuse.serve.service import Service
+
+LINGER_S = 1.5  # a broken rank 0 keeps answering (503) this long, so probes and waiting clients hear why
+NAMING_WAIT_S = 2.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it)
+
+
+class HttpServer:
+    """uvicorn in a background thread, on a socket bound here: a port in use is a start-up error naming it."""
+
+    def __init__(self, app, host: str, port: int):
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, port), family=family)
+        except OSError as err:
+            raise ConfigError("serve.port", f"cannot listen on {host}:{port}: {err.strerror} (got {port})") from None
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.app = app
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="xfuse-http", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.url}")
+            time.sleep(0.01)
+
+    def linger(self, seconds: float) -> None:
+        """Keep answering for ``seconds`` and until the requests being answered are out (at most 2x)."""
+        start = time.monotonic()
+        while (elapsed := time.monotonic() - start) < seconds or (self.app.state.inflight and elapsed < 2 * seconds):
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+def model_name(config: XfuseConfig) -> str:
+    """The id clients use: ``serve.model_name``, else the preset's name or the model folder's name."""
+    if config.serve.model_name:
+        return config.serve.model_name
+    return config.model if config.model_is_preset else os.path.basename(os.path.normpath(config.model))
+
+
+def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
+    """What requests may ask, from the config and the loaded model; the default size must itself be servable."""
+    stage = pipe.stage.config
+
+    def check_size(width: int, height: int) -> None:
+        check_world(
+            pipe.parallel,
+            world_size=pipe.context.world_size,
+            spec=pipe.spec,
+            num_layers=stage.num_layers,
+            patch_size=stage.patch_size,
+            height=height,
+            width=width,
+        )
+
+    width, height = default_size(config)
+    check_size(width, height)  # a bad generation.width/height fails the start, naming the key
+    serve, gen = config.serve, config.generation
+    return RequestLimits(
+        model_name=model_name(config),
+        default_width=width,
+        default_height=height,
+        default_steps=gen.num_inference_steps,
+        default_guidance=gen.guidance_scale,
+        default_negative_prompt=gen.negative_prompt,
+        max_images=serve.max_images_per_request,
+        max_side=serve.max_side,
+        max_pixels=serve.max_pixels,
+        max_steps=serve.max_steps,
+        max_prompt_chars=serve.max_prompt_chars,
+        check_size=check_size,
+        min_guidance_exclusive=1.0 if config.parallel.cfg_degree == 2 else None,
+    )
+
+
+def _say(text: str) -> None:
+    print(f"[xfuse {clock()}] {text}", file=sys.stderr, flush=True)
+
+
+def _lost_ranks(monitor, err: BaseException) -> str:
+    """Name the ranks whose loss caused ``err``: `RankLost` names them; otherwise wait (briefly) for a dead or
+    stopped rank's heartbeat to go stale."""
+    if isinstance(err, RankLost):
+        return ""
+    deadline = time.monotonic() + NAMING_WAIT_S
+    while time.monotonic() < deadline:
+        silent = monitor.silent_ranks()
+        if silent:
+            return silent
+        time.sleep(0.1)
+    return ""
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = str(err) if isinstance(err, RankLost) else f"{type(err).__name__}: {err}"
+    line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _exit_now(monitor, code: int) -> NoReturn:
+    """Leave without finalizing: the main thread's collectives may be half done (see xfuse.distributed)."""
+    monitor.stop(timeout_s=2.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _fail_server(pipe, service: Service, http: HttpServer, err: BaseException) -> NoReturn:
+    monitor = pipe.context.monitor
+    reason = _one_line(err)
+    first = monitor.record(err)
+    service.set_broken(reason)  # from now on /health is 503 with this reason; pending requests are answered
+    silent = _lost_ranks(monitor, err)
+    if silent:  # the lost rank first: the gloo or channel error may name only an address
+        service.reason = reason = f"{silent}; {reason}"
+    own = first.startswith("rank 0:")
+    # (the report adds the silent ranks itself)
+    headline = f"rank 0 stopped serving: {_one_line(err)}" + ("" if own else f"\n  first failure in the world: {first}")
+    if monitor.reported:  # the pipeline's guard wrote the report already
+        _say(headline)
+    else:
+        monitor.report(headline)
+    http.linger(LINGER_S)
+    http.stop(timeout_s=2.0)
+    _exit_now(monitor, 1)
+
+
+def _fail_worker(pipe, err: BaseException) -> NoReturn:
+    monitor = pipe.context.monitor
+    first = monitor.first()
+    silent = _lost_ranks(monitor, err)
+    lines = [f"rank {pipe.context.rank} stopped serving: {_one_line(err)}"]
+    if first and not first.startswith(f"rank {pipe.context.rank}:"):
+        lines.append(f"first failure in the world: {first}")
+    if silent:
+        lines.append(silent)
+    if monitor.reported:
+        _say("\n  ".join(lines))
+    else:
+        monitor.report("\n  ".join(lines))
+    _exit_now(monitor, 1)
+
+
+def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
+    """Run this rank's part of the service until it is drained (returns 0) or fails (exits non-zero)."""
+    rank = int(os.environ.get("RANK", "0"))
+    drain = DrainSignal()
+    drain.install()
+    service = http = None
+    if rank == 0:
+        from xfuse.serve.app import create_app
+
+        par = config.parallel
+        metrics = ServeMetrics(
+            world_size=config.world_size,
+            info={
+                "model": model_name(config),
+                "pipefusion_degree": str(par.pipefusion_degree),
+                "cfg_degree": str(par.cfg_degree),
+                "num_patches": str(par.resolved_num_patches),
+                "warmup_steps": str(par.warmup_steps),
+            },
+        )
+        serve_cfg = config.serve
+        service = Service(
+            world_size=config.world_size,
+            max_queue=serve_cfg.max_queue,
+            request_timeout_s=serve_cfg.request_timeout_s,
+            heartbeat_interval_s=serve_cfg.heartbeat_interval_s,
+            heartbeat_timeout_s=serve_cfg.heartbeat_timeout_s,
+            metrics=metrics,
+        )
+        drain.service = service
+        app = create_app(service, api_key=api_key, max_body_bytes=serve_cfg.max_body_bytes)
+        http = HttpServer(app, serve_cfg.host, serve_cfg.port)
+        http.start()
+        print(f"xfuse serve: listening on {http.url} (starting: loading {config.model})", flush=True)
+    try:
+        pipe = build_pipeline(config, sections=("generation", "serve"))
+        pipe.set_progress_bar_config(disable=True)
+        limits = request_limits(config, pipe) if rank == 0 else None
+    except BaseException as err:
+        if service is not None:
+            service.set_broken(f"start-up failed: {type(err).__name__}: {err}")
+            http.linger(LINGER_S)
+            http.stop()
+        raise
+    context, serve_cfg = pipe.context, config.serve
+    control = ControlPlane(
+        rank=context.rank,
+        world_size=context.world_size,
+        group=context.control_group,
+        heartbeat_timeout_s=serve_cfg.heartbeat_timeout_s,
+        idle_timeout_s=config.comm.timeout_s,
+    )
+    if rank != 0:
+        try:
+            worker_loop(pipe, control, drain)
+        except BaseException as err:  # noqa: BLE001 - every way out but shutdown is a failure
+            _fail_worker(pipe, err)
+        return 0
+    service.set_ready(limits)
+    print(
+        f"xfuse serve: ready on {http.url}: model {limits.model_name!r} on {context.world_size} rank(s), default "
+        f"size {limits.default_width}x{limits.default_height}",
+        flush=True,
+    )
+    try:
+        server_loop(pipe, control, service, heartbeat_interval_s=serve_cfg.heartbeat_interval_s, drain=drain)
+    except BaseException as err:  # noqa: BLE001 - a lost rank or a failed request: the world restarts
+        _fail_server(pipe, service, http, err)
+    http.stop()
+    _say("rank 0: drained; every rank answered the shutdown")
+    return 0

@@ -1,0 +1,197 @@
+"""Rank 0's service state, shared by the HTTP thread (which submits and reads) and the engine loop on the main
+thread (which takes requests, resolves their futures and changes the state). Nothing here touches
+``torch.distributed``.
+
+States: ``starting`` (the model loads) -> ``ready`` -> ``draining`` (SIGTERM/SIGINT: no new requests, the running one
+finishes, queued ones get 503) or ``broken`` (a rank died or stalled: every pending request gets 503 and the process
+exits non-zero so the launcher restarts the world).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from xfuse.serve.metrics import ServeMetrics
+from xfuse.serve.protocol import GenerationJob, RequestError, RequestLimits
+
+STARTING, READY, DRAINING, BROKEN = "starting", "ready", "draining", "broken"
+
+
+class Unavailable(RequestError):
+    """503: starting, draining, broken, or a request that waited past ``serve.request_timeout_s``."""
+
+    def __init__(self, message: str, code: str = "service_unavailable", retry_after_s: int | None = None):
+        super().__init__(message, param=None, status=503, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(RequestError):
+    """429 with ``Retry-After``: the bounded queue is full."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, param=None, status=429, code="queue_full")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class PendingRequest:
+    job: GenerationJob
+    enqueued: float  # time.monotonic()
+    deadline: float  # not started by then: 503, never reaches the ranks
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class GenerationResult:
+    images: list[Any]  # PIL images
+    seed: int
+    queue_wait_s: float
+    generation_s: float
+
+
+class Service:
+    """See the module docstring. ``drain_requested`` is set by signal handlers (plain assignment, no lock: a
+    handler runs on the main thread, which may hold the lock)."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        max_queue: int,
+        request_timeout_s: float,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        metrics: ServeMetrics,
+    ):
+        self.world_size, self.metrics = world_size, metrics
+        self.request_timeout_s = request_timeout_s
+        # Idle, rank 0 sends a heartbeat every interval: a last answer older than this means its loop is stuck.
+        self._stale_after_s = heartbeat_interval_s + heartbeat_timeout_s + 1.0
+        self.state, self.reason = STARTING, "loading the model"
+        self.limits: RequestLimits | None = None
+        self.drain_requested = False
+        self.running: PendingRequest | None = None
+        self._queue: queue.Queue[PendingRequest] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._mean_generation_s = 1.0  # for Retry-After; updated after every request
+
+    # ------------------------------------------------------------------------------------------ HTTP thread
+    def submit(self, job: GenerationJob) -> concurrent.futures.Future:
+        """Queue ``job``; raise `Unavailable` (503) or `QueueFull` (429) instead when it cannot be taken."""
+        with self._lock:
+            self.check_accepting()
+            now = time.monotonic()
+            pending = PendingRequest(job, now, now + self.request_timeout_s)
+            try:
+                self._queue.put_nowait(pending)
+            except queue.Full:
+                waiting = self._queue.qsize() + 1
+                retry = max(1, math.ceil(waiting * self._mean_generation_s))
+                raise QueueFull(
+                    f"the queue is full ({self._queue.maxsize} requests wait behind the running one); retry in "
+                    f"{retry} s",
+                    retry,
+                ) from None
+            self.metrics.queue_depth.set(self._queue.qsize())
+        return pending.future
+
+    def check_accepting(self) -> None:
+        if self.state == BROKEN:
+            raise Unavailable(f"the service is broken and restarting: {self.reason}", code="service_broken")
+        if self.drain_requested or self.state == DRAINING:
+            raise Unavailable("the service is shutting down (draining)", code="service_draining")
+        if self.state == STARTING:
+            raise Unavailable(f"the service is starting ({self.reason})", code="service_starting", retry_after_s=5)
+
+    def health(self) -> tuple[int, dict]:
+        """(status code, JSON body) of ``GET /health``: 200 only when ready and every rank answered lately."""
+        ages = self.metrics.heartbeat_ages()
+        state, reason = self.state, self.reason
+        if state == READY and self.drain_requested:
+            state, reason = DRAINING, "shutting down"
+        if state == READY and self.running is None and max(ages) > self._stale_after_s:
+            worst = max(range(len(ages)), key=ages.__getitem__)
+            state, reason = BROKEN, f"rank {worst} has not answered a heartbeat for {ages[worst]:.1f} s"
+        body = {
+            "status": "ok" if state == READY else state,
+            "reason": reason if state != READY else None,
+            "model": self.limits.model_name if self.limits else None,
+            "world_size": self.world_size,
+            "ranks": [{"rank": r, "heartbeat_age_s": round(age, 3)} for r, age in enumerate(ages)],
+            "queue": self._queue.qsize(),
+            "running": self.running is not None,
+        }
+        return (200 if state == READY else 503), body
+
+    # ---------------------------------------------------------------------------------------- engine loop
+    def set_ready(self, limits: RequestLimits) -> None:
+        with self._lock:
+            self.limits, self.state, self.reason = limits, READY, ""
+            self.metrics.reset_heartbeats()
+            self.metrics.ready.set(1)
+
+    def next_request(self, timeout_s: float) -> PendingRequest | None:
+        """The next queued request, waiting at most ``timeout_s``; requests past their deadline are answered 503."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            try:
+                pending = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            self.metrics.queue_depth.set(self._queue.qsize())
+            if time.monotonic() <= pending.deadline:
+                self.running = pending
+                self.metrics.running.set(1)
+                return pending
+            waited = time.monotonic() - pending.enqueued
+            _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
+
+    def finish(self, pending: PendingRequest, result: GenerationResult) -> None:
+        self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s
+        self.running = None
+        self.metrics.running.set(0)
+        self.metrics.queue_wait.observe(result.queue_wait_s)
+        self.metrics.generation.observe(result.generation_s)
+        pending.future.set_result(result)
+
+    def start_draining(self) -> int:
+        """Stop accepting and answer every queued request 503; return how many were answered."""
+        with self._lock:
+            self.state, self.reason = DRAINING, "shutting down"
+            self.metrics.ready.set(0)
+            return self._fail_queued(Unavailable("the service is shutting down (draining)", code="service_draining"))
+
+    def set_broken(self, reason: str) -> int:
+        """A rank is lost: answer the running and every queued request 503; return how many were answered."""
+        with self._lock:
+            self.state, self.reason = BROKEN, reason
+            self.metrics.ready.set(0)
+            error = Unavailable(f"the service is broken and restarting: {reason}", code="service_broken")
+            failed = self._fail_queued(error)
+            if self.running is not None:
+                failed += _fail(self.running, error)
+                self.running = None
+                self.metrics.running.set(0)
+            return failed
+
+    def _fail_queued(self, error: RequestError) -> int:
+        failed = 0
+        while True:
+            try:
+                failed += _fail(self._queue.get_nowait(), error)
+            except queue.Empty:
+                self.metrics.queue_depth.set(0)
+                return failed
+
+
+def _fail(pending: PendingRequest, error: RequestError) -> int:
+    if pending.future.done():
+        return 0
+    pending.future.set_exception(error)
+    return 1
