@@ -1,0 +1,178 @@
+"""Real ``xfuse serve`` worlds for the tests: torchrun (or plain python) in its own session, on a free loopback port,
+torn down with its whole process group whatever happens."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from PIL import Image
+
+ENV = dict(os.environ)  # offline: tests/conftest.py
+READY = re.compile(r"xfuse serve: ready on (http://[\d.]+:\d+)")
+
+# The tiny HunyuanDiT at 128 px (16 latent rows -> 8 token rows, 2 patches), 4 steps: ~0.2 s a request here.
+BASE_SETTINGS = (
+    "model=tiny",
+    "parallel.pipefusion_degree=2",
+    "parallel.num_patches=2",
+    "parallel.warmup_steps=1",
+    "generation.height=128",
+    "generation.width=128",
+    "generation.num_inference_steps=4",
+    "generation.seed=0",
+)
+
+
+class ServedWorld:
+    """``torchrun --nproc_per_node=N -m xfuse serve`` (``nproc=1``: plain ``python -m xfuse serve``)."""
+
+    def __init__(self, tmp_path, *, nproc: int = 2, settings=(), api_key: str | None = None, start_timeout=120):
+        self.log_out, self.log_err = tmp_path / "serve.out", tmp_path / "serve.err"
+        sets = [
+            arg for kv in (*BASE_SETTINGS, f"parallel.pipefusion_degree={nproc}", *settings) for arg in ("--set", kv)
+        ]
+        if nproc == 1:
+            launcher = [sys.executable, "-m", "xfuse"]
+        else:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            launcher += ["-m", "xfuse"]
+        cmd = [*launcher, "serve", *sets, "--port", "0"] + (["--api-key", api_key] if api_key else [])
+        self.api_key = api_key
+        with open(self.log_out, "w") as out, open(self.log_err, "w") as err:
+            # Its own session: the whole tree (launcher and ranks) can be signalled and reaped as one group.
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=ENV, start_new_session=True)
+        self.url = self._wait_ready(start_timeout)
+        self.nproc = nproc
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = READY.search(self.log_out.read_text())
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"xfuse serve exited ({self.proc.returncode}) before ready:\n{self.stderr()}")
+            time.sleep(0.1)
+        self.close()
+        raise AssertionError(f"xfuse serve not ready within {timeout} s:\n{self.stderr()}")
+
+    def stdout(self) -> str:
+        return self.log_out.read_text()
+
+    def stderr(self) -> str:
+        return self.log_err.read_text()
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=kw.pop("timeout", 120), **kw)
+
+    def rank_pids(self) -> dict[int, int]:
+        """Rank -> pid of every live rank process (from /proc: the ranks' RANK environment variable)."""
+        if self.nproc == 1:
+            return {0: self.proc.pid}
+        ranks = {}
+        for pid in _children(self.proc.pid):
+            try:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    ranks[int(item[5:])] = pid
+        return ranks
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def close(self) -> None:
+        """Kill whatever is left of the world (its whole process group) and reap the launcher."""
+        if self.proc.poll() is None or _group_alive(self.proc.pid):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def peak_rss_kib(pid: int) -> int:
+    """VmHWM of a process: its peak resident memory, read by the test from /proc (not reported by the server)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def decode_png(b64: str) -> Image.Image:
+    data = base64.b64decode(b64)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return Image.open(io.BytesIO(data))
+
+
+def poll_health(url: str, until, timeout: float, interval: float = 0.05):
+    """Poll ``GET /health`` until ``until(response or None)``; return (seconds, the last response or None)."""
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < timeout:
+        try:
+            last = httpx.get(f"{url}/health", timeout=1.0)
+        except httpx.HTTPError:
+            last = None
+        if until(last):
+            return time.monotonic() - start, last
+        time.sleep(interval)
+    return None, last
