@@ -228,6 +228,15 @@ def test_hundred_requests_with_invalid_ones_keep_every_rank_and_memory_flat(worl
         assert peaks[100][rank] <= 1.05 * peaks[10][rank], (rank, peaks)
 
 
+def test_example_client_saves_the_served_image(world, tmp_path):
+    target = tmp_path / "served.png"
+    cmd = [sys.executable, "examples/serve_client.py", "--base-url", f"{world.url}/v1", "--api-key", API_KEY]
+    cmd += ["--prompt", "a lighthouse", "--size", "64x64", "--seed", "4", "--output", str(target)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {target} (seed 4," in out.stdout and Image.open(target).size == (64, 64)
+
+
 def _chromium() -> str | None:
     return next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser")) if p), None)
 
