@@ -291,11 +291,13 @@ def test_sigterm_drains_the_running_request_and_every_rank_exits_0(world):
     assert group_members(world.proc.pid) == []  # nothing left behind
 
 
-def test_degree_1_serves_with_plain_python(tmp_path):
-    with ServedWorld(tmp_path, nproc=1) as served:
+def test_degree_1_serves_pixart_with_plain_python(tmp_path):
+    """Another family through the same command: PixArt-Σ, one process, no torchrun."""
+    with ServedWorld(tmp_path, nproc=1, settings=("model=pixart-tiny",)) as served:
         with served.client() as http:
-            response = http.post("/v1/images/generations", json={"prompt": "alone", "size": "64x64", "seed": 2})
-            assert response.status_code == 200 and decode_png(response.json()["data"][0]["b64_json"]).size == (64, 64)
+            assert http.get("/v1/models").json()["data"][0]["id"] == "pixart-tiny"
+            response = http.post("/v1/images/generations", json={"prompt": "alone", "size": "64x96", "seed": 2})
+            assert response.status_code == 200 and decode_png(response.json()["data"][0]["b64_json"]).size == (64, 96)
             assert http.get("/health").json()["world_size"] == 1
         os.kill(served.proc.pid, signal.SIGINT)  # Ctrl-C drains too
         assert served.wait(timeout=30) == 0, served.stderr()[-3000:]
