@@ -83,6 +83,8 @@ def main() -> None:
     with open(os.path.join(args.out, "serve.json"), "w") as fh:
         json.dump(results, fh, indent=2)
     seq, conc = results["sequential"], results["concurrent_8"]
+    named = results["sigkill_idle_worker_to_health_naming_it_s"]
+    throughput = f"{conc['wall_s']:.2f} s, {conc['images_per_s']:.2f} images/s"
     lines = [
         f"Machine: {results['machine']}; tiny preset, 2 ranks (gloo), {args.size} px, {args.steps} steps; "
         f"{args.requests} sequential requests (median, min–max).",
@@ -92,9 +94,9 @@ def main() -> None:
         f"| client latency (HTTP, queue, control plane, pipeline, PNG) | {_fmt(seq['client_latency_s'])} |",
         f"| generation (post to workers -> every rank answered) | {_fmt(seq['generation_s'])} |",
         f"| serving overhead (latency - generation) | {_fmt(seq['serving_overhead_s'])} |",
-        f"| 8 concurrent clients: wall time, throughput | {conc['wall_s']:.2f} s, {conc['images_per_s']:.2f} images/s |",
+        f"| 8 concurrent clients: wall time, throughput | {throughput} |",
         f"| 8 concurrent clients: queue wait | {_fmt(conc['queue_wait_s'])} |",
-        f"| SIGKILL of an idle worker -> `/health` names it | {results['sigkill_idle_worker_to_health_naming_it_s']:.2f} s |",
+        f"| SIGKILL of an idle worker -> `/health` names it | {named:.2f} s |",
     ]
     with open(os.path.join(args.out, "serve.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
