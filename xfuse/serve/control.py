@@ -35,12 +35,15 @@ class RankLost(RuntimeError):
 
     def __init__(self, ranks: list[int], timeout_s: float, cause: BaseException):
         self.ranks = ranks
+        cause_text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         if ranks:
             names = ", ".join(map(str, ranks))
-            what = f"rank{'s' if len(ranks) > 1 else ''} {names} did not answer the heartbeat"
+            what = f"rank{'s' if len(ranks) > 1 else ''} {names} did not answer the heartbeat within {timeout_s:.1f} s"
+        elif "timed out" in cause_text.lower():
+            what = f"a rank did not take rank 0's message within {timeout_s:.1f} s"
         else:
-            what = "a rank did not take rank 0's message"
-        super().__init__(f"{what} within {timeout_s:.1f} s (dead or stalled): {str(cause).splitlines()[0]}")
+            what = "a rank's connection closed under rank 0's message"
+        super().__init__(f"{what} (dead or stalled): {cause_text}")
 
 
 def peak_rss_bytes() -> int:

@@ -88,10 +88,15 @@ def server_loop(
             if answer["drain"]:  # a worker was asked to stop: the whole world drains
                 service.drain_requested = True
 
+    def draining() -> bool:
+        return drain.requested or service.drain_requested
+
     last_round = time.monotonic()
-    while not (drain.requested or service.drain_requested):
+    while not draining():
         pending = service.next_request(timeout_s=heartbeat_interval_s - (time.monotonic() - last_round))
         if pending is None:
+            if draining():
+                break
             control.post(TICK)
             answer_round()
             last_round = time.monotonic()

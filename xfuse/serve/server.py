@@ -126,7 +126,7 @@ def _say(text: str) -> None:
 def _lost_ranks(monitor, err: BaseException) -> str:
     """Name the ranks whose loss caused ``err``: `RankLost` names them; otherwise wait (briefly) for a dead or
     stopped rank's heartbeat to go stale."""
-    if isinstance(err, RankLost):
+    if isinstance(err, RankLost) and err.ranks:
         return ""
     deadline = time.monotonic() + NAMING_WAIT_S
     while time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from xfuse.serve.metrics import ServeMetrics
 from xfuse.serve.protocol import GenerationJob, RequestError, RequestLimits
 
 STARTING, READY, DRAINING, BROKEN = "starting", "ready", "draining", "broken"
+DRAIN_POLL_S = 0.1  # how soon an idle loop sees a drain request
 
 
 class Unavailable(RequestError):
@@ -137,13 +138,16 @@ class Service:
             self.metrics.ready.set(1)
 
     def next_request(self, timeout_s: float) -> PendingRequest | None:
-        """The next queued request, waiting at most ``timeout_s``; requests past their deadline are answered 503."""
+        """The next queued request, waiting at most ``timeout_s`` (``None`` sooner once a drain is requested: a
+        signal handler cannot wake a blocked ``get``); requests past their deadline are answered 503."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             try:
-                pending = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                pending = self._queue.get(timeout=max(0.0, min(DRAIN_POLL_S, deadline - time.monotonic())))
             except queue.Empty:
-                return None
+                if self.drain_requested or time.monotonic() >= deadline:
+                    return None
+                continue
             self.metrics.queue_depth.set(self._queue.qsize())
             if time.monotonic() <= pending.deadline:
                 self.running = pending
