@@ -33,14 +33,6 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _device(runtime) -> str:
-    import torch
-
-    if runtime.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return runtime.device
-
-
 def cmd_generate(args) -> int:
     """Generate one image. Under torchrun every rank runs this; rank 0 writes the PNG and reports."""
     from xfuse.launch import build_pipeline, default_size, image_call_kwargs
