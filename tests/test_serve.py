@@ -102,6 +102,12 @@ def test_plain_http_routes(world):
     assert sent > 0  # rank 1 sent hidden states back to rank 0 for every request
 
 
+def test_idle_world_answers_a_heartbeat_every_interval(world):
+    time.sleep(2.5)  # no request: only the heartbeats reach rank 1
+    ranks = httpx.get(f"{world.url}/health").json()["ranks"]
+    assert all(r["heartbeat_age_s"] < 1.5 for r in ranks), ranks  # heartbeat interval 1 s, answered every time
+
+
 def test_api_key_is_required_except_for_probes(world):
     url = world.url
     missing = httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"})
@@ -191,6 +197,29 @@ def test_eight_concurrent_openai_clients_are_all_answered(world):
     waits = sorted(r.model_extra["timings"]["queue_s"] for r in results)
     generation = max(r.model_extra["timings"]["generation_s"] for r in results)
     assert waits[-1] >= 0.5 * generation  # served one after another: the last waited behind the others
+
+
+def _generations(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return float(re.search(r"^xfuse_generation_seconds_count (\S+)", metrics, re.M).group(1))
+
+
+def test_clients_that_hang_up_do_not_hurt_the_world(world):
+    long = {"prompt": "long", "num_inference_steps": 20, "size": "256x256"}
+    before = _generations(world.url)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_generate, world.url, {**long, "seed": 1})
+        time.sleep(0.3)
+        with pytest.raises(httpx.TimeoutException):  # hangs up while its request waits in the queue
+            httpx.post(f"{world.url}/v1/images/generations", json=long, headers=world.headers, timeout=0.3)
+        assert running.result().status_code == 200
+    with pytest.raises(httpx.TimeoutException):  # hangs up while its request is being generated
+        httpx.post(f"{world.url}/v1/images/generations", json=long, headers=world.headers, timeout=0.3)
+    time.sleep(1.5)
+    assert _generate(world.url, {"prompt": "after", "seed": 2}).status_code == 200
+    assert httpx.get(f"{world.url}/health").status_code == 200
+    # The running, the hung-up running one, the last one; the one whose client left while it waited never ran.
+    assert _generations(world.url) - before == 3
 
 
 def test_full_queue_answers_429_with_retry_after(world):

@@ -86,3 +86,14 @@ def test_health_turns_503_when_idle_heartbeats_stop():
     time.sleep(1.1)  # and no answer round since: the loop stopped
     code, body = s.health()
     assert code == 503 and "has not answered a heartbeat" in body["reason"]
+
+
+def test_request_whose_client_hung_up_while_queued_is_never_taken():
+    s = service()
+    s.set_ready(LIMITS)
+    gone, kept = s.submit(JOB), s.submit(JOB)
+    assert gone.cancel()  # what the HTTP side does when the client disconnects
+    taken = s.next_request(timeout_s=0.1)
+    assert taken.future is kept and not kept.cancel()  # taken: it runs to the end, answering it cannot fail
+    s.finish(taken, GenerationResult([], 1, 0.0, 0.1))
+    assert kept.result(timeout=1).seed == 1

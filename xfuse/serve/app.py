@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import hmac
 import io
 import time
@@ -26,6 +27,7 @@ from xfuse.serve.protocol import RequestError, error_body, parse_request
 from xfuse.serve.service import BROKEN, Service
 
 PUBLIC_PATHS = frozenset({"/health", "/live", "/"})
+HANG_UP_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 def _error_response(err: RequestError) -> JSONResponse:
@@ -53,6 +55,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _wait_or_hang_up(request: Request, future: concurrent.futures.Future):
+    """The request's result; ``None`` if its client hung up while it still waited in the queue (then it is cancelled:
+    the engine loop skips it). Once generating, it runs to the end whatever the client does."""
+    waiting = asyncio.wrap_future(future)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=HANG_UP_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected() and future.cancel():  # cancel() fails once the loop has taken it
+            return None
+
+
 def _png_b64(images) -> list[str]:
     out = []
     for image in images:
@@ -75,24 +89,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
     app = FastAPI(title="xfuse", docs_url=None, redoc_url=None)  # no pages that load assets from elsewhere
     app.state.inflight = 0  # requests being answered: rank 0 lets them finish before it exits
     app.state.started = int(time.time())
-    expected = f"Bearer {api_key}".encode() if api_key else None
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        app.state.inflight += 1
-        try:
-            if expected is not None and request.url.path not in PUBLIC_PATHS:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):  # constant time
-                    body = error_body(
-                        "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                        error_type="invalid_request_error",
-                        code="invalid_api_key",
-                    )
-                    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            return await call_next(request)
-        finally:
-            app.state.inflight -= 1
+    app.add_middleware(_Gate, state=app.state, expected=f"Bearer {api_key}".encode() if api_key else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405 in OpenAI's envelope
@@ -134,7 +132,11 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
             body = await _read_body(request, max_body_bytes)
             service.check_accepting()  # 503 that says why (starting, draining, broken) before any parsing
             job = parse_request(body, service.limits)
-            result = await asyncio.wrap_future(service.submit(job))
+            future = service.submit(job)
+            result = await _wait_or_hang_up(request, future)
+            if result is None:  # the client hung up while its request waited: it never ran, nobody to answer
+                status = 499  # nginx's "client closed request", for the metrics
+                return Response(status_code=499)
             encoded = await asyncio.to_thread(_png_b64, result.images)  # off the event loop: PNG is CPU work
             service.metrics.images.inc(len(encoded))
             status = 200
@@ -155,6 +157,33 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
             service.metrics.requests.labels(str(status)).inc()
 
     return app
+
+
+class _Gate:
+    """Pure ASGI middleware (it leaves ``receive`` alone, so a handler can still see its client hang up): counts the
+    requests being answered and, with an API key, refuses non-public routes without it (401, constant-time)."""
+
+    def __init__(self, app, *, state, expected: bytes | None):
+        self.app, self.state, self.expected = app, state, expected
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.state.inflight += 1
+        try:
+            if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    body = error_body(
+                        "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                        error_type="invalid_request_error",
+                        code="invalid_api_key",
+                    )
+                    response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                    return await response(scope, receive, send)
+            return await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
 
 
 def _model_card(name: str, created: int) -> dict:

@@ -14,6 +14,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from xfuse.launch import image_call_kwargs
@@ -73,10 +74,16 @@ def run_job(pipe, job: dict[str, Any]):
 
 
 def server_loop(
-    pipe, control: ControlPlane, service: Service, *, heartbeat_interval_s: float, drain: DrainSignal
+    pipe,
+    control: ControlPlane,
+    service: Service,
+    *,
+    heartbeat_interval_s: float,
+    drain: DrainSignal,
+    http_alive: Callable[[], bool] = lambda: True,
 ) -> None:
     """Rank 0: serve until a drain is requested (on any rank), then shut every rank down in order. Raises on any
-    failure of any rank; the caller turns that into 503s and a non-zero exit."""
+    failure of any rank, or when the HTTP thread has stopped; the caller turns that into 503s and a non-zero exit."""
     metrics = service.metrics
 
     def answer_round(sent_bytes: int = 0) -> None:
@@ -97,6 +104,8 @@ def server_loop(
         if pending is None:
             if draining():
                 break
+            if not http_alive():  # nobody can reach this world any more: let it be restarted
+                raise RuntimeError("rank 0's HTTP server thread has stopped")
             control.post(TICK)
             answer_round()
             last_round = time.monotonic()

@@ -224,7 +224,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     try:
         pipe = build_pipeline(config, sections=("generation", "serve"))
         pipe.set_progress_bar_config(disable=True)
-        limits = request_limits(config, pipe) if rank == 0 else None
+        limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
     except BaseException as err:
         if service is not None:
             service.set_broken(f"start-up failed: {type(err).__name__}: {err}")
@@ -252,7 +252,14 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         flush=True,
     )
     try:
-        server_loop(pipe, control, service, heartbeat_interval_s=serve_cfg.heartbeat_interval_s, drain=drain)
+        server_loop(
+            pipe,
+            control,
+            service,
+            heartbeat_interval_s=serve_cfg.heartbeat_interval_s,
+            drain=drain,
+            http_alive=http.thread.is_alive,
+        )
     except BaseException as err:  # noqa: BLE001 - a lost rank or a failed request: the world restarts
         _fail_server(pipe, service, http, err)
     http.stop()

@@ -149,12 +149,15 @@ class Service:
                     return None
                 continue
             self.metrics.queue_depth.set(self._queue.qsize())
-            if time.monotonic() <= pending.deadline:
+            if time.monotonic() > pending.deadline:
+                waited = time.monotonic() - pending.enqueued
+                _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
+            # False: its client hung up while it waited (the HTTP side cancelled the future): never run it. From
+            # here on the future cannot be cancelled, so answering it cannot fail.
+            elif pending.future.set_running_or_notify_cancel():
                 self.running = pending
                 self.metrics.running.set(1)
                 return pending
-            waited = time.monotonic() - pending.enqueued
-            _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
 
     def finish(self, pending: PendingRequest, result: GenerationResult) -> None:
         self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s
@@ -195,7 +198,8 @@ class Service:
 
 
 def _fail(pending: PendingRequest, error: RequestError) -> int:
-    if pending.future.done():
+    try:
+        pending.future.set_exception(error)
+    except concurrent.futures.InvalidStateError:  # answered already, or cancelled by a client that hung up
         return 0
-    pending.future.set_exception(error)
     return 1
