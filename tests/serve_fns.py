@@ -49,8 +49,9 @@ class ServedWorld:
         with open(self.log_out, "w") as out, open(self.log_err, "w") as err:
             # Its own session: the whole tree (launcher and ranks) can be signalled and reaped as one group.
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=ENV, start_new_session=True)
-        self.url = self._wait_ready(start_timeout)
         self.nproc = nproc
+        self.url = self._wait_ready(start_timeout)
+        self.pids = self.rank_pids()  # torchrun starts every rank in a session of its own: track them by pid
 
     def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -96,7 +97,9 @@ class ServedWorld:
         return self.proc.wait(timeout=timeout)
 
     def close(self) -> None:
-        """Kill whatever is left of the world (its whole process group) and reap the launcher."""
+        """Kill whatever is left of the world (the launcher's process group and every rank) and reap the launcher."""
+        for pid in alive(getattr(self, "pids", {}).values()):
+            os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None or _group_alive(self.proc.pid):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -135,8 +138,21 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``."""
+def alive(pids) -> list[int]:
+    """Those of ``pids`` still running (not gone, not zombies)."""
+    out = []
+    for pid in pids:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+def left_behind(world: ServedWorld) -> list[int]:
+    """Processes of the world still running: its ranks (each in a session of its own) and its launcher's group."""
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -144,9 +160,9 @@ def group_members(pgid: int) -> list[int]:
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
+            if int(fields[2]) == world.proc.pid and fields[0] != "Z":
                 members.append(int(entry))
-    return members
+    return sorted(set(members) | set(alive(world.pids.values())))
 
 
 def peak_rss_kib(pid: int) -> int:

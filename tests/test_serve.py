@@ -16,7 +16,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve_fns import BASE_SETTINGS, ENV, ServedWorld, decode_png, group_members, peak_rss_kib
+from tests.serve_fns import BASE_SETTINGS, ENV, ServedWorld, decode_png, left_behind, peak_rss_kib
 
 API_KEY = "test-key-0123"
 # A small queue bound for the 429 test, the 8 concurrent clients still fit (1 running + 7 waiting).
@@ -317,7 +317,7 @@ def test_sigterm_drains_the_running_request_and_every_rank_exits_0(world):
         assert queued.result().status_code == 503
     assert world.wait(timeout=30) == 0, world.stderr()[-3000:]  # torchrun: every rank exited 0
     assert "drained; every rank answered the shutdown" in world.stderr()
-    assert group_members(world.proc.pid) == []  # nothing left behind
+    assert left_behind(world) == []  # nothing left behind
 
 
 def test_degree_1_serves_pixart_with_plain_python(tmp_path):

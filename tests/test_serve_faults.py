@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve_fns import ServedWorld, group_members, poll_health
+from tests.serve_fns import ServedWorld, left_behind, poll_health
 
 TIMEOUT_S = 5.0  # comm.timeout_s: a stalled peer mid-request is noticed by the data plane after this
 LONG_REQUEST = {"prompt": "long", "num_inference_steps": 100, "size": "256x256"}  # several seconds here
@@ -55,7 +55,7 @@ def test_lost_worker_is_named_and_the_world_exits_non_zero(tmp_path, sig, when):
         stderr = world.stderr()
         last_words = next(line for line in stderr.splitlines() if "rank 0 stopped serving" in line)
         assert "rank 1" in stderr[stderr.index(last_words) :].split("\n[", 1)[0], stderr[-3000:]
-        assert group_members(world.proc.pid) == []  # no orphan
+        assert left_behind(world) == []  # no orphan
     finally:
         world.close()
 
@@ -67,4 +67,4 @@ def test_sigterm_on_a_worker_drains_the_whole_world(tmp_path):
         os.kill(pids[1], signal.SIGTERM)
         assert world.wait(timeout=30) == 0, world.stderr()[-3000:]
         assert "drained; every rank answered the shutdown" in world.stderr()
-        assert group_members(world.proc.pid) == []
+        assert left_behind(world) == []

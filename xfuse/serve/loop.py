@@ -10,6 +10,7 @@ worker that returned 0 would leave rank 0 serving alone).
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import threading
@@ -21,6 +22,15 @@ from xfuse.launch import image_call_kwargs
 from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane, peak_rss_bytes
 from xfuse.serve.protocol import GenerationJob
 from xfuse.serve.service import GenerationResult, Service
+
+# Under torchrun the agent is every rank's parent. If it is killed (SIGKILL reaches no child), the ranks are
+# re-parented and would go on serving with nobody to restart them: a rank that notices stops the world.
+_LAUNCHER_PID = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def check_launcher() -> None:
+    if _LAUNCHER_PID is not None and os.getppid() != _LAUNCHER_PID:
+        raise RuntimeError(f"the launcher (torchrun agent, pid {_LAUNCHER_PID}) is gone; nothing would restart us")
 
 
 class DrainSignal:
@@ -106,6 +116,7 @@ def server_loop(
                 break
             if not http_alive():  # nobody can reach this world any more: let it be restarted
                 raise RuntimeError("rank 0's HTTP server thread has stopped")
+            check_launcher()
             control.post(TICK)
             answer_round()
             last_round = time.monotonic()
@@ -127,6 +138,7 @@ def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
     """Ranks 1..N-1: follow rank 0 until it says ``shutdown``. Raises on any failure (including rank 0's loss)."""
     while True:
         kind, payload = control.receive()
+        check_launcher()
         if kind == TICK:
             control.answer_round(_answer(pipe, drain))
         elif kind == JOB:
