@@ -202,23 +202,24 @@ class PipeFusionPipelineBase:
         gathered = self._gather(mine)
         return write_trace(path, gathered) if gathered is not None else None
 
-    def rank_stats(self) -> list[dict] | None:
-        """Per rank: bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and peak memory.
-
-        Collective: call it on every rank; global rank 0 gets the list indexed by rank, the others ``None``.
-        ``peak_rss_mib`` is the process's peak resident memory; ``peak_cuda_mib`` the peak CUDA allocation.
-        """
+    def local_stats(self) -> dict:
+        """This rank's bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and its peak
+        memory (``peak_rss_mib``: the process's peak resident memory; ``peak_cuda_mib``: the peak CUDA allocation)."""
         sent: dict[str, int] = {}
         for channels in (self.context.channels, self.context.cfg_channels):
             if channels is not None:
                 for kind, nbytes in channels.counters.sent_bytes.items():
                     sent[kind] = sent.get(kind, 0) + nbytes
-        mine = dict(
+        return dict(
             sent=sent,
             peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda" else None,
         )
-        return self._gather(mine)
+
+    def rank_stats(self) -> list[dict] | None:
+        """Every rank's `local_stats`. Collective: call it on every rank; global rank 0 gets the list indexed by
+        rank, the others ``None``."""
+        return self._gather(self.local_stats())
 
     # ------------------------------------------------------------------------------------------ collectives
     def _gather(self, value) -> list | None:

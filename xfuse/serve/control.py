@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import resource
 from datetime import timedelta
 from typing import Any
 
@@ -44,11 +43,6 @@ class RankLost(RuntimeError):
         else:
             what = "a rank's connection closed under rank 0's message"
         super().__init__(f"{what} (dead or stalled): {cause_text}")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class ControlPlane:

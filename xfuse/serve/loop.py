@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from xfuse.launch import image_call_kwargs
-from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane, peak_rss_bytes
+from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane
 from xfuse.serve.protocol import GenerationJob
 from xfuse.serve.service import GenerationResult, Service
 
@@ -52,18 +52,13 @@ class DrainSignal:
             self.service.drain_requested = True
 
 
-def _sent_bytes(pipe) -> int:
-    """Bytes this rank sent to other ranks in the pipeline's last call."""
-    channels = (pipe.context.channels, pipe.context.cfg_channels)
-    return sum(sum(c.counters.sent_bytes.values()) for c in channels if c is not None)
-
-
-def _answer(pipe, drain: DrainSignal, sent_bytes: int = 0) -> dict[str, Any]:
+def _answer(pipe, drain: DrainSignal, job_done: bool = False) -> dict[str, Any]:
+    stats = pipe.local_stats()
     return {
         "rank": pipe.context.rank,
         "drain": drain.requested,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "sent_bytes": sent_bytes,
+        "peak_rss_bytes": int(stats["peak_rss_mib"] * 2**20),
+        "sent_bytes": sum(stats["sent"].values()) if job_done else 0,  # the counters hold the last call's bytes
     }
 
 
@@ -96,8 +91,8 @@ def server_loop(
     failure of any rank, or when the HTTP thread has stopped; the caller turns that into 503s and a non-zero exit."""
     metrics = service.metrics
 
-    def answer_round(sent_bytes: int = 0) -> None:
-        answers = control.answer_round(_answer(pipe, drain, sent_bytes))
+    def answer_round(job_done: bool = False) -> None:
+        answers = control.answer_round(_answer(pipe, drain, job_done))
         now = time.monotonic()
         for answer in answers:
             metrics.answered(answer["rank"], now, answer["peak_rss_bytes"])
@@ -126,7 +121,7 @@ def server_loop(
         started = time.monotonic()
         control.post(JOB, {**job.as_dict(), "seed": seed})
         output = run_job(pipe, {**job.as_dict(), "seed": seed})
-        answer_round(_sent_bytes(pipe))
+        answer_round(job_done=True)
         last_round = time.monotonic()
         service.finish(pending, GenerationResult(output.images, seed, started - pending.enqueued, last_round - started))
     service.start_draining()
@@ -143,7 +138,7 @@ def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
             control.answer_round(_answer(pipe, drain))
         elif kind == JOB:
             run_job(pipe, payload)
-            control.answer_round(_answer(pipe, drain, _sent_bytes(pipe)))
+            control.answer_round(_answer(pipe, drain, job_done=True))
         elif kind == SHUTDOWN:
             control.answer_round(_answer(pipe, drain))
             return
