@@ -661,14 +661,15 @@ def check_world(
         )
 
     spec.skip_pairs(num_layers)  # the family's own rule on its block count
-    vae = spec.vae_scale_factor
+    vae = spec.latent_scale
     multiple = vae * patch_size
+    packing = f" x packing {spec.packing}" if spec.packing > 1 else ""
     for name, value in (("height", height), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
             lower = max(multiple, (value // multiple) * multiple) if isinstance(value, int) else multiple
             raise ConfigError(
                 f"generation.{name}",
-                f"must be a positive multiple of {multiple} pixels (VAE factor {vae} x "
+                f"must be a positive multiple of {multiple} pixels (VAE factor {spec.vae_scale_factor}{packing} x "
                 f"patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
             )
 

@@ -37,7 +37,7 @@ def default_size(config: XfuseConfig) -> tuple[int, int]:
     """(width, height) in pixels when a request names none: ``generation.width/height``, else the model's own."""
     from xfuse.models.registry import transformer_config
 
-    native = transformer_config(config.model)["sample_size"] * config.model_spec.vae_scale_factor
+    native = config.model_spec.default_side(transformer_config(config.model))
     return config.generation.width or native, config.generation.height or native
 
 

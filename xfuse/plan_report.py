@@ -40,9 +40,9 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
 def plan_report(config: XfuseConfig) -> dict:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
     spec, model = config.model_spec, transformer_config(config.model)
-    patch_size, num_layers, vae = model["patch_size"], model["num_layers"], spec.vae_scale_factor
+    patch_size, num_layers, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
-    default = model["sample_size"] * vae
+    default = spec.default_side(model)
     height, width = config.generation.height or default, config.generation.width or default
     check_world(
         config,
@@ -58,7 +58,8 @@ def plan_report(config: XfuseConfig) -> dict:
     grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size)
     dtype = getattr(torch, config.runtime.dtype)
     element = torch.empty((), dtype=dtype).element_size()
-    cfg_batch = 2 if config.generation.guidance_scale > 1 else 1  # diffusers batches [uncond, cond]
+    # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
+    cfg_batch = 2 if config.generation.guidance_scale > 1 and not spec.distilled_guidance else 1
     batch = cfg_batch // par.cfg_degree  # each CFG group runs its half
     volume = comm_volume(
         plan,
@@ -68,6 +69,7 @@ def plan_report(config: XfuseConfig) -> dict:
         latent_batch=1,
         in_channels=model["in_channels"],
         dtype_bytes=element,
+        stream_tokens={stream: sum(spec.text_lengths) for stream in plan.streams},
     )
     return dict(
         model=config.model,
@@ -82,7 +84,14 @@ def plan_report(config: XfuseConfig) -> dict:
         batch=batch,
         dtype=config.runtime.dtype,
         volume=volume,
-        kv_bytes=kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element),
+        kv_bytes=kv_buffer_bytes(
+            plan,
+            grid,
+            hidden_size=hidden,
+            batch=batch,
+            dtype_bytes=element,
+            attentions=lambda block: spec.attentions_of_block(model, block),
+        ),
         param_bytes=stage_parameter_bytes(spec, model, plan, dtype),
         config=config,
     )
@@ -149,14 +158,15 @@ def format_plan_report(r: dict) -> str:
         ),
         "",
         f"{'rank':>4}  {'blocks':<22} {'params':>12} {'K/V buffers':>12}  "
-        + "  ".join(f"{'sent ' + k:>12}" for k in KINDS)
+        + "  ".join(f"{'sent ' + k:>12}" for k in KINDS + plan.streams)
         + "   (bytes sent per denoising step)",
     ]
+    kinds = KINDS + plan.streams
     for rank in range(plan.degree):
         vol = r["volume"][rank]
         lines.append(
             f"{rank:>4}  {_ranges(plan.blocks_of(rank)):<22} {_mib(r['param_bytes'][rank]):>12} "
-            f"{_mib(r['kv_bytes'][rank]):>12}  " + "  ".join(f"{_mib(vol[k]):>12}" for k in KINDS)
+            f"{_mib(r['kv_bytes'][rank]):>12}  " + "  ".join(f"{_mib(vol[k]):>12}" for k in kinds)
         )
     total = sum(sum(v.values()) for v in r["volume"].values())
     lines.append(f"total sent per denoising step (one pipeline group): {_mib(total)}")

@@ -64,7 +64,7 @@ class HunyuanDiTStage(ShardedStage):
     """
 
     spec = HUNYUANDIT
-    blocks_attr = "blocks"
+    blocks_attrs = ("blocks",)
     embed_modules = ("pos_embed",)
     output_modules = ("norm_out", "proj_out")
 
@@ -93,6 +93,7 @@ class HunyuanDiTStage(ShardedStage):
         band: PatchBand | None,
         skips: dict[int, torch.Tensor],
         keep_kv: bool = True,
+        streams: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``segment``'s blocks on ``hidden`` (B, tokens, hidden): the band's tokens, or the whole image.
 

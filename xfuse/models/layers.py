@@ -10,8 +10,8 @@ from torch import nn
 
 def project_heads(attn: Attention, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
     """``proj(x)`` split into heads, as diffusers' ``AttnProcessor2_0`` does before attending."""
-    batch, seq, _ = x.shape
-    return proj(x).view(batch, seq, attn.heads, -1).transpose(1, 2)  # (B, S, D) -> (B, heads, S, head_dim)
+    # unflatten, not view(B, S, heads, -1): a later MMDiT patch projects a text stream of zero tokens
+    return proj(x).unflatten(-1, (attn.heads, -1)).transpose(1, 2)  # (B, S, D) -> (B, heads, S, head_dim)
 
 
 def attend(attn: Attention, query, key, value, mask: torch.Tensor | None = None) -> torch.Tensor:

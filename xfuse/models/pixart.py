@@ -36,7 +36,7 @@ class PixArtStage(ShardedStage):
     """The part of a ``PixArtTransformer2DModel`` that one pipeline rank runs (the ``Stage`` the engine calls)."""
 
     spec = PIXART_SIGMA
-    blocks_attr = "transformer_blocks"
+    blocks_attrs = ("transformer_blocks",)
     embed_modules = ("pos_embed",)
     output_modules = ("norm_out", "proj_out", "scale_shift_table")
 
@@ -103,6 +103,7 @@ class PixArtStage(ShardedStage):
         band: PatchBand | None,
         skips: dict[int, torch.Tensor],
         keep_kv: bool = True,
+        streams: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``segment``'s blocks on (B, tokens, hidden): the band's tokens, or the whole image."""
         self.kv_cache.store_whole = keep_kv

@@ -45,6 +45,17 @@ class ModelSpec:
         default_placement: used when ``parallel.placement`` is not set: ``folded`` keeps every long skip on one
             rank; without long skips it only adds hand-offs, so such families default to ``linear``.
         crosses_per_patch: what one patch sends between ranks, for the README and ``xfuse plan``.
+        num_blocks: ``transformer config -> number of blocks`` the plan places (FLUX: double + single blocks).
+        packing: latent pixels per side the pipeline folds into one transformer input token before the model
+            (FLUX packs 2x2 latents; the engine's latent grid is then ``vae_scale_factor * packing`` px per row).
+        streams: hand-off tensors a step's first patch carries besides the hidden state (an MMDiT's text stream;
+            its length is ``sum(text_lengths)`` at the defaults).
+        distilled_guidance: ``guidance_scale`` is embedded in the model (FLUX.1-dev) instead of batching
+            [uncond, cond]: the transformer batch is not doubled by it.
+        native_side: ``transformer config -> pixels`` of the default image side (what the diffusers pipeline
+            uses when no size is given).
+        attentions_of_block: ``(transformer config, block) -> `` the attention modules in that block that mix
+            image tokens, each holding a whole-image K/V buffer (SD3.5's dual-attention blocks have 2).
     """
 
     name: str
@@ -59,6 +70,23 @@ class ModelSpec:
     skip_pairs: Callable[[int], tuple[tuple[int, int], ...]]
     default_placement: str
     crosses_per_patch: str
+    num_blocks: Callable[[dict], int] = lambda config: config["num_layers"]
+    packing: int = 1
+    streams: tuple[str, ...] = ()
+    distilled_guidance: bool = False
+    native_side: Callable[[dict], int] | None = None
+    attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
+
+    @property
+    def latent_scale(self) -> int:
+        """Pixels per row (and column) of the latent the engine steps: the VAE factor times the packing."""
+        return self.vae_scale_factor * self.packing
+
+    def default_side(self, config: dict) -> int:
+        """Pixels of the default image side for a transformer ``config`` (diffusers' ``default_sample_size``)."""
+        if self.native_side is not None:
+            return self.native_side(config)
+        return config["sample_size"] * self.vae_scale_factor
 
     def placement(self, parallel) -> str:
         """``parallel.placement``, or this family's default when it is not set."""
@@ -68,7 +96,12 @@ class ModelSpec:
         """The stage plan of a ``num_layers``-block model of this family under ``parallel`` (a ParallelConfig)."""
         skips = self.skip_pairs(num_layers)
         return stage_plan(
-            num_layers, parallel.pipefusion_degree, self.placement(parallel), parallel.stage_split, skips=skips
+            num_layers,
+            parallel.pipefusion_degree,
+            self.placement(parallel),
+            parallel.stage_split,
+            skips=skips,
+            streams=self.streams,
         )
 
     def pipeline_class(self):
@@ -136,7 +169,55 @@ PIXART_SIGMA = ModelSpec(
     "(the T5 text is static: projected once per request on every rank)",
 )
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (HUNYUANDIT, PIXART_SIGMA)}
+STABLE_DIFFUSION_3 = ModelSpec(
+    name="sd3",
+    diffusers_pipeline="StableDiffusion3Pipeline",
+    diffusers_transformer="SD3Transformer2DModel",
+    pipeline="xfuse.pipelines.sd3:PipeFusionStableDiffusion3Pipeline",
+    stage="xfuse.models.sd3:SD3Stage",
+    presets=("sd3-tiny", "sd35-tiny", "sd3-small", "sd3-medium", "sd3.5-medium", "sd3.5-large"),
+    preset_module="xfuse.models.tiny_sd3",
+    vae_scale_factor=8,
+    text_lengths=(77, 256),  # CLIP-L and CLIP-G (side by side, one sequence), T5 (max_sequence_length)
+    skip_pairs=no_skips,
+    default_placement="linear",
+    crosses_per_patch="hidden states at each hand-off, plus the text stream (B, 77 + T5 tokens, hidden) with the "
+    "step's first patch only (it owns the text update; later patches reuse its text K/V); with linear placement "
+    "the stepped latent rows back to rank 0",
+    streams=("text",),
+    # SD3.5-medium's blocks listed in dual_attention_layers add an image-only self-attention (attn2)
+    attentions_of_block=lambda config, block: 2 if block in (config.get("dual_attention_layers") or ()) else 1,
+)
+
+
+def _flux_blocks(config: dict) -> int:
+    """FLUX's double-stream blocks (``num_layers``) then its single-stream blocks, indexed as one chain."""
+    return config["num_layers"] + config["num_single_layers"]
+
+
+FLUX = ModelSpec(
+    name="flux",
+    diffusers_pipeline="FluxPipeline",
+    diffusers_transformer="FluxTransformer2DModel",
+    pipeline="xfuse.pipelines.flux:PipeFusionFluxPipeline",
+    stage="xfuse.models.flux:FluxStage",
+    presets=("flux-tiny", "flux-small", "flux-dev", "flux-schnell"),
+    preset_module="xfuse.models.tiny_flux",
+    vae_scale_factor=8,
+    text_lengths=(512,),  # T5 (max_sequence_length); the CLIP prompt gives only the pooled vector
+    skip_pairs=no_skips,
+    default_placement="linear",
+    crosses_per_patch="hidden states at each hand-off, plus the text stream (B, T5 tokens, hidden) with the step's "
+    "first patch only (it owns the text update; later patches reuse its text K/V); with linear placement the "
+    "stepped packed latent rows back to rank 0",
+    num_blocks=_flux_blocks,
+    packing=2,
+    streams=("text",),
+    distilled_guidance=True,
+    native_side=lambda config: 128 * 8,  # FluxPipeline.default_sample_size x its VAE factor
+)
+
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX)}
 PRESET_MODELS: dict[str, ModelSpec] = {preset: spec for spec in MODEL_SPECS.values() for preset in spec.presets}
 _BY_PIPELINE = {spec.diffusers_pipeline: spec for spec in MODEL_SPECS.values()}
 

@@ -25,42 +25,47 @@ from xfuse.parallel.stale_kv import StaleKVCache
 class ShardedStage(nn.Module):
     """Base of a family's ``Stage``: the sharded transformer; the subclass adds the per-patch forward.
 
-    Class attributes a family sets: ``spec`` (its ``ModelSpec``), ``blocks_attr`` (the ``nn.ModuleList`` of
-    blocks), ``embed_modules`` and ``output_modules`` (attributes only the embedding / output rank keeps).
+    Class attributes a family sets: ``spec`` (its ``ModelSpec``), ``blocks_attrs`` (the ``nn.ModuleList``s of blocks,
+    indexed as one chain in this order: FLUX's double then single blocks), ``embed_modules`` and ``output_modules``
+    (attributes only the embedding / output rank keeps). ``install_processors`` puts PipeFusion's attention
+    processors into a kept block (default: self-attention ``attn1`` and cross-attention ``attn2``).
     """
 
     spec: ClassVar[ModelSpec]
-    blocks_attr: ClassVar[str]
+    blocks_attrs: ClassVar[tuple[str, ...]]
     embed_modules: ClassVar[tuple[str, ...]]
     output_modules: ClassVar[tuple[str, ...]]
 
     def __init__(self, transformer: nn.Module, plan: StagePlan, rank: int):
         super().__init__()
-        if transformer.config.num_layers != plan.num_layers:
-            raise ValueError(
-                f"stage plan is for {plan.num_layers} blocks but the transformer has {transformer.config.num_layers}"
-            )
+        num_blocks = self.spec.num_blocks(transformer.config)
+        if num_blocks != plan.num_layers:
+            raise ValueError(f"stage plan is for {plan.num_layers} blocks but the transformer has {num_blocks}")
         self.plan, self.rank = plan, rank
         self.block_ids = plan.blocks_of(rank)
-        blocks = getattr(transformer, self.blocks_attr)
-        for index in range(plan.num_layers):
+        lists = [getattr(transformer, name) for name in self.blocks_attrs]
+        places = [(blocks, i) for blocks in lists for i in range(len(blocks))]  # global index -> (list, local)
+        for index, (blocks, local) in enumerate(places):
             if index not in self.block_ids:
-                blocks[index] = nn.Identity()
+                blocks[local] = nn.Identity()
         for names, keeper in ((self.embed_modules, plan.embed_rank), (self.output_modules, plan.output_rank)):
             if rank != keeper:
                 for name in names:
                     setattr(transformer, name, None)
         self.transformer = transformer
-        self.blocks = blocks
+        self.blocks = tuple(blocks[local] for blocks, local in places)  # by global index (plain tuple: no copies)
         self.kv_cache = StaleKVCache()
         self._cross = []
         for index in self.block_ids:
-            block = blocks[index]
-            check_attention(block.attn1, cross=False)
-            check_attention(block.attn2, cross=True)
-            block.attn1.set_processor(StaleKVSelfAttnProcessor(self.kv_cache, index))
-            self._cross.append(CachedCrossAttnProcessor())
-            block.attn2.set_processor(self._cross[-1])
+            self.install_processors(self.blocks[index], index)
+
+    def install_processors(self, block: nn.Module, index: int) -> None:
+        """PipeFusion's processors for block ``index``: stale-K/V self-attention, cross-attention to static text."""
+        check_attention(block.attn1, cross=False)
+        check_attention(block.attn2, cross=True)
+        block.attn1.set_processor(StaleKVSelfAttnProcessor(self.kv_cache, index))
+        self._cross.append(CachedCrossAttnProcessor())
+        block.attn2.set_processor(self._cross[-1])
 
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every K/V of the previous one."""

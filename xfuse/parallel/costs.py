@@ -6,6 +6,8 @@ passes every hand-off once whatever the number of patches (warm-up and pipelined
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.stage_plan import StagePlan
 
@@ -21,6 +23,7 @@ def comm_volume(
     latent_batch: int | None = None,
     in_channels: int = 4,
     dtype_bytes: int = 4,
+    stream_tokens: dict[str, int] | None = None,
 ) -> dict[int, dict[str, int]]:
     """Bytes each rank sends per denoising step, by kind.
 
@@ -31,15 +34,23 @@ def comm_volume(
         latent_batch: batch of the latent the scheduler steps (images); defaults to ``batch``.
         in_channels: latent channels.
         dtype_bytes: bytes per element of the model dtype.
+        stream_tokens: tokens of each of the plan's streams (an MMDiT's text length T); a stream crosses each
+            hand-off once per step as (B, T, hidden), with the step's first patch.
 
     Returns:
-        ``{rank: {"hidden": bytes, "skip": bytes, "latent": bytes}}`` for every rank of the plan.
+        ``{rank: {"hidden": bytes, "skip": bytes, "latent": bytes, <stream>: bytes}}`` for every rank of the plan.
     """
     latent_batch = batch if latent_batch is None else latent_batch
+    stream_tokens = stream_tokens or {}
+    missing = set(plan.streams) - set(stream_tokens)
+    if missing:
+        raise ValueError(f"comm_volume: give the token count of the plan's streams {sorted(missing)}")
     activation = batch * grid.num_tokens * hidden_size * dtype_bytes  # (B, tokens, hidden)
-    volume = {rank: dict.fromkeys(KINDS, 0) for rank in range(plan.degree)}
+    volume = {rank: dict.fromkeys(KINDS + plan.streams, 0) for rank in range(plan.degree)}
     for handoff in plan.handoffs:
         volume[handoff.src_rank]["hidden"] += activation
+        for stream in plan.streams:
+            volume[handoff.src_rank][stream] += batch * stream_tokens[stream] * hidden_size * dtype_bytes
     for skip in plan.cross_rank_skips:
         volume[skip.src_rank]["skip"] += activation
     if plan.output_rank != plan.embed_rank:  # linear: the stepped latent goes back to the embedding rank
@@ -48,7 +59,16 @@ def comm_volume(
     return volume
 
 
-def kv_buffer_bytes(plan: StagePlan, grid: PatchGrid, *, hidden_size: int, batch: int, dtype_bytes: int = 4) -> dict:
-    """Bytes of the full-image stale K/V buffers each rank holds: K and V of (B, tokens, hidden) per block."""
-    per_block = 2 * batch * grid.num_tokens * hidden_size * dtype_bytes
-    return {rank: per_block * len(plan.blocks_of(rank)) for rank in range(plan.degree)}
+def kv_buffer_bytes(
+    plan: StagePlan,
+    grid: PatchGrid,
+    *,
+    hidden_size: int,
+    batch: int,
+    dtype_bytes: int = 4,
+    attentions: Callable[[int], int] = lambda block: 1,
+) -> dict:
+    """Bytes of the full-image stale K/V buffers each rank holds: K and V of (B, tokens, hidden) per attention
+    module that mixes image tokens (``attentions(block)`` of them in a block; SD3.5's dual-attention blocks: 2)."""
+    per_module = 2 * batch * grid.num_tokens * hidden_size * dtype_bytes
+    return {rank: per_module * sum(attentions(b) for b in plan.blocks_of(rank)) for rank in range(plan.degree)}

@@ -50,6 +50,9 @@ class DenoiseRequest:
             been stepped (``latents`` is then exactly the latent after that step; no patch is further yet).
         on_progress: called on every rank as ``on_progress(step)`` when this rank finished its last task of
             ``step``.
+        stream_shapes: the shape of each of the plan's streams (the hand-off tensors a step's first patch carries
+            besides the hidden state, e.g. an MMDiT's text ``(B_model, T, hidden)``), taken from this request's
+            tensors by the family's adapter.
     """
 
     latents: torch.Tensor
@@ -63,6 +66,14 @@ class DenoiseRequest:
     generator: torch.Generator | None = None
     on_step_end: Callable[[int, torch.Tensor], None] | None = None
     on_progress: Callable[[int], None] | None = None
+    stream_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _scale_model_input(scheduler, sample: torch.Tensor, t) -> torch.Tensor:
+    """``scheduler.scale_model_input`` where the scheduler has one; flow-matching schedulers have none and their
+    pipelines (SD3, FLUX) feed the latents as they are."""
+    scale = getattr(scheduler, "scale_model_input", None)
+    return sample if scale is None else scale(sample, t)
 
 
 class PipeFusionEngine:
@@ -139,11 +150,12 @@ class _Run:
         latents = request.latents
         self.latents = latents.clone() if self.me in (self.plan.output_rank, self.plan.embed_rank) else None
         self.token_cols = grid.token_cols
-        self.local: dict[Task, torch.Tensor] = {}  # hidden states handed to this same rank's next segment
+        # (hidden, streams) handed to this same rank's next segment
+        self.local: dict[Task, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
         self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
         if self.me == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
-            self.inputs[(0, None)] = request.scheduler.scale_model_input(self.latents, request.timesteps[0])
+            self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.latents, request.timesteps[0])
         self.conds: dict[int, Any] = {}
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
@@ -160,6 +172,8 @@ class _Run:
         rows = lat.shape[2] if m.patch is None else self.grid[m.patch].num_rows * self.grid.patch_size
         if m.kind == "latent":
             return (lat.shape[0], lat.shape[1], rows, lat.shape[3])  # (B, C, rows, W)
+        if m.kind in self.plan.streams:
+            return self.req.stream_shapes[m.kind]
         tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
         return (self.req.model_batch, tokens, self.stage.hidden_size)  # (B_model, tokens, hidden)
 
@@ -250,25 +264,29 @@ class _Run:
             skips[m.block] = tensor
         # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
         band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
+        streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
         if task.hop == 0:
             rows = self._model_input_rows(step, patch, by_kind.get("latent"))
             hidden = self.stage.embed(self.req.model_input(rows), band)  # (B_model, C, h, W) -> (B_model, tokens, D)
         elif "hidden" in by_kind:
             hidden = by_kind["hidden"][0][1]
+            streams = {kind: by_kind[kind][0][1] for kind in plan.streams if kind in by_kind}
         else:
-            hidden = self.local.pop(Task(step, patch, task.hop - 1))
+            hidden, streams = self.local.pop(Task(step, patch, task.hop - 1))
         segment = plan.route[task.hop]
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
         keep_kv = band is not None or (
             self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
         )
-        hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv)
+        hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv, streams)
         outgoing = {}
         for m in self.send_msgs[task]:
             if m.kind == "hidden":
                 outgoing[m] = hidden.contiguous()
             elif m.kind == "skip":
                 outgoing[m] = skips.pop(m.block).contiguous()
+            elif m.kind in plan.streams:
+                outgoing[m] = streams[m.kind].contiguous()
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
         if task.hop == len(plan.route) - 1:
@@ -277,7 +295,7 @@ class _Run:
                 if m.kind == "latent":
                     outgoing[m] = next_rows.contiguous()
         elif plan.route[task.hop + 1].rank == self.me:
-            self.local[task] = hidden  # picked up by this rank's next segment
+            self.local[task] = (hidden, streams)  # picked up by this rank's next segment
         if outgoing:
             self.outgoing[task] = outgoing
 
@@ -324,7 +342,7 @@ class _Run:
             req.on_step_end(step, self.latents)
         if step + 1 == len(req.timesteps):
             return self.latents[:, :, rows]
-        next_rows = scheduler.scale_model_input(stepped, req.timesteps[step + 1])
+        next_rows = _scale_model_input(scheduler, stepped, req.timesteps[step + 1])
         if self.plan.embed_rank == self.me:  # folded: the next step's input stays here
             self.inputs[(step + 1, patch)] = next_rows
         return next_rows

@@ -36,7 +36,7 @@ class Task:
 class Message:
     """One tensor moving between ranks. ``channel`` names its (kind, skip edge) stream between the two ranks."""
 
-    kind: str  # "hidden" | "skip" | "latent"
+    kind: str  # "hidden" | "skip" | "latent" | a stream of the plan (e.g. "text")
     src: int
     dst: int
     step: int  # diffusion step of the task that produces it
@@ -74,7 +74,8 @@ class Schedule:
         return self.plan.embed_rank if task.hop == COLLECT else self.plan.route[task.hop].rank
 
     def recvs(self, task: Task) -> list[Message]:
-        """Messages ``task`` needs before it runs, in the canonical order (latent, skips by producer, hidden)."""
+        """Messages ``task`` needs before it runs, in the canonical order (latent, skips by producer, hidden, the
+        plan's streams)."""
         plan, rank = self.plan, self.rank_of(task)
         out: list[Message] = []
         if task.hop in (0, COLLECT) and plan.output_rank != plan.embed_rank:
@@ -90,8 +91,14 @@ class Schedule:
             if edge.consumer in segment.blocks:
                 out.append(Message("skip", edge.src_rank, rank, task.step, task.patch, edge.producer))
         if task.hop > 0 and plan.route[task.hop - 1].rank != rank:
-            out.append(Message("hidden", plan.route[task.hop - 1].rank, rank, task.step, task.patch))
+            src = plan.route[task.hop - 1].rank
+            out.append(Message("hidden", src, rank, task.step, task.patch))
+            out.extend(Message(s, src, rank, task.step, task.patch) for s in self.streams_of(task))
         return out
+
+    def streams_of(self, task: Task) -> tuple[str, ...]:
+        """The plan's streams a hand-off of ``task`` carries: only the step's first patch (or whole image) owns them."""
+        return self.plan.streams if task.patch in (None, 0) else ()
 
     def sends(self, task: Task) -> list[Message]:
         """Messages ``task`` produces, in the same canonical order as the receiver's ``recvs``."""
@@ -107,7 +114,9 @@ class Schedule:
             if edge.producer in segment.blocks:
                 out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer))
         if task.hop < last and plan.route[task.hop + 1].rank != rank:
-            out.append(Message("hidden", rank, plan.route[task.hop + 1].rank, task.step, task.patch))
+            dst = plan.route[task.hop + 1].rank
+            out.append(Message("hidden", rank, dst, task.step, task.patch))
+            out.extend(Message(s, rank, dst, task.step, task.patch) for s in self.streams_of(task))
         return out
 
 

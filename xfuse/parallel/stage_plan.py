@@ -67,6 +67,9 @@ class StagePlan:
     placement: str
     route: tuple[Segment, ...]
     skips: tuple[SkipEdge, ...]
+    # Hand-off tensors besides the hidden state that only a step's first patch (and a whole-image pass) carries:
+    # an MMDiT's text stream, whose update patch 0 owns (later patches reuse its text K/V and carry no text).
+    streams: tuple[str, ...] = ()
 
     @property
     def embed_rank(self) -> int:
@@ -130,6 +133,7 @@ def stage_plan(
     stage_split: Sequence[int] | None = None,
     *,
     skips: Sequence[tuple[int, int]] = (),
+    streams: Sequence[str] = (),
 ) -> StagePlan:
     """Plan which blocks each of ``degree`` ranks runs.
 
@@ -140,6 +144,8 @@ def stage_plan(
         stage_split: optional block counts per rank. Folded: sizes of the N first-half chunks (sum = B/2; each
             rank also runs the mirror chunk). Linear: blocks per rank (sum = B).
         skips: the model's long skips as (producer, consumer) block pairs (its spec's ``skip_pairs``).
+        streams: names of the hand-off tensors the first patch of a step carries besides the hidden state (its
+            spec's ``streams``; e.g. ``("text",)``).
 
     Raises:
         ConfigError: naming ``model``, ``parallel.placement``, ``parallel.pipefusion_degree`` or
@@ -185,4 +191,7 @@ def stage_plan(
 
     owner = {b: seg.rank for seg in route for b in seg.blocks}
     edges = tuple(SkipEdge(p, c, owner[p], owner[c]) for p, c in skips)
-    return StagePlan(num_layers, degree, placement, tuple(route), edges)
+    reserved = {"hidden", "skip", "latent", "cfg"} & set(streams)
+    if reserved:
+        raise ValueError(f"stream names {sorted(reserved)} are taken by the engine's own messages")
+    return StagePlan(num_layers, degree, placement, tuple(route), edges, tuple(streams))

@@ -72,7 +72,8 @@ class PipeFusionPipelineBase:
         parallel = dataclasses.replace(parallel, placement=self.spec.placement(parallel))
         self.pipeline, self.parallel, self.comm, self.context, self.dtype = pipeline, parallel, comm, context, dtype
         config = (stage or pipeline.transformer).config
-        self.plan = self.spec.plan(config.num_layers, parallel)
+        self.num_blocks = self.spec.num_blocks(config)
+        self.plan = self.spec.plan(self.num_blocks, parallel)
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
         handshake(
             {
@@ -148,7 +149,7 @@ class PipeFusionPipelineBase:
         diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
         model_class = getattr(diffusers, cls.spec.diffusers_transformer)
         config = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
-        plan = cls.spec.plan(config["num_layers"], parallel)
+        plan = cls.spec.plan(cls.spec.num_blocks(config), parallel)
         # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
         stage = cls.spec.stage_class().from_pretrained(
             pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype
@@ -289,7 +290,7 @@ class PipeFusionPipelineBase:
             par,
             world_size=self.context.world_size,
             spec=self.spec,
-            num_layers=config.num_layers,
+            num_layers=self.num_blocks,
             patch_size=config.patch_size,
             height=height,
             width=width,
@@ -355,7 +356,7 @@ class PipeFusionPipelineBase:
 
     def _denoise(self, request: DenoiseRequest, height: int, width: int, num_inference_steps: int):
         """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
-        vae = self.spec.vae_scale_factor
+        vae = self.spec.latent_scale
         grid = patch_grid(height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size)
         shape = (grid.token_rows, grid.token_cols, tuple(request.latents.shape), request.latents.dtype)
         if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one

@@ -93,7 +93,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
             pipe.parallel,
             world_size=pipe.context.world_size,
             spec=pipe.spec,
-            num_layers=stage.num_layers,
+            num_layers=pipe.num_blocks,
             patch_size=stage.patch_size,
             height=height,
             width=width,
