@@ -1,21 +1,37 @@
 """An independent reference for PipeFusion's pipelined mode, written on diffusers alone: no xfuse code.
 
 One process, a plain loop over steps, patches and blocks, using diffusers' own transformer forward
-(``HunyuanDiT2DModel``, ``PixArtTransformer2DModel``) on each patch's latent rows with a stale-K/V self-attention
-processor of its own. It states the semantics the engine must
-have, independently of the engine's schedule, stages, channels, K/V cache and per-patch scheduler code:
+(``HunyuanDiT2DModel``, ``PixArtTransformer2DModel``, ``SD3Transformer2DModel``, ``FluxTransformer2DModel``) on each
+patch's latent rows with stale-K/V attention processors of its own. It states the semantics the engine must have,
+independently of the engine's schedule, stages, channels, K/V cache and per-patch scheduler code:
 
-* Warm-up steps ``0 … W-1`` run the whole image, like ``HunyuanDiTPipeline.__call__``; each self-attention layer
-  keeps the whole image's K/V of the last one.
+* Warm-up steps ``0 … W-1`` run the whole image, like the diffusers pipeline's ``__call__``; each attention module
+  that mixes image tokens keeps the whole image's image-token K/V of the last one.
 * Every later step runs the patches (bands of whole token rows; the first ``rows % M`` bands one row taller) in
-  order. Patch ``p``'s self-attention writes its own K/V into the layer's whole-image buffer and attends to all of
+  order. Patch ``p``'s attention writes its own image K/V into the module's whole-image buffer and attends to all of
   it: patches ``< p`` hold this step's K/V, patches ``> p`` the previous step's. Before anything was written in the
   request (``W = 0``), a patch attends only to the tokens written so far (patches ``0 … p`` of the first step).
+* Joint text-image attention (SD3, FLUX): the text K/V are never buffered, they come from the block's text input of
+  this call. Patch 0 owns the text stream: at patch 0 every block runs normally (its text input is the previous
+  block's text output at patch 0, the first block's ``context_embedder(prompt_embeds)``) and its text input is
+  recorded; at patches ``>= 1`` every block gets the text input recorded at patch 0 of the same step and its text
+  output is dropped (forward pre-hooks replace ``encoder_hidden_states``; diffusers' transformer forward is untouched).
+  Q = the band's image tokens (+ the text queries), K/V = the whole buffer's image tokens + the text K/V. SD3.5's
+  ``attn2`` (image-only self-attention) has a buffer of its own. K is buffered after the per-head q/k RMSNorm and,
+  for FLUX, after RoPE (stale rows keep their own positions).
 * From the first pipelined step on, each patch has its own copy of the scheduler, with whole-latent state cut to
   its rows, and (for schedulers that draw noise) its own generator seeded by ``M`` draws of
-  ``torch.randint(0, 2**62)`` from the user's generator, made before the first patch is stepped.
+  ``torch.randint(0, 2**62)`` from the user's generator (when there is one), made before the first patch is stepped.
 * Positions of a patch are the rows of the whole image's table (never recomputed for a band): HunyuanDiT's RoPE
-  table, PixArt's sin-cos table.
+  table, PixArt's sin-cos table, SD3's centred crop ``cropped_pos_embed`` of the whole latent, FLUX's RoPE of the
+  band's rows of the whole image's ``img_ids``.
+* Latent geometry: the token grid is ``height / vae_scale_factor / p`` by ``width / vae_scale_factor / p`` with
+  ``p`` the transformer's patch size (FLUX: 2, the 2 x 2 packing; its transformer has patch size 1). A band of token
+  rows ``[r0, r1)`` is latent rows ``[r0 p, r1 p)`` of ``(B, C, H, W)`` latents, or for FLUX's packed
+  ``(B, tokens, 4 C)`` latents the contiguous token range ``[r0 W_tok, r1 W_tok)``.
+* Guidance: classifier-free guidance runs as one batched call [uncond, cond] per band (``B' = 2 B``); so does FLUX's
+  true CFG (``true_cfg_scale > 1`` with negative embeddings), which diffusers runs as two calls, combined as
+  ``neg + true_cfg_scale * (cond - neg)``.
 """
 
 from __future__ import annotations
@@ -24,26 +40,48 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed, get_2d_sincos_pos_embed
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
 
 
 class KVBuffers:
-    """Whole-image K/V per self-attention layer and the token range the current pass covers."""
+    """Whole-image K/V per attention module and the token range (and patch) the current pass covers."""
 
     def __init__(self) -> None:
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.written: dict[int, int] = {}  # tokens [0, written) hold K/V of this request
+        self.k: dict = {}
+        self.v: dict = {}
+        self.written: dict = {}  # tokens [0, written) hold K/V of this request
         self.tokens: slice | None = None  # None: a whole-image pass
+        self.patch: int | None = None  # index of the patch in its step; None: a whole-image pass
         self.num_tokens = 0  # tokens of the whole image
+        self.text_len = 0  # text tokens of the joint attention (FLUX single blocks see [text, image] as one)
+
+    def update(self, layer, key: torch.Tensor, value: torch.Tensor, dim: int):
+        """Write this pass's image K/V (token dimension ``dim``) and return the image K/V to attend to."""
+        if self.tokens is None:  # whole image: attend to itself, keep a copy for the patches
+            self.k[layer], self.v[layer], self.written[layer] = key.clone(), value.clone(), key.shape[dim]
+            return key, value
+        start, stop = self.tokens.start, self.tokens.stop
+        if layer not in self.k:  # W = 0: nothing written yet in this request
+            shape = list(key.shape)
+            shape[dim] = self.num_tokens
+            self.k[layer], self.v[layer], self.written[layer] = (
+                torch.zeros(shape, dtype=key.dtype),
+                torch.zeros(shape, dtype=key.dtype),
+                0,
+            )
+        self.k[layer].narrow(dim, start, stop - start).copy_(key)
+        self.v[layer].narrow(dim, start, stop - start).copy_(value)
+        self.written[layer] = max(self.written[layer], stop)
+        return self.k[layer].narrow(dim, 0, self.written[layer]), self.v[layer].narrow(dim, 0, self.written[layer])
 
 
 class StaleSelfAttention:
     """diffusers' ``HunyuanAttnProcessor2_0`` / ``AttnProcessor2_0`` for self-attention (qk-norm and RoPE on q and k
     where the model has them, no mask), except that K/V go through ``KVBuffers``."""
 
-    def __init__(self, buffers: KVBuffers, layer: int) -> None:
+    def __init__(self, buffers: KVBuffers, layer) -> None:
         self.buffers, self.layer = buffers, layer
 
     def __call__(
@@ -64,26 +102,123 @@ class StaleSelfAttention:
             query, key = attn.norm_q(query), attn.norm_k(key)
         if image_rotary_emb is not None:
             query, key = apply_rotary_emb(query, image_rotary_emb), apply_rotary_emb(key, image_rotary_emb)
-        buffers, layer = self.buffers, self.layer
-        if buffers.tokens is None:  # whole image: attend to itself, keep a copy for the patches
-            buffers.k[layer], buffers.v[layer], buffers.written[layer] = key.clone(), value.clone(), key.shape[2]
-        else:
-            start, stop = buffers.tokens.start, buffers.tokens.stop
-            if layer not in buffers.k:  # W = 0: nothing written yet in this request
-                shape = (*key.shape[:2], buffers.num_tokens, key.shape[3])  # (B, heads, all tokens, D)
-                buffers.k[layer], buffers.v[layer], buffers.written[layer] = (
-                    torch.zeros(shape, dtype=key.dtype),
-                    torch.zeros(shape, dtype=key.dtype),
-                    0,
-                )
-            buffers.k[layer][:, :, start:stop] = key
-            buffers.v[layer][:, :, start:stop] = value
-            buffers.written[layer] = max(buffers.written[layer], stop)
-            key = buffers.k[layer][:, :, : buffers.written[layer]]
-            value = buffers.v[layer][:, :, : buffers.written[layer]]
+        key, value = self.buffers.update(self.layer, key, value, dim=2)
         out = F.scaled_dot_product_attention(query, key, value)  # (B, heads, S, D)
         out = out.transpose(1, 2).reshape(batch, -1, out.shape[1] * out.shape[3]).to(query.dtype)  # (B, S, heads*D)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+class StaleJointAttention:
+    """diffusers' ``JointAttnProcessor2_0`` (SD3 ``attn``: [image, text] joint attention; SD3.5 ``attn2``: image-only,
+    ``encoder_hidden_states=None``), except that the image K/V go through ``KVBuffers``: Q = [band, text],
+    K/V = [whole buffer, text]."""
+
+    def __init__(self, buffers: KVBuffers, layer) -> None:
+        self.buffers, self.layer = buffers, layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        assert attention_mask is None and not args and not kwargs
+        residual = hidden_states
+        batch = hidden_states.shape[0]
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+
+        def heads(x):  # (B, S, heads * D) -> (B, heads, S, D)
+            return x.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+
+        query, key, value = heads(query), heads(key), heads(value)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        key, value = self.buffers.update(self.layer, key, value, dim=2)
+        if encoder_hidden_states is not None:
+            text_query = heads(attn.add_q_proj(encoder_hidden_states))
+            text_key = heads(attn.add_k_proj(encoder_hidden_states))
+            text_value = heads(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                text_query = attn.norm_added_q(text_query)
+            if attn.norm_added_k is not None:
+                text_key = attn.norm_added_k(text_key)
+            query = torch.cat([query, text_query], dim=2)
+            key = torch.cat([key, text_key], dim=2)
+            value = torch.cat([value, text_value], dim=2)
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        if encoder_hidden_states is not None:  # split at the query's image length (the band's)
+            out, text_out = out[:, : residual.shape[1]], out[:, residual.shape[1] :]
+            if not attn.context_pre_only:
+                text_out = attn.to_add_out(text_out)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return (out, text_out) if encoder_hidden_states is not None else out
+
+
+class StaleFluxAttention:
+    """diffusers' ``FluxAttnProcessor`` (double blocks: text separate; single blocks: the first ``text_len`` tokens of
+    the sequence are text), except that the image K/V (after q/k RMSNorm and RoPE) go through ``KVBuffers``:
+    Q = [text, band], K/V = [text, whole buffer]."""
+
+    def __init__(self, buffers: KVBuffers, layer) -> None:
+        self.buffers, self.layer = buffers, layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        assert attention_mask is None and not attn.fused_projections
+
+        def heads(x):  # (B, S, heads * D) -> (B, S, heads, D)
+            return x.unflatten(-1, (-1, attn.head_dim))
+
+        query, key = attn.norm_q(heads(attn.to_q(hidden_states))), attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        if encoder_hidden_states is not None:  # double block
+            assert attn.added_kv_proj_dim is not None
+            text_len = encoder_hidden_states.shape[1]
+            text_query = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
+            text_key = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
+            query = torch.cat([text_query, query], dim=1)
+            key = torch.cat([text_key, key], dim=1)
+            value = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), value], dim=1)
+        else:  # single block: [text, image] as one sequence; the text length must be told
+            text_len = self.buffers.text_len
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        image_key, image_value = self.buffers.update(self.layer, key[:, text_len:], value[:, text_len:], dim=1)
+        if self.buffers.tokens is not None:
+            key = torch.cat([key[:, :text_len], image_key], dim=1)
+            value = torch.cat([value[:, :text_len], image_value], dim=1)
+        out = dispatch_attention_fn(query, key, value, attn_mask=None)  # (B, S, heads, D)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        text_out, out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
+        out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+        return out, attn.to_add_out(text_out.contiguous())
+
+
+class TextOwner:
+    """Patch 0 owns the text stream: forward pre-hooks on the blocks record each block's ``encoder_hidden_states`` at
+    patch 0 and hand the recorded one to the same block at patches ``>= 1`` (whose text output is thus dropped)."""
+
+    def __init__(self, buffers: KVBuffers, blocks) -> None:
+        self.buffers = buffers
+        self.recorded: dict[int, torch.Tensor] = {}
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._hook(index), with_kwargs=True)
+
+    def _hook(self, index):
+        def hook(module, args, kwargs):
+            return self.pre_hook(index, args, kwargs)
+
+        return hook
+
+    def pre_hook(self, index, args, kwargs):
+        assert not args and "encoder_hidden_states" in kwargs
+        if self.buffers.patch is None:  # whole image: the pipeline's own text stream
+            return None
+        if self.buffers.patch == 0:
+            self.recorded[index] = kwargs["encoder_hidden_states"]
+            return None
+        return args, kwargs | {"encoder_hidden_states": self.recorded[index]}
 
 
 def token_row_bands(token_rows: int, num_patches: int) -> list[range]:
@@ -97,29 +232,34 @@ def token_row_bands(token_rows: int, num_patches: int) -> list[range]:
     return bands
 
 
-def _rows_of_state(value, full_shape, rows: slice):
+def _rows_of_state(value, full_shape, region: tuple):
     if isinstance(value, torch.Tensor) and value.shape == full_shape:
-        return value[:, :, rows].clone()  # (B, C, H, W) -> (B, C, rows, W)
+        return value[region].clone()  # the patch's rows (B, C, rows, W) or tokens (B, tokens, C)
     if isinstance(value, list | tuple):
-        return type(value)(_rows_of_state(v, full_shape, rows) for v in value)
+        return type(value)(_rows_of_state(v, full_shape, region) for v in value)
     return value
 
 
 class BandPositions(torch.nn.Module):
-    """PixArt's ``PatchEmbed`` (projection, optional norm) adding the band's rows of the whole image's sin-cos
-    table: the table is built once for the whole image, as ``PatchEmbed.forward`` builds it for the whole image."""
+    """``PatchEmbed`` (projection, optional norm) adding the band's rows of the whole image's position table: PixArt's
+    sin-cos table built once for the whole image, as ``PatchEmbed.forward`` builds it for the whole image; SD3's
+    (``pos_embed_max_size``) centred crop of the max grid for the whole latent, ``cropped_pos_embed(H, W)``."""
 
     def __init__(self, embed, buffers: KVBuffers, token_rows: int, token_cols: int) -> None:
         super().__init__()
         self.embed, self.buffers = embed, buffers
-        table = get_2d_sincos_pos_embed(
-            embed.pos_embed.shape[-1],
-            (token_rows, token_cols),
-            base_size=embed.base_size,
-            interpolation_scale=embed.interpolation_scale,
-            output_type="pt",
-        )
-        self.table = table.float().unsqueeze(0)  # (1, tokens, D)
+        if embed.pos_embed_max_size:  # SD3: never the band's own (centred) crop
+            patch = embed.patch_size
+            self.table = embed.cropped_pos_embed(token_rows * patch, token_cols * patch)  # (1, tokens, D)
+        else:
+            table = get_2d_sincos_pos_embed(
+                embed.pos_embed.shape[-1],
+                (token_rows, token_cols),
+                base_size=embed.base_size,
+                interpolation_scale=embed.interpolation_scale,
+                output_type="pt",
+            )
+            self.table = table.float().unsqueeze(0)  # (1, tokens, D)
 
     def forward(self, latent):
         x = self.embed.proj(latent).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
@@ -129,12 +269,17 @@ class BandPositions(torch.nn.Module):
         return (x + (self.table if tokens is None else self.table[:, tokens])).to(x.dtype)
 
 
+def _cfg_input(latents, t, scheduler, do_cfg):
+    latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
+    return scheduler.scale_model_input(latent_model_input, t)
+
+
 def _hunyuandit(transformer, inputs, buffers, token_rows, token_cols):
     """Lines of HunyuanDiTPipeline.__call__ (steps 7-8): the whole image's RoPE table, one noise prediction."""
     for layer, block in enumerate(transformer.blocks):
         block.attn1.set_processor(StaleSelfAttention(buffers, layer))
     patch_size = transformer.config.patch_size
-    base_size = 512 // 8 // patch_size
+    base_size = 512 // 8 // patch_size  # as the pipeline (hard-coded 8 there too)
     crops = get_resize_crop_region_for_grid((token_rows, token_cols), base_size)
     cos, sin = get_2d_rotary_pos_embed(
         transformer.inner_dim // transformer.num_heads, crops, (token_rows, token_cols), output_type="pt"
@@ -147,7 +292,8 @@ def _hunyuandit(transformer, inputs, buffers, token_rows, token_cols):
         "text_embedding_mask_t5": inputs["prompt_attention_mask_2"],
     }
 
-    def predict(latent_model_input, t, tokens):
+    def predict(latents, t, scheduler, tokens):
+        latent_model_input = _cfg_input(latents, t, scheduler, guidance_scale > 1)
         t_expand = torch.tensor([t] * latent_model_input.shape[0]).to(dtype=latent_model_input.dtype)
         rope = (cos, sin) if tokens is None else (cos[tokens], sin[tokens])  # (tokens, head_dim) rows
         noise_pred = transformer(latent_model_input, t_expand, image_rotary_emb=rope, return_dict=False, **text)[0]
@@ -167,7 +313,8 @@ def _pixart(transformer, inputs, buffers, token_rows, token_cols):
     transformer.pos_embed = BandPositions(transformer.pos_embed, buffers, token_rows, token_cols)
     guidance_scale = inputs["guidance_scale"]
 
-    def predict(latent_model_input, t, tokens):
+    def predict(latents, t, scheduler, tokens):
+        latent_model_input = _cfg_input(latents, t, scheduler, guidance_scale > 1)
         noise_pred = transformer(
             latent_model_input,
             encoder_hidden_states=inputs["prompt_embeds"],
@@ -186,61 +333,157 @@ def _pixart(transformer, inputs, buffers, token_rows, token_cols):
     return predict
 
 
-FAMILIES = {"HunyuanDiTPipeline": _hunyuandit, "PixArtSigmaPipeline": _pixart}
+def _sd3(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of StableDiffusion3Pipeline.__call__ (step 7, no skip-layer guidance, no IP-adapter): joint attention
+    with stale image K/V (``attn``, and SD3.5's ``attn2`` with a buffer of its own), patch 0 owning the text stream,
+    positions the band's rows of the whole latent's crop. FlowMatch has no ``scale_model_input``."""
+    for index, block in enumerate(transformer.transformer_blocks):
+        block.attn.set_processor(StaleJointAttention(buffers, ("attn", index)))
+        if block.attn2 is not None:
+            block.attn2.set_processor(StaleJointAttention(buffers, ("attn2", index)))
+    TextOwner(buffers, transformer.transformer_blocks)
+    transformer.pos_embed = BandPositions(transformer.pos_embed, buffers, token_rows, token_cols)
+    guidance_scale = inputs["guidance_scale"]
+
+    def predict(latents, t, scheduler, tokens):
+        latent_model_input = torch.cat([latents] * 2) if guidance_scale > 1 else latents
+        noise_pred = transformer(
+            hidden_states=latent_model_input,
+            timestep=t.expand(latent_model_input.shape[0]),
+            encoder_hidden_states=inputs["prompt_embeds"],
+            pooled_projections=inputs["pooled_prompt_embeds"],
+            joint_attention_kwargs=None,
+            return_dict=False,
+        )[0]
+        if guidance_scale > 1:
+            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+            noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+        return noise_pred
+
+    return predict
+
+
+def _flux(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of FluxPipeline.__call__ (step 6, no IP-adapter) on packed latents: double and single blocks with stale
+    image K/V after RoPE, patch 0 owning the text stream, ``img_ids`` the band's rows of the whole image's ids. True
+    CFG is batched [neg, cond] in one call (diffusers makes two calls)."""
+    for index, block in enumerate(transformer.transformer_blocks):
+        block.attn.set_processor(StaleFluxAttention(buffers, ("double", index)))
+    for index, block in enumerate(transformer.single_transformer_blocks):
+        block.attn.set_processor(StaleFluxAttention(buffers, ("single", index)))
+    TextOwner(buffers, [*transformer.transformer_blocks, *transformer.single_transformer_blocks])
+    img_ids, txt_ids = inputs["latent_image_ids"], inputs["text_ids"]
+    assert img_ids.shape[0] == token_rows * token_cols, (img_ids.shape, token_rows, token_cols)
+    prompt_embeds, pooled, guidance = inputs["prompt_embeds"], inputs["pooled_prompt_embeds"], inputs["guidance"]
+    true_cfg_scale = inputs.get("true_cfg_scale", 1.0)
+    true_cfg = true_cfg_scale > 1 and inputs.get("negative_prompt_embeds") is not None
+    if true_cfg:  # one batched call [neg, cond]; both padded to the same length, text ids zeros for both
+        assert inputs["negative_text_ids"].shape == txt_ids.shape
+        prompt_embeds = torch.cat([inputs["negative_prompt_embeds"], prompt_embeds])
+        pooled = torch.cat([inputs["negative_pooled_prompt_embeds"], pooled])
+        guidance = None if guidance is None else torch.cat([guidance] * 2)
+    buffers.text_len = prompt_embeds.shape[1]
+
+    def predict(latents, t, scheduler, tokens):
+        latent_model_input = torch.cat([latents] * 2) if true_cfg else latents
+        timestep = t.expand(latent_model_input.shape[0]).to(latents.dtype)
+        noise_pred = transformer(
+            hidden_states=latent_model_input,
+            timestep=timestep / 1000,
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids if tokens is None else img_ids[tokens],
+            joint_attention_kwargs=None,
+            return_dict=False,
+        )[0]
+        if true_cfg:
+            neg_noise_pred, noise_pred = noise_pred.chunk(2)
+            noise_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
+        return noise_pred
+
+    return predict
+
+
+# family, and whether its latents are FLUX's packed (B, tokens, 4 C) rather than (B, C, H, W)
+FAMILIES = {
+    "HunyuanDiTPipeline": (_hunyuandit, False),
+    "PixArtSigmaPipeline": (_pixart, False),
+    "StableDiffusion3Pipeline": (_sd3, False),
+    "FluxPipeline": (_flux, True),
+}
 
 
 def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int):
     """Final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps (module docstring).
 
-    ``pipe``: a diffusers ``HunyuanDiTPipeline`` or ``PixArtSigmaPipeline`` (its transformer is deep-copied, never
-    modified). ``inputs``: the tensors its ``__call__`` would prepare (latents after ``init_noise_sigma``,
-    timesteps, text batched [uncond, cond] with its masks, HunyuanDiT's ``image_meta_size`` and ``style``,
-    ``guidance_scale``, ``extra_step_kwargs``, ``generator``).
+    ``pipe``: a diffusers ``HunyuanDiTPipeline``, ``PixArtSigmaPipeline``, ``StableDiffusion3Pipeline`` or
+    ``FluxPipeline`` (its transformer is deep-copied, never modified; its scheduler, after ``set_timesteps``, is
+    deep-copied). ``inputs``: the tensors its ``__call__`` would prepare:
+
+    * HunyuanDiT / PixArt: ``latents`` (after ``init_noise_sigma``), ``timesteps``, ``prompt_embeds`` and
+      ``prompt_attention_mask`` batched [uncond, cond] when ``guidance_scale > 1`` (HunyuanDiT also
+      ``prompt_embeds_2``, ``prompt_attention_mask_2``, ``image_meta_size``, ``style``), ``guidance_scale``,
+      ``extra_step_kwargs``, ``generator``.
+    * SD3: ``latents`` (B, C, H, W), ``timesteps``, ``prompt_embeds`` (B', T, joint_attention_dim) and
+      ``pooled_prompt_embeds`` (B', pooled), both batched [uncond, cond] when ``guidance_scale > 1``,
+      ``guidance_scale``, ``extra_step_kwargs`` (``{}``), ``generator`` (may be None).
+    * FLUX: ``latents`` packed (B, tokens, 4 C), ``latent_image_ids`` (tokens, 3) of the whole image, ``timesteps``
+      (set with the pipeline's ``mu``; ``set_begin_index(0)`` as the pipeline does), ``prompt_embeds`` (B, T, D),
+      ``pooled_prompt_embeds`` (B, pooled), ``text_ids`` (T, 3), ``guidance`` ((B,) tensor, or None without
+      ``guidance_embeds``), ``true_cfg_scale`` (default 1) with ``negative_prompt_embeds``,
+      ``negative_pooled_prompt_embeds``, ``negative_text_ids`` when true CFG is on (unbatched: the oracle batches
+      [neg, cond]), ``extra_step_kwargs`` (``{}``), ``generator`` (may be None).
     """
     transformer = copy.deepcopy(pipe.transformer)
     buffers = KVBuffers()
-    patch_size = transformer.config.patch_size
-    token_rows, token_cols = height // 8 // patch_size, width // 8 // patch_size
+    family, packed = FAMILIES[type(pipe).__name__]
+    patch_size = 2 if packed else transformer.config.patch_size  # latent rows per token row
+    vae_scale_factor = pipe.vae_scale_factor
+    token_rows, token_cols = height // vae_scale_factor // patch_size, width // vae_scale_factor // patch_size
     buffers.num_tokens = token_rows * token_cols
-    predict = FAMILIES[type(pipe).__name__](transformer, inputs, buffers, token_rows, token_cols)
+    predict = family(transformer, inputs, buffers, token_rows, token_cols)
     bands = token_row_bands(token_rows, num_patches)
-    do_cfg = inputs["guidance_scale"] > 1
 
-    def noise_prediction(latents, t, scheduler, tokens: slice | None):
+    def region(band: range) -> tuple:
+        """The band's part of the latents: token range of packed latents, latent rows of (B, C, H, W) ones."""
+        if packed:
+            return (slice(None), slice(band.start * token_cols, band.stop * token_cols))
+        return (slice(None), slice(None), slice(band.start * patch_size, band.stop * patch_size))
+
+    def noise_prediction(latents, t, scheduler, tokens: slice | None, patch: int | None):
         """The pipeline's loop body up to the scheduler step, on ``latents`` (whole image or one band)."""
-        latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
-        latent_model_input = scheduler.scale_model_input(latent_model_input, t)
-        buffers.tokens = tokens
-        return predict(latent_model_input, t, tokens)
+        buffers.tokens, buffers.patch = tokens, patch
+        return predict(latents, t, scheduler, tokens)
 
     scheduler = copy.deepcopy(pipe.scheduler)
     latents = inputs["latents"].clone()
+    assert latents.shape[1 if packed else 2] == (token_rows * token_cols if packed else token_rows * patch_size)
     step_kwargs = dict(inputs["extra_step_kwargs"])
     patch_schedulers = patch_kwargs = None
     with torch.no_grad():
         for step, t in enumerate(inputs["timesteps"]):
             if step < warmup:
-                noise = noise_prediction(latents, t, scheduler, None)
+                noise = noise_prediction(latents, t, scheduler, None, None)
                 latents = scheduler.step(noise, t, latents, **step_kwargs, return_dict=False)[0]
                 continue
             if patch_schedulers is None:  # first pipelined step
-                rows = [slice(b.start * patch_size, b.stop * patch_size) for b in bands]  # latent rows
+                regions = [region(b) for b in bands]
                 patch_schedulers = []
-                for r in rows:
+                for r in regions:
                     patch_scheduler = copy.copy(scheduler)
                     for name, value in vars(scheduler).items():
                         setattr(patch_scheduler, name, _rows_of_state(copy.deepcopy(value), latents.shape, r))
                     patch_schedulers.append(patch_scheduler)
-                generator = inputs["generator"]
-                seeds = torch.randint(0, 2**62, (num_patches,), generator=generator).tolist()
-                patch_kwargs = [
-                    step_kwargs | {"generator": torch.Generator().manual_seed(s)}
-                    if "generator" in step_kwargs
-                    else step_kwargs
-                    for s in seeds
-                ]
-            for band, r, patch_scheduler, kwargs in zip(bands, rows, patch_schedulers, patch_kwargs):
+                generator = inputs.get("generator")
+                patch_kwargs = [step_kwargs] * num_patches
+                if generator is not None:
+                    seeds = torch.randint(0, 2**62, (num_patches,), generator=generator).tolist()
+                    if "generator" in step_kwargs:
+                        patch_kwargs = [step_kwargs | {"generator": torch.Generator().manual_seed(s)} for s in seeds]
+            for p, (band, r, patch_scheduler, kwargs) in enumerate(zip(bands, regions, patch_schedulers, patch_kwargs)):
                 tokens = slice(band.start * token_cols, band.stop * token_cols)
-                noise = noise_prediction(latents[:, :, r], t, patch_scheduler, tokens)
-                latents[:, :, r] = patch_scheduler.step(noise, t, latents[:, :, r], **kwargs, return_dict=False)[0]
+                noise = noise_prediction(latents[r], t, patch_scheduler, tokens, p)
+                latents[r] = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]
     return latents

@@ -89,7 +89,8 @@ class PipeFusionPipelineBase:
         stage_class = self.spec.stage_class()
         self.stage = (stage or stage_class(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
-        self.default_sample_size = config.sample_size  # what diffusers derives from the transformer
+        # What diffusers derives from the transformer (FluxPipeline: a constant; the spec knows which).
+        self.default_sample_size = self.spec.default_side(config) // self.spec.vae_scale_factor
         if not context.is_output:
             for name in self.rank0_components:
                 setattr(pipeline, name, None)
@@ -296,8 +297,7 @@ class PipeFusionPipelineBase:
             width=width,
         )
         if latents is not None:
-            vae = self.spec.vae_scale_factor
-            shape = (batch_size * num_images_per_prompt, config.in_channels, height // vae, width // vae)
+            shape = self._latents_shape(batch_size * num_images_per_prompt, height, width)
             if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
                 raise ValueError(
                     f"latents must be a tensor of shape {shape} for this request "
@@ -319,6 +319,11 @@ class PipeFusionPipelineBase:
             "generator",
             [None if g is None else hashlib.sha1(g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens],
         )
+
+    def _latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        """The shape of the ``latents`` argument diffusers' pipeline takes for this request."""
+        vae = self.spec.vae_scale_factor
+        return (batch, self.stage.config.in_channels, height // vae, width // vae)
 
     def _begin_call(self) -> None:
         self._interrupt, self._callback_error = False, None
@@ -372,6 +377,50 @@ class PipeFusionPipelineBase:
         finally:
             if progress is not None:
                 progress.close()
+
+    def _step_end_callback(self, callback, tensor_inputs, timesteps, named: dict, latents_view=None):
+        """The engine's ``on_step_end`` for diffusers' ``callback_on_step_end`` (``None`` when there is none or this
+        rank does not step the scheduler): the callback reads copies of the tensors ``named`` (name -> tensor; the
+        latents are filled in per step, through ``latents_view`` into the shape diffusers' loop has them). After a
+        refused change the loop finishes without further callbacks and ``_finish`` raises."""
+        if callback is None or not self._observer():
+            return None
+
+        def on_step_end(step, current):
+            if self._callback_error is None:
+                latents = current.clone() if latents_view is None else latents_view(current)
+                self._callback_error = self._run_callback(
+                    callback, tensor_inputs, step, timesteps[step], dict(named, latents=latents)
+                )
+
+        return on_step_end
+
+    def _run_callback(self, callback, tensor_inputs, step, t, names: dict) -> ValueError | None:
+        """Run the user's callback on the tensors; return the error to raise if it changed any."""
+        kwargs = {k: names[k] for k in tensor_inputs}
+        given = dict(kwargs)
+        outputs = callback(self, step, t, kwargs) or {}
+        for key, value in outputs.items():
+            original = given.get(key)
+            if value is not original and not (
+                isinstance(value, torch.Tensor) and original is not None and torch.equal(value, original)
+            ):
+                return ValueError(
+                    f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
+                    "cannot apply it (later patches are already in flight)"
+                )
+        if self._interrupt:
+            return ValueError(
+                "callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop mid-pipeline"
+            )
+        return None
+
+    @staticmethod
+    def _refuse(**unsupported) -> None:
+        """Raise naming the first diffusers argument given a value xfuse cannot honour (each with its reason)."""
+        for name, (value, default, why) in unsupported.items():
+            if value is not default and value != default:
+                raise ValueError(f"{name} is not supported by PipeFusion ({why}); leave it at {default!r}")
 
     def _finish(self, result: Any):
         """After the loop: raise a refused callback change (every peer is done by now), else return the result."""

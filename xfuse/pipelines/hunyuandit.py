@@ -241,20 +241,17 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
             )
 
             # 5. The denoising loop: xfuse's engine.
-            on_step_end = None
-            if callback_on_step_end is not None and self._observer():
-
-                def on_step_end(step, current):
-                    if self._callback_error is None:  # after a refused change, the loop finishes without callbacks
-                        self._callback_error = self._run_callback(
-                            callback_on_step_end,
-                            callback_on_step_end_tensor_inputs,
-                            step,
-                            timesteps[step],
-                            current,
-                            batched,
-                            text,
-                        )
+            on_step_end = self._step_end_callback(
+                callback_on_step_end,
+                callback_on_step_end_tensor_inputs,
+                timesteps,
+                {
+                    "prompt_embeds": batched["prompt_embeds"],
+                    "prompt_embeds_2": batched["prompt_embeds_2"],
+                    "negative_prompt_embeds": text.get("negative_prompt_embeds"),
+                    "negative_prompt_embeds_2": text.get("negative_prompt_embeds_2"),
+                },
+            )
 
             request = denoise_request(
                 self.stage,
@@ -288,29 +285,3 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
         if not return_dict:
             return (image, has_nsfw_concept)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=has_nsfw_concept)
-
-    def _run_callback(self, callback, tensor_inputs, step, t, current, batched, text) -> ValueError | None:
-        """Run the user's callback on a copy of the tensors; return the error to raise if it changed any."""
-        names = {
-            "latents": current.clone(),
-            "prompt_embeds": batched["prompt_embeds"],
-            "prompt_embeds_2": batched["prompt_embeds_2"],
-            "negative_prompt_embeds": text.get("negative_prompt_embeds"),
-            "negative_prompt_embeds_2": text.get("negative_prompt_embeds_2"),
-        }
-        kwargs = {k: names[k] for k in tensor_inputs}
-        outputs = callback(self, step, t, dict(kwargs)) or {}
-        for key, value in outputs.items():
-            original = current if key == "latents" else kwargs.get(key)
-            if value is not kwargs.get(key) and not (
-                isinstance(value, torch.Tensor) and original is not None and torch.equal(value, original)
-            ):
-                return ValueError(
-                    f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
-                    "cannot apply it (later patches are already in flight)"
-                )
-        if self._interrupt:
-            return ValueError(
-                "callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop mid-pipeline"
-            )
-        return None
