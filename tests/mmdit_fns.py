@@ -104,8 +104,9 @@ def grid_of(spec, pipe, height, width, num_patches):
     return patch_grid(height // scale, width // scale, num_patches, pipe.transformer.config.patch_size)
 
 
-def run_engine(preset, degree, num_patches, warmup, *, height, width, steps, cfg, placement="linear"):
-    """PipeFusion on ranks 0 … degree-1 of the world (the others idle); rank 0 returns the final latents."""
+def run_engine(preset, degree, num_patches, warmup, *, height, width, steps, cfg, placement="linear", counters=False):
+    """PipeFusion on ranks 0 … degree-1 of the world (the others idle); rank 0 returns the final latents (with
+    ``counters``: every rank of the pipeline returns ``(latents, its channels' counters)``)."""
     from xfuse.comm.p2p import P2PChannels
     from xfuse.config import ParallelConfig
     from xfuse.models.registry import model_spec
@@ -121,6 +122,7 @@ def run_engine(preset, degree, num_patches, warmup, *, height, width, steps, cfg
     inputs = prepare_inputs(pipe, height=height, width=width, steps=steps, cfg=cfg)
     grid = grid_of(spec, pipe, height, width, num_patches)
     try:
-        return engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup, channels, rank)
+        out = engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup, channels, rank)
+        return (out, channels.counters.as_dict()) if counters else out
     finally:
         channels.close()

@@ -180,3 +180,26 @@ def test_plan_and_generate_detect_pixart_from_the_folder(tmp_path):
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert f"wrote {output}: 96x128, 3 steps" in generated.stdout and "linear" in generated.stdout
     assert np.asarray(Image.open(output)).shape == (128, 96, 3)
+
+
+@pytest.mark.parametrize(
+    "preset, family, blocks",
+    [("sd35-tiny", "sd3", "4 blocks"), ("flux-tiny", "flux", "5 blocks")],
+)
+def test_plan_and_generate_detect_the_mmdit_families_from_the_folder(tmp_path, preset, family, blocks):
+    """SD3.5 and FLUX folders: the family from model_index.json, the text stream in the plan, a PNG under torchrun."""
+    from xfuse.models.registry import PRESET_MODELS
+
+    module = __import__(PRESET_MODELS[preset].preset_module, fromlist=["save_preset_pipeline"])
+    folder = module.save_preset_pipeline(tmp_path / preset, preset)
+    planned = xfuse("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
+    assert planned.returncode == 0, planned.stderr
+    assert f"({family}): {blocks}" in planned.stdout and "placement linear" in planned.stdout
+    assert "sent text" in planned.stdout and "the text stream" in planned.stdout
+    output = tmp_path / f"{preset}.png"
+    settings = ("parallel.pipefusion_degree=2", "generation.height=128", "generation.width=96")
+    sets = [arg for value in (*settings, "generation.num_inference_steps=3") for arg in ("--set", value)]
+    generated = torchrun("-m", "xfuse", "generate", "--set", f"model={folder}", *sets, "--output", str(output))
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert f"wrote {output}: 96x128, 3 steps" in generated.stdout
+    assert np.asarray(Image.open(output)).shape == (128, 96, 3)

@@ -174,6 +174,27 @@ def test_pipelined_equals_the_oracle(world4, preset, warmup):
 
 
 @pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])
+def test_counted_bytes_equal_comm_volume_text_included(world4, preset):
+    """Pipelined (W = 1, M = 3) at degree 4: every rank's bytes by kind, the text stream's included, are what
+    ``comm_volume`` (and so ``xfuse plan``) says: the text crosses each hand-off once per step, with patch 0."""
+    from xfuse.parallel.costs import comm_volume
+
+    spec, pipe = model_spec(preset), tiny(preset)
+    results = world4.run_ok(run_engine, preset, 4, 3, 1, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0,
+                            counters=True)  # fmt: skip
+    inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)
+    grid, config = grid_of(spec, pipe, HEIGHT, WIDTH, 3), pipe.transformer.config
+    text_tokens = inputs["prompt_embeds"].shape[1]  # SD3: 77 CLIP + 16 T5 tokens; FLUX: 16 T5 tokens
+    volume = comm_volume(plan_of(preset, 4), grid, hidden_size=config.num_attention_heads * config.attention_head_dim,
+                         batch=2, latent_batch=1, in_channels=config.in_channels,
+                         stream_tokens={"text": text_tokens})  # fmt: skip
+    for rank in range(4):
+        sent = results[rank][1]["sent_bytes"]
+        assert {k: v for k, v in sent.items() if v} == {k: v * STEPS for k, v in volume[rank].items() if v}, rank
+    assert volume[0]["text"] == 2 * text_tokens * config.num_attention_heads * config.attention_head_dim * 4
+
+
+@pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])
 def test_oracle_catches_text_recomputed_per_patch(monkeypatch, preset):
     """Injected bug: every patch runs the text stream itself (no single owner), as xDiT's FLUX path does."""
     spec, pipe = model_spec(preset), tiny(preset)

@@ -332,6 +332,18 @@ def test_degree_1_serves_pixart_with_plain_python(tmp_path):
         assert served.wait(timeout=30) == 0, served.stderr()[-3000:]
 
 
+@pytest.mark.parametrize("preset", ["sd35-tiny", "flux-tiny"])
+def test_the_mmdit_families_serve_under_torchrun(tmp_path, preset):
+    """SD3.5 and FLUX through the same command: 2 ranks (the text stream crosses them), the openai client."""
+    settings = (f"model={preset}", "parallel.pipefusion_degree=2", "generation.width=96", "generation.height=128")
+    with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        result = client.images.generate(model=preset, prompt="a lake", size="96x128", n=2, extra_body={"seed": 4})
+        assert [decode_png(image.b64_json).size for image in result.data] == [(96, 128)] * 2
+        os.kill(served.rank_pids()[0], signal.SIGTERM)  # rank 0 drains the world
+        assert served.wait(timeout=60) == 0, served.stderr()[-3000:]
+
+
 def test_bad_serve_config_is_refused_before_start(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "xfuse", "serve", "--set", "serve.max_queue=0", "--port", "0"],

@@ -60,6 +60,7 @@ def cmd_generate(args) -> int:
             num_inference_steps=gen.num_inference_steps,
             guidance_scale=gen.guidance_scale,
             seed=gen.seed,
+            spec=pipe.spec,
         )
     )
     wall = time.perf_counter() - start

@@ -6,10 +6,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xfuse.config import XfuseConfig
 from xfuse.health import flatten
+
+if TYPE_CHECKING:
+    from xfuse.models.registry import ModelSpec
 
 
 def build_pipeline(config: XfuseConfig, *, sections: tuple[str, ...] = ("generation",)):
@@ -51,8 +54,10 @@ def image_call_kwargs(
     guidance_scale: float,
     seed: int,
     num_images: int = 1,
+    spec: ModelSpec,
 ) -> dict[str, Any]:
-    """The pipeline call for one request: the diffusers arguments every family takes."""
+    """The pipeline call for one request: the diffusers arguments every family takes (and, for a ``spec`` whose
+    pipeline bins sizes, binning off)."""
     import torch
 
     return dict(
@@ -65,5 +70,6 @@ def image_call_kwargs(
         guidance_scale=guidance_scale,
         num_images_per_prompt=num_images,
         generator=torch.Generator().manual_seed(seed),
-        use_resolution_binning=False,  # the size asked for, not the nearest of the model's trained sizes
+        # the size asked for, not the nearest of the model's trained sizes
+        **({"use_resolution_binning": False} if spec.resolution_binning else {}),
     )

@@ -54,6 +54,7 @@ class ModelSpec:
             [uncond, cond]: the transformer batch is not doubled by it.
         native_side: ``transformer config -> pixels`` of the default image side (what the diffusers pipeline
             uses when no size is given).
+        resolution_binning: the diffusers pipeline takes ``use_resolution_binning`` (the CLI and serve turn it off).
         attentions_of_block: ``(transformer config, block) -> `` the attention modules in that block that mix
             image tokens, each holding a whole-image K/V buffer (SD3.5's dual-attention blocks have 2).
     """
@@ -76,6 +77,7 @@ class ModelSpec:
     distilled_guidance: bool = False
     native_side: Callable[[dict], int] | None = None
     attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
+    resolution_binning: bool = False
 
     @property
     def latent_scale(self) -> int:
@@ -149,6 +151,7 @@ HUNYUANDIT = ModelSpec(
     text_lengths=(77, 256),  # BERT, mT5
     skip_pairs=hunyuandit_skip_pairs,
     default_placement="folded",
+    resolution_binning=True,
     crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks "
     "and the stepped latent rows back to rank 0",
 )
@@ -165,6 +168,7 @@ PIXART_SIGMA = ModelSpec(
     text_lengths=(300,),  # T5 (PixArtSigmaPipeline's default max_sequence_length)
     skip_pairs=no_skips,
     default_placement="linear",
+    resolution_binning=True,
     crosses_per_patch="hidden states at each hand-off; with linear placement the stepped latent rows back to rank 0 "
     "(the T5 text is static: projected once per request on every rank)",
 )

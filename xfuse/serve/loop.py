@@ -74,6 +74,7 @@ def run_job(pipe, job: dict[str, Any]):
             guidance_scale=job["guidance_scale"],
             seed=job["seed"],
             num_images=job["num_images"],
+            spec=pipe.spec,
         )
     )
 
