@@ -131,6 +131,11 @@ def test_generate_refuses_a_world_that_does_not_match():
         ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
         ("examples/from_diffusers.py", ["tiny"]),
         ("examples/pixart_pipefusion.py", ["--model", "pixart-tiny", "--steps", "2", "--output"]),
+        ("examples/sd3_pipefusion.py", ["--model", "sd35-tiny", "--steps", "2", "--output"]),
+        (
+            "examples/flux_pipefusion.py",
+            ["--model", "flux-tiny", "--steps", "2", "--true-cfg", "2", "--negative-prompt", "dark", "--output"],
+        ),
     ],
 )
 def test_examples_run_under_torchrun(tmp_path, script, args):

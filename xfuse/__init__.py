@@ -1,12 +1,19 @@
-"""xfuse: PipeFusion patch-level pipeline parallelism for diffusion transformers (HunyuanDiT, PixArt-Σ)."""
+"""xfuse: PipeFusion patch-level pipeline parallelism for diffusion transformers (HunyuanDiT, PixArt-Σ, SD3/SD3.5,
+FLUX.1)."""
 
 __version__ = "0.1.0"
-__all__ = ["PipeFusionHunyuanDiTPipeline", "PipeFusionPixArtSigmaPipeline", "__version__"]
+PIPELINES = (
+    "PipeFusionHunyuanDiTPipeline",
+    "PipeFusionPixArtSigmaPipeline",
+    "PipeFusionStableDiffusion3Pipeline",
+    "PipeFusionFluxPipeline",
+)
+__all__ = [*PIPELINES, "__version__"]
 
 
 def __getattr__(name):
     # Lazy: importing xfuse (every test rank does) must not import diffusers.
-    if name in ("PipeFusionHunyuanDiTPipeline", "PipeFusionPixArtSigmaPipeline"):
+    if name in PIPELINES:
         import xfuse.pipelines
 
         return getattr(xfuse.pipelines, name)
