@@ -94,3 +94,23 @@ def reference_runner(pipe):
 
     run.pipe = pipe
     return run
+
+
+def check_against_diffusers(per_rank, calls, reference, base, *, output_class, callback_steps):
+    """Every call's images on rank 0 equal diffusers' (``reference``) on the same call (max abs <= 1e-4; PIL: one
+    8-bit level), the other ranks return ``None``, the output type is diffusers', and a call with a step callback
+    logs the steps ``callback_steps`` with diffusers' latents norms."""
+    for index, (name, call) in enumerate(calls.items()):
+        result = per_rank[0][index]
+        assert result["kind"] == "ok", (name, result)
+        assert all(r[index]["kind"] == "none" for r in per_rank[1:]), name
+        expected, expected_log = reference({**base, **call})
+        images = result["images"]
+        assert images.shape == expected.shape, name
+        tolerance = 1 if images.dtype == np.uint8 else 1e-4  # PIL: one 8-bit level may flip
+        assert np.abs(images.astype(np.float64) - expected).max() <= tolerance, name
+        assert result["type"] == ("tuple" if call.get("return_dict") is False else output_class), name
+        if "callback" in call or "callback_on_step_end" in call:
+            log = [entry for r in per_rank for entry in r[index]["log"]]
+            assert [s for s, _, _ in log] == [s for s, _, _ in expected_log] == list(callback_steps)
+            assert np.allclose([n for *_, n in log], [n for *_, n in expected_log], rtol=1e-5)

@@ -17,6 +17,7 @@ from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
 from tests.mmdit_fns import engine_latents, grid_of, prepare_inputs, run_engine, tiny
 from tests.pipefusion_oracle import pipefusion_reference
+from tests.pipeline_fns import check_against_diffusers as check
 from tests.pipeline_fns import log_callback, reference_runner, run_calls
 from xfuse.config import ParallelConfig
 from xfuse.models.mmdit import JointStage
@@ -289,24 +290,10 @@ def honoured_calls(preset, reference):
 
 
 def check_against_diffusers(per_rank, calls, reference):
-    for index, (name, call) in enumerate(calls.items()):
-        result = per_rank[0][index]
-        assert result["kind"] == "ok", (name, result)
-        assert all(r[index]["kind"] == "none" for r in per_rank[1:]), name
-        expected, expected_log = reference({**BASE, **call})
-        images = result["images"]
-        assert images.shape == expected.shape, name
-        tolerance = 1 if images.dtype == np.uint8 else 1e-4  # PIL: one 8-bit level may flip
-        assert np.abs(images.astype(np.float64) - expected).max() <= tolerance, name
-        assert result["type"] == ("tuple" if call.get("return_dict") is False else type_name(reference)), name
-        if "callback_on_step_end" in call:
-            log = [entry for r in per_rank for entry in r[index]["log"]]
-            assert [s for s, _, _ in log] == [s for s, _, _ in expected_log] == list(range(STEPS))
-            assert np.allclose([n for *_, n in log], [n for *_, n in expected_log], rtol=1e-5)
-
-
-def type_name(reference):
-    return "FluxPipelineOutput" if isinstance(reference.pipe, FluxPipeline) else "StableDiffusion3PipelineOutput"
+    output_class = (
+        "FluxPipelineOutput" if isinstance(reference.pipe, FluxPipeline) else "StableDiffusion3PipelineOutput"
+    )
+    check(per_rank, calls, reference, BASE, output_class=output_class, callback_steps=range(STEPS))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -321,7 +308,7 @@ def test_every_argument_honoured_at_pp4(world4, folders, references, preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_cfg_parallel_from_pipe_and_refusals(world4, folders, references, preset):
+def test_cfg_parallel_and_refusals(world4, folders, references, preset):
     """cfg 2 x pp 2 (FLUX: true CFG split across the groups); unsupported arguments refused by name everywhere."""
     flux = preset.startswith("flux")
     calls = {"cfg": dict(true_cfg_scale=2.0, negative_prompt="blurry") if flux else dict(guidance_scale=3.0)}

@@ -14,6 +14,7 @@ from diffusers import PixArtSigmaPipeline
 
 from tests.engine_fns import inject_unrefreshed_kv
 from tests.pipefusion_oracle import pipefusion_reference
+from tests.pipeline_fns import check_against_diffusers as check
 from tests.pipeline_fns import legacy_callback, reference_runner, run_calls
 from tests.pixart_fns import engine_latents, from_pipe_call, prepare_inputs, run_engine, tiny_pixart
 from xfuse.config import ParallelConfig
@@ -236,20 +237,7 @@ def honoured_calls(reference):
 
 
 def check_against_diffusers(per_rank, calls, reference):
-    for index, (name, call) in enumerate(calls.items()):
-        result = per_rank[0][index]
-        assert result["kind"] == "ok", (name, result)
-        assert all(r[index]["kind"] == "none" for r in per_rank[1:]), name
-        expected, expected_log = reference({**BASE, **call})
-        images = result["images"]
-        assert images.shape == expected.shape, name
-        tolerance = 1 if images.dtype == np.uint8 else 1e-4  # PIL: one 8-bit level may flip
-        assert np.abs(images.astype(np.float64) - expected).max() <= tolerance, name
-        assert result["type"] == ("tuple" if call.get("return_dict") is False else "ImagePipelineOutput"), name
-        if "callback" in call:
-            log = [entry for r in per_rank for entry in r[index]["log"]]
-            assert [s for s, _, _ in log] == [s for s, _, _ in expected_log] == [0, 2]
-            assert np.allclose([n for *_, n in log], [n for *_, n in expected_log], rtol=1e-5)
+    check(per_rank, calls, reference, BASE, output_class="ImagePipelineOutput", callback_steps=[0, 2])
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

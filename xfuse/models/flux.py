@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
 
-from xfuse.models.guidance import cfg_batch, guidance
 from xfuse.models.joint import StaleFluxAttnProcessor
-from xfuse.models.mmdit import TEXT, JointConditioning, JointStage
+from xfuse.models.mmdit import JointConditioning, JointStage, joint_request
 from xfuse.models.registry import FLUX
 from xfuse.parallel.patch_grid import PatchBand
 from xfuse.parallel.stage_plan import StagePlan
@@ -113,25 +112,21 @@ def denoise_request(
     same computation), combined as ``neg + true_cfg_scale * (pos - neg)``. ``guidance_value``: the (B',) embedded
     guidance of guidance-distilled models (FLUX.1-dev), ``None`` otherwise.
     """
-    from xfuse.parallel.engine import DenoiseRequest
-
-    model_batch, model_input = cfg_batch(latents, true_cfg_scale, cfg_half)
-    text = stage.transformer.context_embedder(prompt_embeds)  # (B', T, joint dim) -> (B', T, hidden)
     rope = stage.rotary_embedding(text_ids, latent_image_ids)
 
-    def conditioning(step: int, t: torch.Tensor) -> JointConditioning:
-        timestep = t.expand(model_batch).to(latents.dtype)  # as FluxPipeline broadcasts it
-        return stage.conditioning(timestep / 1000, guidance_value, pooled_prompt_embeds, text, rope)
+    def conditioning(timestep: torch.Tensor, text: torch.Tensor) -> JointConditioning:
+        # FluxPipeline passes t.expand(B).to(latents.dtype) / 1000
+        return stage.conditioning(timestep.to(latents.dtype) / 1000, guidance_value, pooled_prompt_embeds, text, rope)
 
-    return DenoiseRequest(
+    return joint_request(
+        stage,
         latents=latents,
         timesteps=timesteps,
         scheduler=scheduler,
+        prompt_embeds=prompt_embeds,
+        cfg_scale=true_cfg_scale,
         conditioning=conditioning,
-        model_input=model_input,
-        guide=guidance(true_cfg_scale, cfg_half, learned_sigma=False),
-        model_batch=model_batch,
+        cfg_half=cfg_half,
         generator=generator,
         on_step_end=on_step_end,
-        stream_shapes={TEXT: tuple(text.shape)},
     )

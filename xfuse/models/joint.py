@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+from diffusers.models.transformers.transformer_flux import FluxAttention
 
 from xfuse.models.layers import project_heads
 from xfuse.parallel.stale_kv import StaleKVCache
@@ -150,6 +150,3 @@ def check_joint_attention(attn, expected: type) -> None:
         raise TypeError(f"expected {expected.__name__}, found {type(attn.processor).__name__}")
     if getattr(attn, "fused_projections", False):
         raise ValueError("fused QKV projections are not supported (call unfuse_qkv_projections() first)")
-
-
-MIRRORED = {"sd3": JointAttnProcessor2_0, "flux": FluxAttnProcessor}

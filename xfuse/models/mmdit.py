@@ -8,12 +8,14 @@ runs the same blocks with zero text tokens against the text K/V the first patch 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from xfuse.models.guidance import cfg_batch, guidance
 from xfuse.models.joint import JointKV, check_joint_attention
 from xfuse.models.sharding import ShardedStage
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
@@ -91,3 +93,38 @@ class JointStage(ShardedStage):
         if owner and streams is not None and text is not None:  # SD3's last block returns no text
             streams[TEXT] = text
         return hidden
+
+
+def joint_request(
+    stage: JointStage,
+    *,
+    latents,
+    timesteps,
+    scheduler,
+    prompt_embeds: torch.Tensor,
+    cfg_scale: float,
+    conditioning: Callable[[torch.Tensor, torch.Tensor], JointConditioning],
+    cfg_half=None,
+    generator=None,
+    on_step_end=None,
+):
+    """The engine's ``DenoiseRequest`` of an MMDiT family: the text batched [uncond, cond] when ``cfg_scale > 1``
+    (or this CFG group's half with ``cfg_half``), the first block's text input (``context_embedder``) computed once
+    here, the text stream's shape taken from it. ``conditioning(timestep, text)`` builds a step's conditioning from
+    the step's timestep expanded to the transformer batch, as both diffusers pipelines broadcast it."""
+    from xfuse.parallel.engine import DenoiseRequest
+
+    model_batch, model_input = cfg_batch(latents, cfg_scale, cfg_half)
+    text = stage.transformer.context_embedder(prompt_embeds)  # (B', T, joint dim) -> (B', T, hidden)
+    return DenoiseRequest(
+        latents=latents,
+        timesteps=timesteps,
+        scheduler=scheduler,
+        conditioning=lambda step, t: conditioning(t.expand(model_batch), text),
+        model_input=model_input,
+        guide=guidance(cfg_scale, cfg_half, learned_sigma=False),
+        model_batch=model_batch,
+        generator=generator,
+        on_step_end=on_step_end,
+        stream_shapes={TEXT: tuple(text.shape)},
+    )

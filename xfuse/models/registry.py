@@ -50,8 +50,8 @@ class ModelSpec:
             (FLUX packs 2x2 latents; the engine's latent grid is then ``vae_scale_factor * packing`` px per row).
         streams: hand-off tensors a step's first patch carries besides the hidden state (an MMDiT's text stream;
             its length is ``sum(text_lengths)`` at the defaults).
-        distilled_guidance: ``guidance_scale`` is embedded in the model (FLUX.1-dev) instead of batching
-            [uncond, cond]: the transformer batch is not doubled by it.
+        distilled_guidance: ``guidance_scale`` never batches [uncond, cond] (FLUX.1-dev embeds it, schnell ignores
+            it; their CFG is ``true_cfg_scale``): the transformer batch is not doubled by it.
         native_side: ``transformer config -> pixels`` of the default image side (what the diffusers pipeline
             uses when no size is given).
         resolution_binning: the diffusers pipeline takes ``use_resolution_binning`` (the CLI and serve turn it off).

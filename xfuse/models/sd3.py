@@ -13,10 +13,9 @@ import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
-from xfuse.models.guidance import cfg_batch, guidance
 from xfuse.models.joint import StaleJointAttnProcessor
 from xfuse.models.layers import unpatchify
-from xfuse.models.mmdit import TEXT, JointConditioning, JointStage
+from xfuse.models.mmdit import JointConditioning, JointStage, joint_request
 from xfuse.models.registry import STABLE_DIFFUSION_3
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.stage_plan import StagePlan
@@ -86,27 +85,17 @@ def denoise_request(
     generator=None,
     on_step_end=None,
 ):
-    """The engine's ``DenoiseRequest`` for SD3, built from what ``StableDiffusion3Pipeline`` prepares: text batched
-    [uncond, cond] when ``guidance_scale > 1`` (or this CFG group's half with ``cfg_half``). The first block's text
-    input (``context_embedder``) is computed once here; the text stream's shape comes from it."""
-    from xfuse.parallel.engine import DenoiseRequest
-
-    model_batch, model_input = cfg_batch(latents, guidance_scale, cfg_half)
-    text = stage.transformer.context_embedder(prompt_embeds)  # (B', T, joint dim) -> (B', T, hidden)
-
-    def conditioning(step: int, t: torch.Tensor) -> JointConditioning:
-        timestep = t.expand(model_batch)  # as StableDiffusion3Pipeline broadcasts it
-        return stage.conditioning(timestep, pooled_prompt_embeds, text)
-
-    return DenoiseRequest(
+    """The engine's ``DenoiseRequest`` for SD3, built from what ``StableDiffusion3Pipeline`` prepares (text batched
+    [uncond, cond] when ``guidance_scale > 1``; see ``joint_request``)."""
+    return joint_request(
+        stage,
         latents=latents,
         timesteps=timesteps,
         scheduler=scheduler,
-        conditioning=conditioning,
-        model_input=model_input,
-        guide=guidance(guidance_scale, cfg_half, learned_sigma=False),
-        model_batch=model_batch,
+        prompt_embeds=prompt_embeds,
+        cfg_scale=guidance_scale,
+        conditioning=lambda timestep, text: stage.conditioning(timestep, pooled_prompt_embeds, text),
+        cfg_half=cfg_half,
         generator=generator,
         on_step_end=on_step_end,
-        stream_shapes={TEXT: tuple(text.shape)},
     )
