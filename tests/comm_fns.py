@@ -42,11 +42,18 @@ def _groups(separate: bool):
     return _state[key]
 
 
-def ring_exchange(steps: int, patches: int, separate_groups: bool) -> dict:
+def ring_exchange(steps: int, patches: int, separate_groups: bool, stream_ordered: bool = False) -> dict:
     """Each rank sends every spec to rank+1 and receives from rank-1, one exchange per (step, patch)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     nxt, prv = (rank + 1) % size, (rank - 1) % size
-    ch = P2PChannels(rank=rank, timeout_s=20.0, max_inflight=2, device="cpu", groups=_groups(separate_groups))
+    ch = P2PChannels(
+        rank=rank,
+        timeout_s=20.0,
+        max_inflight=2,
+        device="cpu",
+        groups=_groups(separate_groups),
+        stream_ordered=stream_ordered,
+    )
     bad, ptrs = [], set()
     for step in range(steps):
         for patch in range(patches):
@@ -62,7 +69,16 @@ def ring_exchange(steps: int, patches: int, separate_groups: bool) -> dict:
                         bad.append((k, step, patch))
             for h in send_h:
                 h.wait()
+    watchdog = {}
+    if stream_ordered:  # the watchdog retires every op once it completed; then it is stopped and joined
+        deadline = time.monotonic() + 10
+        while ch.watchdog.outstanding() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watchdog = {"outstanding": ch.watchdog.outstanding(), "state": ch.describe_state()}
+        ch.close()
+        watchdog["thread_stopped"] = ch.watchdog._thread is None
     return {
+        "watchdog": watchdog,
         "bad": bad,
         "counters": ch.counters.as_dict(),
         "num_buffers": ch.num_buffers,
@@ -173,6 +189,37 @@ def unmatched_ops(timeout_s: float) -> dict:
     except CommError as exc:
         out["after"] = str(exc)
     return out
+
+
+def stream_ordered_ops_never_matched(timeout_s: float, out_dir: str) -> dict:
+    """Stream-ordered waits on ops rank 1 never matches: rank 0 receives from it, rank 2 sends to it. gloo's wait
+    blocks the main thread (as a device synchronisation behind a lost message would on CUDA), so the watchdog
+    fails the op after ``timeout_s`` and, the main thread not raising within the grace period, calls
+    ``on_stuck``; here that pickles the error into ``out_dir`` and ends the process as the real one does."""
+    import os
+    import pickle
+
+    rank = dist.get_rank()
+    if rank == 1:
+        return {}
+    ch = P2PChannels(
+        rank=rank, timeout_s=timeout_s, max_inflight=2, device="cpu", stream_ordered=True, watchdog_grace_s=0.5
+    )
+    t0 = time.monotonic()
+
+    def on_stuck(error):
+        state = ch.describe_state()
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
+            pickle.dump({"error": error, "elapsed": time.monotonic() - t0, "state": state}, fh)
+        os._exit(3)
+
+    ch.watchdog.on_stuck = on_stuck
+    if rank == 0:
+        (h,) = ch.exchange(recvs=[Recv(1, "hidden", (2, 4, 8), torch.float32, 3, 1)])[1]
+    else:
+        (h,), _ = ch.exchange([Send(1, "skip", torch.zeros(2, 4, 8, dtype=torch.bfloat16), 7, 0)])
+    h.wait()  # never returns
+    return {"returned": True}
 
 
 def wait_on_peer(sleeping_rank: int, timeout_s: float) -> dict:

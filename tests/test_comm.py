@@ -25,6 +25,7 @@ from xfuse.comm import (
     TrafficCounters,
 )
 from xfuse.comm.errors import error_from_backend
+from xfuse.comm.watchdog import CommWatchdog
 from xfuse.testing import RankDied, World
 
 FIELDS = dict(
@@ -127,6 +128,52 @@ def test_channel_arguments_are_validated():
     assert ch.outstanding(1, "hidden") == 0 and ch.num_buffers == 1
 
 
+class _DeviceWork:
+    """Stands in for an NCCL Work (which needs a GPU): completion set by the test, as the device would."""
+
+    def __init__(self):
+        self.completed = threading.Event()
+
+    def is_completed(self):
+        return self.completed.is_set()
+
+
+class _Op:
+    def __init__(self, name):
+        self.name, self._work, self.retired_at = name, _DeviceWork(), None
+
+    def _retire(self, now):
+        self.retired_at = now
+
+
+@pytest.mark.parametrize("main_thread_raises", [True, False], ids=["main-thread-raises", "stuck-main-thread"])
+def test_watchdog_retires_completed_ops_and_fails_the_first_expired_one(main_thread_raises):
+    # The CUDA path of the watchdog (the wait returned at once; the device completes the op later). Its gloo path
+    # runs for real in test_stream_ordered_waits_are_bounded_by_the_watchdog.
+    failed, stuck = [], []
+    watchdog = CommWatchdog(
+        timeout_s=0.4,
+        fail=lambda op, elapsed: failed.append((op.name, elapsed)) or RuntimeError(f"{op.name} expired"),
+        grace_s=0.3,
+        on_stuck=stuck.append,
+    )
+    done, lost = _Op("done"), _Op("lost")
+    watchdog.watch(done)
+    watchdog.watch(lost)
+    assert watchdog.oldest()[0] is done and watchdog.outstanding() == 2
+    done._work.completed.set()
+    time.sleep(0.2)
+    assert done.retired_at is not None and watchdog.oldest()[0] is lost and not failed
+    time.sleep(0.4)
+    assert [name for name, _ in failed] == ["lost"] and 0.4 < failed[0][1] < 0.6
+    assert str(watchdog.error) == "lost expired"
+    if main_thread_raises:
+        watchdog.raised.set()  # what P2PChannels does when its next call raises the error
+    time.sleep(0.5)
+    assert stuck == ([] if main_thread_raises else [watchdog.error]) and len(failed) == 1
+    assert watchdog.stop() and watchdog._thread is None
+
+
 # --------------------------------------------------------------------------- shared 3-rank world
 
 
@@ -162,6 +209,17 @@ def test_ring_exchange_dtypes_counters_and_reuse(world, separate_groups):
         # 3 kinds x 2 shapes (uneven last patch): one buffer each, reused across all 3 steps.
         assert r["num_buffers"] == 6 and r["distinct_ptrs"] == 6
         assert "step 2 patch 1" in r["op_log"] and "POSTED" not in r["op_log"] and "healthy" in r["op_log"]
+
+
+def test_stream_ordered_waits_deliver_the_same_and_the_watchdog_retires_every_op(world):
+    # On CPU gloo's wait() still blocks; what runs here is the stream-ordered bookkeeping: waits handed to the
+    # watchdog thread, retired when complete, counted, and the thread joined at close().
+    steps, patches = 2, 2
+    results = world.run_ok(fns.ring_exchange, steps, patches, True, True, timeout=60)
+    for r in results:
+        assert r["bad"] == [] and r["counters"] == _ring_expected(steps, patches)
+        assert r["watchdog"] == {"outstanding": 0, "state": None, "thread_stopped": True}
+        assert "QUEUED" not in r["op_log"] and "POSTED" not in r["op_log"]
 
 
 def test_counters_count_completed_ops_and_reset(world):
@@ -216,6 +274,25 @@ def test_unmatched_ops_time_out_with_a_full_message():
     assert str(err) == (
         "rank 2: send of skip (2, 4, 8) bfloat16, 128 bytes, to rank 1 timed out after 1.0 s at step 7, patch 0"
     )
+
+
+def test_stream_ordered_waits_are_bounded_by_the_watchdog(tmp_path):
+    timeout_s = 1.0
+    with World(3) as w:
+        results = w.run(fns.stream_ordered_ops_never_matched, timeout_s, str(tmp_path), timeout=30)
+    for rank, op in ((0, "recv of hidden (2, 4, 8) float32, 256 bytes, from rank 1"),
+                     (2, "send of skip (2, 4, 8) bfloat16, 128 bytes, to rank 1")):  # fmt: skip
+        assert isinstance(results[rank].error, RankDied) and results[rank].error.exitcode == 3
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as fh:
+            got = pickle.load(fh)
+        err = got["error"]
+        assert type(err) is CommTimeout
+        patch = "step 3, patch 1" if rank == 0 else "step 7, patch 0"
+        assert str(err) == f"rank {rank}: {op} timed out after 1.0 s at {patch}"
+        # the watchdog's timeout, then its grace period for the main thread (0.5 s), then on_stuck
+        assert timeout_s + 0.5 <= got["elapsed"] < timeout_s + 1.5
+        assert "FAILED" in err.op_log
+        assert got["state"].startswith("waiting 1.") and " rank 1 at step" in got["state"]
 
 
 def test_killed_peer_is_reported_quickly():

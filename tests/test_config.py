@@ -335,6 +335,7 @@ BAD_DICTS = [
         ["list of positive block counts"],
     ),
     ("backend", {"comm": {"backend": "mpi"}}, "comm.backend", ["'auto', 'nccl', 'gloo'", "(got 'mpi')"]),
+    ("wait", {"comm": {"wait": "polling"}}, "comm.wait", ["'auto', 'stream', 'host'", "(got 'polling')"]),
     (
         "nccl_on_cpu",
         {"comm": {"backend": "nccl"}, "runtime": {"device": "cpu"}},
@@ -608,3 +609,11 @@ def test_hunyuandit_sweep_configs():
         assert c.world_size == n and c.runtime.dtype == "bfloat16" and c.generation.num_inference_steps == 50
     c = load_config(str(REPO / "configs/hunyuandit/cfg2_pp4.yaml"))
     assert (c.parallel.cfg_degree, c.parallel.pipefusion_degree, c.world_size) == (2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "wait,device,stream_ordered",
+    [("auto", "cuda", True), ("auto", "cpu", False), ("stream", "cpu", True), ("host", "cuda", False)],
+)
+def test_comm_wait_resolves_per_device(wait, device, stream_ordered):
+    assert CommConfig(wait=wait).stream_ordered(device) is stream_ordered

@@ -27,7 +27,7 @@ def at(stamp: str, day: datetime.date) -> float:
     return datetime.datetime.combine(day, datetime.time.fromisoformat(stamp)).timestamp()
 
 
-def launch(tmp_path, degree, fault, timeout_s, steps=6):
+def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
     """torchrun a PipeFusion generation with a fault armed; return (returncode, stderr, fault time, end time,
     {rank: (report time, report text)})."""
     cmd = [
@@ -51,6 +51,7 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6):
         f"generation.num_inference_steps={steps}",
         "--output",
         str(tmp_path / "never.png"),
+        *(arg for setting in settings for arg in ("--set", setting)),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "XFUSE_FAULT": fault}, timeout=240)
     end = datetime.datetime.now().timestamp()
@@ -99,6 +100,27 @@ def test_stalled_rank_gives_comm_timeout_with_rank_peer_op_step_patch(tmp_path, 
         text,
     ), text
     assert f"rank {victim}: not communicating" in text  # who-waits-for-whom ends at the stalled rank
+    assert end_t - fault_t < timeout_s + 10
+
+
+def test_stalled_rank_with_stream_ordered_waits_is_named_by_the_watchdog(tmp_path):
+    # comm.wait=stream on CPU: gloo's wait blocks the main thread as a device synchronisation behind a lost message
+    # would on CUDA; the comm watchdog times the wait out, waits its 2 s grace for the main thread, then reports
+    # from its own thread (who-waits-for-whom included) and ends the process.
+    timeout_s, victim, grace_s = 3, 1, 2
+    rc, stderr, fault_t, end_t, reports = launch(
+        tmp_path, 2, f"stall:{victim}:2", timeout_s, settings=["comm.wait=stream"]
+    )
+    assert rc != 0
+    when, text = reports[0]
+    assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
+    assert re.search(
+        r"rank 0: (recv|send) of hidden \(2, \d+, 32\) float32, \d+ bytes, (from|to) rank 1 timed out after 3.0 s "
+        r"at step 2, patch \d",
+        text,
+    ), text
+    assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
+    assert when - fault_t < timeout_s + grace_s + 1.5
     assert end_t - fault_t < timeout_s + 10
 
 

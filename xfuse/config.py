@@ -12,7 +12,7 @@ YAML layout (every key optional)::
     model: tiny                      # local diffusers folder, or a preset (xfuse.models.registry.PRESET_MODELS)
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
                placement: null, stage_split: null}   # placement null: the model family's default
-    comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null}
+    comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
                  num_inference_steps: 20, guidance_scale: 5.0, seed: 0}
@@ -48,6 +48,7 @@ from xfuse.parallel.patch_grid import patch_grid
 
 PLACEMENTS: tuple[str, ...] = ("folded", "linear")
 BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
+WAITS: tuple[str, ...] = ("auto", "stream", "host")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 MAX_PIPEFUSION_DEGREE = 8
@@ -248,7 +249,14 @@ class ParallelConfig(_Section):
 
 @dataclass(frozen=True)
 class CommConfig(_Section):
-    """Point-to-point communication settings. ``backend: auto`` means NCCL on CUDA, gloo on CPU."""
+    """Point-to-point communication settings. ``backend: auto`` means NCCL on CUDA, gloo on CPU.
+
+    ``wait``: how a rank waits for a message (``xfuse.comm.p2p``). ``stream``: queued on the CUDA stream, the host
+    goes on, a watchdog thread bounds it by ``timeout_s``; ``host``: the host blocks until the message is there,
+    bounded by ``timeout_s`` (on CUDA one host/device synchronisation per message); ``auto``: stream on CUDA, host on
+    CPU. ``stream`` on CPU runs the watchdog path over gloo (whose waits block anyway): a drill of the GPU path's
+    failure handling.
+    """
 
     SECTION: ClassVar[str] = "comm"
 
@@ -256,12 +264,18 @@ class CommConfig(_Section):
     timeout_s: float = 60.0
     max_inflight: int = 2
     socket_ifname: str | None = None
+    wait: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice(self._key("backend"), self.backend, BACKENDS)
         _set(self, "timeout_s", _check_float(self._key("timeout_s"), self.timeout_s, lo=0.0, lo_inclusive=False))
         _check_int(self._key("max_inflight"), self.max_inflight, lo=1)
         _check_str(self._key("socket_ifname"), self.socket_ifname, allow_none=True, nonempty=True)
+        _check_choice(self._key("wait"), self.wait, WAITS)
+
+    def stream_ordered(self, device_type: str) -> bool:
+        """Whether waits are stream-ordered on a device type (``"cuda"`` or ``"cpu"``); pure, no device query."""
+        return self.wait == "stream" or (self.wait == "auto" and device_type == "cuda")
 
     def resolved_backend(self, device_type: str) -> str:
         """The process-group backend for a device type (``"cuda"`` or ``"cpu"``); pure, no device query."""

@@ -45,6 +45,9 @@ NCCL_ENV_DEFAULTS = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/xfuse_nccl_trace_rank_",
 }
+# NCCL's own watchdog times an operation from its launch and ends the process with little to say; xfuse's (in
+# xfuse.comm.watchdog) times it from its wait and names it. NCCL's stays as the backstop, this much later.
+NCCL_BACKSTOP_S = 30.0
 
 
 @dataclass
@@ -162,7 +165,8 @@ def init_parallel(
             for key, value in NCCL_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=max(comm.timeout_s, 1.0)), **kwargs)
+        timeout_s = max(comm.timeout_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         _RESOURCES.owns_default_group = True  # xfuse created it: shutdown() destroys it
     if dist.is_initialized():
         backend = dist.get_backend()
@@ -200,13 +204,22 @@ def init_parallel(
             made = make_direction_groups(ranks, separate=separate, device_id=device if backend == "nccl" else None)
             if rank in ranks:
                 groups = made
-        kw = dict(rank=rank, timeout_s=comm.timeout_s, max_inflight=comm.max_inflight, device=device)
+        kw = dict(
+            rank=rank,
+            timeout_s=comm.timeout_s,
+            max_inflight=comm.max_inflight,
+            device=device,
+            stream_ordered=comm.stream_ordered(device.type),
+        )
         channels = P2PChannels(groups=groups, **kw) if pp > 1 else None
         cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
         _RESOURCES.channels.update(c for c in (channels, cfg_channels) if c is not None)
     monitor = _process_monitor(rank, world)
     monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
     monitor.state_sources = [c.describe_state for c in (channels, cfg_channels) if c is not None]
+    for c in (channels, cfg_channels):
+        if c is not None and c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
+            c.watchdog.on_stuck = monitor.fail_from_thread
     return ParallelContext(
         rank=rank,
         world_size=world,

@@ -241,6 +241,22 @@ class FailureMonitor:
         finally:
             self.active -= 1
 
+    def fail_from_thread(self, err: BaseException) -> None:
+        """A failure found off the main thread while the main thread is stuck in the device (the comm watchdog's
+        ``on_stuck``): record it for the other ranks, report it as ``guard`` would, and end the process."""
+        peer = getattr(err, "peer", None)
+        chain = self.diagnose(peer) if peer is not None else ""
+        if chain:
+            err.args = (f"{err}\n  {chain}",)
+        first = self.record(err)
+        own = first.startswith(f"rank {self.rank}:")
+        self.report(
+            f"rank {self.rank} failed: {type(err).__name__}: {err}"
+            + ("" if own else f"\n  first failure in the world: {first}")
+            + f"\n{getattr(err, 'op_log', '')}".rstrip()
+        )
+        os._exit(1)  # from this thread: the main thread waits in the device and cannot unwind
+
     # --- the watcher --------------------------------------------------------------------------------------
     def publish_state(self) -> None:
         """Tell the other ranks what this rank is doing (read by ``diagnose`` when a wait times out)."""

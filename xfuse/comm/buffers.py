@@ -26,6 +26,9 @@ class BufferSlot:
     key: BufferKey
     tensor: torch.Tensor
     busy: bool = field(default=False)
+    # CUDA, stream-ordered waits: recorded at release on the stream that read the buffer; the next receive into it
+    # is queued behind this event, so a buffer is reused when its reader is done on the device, not on the host.
+    read_done: torch.cuda.Event | None = None
 
 
 class RecvBufferPool:

@@ -32,12 +32,25 @@ Rules this module enforces or makes natural (see DESIGN.md section 5):
   and not released). One more raises InflightLimitError before anything is posted.
 * Every wait is bounded by ``timeout_s`` (from the moment wait() is called). Any
   failure is fatal: the channels refuse further work and every later wait raises.
+* Two ways to wait. gloo (CPU): wait() blocks the host until the operation is
+  complete, bounded by ``timeout_s``. NCCL (CUDA): wait() is *stream-ordered*: a
+  receive makes the current stream wait for it, a send nothing, and both return at
+  once, so the host queues the next task's kernels while the message is in flight
+  (no host/device synchronisation per message). A watchdog thread
+  (``watchdog.py``) bounds them instead: past ``timeout_s`` it fails the channels
+  with the same CommTimeout, aborts the communicators, and the main thread raises
+  it at its next call here. A released receive buffer is reused only after the
+  compute that read it is done on the device: release() records an event on the
+  current stream, and the next receive into that buffer is queued behind it.
+  NCCL coalesces a batch into one Work, so waiting on one receive of a batch also
+  orders the stream after that batch's sends.
 
 Not thread-safe: one engine thread drives the channels.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +64,7 @@ from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, error_from_backend
 from .groups import DirectionGroups
 from .stats import OpLog, OpRecord, TrafficCounters
+from .watchdog import CommWatchdog
 
 __all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels"]
 
@@ -103,8 +117,14 @@ class _Pending:
 
     @property
     def done(self) -> bool:
-        """True once wait() returned successfully (never polls: gloo only completes inside wait())."""
+        """True once wait() returned successfully (never polls: gloo only completes inside wait()).
+
+        Stream-ordered (NCCL): the wait is queued on the device; the watchdog retires the op when it completes."""
         return self.state in ("done", "released")
+
+    def _retire(self, now: float) -> None:
+        """The device finished the operation (stream-ordered waits; called by the watchdog thread)."""
+        self.record.status, self.record.t_done = "done", now
 
     def __repr__(self) -> str:
         r = self.record
@@ -120,9 +140,17 @@ class PendingSend(_Pending):
         self._tensor = tensor
 
     def wait(self) -> None:
-        """Block until the peer has the data (bounded by ``timeout_s``); idempotent."""
+        """Block until the peer has the data (bounded by ``timeout_s``); idempotent.
+
+        Stream-ordered (NCCL): returns at once; the tensor is kept alive until the device has sent it, and the
+        caller must not write into it (the engine never does: it sends fresh outputs)."""
         self._channels._wait(self)
-        self._tensor = None  # the caller may reuse its tensor now
+        if not self._channels.stream_ordered:
+            self._tensor = None  # the caller may reuse its tensor now
+
+    def _retire(self, now: float) -> None:
+        super()._retire(now)
+        self._tensor = None
 
 
 class PendingRecv(_Pending):
@@ -151,7 +179,7 @@ class PendingRecv(_Pending):
         if self.state == "posted":
             raise RuntimeError(f"{self!r}: release() before wait(); the receive may still write into the buffer")
         if self.state == "done":
-            self._channels._pool.release(self._slot)
+            self._channels._release_slot(self._slot)
         # After a failure the buffer stays marked busy: the channels are dead anyway.
         self.state = "released"
 
@@ -170,7 +198,9 @@ class P2PChannels:
     live and sent tensors must be. CPU tensors are assumed to travel over gloo, whose
     ``Work.wait(timeout=...)`` is a real bounded wait; any other device is assumed to
     use a stream-based backend (NCCL) whose ``wait()`` only orders streams, so there
-    the bounded wait polls ``Work.is_completed()`` against a deadline.
+    waits are stream-ordered and bounded by the watchdog (``stream_ordered``, default: the device is CUDA; on CPU
+    gloo's wait() still blocks and the watchdog bounds it). With ``stream_ordered=False`` on CUDA the host polls
+    ``Work.is_completed()`` against the deadline instead (``comm.wait: host``).
     """
 
     def __init__(
@@ -182,6 +212,8 @@ class P2PChannels:
         device: torch.device | str,
         groups: DirectionGroups | None = None,
         log_size: int = 256,
+        stream_ordered: bool | None = None,
+        watchdog_grace_s: float = 2.0,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -198,7 +230,13 @@ class P2PChannels:
         self.waiting_on = None  # (record, since) while a wait blocks: the failure monitor reports it
         self.closed = False  # set by close(): part of xfuse.distributed.shutdown, before the groups go
         self._pool = RecvBufferPool(self.device)
-        self._poll = self.device.type != "cpu"
+        self.stream_ordered = self.device.type == "cuda" if stream_ordered is None else bool(stream_ordered)
+        self._cuda_events = self.stream_ordered and self.device.type == "cuda"
+        self.watchdog = (
+            CommWatchdog(timeout_s=self.timeout_s, fail=self._expire, grace_s=watchdog_grace_s)
+            if self.stream_ordered
+            else None
+        )
         if self.device.type == "cuda" and self.device.index is not None:
             # batch_isend_irecv on NCCL hangs if the current device is not the one the tensors live on.
             if torch.cuda.current_device() != self.device.index:
@@ -215,6 +253,7 @@ class P2PChannels:
         ``batch_isend_irecv`` call, "up" group first, so the issue order is the
         same on every rank. Raises InflightLimitError / ValueError before posting anything.
         """
+        self._raise_expired()
         if self.failure is not None:
             raise CommError(f"rank {self.rank}: channels unusable after an earlier failure: {self.failure}")
         if self.closed:
@@ -224,6 +263,11 @@ class P2PChannels:
         for r in recvs:
             self._check_peer(r.peer, r.kind)
         slots = self._acquire_all(recvs)
+        if self._cuda_events:  # a reused buffer: its last reader must be done on the device before it is overwritten
+            stream = torch.cuda.current_stream(self.device)
+            for slot in slots:
+                if slot.read_done is not None:
+                    stream.wait_event(slot.read_done)
 
         now = time.monotonic()
         posted: list[tuple[dist.ProcessGroup | None, dist.P2POp, _Pending]] = []
@@ -258,6 +302,8 @@ class P2PChannels:
         until the process group is destroyed, which comes after this in ``shutdown``.
         """
         self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self._pool.num_busy() == 0:
             self._pool.clear()
 
@@ -278,6 +324,9 @@ class P2PChannels:
         """What this rank's channels are doing now, e.g. ``waiting 3.2 s: recv of hidden from rank 1 at step 2,
         patch 0`` (None when not waiting). Safe to call from another thread."""
         waiting = self.waiting_on
+        if waiting is None and self.watchdog is not None:  # stream-ordered: what the device waits for
+            oldest = self.watchdog.oldest()
+            waiting = None if oldest is None else (oldest[0].record, oldest[1])
         if waiting is None:
             return None
         r, since = waiting
@@ -376,15 +425,19 @@ class P2PChannels:
     def _wait(self, h: _Pending) -> None:
         if h.state == "done":
             return
+        self._raise_expired()
         if h.state == "failed" or self.failure is not None:
             raise CommError.for_op(
                 what="not waited: the process group is unusable after an earlier failure",
                 detail=str(self.failure),
                 **self._fields(h),
             )
+        if self.stream_ordered:
+            self._wait_on_stream(h)
+            return
         self.waiting_on = (h.record, time.monotonic())  # read by the failure monitor's thread
         try:
-            if self._poll:
+            if self.device.type != "cpu":  # NCCL's wait() would not block the host: poll against the deadline
                 self._wait_polling(h._work, time.monotonic() + self.timeout_s)
             # timedelta(0) would mean "the group's default timeout", so the timeout is always > 0.
             elif h._work.wait(timeout=timedelta(seconds=self.timeout_s)) is False:
@@ -399,7 +452,7 @@ class P2PChannels:
 
     @staticmethod
     def _wait_polling(work, deadline: float) -> None:
-        """Bounded wait for stream-based backends (NCCL), where wait() would not block the CPU."""
+        """Host-blocking bounded wait on NCCL (``comm.wait: host``): one host/device synchronisation per message."""
         pause = 5e-5
         while not work.is_completed():
             if time.monotonic() >= deadline:
@@ -407,6 +460,67 @@ class P2PChannels:
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)  # latency first, then stop spinning a core
         work.wait()  # orders the current stream after the op and surfaces an error it ended with
+
+    def _wait_on_stream(self, h: _Pending) -> None:
+        """Queue the wait on the device and hand the operation to the watchdog; no host synchronisation.
+
+        CUDA: a receive orders the current stream after it, a send is left to the device; the watchdog retires
+        both when ``is_completed()``. CPU (gloo, a drill of this path): gloo completes an operation only inside
+        ``wait()``, which blocks, unbounded, while the watchdog ages it; it is retired when the wait returns."""
+        self.watchdog.watch(h)
+        h.record.status = "queued"  # until the device (or gloo's wait) completed it
+        try:
+            if not self._cuda_events:
+                h._work.wait()
+                self.watchdog.retire(h)
+            elif isinstance(h, PendingRecv):
+                h._work.wait()  # NCCL: the current stream waits for the receive; the host goes on
+        except Exception as exc:
+            self.watchdog.forget(h)
+            self._fail(h, exc)
+        h.state = "done"
+        self.counters.add(h.record.direction, h.record.kind, h.record.nbytes)
+
+    def _release_slot(self, slot) -> None:
+        if self._cuda_events:  # reused only once the compute queued so far (which read it) is done on the device
+            if slot.read_done is None:
+                slot.read_done = torch.cuda.Event()
+            slot.read_done.record(torch.cuda.current_stream(self.device))
+        self._pool.release(slot)
+
+    def _raise_expired(self) -> None:
+        """Main thread: raise the watchdog's timeout once (later calls see ``failure`` like any other failure)."""
+        watchdog = self.watchdog
+        if watchdog is not None and watchdog.error is not None and not watchdog.raised.is_set():
+            watchdog.raised.set()
+            raise watchdog.error
+
+    def _expire(self, h: _Pending, elapsed_s: float) -> CommError:
+        """Watchdog thread: the first stream-ordered operation past ``timeout_s``. Fail the channels, abort the
+        communicators so the device stops waiting, and return the error for the main thread to raise."""
+        err = CommTimeout.for_op(what=f"timed out after {self.timeout_s} s", **self._fields(h))
+        h.state = "failed"
+        h.record.status = "failed"
+        if self.failure is None:
+            self.failure = err
+        err.op_log = self.format_op_log()
+        self._abort_communicators()
+        return err
+
+    def _abort_communicators(self) -> None:
+        """NCCL: abort this channel's process groups (the default group stands for all of them), so kernels waiting
+        on the lost message end and the device is free again. gloo has nothing to abort: its waits are bounded."""
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return
+        groups = {self.groups.up, self.groups.down}
+        try:
+            if None in groups:
+                dist.distributed_c10d._abort_process_group()
+            else:
+                for group in groups:
+                    dist.distributed_c10d._abort_process_group(group)
+        except Exception as exc:  # noqa: BLE001 - the report matters more; the process ends anyway
+            print(f"rank {self.rank}: aborting the communicators failed: {exc}", file=sys.stderr, flush=True)
 
     def _fail(self, h: _Pending, exc: Exception) -> NoReturn:
         """Record the failure, make the channels unusable, raise the CommError."""
