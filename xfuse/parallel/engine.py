@@ -26,7 +26,7 @@ from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_sche
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
 from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
-from xfuse.parallel.trace import COMM, COMPUTE, Tracer, null_span
+from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
 
 MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches) whose schedule and program are kept
 
@@ -125,9 +125,11 @@ class PipeFusionEngine:
 
         With a ``tracer``, every segment computed and every wait on a message is recorded on the timeline.
         """
-        schedule, program, messages = self._program(len(request.timesteps), grid.num_patches)
-        run = _Run(self, request, grid, schedule, messages, tracer)
-        return run.execute(program)
+        span = tracer.span if tracer is not None else null_span
+        with span("denoise", LOOP, steps=len(request.timesteps), patches=grid.num_patches):
+            schedule, program, messages = self._program(len(request.timesteps), grid.num_patches)
+            run = _Run(self, request, grid, schedule, messages, tracer)
+            return run.execute(program)
 
 
 class _Run:
@@ -161,6 +163,15 @@ class _Run:
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
         self.patch_schedulers = None
+        if self.me == self.plan.output_rank:
+            # scheduler.step gets host timesteps and the scheduler keeps its own on the host too: schedulers compare
+            # and index them (DDPM's previous_timestep, alphas_cumprod[t]), and on a device every such lookup is a
+            # host/device synchronisation per patch. One copy per request instead; the math is unchanged (diffusers'
+            # step already reads its coefficient tables on the host).
+            self.host_timesteps = request.timesteps.cpu()
+            steps_table = getattr(request.scheduler, "timesteps", None)
+            if isinstance(steps_table, torch.Tensor) and steps_table.device.type != "cpu":
+                request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
 
     # --- shapes -------------------------------------------------------------------------------------------
@@ -226,9 +237,7 @@ class _Run:
                     for handle in self.sends.pop(task):
                         handle.wait()
             elif action == "compute":
-                received = self._received(task)
-                with self.span(self._label(task), COMPUTE, step=task.step, patch=task.patch, hop=task.hop):
-                    self._compute(task, received)
+                self._compute(task, self._received(task))
                 self._release(task)
                 if self.req.on_progress is not None and last_of_step.get(task.step) == task:
                     self.req.on_progress(task.step)
@@ -250,6 +259,7 @@ class _Run:
         return self.conds[step]
 
     def _compute(self, task: Task, received: dict[Message, torch.Tensor]) -> None:
+        """One task: gather its inputs, run the model on them (the only part traced as compute), route outputs."""
         plan, step, patch = self.plan, task.step, task.patch
         by_kind = {}
         for m, tensor in received.items():
@@ -265,9 +275,9 @@ class _Run:
         # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
         band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
+        rows = hidden = None
         if task.hop == 0:
             rows = self._model_input_rows(step, patch, by_kind.get("latent"))
-            hidden = self.stage.embed(self.req.model_input(rows), band)  # (B_model, C, h, W) -> (B_model, tokens, D)
         elif "hidden" in by_kind:
             hidden = by_kind["hidden"][0][1]
             streams = {kind: by_kind[kind][0][1] for kind in plan.streams if kind in by_kind}
@@ -278,7 +288,13 @@ class _Run:
         keep_kv = band is not None or (
             self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
         )
-        hidden = self.stage.run_segment(hidden, segment, self._cond(step), band, skips, keep_kv, streams)
+        last_hop = task.hop == len(plan.route) - 1
+        cond = self._cond(step)
+        with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop):
+            if rows is not None:  # (B_model, C, h, W) -> (B_model, tokens, D)
+                hidden = self.stage.embed(self.req.model_input(rows), band)
+            hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+            stepped = self._step_model(step, patch, hidden, cond) if last_hop else None
         outgoing = {}
         for m in self.send_msgs[task]:
             if m.kind == "hidden":
@@ -289,8 +305,8 @@ class _Run:
                 outgoing[m] = streams[m.kind].contiguous()
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
-        if task.hop == len(plan.route) - 1:
-            next_rows = self._step_scheduler(step, patch, hidden)
+        if last_hop:
+            next_rows = self._route_stepped(step, patch, stepped)
             for m in self.send_msgs[task]:
                 if m.kind == "latent":
                     outgoing[m] = next_rows.contiguous()
@@ -315,12 +331,10 @@ class _Run:
             self.inputs.pop((step, None))
         return whole[:, :, rows]
 
-    def _step_scheduler(self, step: int, patch, hidden: torch.Tensor) -> torch.Tensor:
-        """Output rank: output layer, guidance, ``scheduler.step``; returns the next model-input rows (or, after
-        the last step, the final latent rows)."""
+    def _step_model(self, step: int, patch, hidden: torch.Tensor, cond) -> torch.Tensor:
+        """Output rank: output layer, guidance and ``scheduler.step`` on (step, patch); returns the stepped rows."""
         req, rows = self.req, self._rows(patch)
-        t = req.timesteps[step]
-        noise = req.guide(self.stage.head(hidden, self._cond(step), self.token_cols), step, patch)  # (B, C, h, W)
+        noise = req.guide(self.stage.head(hidden, cond, self.token_cols), step, patch)  # (B, C, h, W)
         if patch is None:
             scheduler, kwargs = req.scheduler, req.extra_step_kwargs
         else:
@@ -336,13 +350,22 @@ class _Run:
                     for g in gens
                 ]
             scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
-        stepped = scheduler.step(noise, t, self.latents[:, :, rows], **kwargs, return_dict=False)[0]
+        # The host copy of the timestep: schedulers index their host-side tables with it (a device timestep would
+        # make every step copy it to the host: a device synchronisation per patch).
+        t = self.host_timesteps[step]
+        return scheduler.step(noise, t, self.latents[:, :, rows], **kwargs, return_dict=False)[0]
+
+    def _route_stepped(self, step: int, patch, stepped: torch.Tensor) -> torch.Tensor:
+        """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final
+        latent rows)."""
+        req, rows = self.req, self._rows(patch)
         self.latents[:, :, rows] = stepped
         if req.on_step_end is not None and patch in (None, self.grid.num_patches - 1):
             req.on_step_end(step, self.latents)
         if step + 1 == len(req.timesteps):
             return self.latents[:, :, rows]
-        next_rows = _scale_model_input(scheduler, stepped, req.timesteps[step + 1])
+        scheduler = req.scheduler if patch is None else self.patch_schedulers[patch]
+        next_rows = _scale_model_input(scheduler, stepped, self.host_timesteps[step + 1])
         if self.plan.embed_rank == self.me:  # folded: the next step's input stays here
             self.inputs[(step + 1, patch)] = next_rows
         return next_rows

@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 
-COMPUTE, COMM = 0, 1  # track ids within a rank
+COMPUTE, COMM, LOOP = 0, 1, 2  # track ids within a rank: model work, waits on messages, the whole loop
 
 
 class Tracer:
@@ -45,9 +45,33 @@ class Tracer:
             {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
         ]
-        for tid, label in ((COMPUTE, "compute"), (COMM, "communication waits")):
+        for tid, label in ((COMPUTE, "compute"), (COMM, "communication waits"), (LOOP, "denoising loop")):
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": label}})
         return meta
+
+
+def engine_time(events: list[dict]) -> dict:
+    """Where one rank's denoising loops went, from its trace events: ``compute`` (the model: embedding, blocks,
+    output layer, guidance, scheduler step), ``wait`` (blocked on messages) and ``engine`` (everything else inside
+    the loop: scheduling, message building, posting, bookkeeping; the tracer's own cost included).
+
+    Returns seconds summed over the traced loops, the number of tasks (compute spans), and the engine's time per
+    task in microseconds and as a fraction of the mean task's compute time.
+    """
+    loop = sum(e["dur"] for e in events if e.get("tid") == LOOP) / 1e6
+    compute_spans = [e["dur"] for e in events if e.get("tid") == COMPUTE]
+    compute, wait = sum(compute_spans) / 1e6, sum(e["dur"] for e in events if e.get("tid") == COMM) / 1e6
+    tasks = len(compute_spans)
+    engine = loop - compute - wait
+    return dict(
+        loop_s=loop,
+        compute_s=compute,
+        wait_s=wait,
+        engine_s=engine,
+        tasks=tasks,
+        engine_us_per_task=1e6 * engine / max(tasks, 1),
+        engine_fraction_of_task=engine / compute if compute else 0.0,
+    )
 
 
 def null_span(*args, **kwargs):
