@@ -314,7 +314,7 @@ BAD_DICTS = [
         "placement",
         {"parallel": {"placement": "Folded"}},
         "parallel.placement",
-        ["'folded', 'linear'", "did you mean 'folded'"],
+        ["'balanced', 'folded', 'linear'", "did you mean 'folded'"],
     ),
     (
         "stage_split_wrong_length",
@@ -475,10 +475,13 @@ def test_check_world_ok():
     for n in range(1, 9):
         check_world(_cfg(pipefusion_degree=n), world_size=n, **HUNYUAN)
         check_world(_cfg(pipefusion_degree=n, placement="linear"), world_size=n, **HUNYUAN)
+        check_world(_cfg(pipefusion_degree=n, placement="balanced"), world_size=n, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=4, cfg_degree=2), world_size=8, **HUNYUAN)
     # uneven bands (864 px -> 54 token rows) and uneven folded chunks are fine
     check_world(_cfg(pipefusion_degree=4), world_size=4, **{**HUNYUAN, "height": 864})
     check_world(_cfg(pipefusion_degree=3, stage_split=[6, 7, 7]), world_size=3, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=3, placement="balanced", stage_split=[12, 14, 14]), world_size=3, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_layers": 6})
     check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
 
 
@@ -540,6 +543,27 @@ CHECK_WORLD_BAD = [
         dict(world_size=2),
         "parallel.stage_split",
         ["20"],
+    ),
+    (
+        "balanced_degree_too_large",
+        dict(pipefusion_degree=4, placement="balanced"),
+        dict(world_size=4, num_layers=6),
+        "parallel.pipefusion_degree",
+        ["from 1 to 3", "6-block model with balanced placement", "2 blocks per rank", "(got 4)"],
+    ),
+    (
+        "stage_split_bad_sum_balanced",
+        dict(pipefusion_degree=2, placement="balanced", stage_split=[10, 10]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["at least 2", "summing to 40", "(got [10, 10])"],
+    ),
+    (
+        "stage_split_one_block_balanced",
+        dict(pipefusion_degree=2, placement="balanced", stage_split=[39, 1]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["2 block counts of at least 2", "a chunk each way"],
     ),
     (
         "stage_split_bad_sum_linear",

@@ -51,7 +51,7 @@ def rel_diff(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-CASES = [(n, placement) for n in range(1, 9) for placement in ("folded", "linear")]
+CASES = [(n, placement) for n in range(1, 9) for placement in ("balanced", "folded", "linear")]
 
 
 @pytest.mark.parametrize("height,width", [(16, 16), (12, 20)])  # square, and non-square with uneven bands

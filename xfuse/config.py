@@ -41,12 +41,13 @@ import yaml
 from xfuse.errors import ConfigError
 from xfuse.models.registry import PRESET_MODELS, ModelSpec
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import PLACEMENTS
 
 # ----------------------------------------------------------------------------------------------------------------
 # Allowed values
 # ----------------------------------------------------------------------------------------------------------------
 
-PLACEMENTS: tuple[str, ...] = ("folded", "linear")
+# PLACEMENTS ("balanced", "folded", "linear") is the planner's own list, imported from xfuse.parallel.stage_plan.
 BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 WAITS: tuple[str, ...] = ("auto", "stream", "host")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -191,10 +192,12 @@ class ParallelConfig(_Section):
 
     ``num_patches`` is kept exactly as given (``None`` means "one patch per stage"); use
     :attr:`resolved_num_patches` for the value the engine runs with. ``placement`` ``None`` means the model
-    family's default (``ModelSpec.default_placement``: folded for HunyuanDiT's long skips, linear otherwise).
+    family's default (``ModelSpec.default_placement``: folded for HunyuanDiT's long skips, linear otherwise;
+    ``balanced`` is folded's route with per-rank totals even to one block, see ``xfuse.parallel.stage_plan``).
     ``stage_split`` lists block counts per chunk, one entry per PipeFusion rank: for ``folded`` the chunk sizes of the
-    first half of the blocks (the mirrored chunks of the second half are equal), for ``linear`` the blocks per rank.
-    Whether the split fits the model's block count is checked by :func:`check_world`.
+    first half of the blocks (the mirrored chunks of the second half are equal), for ``linear`` and ``balanced`` the
+    blocks per rank (``balanced``: at least 2 each; the planner splits each rank's blocks between the way out and
+    the way back). Whether the split fits the model's block count is checked by :func:`check_world`.
     """
 
     SECTION: ClassVar[str] = "parallel"

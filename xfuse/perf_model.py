@@ -149,6 +149,8 @@ def predict(
     return compute.outside_loop[size] + loop
 
 
+PLACEMENT_ROWS = ("linear", "folded", "balanced")  # the order of the table's rows
+
 # Result of ``fit()`` (python -m xfuse.perf_model --fit), kept so that `xfuse plan --predict` is instant.
 A100 = ComputeProfile(
     "A100 (fit to xDiT)", {1024: 93.6e12, 2048: 205.92e12}, 4.0e-4, {1024: 4.306385630385606, 2048: 38.0439086232397}
@@ -200,11 +202,11 @@ def l40_profile(a100: ComputeProfile) -> ComputeProfile:
 
 
 def table(profile: ComputeProfile, link: LinkProfile, sizes=(1024, 2048), degrees=range(1, 9)) -> dict:
-    """{(size, placement, degree): seconds} for every degree and both placements."""
+    """{(size, placement, degree): seconds} for every degree and every placement."""
     return {
         (size, placement, n): predict(profile, link, degree=n, placement=placement, size=size)
         for size in sizes
-        for placement in ("linear", "folded")
+        for placement in PLACEMENT_ROWS
         for n in degrees
     }
 
@@ -226,7 +228,7 @@ def main(argv=None) -> None:
         print("| size | placement | " + " | ".join(f"N={n}" for n in range(1, 9)) + " |")
         print("|---|---|" + "---|" * 8)
         for size in (1024, 2048):
-            for placement in ("linear", "folded"):
+            for placement in PLACEMENT_ROWS:
                 print(
                     f"| {size} | {placement} | "
                     + " | ".join(f"{rows[size, placement, n]:.1f}" for n in range(1, 9))

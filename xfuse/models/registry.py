@@ -43,7 +43,8 @@ class ModelSpec:
         skip_pairs: ``num_layers -> ((producer, consumer), ...)``, the long skips between blocks; raises
             ``ConfigError("model", ...)`` for a block count the family cannot have.
         default_placement: used when ``parallel.placement`` is not set: ``folded`` keeps every long skip on one
-            rank; without long skips it only adds hand-offs, so such families default to ``linear``.
+            rank; without long skips it only adds hand-offs, so such families default to ``linear``. (``balanced``,
+            folded's route with even per-rank totals and a few skips across ranks, is chosen by name.)
         crosses_per_patch: what one patch sends between ranks, for the README and ``xfuse plan``.
         num_blocks: ``transformer config -> number of blocks`` the plan places (FLUX: double + single blocks).
         packing: latent pixels per side the pipeline folds into one transformer input token before the model
@@ -153,7 +154,8 @@ HUNYUANDIT = ModelSpec(
     default_placement="folded",
     resolution_binning=True,
     crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks "
-    "and the stepped latent rows back to rank 0",
+    "and the stepped latent rows back to rank 0; with balanced placement the few long skips its even split cannot "
+    "keep on one rank (at most one per pair of neighbouring ranks, with the return hand-off)",
 )
 
 PIXART_SIGMA = ModelSpec(

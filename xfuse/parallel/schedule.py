@@ -14,13 +14,19 @@ its patches in (step, patch) order, which is what the stale K/V semantics need: 
 patches < p of step s and patches > p of step s-1.
 
 Linear placement ends with *collect* tasks on rank 0 (``hop=-1``): receiving the final latents from the output rank.
+
+A cross-rank long skip is received by its consumer's task and sent by its producer rank's last task before that
+(``skip_send_hops``): the producer's own task, except on balanced routes, where a skip into a lower rank's return
+chunk waits for the sender's return chunk and travels with its hand-off. Messages between two ranks match in issue
+order (no tags), so they must all go from one sender segment to one receiver segment.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from xfuse.parallel.stage_plan import StagePlan
+from xfuse.parallel.stage_plan import SkipEdge, StagePlan
 
 COLLECT = -1  # hop of the tasks that receive the final latents on the embedding rank (linear placement)
 
@@ -109,15 +115,31 @@ class Schedule:
         last = len(plan.route) - 1
         if task.hop == last and plan.output_rank != plan.embed_rank:
             out.append(Message("latent", rank, plan.embed_rank, task.step, task.patch))
-        segment = plan.route[task.hop]
+        send_hops = skip_send_hops(plan)
         for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
-            if edge.producer in segment.blocks:
+            if send_hops[edge] == task.hop:
                 out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer))
         if task.hop < last and plan.route[task.hop + 1].rank != rank:
             dst = plan.route[task.hop + 1].rank
             out.append(Message("hidden", rank, dst, task.step, task.patch))
             out.extend(Message(s, rank, dst, task.step, task.patch) for s in self.streams_of(task))
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def skip_send_hops(plan: StagePlan) -> dict[SkipEdge, int]:
+    """The hop whose task sends each cross-rank skip: its producer rank's last segment before the consumer's.
+
+    Linear placement: the producer's own segment (a rank has one). Balanced placement: a skip from rank a's
+    outbound chunk into rank b's return chunk (b < a, see ``stage_plan``) waits on rank a until a's return chunk
+    and leaves with it, so between two ranks every message goes from one sender segment to one receiver segment
+    (the hand-off's, where there is one) and the pair's messages are received in the order they are sent.
+    """
+    hops = {}
+    for edge in plan.cross_rank_skips:
+        consumer = next(h for h, seg in enumerate(plan.route) if edge.consumer in seg.blocks)
+        hops[edge] = max(h for h, seg in enumerate(plan.route[:consumer]) if seg.rank == edge.src_rank)
+    return hops
 
 
 def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int):
