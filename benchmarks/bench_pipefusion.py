@@ -28,8 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTH_SCALE = 1408 / 32  # hidden states and skips scale with the width; latents do not
 
 
-def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats):
-    """On every rank: build the model (deterministic), run the loop `repeats` times, return times and counters."""
+def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats, layers=None, trace=False):
+    """On every rank: build the model (deterministic; ``layers`` overrides the preset's block count), run the loop
+    ``repeats`` times (the first call included), return times and counters; with ``trace``, one more traced loop
+    whose ``engine_time`` split (compute / waits / the engine's own time per task) is returned too."""
     import torch
     import torch.distributed as dist
 
@@ -40,10 +42,11 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
     from xfuse.parallel.stage_plan import stage_plan
+    from xfuse.parallel.trace import Tracer, engine_time
     from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs
 
     rank = dist.get_rank()
-    pipe = build_tiny_pipeline(preset, seed=0)
+    pipe = build_tiny_pipeline(preset, seed=0, **({} if layers is None else {"num_layers": layers}))
     plan = stage_plan(
         pipe.transformer.config.num_layers,
         degree,
@@ -67,20 +70,28 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
         engine.denoise(request, grid)
         dist.barrier()
         times.append(time.perf_counter() - start)
+    split = None
+    if trace:
+        tracer = Tracer(rank)
+        inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
+        dist.barrier()
+        engine.denoise(request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler)), grid, tracer)
+        split = engine_time(tracer.events)
     import resource
 
     return dict(
+        engine_time=split,
         times=times,
         counters=None if channels is None else channels.counters.as_dict(),
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
 
 
-def run_world(degree, *args, timeout=3600):
+def run_world(degree, *args, timeout=3600, **kwargs):
     from xfuse.testing.world import World
 
     with World(degree, threads_per_rank=1, start_timeout=600) as world:
-        return world.run_ok(bench_rank, *args, timeout=timeout)
+        return world.run_ok(bench_rank, *args, timeout=timeout, **kwargs)
 
 
 def main():

@@ -1,0 +1,385 @@
+"""Every GPU measurement of the README in one command (one device call); JSON and Markdown out.
+
+    python benchmarks/gpu_suite.py [--out benchmarks/results] [--repeats 5] [--quick]
+
+Sections (a GPU section without a CUDA device is recorded as skipped, with the reason):
+
+a. degree-1 loop, xfuse vs diffusers' ``HunyuanDiTPipeline`` on the same random ``dit-g2`` model (the released
+   transformer's shape), bf16, 1024 px, CFG, 20 steps: the pipeline call to latents (tiny text encoders, the denoising
+   loop; no VAE decode), timed with CUDA events, median of ``--repeats`` (min-max), per torch SDPA kernel choice
+   (default, flash forced, memory-efficient forced). xfuse runs torch's SDPA only; the flash-attn package is not used.
+b. peak GPU memory of each of those calls (``torch.cuda.max_memory_allocated``).
+c. synchronisations in the loop: one pipelined xfuse call (M = 2, warm-up 1) with the engine's ``denoise`` under
+   ``torch.cuda.set_sync_debug_mode("warn")``; every synchronising call is listed with where it comes from.
+d. xfuse's CPU speedups at degrees 2, 4 and 8 (one torch thread per rank, gloo; ``small``, 512 px, 20 steps, CFG,
+   M = N, warm-up 1, first call included).
+e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and ``NCCL_P2P_DISABLE=1
+   NCCL_SHM_DISABLE=1``, sockets on loopback), so NCCL may treat the ranks as separate hosts. If it starts: exact mode
+   at degrees 2 and 4 against degree 1 (the PNGs compared), a killed rank and a stalled rank (every rank's exit code,
+   the time to the end, the reports); if not, what NCCL said.
+
+``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "a red house by a lake"
+
+
+def spread(values: list[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
+
+
+def no_cuda() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "skipped: no CUDA device (torch.cuda.is_available() is False)"
+
+
+# ---------------------------------------------------------------------------------------------- (a) + (b)
+def degree1_loop(preset: str, size: int, steps: int, repeats: int) -> dict:
+    """diffusers, then xfuse at degree 1, on the same bf16 model: CUDA-event times and peak memory per kernel."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
+
+    call = dict(
+        prompt=PROMPT,
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        use_resolution_binning=False,
+        output_type="latent",
+    )
+    kernels = {
+        "sdpa (default choice)": None,
+        "sdpa, flash kernel": [SDPBackend.FLASH_ATTENTION],
+        "sdpa, memory-efficient kernel": [SDPBackend.EFFICIENT_ATTENTION],
+    }
+
+    def timed(pipe) -> dict:
+        rows = {}
+        for name, backends in kernels.items():
+            times, peaks = [], []
+            try:
+                for _ in range(repeats):
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with sdpa_kernel(backends) if backends else _nothing():
+                        start.record()
+                        pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
+                        end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3)
+                    peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+                rows[name] = dict(seconds=spread(times), peak_gib=max(peaks))
+            except Exception as exc:  # noqa: BLE001 - a kernel the GPU or dtype does not support: say so
+                rows[name] = dict(error=f"{type(exc).__name__}: {exc}"[:500])
+        return rows
+
+    out = {"model": preset, "size": size, "steps": steps, "dtype": "bfloat16", "repeats": repeats}
+    pipe = build_tiny_pipeline(preset, seed=0).to("cuda", torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    out["diffusers"] = timed(pipe)
+    del pipe
+    torch.cuda.empty_cache()
+    pipe = build_tiny_pipeline(preset, seed=0).to(torch.bfloat16)
+    xfuse_pipe = PipeFusionHunyuanDiTPipeline.from_pipe(pipe, parallel={"pipefusion_degree": 1}, device="cuda")
+    xfuse_pipe.set_progress_bar_config(disable=True)
+    out["xfuse"] = timed(xfuse_pipe)
+    out["sync_debug"] = sync_report(xfuse_pipe, call, steps)
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- (c)
+def sync_report(xfuse_pipe, call: dict, steps: int) -> dict:
+    """Run one pipelined call (M = 2, warm-up 1) with the denoising loop under sync debug mode "warn"; group every
+    synchronisation by the innermost diffusers/xfuse frame that made it (and the xfuse frame that called that)."""
+    import torch
+
+    from xfuse.parallel.engine import PipeFusionEngine
+
+    found: dict[str, int] = {}
+    original = PipeFusionEngine.denoise
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack() if "/xfuse/" in f.filename or "/diffusers/" in f.filename]
+        frames = [f for f in frames if not f.filename.endswith("gpu_suite.py")]
+        inner = frames[-1] if frames else None
+        caller = next((f for f in reversed(frames) if "/xfuse/" in f.filename), None)
+        where = "?" if inner is None else f"{_short(inner.filename)}:{inner.lineno} {inner.name}"
+        if caller is not None and caller is not inner:
+            where += f" (from {_short(caller.filename)}:{caller.lineno} {caller.name})"
+        found[where] = found.get(where, 0) + 1
+
+    def denoise(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    # Two patches on the one rank: the pipelined path (stale K/V, per-patch scheduler steps); warm-up stays 1.
+    xfuse_pipe.parallel = dataclasses.replace(xfuse_pipe.parallel, num_patches=2)
+    PipeFusionEngine.denoise = denoise
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            xfuse_pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        PipeFusionEngine.denoise = original
+        warnings.showwarning = show
+    return {"steps": steps, "patches": 2, "total": sum(found.values()), "by_source": found}
+
+
+def _short(path: str) -> str:
+    for marker in ("/xfuse/", "/diffusers/"):
+        if marker in path:
+            return marker.strip("/") + "/" + path.split(marker, 1)[1]
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- (d)
+def cpu_speedups(preset: str, size: int, steps: int, degrees: tuple[int, ...], repeats: int) -> dict:
+    from benchmarks.bench_pipefusion import run_world
+
+    rows = {}
+    for degree in degrees:
+        results = run_world(degree, preset, degree, "folded", degree, 1, steps, size, repeats)
+        rows[degree] = spread(results[0]["times"])
+    base = rows[degrees[0]]["median"]
+    for degree, row in rows.items():
+        row["speedup"] = base / row["median"]
+        row["ideal"] = steps / (1 + (steps - 1) / degree)  # one synchronous warm-up step, then N stages busy
+    return {"model": preset, "size": size, "steps": steps, "threads_per_rank": 1, "degrees": rows}
+
+
+# ---------------------------------------------------------------------------------------------- (e)
+NCCL_ONE_GPU_ENV = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+}
+
+
+def rank_entry(argv: list[str]) -> int:
+    """Under torchrun: make this rank look like its own host to NCCL, put every rank on GPU 0, run ``xfuse``."""
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    os.environ["NCCL_HOSTID"] = f"xfuse-suite-host-{local_rank}"
+    os.environ["LOCAL_RANK"] = "0"  # xfuse picks cuda:LOCAL_RANK; the machine has one GPU
+    from xfuse.cli import main
+
+    return main(argv)
+
+
+def _generate(degree: int, out_png: str, steps: int, extra: list[str], env: dict, timeout: float):
+    args = ["generate", "--config", os.path.join(ROOT, "configs/tiny/pp2.yaml"), "--output", out_png]
+    sets = [
+        f"parallel.pipefusion_degree={degree}",
+        f"parallel.num_patches={degree}",
+        f"generation.num_inference_steps={steps}",
+        "runtime.device=cuda",
+        *extra,
+    ]
+    for s in sets:
+        args += ["--set", s]
+    if degree == 1:
+        cmd = [sys.executable, "-m", "xfuse", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={degree}"]
+        cmd += [os.path.abspath(__file__), "--rank-entry", *args]
+    start = time.monotonic()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=timeout)
+        return out.returncode, time.monotonic() - start, out.stderr
+    except subprocess.TimeoutExpired as exc:
+        return "timeout", time.monotonic() - start, (exc.stderr or b"").decode(errors="replace")
+
+
+def _report_lines(stderr: str) -> list[str]:
+    keep = ("failed:", "stopped", "terminated by", "first failure", "who waits", "CommTimeout", "PeerLost", "NCCL WARN")
+    return [line.strip() for line in stderr.splitlines() if any(k in line for k in keep)][:20]
+
+
+def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
+    import numpy as np
+    from PIL import Image
+
+    env = dict(NCCL_ONE_GPU_ENV)
+    result: dict = {"env": env, "note": "every rank on GPU 0, NCCL_HOSTID per rank"}
+    with tempfile.TemporaryDirectory() as tmp:
+        exact = [f"parallel.warmup_steps={steps}"]
+        rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, 600)
+        if rc != 0:
+            return {**result, "error": f"degree 1 on CUDA failed (rc {rc}): {err[-2000:]}"}
+        reference = np.asarray(Image.open(f"{tmp}/d1.png"), dtype=np.int16)
+        for degree in degrees:
+            rc, wall, err = _generate(degree, f"{tmp}/d{degree}.png", steps, exact, env, 600)
+            if rc != 0:
+                result[f"exact_pp{degree}"] = {"rc": rc, "started": False, "nccl_said": err[-3000:]}
+                return result  # NCCL refused: nothing else can run over it
+            image = np.asarray(Image.open(f"{tmp}/d{degree}.png"), dtype=np.int16)
+            result[f"exact_pp{degree}"] = {
+                "rc": rc,
+                "seconds": wall,
+                "max_abs_pixel_diff_vs_degree1": int(np.abs(image - reference).max()),
+                "identical": bool((image == reference).all()),
+            }
+            for fault, timeout_s in (("kill", 30), ("stall", 5)):
+                faulty = {**env, "XFUSE_FAULT": f"{fault}:1:2"}
+                rc, wall, err = _generate(
+                    degree, f"{tmp}/never.png", 6, [f"comm.timeout_s={timeout_s}"], faulty, timeout_s + 120
+                )
+                result[f"{fault}_pp{degree}"] = {
+                    "rc": rc,
+                    "comm.timeout_s": timeout_s,
+                    "seconds_to_exit": wall,
+                    "reports": _report_lines(err),
+                }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+def fmt(row: dict) -> str:
+    return f"{row['median']:.3f} s ({row['min']:.3f}–{row['max']:.3f})"
+
+
+def markdown(r: dict) -> str:
+    out = [f"Machine: {r['machine']}.", ""]
+    d1 = r["degree1"]
+    if "skipped" in d1 or "error" in d1:
+        out += [f"Degree-1 loop vs diffusers: {d1.get('skipped') or d1.get('error')}", ""]
+    else:
+        out += [
+            f"Degree 1, `{d1['model']}`, {d1['dtype']}, {d1['size']} px, CFG, {d1['steps']} steps, pipeline call to "
+            f"latents (CUDA events, median of {d1['repeats']}, min–max):",
+            "",
+            "| attention | diffusers | xfuse | xfuse / diffusers | peak GiB diffusers / xfuse |",
+            "|---|---|---|---|---|",
+        ]
+        for name in d1["diffusers"]:
+            a, b = d1["diffusers"][name], d1["xfuse"].get(name, {})
+            if "seconds" in a and "seconds" in b:
+                ratio = b["seconds"]["median"] / a["seconds"]["median"]
+                out.append(
+                    f"| {name} | {fmt(a['seconds'])} | {fmt(b['seconds'])} | {ratio:.3f} | "
+                    f"{a['peak_gib']:.2f} / {b['peak_gib']:.2f} |"
+                )
+            else:
+                out.append(f"| {name} | {a.get('error', '')} | {b.get('error', '')} | | |")
+        sync = d1.get("sync_debug", {})
+        out += ["", f"Synchronisations inside the denoising loop (M = 2, warm-up 1): {sync.get('total', sync)}"]
+        for where, count in sync.get("by_source", {}).items():
+            out.append(f"- {count}x {where}")
+        out.append("")
+    cpu = r["cpu_speedups"]
+    out += [
+        f"CPU, `{cpu['model']}`, {cpu['size']} px, {cpu['steps']} steps, one thread per rank, first call included:",
+        "",
+        "| degree | denoising loop | speedup | ideal |",
+        "|---|---|---|---|",
+    ]
+    for degree, row in cpu["degrees"].items():
+        out.append(f"| {degree} | {fmt(row)} | {row['speedup']:.2f}x | {row['ideal']:.2f}x |")
+    nccl = r["nccl_one_gpu"]
+    out += ["", "NCCL, several ranks on one GPU (`NCCL_HOSTID` per rank):", ""]
+    if "skipped" in nccl or "error" in nccl:
+        out.append(nccl.get("skipped") or nccl.get("error"))
+    else:
+        for key, row in nccl.items():
+            if key in ("env", "note"):
+                continue
+            out.append(f"- {key}: " + json.dumps(row)[:600])
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    if argv is None and "--rank-entry" in sys.argv:
+        rest = sys.argv[sys.argv.index("--rank-entry") + 1 :]
+        sys.exit(rank_entry(rest))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the test runs)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    report = dict(
+        machine=f"{gpu}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, python {platform.python_version()}",
+    )
+    quick = args.quick
+    skipped = no_cuda()
+    sections = {
+        "degree1": lambda: degree1_loop(
+            "tiny" if quick else "dit-g2", 256 if quick else 1024, 4 if quick else 20, 2 if quick else args.repeats
+        ),
+        "cpu_speedups": lambda: cpu_speedups(
+            "tiny" if quick else "small",
+            256 if quick else 512,
+            4 if quick else 20,
+            (1, 2) if quick else (1, 2, 4, 8),
+            1 if quick else 3,
+        ),
+        "nccl_one_gpu": lambda: nccl_one_gpu(4 if quick else 8, (2,) if quick else (2, 4)),
+    }
+    for name, run in sections.items():
+        if skipped and name != "cpu_speedups":
+            report[name] = {"skipped": skipped}
+            continue
+        start = time.monotonic()
+        try:
+            report[name] = run()
+        except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others' figures
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()}
+        report[name]["section_seconds"] = time.monotonic() - start
+        print(f"{name}: done in {report[name]['section_seconds']:.0f} s", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu.json"), "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    with open(os.path.join(args.out, "gpu.md"), "w") as fh:
+        fh.write(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
