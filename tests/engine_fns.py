@@ -17,13 +17,14 @@ from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, swap_sche
 _PIPES = {}
 
 
-def tiny_pipe(scheduler="DDPMScheduler", dtype=torch.float32):
-    """The tiny pipeline, built once per process and scheduler (stages copy its transformer)."""
-    key = (scheduler, dtype)
+def tiny_pipe(scheduler="DDPMScheduler", dtype=torch.float32, preset="tiny"):
+    """A preset pipeline (``tiny``: 16 blocks; ``bytes40``: 40), built once per process, scheduler and dtype (stages
+    copy its transformer)."""
+    key = (scheduler, dtype, preset)
     if key not in _PIPES:
         from xfuse.models.tiny import build_tiny_pipeline
 
-        pipe = swap_scheduler(build_tiny_pipeline("tiny", seed=0), scheduler)
+        pipe = swap_scheduler(build_tiny_pipeline(preset, seed=0), scheduler)
         pipe.set_progress_bar_config(disable=True)
         _PIPES[key] = pipe.to(dtype=dtype) if dtype != torch.float32 else pipe
     return _PIPES[key]
@@ -45,13 +46,14 @@ def run_engine(
     timeout_s=60.0,
     max_inflight=2,
     requests=1,
+    preset="tiny",
 ):
     """Run PipeFusion on ranks 0 … degree-1 of the world (the others idle); return rank 0's final latents of the
     last request plus every rank's byte counters."""
     rank = dist.get_rank()
     if rank >= degree:
         return None
-    pipe = tiny_pipe(scheduler, dtype)
+    pipe = tiny_pipe(scheduler, dtype, preset)
     plan = stage_plan(
         pipe.transformer.config.num_layers,
         degree,

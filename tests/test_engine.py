@@ -21,7 +21,7 @@ from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, serial_la
 from xfuse.testing.world import World
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3  # non-square: 8 x 6 tokens
-PLACEMENTS = ("folded", "linear")
+PLACEMENTS = ("balanced", "folded", "linear")
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,12 @@ def world():
 _REFS = {}
 
 
-def serial(scheduler="DDPMScheduler", height=HEIGHT, width=WIDTH, steps=STEPS, prompt="a red house by a lake"):
-    key = (scheduler, height, width, steps, prompt)
+def serial(
+    scheduler="DDPMScheduler", height=HEIGHT, width=WIDTH, steps=STEPS, prompt="a red house by a lake", preset="tiny"
+):
+    key = (scheduler, height, width, steps, prompt, preset)
     if key not in _REFS:
-        pipe = tiny_pipe(scheduler)
+        pipe = tiny_pipe(scheduler, preset=preset)
         inputs = prepare_inputs(pipe, prompt=prompt, height=height, width=width, num_inference_steps=steps)
         _REFS[key] = serial_latents(pipe, inputs, height, width)
     return _REFS[key]
@@ -57,10 +59,13 @@ def rel_l2(a, b):
 _EXACT = {}
 
 
-def exact_run(world, degree, placement):
-    if (degree, placement) not in _EXACT:  # M = 3 on 8 token rows: bands of 3, 3, 2 rows
-        _EXACT[degree, placement] = run(world, degree, placement, 3, STEPS)
-    return _EXACT[degree, placement]
+def exact_run(world, degree, placement, preset="tiny"):
+    num_layers = tiny_pipe(preset=preset).transformer.config.num_layers
+    route = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers)).route
+    if (preset, route) not in _EXACT:  # one run per distinct plan (balanced is folded where N divides B/2)
+        # M = 3 on 8 token rows: bands of 3, 3, 2 rows
+        _EXACT[preset, route] = run(world, degree, placement, 3, STEPS, preset=preset)
+    return _EXACT[preset, route]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -71,11 +76,8 @@ def test_exact_mode_equals_serial_diffusers(world, degree, placement):
     assert all(r is None for r in results[degree:])
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("degree", range(2, 9))
-def test_counted_bytes_equal_comm_volume(world, degree, placement):
-    results = exact_run(world, degree, placement)
-    pipe = tiny_pipe()
+def check_counted_bytes(results, degree, placement, preset="tiny"):
+    pipe = tiny_pipe(preset=preset)
     plan = stage_plan(
         pipe.transformer.config.num_layers,
         degree,
@@ -92,6 +94,25 @@ def test_counted_bytes_equal_comm_volume(world, degree, placement):
     assert total_recv == sum(sum(v.values()) for v in volume.values()) * STEPS
     if placement == "folded":
         assert all("skip" not in results[r]["counters"]["sent_bytes"] for r in range(degree))
+    return plan
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("degree", range(2, 9))
+def test_counted_bytes_equal_comm_volume(world, degree, placement):
+    check_counted_bytes(exact_run(world, degree, placement), degree, placement)
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4, 6, 8])
+def test_balanced_40_blocks_exact_and_counted(world, degree):
+    """The released block count (``bytes40``: 40 blocks, hidden 32): balanced at N = 3, 6, 8 sends 1, 2 and 4 skips
+    per patch, each with the sender's return hand-off; N = 2, 4 are folded's plan."""
+    results = exact_run(world, degree, "balanced", preset="bytes40")
+    assert rel_max(results[0]["latents"], serial(preset="bytes40")) <= 1e-5
+    plan = check_counted_bytes(results, degree, "balanced", preset="bytes40")
+    assert len(plan.cross_rank_skips) == {2: 0, 3: 1, 4: 0, 6: 2, 8: 4}[degree]
+    skip_senders = {r for r in range(degree) if results[r]["counters"]["sent_bytes"].get("skip")}
+    assert skip_senders == {e.src_rank for e in plan.cross_rank_skips}
 
 
 @pytest.mark.parametrize("scheduler", ["DDIMScheduler", "EulerDiscreteScheduler", "DPMSolverMultistepScheduler"])
@@ -114,7 +135,15 @@ def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
     return engine.denoise(request, patch_grid(height // 8, width // 8, num_patches, 2))
 
 
-PIPELINED = [(n, m, p) for n in (2, 3, 4) for m in (n, 2 * n) for p in PLACEMENTS]
+def distinct(degree, placement, num_layers=16):
+    """Whether this (degree, placement) plans differently from folded (balanced is folded where N divides B/2)."""
+    if placement != "balanced":
+        return True
+    plans = [stage_plan(num_layers, degree, p, skips=HUNYUANDIT.skip_pairs(num_layers)) for p in ("balanced", "folded")]
+    return plans[0].route != plans[1].route
+
+
+PIPELINED = [(n, m, p) for n in (2, 3, 4) for m in (n, 2 * n) for p in PLACEMENTS if distinct(n, p)]
 
 
 @pytest.mark.parametrize("degree,num_patches,placement", PIPELINED)
@@ -213,8 +242,7 @@ def oracle(num_patches, warmup, scheduler="DDPMScheduler", height=HEIGHT, width=
 
 
 @pytest.mark.parametrize("warmup", [0, 1])
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("degree", [2, 3, 4])
+@pytest.mark.parametrize("degree,placement", [(n, p) for n in (2, 3, 4) for p in PLACEMENTS if distinct(n, p)])
 def test_pipelined_equals_the_oracle(world, degree, placement, warmup):
     """DDPM (per-patch noise) on 8 x 6 token rows: M = 1, 2 and N + 1 (uneven bands for N + 1 = 3, 5)."""
     for num_patches in sorted({1, 2, degree + 1}):
