@@ -6,7 +6,7 @@
   and degree 2 (folded and linear, M = 2), `steps` steps with `warmup` whole-image warm-up steps. With 20 steps and 1
   warm-up step the ideal degree-2 speedup is 20 / (1 + 19/2) = 1.90x.
 * Bytes: the `bytes40` preset (40 blocks like the released checkpoint, hidden 32) at 1024 px, from the comm
-  counters of a real run, per step and rank, folded vs linear at N = 2, 4, 8; scaled x44 to hidden 1408.
+  counters of a real run, per step and rank, folded, balanced and linear at N = 2, 4, 8; scaled x44 to hidden 1408.
 Each degree runs in its own world of real gloo processes (this machine: 2 cores, so degree 2 is the largest degree
 whose ranks each get a core for the timing).
 """
@@ -120,7 +120,7 @@ def main():
             report["time"][f"{degree}-{placement}"] = dict(wall_s=wall, speedup=base / wall, runs=times[0]["times"])
             print(f"degree {degree} {placement:>6}: {wall:7.2f} s  speedup {base / wall:.2f}x", flush=True)
     for degree in (2, 4, 8):
-        for placement in ("folded", "linear"):
+        for placement in ("folded", "balanced", "linear"):
             results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)
             per_rank = [{k: v / 2 for k, v in r["counters"]["sent_bytes"].items()} for r in results]  # 2 steps
             total = sum(sum(r.values()) for r in per_rank)
@@ -138,18 +138,21 @@ def main():
         degree, placement = key.split("-")
         print(f"| {degree} | {placement if degree != '1' else '-'} | {row['wall_s']:.1f} s | {row['speedup']:.2f}x |")
     print(
-        "\n| N | folded MiB/step | linear MiB/step | folded/linear | per-rank folded | per-rank linear |"
-        "\n|---|---|---|---|---|---|"
+        "\n| N | folded MiB/step | balanced MiB/step | linear MiB/step | folded/linear | per-rank folded | "
+        "per-rank balanced | per-rank linear |"
+        "\n|---|---|---|---|---|---|---|---|"
     )
     for degree in (2, 4, 8):
-        folded, linear = (report["bytes"][f"{degree}-{p}"]["per_rank_hidden1408"] for p in ("folded", "linear"))
+        folded, balanced, linear = (
+            report["bytes"][f"{degree}-{p}"]["per_rank_hidden1408"] for p in ("folded", "balanced", "linear")
+        )
 
         def fmt(rows):
             return " / ".join(f"{b / 2**20:.0f}" for b in rows)
 
         print(
-            f"| {degree} | {sum(folded) / 2**20:.0f} | {sum(linear) / 2**20:.0f} | {sum(folded) / sum(linear):.3f} | "
-            f"{fmt(folded)} | {fmt(linear)} |"
+            f"| {degree} | {sum(folded) / 2**20:.0f} | {sum(balanced) / 2**20:.0f} | {sum(linear) / 2**20:.0f} | "
+            f"{sum(folded) / sum(linear):.3f} | {fmt(folded)} | {fmt(balanced)} | {fmt(linear)} |"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -7,7 +7,7 @@ processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch
 
 1. degree-1 xfuse vs diffusers' ``HunyuanDiTPipeline`` (whole ``__call__``, same model and settings);
 2. denoising loop at degree 2 (folded, linear; M = 2, warm-up 1) vs degree 1 (ideal 20 / (1 + 19/2) = 1.90x);
-3. bytes sent per denoising step per rank, folded vs linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
+3. bytes sent per denoising step per rank, folded, balanced and linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
    1024 px; scaled to hidden 1408), from the comm counters;
 4. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
    peak resident memory of each rank in (2);
@@ -152,7 +152,7 @@ def main() -> None:
 
     volume = {}
     for degree in (2, 4, 8):
-        for placement in ("folded", "linear"):
+        for placement in ("folded", "balanced", "linear"):
             results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)
             per_rank = [{k: v / 2 for k, v in r["counters"]["sent_bytes"].items()} for r in results]  # 2 steps
             volume[f"{degree}-{placement}"] = [
@@ -206,11 +206,19 @@ def markdown(r: dict) -> str:
     for key, row in r["denoising_loop"].items():
         rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
         out.append(f"| degree {key.replace('-', ', ')} | {fmt(row)} | {row['speedup']:.2f}x | {rss} |")
-    out += ["", "| N | folded MiB/step | linear MiB/step | folded / linear |", "|---|---|---|---|"]
+    out += [
+        "",
+        "| N | folded MiB/step | balanced MiB/step | linear MiB/step | folded / linear | balanced / linear |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in (2, 4, 8):
-        folded = sum(r["bytes_per_step_hidden1408"][f"{n}-folded"])
-        linear = sum(r["bytes_per_step_hidden1408"][f"{n}-linear"])
-        out.append(f"| {n} | {folded / 2**20:.0f} | {linear / 2**20:.0f} | {folded / linear:.3f} |")
+        folded, balanced, linear = (
+            sum(r["bytes_per_step_hidden1408"][f"{n}-{p}"]) for p in ("folded", "balanced", "linear")
+        )
+        out.append(
+            f"| {n} | {folded / 2**20:.0f} | {balanced / 2**20:.0f} | {linear / 2**20:.0f} | {folded / linear:.3f} | "
+            f"{balanced / linear:.3f} |"
+        )
     out += ["", "| pipelined vs serial (DDIM) | latent relative L2 | image PSNR |", "|---|---|---|"]
     for name, row in r["pipelined_distance"].items():
         out.append(f"| {name}, warm-up 1 | {row['latent_rel_l2']:.4f} | {row['image_psnr_db']:.1f} dB |")
