@@ -32,7 +32,7 @@ def main():
     parser.add_argument("--num-patches", type=int, default=None, help="default: one per pipeline rank")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2))
-    parser.add_argument("--placement", default="folded", choices=("folded", "linear"))
+    parser.add_argument("--placement", default="folded", choices=("balanced", "folded", "linear"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
