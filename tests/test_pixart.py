@@ -176,6 +176,15 @@ def test_pipelined_equals_the_oracle(world4, degree, placement, warmup):
     assert rel_max(oracle(2, warmup), serial()) > 1e-4  # stale K/V matter here: the oracle is not serial
 
 
+def test_balanced_on_a_family_without_long_skips(world4):
+    """Balanced at degree 3 (8 blocks: totals 3/3/2, each split between the way out and the way back; at 2 and 4 it
+    is folded's plan): exact mode equals diffusers, pipelined (M = 4) equals the oracle."""
+    exact = world4.run_ok(run_engine, 3, "balanced", 4, STEPS)[0]
+    assert (exact - serial()).abs().max().item() <= 1e-4
+    piped = world4.run_ok(run_engine, 3, "balanced", 4, 1)[0]
+    assert rel_max(piped, oracle(4, 1)) <= 1e-5
+
+
 def test_oracle_catches_recomputed_positions_and_unrefreshed_kv(monkeypatch):
     """Injected bugs: a band embedded by diffusers' ``PatchEmbed.forward`` (grid rescaled to the band), and patch
     K/V never written after warm-up."""
