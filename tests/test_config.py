@@ -479,7 +479,7 @@ def test_check_world_ok():
     check_world(_cfg(pipefusion_degree=4, cfg_degree=2), world_size=8, **HUNYUAN)
     # uneven bands (864 px -> 54 token rows) and uneven folded chunks are fine
     check_world(_cfg(pipefusion_degree=4), world_size=4, **{**HUNYUAN, "height": 864})
-    check_world(_cfg(pipefusion_degree=3, stage_split=[6, 7, 7]), world_size=3, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=3, placement="folded", stage_split=[6, 7, 7]), world_size=3, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=3, placement="balanced", stage_split=[12, 14, 14]), world_size=3, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_layers": 6})
     check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
@@ -525,7 +525,7 @@ CHECK_WORLD_BAD = [
     ),
     (
         "folded_degree_too_large",
-        dict(pipefusion_degree=8),
+        dict(pipefusion_degree=8, placement="folded"),
         dict(world_size=8, num_layers=8),
         "parallel.pipefusion_degree",
         ["folded"],

@@ -174,7 +174,7 @@ def test_folded_needs_an_even_block_count_whatever_the_skips():
         stage_plan(5, 2, "folded")
 
 
-@pytest.mark.parametrize("spec,placement", [(HUNYUANDIT, "folded"), (PIXART_SIGMA, "linear")])
+@pytest.mark.parametrize("spec,placement", [(HUNYUANDIT, "balanced"), (PIXART_SIGMA, "linear")])
 def test_the_default_placement_comes_from_the_family(spec, placement):
     from xfuse.config import ParallelConfig
 

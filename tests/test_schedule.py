@@ -69,22 +69,11 @@ def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement)
         assert all(b - a == busiest for a, b in zip(steady, steady[1:])), (num_patches, ends)
 
 
-# (blocks, N, M) where the list scheduler does not settle into a period of exactly the busiest rank's work on a
-# balanced route: its ranks' outbound and return chunks differ by a block, and the greedy fill (each task as early as
-# possible) packs the first patches closer than the busiest rank can sustain. A periodic schedule without waits
-# exists (e.g. 40 blocks, N = M = 8: patch p enters at 5p), so these are the scheduler's, and strict: a better
-# scheduler turns them into passes.
-BALANCED_NOT_STEADY = {(16, 5, 5), (16, 5, 6), (16, 5, 10), (16, 6, 6), (16, 6, 7), (16, 7, 7), (40, 6, 6), (40, 8, 8)}
-
-
 def balanced_cases():
     for num_layers in (16, 40):
         for degree in range(2, 9):
             for m in (degree, degree + 1, 2 * degree):
-                marks = ()
-                if (num_layers, degree, m) in BALANCED_NOT_STEADY:
-                    marks = pytest.mark.xfail(strict=True, reason="list-scheduler fill on uneven chunks")
-                yield pytest.param(num_layers, degree, m, marks=marks)
+                yield num_layers, degree, m
 
 
 @pytest.mark.parametrize("num_layers,degree,num_patches", list(balanced_cases()))

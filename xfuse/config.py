@@ -192,7 +192,7 @@ class ParallelConfig(_Section):
 
     ``num_patches`` is kept exactly as given (``None`` means "one patch per stage"); use
     :attr:`resolved_num_patches` for the value the engine runs with. ``placement`` ``None`` means the model
-    family's default (``ModelSpec.default_placement``: folded for HunyuanDiT's long skips, linear otherwise;
+    family's default (``ModelSpec.default_placement``: balanced for HunyuanDiT's long skips, linear otherwise;
     ``balanced`` is folded's route with per-rank totals even to one block, see ``xfuse.parallel.stage_plan``).
     ``stage_split`` lists block counts per chunk, one entry per PipeFusion rank: for ``folded`` the chunk sizes of the
     first half of the blocks (the mirrored chunks of the second half are equal), for ``linear`` and ``balanced`` the

@@ -42,9 +42,10 @@ class ModelSpec:
         text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s).
         skip_pairs: ``num_layers -> ((producer, consumer), ...)``, the long skips between blocks; raises
             ``ConfigError("model", ...)`` for a block count the family cannot have.
-        default_placement: used when ``parallel.placement`` is not set: ``folded`` keeps every long skip on one
-            rank; without long skips it only adds hand-offs, so such families default to ``linear``. (``balanced``,
-            folded's route with even per-rank totals and a few skips across ranks, is chosen by name.)
+        default_placement: used when ``parallel.placement`` is not set. Long skips: ``balanced`` (folded's route, which
+            keeps the skips on-rank, with per-rank totals even to one block; where folded is already even it is
+            folded's plan, elsewhere a few skips cross one rank down, and the performance model predicts it faster
+            than folded at every degree); without long skips a folded route only adds hand-offs: ``linear``.
         crosses_per_patch: what one patch sends between ranks, for the README and ``xfuse plan``.
         num_blocks: ``transformer config -> number of blocks`` the plan places (FLUX: double + single blocks).
         packing: latent pixels per side the pipeline folds into one transformer input token before the model
@@ -151,7 +152,7 @@ HUNYUANDIT = ModelSpec(
     vae_scale_factor=8,  # the SDXL AutoencoderKL: 4 levels, 3 downsamplings
     text_lengths=(77, 256),  # BERT, mT5
     skip_pairs=hunyuandit_skip_pairs,
-    default_placement="folded",
+    default_placement="balanced",
     resolution_binning=True,
     crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks "
     "and the stepped latent rows back to rank 0; with balanced placement the few long skips its even split cannot "

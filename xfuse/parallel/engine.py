@@ -289,8 +289,8 @@ class _Run:
             self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
         )
         last_hop = task.hop == len(plan.route) - 1
-        cond = self._cond(step)
         with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop):
+            cond = self._cond(step)  # the step's conditioning (timestep embedding): model work, once per step
             if rows is not None:  # (B_model, C, h, W) -> (B_model, tokens, D)
                 hidden = self.stage.embed(self.req.model_input(rows), band)
             hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)

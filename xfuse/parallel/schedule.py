@@ -7,7 +7,9 @@ A *task* is one route segment run on one patch of one step (``patch=None``: the 
 Warm-up steps run the route synchronously on the whole image. Pipelined steps stream patches continuously across
 steps: patch p of step s+1 enters as soon as patch p of step s left the output layer. Each rank's order of
 pipelined tasks comes from a list-scheduling simulation with segment costs proportional to their block counts: a
-free rank takes, among its ready tasks, the one nearest the start of the route (fill before drain). In steady state
+free rank takes, among its ready tasks, the one nearest the start of the route (fill before drain), and a patch
+enters the route no sooner than the busiest rank's blocks per patch after the previous one (entering faster only
+queues work that collides further on, on routes whose ranks have uneven outbound and return chunks). In steady state
 this keeps the busiest rank busy for every degree, placement and M >= N (tested), which the half-slot staggering
 rule of DESIGN.md aims for on folded routes. Every segment sees
 its patches in (step, patch) order, which is what the stale K/V semantics need: patch p of step s attends to
@@ -157,6 +159,10 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
     orders: dict[int, list[Task]] = {r: [] for r in range(plan.degree)}
     free_at = dict.fromkeys(range(plan.degree), 0.0)
     next_unit = [0] * hops  # each segment runs the units in stream order
+    # A patch enters no sooner than the busiest rank can take another one (its blocks per patch after the previous
+    # entry): entering faster only queues work that collides later on routes with uneven chunks.
+    period = max(len(plan.blocks_of(rank)) for rank in range(plan.degree))
+    last_entry = None
     for _ in range(len(units) * hops):
         best = None
         for hop in range(hops):
@@ -170,6 +176,8 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
                 dep = (0.0, 0.0) if prev is None else times.get(Task(*prev, hops - 1))
             if dep is None:
                 continue
+            if hop == 0 and patch is not None and last_entry is not None:
+                dep = (dep[0], max(dep[1], last_entry + period))
             rank = plan.route[hop].rank
             # Earliest start; among equals the task nearest the start of the route (fill before drain). Preferring
             # the furthest task instead leaves bubbles on folded routes (e.g. N=3, M=3: 33 % slower per step).
@@ -180,6 +188,8 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
         rank = plan.route[task.hop].rank
         cost = len(plan.route[task.hop].blocks) * (num_patches if task.patch is None else 1)
         times[task] = (start, start + cost)
+        if task.hop == 0 and task.patch is not None:
+            last_entry = start
         free_at[rank] = start + cost
         orders[rank].append(task)
         next_unit[task.hop] += 1
