@@ -46,6 +46,8 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
     from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs
 
     rank = dist.get_rank()
+    if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank})  # one core per rank, as a GPU per rank: no migrations between them
     pipe = build_tiny_pipeline(preset, seed=0, **({} if layers is None else {"num_layers": layers}))
     plan = stage_plan(
         pipe.transformer.config.num_layers,

@@ -6,7 +6,9 @@ Each timed figure is the median of ``--repeats`` runs with min and max. One torc
 processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch 2:
 
 1. degree-1 xfuse vs diffusers' ``HunyuanDiTPipeline`` (whole ``__call__``, same model and settings);
-2. denoising loop at degree 2 (folded, linear; M = 2, warm-up 1) vs degree 1 (ideal 20 / (1 + 19/2) = 1.90x);
+2. denoising loop at degree 2 (folded, linear; M = 2, warm-up 1, the first call included) vs degree 1 (ideal
+   20 / (1 + 19/2) = 1.90x), on ``small`` and on ``small`` with half its blocks (8); and the engine's own time per
+   task (everything in the loop but the model's compute and the waits on messages) from one traced run per rank;
 3. bytes sent per denoising step per rank, folded, balanced and linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
    1024 px; scaled to hidden 1408), from the comm counters;
 4. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
@@ -139,15 +141,25 @@ def main() -> None:
     print(f"degree-1 xfuse / diffusers: {report['degree1_vs_diffusers']['ratio']:.3f}", flush=True)
 
     loops = {}
-    for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
-        results = run_world(degree, "small", degree, placement, degree, 1, args.steps, SIZE, args.repeats)
-        loops[f"{degree}-{placement}"] = dict(
-            **spread(results[0]["times"]), peak_rss_mib=[r["peak_rss_mib"] for r in results]
-        )
-        print(f"loop degree {degree} {placement}: {loops[f'{degree}-{placement}']['median']:.2f} s", flush=True)
-    base = loops["1-folded"]["median"]
-    for row in loops.values():
-        row["speedup"] = base / row["median"]
+    for model, layers in (("small", None), ("small, 8 blocks", 8)):
+        rows = {}
+        for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
+            if layers is not None and placement == "linear":
+                continue  # the half model's figure is the default placement's
+            results = run_world(
+                degree, "small", degree, placement, degree, 1, args.steps, SIZE, args.repeats,
+                layers=layers, trace=degree > 1,
+            )  # fmt: skip
+            key = f"{degree}-{placement}" if degree > 1 else "1"
+            rows[key] = dict(
+                **spread(results[0]["times"]),
+                peak_rss_mib=[r["peak_rss_mib"] for r in results],
+                engine_time=[r["engine_time"] for r in results],
+            )
+            print(f"loop {model} degree {degree} {placement}: {rows[key]['median']:.2f} s", flush=True)
+        for row in rows.values():
+            row["speedup"] = rows["1"]["median"] / row["median"]
+        loops[model] = rows
     report["denoising_loop"] = loops
 
     volume = {}
@@ -168,7 +180,12 @@ def main() -> None:
         r = plan_report(
             load_config(
                 "configs/hunyuandit/pp2.yaml",
-                ["model=dit-g2", f"parallel.pipefusion_degree={degree}", f"parallel.num_patches={max(degree, 1)}"],
+                [
+                    "model=dit-g2",
+                    "parallel.placement=balanced",
+                    f"parallel.pipefusion_degree={degree}",
+                    f"parallel.num_patches={degree}",
+                ],
             )
         )
         memory[degree] = dict(param_bytes=r["param_bytes"], kv_bytes=r["kv_bytes"])
@@ -203,9 +220,25 @@ def markdown(r: dict) -> str:
         "| denoising loop | wall time | speedup (ideal 1.90x) | peak RSS per rank |",
         "|---|---|---|---|",
     ]
-    for key, row in r["denoising_loop"].items():
-        rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
-        out.append(f"| degree {key.replace('-', ', ')} | {fmt(row)} | {row['speedup']:.2f}x | {rss} |")
+    for model, rows in r["denoising_loop"].items():
+        for key, row in rows.items():
+            rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
+            where = "degree 1" if key == "1" else f"degree {key.replace('-', ', ')}"
+            out.append(f"| {model}, {where} | {fmt(row)} | {row['speedup']:.2f}x | {rss} |")
+    out += [
+        "",
+        "| engine's own time per task (traced degree-2 run) | rank | tasks | per task | of a task's compute |",
+        "|---|---|---|---|---|",
+    ]
+    for model, rows in r["denoising_loop"].items():
+        for key, row in rows.items():
+            for rank, split in enumerate(row["engine_time"]):
+                if split is None:
+                    continue
+                out.append(
+                    f"| {model}, degree {key.replace('-', ', ')} | {rank} | {split['tasks']} | "
+                    f"{split['engine_us_per_task'] / 1e3:.2f} ms | {100 * split['engine_fraction_of_task']:.2f} % |"
+                )
     out += [
         "",
         "| N | folded MiB/step | balanced MiB/step | linear MiB/step | folded / linear | balanced / linear |",
