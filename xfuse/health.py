@@ -229,6 +229,8 @@ class FailureMonitor:
                 chain = self.diagnose(peer)
                 if chain:
                     err.args = (f"{err}\n  {chain}",)
+            if peer is not None and type(err).__name__ == "PeerLost":
+                self.await_root_cause(peer)
             first = self.record(err)
             own = first.startswith(f"rank {self.rank}:")
             message = f"rank {self.rank} failed: {type(err).__name__}: {err}" + (
@@ -289,6 +291,21 @@ class FailureMonitor:
         except Exception:  # noqa: BLE001 - the store is gone: say nothing rather than guess
             return ""
         return f"no heartbeat, no report (killed?): {', '.join(silent)}" if silent else ""
+
+    def terminated(self, peer: int) -> bool:
+        """Whether the launcher terminated ``peer`` (it marked itself so in its SIGTERM handler)."""
+        try:
+            return self.store is not None and bool(self.store.check([f"{TERMINATED_KEY}/{peer}"]))
+        except Exception:  # noqa: BLE001 - the store is gone
+            return False
+
+    def await_root_cause(self, peer: int | None) -> None:
+        """A lost ``peer`` that the launcher terminated is not why the world failed: torchrun terminates survivors as
+        soon as one rank dies, and a neighbour may lose a terminated survivor before the dead rank. Wait (up to
+        ``grace_s``) for the dead rank's heartbeat to go stale, so the report can name it."""
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and (peer is None or self.terminated(peer)) and not self.silent_ranks():
+            time.sleep(0.05)
 
     def diagnose(self, peer: int) -> str:
         """Follow who-waits-for-whom from ``peer``: the rank that is not waiting is where the chain is stuck."""
@@ -353,6 +370,9 @@ class FailureMonitor:
             deadline = time.monotonic() + self.grace_s
             while self.first() is None and not self.silent_ranks() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            lost = re.search(r"(?:from|to) rank (\d+) failed: peer lost", self.first() or "")
+            if lost:  # the first failure lost a peer: if the launcher terminated that one, find the dead rank
+                self.await_root_cause(int(lost.group(1)))
             first = self.first() or "unknown (no rank recorded a failure)"
             self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: {first}")
             # The main thread may be inside a collective: no orderly teardown of channels and groups from here.
