@@ -509,7 +509,8 @@ class P2PChannels:
 
     def _abort_communicators(self) -> None:
         """NCCL: abort this channel's process groups (the default group stands for all of them), so kernels waiting
-        on the lost message end and the device is free again. gloo has nothing to abort: its waits are bounded."""
+        on the lost message end and the device is free again. gloo cannot be aborted from another thread: there the
+        watchdog's ``on_stuck`` ends the process if the main thread stays blocked."""
         if not dist.is_initialized() or dist.get_backend() != "nccl":
             return
         groups = {self.groups.up, self.groups.down}
