@@ -24,6 +24,7 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -85,7 +86,7 @@ def degree1_loop(preset: str, size: int, steps: int, repeats: int) -> dict:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    with sdpa_kernel(backends) if backends else _nothing():
+                    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                         start.record()
                         pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
                         end.record()
@@ -109,14 +110,6 @@ def degree1_loop(preset: str, size: int, steps: int, repeats: int) -> dict:
     out["xfuse"] = timed(xfuse_pipe)
     out["sync_debug"] = sync_report(xfuse_pipe, call, steps)
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------- (c)
@@ -153,7 +146,6 @@ def sync_report(xfuse_pipe, call: dict, steps: int) -> dict:
     # Two patches on the one rank: the pipelined path (stale K/V, per-patch scheduler steps); warm-up stays 1.
     xfuse_pipe.parallel = dataclasses.replace(xfuse_pipe.parallel, num_patches=2)
     PipeFusionEngine.denoise = denoise
-    warnings.showwarning = record
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -161,9 +153,8 @@ def sync_report(xfuse_pipe, call: dict, steps: int) -> dict:
             xfuse_pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    finally:
+    finally:  # catch_warnings restored showwarning already
         PipeFusionEngine.denoise = original
-        warnings.showwarning = show
     return {"steps": steps, "patches": 2, "total": sum(found.values()), "by_source": found}
 
 
