@@ -260,3 +260,42 @@ def test_a_rank_that_died_without_a_report_is_named_by_its_stale_heartbeat(tmp_p
     err = capfd.readouterr().err
     assert "no heartbeat, no report (killed?): rank 2 (5." in err and "rank 3 (" not in err and "rank 1 (" not in err
     assert monitor.stop()
+
+
+SIGTERM_DURING_REPORT = """
+import os, signal, sys, time
+import torch.distributed as dist
+from xfuse.health import FailureMonitor
+
+store = dist.FileStore(sys.argv[1], 1)
+monitor = FailureMonitor(6, store, poll_s=0.05, world_size=8)
+monitor.install_sigterm_handler()
+monitor.record(RuntimeError("recv from rank 7 failed: peer lost"))
+gather = monitor.silent_ranks
+
+def slow_gather():  # the launcher's SIGTERM lands while the report reads the heartbeats from the store
+    monitor.silent_ranks = gather
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+    return gather()
+
+monitor.silent_ranks = slow_gather
+monitor.report("rank 6 failed: PeerLost: recv from rank 7 failed: peer lost")
+print("the handler did not end the process", file=sys.stderr)
+"""
+
+
+def test_sigterm_in_the_middle_of_a_report_still_writes_one(tmp_path):
+    """torchrun terminates the survivors while the dead rank's neighbour is writing its own report (gathering
+    heartbeats from the store): the SIGTERM handler, which leaves with os._exit, must write the report then."""
+    out = subprocess.run(
+        [sys.executable, "-c", SIGTERM_DURING_REPORT, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    reports = [m.group(2) for line in out.stderr.splitlines() if (m := REPORT.search(line))]
+    assert reports == ["rank 6 terminated by the launcher (SIGTERM)"], out.stderr
+    assert "first failure in the world: rank 6: RuntimeError: recv from rank 7 failed: peer lost" in out.stderr

@@ -128,6 +128,9 @@ class FailureMonitor:
         self.active = 0  # >0 while this rank is inside a guarded (communicating) section
         self.failure: str | None = None  # the world's first failure, once known here
         self._reported = False
+        # Re-entrant: the SIGTERM handler runs on the main thread, possibly in the middle of the main thread's own
+        # report (gathering heartbeats from the store), and then leaves with os._exit; it must write the report.
+        self._report_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if store is not None:
@@ -200,20 +203,24 @@ class FailureMonitor:
         return self._reported
 
     def report(self, headline: str) -> None:
-        """Write ``headline`` and the recent communication ops to stderr (and $XFUSE_LOG_DIR), once."""
-        if self._reported:
-            return
-        self._reported = True
-        silent = self.silent_ranks()
-        if silent:
-            headline += "\n  " + silent
-        ops = "\n".join(log() for log in self.op_logs)
-        print(f"[xfuse {clock()}] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
-        log_dir = os.environ.get("XFUSE_LOG_DIR")
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, f"rank{self.rank}.ops.log"), "w") as fh:
-                fh.write(f"{headline}\n{ops}\n")
+        """Write ``headline`` and the recent communication ops to stderr (and $XFUSE_LOG_DIR), once.
+
+        Marked written only once written: a report interrupted by the SIGTERM handler (which then leaves with
+        ``os._exit``) is written by the handler instead of being lost."""
+        with self._report_lock:
+            if self._reported:
+                return
+            silent = self.silent_ranks()
+            if silent:
+                headline += "\n  " + silent
+            ops = "\n".join(log() for log in self.op_logs)
+            print(f"[xfuse {clock()}] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
+            self._reported = True
+            log_dir = os.environ.get("XFUSE_LOG_DIR")
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+                with open(os.path.join(log_dir, f"rank{self.rank}.ops.log"), "w") as fh:
+                    fh.write(f"{headline}\n{ops}\n")
 
     @contextlib.contextmanager
     def guard(self):
