@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from xfuse.comm.groups import DirectionGroups, make_direction_groups
+from xfuse.comm.netprobe import check_reachability
 from xfuse.comm.p2p import P2PChannels
 from xfuse.config import CommConfig, ConfigError, ParallelConfig, RuntimeConfig
 from xfuse.health import FailureMonitor, default_store, flatten, handshake, versions
@@ -165,8 +166,16 @@ def init_parallel(
             for key, value in NCCL_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        timeout_s = max(comm.timeout_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = timedelta(seconds=max(comm.timeout_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0))
+        if "MASTER_ADDR" in os.environ:  # env:// (torchrun): rendezvous first, so the probe runs before gloo connects
+            # Mirrors torch.distributed.init_process_group's own env:// path (rendezvous, set_timeout, "default_pg").
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            store.set_timeout(timeout)
+            check_reachability(store, rank, world, comm.socket_ifname, comm.timeout_s)
+            store = dist.PrefixStore("default_pg", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        else:
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
         _RESOURCES.owns_default_group = True  # xfuse created it: shutdown() destroys it
     if dist.is_initialized():
         backend = dist.get_backend()

@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 FAILURE_KEY = "xfuse/first_failure"
 TERMINATED_KEY = "xfuse/terminated"  # + "/<rank>": the launcher terminated that rank (SIGTERM), it did not fail
+# A healthy store answers in milliseconds; one that has not answered in this long has lost its host (or we ours).
+STORE_CALL_TIMEOUT_S = 3.0
 
 
 class StartupMismatch(ValueError):
@@ -103,6 +105,55 @@ def handshake(fingerprint: dict[str, str], *, world_size: int, group=None) -> No
         )
 
 
+class StoreUnreachable(RuntimeError):
+    """The rendezvous store did not answer a failure-path call in time (its host is gone, or this node lost it)."""
+
+
+class BoundedStore:
+    """The store calls of a failure path, each bounded by ``timeout_s``.
+
+    A store whose host vanished (a node that lost its network) can leave a call blocked in the TCP connection far
+    longer than any store timeout; on the failure path that would strand the rank. Each call runs on a daemon thread
+    that is given up on after ``timeout_s``: from then on this store is ``lost`` and every call fails at once.
+    """
+
+    def __init__(self, store, timeout_s: float):
+        self._store, self.timeout_s, self.lost = store, timeout_s, False
+
+    def _call(self, name: str, *args):
+        if self.lost:
+            raise StoreUnreachable("the rendezvous store stopped answering earlier")
+        outcome: dict = {}
+
+        def run():
+            try:
+                outcome["value"] = getattr(self._store, name)(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run, name=f"xfuse-store-{name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():  # left behind, blocked in C++: a daemon thread, it ends with the process
+            self.lost = True
+            raise StoreUnreachable(f"the rendezvous store did not answer {name}() within {self.timeout_s:.1f} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def check(self, keys):
+        return self._call("check", keys)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def set(self, key, value):
+        return self._call("set", key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._call("compare_set", key, expected, desired)
+
+
 class FailureMonitor:
     """Propagates the first failure of the world to every rank (see the module docstring).
 
@@ -121,7 +172,9 @@ class FailureMonitor:
     def __init__(
         self, rank: int, store, op_logs=(), grace_s: float = 2.0, poll_s: float = 0.25, world_size: int | None = None
     ):
-        self.rank, self.store, self.op_logs, self.world_size = rank, store, list(op_logs), world_size
+        self.rank, self.op_logs, self.world_size = rank, list(op_logs), world_size
+        # The main thread's client: used on failure paths only, where a vanished store host must not strand us.
+        self.store = None if store is None else BoundedStore(store, timeout_s=STORE_CALL_TIMEOUT_S)
         self.state_sources: list = []  # callables: what this rank's channels wait for (None when not waiting)
         self._last_wait = time.monotonic()
         self.grace_s, self.poll_s = grace_s, poll_s
@@ -142,6 +195,11 @@ class FailureMonitor:
             self._thread.start()
 
     @property
+    def store_lost(self) -> bool:
+        """True once a failure-path call to the rendezvous store went unanswered (see `BoundedStore`)."""
+        return self.store is not None and self.store.lost
+
+    @property
     def running(self) -> bool:
         """True while the watcher thread is alive."""
         return self._thread is not None and self._thread.is_alive()
@@ -158,6 +216,8 @@ class FailureMonitor:
         thread = self._thread
         if thread is None or thread is threading.current_thread():
             return True
+        if self.store_lost:  # the watcher is blocked in a call to the same vanished host: do not wait long for it
+            timeout_s = min(timeout_s, 1.0)
         thread.join(timeout_s)
         if thread.is_alive():
             print(
@@ -213,6 +273,11 @@ class FailureMonitor:
             silent = self.silent_ranks()
             if silent:
                 headline += "\n  " + silent
+            if self.store_lost:
+                headline += (
+                    f"\n  the rendezvous store does not answer ({self.store.timeout_s:.0f} s): its host (node 0's "
+                    "torchrun agent) is gone, or this node lost the network"
+                )
             ops = "\n".join(log() for log in self.op_logs)
             print(f"[xfuse {clock()}] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
             self._reported = True
@@ -281,23 +346,29 @@ class FailureMonitor:
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
 
+    def _silence(self, peer: int, now: float) -> float | None:
+        """How long ``peer``'s heartbeat has been stale beyond ``max(1 s, 4 poll_s)`` (None: fresh, never
+        published, or the launcher terminated it). Raises when the store does not answer."""
+        key = f"xfuse/alive/{peer}"
+        if not self.store.check([key]) or self.store.check([f"{TERMINATED_KEY}/{peer}"]):
+            return None
+        age = now - float(self.store.get(key).decode())
+        return age if age > max(1.0, 4 * self.poll_s) else None
+
     def silent_ranks(self) -> str:
-        """Ranks whose heartbeat stopped more than ``max(1 s, 4 poll_s)`` ago without the launcher terminating them:
-        a rank killed (or crashed in C++) dies without a report, and its neighbours may lose another peer first."""
+        """Ranks whose heartbeat stopped without the launcher terminating them: a rank killed (or crashed in C++)
+        dies without a report, a node that lost its network goes quiet, and neighbours may lose another peer first."""
         if self.store is None or self.world_size is None:
             return ""
-        now, limit, silent = time.time(), max(1.0, 4 * self.poll_s), []
+        now, silent = time.time(), []
         try:
             for peer in range(self.world_size):
-                key = f"xfuse/alive/{peer}"
-                if peer == self.rank or not self.store.check([key]) or self.store.check([f"{TERMINATED_KEY}/{peer}"]):
-                    continue
-                age = now - float(self.store.get(key).decode())
-                if age > limit:
+                age = None if peer == self.rank else self._silence(peer, now)
+                if age is not None:
                     silent.append(f"rank {peer} ({age:.1f} s)")
         except Exception:  # noqa: BLE001 - the store is gone: say nothing rather than guess
             return ""
-        return f"no heartbeat, no report (killed?): {', '.join(silent)}" if silent else ""
+        return f"no heartbeat, no report (killed, or its node lost?): {', '.join(silent)}" if silent else ""
 
     def terminated(self, peer: int) -> bool:
         """Whether the launcher terminated ``peer`` (it marked itself so in its SIGTERM handler)."""
@@ -327,8 +398,14 @@ class FailureMonitor:
                     if self.store.check([f"xfuse/state/{peer}"])
                     else "no state published"
                 )
+                silence = self._silence(peer, time.time())
             except Exception as err:  # noqa: BLE001
-                state = f"unknown ({type(err).__name__})"
+                if self.store_lost:  # the report says the store is gone; a chain of unknowns says nothing more
+                    break
+                state, silence = f"unknown ({type(err).__name__})", None
+            if silence is not None:  # what it said last is stale: the chain ends at a rank that went quiet
+                lines.append(f"rank {peer}: no heartbeat for {silence:.1f} s (killed, or its node lost?); was {state}")
+                break
             lines.append(f"rank {peer}: {state}")
             found = re.search(r" rank (\d+) at step", state) if state.startswith("waiting") else None
             peer = int(found.group(1)) if found else None
