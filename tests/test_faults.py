@@ -14,17 +14,13 @@ import torch.distributed as dist
 
 from tests.fault_fns import build_errors, start_with_config
 from tests.pipeline_fns import run_calls
+from tests.reports import REPORT, at, parse_reports
 from xfuse.health import TERMINATED_KEY, FailureMonitor
 from xfuse.models.tiny import save_tiny_pipeline
 from xfuse.testing.world import World
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
-REPORT = re.compile(r"\[xfuse (\d\d:\d\d:\d\d\.\d{3})\] (rank (\d+) .*)")
 FAULT = re.compile(r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at step (\d+)")
-
-
-def at(stamp: str, day: datetime.date) -> float:
-    return datetime.datetime.combine(day, datetime.time.fromisoformat(stamp)).timestamp()
 
 
 def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
@@ -57,18 +53,8 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
     end = datetime.datetime.now().timestamp()
     day = datetime.date.today()
     assert "terminate called" not in out.stderr, out.stderr[-3000:]  # the error path tears down in order too
-    lines = out.stderr.splitlines()
-    fault_match = next(m for line in lines if (m := FAULT.search(line)))
-    reports = {}
-    for i, line in enumerate(lines):
-        match = REPORT.search(line)
-        if match and int(match.group(3)) not in reports:
-            block = [match.group(2)]
-            for follow in lines[i + 1 : i + 8]:  # the report's indented lines, up to its op log
-                if not follow.startswith("  "):
-                    break
-                block.append(follow)
-            reports[int(match.group(3))] = (at(match.group(1), day), "\n".join(block))
+    fault_match = next(m for line in out.stderr.splitlines() if (m := FAULT.search(line)))
+    reports = parse_reports(out.stderr, day)
     return out.returncode, out.stderr, at(fault_match.group(1), day), end, reports
 
 

@@ -112,9 +112,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from xfuse.doctor import main as doctor
+    from xfuse import doctor
 
-    return doctor(args.timeout)
+    if args.listen is not None:
+        return doctor.listen(args.listen)
+    if args.peer is not None:
+        return doctor.check_peer(args.peer, args.timeout)
+    return doctor.main(args.timeout)
 
 
 def main(argv=None) -> int:
@@ -145,7 +149,16 @@ def main(argv=None) -> int:
     )
     srv.set_defaults(func=cmd_serve)
     doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
-    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait")
+    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait / connect")
+    where = doctor.add_mutually_exclusive_group()
+    where.add_argument(
+        "--listen", type=int, metavar="PORT", help="answer `xfuse doctor --peer` from other hosts on PORT until stopped"
+    )
+    where.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="which local interfaces reach HOST:PORT and, if it runs `xfuse doctor --listen`, which it reaches back",
+    )
     doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # xfuse loads local folders only
@@ -154,7 +167,8 @@ def main(argv=None) -> int:
     try:
         code = args.func(args)
     except ConfigError as err:  # a bad value: the same on every rank
-        print(f"xfuse {args.command}: rank {rank}: error: {err}", file=sys.stderr)
+        if not getattr(err, "reported", False):  # the start-up network probe writes its own report
+            print(f"xfuse {args.command}: rank {rank}: error: {err}", file=sys.stderr)
         code = 2
     except Exception as err:  # noqa: BLE001 - report every failure in one line after its traceback
         traceback.print_exc()

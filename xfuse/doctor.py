@@ -1,4 +1,6 @@
-"""``xfuse doctor``: what this machine offers xfuse, and a 2-rank gloo self-test of the comm layer on loopback.
+"""``xfuse doctor``: what this machine offers xfuse, and a 2-rank gloo self-test of the comm layer on loopback;
+``--listen PORT`` / ``--peer HOST:PORT``: which interfaces work between two hosts, both ways (see
+``xfuse.comm.netprobe``), to pick ``comm.socket_ifname`` before a multi-node launch.
 
 Nothing is compiled or built: flash-attn is only looked up (xfuse runs torch's scaled_dot_product_attention).
 """
@@ -158,3 +160,42 @@ def main(timeout_s: float = 30.0) -> int:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"self-test: 2-rank gloo p2p on loopback: FAIL ({type(err).__name__}: {first})")
         return 1
+
+
+def listen(port: int) -> int:
+    """Answer ``xfuse doctor --peer`` checks on ``port`` (every local address) until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    from xfuse.comm.netprobe import local_interfaces, serve_doctor
+
+    def on_check(request: dict, reply: dict) -> None:
+        results = ", ".join(
+            f"{name} {address} {'reached' if reply['reach_back'].get(address) is None else 'no'}"
+            for name, address in request["interfaces"]
+        )
+        print(f"checked by {request.get('host', '?')}: reached back: {results}", flush=True)
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    listener = serve_doctor(port, on_check)
+    interfaces = ", ".join(f"{i.name} {i.address}" for i in local_interfaces())
+    print(f"xfuse doctor listening on port {listener.port} of every address ({interfaces}); Ctrl-C stops", flush=True)
+    stop.wait()
+    listener.close()
+    return 0
+
+
+def check_peer(peer: str, timeout_s: float) -> int:
+    """Print which local interfaces reach ``peer`` (HOST:PORT) and back; 0 if one works both ways, else 1."""
+    from xfuse.comm.netprobe import ask_peer, format_peer_report
+
+    host, _, port = peer.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"xfuse doctor: --peer: expected HOST:PORT, got {peer!r}")
+        return 2
+    report = ask_peer(host, int(port), min(timeout_s, 5.0))
+    for line in format_peer_report(report):
+        print(line, flush=True)
+    return 0 if report.working() else 1

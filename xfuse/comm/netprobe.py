@@ -19,17 +19,20 @@ IPv4 only for the interface lists (``SIOCGIFADDR``, Linux).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
 from xfuse.errors import ConfigError
+from xfuse.health import clock
 
 SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
 PROBE_PREFIX = "xfuse/netprobe"
@@ -254,7 +257,14 @@ def check_reachability(store, rank: int, world_size: int, socket_ifname: str | N
         listener.close()
     verdict = _verdict(ranks, results)
     if verdict:
-        raise ConfigError("comm.socket_ifname", verdict)
+        error = ConfigError("comm.socket_ifname", verdict)
+        # Every rank says it before any rank leaves: torchrun terminates a node's other ranks as soon as one exits.
+        print(f"[xfuse {clock()}] rank {rank} failed at start-up: ConfigError: {error}", file=sys.stderr, flush=True)
+        error.reported = True  # the CLI does not print it again
+        store.set(f"reported/{rank}", "1")
+        with contextlib.suppress(TimeoutError):
+            _gather(store, "reported", world_size, timeout_s)
+        raise error
 
 
 def _prefixed(store):
@@ -404,6 +414,7 @@ def ask_peer(host: str, port: int, timeout_s: float) -> PeerReport:
         listener = GreetingListener({"token": token})
         try:
             request = {
+                "host": socket.gethostname(),
                 "port": listener.port,
                 "token": token,
                 "timeout_s": timeout_s,
