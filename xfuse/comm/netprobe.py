@@ -223,16 +223,19 @@ def _node_of_this_process() -> str:
     return f"host {socket.gethostname()} ({addresses})"
 
 
-def check_reachability(store, rank: int, world_size: int, socket_ifname: str | None, timeout_s: float) -> None:
+def check_reachability(
+    store, rank: int, world_size: int, socket_ifname: str | None, timeout_s: float, node: str | None = None
+) -> None:
     """Before the process group is created: raise `ConfigError` on every rank (the same text) if some rank's gloo
     listen address cannot be reached from a rank on another node. Bounded: every store wait by ``timeout_s``, every
-    connect by ``min(3, timeout_s)``. Ranks all on one node exchange one store round and connect to nothing."""
+    connect by ``min(3, timeout_s)``. Ranks all on one node exchange one store round and connect to nothing.
+    ``node``: this rank's node (default: torchrun's ``GROUP_RANK``, else the host)."""
     store = _prefixed(store)
     choice = gloo_listen_choice(socket_ifname)
     token = f"rank {rank} {secrets.token_hex(8)}"
     interfaces = local_interfaces()
     mine = {
-        "node": _node_of_this_process(),
+        "node": node or _node_of_this_process(),
         "choice": [choice.address, choice.interface, choice.how],
         "interfaces": [[i.name, i.address] for i in interfaces],
         "token": token,
