@@ -226,6 +226,16 @@ FLUX = ModelSpec(
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX)}
 PRESET_MODELS: dict[str, ModelSpec] = {preset: spec for spec in MODEL_SPECS.values() for preset in spec.presets}
+# Trained models shipped inside the package (diffusers folders): ``model: shapes`` is that folder.
+# ``shapes``: a HunyuanDiT trained on xfuse.shapes' captioned scenes by scripts/train_tiny.py.
+SHIPPED_MODELS: dict[str, str] = {"shapes": os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes")}
+
+
+def resolve_model(model: str) -> str:
+    """A shipped model's folder for its name; any other ``model`` (a preset or a folder) unchanged."""
+    return SHIPPED_MODELS.get(model, model)
+
+
 _BY_PIPELINE = {spec.diffusers_pipeline: spec for spec in MODEL_SPECS.values()}
 
 
@@ -233,12 +243,14 @@ def model_spec(model: str) -> ModelSpec:
     """The family of ``model``: a preset name, or a local diffusers folder (from its ``model_index.json``)."""
     if model in PRESET_MODELS:
         return PRESET_MODELS[model]
+    model = resolve_model(model)
     index = os.path.join(model, "model_index.json")
     families = ", ".join(f"{s.diffusers_pipeline} ({s.name})" for s in MODEL_SPECS.values())
     if not os.path.isfile(index):
         raise ConfigError(
             "model",
-            f"must be one of the presets {', '.join(PRESET_MODELS)} or a local diffusers folder with "
+            f"must be one of the presets {', '.join(PRESET_MODELS)}, a shipped model ({', '.join(SHIPPED_MODELS)}) "
+            "or a local diffusers folder with "
             f"model_index.json of one of {families} (not found: {index!r})",
         )
     with open(index) as f:
@@ -256,6 +268,7 @@ def transformer_config(model: str) -> dict:
     spec = model_spec(model)
     if model in PRESET_MODELS:
         return spec.preset_transformer_config(model)
+    model = resolve_model(model)
     path = os.path.join(model, "transformer", "config.json")
     if not os.path.isfile(path):
         raise ConfigError("model", f"{model!r} has no transformer/config.json (not found: {path!r})")
@@ -274,5 +287,5 @@ def load_pipeline(model: str, torch_dtype=None):
     import diffusers
 
     return getattr(diffusers, spec.diffusers_pipeline).from_pretrained(
-        model, torch_dtype=torch_dtype, local_files_only=True
+        resolve_model(model), torch_dtype=torch_dtype, local_files_only=True
     )
