@@ -95,9 +95,18 @@ def train_vae(steps: int, seed: int):
     optimizer = torch.optim.AdamW(vae.parameters(), lr=1e-3)
     rng, start = random.Random(seed), time.time()
     for step in range(steps):
-        _, images = scenes_and_images(16, seed * 100_000 + 50_000 + step)
-        x, y = rng.randrange(0, 192), rng.randrange(0, 192)
-        crops = images[:, :, y : y + 64, x : x + 64]  # (16, 3, 256, 256) -> (16, 3, 64, 64)
+        scenes, images = scenes_and_images(16, seed * 100_000 + 50_000 + step)
+        crops = []
+        for scene, image in zip(scenes, images):
+            if rng.random() < 0.8:  # around the shape: random crops are mostly background, and colours then fade
+                fx, fy = shapes.POSITIONS[scene.position]
+                x = int(fx * shapes.IMAGE_SIZE) - 32 + rng.randrange(-40, 41)
+                y = int(fy * shapes.IMAGE_SIZE) - 32 + rng.randrange(-40, 41)
+            else:
+                x, y = rng.randrange(0, 192), rng.randrange(0, 192)
+            x, y = min(max(x, 0), 192), min(max(y, 0), 192)
+            crops.append(image[:, y : y + 64, x : x + 64])  # (3, 256, 256) -> (3, 64, 64)
+        crops = torch.stack(crops)  # (16, 3, 64, 64)
         posterior = vae.encode(crops).latent_dist
         recon = vae.decode(posterior.sample()).sample
         rec_loss = nn.functional.mse_loss(recon, crops)
@@ -203,7 +212,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--classifier-steps", type=int, default=300)
-    parser.add_argument("--vae-steps", type=int, default=1000)
+    parser.add_argument("--vae-steps", type=int, default=1200)
     parser.add_argument("--steps", type=int, default=2000, help="transformer steps")
     parser.add_argument("--images", type=int, default=3000, help="scenes encoded for the transformer")
     parser.add_argument("--batch", type=int, default=16)

@@ -23,7 +23,7 @@ def build_pipeline(config: XfuseConfig, *, sections: tuple[str, ...] = ("generat
     """
     import torch
 
-    from xfuse.models.registry import load_pipeline
+    from xfuse.models.registry import load_pipeline, resolve_model
 
     dtype = getattr(torch, config.runtime.dtype)
     device = None if config.runtime.device == "auto" else config.runtime.device
@@ -33,7 +33,7 @@ def build_pipeline(config: XfuseConfig, *, sections: tuple[str, ...] = ("generat
     common = dict(parallel=config.parallel, comm=config.comm, device=device, fingerprint=fingerprint)
     if config.model_is_preset:  # built-in random-weight model: every rank builds the same one from its seed
         return pipeline_class.from_pipe(load_pipeline(config.model, dtype), **common)
-    return pipeline_class.from_pretrained(config.model, torch_dtype=dtype, **common)
+    return pipeline_class.from_pretrained(resolve_model(config.model), torch_dtype=dtype, **common)
 
 
 def default_size(config: XfuseConfig) -> tuple[int, int]:
