@@ -9,7 +9,7 @@ message reads ``<dotted.key>: <what is wrong and what is allowed> (got <repr>)``
 
 YAML layout (every key optional)::
 
-    model: tiny                      # local diffusers folder, or a preset (xfuse.models.registry.PRESET_MODELS)
+    model: tiny                      # local diffusers folder, a preset (registry.PRESET_MODELS), or shapes
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
                placement: null, stage_split: null}   # placement null: the model family's default
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
