@@ -364,7 +364,6 @@ def serve_doctor(port: int, on_check=None) -> GreetingListener:
     address the asking host lists and answers which it reached. ``on_check(request, answer)`` is told of each."""
 
     def answer(request: dict) -> dict:
-        results = {}
         port_back, token = int(request["port"]), str(request["token"])
         addresses = [address for _, address in request["interfaces"]]
         errors = _reach_all([(address, port_back, token) for address in addresses], float(request["timeout_s"]))
