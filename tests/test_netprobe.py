@@ -21,8 +21,16 @@ def test_listen_choice_follows_socket_ifname_then_the_environment_then_the_host_
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert gloo_listen_choice(None).how == "GLOO_SOCKET_IFNAME=lo"
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    by_name = gloo_listen_choice(None)
-    assert "host name" in by_name.how and "comm.socket_ifname unset" in by_name.how or "loopback" in by_name.how
+    monkeypatch.setattr(netprobe.socket, "gethostname", lambda: "localhost")
+    assert gloo_listen_choice(None) == netprobe.ListenChoice(
+        "127.0.0.1", "lo", "host name 'localhost' resolves to it; comm.socket_ifname unset"
+    )
+    monkeypatch.setattr(netprobe.socket, "gethostname", lambda: "xfuse-no-such-host.invalid")
+    assert gloo_listen_choice(None) == netprobe.ListenChoice(
+        "127.0.0.1",
+        "lo",
+        "host name 'xfuse-no-such-host.invalid' resolves to no local address, so gloo falls back to loopback",
+    )
 
 
 def test_an_interface_without_an_address_is_refused_naming_the_ones_with_one(monkeypatch):

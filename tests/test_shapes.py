@@ -89,13 +89,12 @@ def test_pipelined_default_keeps_the_prompt_adherence(serial_images):
 def test_the_demo_config_generates_under_torchrun(tmp_path):
     import subprocess
     import sys
-
-    from tests.netns import ROOT
+    from pathlib import Path
 
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
         + ["generate", "--config", "configs/shapes/pp2.yaml", "-o", str(tmp_path / "demo.png")],
-        cwd=ROOT,
+        cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=300,

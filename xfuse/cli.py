@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     try:
         code = args.func(args)
     except ConfigError as err:  # a bad value: the same on every rank
-        if not getattr(err, "reported", False):  # the start-up network probe writes its own report
+        if not err.reported:
             print(f"xfuse {args.command}: rank {rank}: error: {err}", file=sys.stderr)
         code = 2
     except Exception as err:  # noqa: BLE001 - report every failure in one line after its traceback

@@ -55,9 +55,6 @@ class ListenChoice:
     interface: str | None  # the local interface holding ``address`` (None: not found among them)
     how: str  # e.g. "comm.socket_ifname=eth1", or "host name 'node0' resolves to it (comm.socket_ifname unset)"
 
-    def describe(self) -> str:
-        return f"{self.interface or 'no local interface'} {self.address} ({self.how})"
-
 
 def local_interfaces() -> list[Interface]:
     """The interfaces of this host that are up and have an IPv4 address, in ``if_nameindex`` order."""
@@ -263,7 +260,7 @@ def check_reachability(
         error = ConfigError("comm.socket_ifname", verdict)
         # Every rank says it before any rank leaves: torchrun terminates a node's other ranks as soon as one exits.
         print(f"[xfuse {clock()}] rank {rank} failed at start-up: ConfigError: {error}", file=sys.stderr, flush=True)
-        error.reported = True  # the CLI does not print it again
+        error.reported = True
         store.set(f"reported/{rank}", "1")
         with contextlib.suppress(TimeoutError):
             _gather(store, "reported", world_size, timeout_s)
@@ -301,6 +298,11 @@ def _verdict(ranks: list[dict], results: list[list]) -> str:
                 reached.setdefault(target, {}).setdefault(address, set()).add(prober)
             elif address == ranks[target]["choice"][0]:
                 failed.setdefault((ranks[target]["node"], target), {})[prober] = error
+
+    def reached_from_every_other_node(target: int, address: str) -> bool:
+        others = {r for r, other in enumerate(ranks) if other["node"] != ranks[target]["node"]}
+        return others <= reached.get(target, {}).get(address, set())
+
     lines, seen_nodes = [], set()
     for (node, target), probers in sorted(failed.items(), key=lambda item: item[0][1]):
         if node in seen_nodes:  # ranks of one node share its interfaces: one line per node
@@ -309,17 +311,12 @@ def _verdict(ranks: list[dict], results: list[list]) -> str:
         info = ranks[target]
         address, interface, how = info["choice"]
         node_ranks = [r for r, other in enumerate(ranks) if other["node"] == node]
-        remote = [r for r, other in enumerate(ranks) if other["node"] != node]
         why = probers[min(probers)]
         by_node: dict[str, list[int]] = {}
         for prober in sorted(probers):
             by_node.setdefault(ranks[prober]["node"], []).append(prober)
         unreached_from = "; ".join(f"{other} (ranks {_ranks(members)})" for other, members in by_node.items())
-        working = [
-            f"{name} {addr}"
-            for name, addr in info["interfaces"]
-            if set(remote) <= reached.get(target, {}).get(addr, set())
-        ]
+        working = [f"{name} {addr}" for name, addr in info["interfaces"] if reached_from_every_other_node(target, addr)]
         lines.append(
             f"{node} (ranks {_ranks(node_ranks)}) would listen on {interface or 'no local interface'} {address} "
             f"({how}), which {unreached_from} cannot reach ({why}); its interfaces that every other node reaches: "
@@ -327,16 +324,11 @@ def _verdict(ranks: list[dict], results: list[list]) -> str:
         )
     if not lines:
         return ""
-    names = [{name for name, addr in info["interfaces"]} for info in ranks]
-    common = set.intersection(*names)
-    good = sorted(
+    addresses = [dict(info["interfaces"]) for info in ranks]  # per rank: interface name -> address
+    good = sorted(  # interface names every rank has and every other node reaches it at
         name
-        for name in common
-        if all(
-            set(r for r, other in enumerate(ranks) if other["node"] != info["node"])
-            <= reached.get(rank, {}).get(dict(info["interfaces"])[name], set())
-            for rank, info in enumerate(ranks)
-        )
+        for name in set.intersection(*(set(named) for named in addresses))
+        if all(reached_from_every_other_node(rank, named[name]) for rank, named in enumerate(addresses))
     )
     advice = (
         f"set comm.socket_ifname to an interface that works on every node, e.g. --set comm.socket_ifname={good[0]}"
