@@ -1,25 +1,31 @@
-"""Train the shipped ``shapes`` model on this CPU: a VAE, a HunyuanDiT transformer and the attribute classifier.
+"""Train the shipped ``shapes`` models on this CPU: a VAE, the attribute classifier, and a transformer per family.
 
-    python scripts/train_tiny.py | tee xfuse/models/shapes/train_log.jsonl   # writes the diffusers folder + classifier
+    python scripts/train_tiny.py | tee xfuse/models/shapes/train_log.jsonl     # VAE, classifier, HunyuanDiT
+    python scripts/train_tiny.py --family pixart --vae-from xfuse/models/shapes \
+        | tee xfuse/models/shapes-pixart/train_log.jsonl                        # PixArt-Σ on the same VAE
     python scripts/train_tiny.py --quick         # a few steps of each stage, to check the script runs
 
 Stages (each logged with its time and losses, seed fixed):
 
 1. the attribute classifier on rendered scenes (``xfuse.shapes``), lightly blurred and noised so it also reads
    decoded images;
-2. a small ``AutoencoderKL`` (four levels: scale factor 8, as HunyuanDiT's pipeline assumes) on 64x64 crops of the
-   scenes (it is convolutional: it runs on 256 px afterwards), then its ``scaling_factor`` from the latents' std;
+2. a small ``AutoencoderKL`` (four levels: scale factor 8, as both pipelines assume) on 64x64 crops of the scenes
+   (it is convolutional: it runs on 256 px afterwards), then its ``scaling_factor`` from the latents' std;
+   ``--vae-from`` takes both from an earlier run instead (the two families share one VAE and one classifier);
 3. the transformer: every training scene encoded once, its caption encoded by the frozen tiny text encoders exactly
-   as ``HunyuanDiTPipeline.encode_prompt`` does; v-prediction on the pipeline's own DDPM schedule, 10 % of captions
-   replaced by the empty prompt (what the pipeline feeds as the negative prompt for guidance).
+   as the pipeline's ``encode_prompt`` does; the target the pipeline's scheduler expects (HunyuanDiT: v-prediction,
+   PixArt-Σ: epsilon) on its own training schedule, 10 % of captions replaced by the empty prompt (what the pipeline
+   feeds as the negative prompt for guidance).
 
 Never run by CI: the shipped weights are its output. Text encoders and tokenizers are the tiny ones of
-``xfuse.models.tiny`` (random, frozen), sized by the transformer config.
+``xfuse.models.tiny`` (random, frozen), sized by the transformer config, with every word of the captions' grammar
+(``shapes.VOCABULARY``) as one token.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -31,15 +37,7 @@ from torch import nn
 from xfuse import shapes
 from xfuse.models.tiny import build_tiny_pipeline
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "xfuse", "models", "shapes")
-TRANSFORMER = dict(
-    num_layers=8,  # up to degree 4 folded, 8 linear; an 8-block model trains in the time budget
-    num_attention_heads=4,
-    attention_head_dim=24,
-    cross_attention_dim=64,
-    cross_attention_dim_t5=64,
-    pooled_projection_dim=64,
-)
+MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "xfuse", "models")
 
 
 def log(record: dict) -> None:
@@ -121,11 +119,25 @@ def train_vae(steps: int, seed: int):
     return vae.eval()
 
 
-@torch.no_grad()
-def encode_captions(pipe, captions: list[str]) -> dict[str, tuple[torch.Tensor, ...]]:
-    """caption -> (BERT embeddings, mask, T5 embeddings, mask), as HunyuanDiTPipeline.encode_prompt gives them."""
-    out = {}
-    for caption in captions:
+class HunyuanDiTFamily:
+    """How the HunyuanDiT transformer is built, fed text and called in training, as its pipeline does."""
+
+    out = os.path.join(MODELS, "shapes")
+    transformer = dict(
+        num_layers=8,  # up to degree 4 folded, 8 linear; an 8-block model trains in the time budget
+        num_attention_heads=4,
+        attention_head_dim=24,
+        cross_attention_dim=64,
+        cross_attention_dim_t5=64,
+        pooled_projection_dim=64,
+    )
+
+    def build(self, seed: int, extra_words: tuple[str, ...]):
+        return build_tiny_pipeline("tiny", seed, extra_words=extra_words, **self.transformer)
+
+    @torch.no_grad()
+    def encode(self, pipe, caption: str) -> tuple[torch.Tensor, ...]:
+        """(BERT embeddings, mask, T5 embeddings, mask), as HunyuanDiTPipeline.encode_prompt gives them."""
         bert, _, bert_mask, _ = pipe.encode_prompt(
             caption, device="cpu", dtype=torch.float32, num_images_per_prompt=1,
             do_classifier_free_guidance=False, max_sequence_length=77, text_encoder_index=0,
@@ -134,25 +146,74 @@ def encode_captions(pipe, captions: list[str]) -> dict[str, tuple[torch.Tensor, 
             caption, device="cpu", dtype=torch.float32, num_images_per_prompt=1,
             do_classifier_free_guidance=False, max_sequence_length=256, text_encoder_index=1,
         )  # fmt: skip
-        out[caption] = (bert[0], bert_mask[0], t5[0], t5_mask[0])
-    return out
+        return bert[0], bert_mask[0], t5[0], t5_mask[0]
+
+    def forward(self, pipe, noisy: torch.Tensor, t: torch.Tensor, text: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        bert, bert_mask, t5, t5_mask = text
+        batch = noisy.shape[0]
+        return pipe.transformer(
+            noisy,
+            t.to(noisy.dtype),  # the pipeline passes float timesteps
+            encoder_hidden_states=bert,
+            text_embedding_mask=bert_mask,
+            encoder_hidden_states_t5=t5,
+            text_embedding_mask_t5=t5_mask,
+            image_meta_size=torch.tensor([[shapes.IMAGE_SIZE] * 4 + [0, 0]] * batch, dtype=torch.float32),
+            style=torch.zeros(batch, dtype=torch.long),
+            image_rotary_emb=self.rotary_embedding(pipe.transformer, shapes.IMAGE_SIZE),
+            return_dict=False,
+        )[0]
+
+    @staticmethod
+    @functools.cache
+    def rotary_embedding(transformer, size: int):
+        """Mirrors HunyuanDiTPipeline.__call__ (step 7): the 2D RoPE of a size x size image."""
+        from diffusers.models.embeddings import get_2d_rotary_pos_embed
+        from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
+
+        grid = size // 8 // transformer.config.patch_size
+        base = 512 // 8 // transformer.config.patch_size
+        crops = get_resize_crop_region_for_grid((grid, grid), base)
+        head_dim = transformer.inner_dim // transformer.num_heads
+        return get_2d_rotary_pos_embed(head_dim, crops, (grid, grid), output_type="pt")
 
 
-def rotary_embedding(transformer, size: int):
-    """Mirrors HunyuanDiTPipeline.__call__ (step 7): the 2D RoPE of a size x size image."""
-    from diffusers.models.embeddings import get_2d_rotary_pos_embed
-    from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
+class PixArtSigmaFamily:
+    """The same for PixArt-Σ: one T5 encoder, AdaLN-single timestep, epsilon prediction."""
 
-    grid = size // 8 // transformer.config.patch_size
-    base = 512 // 8 // transformer.config.patch_size
-    crops = get_resize_crop_region_for_grid((grid, grid), base)
-    head_dim = transformer.inner_dim // transformer.num_heads
-    return get_2d_rotary_pos_embed(head_dim, crops, (grid, grid), output_type="pt")
+    out = os.path.join(MODELS, "shapes-pixart")
+    # the HunyuanDiT model's width and depth, so the two families' figures compare like for like
+    transformer = dict(num_layers=8, num_attention_heads=4, attention_head_dim=24, caption_channels=64)
+
+    def build(self, seed: int, extra_words: tuple[str, ...]):
+        from xfuse.models.tiny_pixart import build_preset_pipeline
+
+        return build_preset_pipeline("pixart-tiny", seed, extra_words=extra_words, **self.transformer)
+
+    @torch.no_grad()
+    def encode(self, pipe, caption: str) -> tuple[torch.Tensor, ...]:
+        """(T5 embeddings, mask), as PixArtSigmaPipeline.encode_prompt gives them (300 tokens)."""
+        embeds, mask, _, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False, device="cpu")
+        return embeds[0], mask[0]
+
+    def forward(self, pipe, noisy: torch.Tensor, t: torch.Tensor, text: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        embeds, mask = text
+        return pipe.transformer(
+            noisy,
+            encoder_hidden_states=embeds,
+            encoder_attention_mask=mask,
+            timestep=t,
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},  # PixArt-Σ: no micro-conditions
+            return_dict=False,
+        )[0]
 
 
-def train_transformer(pipe, vae, steps: int, n_images: int, batch: int, seed: int):
-    torch.manual_seed(seed)
-    transformer, scheduler = pipe.transformer, pipe.scheduler
+FAMILIES = {"hunyuandit": HunyuanDiTFamily(), "pixart": PixArtSigmaFamily()}
+
+
+def encode_scenes(vae, n_images: int, seed: int, fit_scaling_factor: bool):
+    """``n_images`` training scenes and their latents, scaled by the VAE's scaling_factor (first fitted to give them
+    unit std, for a VAE trained in this run)."""
     scenes, latents = [], []
     with torch.no_grad():
         for chunk in range(0, n_images, 64):
@@ -160,14 +221,20 @@ def train_transformer(pipe, vae, steps: int, n_images: int, batch: int, seed: in
             scenes += chunk_scenes
             latents.append(vae.encode(images).latent_dist.mean)  # (b, 3, 256, 256) -> (b, 4, 32, 32)
     latents = torch.cat(latents)
-    vae.register_to_config(scaling_factor=round(1.0 / latents.std().item(), 5))
-    latents = latents * vae.config.scaling_factor
+    if fit_scaling_factor:
+        vae.register_to_config(scaling_factor=round(1.0 / latents.std().item(), 5))
+    return scenes, latents * vae.config.scaling_factor
+
+
+def train_transformer(family, pipe, vae, steps: int, n_images: int, batch: int, seed: int, fit_scaling_factor: bool):
+    torch.manual_seed(seed)
+    transformer, scheduler = pipe.transformer, pipe.scheduler
+    scenes, latents = encode_scenes(vae, n_images, seed, fit_scaling_factor)
     captions = sorted({s.caption for s in scenes} | {""})
-    text = encode_captions(pipe, captions)
+    text = {caption: family.encode(pipe, caption) for caption in captions}
     log({"stage": "transformer", "images": n_images, "captions": len(captions),
-         "scaling_factor": vae.config.scaling_factor})  # fmt: skip
-    rope = rotary_embedding(transformer, shapes.IMAGE_SIZE)
-    image_meta = torch.tensor([[shapes.IMAGE_SIZE] * 4 + [0, 0]] * batch, dtype=torch.float32)
+         "scaling_factor": vae.config.scaling_factor, "parameters": sum(p.numel() for p in transformer.parameters()),
+         "prediction_type": scheduler.config.prediction_type})  # fmt: skip
     alphas = scheduler.alphas_cumprod
     transformer.train()
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=5e-4, weight_decay=0.0)
@@ -177,24 +244,15 @@ def train_transformer(pipe, vae, steps: int, n_images: int, batch: int, seed: in
         index = torch.randint(0, len(scenes), (batch,), generator=generator)
         x0 = latents[index]
         words = [scenes[i].caption if torch.rand((), generator=generator) > 0.1 else "" for i in index.tolist()]
-        bert, bert_mask, t5, t5_mask = (torch.stack(parts) for parts in zip(*(text[w] for w in words)))
+        batch_text = tuple(torch.stack(parts) for parts in zip(*(text[w] for w in words)))
         t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), generator=generator)
         noise = torch.randn(x0.shape, generator=generator)
         a = alphas[t].sqrt().view(-1, 1, 1, 1)
         s = (1 - alphas[t]).sqrt().view(-1, 1, 1, 1)
-        noisy, target = a * x0 + s * noise, a * noise - s * x0  # v-prediction (the scheduler's prediction_type)
-        out = transformer(
-            noisy,
-            t.to(noisy.dtype),  # the pipeline passes float timesteps
-            encoder_hidden_states=bert,
-            text_embedding_mask=bert_mask,
-            encoder_hidden_states_t5=t5,
-            text_embedding_mask_t5=t5_mask,
-            image_meta_size=image_meta,
-            style=torch.zeros(batch, dtype=torch.long),
-            image_rotary_emb=rope,
-            return_dict=False,
-        )[0]
+        noisy = a * x0 + s * noise
+        # what the pipeline's scheduler expects the model to predict
+        target = {"v_prediction": a * noise - s * x0, "epsilon": noise}[scheduler.config.prediction_type]
+        out = family.forward(pipe, noisy, t, batch_text)
         pred, _ = out.chunk(2, dim=1)  # learned sigma: the first 4 channels are the prediction
         loss = nn.functional.mse_loss(pred, target)
         optimizer.zero_grad()
@@ -207,10 +265,19 @@ def train_transformer(pipe, vae, steps: int, n_images: int, batch: int, seed: in
     return transformer.eval()
 
 
+def load_trained(folder: str):
+    """The VAE (its scaling_factor included) and attribute classifier of an earlier run, to share them."""
+    from diffusers import AutoencoderKL
+
+    return shapes.load_classifier(folder), AutoencoderKL.from_pretrained(folder, subfolder="vae").eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="hunyuandit")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--out", help="the diffusers folder to write (default: the family's shipped folder)")
+    parser.add_argument("--vae-from", help="take the VAE and classifier of this trained folder instead of training")
     parser.add_argument("--classifier-steps", type=int, default=300)
     parser.add_argument("--vae-steps", type=int, default=1200)
     parser.add_argument("--steps", type=int, default=2000, help="transformer steps")
@@ -221,20 +288,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.classifier_steps, args.vae_steps, args.steps, args.images, args.batch = 3, 3, 3, 64, 4
+    family = FAMILIES[args.family]
+    args.out = args.out or family.out
     torch.set_num_threads(args.threads)
     start = time.time()
     log({"stage": "start", **vars(args), "torch": torch.__version__})
-    classifier = train_classifier(args.classifier_steps, args.seed)
-    vae = train_vae(args.vae_steps, args.seed)
-    pipe = build_tiny_pipeline("tiny", args.seed, **TRANSFORMER)
+    if args.vae_from:
+        classifier, vae = load_trained(args.vae_from)
+    else:
+        classifier = train_classifier(args.classifier_steps, args.seed)
+        vae = train_vae(args.vae_steps, args.seed)
+    pipe = family.build(args.seed, extra_words=shapes.VOCABULARY)
     pipe.vae = None  # replaced below
-    train_transformer(pipe, vae, args.steps, args.images, args.batch, args.seed)
+    train_transformer(family, pipe, vae, args.steps, args.images, args.batch, args.seed, not args.vae_from)
     pipe.register_modules(vae=vae)
     os.makedirs(args.out, exist_ok=True)
     pipe.save_pretrained(args.out, safe_serialization=True)
-    from safetensors.torch import save_file
+    if not args.vae_from:  # the classifier's home is the folder whose run trained it
+        from safetensors.torch import save_file
 
-    save_file(classifier.state_dict(), os.path.join(args.out, "attribute_classifier.safetensors"))
+        save_file(classifier.state_dict(), os.path.join(args.out, "attribute_classifier.safetensors"))
     log({"stage": "done", "out": os.path.abspath(args.out), "minutes": round((time.time() - start) / 60, 1)})
 
 

@@ -32,6 +32,9 @@ ATTRIBUTES = {
     "background": tuple(BACKGROUNDS),
     "position": tuple(POSITIONS),
 }
+# Every word of the grammar: the shapes models' tokenizers hold each as one token (``extra_words`` of the tiny
+# pipelines), instead of spelling the ones the built-in tiny vocabulary lacks letter by letter.
+VOCABULARY = tuple(dict.fromkeys(" ".join(["a on the background", *COLORS, *SHAPES, *BACKGROUNDS, *POSITIONS]).split()))
 IMAGE_SIZE = 256  # pixels: a 32x32 latent at the VAE's factor 8, i.e. 16 token rows at patch size 2
 
 
@@ -125,12 +128,16 @@ def to_tensor(images):
     return torch.from_numpy(array).permute(0, 3, 1, 2).div(127.5).sub(1.0)  # (B, H, W, 3) -> (B, 3, H, W)
 
 
-def load_classifier(folder: str):
-    """The attribute classifier shipped beside a ``shapes`` model (``attribute_classifier.safetensors``)."""
+def load_classifier(folder: str | None = None):
+    """The trained attribute classifier (``attribute_classifier.safetensors``): by default the shipped one, beside
+    the ``shapes`` model (it scores both shapes models: they share the VAE whose output it was trained to read)."""
     import os
 
     from safetensors.torch import load_file
 
+    from xfuse.models.registry import SHIPPED_MODELS
+
+    folder = SHIPPED_MODELS["shapes"] if folder is None else folder
     model = classifier()
     model.load_state_dict(load_file(os.path.join(folder, "attribute_classifier.safetensors")))
     return model.eval()

@@ -279,21 +279,22 @@ def build_tiny_transformer(preset: str = "tiny", seed: int = 0, **overrides: Any
     return model.eval()
 
 
-def _bert_vocab() -> dict[str, int]:
+def _bert_vocab(extra_words: tuple[str, ...] = ()) -> dict[str, int]:
     tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     tokens += list(_CHARS)
     # Word-piece continuations let unknown English words split into known pieces instead of `[UNK]`.
     tokens += ["##" + char for char in _CHARS if char.isalnum() and char.isascii()]
-    tokens += [word for word in _WORDS if word not in tokens]
+    tokens += [word for word in dict.fromkeys(_WORDS + list(extra_words)) if word not in tokens]
     return {token: index for index, token in enumerate(tokens)}
 
 
-def _t5_vocab() -> list[tuple[str, float]]:
+def _t5_vocab(extra_words: tuple[str, ...] = ()) -> list[tuple[str, float]]:
     # Unigram picks the segmentation with the highest total log-probability, so whole words must score better than
     # their spelling; single characters are the fallback that keeps any ASCII/listed text free of `<unk>`.
     # T5's special ids: <pad> = 0, </s> = 1, <unk> = 2.
     pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [("\u2581" + word, -5.0 - 0.01 * index) for index, word in enumerate(_WORDS)]
+    words = _WORDS + [word for word in extra_words if word not in _WORDS]
+    pieces += [("\u2581" + word, -5.0 - 0.01 * index) for index, word in enumerate(words)]
     # Unlike BERT's, the T5 tokenizer does not lowercase, so it needs the capitals too.
     chars = _CHARS + _CHARS[:26].upper()
     pieces += [(char, -10.0) for char in chars]
@@ -301,14 +302,14 @@ def _t5_vocab() -> list[tuple[str, float]]:
     return pieces
 
 
-def _build_tokenizers():
+def _build_tokenizers(extra_words: tuple[str, ...] = ()):
     from transformers import BertTokenizer, T5Tokenizer
 
     # Both are `tokenizers`-backed in transformers 5, which accept an in-memory vocabulary and save a tokenizer.json
     # that `from_pretrained` reloads without sentencepiece or a vocab file.
-    tokenizer = BertTokenizer(vocab=_bert_vocab(), model_max_length=_BERT_MAX_LENGTH)
+    tokenizer = BertTokenizer(vocab=_bert_vocab(extra_words), model_max_length=_BERT_MAX_LENGTH)
     # mT5 (unlike T5) has no sentinel `<extra_id_*>` tokens; leaving them out also keeps the vocabulary dense.
-    tokenizer_2 = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=_T5_MAX_LENGTH)
+    tokenizer_2 = T5Tokenizer(vocab=_t5_vocab(extra_words), extra_ids=0, model_max_length=_T5_MAX_LENGTH)
     return tokenizer, tokenizer_2
 
 
@@ -403,7 +404,9 @@ def _build_scheduler():
     )
 
 
-def build_tiny_pipeline(preset: str = "tiny", seed: int = 0, **transformer_overrides: Any) -> HunyuanDiTPipeline:
+def build_tiny_pipeline(
+    preset: str = "tiny", seed: int = 0, extra_words: tuple[str, ...] = (), **transformer_overrides: Any
+) -> HunyuanDiTPipeline:
     r"""
     Build a complete, randomly initialised [`~diffusers.HunyuanDiTPipeline`] offline.
 
@@ -415,6 +418,9 @@ def build_tiny_pipeline(preset: str = "tiny", seed: int = 0, **transformer_overr
             One of the keys of `PRESETS`.
         seed (`int`, defaults to 0):
             Seed of all weights of all components; the global RNG state is left unchanged.
+        extra_words (`tuple[str, ...]`, defaults to `()`):
+            Whole words added after the built-in vocabulary of both tokenizers (e.g. a training set's caption words,
+            so that they are single tokens instead of spellings); the built-in token ids do not move.
         **transformer_overrides:
             `HunyuanDiT2DModel` arguments replacing the preset's, see [`tiny_transformer_config`].
 
@@ -425,7 +431,7 @@ def build_tiny_pipeline(preset: str = "tiny", seed: int = 0, **transformer_overr
     from diffusers import HunyuanDiTPipeline
 
     transformer = build_tiny_transformer(preset, seed, **transformer_overrides)
-    tokenizer, tokenizer_2 = _build_tokenizers()
+    tokenizer, tokenizer_2 = _build_tokenizers(extra_words)
     text_encoder, text_encoder_2 = _build_text_encoders(
         dict(transformer.config), len(tokenizer), len(tokenizer_2), seed
     )

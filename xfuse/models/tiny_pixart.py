@@ -42,28 +42,37 @@ _COMMON = {
 }
 
 
-def preset_transformer_config(preset: str = "pixart-tiny") -> dict[str, Any]:
-    """The ``PixArtTransformer2DModel`` constructor arguments of a preset."""
+def preset_transformer_config(preset: str = "pixart-tiny", **overrides: Any) -> dict[str, Any]:
+    """The ``PixArtTransformer2DModel`` constructor arguments of a preset; ``overrides`` replace the preset's sizes
+    (``num_layers``, ``num_attention_heads``, ``attention_head_dim``, ``caption_channels``, ``default_size``)."""
     if preset not in PRESETS:
         raise ConfigError("model", f"unknown PixArt preset {preset!r}; allowed presets: {', '.join(PRESETS)}")
-    base = PRESETS[preset]
+    unknown = sorted(set(overrides) - set(PRESETS[preset]))
+    if unknown:
+        raise ConfigError("model", f"unknown PixArt preset sizes {unknown}; allowed: {', '.join(PRESETS[preset])}")
+    base = PRESETS[preset] | overrides
     config = {k: v for k, v in base.items() if k != "default_size"} | _COMMON
     config["cross_attention_dim"] = base["num_attention_heads"] * base["attention_head_dim"]
     config["sample_size"] = base["default_size"] // PIXART_SIGMA.vae_scale_factor
     return config
 
 
-def build_preset_pipeline(preset: str = "pixart-tiny", seed: int = 0):
-    """A complete, randomly initialised ``diffusers.PixArtSigmaPipeline`` (CPU, float32, eval mode)."""
+def build_preset_pipeline(
+    preset: str = "pixart-tiny", seed: int = 0, extra_words: tuple[str, ...] = (), **overrides: Any
+):
+    """A complete, randomly initialised ``diffusers.PixArtSigmaPipeline`` (CPU, float32, eval mode); ``extra_words``
+    are whole words added to the tokenizer's vocabulary (see ``xfuse.models.tiny.build_tiny_pipeline``), ``overrides``
+    the preset's sizes (see ``preset_transformer_config``)."""
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
     from transformers import T5Tokenizer
 
-    config = preset_transformer_config(preset)
+    config = preset_transformer_config(preset, **overrides)
     with _seeded(seed, "transformer"):
         transformer = PixArtTransformer2DModel(**config).eval()
     (max_length,) = PIXART_SIGMA.text_lengths
-    tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=max_length)
-    text_encoder = tiny_t5_encoder(config["caption_channels"], len(_t5_vocab()), seed, "text_encoder")
+    vocab = _t5_vocab(extra_words)
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+    text_encoder = tiny_t5_encoder(config["caption_channels"], len(vocab), seed, "text_encoder")
     # PixArt-Σ's sampling configuration: DPM-Solver++ 2M on SD's linear-beta epsilon schedule.
     scheduler = DPMSolverMultistepScheduler(
         num_train_timesteps=1000,
@@ -78,7 +87,7 @@ def build_preset_pipeline(preset: str = "pixart-tiny", seed: int = 0):
     return PixArtSigmaPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=_build_vae(PRESETS[preset]["default_size"], seed),
+        vae=_build_vae(config["sample_size"] * PIXART_SIGMA.vae_scale_factor, seed),
         transformer=transformer,
         scheduler=scheduler,
     )
