@@ -1,18 +1,21 @@
-"""Image quality of PipeFusion on the trained ``shapes`` model: does the image follow the prompt, and how close is it
-to the serial image?
+"""Image quality of PipeFusion on the trained ``shapes`` models (HunyuanDiT and PixArt-Σ): does the image follow the
+prompt, and how close is it to the serial image?
 
-    python benchmarks/quality.py            # writes benchmarks/results/quality.{json,md}
+    python benchmarks/quality.py            # both models; writes benchmarks/results/quality.{json,md}
     python benchmarks/quality.py --quick    # 4 prompts, 2 configurations
+    python benchmarks/quality.py --models shapes-pixart
 
 For a fixed set of prompts (``xfuse.shapes.scoring_scenes``: every colour x shape x background once, positions
 cycling) and seeds (prompt i uses seed i), 256 px, 20 steps, guidance 5, CFG:
 
-* serial: diffusers' own ``HunyuanDiTPipeline`` on the shipped folder (one process);
+* serial: diffusers' own pipeline (``HunyuanDiTPipeline``, ``PixArtSigmaPipeline``) on the shipped folder;
 * xfuse exact mode at degree 2 (every step synchronous: ``warmup_steps = num_inference_steps``);
 * xfuse pipelined at degree 2 for M in {2, 4, 8} patches and warm-up in {0, 1, 2} steps.
 
 Each row: the attribute classifier's accuracy per attribute (colour, shape, background, position) and their mean,
-and PSNR / SSIM of each image against the serial image of the same prompt and seed (mean over prompts).
+and PSNR / SSIM of each image against the serial image of the same prompt and seed (mean over prompts). Also
+``docs/<model>.png`` (the README's pictures): every third prompt, serial diffusers above and the default pipelined
+mode (pp2, M = 2, warm-up 1: what the demo runs) below.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ import numpy as np
 import torch
 
 from xfuse import shapes
-from xfuse.models.registry import SHIPPED_MODELS
+from xfuse.models.registry import SHIPPED_MODELS, load_pipeline, model_spec
 from xfuse.testing.world import World
 
-FOLDER = SHIPPED_MODELS["shapes"]
 CALL = {
     "height": shapes.IMAGE_SIZE,
     "width": shapes.IMAGE_SIZE,
@@ -39,6 +41,7 @@ CALL = {
     "use_resolution_binning": False,  # 256 px as asked (binning would pick one of HunyuanDiT's ~1 MP sizes)
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
 def configurations(quick: bool) -> list[tuple[str, dict]]:
@@ -62,14 +65,13 @@ def generate(pipe, scenes: list[shapes.Scene]) -> list:
     return images
 
 
-def xfuse_rank(configs: list[tuple[str, dict]], scenes: list[shapes.Scene]) -> dict:
+def xfuse_rank(model: str, configs: list[tuple[str, dict]], scenes: list[shapes.Scene]) -> dict:
     """On every rank of a 2-rank world: each configuration's images (rank 0 returns them, PNG-free as arrays)."""
-    from xfuse import PipeFusionHunyuanDiTPipeline
-
     torch.set_num_threads(1)
+    pipeline_class = model_spec(model).pipeline_class()
     out = {}
     for label, parallel in configs:
-        pipe = PipeFusionHunyuanDiTPipeline.from_pretrained(FOLDER, parallel=parallel, comm={"timeout_s": 120})
+        pipe = pipeline_class.from_pretrained(SHIPPED_MODELS[model], parallel=parallel, comm={"timeout_s": 120})
         pipe.set_progress_bar_config(disable=True)
         images = generate(pipe, scenes)
         out[label] = [np.asarray(image) for image in images] if images[0] is not None else None
@@ -115,12 +117,12 @@ def score(classifier, images: list, scenes: list[shapes.Scene], serial: list | N
     return row
 
 
-def markdown(report: dict) -> str:
+def markdown(model: str, report: dict) -> str:
     lines = [
-        f"`shapes` model, {len(report['prompts'])} prompts x 1 seed, {CALL['height']} px, "
-        f"{CALL['num_inference_steps']} steps, guidance {CALL['guidance_scale']}; accuracy by the attribute "
-        "classifier (%), PSNR / SSIM against the serial image (mean over prompts; an identical image counts as "
-        "99 dB).",
+        f"`{model}` model ({model_spec(model).diffusers_pipeline}), {len(report['prompts'])} prompts x 1 seed, "
+        f"{CALL['height']} px, {CALL['num_inference_steps']} steps, guidance {CALL['guidance_scale']}; "
+        "accuracy by the attribute classifier (%), PSNR / SSIM against the serial image (mean over prompts; an "
+        "identical image counts as 99 dB).",
         "",
         "| run | colour | shape | background | position | mean | PSNR (dB) | SSIM |",
         "|---|---|---|---|---|---|---|---|",
@@ -134,36 +136,64 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=RESULTS)
-    args = parser.parse_args()
-    from diffusers import HunyuanDiTPipeline
+def contact_sheet(rows: list[list]):
+    """One PIL image: the given rows of same-sized images side by side, rows stacked."""
+    from PIL import Image
 
-    scenes = shapes.scoring_scenes(4 if args.quick else 24)
-    classifier = shapes.load_classifier(FOLDER)
+    side = np.asarray(rows[0][0]).shape[0]
+    sheet = Image.new("RGB", (side * len(rows[0]), side * len(rows)), "white")
+    for r, row in enumerate(rows):
+        for c, image in enumerate(row):
+            sheet.paste(Image.fromarray(np.asarray(image)), (c * side, r * side))
+    return sheet
+
+
+DEFAULT_ROW = "pipelined pp2 M=2 W=1"  # what `model: shapes*` with the pp2 configs runs (the demo)
+
+
+def measure(model: str, scenes: list[shapes.Scene], configs: list[tuple[str, dict]], sheet: str | None = None) -> dict:
+    """The table's rows for ``model``; with ``sheet``, a PNG of every third prompt: serial diffusers above, the
+    default pipelined mode below."""
+    classifier = shapes.load_classifier()
     start = time.time()
     torch.set_num_threads(2)
-    serial_pipe = HunyuanDiTPipeline.from_pretrained(FOLDER, local_files_only=True)
+    serial_pipe = load_pipeline(model)  # diffusers' own pipeline class and loader
     serial_pipe.set_progress_bar_config(disable=True)
     serial = generate(serial_pipe, scenes)
     rows = {"serial diffusers": score(classifier, serial, scenes, None)}
-    print(f"serial: {rows['serial diffusers']} ({time.time() - start:.0f} s)", flush=True)
-    configs = configurations(args.quick)
+    print(f"{model} serial: {rows['serial diffusers']} ({time.time() - start:.0f} s)", flush=True)
     with World(2, threads_per_rank=1, start_timeout=600) as world:
-        images = world.run_ok(xfuse_rank, configs, scenes, timeout=7200)[0]
+        images = world.run_ok(xfuse_rank, model, configs, scenes, timeout=7200)[0]
     for label, _ in configs:
         rows[label] = score(classifier, images[label], scenes, serial)
-        print(f"{label}: {rows[label]}", flush=True)
-    report = {"prompts": [s.caption for s in scenes], "call": CALL, "rows": rows, "seconds": round(time.time() - start)}
+        print(f"{model} {label}: {rows[label]}", flush=True)
+    if sheet is not None and DEFAULT_ROW in images:
+        contact_sheet([serial[::3], images[DEFAULT_ROW][::3]]).save(sheet)
+    return {"prompts": [s.caption for s in scenes], "call": CALL, "rows": rows, "seconds": round(time.time() - start)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(SHIPPED_MODELS), default=sorted(SHIPPED_MODELS))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--sheets", default=DOCS, help="folder for each model's <model>.png contact sheet")
+    args = parser.parse_args()
+    scenes = shapes.scoring_scenes(4 if args.quick else 24)
+    reports = {
+        model: measure(
+            model, scenes, configurations(args.quick), None if args.quick else os.path.join(args.sheets, f"{model}.png")
+        )
+        for model in args.models
+    }
     os.makedirs(args.out, exist_ok=True)
     name = "quality_quick" if args.quick else "quality"
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(reports, f, indent=2)
+    text = "\n".join(markdown(model, report) for model, report in reports.items())
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":

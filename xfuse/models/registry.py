@@ -226,9 +226,12 @@ FLUX = ModelSpec(
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX)}
 PRESET_MODELS: dict[str, ModelSpec] = {preset: spec for spec in MODEL_SPECS.values() for preset in spec.presets}
-# Trained models shipped inside the package (diffusers folders): ``model: shapes`` is that folder.
-# ``shapes``: a HunyuanDiT trained on xfuse.shapes' captioned scenes by scripts/train_tiny.py.
-SHIPPED_MODELS: dict[str, str] = {"shapes": os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes")}
+# Trained models shipped inside the package (diffusers folders): ``model: shapes`` is that folder. Both are trained
+# on xfuse.shapes' captioned scenes by scripts/train_tiny.py, on one VAE: ``shapes`` a HunyuanDiT (its folder also
+# holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ.
+SHIPPED_MODELS: dict[str, str] = {
+    name: os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("shapes", "shapes-pixart")
+}
 
 
 def resolve_model(model: str) -> str:
