@@ -1,6 +1,7 @@
 """Every CPU benchmark of the README in one command; JSON and Markdown out.
 
     python benchmarks/run_all.py [--repeats 3] [--steps 20] [--out benchmarks/results]
+    python benchmarks/run_all.py --only denoising_loop     # re-measure one section, keep the others
 
 Each timed figure is the median of ``--repeats`` runs with min and max. One torch thread per rank, real gloo
 processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch 2:
@@ -112,34 +113,21 @@ def spread(values: list[float]) -> dict:
     return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    report = dict(
-        machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}, "
-        f"python {platform.python_version()}",
-        repeats=args.repeats,
-        steps=args.steps,
-    )
-
+def degree1_vs_diffusers(args) -> dict:
     from xfuse.testing.world import World
 
     with World(1, threads_per_rank=1, start_timeout=600) as world:
         calls = world.run_ok(pipeline_call_rank, args.repeats, args.steps, timeout=7200)[0]
-    report["degree1_vs_diffusers"] = dict(
+    result = dict(
         diffusers=spread(calls["diffusers"]),
         xfuse=spread(calls["xfuse"]),
         ratio=statistics.median(calls["xfuse"]) / statistics.median(calls["diffusers"]),
     )
-    print(f"degree-1 xfuse / diffusers: {report['degree1_vs_diffusers']['ratio']:.3f}", flush=True)
+    print(f"degree-1 xfuse / diffusers: {result['ratio']:.3f}", flush=True)
+    return result
 
+
+def denoising_loop(args) -> dict:
     loops = {}
     for model, layers in (("small", None), ("small, 8 blocks", 8)):
         rows = {}
@@ -160,8 +148,10 @@ def main() -> None:
         for row in rows.values():
             row["speedup"] = rows["1"]["median"] / row["median"]
         loops[model] = rows
-    report["denoising_loop"] = loops
+    return loops
 
+
+def bytes_per_step(args) -> dict:
     volume = {}
     for degree in (2, 4, 8):
         for placement in ("folded", "balanced", "linear"):
@@ -170,8 +160,10 @@ def main() -> None:
             volume[f"{degree}-{placement}"] = [
                 sum(v * (1 if k == "latent" else WIDTH_SCALE) for k, v in r.items()) for r in per_rank
             ]
-    report["bytes_per_step_hidden1408"] = volume
+    return volume
 
+
+def dit_g2_memory(args) -> dict:
     from xfuse.config import load_config
     from xfuse.plan_report import plan_report
 
@@ -189,13 +181,55 @@ def main() -> None:
             )
         )
         memory[degree] = dict(param_bytes=r["param_bytes"], kv_bytes=r["kv_bytes"])
-    report["dit_g2_memory_per_rank"] = memory
+    return memory
+
+
+def pipelined_distance(args) -> dict:
+    from xfuse.testing.world import World
 
     with World(1, threads_per_rank=1, start_timeout=600) as world:
-        report["pipelined_distance"] = world.run_ok(distance_rank, args.steps, timeout=7200)[0]
+        return world.run_ok(distance_rank, args.steps, timeout=7200)[0]
+
+
+SECTIONS = {  # report key -> what measures it, in the order run
+    "degree1_vs_diffusers": degree1_vs_diffusers,
+    "denoising_loop": denoising_loop,
+    "bytes_per_step_hidden1408": bytes_per_step,
+    "dit_g2_memory_per_rank": dit_g2_memory,
+    "pipelined_distance": pipelined_distance,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(SECTIONS), help="measure only these sections; keep the others' figures "
+        "from the existing cpu.json (the date each section was measured is recorded)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}, "
+        f"python {platform.python_version()}"
+    )
+    path = os.path.join(args.out, "cpu.json")
+    report = dict(machine=machine, repeats=args.repeats, steps=args.steps)
+    if args.only:
+        with open(path) as fh:
+            report = json.load(fh) | report
+    for key, measure in SECTIONS.items():
+        if not args.only or key in args.only:
+            report[key] = measure(args)
+            report.setdefault("measured", {})[key] = time.strftime("%Y-%m-%d")
 
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cpu.json"), "w") as fh:
+    with open(path, "w") as fh:
         json.dump(report, fh, indent=2)
     with open(os.path.join(args.out, "cpu.md"), "w") as fh:
         fh.write(markdown(report))
