@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -247,6 +248,37 @@ def test_a_rank_that_died_without_a_report_is_named_by_its_stale_heartbeat(tmp_p
     assert "no heartbeat, no report (killed, or its node lost?): rank 2 (5." in err
     assert "rank 3 (" not in err and "rank 1 (" not in err
     assert monitor.stop()
+
+
+def test_a_lost_live_peer_waits_for_the_dead_ranks_heartbeat(tmp_path, capfd):
+    """gloo fails every pending operation of a group when one connection resets: rank 2's receive from rank 1 (alive,
+    not terminated) reported rank 3's socket within 30 ms of rank 3's kill. The report must wait for the dead rank's
+    heartbeat to go stale and name it, not stop at the live peer."""
+    store = dist.PrefixStore("default_pg", dist.FileStore(str(tmp_path / "store"), 1))
+    monitor = FailureMonitor(2, store, poll_s=0.05, world_size=4)
+    for rank in (0, 1, 3):
+        store.set(f"xfuse/alive/{rank}", f"{time.time():.3f}")
+    killed = threading.Timer(0.5, lambda: store.set("xfuse/alive/3", f"{time.time() - 5:.3f}"))
+    killed.start()
+    start = time.monotonic()
+    monitor.await_root_cause(1)
+    waited = time.monotonic() - start
+    monitor.report("rank 2 failed: PeerLost: recv of hidden from rank 1 failed: peer lost")
+    assert 0.4 < waited < monitor.grace_s, waited
+    assert "no heartbeat, no report (killed, or its node lost?): rank 3 (" in capfd.readouterr().err
+    killed.join()
+    assert monitor.stop()
+
+
+def test_a_recorded_root_cause_ends_the_wait_for_heartbeats(tmp_path):
+    store = dist.PrefixStore("default_pg", dist.FileStore(str(tmp_path / "store"), 1))
+    monitor = FailureMonitor(2, store, poll_s=0.05, world_size=4)
+    refused = FailureMonitor(1, store, poll_s=0.05, world_size=4)
+    refused.record(ValueError("rank 1 refused its input"))
+    start = time.monotonic()
+    monitor.await_root_cause(1)
+    assert time.monotonic() - start < 0.3
+    assert monitor.stop() and refused.stop()
 
 
 SIGTERM_DURING_REPORT = """

@@ -378,11 +378,16 @@ class FailureMonitor:
             return False
 
     def await_root_cause(self, peer: int | None) -> None:
-        """A lost ``peer`` that the launcher terminated is not why the world failed: torchrun terminates survivors as
-        soon as one rank dies, and a neighbour may lose a terminated survivor before the dead rank. Wait (up to
-        ``grace_s``) for the dead rank's heartbeat to go stale, so the report can name it."""
+        """A lost ``peer`` is not always why the world failed: torchrun terminates survivors as soon as one rank
+        dies, so a neighbour may lose a terminated survivor before the dead rank; and gloo fails every pending
+        operation of a process group when one of its connections resets, so a receive from a live ``peer`` can
+        report the reset of a dead rank's socket. Unless a rank recorded a root cause (a failure other than a lost
+        peer), wait (up to ``grace_s``) for a heartbeat to go stale, so the report can name the dead rank."""
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and (peer is None or self.terminated(peer)) and not self.silent_ranks():
+        while time.monotonic() < deadline and not self.silent_ranks():
+            first = self.first()
+            if first is not None and "peer lost" not in first:
+                return
             time.sleep(0.05)
 
     def diagnose(self, peer: int) -> str:
