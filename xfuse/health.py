@@ -379,10 +379,11 @@ class FailureMonitor:
 
     def await_root_cause(self, peer: int | None) -> None:
         """A lost ``peer`` is not always why the world failed: torchrun terminates survivors as soon as one rank
-        dies, so a neighbour may lose a terminated survivor before the dead rank; and gloo fails every pending
-        operation of a process group when one of its connections resets, so a receive from a live ``peer`` can
-        report the reset of a dead rank's socket. Unless a rank recorded a root cause (a failure other than a lost
-        peer), wait (up to ``grace_s``) for a heartbeat to go stale, so the report can name the dead rank."""
+        dies, so a neighbour may lose a terminated survivor before the dead rank; and a receive from a live,
+        unterminated ``peer`` can fail with a connection reset within milliseconds of another rank's death (seen in
+        CI: gloo fails pending operations of the group when one of its connections breaks). Unless a rank
+        recorded a root cause (a failure other than a lost peer), wait (up to ``grace_s``) for a heartbeat to go
+        stale, so the report can name the dead rank."""
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and not self.silent_ranks():
             first = self.first()
