@@ -33,13 +33,7 @@ from xfuse import shapes
 from xfuse.models.registry import SHIPPED_MODELS, load_pipeline, model_spec
 from xfuse.testing.world import World
 
-CALL = {
-    "height": shapes.IMAGE_SIZE,
-    "width": shapes.IMAGE_SIZE,
-    "num_inference_steps": 20,
-    "guidance_scale": 5.0,
-    "use_resolution_binning": False,  # 256 px as asked (binning would pick one of HunyuanDiT's ~1 MP sizes)
-}
+CALL = shapes.SCORING_CALL
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 

@@ -19,7 +19,7 @@ from xfuse.models.registry import SHIPPED_MODELS, load_pipeline, model_spec, tra
 from xfuse.testing.world import World
 
 SCENES = shapes.scoring_scenes(24)[::3]  # 8 prompts: every colour, every shape, both backgrounds, 5 positions
-CALL = {"height": 256, "width": 256, "num_inference_steps": 20, "guidance_scale": 5.0, "use_resolution_binning": False}
+CALL = shapes.SCORING_CALL
 # model: (family, % mean attribute accuracy serial diffusers must reach on SCENES; measured, chance ~32)
 MODELS = {
     "shapes": ("hunyuandit", 70.0),  # measured 81.25

@@ -36,6 +36,14 @@ ATTRIBUTES = {
 # pipelines), instead of spelling the ones the built-in tiny vocabulary lacks letter by letter.
 VOCABULARY = tuple(dict.fromkeys(" ".join(["a on the background", *COLORS, *SHAPES, *BACKGROUNDS, *POSITIONS]).split()))
 IMAGE_SIZE = 256  # pixels: a 32x32 latent at the VAE's factor 8, i.e. 16 token rows at patch size 2
+# How the shapes models are sampled when scored (benchmarks/quality.py, tests/test_shapes.py): pipeline call arguments.
+SCORING_CALL = {
+    "height": IMAGE_SIZE,
+    "width": IMAGE_SIZE,
+    "num_inference_steps": 20,
+    "guidance_scale": 5.0,
+    "use_resolution_binning": False,  # the trained size (binning would pick one of HunyuanDiT's ~1 MP sizes)
+}
 
 
 @dataclass(frozen=True)
