@@ -8,7 +8,7 @@
 * Bytes: the `bytes40` preset (40 blocks like the released checkpoint, hidden 32) at 1024 px, from the comm
   counters of a real run, per step and rank, folded, balanced and linear at N = 2, 4, 8; scaled x44 to hidden 1408.
 Each degree runs in its own world of real gloo processes (this machine: 2 cores, so degree 2 is the largest degree
-whose ranks each get a core for the timing).
+whose ranks each get a core for the timing), timed in turns (``interleaved_loops``).
 """
 
 from __future__ import annotations
@@ -28,64 +28,84 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTH_SCALE = 1408 / 32  # hidden states and skips scale with the width; latents do not
 
 
-def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats, layers=None, trace=False):
-    """On every rank: build the model (deterministic; ``layers`` overrides the preset's block count), run the loop
-    ``repeats`` times (the first call included), return times and counters; with ``trace``, one more traced loop
-    whose ``engine_time`` split (compute / waits / the engine's own time per task) is returned too."""
+_LOOP: dict = {}  # in a rank process: the model, engine and grid that setup_loop_rank built, kept between calls
+
+
+def setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers=None) -> None:
+    """On every rank: build the model (deterministic; ``layers`` overrides the preset's block count), its stage and
+    engine, and keep them for ``time_loop_rank``; pin the rank to its own core (as a GPU per rank) and freeze the
+    start-up heap as the CLI does."""
     import torch
     import torch.distributed as dist
 
     from xfuse.comm.p2p import P2PChannels
+    from xfuse.launch import freeze_startup_heap
     from xfuse.models.hunyuandit import HunyuanDiTStage
     from xfuse.models.registry import HUNYUANDIT
     from xfuse.models.tiny import build_tiny_pipeline
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
     from xfuse.parallel.stage_plan import stage_plan
-    from xfuse.parallel.trace import Tracer, engine_time
-    from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs
 
     rank = dist.get_rank()
     if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {rank})  # one core per rank, as a GPU per rank: no migrations between them
     pipe = build_tiny_pipeline(preset, seed=0, **({} if layers is None else {"num_layers": layers}))
-    plan = stage_plan(
-        pipe.transformer.config.num_layers,
-        degree,
-        placement,
-        skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
-    )
+    num_layers = pipe.transformer.config.num_layers
+    plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
     stage = HunyuanDiTStage(pipe.transformer, plan, rank)
     channels = P2PChannels(rank=rank, timeout_s=600, max_inflight=2, device=torch.device("cpu")) if degree > 1 else None
     engine = PipeFusionEngine(
         stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)), warmup_steps=warmup
     )
-    grid = patch_grid(size // 8, size // 8, num_patches, 2)
-    times = []
-    for _ in range(repeats):
-        inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
-        request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
-        if channels is not None:
-            channels.counters.reset()
-        dist.barrier()
-        start = time.perf_counter()
-        engine.denoise(request, grid)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    split = None
-    if trace:
-        tracer = Tracer(rank)
-        inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
-        dist.barrier()
-        engine.denoise(request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler)), grid, tracer)
-        split = engine_time(tracer.events)
+    _LOOP.clear()
+    _LOOP.update(pipe=pipe, stage=stage, channels=channels, engine=engine, size=size)
+    _LOOP["grid"] = patch_grid(size // 8, size // 8, num_patches, 2)
+    freeze_startup_heap()  # as xfuse generate / serve ranks do after loading
+
+
+def time_loop_rank(steps: int, trace: bool = False) -> dict:
+    """On every rank of a world set up by ``setup_loop_rank``: one denoising loop between two barriers (the
+    process's first call included when it is the first). Returns its wall time, the comm counters and the peak
+    resident memory; with ``trace``, the loop is traced and the ``engine_time`` split (compute / waits / the
+    engine's own time per task) comes back instead of a time."""
     import resource
 
+    import torch.distributed as dist
+
+    from xfuse.parallel.trace import Tracer, engine_time
+    from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs
+
+    pipe, stage, channels, size = _LOOP["pipe"], _LOOP["stage"], _LOOP["channels"], _LOOP["size"]
+    inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
+    request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
+    tracer = Tracer(dist.get_rank()) if trace else None
+    if channels is not None:
+        channels.counters.reset()
+    dist.barrier()
+    start = time.perf_counter()
+    _LOOP["engine"].denoise(request, _LOOP["grid"], tracer)
+    dist.barrier()
+    seconds = time.perf_counter() - start
     return dict(
-        engine_time=split,
-        times=times,
+        seconds=None if trace else seconds,
+        engine_time=engine_time(tracer.events) if trace else None,
         counters=None if channels is None else channels.counters.as_dict(),
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+
+
+def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats, layers=None, trace=False):
+    """On every rank: set up, run the loop ``repeats`` times (the first call included), return times and
+    counters; with ``trace``, one more traced loop whose ``engine_time`` split is returned too."""
+    setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers)
+    runs = [time_loop_rank(steps) for _ in range(repeats)]
+    split = time_loop_rank(steps, trace=True)["engine_time"] if trace else None
+    return dict(
+        engine_time=split,
+        times=[r["seconds"] for r in runs],
+        counters=runs[-1]["counters"],
+        peak_rss_mib=runs[-1]["peak_rss_mib"],
     )
 
 
@@ -94,6 +114,49 @@ def run_world(degree, *args, timeout=3600, **kwargs):
 
     with World(degree, threads_per_rank=1, start_timeout=600) as world:
         return world.run_ok(bench_rank, *args, timeout=timeout, **kwargs)
+
+
+def interleaved_loops(configs: dict, repeats: int, steps: int, *, trace: bool = False, timeout=3600) -> dict:
+    """Time several loop configurations in turns: one world per configuration, all set up first, then
+    ``repeats`` rounds that run each configuration once, in order. A speedup is a ratio of two configurations'
+    times, so each round pairs them in time and the machine's drift between runs (large on a small shared
+    machine) falls on both alike instead of on whichever ran later; every configuration's first call is in round 1.
+
+    Args:
+        configs: name -> ``(degree, setup_loop_rank arguments after degree)``, e.g.
+            ``{"1": (1, ("small", "folded", 1, 1, 512))}``.
+        trace: after the rounds, one traced loop in each multi-rank world.
+
+    Returns:
+        name -> ``{"times": [...], "peak_rss_mib": [per rank], "counters": [per rank], "engine_time": [per rank]
+        or None}``.
+    """
+    import contextlib
+
+    from xfuse.testing.world import World
+
+    rows = {}
+    with contextlib.ExitStack() as stack:
+        worlds = {}
+        for name, (degree, setup) in configs.items():
+            worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
+            preset, placement, num_patches, warmup, size, *layers = setup
+            worlds[name].run_ok(
+                setup_loop_rank, preset, degree, placement, num_patches, warmup, size, *layers, timeout=timeout
+            )
+            rows[name] = dict(times=[], engine_time=None)
+        for _ in range(repeats):
+            for name, world in worlds.items():
+                results = world.run_ok(time_loop_rank, steps, timeout=timeout)
+                rows[name]["times"].append(results[0]["seconds"])
+                rows[name]["peak_rss_mib"] = [r["peak_rss_mib"] for r in results]
+                rows[name]["counters"] = [r["counters"] for r in results]
+        if trace:
+            for name, world in worlds.items():
+                if configs[name][0] > 1:
+                    results = world.run_ok(time_loop_rank, steps, True, timeout=timeout)
+                    rows[name]["engine_time"] = [r["engine_time"] for r in results]
+    return rows
 
 
 def main():
@@ -114,13 +177,16 @@ def main():
         bytes={},
     )
     if not args.skip_time:
-        base = None
-        for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
-            times = run_world(degree, "small", degree, placement, degree, args.warmup, args.steps, 512, args.repeats)
-            wall = statistics.median(times[0]["times"])
-            base = base or wall
-            report["time"][f"{degree}-{placement}"] = dict(wall_s=wall, speedup=base / wall, runs=times[0]["times"])
-            print(f"degree {degree} {placement:>6}: {wall:7.2f} s  speedup {base / wall:.2f}x", flush=True)
+        configs = {
+            f"{degree}-{placement}": (degree, ("small", placement, degree, args.warmup, 512))
+            for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear"))
+        }
+        rows = interleaved_loops(configs, args.repeats, args.steps)
+        base = statistics.median(rows["1-folded"]["times"])
+        for key, row in rows.items():
+            wall = statistics.median(row["times"])
+            report["time"][key] = dict(wall_s=wall, speedup=base / wall, runs=row["times"])
+            print(f"degree {key}: {wall:7.2f} s  speedup {base / wall:.2f}x", flush=True)
     for degree in (2, 4, 8):
         for placement in ("folded", "balanced", "linear"):
             results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)

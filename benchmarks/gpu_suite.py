@@ -167,12 +167,10 @@ def _short(path: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- (d)
 def cpu_speedups(preset: str, size: int, steps: int, degrees: tuple[int, ...], repeats: int) -> dict:
-    from benchmarks.bench_pipefusion import run_world
+    from benchmarks.bench_pipefusion import interleaved_loops
 
-    rows = {}
-    for degree in degrees:
-        results = run_world(degree, preset, degree, "folded", degree, 1, steps, size, repeats)
-        rows[degree] = spread(results[0]["times"])
+    configs = {degree: (degree, (preset, "folded", degree, 1, size)) for degree in degrees}  # M = N, warm-up 1
+    rows = {degree: spread(row["times"]) for degree, row in interleaved_loops(configs, repeats, steps).items()}
     base = rows[degrees[0]]["median"]
     for degree, row in rows.items():
         row["speedup"] = base / row["median"]

@@ -8,8 +8,9 @@ processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch
 
 1. degree-1 xfuse vs diffusers' ``HunyuanDiTPipeline`` (whole ``__call__``, same model and settings);
 2. denoising loop at degree 2 (folded, linear; M = 2, warm-up 1, the first call included) vs degree 1 (ideal
-   20 / (1 + 19/2) = 1.90x), on ``small`` and on ``small`` with half its blocks (8); and the engine's own time per
-   task (everything in the loop but the model's compute and the waits on messages) from one traced run per rank;
+   20 / (1 + 19/2) = 1.90x), on ``small`` and on ``small`` with half its blocks (8), the degrees timed in turns
+   (``interleaved_loops``: drift falls on both sides of a ratio); and the engine's own time per task (everything in
+   the loop but the model's compute and the waits on messages) from one traced run per rank;
 3. bytes sent per denoising step per rank, folded, balanced and linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
    1024 px; scaled to hidden 1408), from the comm counters;
 4. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
@@ -30,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import WIDTH_SCALE, run_world  # noqa: E402
+from benchmarks.bench_pipefusion import WIDTH_SCALE, interleaved_loops, run_world  # noqa: E402
 
 SIZE = 512
 
@@ -130,23 +131,21 @@ def degree1_vs_diffusers(args) -> dict:
 def denoising_loop(args) -> dict:
     loops = {}
     for model, layers in (("small", None), ("small, 8 blocks", 8)):
-        rows = {}
-        for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear")):
-            if layers is not None and placement == "linear":
-                continue  # the half model's figure is the default placement's
-            results = run_world(
-                degree, "small", degree, placement, degree, 1, args.steps, SIZE, args.repeats,
-                layers=layers, trace=degree > 1,
-            )  # fmt: skip
-            key = f"{degree}-{placement}" if degree > 1 else "1"
+        configs = {  # key -> (degree, setup: preset, placement, M = degree, warm-up 1, size, blocks)
+            f"{degree}-{placement}" if degree > 1 else "1": (degree, ("small", placement, degree, 1, SIZE, layers))
+            for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear"))
+            if not (layers is not None and placement == "linear")  # the half model's figure: default placement
+        }
+        rows = interleaved_loops(configs, args.repeats, args.steps, trace=True, timeout=7200)
+        for key, row in rows.items():
             rows[key] = dict(
-                **spread(results[0]["times"]),
-                peak_rss_mib=[r["peak_rss_mib"] for r in results],
-                engine_time=[r["engine_time"] for r in results],
+                **spread(row["times"]), peak_rss_mib=row["peak_rss_mib"], engine_time=row["engine_time"] or [None]
             )
-            print(f"loop {model} degree {degree} {placement}: {rows[key]['median']:.2f} s", flush=True)
-        for row in rows.values():
+        for key, row in rows.items():
             row["speedup"] = rows["1"]["median"] / row["median"]
+            # the same round's degree-1 time over this one: how far single pairs stray from the ratio of medians
+            row["round_speedups"] = [one / t for one, t in zip(rows["1"]["runs"], row["runs"])]
+            print(f"loop {model} {key}: {row['median']:.2f} s, {row['speedup']:.2f}x", flush=True)
         loops[model] = rows
     return loops
 
@@ -251,14 +250,16 @@ def markdown(r: dict) -> str:
         f"| xfuse, degree 1 | {fmt(d1['xfuse'])} |",
         f"| ratio xfuse / diffusers | {d1['ratio']:.3f} |",
         "",
-        "| denoising loop | wall time | speedup (ideal 1.90x) | peak RSS per rank |",
+        "| denoising loop | wall time | speedup (ideal 1.90x) (round pairs min–max) | peak RSS per rank |",
         "|---|---|---|---|",
     ]
     for model, rows in r["denoising_loop"].items():
         for key, row in rows.items():
             rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
             where = "degree 1" if key == "1" else f"degree {key.replace('-', ', ')}"
-            out.append(f"| {model}, {where} | {fmt(row)} | {row['speedup']:.2f}x | {rss} |")
+            pairs = row.get("round_speedups") or [row["speedup"]]
+            speedup = f"{row['speedup']:.2f}x ({min(pairs):.2f}–{max(pairs):.2f})"
+            out.append(f"| {model}, {where} | {fmt(row)} | {speedup} | {rss} |")
     out += [
         "",
         "| engine's own time per task (traced degree-2 run) | rank | tasks | per task | of a task's compute |",

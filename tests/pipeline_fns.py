@@ -114,3 +114,17 @@ def check_against_diffusers(per_rank, calls, reference, base, *, output_class, c
             log = [entry for r in per_rank for entry in r[index]["log"]]
             assert [s for s, _, _ in log] == [s for s, _, _ in expected_log] == list(callback_steps)
             assert np.allclose([n for *_, n in log], [n for *_, n in expected_log], rtol=1e-5)
+
+
+def heap_after_build_pipeline(config_path):
+    """``xfuse.launch.build_pipeline`` on this rank; returns (objects it froze, objects the collector still tracks)
+    and unfreezes them again (the world serves other tests)."""
+    import gc
+
+    from xfuse.config import load_config
+    from xfuse.launch import build_pipeline
+
+    build_pipeline(load_config(config_path, []))
+    frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())
+    gc.unfreeze()
+    return frozen, tracked
