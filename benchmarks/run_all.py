@@ -262,17 +262,21 @@ def markdown(r: dict) -> str:
             out.append(f"| {model}, {where} | {fmt(row)} | {speedup} | {rss} |")
     out += [
         "",
-        "| engine's own time per task (traced degree-2 run) | rank | tasks | per task | of a task's compute |",
-        "|---|---|---|---|---|",
+        "| engine's own time per task (traced degree-2 run) | rank | tasks | per task | of a task's compute | "
+        "compute | waits: warm-up step / first pipelined (fill) / steps between / last (drain) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for model, rows in r["denoising_loop"].items():
         for key, row in rows.items():
             for rank, split in enumerate(row["engine_time"]):
                 if split is None:
                     continue
+                by_step = split["wait_s_by_step"]  # warm-up 1: step 0 whole-image, steps 1 … last pipelined
+                waits = (by_step[0], by_step[1], sum(by_step[2:-1]), by_step[-1])
                 out.append(
                     f"| {model}, degree {key.replace('-', ', ')} | {rank} | {split['tasks']} | "
-                    f"{split['engine_us_per_task'] / 1e3:.2f} ms | {100 * split['engine_fraction_of_task']:.2f} % |"
+                    f"{split['engine_us_per_task'] / 1e3:.2f} ms | {100 * split['engine_fraction_of_task']:.2f} % | "
+                    f"{split['compute_s']:.2f} s | {' / '.join(f'{w:.2f}' for w in waits)} s |"
                 )
     out += [
         "",

@@ -271,3 +271,23 @@ def test_oracle_catches_every_patch_drawing_the_same_noise(monkeypatch):
     assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) <= 1e-5
     monkeypatch.setattr(engine_module, "patch_generators", same_seed_everywhere)
     assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) > 0.01
+
+
+def test_engine_time_splits_a_loop_into_compute_waits_per_step_and_engine():
+    from xfuse.parallel.trace import COMM, COMPUTE, LOOP, engine_time
+
+    def span(tid, dur_s, step=None):
+        return {"ph": "X", "ts": 0.0, "dur": dur_s * 1e6, "pid": 0, "tid": tid, "args": {"step": step}}
+
+    events = [
+        span(LOOP, 10.0),
+        *(span(COMPUTE, 2.0, step) for step in (0, 1, 1, 2)),  # 4 tasks, 8 s of model work
+        span(COMM, 0.75, 0),  # warm-up: the peer's whole-image segment
+        span(COMM, 0.5, 2),  # drain
+        span(COMM, 0.25, 2),
+    ]
+    split = engine_time(events)
+    assert split["compute_s"] == 8.0 and split["wait_s"] == 1.5 and split["tasks"] == 4
+    assert split["wait_s_by_step"] == [0.75, 0.0, 0.75]  # step 1 waited for nothing
+    assert split["engine_s"] == pytest.approx(0.5)
+    assert split["engine_us_per_task"] == pytest.approx(125_000) and split["engine_fraction_of_task"] == 0.0625

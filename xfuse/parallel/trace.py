@@ -52,8 +52,9 @@ class Tracer:
 
 def engine_time(events: list[dict]) -> dict:
     """Where one rank's denoising loops went, from its trace events: ``compute`` (the model: embedding, blocks,
-    output layer, guidance, scheduler step), ``wait`` (blocked on messages) and ``engine`` (everything else inside
-    the loop: scheduling, message building, posting, bookkeeping; the tracer's own cost included).
+    output layer, guidance, scheduler step), ``wait`` (blocked on messages; also per denoising step, which tells
+    the pipeline's fill and drain from stalls in between) and ``engine`` (everything else inside the loop:
+    scheduling, message building, posting, bookkeeping; the tracer's own cost included).
 
     Returns seconds summed over the traced loops, the number of tasks (compute spans), and the engine's time per
     task in microseconds and as a fraction of the mean task's compute time.
@@ -63,10 +64,16 @@ def engine_time(events: list[dict]) -> dict:
     compute, wait = sum(compute_spans) / 1e6, sum(e["dur"] for e in events if e.get("tid") == COMM) / 1e6
     tasks = len(compute_spans)
     engine = loop - compute - wait
+    wait_by_step: dict[int, float] = {}
+    for e in events:
+        if e.get("tid") == COMM and e.get("args", {}).get("step") is not None:
+            step = e["args"]["step"]
+            wait_by_step[step] = wait_by_step.get(step, 0.0) + e["dur"] / 1e6
     return dict(
         loop_s=loop,
         compute_s=compute,
         wait_s=wait,
+        wait_s_by_step=[wait_by_step.get(step, 0.0) for step in range(max(wait_by_step, default=-1) + 1)],
         engine_s=engine,
         tasks=tasks,
         engine_us_per_task=1e6 * engine / max(tasks, 1),
