@@ -95,17 +95,13 @@ def time_loop_rank(steps: int, trace: bool = False) -> dict:
     )
 
 
-def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats, layers=None, trace=False):
-    """On every rank: set up, run the loop ``repeats`` times (the first call included), return times and
-    counters; with ``trace``, one more traced loop whose ``engine_time`` split is returned too."""
-    setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers)
+def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repeats):
+    """On every rank: set up, run the loop ``repeats`` times (the first call included), return times, the last
+    loop's comm counters and the peak resident memory."""
+    setup_loop_rank(preset, degree, placement, num_patches, warmup, size)
     runs = [time_loop_rank(steps) for _ in range(repeats)]
-    split = time_loop_rank(steps, trace=True)["engine_time"] if trace else None
     return dict(
-        engine_time=split,
-        times=[r["seconds"] for r in runs],
-        counters=runs[-1]["counters"],
-        peak_rss_mib=runs[-1]["peak_rss_mib"],
+        times=[r["seconds"] for r in runs], counters=runs[-1]["counters"], peak_rss_mib=runs[-1]["peak_rss_mib"]
     )
 
 
