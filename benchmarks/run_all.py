@@ -272,7 +272,7 @@ def markdown(r: dict) -> str:
                 if split is None:
                     continue
                 by_step = split["wait_s_by_step"]  # warm-up 1: step 0 whole-image, steps 1 … last pipelined
-                waits = (by_step[0], by_step[1], sum(by_step[2:-1]), by_step[-1])
+                waits = (sum(by_step[:1]), sum(by_step[1:2]), sum(by_step[2:-1]), sum(by_step[2:][-1:]))
                 out.append(
                     f"| {model}, degree {key.replace('-', ', ')} | {rank} | {split['tasks']} | "
                     f"{split['engine_us_per_task'] / 1e3:.2f} ms | {100 * split['engine_fraction_of_task']:.2f} % | "

@@ -281,13 +281,14 @@ def test_engine_time_splits_a_loop_into_compute_waits_per_step_and_engine():
 
     events = [
         span(LOOP, 10.0),
-        *(span(COMPUTE, 2.0, step) for step in (0, 1, 1, 2)),  # 4 tasks, 8 s of model work
+        *(span(COMPUTE, 1.6, step) for step in (0, 1, 1, 2, 3)),  # 5 tasks, 8 s of model work
         span(COMM, 0.75, 0),  # warm-up: the peer's whole-image segment
-        span(COMM, 0.5, 2),  # drain
+        span(COMM, 0.5, 2),
         span(COMM, 0.25, 2),
     ]
     split = engine_time(events)
-    assert split["compute_s"] == 8.0 and split["wait_s"] == 1.5 and split["tasks"] == 4
-    assert split["wait_s_by_step"] == [0.75, 0.0, 0.75]  # step 1 waited for nothing
+    assert split["compute_s"] == pytest.approx(8.0) and split["wait_s"] == 1.5 and split["tasks"] == 5
+    assert split["wait_s_by_step"] == [0.75, 0.0, 0.75, 0.0]  # steps 1 and 3 waited for nothing, and are listed
     assert split["engine_s"] == pytest.approx(0.5)
-    assert split["engine_us_per_task"] == pytest.approx(125_000) and split["engine_fraction_of_task"] == 0.0625
+    assert split["engine_us_per_task"] == pytest.approx(100_000)
+    assert split["engine_fraction_of_task"] == pytest.approx(0.0625)

@@ -40,9 +40,8 @@ def build_pipeline(config: XfuseConfig, *, sections: tuple[str, ...] = ("generat
     return pipe
 
 
-def freeze_startup_heap() -> int:
-    """Exempt everything alive now (the libraries, the model's modules) from Python's garbage collector; return
-    how many objects were frozen.
+def freeze_startup_heap() -> None:
+    """Exempt everything alive now (the libraries, the model's modules) from Python's garbage collector.
 
     After torch, transformers and diffusers are imported and a pipeline is loaded, a full collection walks some
     400,000 objects: 150 ms on one core of the CPU machine of the README, and the collector runs one in the middle
@@ -53,7 +52,6 @@ def freeze_startup_heap() -> int:
     """
     gc.collect()  # what start-up left as garbage is freed, not frozen
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def default_size(config: XfuseConfig) -> tuple[int, int]:

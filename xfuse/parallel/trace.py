@@ -64,16 +64,16 @@ def engine_time(events: list[dict]) -> dict:
     compute, wait = sum(compute_spans) / 1e6, sum(e["dur"] for e in events if e.get("tid") == COMM) / 1e6
     tasks = len(compute_spans)
     engine = loop - compute - wait
-    wait_by_step: dict[int, float] = {}
+    steps = [e["args"]["step"] for e in events if e.get("args", {}).get("step") is not None]
+    wait_by_step = [0.0] * (max(steps, default=-1) + 1)  # every step the loop ran, also those without a wait
     for e in events:
         if e.get("tid") == COMM and e.get("args", {}).get("step") is not None:
-            step = e["args"]["step"]
-            wait_by_step[step] = wait_by_step.get(step, 0.0) + e["dur"] / 1e6
+            wait_by_step[e["args"]["step"]] += e["dur"] / 1e6
     return dict(
         loop_s=loop,
         compute_s=compute,
         wait_s=wait,
-        wait_s_by_step=[wait_by_step.get(step, 0.0) for step in range(max(wait_by_step, default=-1) + 1)],
+        wait_s_by_step=wait_by_step,
         engine_s=engine,
         tasks=tasks,
         engine_us_per_task=1e6 * engine / max(tasks, 1),
