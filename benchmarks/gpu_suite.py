@@ -1,8 +1,11 @@
 """Every GPU measurement of the README in one command (one device call); JSON and Markdown out.
 
-    python benchmarks/gpu_suite.py [--out benchmarks/results] [--repeats 5] [--quick]
+    python benchmarks/gpu_suite.py [--out benchmarks/results] [--repeats 5] [--quick] [--only SECTION,...]
+    python benchmarks/gpu_suite.py --merge A.json B.json [--out DIR]   # join the reports of split runs
 
-Sections (a GPU section without a CUDA device is recorded as skipped, with the reason):
+Sections (``--only`` names them: degree1 = a-c, cpu_speedups = d, nccl_one_gpu = e); a GPU section without a CUDA
+device is recorded as skipped, with the reason:
+
 
 a. degree-1 loop, xfuse vs diffusers' ``HunyuanDiTPipeline`` on the same random ``dit-g2`` model (the released
    transformer's shape), bf16, 1024 px, CFG, 20 steps: the pipeline call to latents (tiny text encoders, the denoising
@@ -19,6 +22,16 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
    the time to the end, the reports); if not, what NCCL said.
 
 ``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
+
+``gpu.json`` and ``gpu.md`` are rewritten after every section, so a run stopped at the device call's time limit keeps
+the sections it finished. On the lent GPU machine (its python3 has torch, transformers, accelerate, safetensors; not
+diffusers), after ``bash benchmarks/device_wheels.sh`` here, one call with ``carry: [".whl"]``::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --out $OUT
+
+(about 8 minutes: GPU sections ~2 min each, the CPU speedups ~3; ``--only`` splits it over two calls and ``--merge``
+joins what they wrote).
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red house by a lake"
+SECTIONS = ("degree1", "cpu_speedups", "nccl_one_gpu")  # in the order a full run takes them
 
 
 def spread(values: list[float]) -> dict:
@@ -187,6 +201,9 @@ NCCL_ONE_GPU_ENV = {
 }
 
 
+LAUNCH_TIMEOUT_S = 240  # one tiny generate on CUDA: start-up, NCCL set-up and a few steps; a hang must not eat the call
+
+
 def rank_entry(argv: list[str]) -> int:
     """Under torchrun: make this rank look like its own host to NCCL, put every rank on GPU 0, run ``xfuse``."""
     local_rank = os.environ.get("LOCAL_RANK", "0")
@@ -234,12 +251,12 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
     result: dict = {"env": env, "note": "every rank on GPU 0, NCCL_HOSTID per rank"}
     with tempfile.TemporaryDirectory() as tmp:
         exact = [f"parallel.warmup_steps={steps}"]
-        rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, 600)
+        rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, LAUNCH_TIMEOUT_S)
         if rc != 0:
             return {**result, "error": f"degree 1 on CUDA failed (rc {rc}): {err[-2000:]}"}
         reference = np.asarray(Image.open(f"{tmp}/d1.png"), dtype=np.int16)
         for degree in degrees:
-            rc, wall, err = _generate(degree, f"{tmp}/d{degree}.png", steps, exact, env, 600)
+            rc, wall, err = _generate(degree, f"{tmp}/d{degree}.png", steps, exact, env, LAUNCH_TIMEOUT_S)
             if rc != 0:
                 result[f"exact_pp{degree}"] = {"rc": rc, "started": False, "nccl_said": err[-3000:]}
                 return result  # NCCL refused: nothing else can run over it
@@ -270,9 +287,12 @@ def fmt(row: dict) -> str:
 
 
 def markdown(r: dict) -> str:
+    """The report as the README's GPU section shows it; sections a run did not take (``--only``) are left out."""
     out = [f"Machine: {r['machine']}.", ""]
-    d1 = r["degree1"]
-    if "skipped" in d1 or "error" in d1:
+    d1 = r.get("degree1")
+    if d1 is None:
+        pass
+    elif "skipped" in d1 or "error" in d1:
         out += [f"Degree-1 loop vs diffusers: {d1.get('skipped') or d1.get('error')}", ""]
     else:
         out += [
@@ -297,25 +317,50 @@ def markdown(r: dict) -> str:
         for where, count in sync.get("by_source", {}).items():
             out.append(f"- {count}x {where}")
         out.append("")
-    cpu = r["cpu_speedups"]
-    out += [
-        f"CPU, `{cpu['model']}`, {cpu['size']} px, {cpu['steps']} steps, one thread per rank, first call included:",
-        "",
-        "| degree | denoising loop | speedup | ideal |",
-        "|---|---|---|---|",
-    ]
-    for degree, row in cpu["degrees"].items():
-        out.append(f"| {degree} | {fmt(row)} | {row['speedup']:.2f}x | {row['ideal']:.2f}x |")
-    nccl = r["nccl_one_gpu"]
-    out += ["", "NCCL, several ranks on one GPU (`NCCL_HOSTID` per rank):", ""]
-    if "skipped" in nccl or "error" in nccl:
-        out.append(nccl.get("skipped") or nccl.get("error"))
-    else:
-        for key, row in nccl.items():
-            if key in ("env", "note"):
-                continue
-            out.append(f"- {key}: " + json.dumps(row)[:600])
-    return "\n".join(out) + "\n"
+    cpu = r.get("cpu_speedups")
+    if cpu is not None and "degrees" not in cpu:
+        out += [f"CPU speedups: {cpu.get('error')}", ""]
+    elif cpu is not None:
+        out += [
+            f"CPU, `{cpu['model']}`, {cpu['size']} px, {cpu['steps']} steps, one thread per rank, first call included:",
+            "",
+            "| degree | denoising loop | speedup | ideal |",
+            "|---|---|---|---|",
+        ]
+        for degree, row in cpu["degrees"].items():
+            out.append(f"| {degree} | {fmt(row)} | {row['speedup']:.2f}x | {row['ideal']:.2f}x |")
+        out.append("")
+    nccl = r.get("nccl_one_gpu")
+    if nccl is not None:
+        out += ["NCCL, several ranks on one GPU (`NCCL_HOSTID` per rank):", ""]
+        if "skipped" in nccl or "error" in nccl:
+            out.append(nccl.get("skipped") or nccl.get("error"))
+        else:
+            for key, row in nccl.items():
+                if key not in ("env", "note", "section_seconds"):
+                    out.append(f"- {key}: " + json.dumps(row)[:600])
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write(report: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu.json"), "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    with open(os.path.join(out_dir, "gpu.md"), "w") as fh:
+        fh.write(markdown(report))
+
+
+def merge(paths: list[str]) -> dict:
+    """Reports of split runs (``--only``) joined: a later file's sections replace an earlier one's; all must come
+    from the same machine."""
+    report: dict = {}
+    for path in paths:
+        with open(path) as fh:
+            part = json.load(fh)
+        if report and part["machine"] != report["machine"]:
+            raise SystemExit(f"--merge: {path} is from {part['machine']!r}, not {report['machine']!r}")
+        report.update(part)
+    return report
 
 
 def main(argv=None) -> None:
@@ -326,7 +371,22 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the test runs)")
+    parser.add_argument("--only", help=f"comma-separated sections, of: {', '.join(SECTIONS)}")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the gpu.json files of split runs")
     args = parser.parse_args(argv)
+    if args.merge:
+        report = merge(args.merge)
+        write(report, args.out)
+        print(markdown(report))
+        return
+    only = SECTIONS if args.only is None else args.only.split(",")
+    unknown = [name for name in only if name not in SECTIONS]
+    if unknown or args.repeats < 1:
+        parser.error(
+            f"--only: unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}"
+            if unknown
+            else f"--repeats must be at least 1, got {args.repeats}"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
@@ -351,22 +411,19 @@ def main(argv=None) -> None:
         ),
         "nccl_one_gpu": lambda: nccl_one_gpu(4 if quick else 8, (2,) if quick else (2, 4)),
     }
-    for name, run in sections.items():
+    for name in only:
         if skipped and name != "cpu_speedups":
             report[name] = {"skipped": skipped}
             continue
         start = time.monotonic()
         try:
-            report[name] = run()
+            report[name] = sections[name]()
         except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others' figures
             report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()}
         report[name]["section_seconds"] = time.monotonic() - start
         print(f"{name}: done in {report[name]['section_seconds']:.0f} s", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu.json"), "w") as fh:
-        json.dump(report, fh, indent=2, default=str)
-    with open(os.path.join(args.out, "gpu.md"), "w") as fh:
-        fh.write(markdown(report))
+        write(report, args.out)  # after every section: a call stopped at its time limit keeps what it finished
+    write(report, args.out)
     print(markdown(report))
 
 

@@ -74,3 +74,40 @@ def test_markdown_of_the_gpu_sections():
     assert "| sdpa (default choice) | 2.000 s (1.900–2.200) | 1.800 s (1.900–2.200) | 0.900 | 9.50 / 8.25 |" in md
     assert "(M = 2, warm-up 1): 3" in md and "- 3x diffusers/x.py:1 step" in md
     assert md.rstrip().endswith("NCCL refused")
+
+
+def test_only_runs_the_named_sections_and_merge_joins_split_runs(quick_report, tmp_path):
+    report, _ = quick_report
+    only = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--quick", "--only", "nccl_one_gpu", "--out", str(tmp_path / "a")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert only.returncode == 0, only.stderr[-3000:]
+    with open(tmp_path / "a" / "gpu.json") as fh:
+        part = json.load(fh)
+    assert set(part) == {"machine", "nccl_one_gpu"}  # the other sections neither ran nor appear
+    assert "CPU," not in (tmp_path / "a" / "gpu.md").read_text()
+    cpu_part = tmp_path / "cpu.json"
+    cpu_part.write_text(json.dumps({"machine": report["machine"], "cpu_speedups": report["cpu_speedups"]}))
+    merged = gpu_suite.merge([str(tmp_path / "a" / "gpu.json"), str(cpu_part)])
+    want = {"machine": report["machine"], "nccl_one_gpu": part["nccl_one_gpu"], "cpu_speedups": report["cpu_speedups"]}
+    assert merged == want
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"machine": "NVIDIA H200, x86_64", "degree1": {}}))
+    with pytest.raises(SystemExit, match="is from 'NVIDIA H200, x86_64'"):
+        gpu_suite.merge([str(cpu_part), str(other)])
+
+
+def test_bad_section_names_are_refused_naming_the_allowed_ones():
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--only", "degree1,nccl"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--only: unknown section(s) ['nccl']; allowed: degree1, cpu_speedups, nccl_one_gpu" in run.stderr
