@@ -6,7 +6,6 @@
 Sections (``--only`` names them: degree1 = a-c, cpu_speedups = d, nccl_one_gpu = e); a GPU section without a CUDA
 device is recorded as skipped, with the reason:
 
-
 a. degree-1 loop, xfuse vs diffusers' ``HunyuanDiTPipeline`` on the same random ``dit-g2`` model (the released
    transformer's shape), bf16, 1024 px, CFG, 20 steps: the pipeline call to latents (tiny text encoders, the denoising
    loop; no VAE decode), timed with CUDA events, median of ``--repeats`` (min-max), per torch SDPA kernel choice
@@ -290,11 +289,9 @@ def markdown(r: dict) -> str:
     """The report as the README's GPU section shows it; sections a run did not take (``--only``) are left out."""
     out = [f"Machine: {r['machine']}.", ""]
     d1 = r.get("degree1")
-    if d1 is None:
-        pass
-    elif "skipped" in d1 or "error" in d1:
+    if d1 is not None and ("skipped" in d1 or "error" in d1):
         out += [f"Degree-1 loop vs diffusers: {d1.get('skipped') or d1.get('error')}", ""]
-    else:
+    elif d1 is not None:
         out += [
             f"Degree 1, `{d1['model']}`, {d1['dtype']}, {d1['size']} px, CFG, {d1['steps']} steps, pipeline call to "
             f"latents (CUDA events, median of {d1['repeats']}, min–max):",
@@ -381,12 +378,10 @@ def main(argv=None) -> None:
         return
     only = SECTIONS if args.only is None else args.only.split(",")
     unknown = [name for name in only if name not in SECTIONS]
-    if unknown or args.repeats < 1:
-        parser.error(
-            f"--only: unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}"
-            if unknown
-            else f"--repeats must be at least 1, got {args.repeats}"
-        )
+    if unknown:
+        parser.error(f"--only: unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
@@ -423,7 +418,7 @@ def main(argv=None) -> None:
         report[name]["section_seconds"] = time.monotonic() - start
         print(f"{name}: done in {report[name]['section_seconds']:.0f} s", flush=True)
         write(report, args.out)  # after every section: a call stopped at its time limit keeps what it finished
-    write(report, args.out)
+    write(report, args.out)  # the skipped sections too
     print(markdown(report))
 
 

@@ -318,3 +318,29 @@ def test_sigterm_in_the_middle_of_a_report_still_writes_one(tmp_path):
     reports = [m.group(2) for line in out.stderr.splitlines() if (m := REPORT.search(line))]
     assert reports == ["rank 6 terminated by the launcher (SIGTERM)"], out.stderr
     assert "first failure in the world: rank 6: RuntimeError: recv from rank 7 failed: peer lost" in out.stderr
+
+
+def test_a_report_goes_to_stderr_in_one_write(capfd, monkeypatch):
+    """Ranks of a node share one stderr and fail together: a report written in two calls (``print``: the text,
+    then its newline) let another rank's header land on the report's last line (seen in a two-node run)."""
+    from xfuse import stderr
+
+    writes = []
+    real_write = os.write
+
+    def recording_write(fd, data):
+        writes.append((fd, bytes(data)))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(stderr.os, "write", recording_write)
+    report = "[xfuse 10:00:00.000] rank 3 failed: CommTimeout: recv of hidden\n  recent ops:\n  recv hidden"
+    stderr.write_stderr(report)
+    assert writes == [(sys.stderr.fileno(), (report + "\n").encode())]  # the text and its newline: one call
+    assert capfd.readouterr().err == report + "\n"
+
+
+def test_a_report_under_capsys_is_one_stream_write(capsys):
+    from xfuse import stderr
+
+    stderr.write_stderr("rank 0: error: bad\n  detail")  # capsys' stream has no file descriptor
+    assert capsys.readouterr().err == "rank 0: error: bad\n  detail\n"

@@ -9,6 +9,7 @@ import time
 import traceback
 
 from xfuse.config import ConfigError, load_config
+from xfuse.stderr import write_stderr
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -168,10 +169,10 @@ def main(argv=None) -> int:
         code = args.func(args)
     except ConfigError as err:  # a bad value: the same on every rank
         if not err.reported:
-            print(f"xfuse {args.command}: rank {rank}: error: {err}", file=sys.stderr)
+            write_stderr(f"xfuse {args.command}: rank {rank}: error: {err}")
         code = 2
     except Exception as err:  # noqa: BLE001 - report every failure in one line after its traceback
         traceback.print_exc()
-        print(f"xfuse {args.command}: rank {rank}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        write_stderr(f"xfuse {args.command}: rank {rank}: error: {type(err).__name__}: {err}")
         code = 1
     return _shutdown_or_exit(code)  # success and error paths alike

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
-from xfuse.health import clock
+from xfuse.stderr import clock, write_stderr
 
 KINDS = ("kill", "stall", "raise")
 
@@ -48,7 +47,7 @@ def install(stage, warmup_steps: int, num_patches: int, rank: int, spec: str | N
         current = n if n < warmup_steps else warmup_steps + (n - warmup_steps) // num_patches
         if current != step:
             return
-        print(f"[xfuse-fault {clock()}] rank {rank}: {kind} at step {step}", file=sys.stderr, flush=True)
+        write_stderr(f"[xfuse-fault {clock()}] rank {rank}: {kind} at step {step}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stall":

@@ -25,11 +25,12 @@ import json
 import os
 import re
 import signal
-import sys
 import threading
 import time
 
 import torch.distributed as dist
+
+from xfuse.stderr import clock, write_stderr
 
 FAILURE_KEY = "xfuse/first_failure"
 TERMINATED_KEY = "xfuse/terminated"  # + "/<rank>": the launcher terminated that rank (SIGTERM), it did not fail
@@ -43,12 +44,6 @@ class StartupMismatch(ValueError):
 
 class WorldFailure(RuntimeError):
     """This rank stopped because a rank of the world failed; the message names the first failure."""
-
-
-def clock() -> str:
-    """Wall-clock time with milliseconds, for failure reports: 09:59:42.313."""
-    now = time.time()
-    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
 
 
 def flatten(prefix: str, value) -> dict[str, str]:
@@ -220,11 +215,9 @@ class FailureMonitor:
             timeout_s = min(timeout_s, 1.0)
         thread.join(timeout_s)
         if thread.is_alive():
-            print(
+            write_stderr(
                 f"[xfuse {clock()}] rank {self.rank}: the failure monitor is still inside a rendezvous-store call "
-                f"after {timeout_s:.1f} s (the store's host does not answer)",
-                file=sys.stderr,
-                flush=True,
+                f"after {timeout_s:.1f} s (the store's host does not answer)"
             )
             return False
         self._thread = None
@@ -279,7 +272,7 @@ class FailureMonitor:
                     "torchrun agent) is gone, or this node lost the network"
                 )
             ops = "\n".join(log() for log in self.op_logs)
-            print(f"[xfuse {clock()}] {headline}\n{ops}".rstrip(), file=sys.stderr, flush=True)
+            write_stderr(f"[xfuse {clock()}] {headline}\n{ops}".rstrip())
             self._reported = True
             log_dir = os.environ.get("XFUSE_LOG_DIR")
             if log_dir:

@@ -26,13 +26,12 @@ import os
 import secrets
 import socket
 import struct
-import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
 from xfuse.errors import ConfigError
-from xfuse.health import clock
+from xfuse.stderr import clock, write_stderr
 
 SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
 PROBE_PREFIX = "xfuse/netprobe"
@@ -259,7 +258,7 @@ def check_reachability(
     if verdict:
         error = ConfigError("comm.socket_ifname", verdict)
         # Every rank says it before any rank leaves: torchrun terminates a node's other ranks as soon as one exits.
-        print(f"[xfuse {clock()}] rank {rank} failed at start-up: ConfigError: {error}", file=sys.stderr, flush=True)
+        write_stderr(f"[xfuse {clock()}] rank {rank} failed at start-up: ConfigError: {error}")
         error.reported = True
         store.set(f"reported/{rank}", "1")
         with contextlib.suppress(TimeoutError):

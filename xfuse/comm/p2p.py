@@ -50,7 +50,6 @@ Not thread-safe: one engine thread drives the channels.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +58,8 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from xfuse.stderr import write_stderr
 
 from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, error_from_backend
@@ -521,7 +522,7 @@ class P2PChannels:
                 for group in groups:
                     dist.distributed_c10d._abort_process_group(group)
         except Exception as exc:  # noqa: BLE001 - the report matters more; the process ends anyway
-            print(f"rank {self.rank}: aborting the communicators failed: {exc}", file=sys.stderr, flush=True)
+            write_stderr(f"rank {self.rank}: aborting the communicators failed: {exc}")
 
     def _fail(self, h: _Pending, exc: Exception) -> NoReturn:
         """Record the failure, make the channels unusable, raise the CommError."""

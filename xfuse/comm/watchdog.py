@@ -22,10 +22,11 @@ must not be left inside a C++ call then).
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
+
+from xfuse.stderr import write_stderr
 
 __all__ = ["CommWatchdog", "exit_on_stuck"]
 
@@ -36,7 +37,7 @@ def exit_on_stuck(error: BaseException) -> None:
     ``os._exit`` because the main thread is blocked in the device and cannot unwind; the failure monitor, when the
     process has one, installs its own handler that also records the failure for the other ranks first.
     """
-    print(f"{error}\n{getattr(error, 'op_log', '')}".rstrip(), file=sys.stderr, flush=True)
+    write_stderr(f"{error}\n{getattr(error, 'op_log', '')}".rstrip())
     os._exit(1)
 
 

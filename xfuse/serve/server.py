@@ -22,13 +22,13 @@ from typing import NoReturn
 
 from xfuse.config import XfuseConfig, check_world
 from xfuse.errors import ConfigError
-from xfuse.health import clock
 from xfuse.launch import build_pipeline, default_size
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
 from xfuse.serve.metrics import ServeMetrics
 from xfuse.serve.protocol import RequestLimits
 from xfuse.serve.service import Service
+from xfuse.stderr import clock, write_stderr
 
 LINGER_S = 1.5  # a broken rank 0 keeps answering (503) this long, so probes and waiting clients hear why
 NAMING_WAIT_S = 2.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it)
@@ -120,7 +120,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
 
 
 def _say(text: str) -> None:
-    print(f"[xfuse {clock()}] {text}", file=sys.stderr, flush=True)
+    write_stderr(f"[xfuse {clock()}] {text}")
 
 
 def _lost_ranks(monitor, err: BaseException) -> str:
