@@ -28,6 +28,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTH_SCALE = 1408 / 32  # hidden states and skips scale with the width; latents do not
 
 
+def spread(values: list[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
+
+
+def speedups(rows: dict, base: str) -> dict:
+    """``interleaved_loops``' rows as timings: each configuration's spread of times, its speedup (``base``'s median
+    over its own) and each round's (``base``'s time in that round over its own: how far single pairs stray)."""
+    base_runs = rows[base]["times"]
+    return {
+        name: dict(
+            **spread(row["times"]),
+            speedup=statistics.median(base_runs) / statistics.median(row["times"]),
+            round_speedups=[one / t for one, t in zip(base_runs, row["times"])],
+        )
+        for name, row in rows.items()
+    }
+
+
 _LOOP: dict = {}  # in a rank process: the model, engine and grid that setup_loop_rank built, kept between calls
 
 
@@ -59,8 +77,8 @@ def setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers
         stage, plan, channels, pipe_rank=rank, group_ranks=list(range(degree)), warmup_steps=warmup
     )
     _LOOP.clear()
-    _LOOP.update(pipe=pipe, stage=stage, channels=channels, engine=engine, size=size)
-    _LOOP["grid"] = patch_grid(size // 8, size // 8, num_patches, 2)
+    grid = patch_grid(size // 8, size // 8, num_patches, 2)
+    _LOOP.update(pipe=pipe, stage=stage, channels=channels, engine=engine, size=size, grid=grid)
     freeze_startup_heap()  # as xfuse generate / serve ranks do after loading
 
 
@@ -177,12 +195,9 @@ def main():
             f"{degree}-{placement}": (degree, ("small", placement, degree, args.warmup, 512))
             for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear"))
         }
-        rows = interleaved_loops(configs, args.repeats, args.steps)
-        base = statistics.median(rows["1-folded"]["times"])
-        for key, row in rows.items():
-            wall = statistics.median(row["times"])
-            report["time"][key] = dict(wall_s=wall, speedup=base / wall, runs=row["times"])
-            print(f"degree {key}: {wall:7.2f} s  speedup {base / wall:.2f}x", flush=True)
+        for key, row in speedups(interleaved_loops(configs, args.repeats, args.steps), "1-folded").items():
+            report["time"][key] = dict(wall_s=row["median"], speedup=row["speedup"], runs=row["runs"])
+            print(f"degree {key}: {row['median']:7.2f} s  speedup {row['speedup']:.2f}x", flush=True)
     for degree in (2, 4, 8):
         for placement in ("folded", "balanced", "linear"):
             results = run_world(degree, "bytes40", degree, placement, degree, 1, 2, 1024, 1)

@@ -41,7 +41,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,13 +50,12 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_pipefusion import interleaved_loops, speedups, spread  # noqa: E402 (only the stdlib at import time)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red house by a lake"
+
 SECTIONS = ("degree1", "cpu_speedups", "nccl_one_gpu")  # in the order a full run takes them
-
-
-def spread(values: list[float]) -> dict:
-    return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
 
 
 def no_cuda() -> str | None:
@@ -180,13 +178,9 @@ def _short(path: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- (d)
 def cpu_speedups(preset: str, size: int, steps: int, degrees: tuple[int, ...], repeats: int) -> dict:
-    from benchmarks.bench_pipefusion import interleaved_loops
-
     configs = {degree: (degree, (preset, "folded", degree, 1, size)) for degree in degrees}  # M = N, warm-up 1
-    rows = {degree: spread(row["times"]) for degree, row in interleaved_loops(configs, repeats, steps).items()}
-    base = rows[degrees[0]]["median"]
+    rows = speedups(interleaved_loops(configs, repeats, steps), degrees[0])
     for degree, row in rows.items():
-        row["speedup"] = base / row["median"]
         row["ideal"] = steps / (1 + (steps - 1) / degree)  # one synchronous warm-up step, then N stages busy
     return {"model": preset, "size": size, "steps": steps, "threads_per_rank": 1, "degrees": rows}
 

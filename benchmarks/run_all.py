@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import WIDTH_SCALE, interleaved_loops, run_world  # noqa: E402
+from benchmarks.bench_pipefusion import WIDTH_SCALE, interleaved_loops, run_world, speedups, spread  # noqa: E402
 
 SIZE = 512
 
@@ -110,10 +110,6 @@ def distance_rank(steps: int) -> dict:
     return result
 
 
-def spread(values: list[float]) -> dict:
-    return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
-
-
 def degree1_vs_diffusers(args) -> dict:
     from xfuse.testing.world import World
 
@@ -136,15 +132,12 @@ def denoising_loop(args) -> dict:
             for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear"))
             if not (layers is not None and placement == "linear")  # the half model's figure: default placement
         }
-        rows = interleaved_loops(configs, args.repeats, args.steps, trace=True, timeout=7200)
-        for key, row in rows.items():
+        measured = interleaved_loops(configs, args.repeats, args.steps, trace=True, timeout=7200)
+        rows = {}
+        for key, row in speedups(measured, "1").items():
             rows[key] = dict(
-                **spread(row["times"]), peak_rss_mib=row["peak_rss_mib"], engine_time=row["engine_time"] or [None]
+                **row, peak_rss_mib=measured[key]["peak_rss_mib"], engine_time=measured[key]["engine_time"] or [None]
             )
-        for key, row in rows.items():
-            row["speedup"] = rows["1"]["median"] / row["median"]
-            # the same round's degree-1 time over this one: how far single pairs stray from the ratio of medians
-            row["round_speedups"] = [one / t for one, t in zip(rows["1"]["runs"], row["runs"])]
             print(f"loop {model} {key}: {row['median']:.2f} s, {row['speedup']:.2f}x", flush=True)
         loops[model] = rows
     return loops
