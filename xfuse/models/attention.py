@@ -7,6 +7,8 @@ merge heads, output projection); ``check_attention`` asserts the options they le
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0, HunyuanAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
@@ -69,16 +71,19 @@ class CachedCrossAttnProcessor:
     """Cross-attention to the text with its K/V computed once per request (RoPE, if any, on the image queries).
 
     The cache is keyed on the text tensor object: the engine passes the same tensor for every step and patch of a
-    request, and a different one invalidates the entry. A text mask (PixArt: a bias of shape (B, 1, S_text)) is
+    request, and one per batch part of a whole-image step (``ShardedStage.batch_part`` slices it once per request);
+    a new tensor gets its own entry, the oldest beyond ``MAX_TEXTS`` is dropped. A text mask (PixArt: a bias of shape (B, 1, S_text)) is
     expanded per head as ``AttnProcessor2_0`` does.
     """
 
+    MAX_TEXTS = 16  # the whole batch's text and one per batch part (at most one part per rank)
+
     def __init__(self) -> None:
-        self._text: torch.Tensor | None = None
-        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        # id(text) -> (text, its K/V); the text is held so that its id is not reused while the entry lives
+        self._kv: OrderedDict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
 
     def reset(self) -> None:
-        self._text, self._kv = None, None
+        self._kv.clear()
 
     def __call__(
         self,
@@ -89,16 +94,20 @@ class CachedCrossAttnProcessor:
         temb=None,
         image_rotary_emb=None,
     ):
-        if self._text is not encoder_hidden_states:
+        entry = self._kv.get(id(encoder_hidden_states))
+        if entry is None:
             key = _heads(attn, encoder_hidden_states, attn.to_k, attn.norm_k)
             value = _heads(attn, encoder_hidden_states, attn.to_v, None)
-            self._text, self._kv = encoder_hidden_states, (key, value)
+            entry = self._kv[id(encoder_hidden_states)] = (encoder_hidden_states, (key, value))
+            if len(self._kv) > self.MAX_TEXTS:
+                self._kv.popitem(last=False)
+        text_kv = entry[1]
         query = _heads(attn, hidden_states, attn.to_q, attn.norm_q)
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb)
         mask = None
         if attention_mask is not None:
-            batch, text_len = hidden_states.shape[0], self._kv[0].shape[2]
+            batch, text_len = hidden_states.shape[0], text_kv[0].shape[2]
             mask = attn.prepare_attention_mask(attention_mask, text_len, batch)  # (B * heads, 1, S_text)
             mask = mask.view(batch, attn.heads, -1, mask.shape[-1])  # -> (B, heads, 1, S_text)
-        return attend(attn, query, *self._kv, mask)
+        return attend(attn, query, *text_kv, mask)

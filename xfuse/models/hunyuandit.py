@@ -8,6 +8,7 @@ states and RoPE table built as its pipeline builds them, and the long skips rout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
@@ -19,6 +20,7 @@ from xfuse.models.layers import unpatchify
 from xfuse.models.registry import HUNYUANDIT
 from xfuse.models.sharding import ShardedStage
 from xfuse.parallel.patch_grid import PatchBand
+from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment, StagePlan
 
 
@@ -29,6 +31,10 @@ class Conditioning:
     temb: torch.Tensor  # (B, hidden)
     text: torch.Tensor  # (B, 77 + 256, cross_attention_dim): BERT and projected T5 states, padding swapped in
     rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (tokens, head_dim), row-major over the whole image
+    part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
+
+    STEP_FIELDS: ClassVar = ("temb",)  # batch-indexed tensors, per step and per request (see batch_part)
+    REQUEST_FIELDS: ClassVar = ("text",)
 
 
 def text_states(
@@ -100,10 +106,9 @@ class HunyuanDiTStage(ShardedStage):
         ``skips`` maps a producer block to its output for this patch: producers add to it, consumers pop from it.
         ``keep_kv=False`` (whole image only): do not store this pass's K/V, no patch will read them.
         """
-        self.kv_cache.store_whole = keep_kv
+        self.begin_pass(cond, band, keep_kv)
         cos, sin = cond.rope
         rope = (cos, sin) if band is None else (cos[band.tokens], sin[band.tokens])  # (tokens, head_dim) each
-        self.kv_cache.tokens = None if band is None else band.tokens
         for index in segment.blocks:
             skip = skips.pop(self.skip_source[index]) if index in self.skip_source else None
             hidden = self.transformer.blocks[index](

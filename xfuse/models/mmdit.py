@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from xfuse.models.guidance import cfg_batch, guidance
 from xfuse.models.joint import JointKV, check_joint_attention
 from xfuse.models.sharding import ShardedStage
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment, StagePlan
 
 TEXT = "text"  # the plan stream that carries the text hidden states
@@ -31,6 +32,10 @@ class JointConditioning:
     temb: torch.Tensor  # (B, hidden): the per-sample AdaLN-Zero conditioning
     text: torch.Tensor  # (B, T, hidden): the first block's text input (context_embedder output), constant per request
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # FLUX: (cos, sin), each (T + image tokens, head_dim)
+    part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
+
+    STEP_FIELDS: ClassVar = ("temb",)  # batch-indexed tensors (see batch_part)
+    REQUEST_FIELDS: ClassVar = ("text",)
 
 
 class JointStage(ShardedStage):
@@ -54,6 +59,7 @@ class JointStage(ShardedStage):
 
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every image and text K/V of the previous one."""
+        super().begin_request(grid)  # the batch parts' slices of the previous request's text
         self.joint.begin_request(grid.num_tokens)
 
     def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict[str, Any]:
@@ -74,8 +80,7 @@ class JointStage(ShardedStage):
         the text update: it reads the text from ``streams`` (the first segment: from ``cond``) and leaves the
         updated text there; other patches carry zero text tokens and reuse the owner's text K/V."""
         owner = band is None or band.index == 0
-        self.joint.image.store_whole = keep_kv
-        self.joint.image.tokens = None if band is None else band.tokens
+        self.begin_pass(cond, band, keep_kv)  # self.kv_cache is self.joint.image
         self.joint.reuse_text = not owner
         if not owner:
             text = cond.text[:, :0]  # (B, 0, hidden): the block's text path costs nothing

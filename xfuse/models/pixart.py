@@ -9,6 +9,7 @@ image and slices per band (``PatchEmbed.forward`` on a band would rescale the gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from diffusers.models.embeddings import get_2d_sincos_pos_embed
@@ -19,6 +20,7 @@ from xfuse.models.layers import unpatchify
 from xfuse.models.registry import PIXART_SIGMA
 from xfuse.models.sharding import ShardedStage
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment, StagePlan
 
 
@@ -30,6 +32,10 @@ class PixArtConditioning:
     embedded_timestep: torch.Tensor  # (B, hidden): modulation of the output layer
     text: torch.Tensor  # (B, S_text, hidden): projected T5 states, constant for the request
     text_bias: torch.Tensor | None  # (B, 1, S_text): 0 for a kept text token, -10000 for padding
+    part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
+
+    STEP_FIELDS: ClassVar = ("timestep", "embedded_timestep")  # batch-indexed tensors (see batch_part)
+    REQUEST_FIELDS: ClassVar = ("text", "text_bias")
 
 
 class PixArtStage(ShardedStage):
@@ -106,8 +112,7 @@ class PixArtStage(ShardedStage):
         streams: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``segment``'s blocks on (B, tokens, hidden): the band's tokens, or the whole image."""
-        self.kv_cache.store_whole = keep_kv
-        self.kv_cache.tokens = None if band is None else band.tokens
+        self.begin_pass(cond, band, keep_kv)
         for index in segment.blocks:
             hidden = self.blocks[index](
                 hidden,

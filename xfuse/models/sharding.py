@@ -9,15 +9,18 @@ embedders stay on every rank, so that no rank needs ``temb`` or text states sent
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from xfuse.models.attention import CachedCrossAttnProcessor, StaleKVSelfAttnProcessor, check_attention
 from xfuse.models.registry import ModelSpec
-from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.stale_kv import StaleKVCache
 
@@ -55,6 +58,7 @@ class ShardedStage(nn.Module):
         self.transformer = transformer
         self.blocks = tuple(blocks[local] for blocks, local in places)  # by global index (plain tuple: no copies)
         self.kv_cache = StaleKVCache()
+        self._request_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see batch_part
         self._cross = []
         for index in self.block_ids:
             self.install_processors(self.blocks[index], index)
@@ -70,8 +74,31 @@ class ShardedStage(nn.Module):
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every K/V of the previous one."""
         self.kv_cache.reset(grid.num_tokens)
+        self._request_rows.clear()
         for cross in self._cross:
             cross.reset()
+
+    def batch_part(self, cond: Any, part: BatchPart) -> Any:
+        """``cond`` for ``part``'s rows of the batch (the ``Stage`` method). A family's conditioning names its
+        batch-indexed tensors: ``STEP_FIELDS`` (new every step) and ``REQUEST_FIELDS`` (one tensor for the whole
+        request, e.g. the text): those are sliced once per request, so every step's part passes the same tensor
+        and the cross-attention K/V cache, keyed on it, computes a part's text K/V once."""
+        fields = {name: getattr(cond, name)[part.rows] for name in cond.STEP_FIELDS}
+        for name in cond.REQUEST_FIELDS:
+            tensor = getattr(cond, name)
+            if tensor is not None:
+                key = (id(tensor), part.index)  # the tensor is held below: its id is not reused this request
+                if key not in self._request_rows:
+                    self._request_rows[key] = (tensor, tensor[part.rows])
+                fields[name] = self._request_rows[key][1]
+        return dataclasses.replace(cond, part=part, **fields)
+
+    def begin_pass(self, cond: Any, band: PatchBand | None, keep_kv: bool) -> None:
+        """Point the K/V buffers at this pass: the band's tokens (``None``: the whole image), the conditioning's batch
+        part, and whether a whole-image pass stores its K/V (``keep_kv``)."""
+        self.kv_cache.store_whole = keep_kv
+        self.kv_cache.tokens = None if band is None else band.tokens
+        self.kv_cache.part = cond.part
 
     @property
     def config(self):

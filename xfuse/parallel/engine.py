@@ -22,13 +22,13 @@ import torch
 
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.parallel.patch_grid import PatchGrid
-from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule, protocol
+from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule, protocol
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
-from xfuse.parallel.stage import Stage
+from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
 
-MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches) whose schedule and program are kept
+MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts) whose schedule and program are kept
 
 
 @dataclass
@@ -106,14 +106,14 @@ class PipeFusionEngine:
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
 
-    def _program(self, num_steps: int, num_patches: int):
-        key = (num_steps, min(self.warmup_steps, num_steps), num_patches)
+    def _program(self, num_steps: int, num_patches: int, parts: int):
+        key = (num_steps, min(self.warmup_steps, num_steps), num_patches, parts)
         if key in self._schedules:
             self._schedules.move_to_end(key)
         else:  # pure and cached: computed once per request shape
             while len(self._schedules) >= MAX_CACHED_PROGRAMS:
                 self._schedules.popitem(last=False)
-            schedule = build_schedule(self.plan, key[0], key[1], num_patches)
+            schedule = build_schedule(self.plan, *key)
             # Each task's message lists, computed once per request shape instead of on every use in the loop.
             messages = {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}
             self._schedules[key] = (schedule, protocol(schedule, self.pipe_rank, self.lookahead), messages)
@@ -123,11 +123,14 @@ class PipeFusionEngine:
     def denoise(self, request: DenoiseRequest, grid: PatchGrid, tracer: Tracer | None = None) -> torch.Tensor | None:
         """Run the denoising loop; return the final latents on the embedding rank (0), ``None`` elsewhere.
 
-        With a ``tracer``, every segment computed and every wait on a message is recorded on the timeline.
+        Whole-image steps go through the route in batch parts where the transformer batch splits
+        (``xfuse.parallel.schedule.batch_parts``). With a ``tracer``, every segment computed and every wait on a
+        message is recorded on the timeline.
         """
         span = tracer.span if tracer is not None else null_span
         with span("denoise", LOOP, steps=len(request.timesteps), patches=grid.num_patches):
-            schedule, program, messages = self._program(len(request.timesteps), grid.num_patches)
+            parts = batch_parts(request.model_batch, self.plan.degree)
+            schedule, program, messages = self._program(len(request.timesteps), grid.num_patches, parts)
             run = _Run(self, request, grid, schedule, messages, tracer)
             return run.execute(program)
 
@@ -159,6 +162,9 @@ class _Run:
         if self.me == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
             self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.latents, request.timesteps[0])
         self.conds: dict[int, Any] = {}
+        self.part_size = request.model_batch // schedule.batch_parts  # transformer batch rows of a batch part
+        self.part_input: torch.Tensor | None = None  # a whole-image step's transformer input, read part by part
+        self.head_parts: list[torch.Tensor] = []  # output-layer results of a whole-image step's parts so far
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
@@ -178,15 +184,19 @@ class _Run:
     def _rows(self, patch) -> slice:
         return slice(None) if patch is None else self.grid[patch].latent_rows
 
+    def _part(self, part: int | None) -> BatchPart | None:
+        return None if part is None else BatchPart(part, self.schedule.batch_parts, self.part_size)
+
     def _shape(self, m: Message) -> tuple:
         lat = self.req.latents
         rows = lat.shape[2] if m.patch is None else self.grid[m.patch].num_rows * self.grid.patch_size
         if m.kind == "latent":
             return (lat.shape[0], lat.shape[1], rows, lat.shape[3])  # (B, C, rows, W)
-        if m.kind in self.plan.streams:
-            return self.req.stream_shapes[m.kind]
+        batch = self.req.model_batch if m.part is None else self.part_size
+        if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it
+            return (batch, *self.req.stream_shapes[m.kind][1:])
         tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
-        return (self.req.model_batch, tokens, self.stage.hidden_size)  # (B_model, tokens, hidden)
+        return (batch, tokens, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
 
     # --- communication --------------------------------------------------------------------------------------
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
@@ -247,6 +257,8 @@ class _Run:
 
     def _label(self, task: Task) -> str:
         where = "whole" if task.patch is None else f"p{task.patch}"
+        if task.part is not None:
+            where += f" b{task.part}"  # batch part
         if task.hop == COLLECT:
             return f"s{task.step - 1} {where} collect"
         blocks = self.plan.route[task.hop].blocks
@@ -268,7 +280,7 @@ class _Run:
             ((_, tensor),) = by_kind["latent"]
             self.latents[:, :, self._rows(patch)] = tensor
             return
-        key = (step, patch)
+        key = (step, patch, task.part)
         skips = self.skips.setdefault(key, {})
         for m, tensor in by_kind.get("skip", []):
             skips[m.block] = tensor
@@ -277,12 +289,13 @@ class _Run:
         streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
         rows = hidden = None
         if task.hop == 0:
-            rows = self._model_input_rows(step, patch, by_kind.get("latent"))
+            if task.part in (None, 0):  # a batch part after the first reads the first's input
+                rows = self._model_input_rows(step, patch, by_kind.get("latent"))
         elif "hidden" in by_kind:
             hidden = by_kind["hidden"][0][1]
             streams = {kind: by_kind[kind][0][1] for kind in plan.streams if kind in by_kind}
         else:
-            hidden, streams = self.local.pop(Task(step, patch, task.hop - 1))
+            hidden, streams = self.local.pop(Task(step, patch, task.hop - 1, task.part))
         segment = plan.route[task.hop]
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
         keep_kv = band is not None or (
@@ -291,10 +304,12 @@ class _Run:
         last_hop = task.hop == len(plan.route) - 1
         with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop):
             cond = self._cond(step)  # the step's conditioning (timestep embedding): model work, once per step
-            if rows is not None:  # (B_model, C, h, W) -> (B_model, tokens, D)
-                hidden = self.stage.embed(self.req.model_input(rows), band)
+            if task.part is not None:
+                cond = self.stage.batch_part(cond, self._part(task.part))
+            if task.hop == 0:  # (B_model or a part's rows, C, h, W) -> (same, tokens, D)
+                hidden = self.stage.embed(self._transformer_input(task, rows), band)
             hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
-            stepped = self._step_model(step, patch, hidden, cond) if last_hop else None
+            stepped = self._step_model(task, hidden, cond) if last_hop else None
         outgoing = {}
         for m in self.send_msgs[task]:
             if m.kind == "hidden":
@@ -305,12 +320,12 @@ class _Run:
                 outgoing[m] = streams[m.kind].contiguous()
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
-        if last_hop:
+        if stepped is not None:
             next_rows = self._route_stepped(step, patch, stepped)
             for m in self.send_msgs[task]:
                 if m.kind == "latent":
                     outgoing[m] = next_rows.contiguous()
-        elif plan.route[task.hop + 1].rank == self.me:
+        elif not last_hop and plan.route[task.hop + 1].rank == self.me:
             self.local[task] = (hidden, streams)  # picked up by this rank's next segment
         if outgoing:
             self.outgoing[task] = outgoing
@@ -331,10 +346,34 @@ class _Run:
             self.inputs.pop((step, None))
         return whole[:, :, rows]
 
-    def _step_model(self, step: int, patch, hidden: torch.Tensor, cond) -> torch.Tensor:
-        """Output rank: output layer, guidance and ``scheduler.step`` on (step, patch); returns the stepped rows."""
+    def _transformer_input(self, task: Task, rows: torch.Tensor | None) -> torch.Tensor:
+        """Embedding rank: the task's rows of the transformer input, from its (B, C, h, W) latent rows (a batch part
+        after the first: ``None``, it takes its rows of the input the first part built)."""
+        if task.part is None:
+            return self.req.model_input(rows)  # (B, C, h, W) -> (B_model, C, h, W)
+        if task.part == 0:
+            self.part_input = self.req.model_input(rows)
+        part_rows = self.part_input[self._part(task.part).rows]  # (B_model, ...) -> (part rows, ...)
+        if self.schedule.is_last_part(task):
+            self.part_input = None
+        return part_rows
+
+    def _step_model(self, task: Task, hidden: torch.Tensor, cond) -> torch.Tensor | None:
+        """Output rank: output layer, guidance and ``scheduler.step`` on (step, patch); returns the stepped rows.
+
+        A batch part of a whole-image step runs the output layer only; the last part joins the parts' outputs in
+        batch order (the [uncond, cond] halves guidance combines) and steps the whole latent. ``None`` until then.
+        """
+        step, patch = task.step, task.patch
         req, rows = self.req, self._rows(patch)
-        noise = req.guide(self.stage.head(hidden, cond, self.token_cols), step, patch)  # (B, C, h, W)
+        output = self.stage.head(hidden, cond, self.token_cols)  # (B_model or a part's rows, C_out, h, W)
+        if task.part is not None:
+            self.head_parts.append(output)
+            if not self.schedule.is_last_part(task):
+                return None
+            output = torch.cat(self.head_parts)  # parts in batch order -> (B_model, C_out, H, W)
+            self.head_parts = []
+        noise = req.guide(output, step, patch)  # (B, C, h, W)
         if patch is None:
             scheduler, kwargs = req.scheduler, req.extra_step_kwargs
         else:

@@ -4,7 +4,12 @@ A pure function of (plan, steps, warm-up, patches): no torch, no processes. The 
 it without processes (every send list matches its receiver's list in order, and the protocol cannot deadlock).
 
 A *task* is one route segment run on one patch of one step (``patch=None``: the whole image, a warm-up step).
-Warm-up steps run the route synchronously on the whole image. Pipelined steps stream patches continuously across
+Warm-up steps run the route on the whole image, split into *batch parts* where the transformer batch allows
+(``batch_parts``): the rows of a transformer batch ([uncond, cond] under classifier-free guidance) never attend to
+each other, so a whole-image step streamed through the route as P batch parts is exact and keeps every rank busy
+while the next part is on its way (at N = 2, the warm-up step overlaps half its route instead of running it one
+rank at a time). Every part of a step waits for the whole previous step: guidance and ``scheduler.step`` need all
+parts. Pipelined steps stream patches continuously across
 steps: patch p of step s+1 enters as soon as patch p of step s left the output layer. Each rank's order of
 pipelined tasks comes from a list-scheduling simulation with segment costs proportional to their block counts: a
 free rank takes, among its ready tasks, the one nearest the start of the route (fill before drain), and a patch
@@ -38,6 +43,7 @@ class Task:
     step: int
     patch: int | None  # None: the whole image
     hop: int  # route segment index, or COLLECT
+    part: int | None = None  # batch part of a whole-image step streamed in parts; None: the whole batch
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Message:
     step: int  # diffusion step of the task that produces it
     patch: int | None
     block: int = -1  # producer block of a skip
+    part: int | None = None  # batch part of a whole-image step (``Task.part``); None: the whole batch
 
     @property
     def channel(self) -> str:
@@ -64,6 +71,7 @@ class Schedule:
     num_patches: int
     orders: dict[int, tuple[Task, ...]]  # rank -> its tasks in execution order
     times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task, in units of one block on a patch
+    batch_parts: int = 1  # parts a whole-image step's transformer batch is streamed in
 
     def recv_post_times(self, lookahead: int) -> dict[Message, float]:
         """Simulated time at which each message's receive is posted (``lookahead`` tasks ahead of its task)."""
@@ -78,6 +86,14 @@ class Schedule:
     def patches_of(self, step: int) -> tuple[int | None, ...]:
         return (None,) if step < self.warmup_steps else tuple(range(self.num_patches))
 
+    def parts_of(self, step: int) -> tuple[int | None, ...]:
+        """The batch parts of ``step``'s tasks: ``0 … P-1`` for a whole-image step split in parts, else ``None``."""
+        return tuple(range(self.batch_parts)) if step < self.warmup_steps and self.batch_parts > 1 else (None,)
+
+    def is_last_part(self, task: Task) -> bool:
+        """Whether ``task`` completes its unit's batch (the whole batch, or the last part)."""
+        return task.part is None or task.part == self.batch_parts - 1
+
     def rank_of(self, task: Task) -> int:
         return self.plan.embed_rank if task.hop == COLLECT else self.plan.route[task.hop].rank
 
@@ -88,8 +104,9 @@ class Schedule:
         out: list[Message] = []
         if task.hop in (0, COLLECT) and plan.output_rank != plan.embed_rank:
             prev = task.step - 1  # the latent of step `step` is produced by step `step - 1`
-            if prev >= 0 and (prev >= self.warmup_steps or task.patch in (None, 0)):
-                # Whole-image steps send one whole latent: patch 0 of the first pipelined step receives it.
+            if prev >= 0 and (prev >= self.warmup_steps or task.patch in (None, 0)) and task.part in (None, 0):
+                # Whole-image steps send one whole latent: patch 0 of the first pipelined step (or the first batch
+                # part of the next whole-image step) receives it.
                 patch = task.patch if prev >= self.warmup_steps else None
                 out.append(Message("latent", plan.output_rank, rank, prev, patch))
         if task.hop == COLLECT:
@@ -97,15 +114,16 @@ class Schedule:
         segment = plan.route[task.hop]
         for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
             if edge.consumer in segment.blocks:
-                out.append(Message("skip", edge.src_rank, rank, task.step, task.patch, edge.producer))
+                out.append(Message("skip", edge.src_rank, rank, task.step, task.patch, edge.producer, task.part))
         if task.hop > 0 and plan.route[task.hop - 1].rank != rank:
             src = plan.route[task.hop - 1].rank
-            out.append(Message("hidden", src, rank, task.step, task.patch))
-            out.extend(Message(s, src, rank, task.step, task.patch) for s in self.streams_of(task))
+            out.append(Message("hidden", src, rank, task.step, task.patch, part=task.part))
+            out.extend(Message(s, src, rank, task.step, task.patch, part=task.part) for s in self.streams_of(task))
         return out
 
     def streams_of(self, task: Task) -> tuple[str, ...]:
-        """The plan's streams a hand-off of ``task`` carries: only the step's first patch (or whole image) owns them."""
+        """The plan's streams a hand-off of ``task`` carries: only the step's first patch (or whole image, each of
+        its batch parts carrying its own rows) owns them."""
         return self.plan.streams if task.patch in (None, 0) else ()
 
     def sends(self, task: Task) -> list[Message]:
@@ -115,16 +133,16 @@ class Schedule:
             return []
         out: list[Message] = []
         last = len(plan.route) - 1
-        if task.hop == last and plan.output_rank != plan.embed_rank:
-            out.append(Message("latent", rank, plan.embed_rank, task.step, task.patch))
+        if task.hop == last and plan.output_rank != plan.embed_rank and self.is_last_part(task):
+            out.append(Message("latent", rank, plan.embed_rank, task.step, task.patch))  # once all parts are in
         send_hops = skip_send_hops(plan)
         for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
             if send_hops[edge] == task.hop:
-                out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer))
+                out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer, task.part))
         if task.hop < last and plan.route[task.hop + 1].rank != rank:
             dst = plan.route[task.hop + 1].rank
-            out.append(Message("hidden", rank, dst, task.step, task.patch))
-            out.extend(Message(s, rank, dst, task.step, task.patch) for s in self.streams_of(task))
+            out.append(Message("hidden", rank, dst, task.step, task.patch, part=task.part))
+            out.extend(Message(s, rank, dst, task.step, task.patch, part=task.part) for s in self.streams_of(task))
         return out
 
 
@@ -144,16 +162,24 @@ def skip_send_hops(plan: StagePlan) -> dict[SkipEdge, int]:
     return hops
 
 
-def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int):
+def batch_parts(model_batch: int, degree: int) -> int:
+    """How many parts a whole-image step's transformer batch is streamed in: the most, up to one per rank, that
+    split ``model_batch`` rows evenly (more parts than ranks only shrink the kernels; a degree-1 run has no route
+    to overlap). CFG's [uncond, cond] batch of one image: 2 parts from degree 2 on."""
+    return max(p for p in range(1, min(model_batch, degree) + 1) if model_batch % p == 0)
+
+
+def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, parts: int):
     """Event-driven list scheduling of every task; returns per-rank orders and each task's (start, end) time."""
     hops = len(plan.route)
-    units = [(s, None) for s in range(warmup_steps)]
-    units += [(s, p) for s in range(warmup_steps, num_steps) for p in range(num_patches)]  # the patch stream
+    whole_parts = list(range(parts)) if parts > 1 else [None]
+    units = [(s, None, k) for s in range(warmup_steps) for k in whole_parts]
+    units += [(s, p, None) for s in range(warmup_steps, num_steps) for p in range(num_patches)]  # the patch stream
 
-    def previous(step, patch):  # the unit whose output layer produced this unit's latent
+    def previous(step, patch):  # the unit whose output layer produced this unit's latent (all parts of a step)
         if step == 0:
             return None
-        return (step - 1, None) if step - 1 < warmup_steps else (step - 1, patch)
+        return (step - 1, None, whole_parts[-1]) if step - 1 < warmup_steps else (step - 1, patch, None)
 
     times: dict[Task, tuple[float, float]] = {}
     orders: dict[int, list[Task]] = {r: [] for r in range(plan.degree)}
@@ -168,12 +194,12 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
         for hop in range(hops):
             if next_unit[hop] == len(units):
                 continue
-            step, patch = units[next_unit[hop]]
+            step, patch, part = units[next_unit[hop]]
             if hop > 0:
-                dep = times.get(Task(step, patch, hop - 1))
+                dep = times.get(Task(step, patch, hop - 1, part))
             else:
                 prev = previous(step, patch)
-                dep = (0.0, 0.0) if prev is None else times.get(Task(*prev, hops - 1))
+                dep = (0.0, 0.0) if prev is None else times.get(Task(prev[0], prev[1], hops - 1, prev[2]))
             if dep is None:
                 continue
             if hop == 0 and patch is not None and last_entry is not None:
@@ -183,10 +209,11 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
             # the furthest task instead leaves bubbles on folded routes (e.g. N=3, M=3: 33 % slower per step).
             key = (max(dep[1], free_at[rank]), hop)
             if best is None or key < best[0]:
-                best = (key, Task(step, patch, hop))
+                best = (key, Task(step, patch, hop, part))
         (start, _), task = best
         rank = plan.route[task.hop].rank
-        cost = len(plan.route[task.hop].blocks) * (num_patches if task.patch is None else 1)
+        # A whole image costs M patches; a batch part of it its share of the batch.
+        cost = len(plan.route[task.hop].blocks) * (num_patches / len(whole_parts) if task.patch is None else 1)
         times[task] = (start, start + cost)
         if task.hop == 0 and task.patch is not None:
             last_entry = start
@@ -194,20 +221,33 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
         orders[rank].append(task)
         next_unit[task.hop] += 1
     if plan.output_rank != plan.embed_rank:  # linear: receive the final latents
-        last = units[-1][0]
-        for patch in (None,) if last < warmup_steps else range(num_patches):
-            t = max(times[Task(last, patch, hops - 1)][1], free_at[plan.embed_rank])
+        last_step, last_patch, last_part = units[-1]
+        for patch in (None,) if last_patch is None else range(num_patches):
+            t = max(times[Task(last_step, patch, hops - 1, last_part)][1], free_at[plan.embed_rank])
             times[Task(num_steps, patch, COLLECT)] = (t, t)
             orders[plan.embed_rank].append(Task(num_steps, patch, COLLECT))
     return orders, times
 
 
-def build_schedule(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int) -> Schedule:
-    """The schedule of a request: per-rank task orders for ``num_steps`` steps, the first ``warmup_steps`` whole."""
+def build_schedule(
+    plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, batch_parts: int = 1
+) -> Schedule:
+    """The schedule of a request: per-rank task orders for ``num_steps`` steps, the first ``warmup_steps`` whole
+    (each streamed as ``batch_parts`` parts of the transformer batch, see ``batch_parts``)."""
     if not 0 <= warmup_steps <= num_steps or num_steps < 1:
         raise ValueError(f"need 1 <= num_steps and 0 <= warmup_steps <= num_steps (got {num_steps}, {warmup_steps})")
-    orders, times = _simulate(plan, num_steps, warmup_steps, num_patches)
-    return Schedule(plan, num_steps, warmup_steps, num_patches, {r: tuple(t) for r, t in orders.items()}, times)
+    if batch_parts < 1:
+        raise ValueError(f"need batch_parts >= 1 (got {batch_parts})")
+    orders, times = _simulate(plan, num_steps, warmup_steps, num_patches, batch_parts)
+    return Schedule(
+        plan,
+        num_steps,
+        warmup_steps,
+        num_patches,
+        {r: tuple(t) for r, t in orders.items()},
+        times,
+        batch_parts,
+    )
 
 
 def protocol(schedule: Schedule, rank: int, lookahead: int):

@@ -7,12 +7,34 @@ positions, modulation, long skips, unpatchify) stays behind these methods.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.stage_plan import Segment
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """Part ``index`` of ``count`` equal parts of a transformer batch: rows ``index * size … (index + 1) * size``.
+
+    The engine streams a whole-image step through the route in batch parts (``xfuse.parallel.schedule.batch_parts``):
+    the rows of a batch never attend to each other, so each part is exact on its own.
+    """
+
+    index: int
+    count: int
+    size: int  # rows per part
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.index * self.size, (self.index + 1) * self.size)
+
+    @property
+    def model_batch(self) -> int:
+        return self.count * self.size
 
 
 @runtime_checkable
@@ -23,6 +45,10 @@ class Stage(Protocol):
 
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request on the image ``grid`` describes: forget every K/V and per-request cache."""
+
+    def batch_part(self, cond: Any, part: BatchPart) -> Any:
+        """The conditioning of ``part``'s rows of the transformer batch: ``cond`` with every batch-indexed tensor
+        sliced. Passes run with it are whole-image passes on those rows only (their K/V go into those rows)."""
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
         """(B, C, rows, W) model-input latent rows of ``band`` (``None``: the whole image) -> (B, tokens, hidden).

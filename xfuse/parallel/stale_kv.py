@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from xfuse.parallel.stage import BatchPart
+
 
 class StaleKVCache:
     """K/V buffers of all self-attention layers one rank runs, keyed by global layer index."""
@@ -23,6 +25,7 @@ class StaleKVCache:
         self._valid: dict[int, int] = {}  # tokens [0, valid) hold K/V of this request
         self.tokens: slice | None = None  # token range of the patch being computed; None = whole image
         self.store_whole = True  # whether a whole-image pass stores its K/V (only the last warm-up step must)
+        self.part: BatchPart | None = None  # batch rows of the whole-image pass being computed; None = all
         self.num_tokens = 0  # tokens of the whole image in the current request
 
     def reset(self, num_tokens: int) -> None:
@@ -33,8 +36,8 @@ class StaleKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
 
-    def _buffers(self, layer: int, like: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*like.shape[:2], num_tokens, like.shape[3])  # (B, heads, tokens, head_dim)
+    def _buffers(self, layer: int, like: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (batch, like.shape[1], self.num_tokens, like.shape[3])  # (B, heads, tokens, head_dim)
         k = self._k.get(layer)
         if k is None or k.shape != shape or k.dtype != like.dtype or k.device != like.device:
             # Allocated once per (request shape, dtype): the hot path only copies into it.
@@ -46,9 +49,10 @@ class StaleKVCache:
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Store this pass's ``key``/``value`` (B, heads, S, D) and return the K/V to attend to.
 
-        Whole-image pass (``self.tokens is None``): store all (if ``store_whole``) and attend to ``key``/``value``
-        themselves. Only the last warm-up step before pipelined steps needs to store: exact mode never allocates.
-        Patch pass: store into the patch's token range and attend to every valid token of the buffer.
+        Whole-image pass (``self.tokens is None``): store all (if ``store_whole``; a batch part into its rows) and
+        attend to ``key``/``value`` themselves. Only the last warm-up step before pipelined steps needs to store:
+        exact mode never allocates. Patch pass (the whole batch): store into the patch's token range and attend to
+        every valid token of the buffer.
         """
         num_tokens = self.num_tokens
         if self.tokens is None and key.shape[2] != num_tokens:
@@ -58,12 +62,18 @@ class StaleKVCache:
             )
         if self.tokens is None and not self.store_whole:
             return key, value
-        k_buf, v_buf = self._buffers(layer, key, num_tokens)
+        part = self.part
         if self.tokens is None:
-            k_buf.copy_(key)
-            v_buf.copy_(value)
+            # Every part of a step is stored before any patch reads the buffer: the next step needs all of them.
+            k_buf, v_buf = self._buffers(layer, key, key.shape[0] if part is None else part.model_batch)
+            rows = slice(None) if part is None else part.rows
+            k_buf[rows].copy_(key)
+            v_buf[rows].copy_(value)
             self._valid[layer] = num_tokens
             return key, value
+        if part is not None:
+            raise RuntimeError(f"stale K/V of layer {layer}: a patch pass runs on the whole batch, not {part}")
+        k_buf, v_buf = self._buffers(layer, key, key.shape[0])
         start, stop = self.tokens.start, self.tokens.stop
         valid = self._valid[layer]
         if start > valid:
