@@ -97,9 +97,9 @@ def reference_runner(pipe):
 
 
 def check_against_diffusers(per_rank, calls, reference, base, *, output_class, callback_steps):
-    """Every call's images on rank 0 equal diffusers' (``reference``) on the same call (max abs <= 1e-4; PIL: one
-    8-bit level), the other ranks return ``None``, the output type is diffusers', and a call with a step callback
-    logs the steps ``callback_steps`` with diffusers' latents norms."""
+    """Every call's images on rank 0 equal diffusers' (``reference``) on the same call (max abs <= 1e-4 on images;
+    PIL: one 8-bit level; latents: 2e-6 of their largest value), the other ranks return ``None``, the output type is
+    diffusers', and a call with a step callback logs the steps ``callback_steps`` with diffusers' latents norms."""
     for index, (name, call) in enumerate(calls.items()):
         result = per_rank[0][index]
         assert result["kind"] == "ok", (name, result)
@@ -107,7 +107,10 @@ def check_against_diffusers(per_rank, calls, reference, base, *, output_class, c
         expected, expected_log = reference({**base, **call})
         images = result["images"]
         assert images.shape == expected.shape, name
-        tolerance = 1 if images.dtype == np.uint8 else 1e-4  # PIL: one 8-bit level may flip
+        # PIL: one 8-bit level may flip. Floats: 1e-4, or 2e-6 of the largest value for outputs beyond 50 (latents:
+        # PixArt's tiny model reaches ~600): whole-image steps run the [uncond, cond] halves as separate batch parts,
+        # whose GEMMs round differently from diffusers' batched ones (observed 7e-7 of the largest value).
+        tolerance = 1 if images.dtype == np.uint8 else max(1e-4, 2e-6 * float(np.abs(expected).max()))
         assert np.abs(images.astype(np.float64) - expected).max() <= tolerance, name
         assert result["type"] == ("tuple" if call.get("return_dict") is False else output_class), name
         if "callback" in call or "callback_on_step_end" in call:

@@ -162,7 +162,9 @@ def serial(guidance_scale=4.5):
 @pytest.mark.parametrize("degree", [2, 3, 4])
 def test_exact_mode_equals_diffusers(world4, degree, placement, guidance_scale):
     out = world4.run_ok(run_engine, degree, placement, degree + 1, STEPS, guidance_scale=guidance_scale)[0]
-    assert (out - serial(guidance_scale)).abs().max().item() <= 1e-4  # latents of magnitude ~600 here
+    # Float rounding only: exact mode runs the [uncond, cond] halves as separate batch parts, whose GEMMs round
+    # differently from diffusers' batched ones (observed 7e-7 of latents of magnitude ~600 here).
+    assert rel_max(out, serial(guidance_scale)) <= 2e-6
 
 
 @pytest.mark.parametrize("warmup", [0, 1])
@@ -180,7 +182,7 @@ def test_balanced_on_a_family_without_long_skips(world4):
     """Balanced at degree 3 (8 blocks: totals 3/3/2, each split between the way out and the way back; at 2 and 4 it
     is folded's plan): exact mode equals diffusers, pipelined (M = 4) equals the oracle."""
     exact = world4.run_ok(run_engine, 3, "balanced", 4, STEPS)[0]
-    assert (exact - serial()).abs().max().item() <= 1e-4
+    assert rel_max(exact, serial()) <= 2e-6  # float rounding of the batch parts, as in exact mode above
     piped = world4.run_ok(run_engine, 3, "balanced", 4, 1)[0]
     assert rel_max(piped, oracle(4, 1)) <= 1e-5
 

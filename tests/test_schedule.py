@@ -5,7 +5,16 @@ import dataclasses
 import pytest
 
 from xfuse.models.registry import HUNYUANDIT
-from xfuse.parallel.schedule import COLLECT, ScheduleDeadlock, Task, build_schedule, check_protocol, protocol
+from xfuse.parallel.schedule import (
+    COLLECT,
+    Message,
+    ScheduleDeadlock,
+    Task,
+    batch_parts,
+    build_schedule,
+    check_protocol,
+    protocol,
+)
 from xfuse.parallel.stage_plan import stage_plan
 
 NUM_LAYERS = 16
@@ -17,30 +26,79 @@ def cases():
         for placement in ("balanced", "folded", "linear"):
             for m in sorted({1, degree, 2 * degree, 3}):
                 for warmup in (0, 1, STEPS):
-                    yield degree, placement, m, warmup
+                    for parts in (1, 2) if warmup else (1,):  # batch parts split whole-image steps only
+                        yield degree, placement, m, warmup, parts
 
 
-@pytest.mark.parametrize("degree,placement,num_patches,warmup", list(cases()))
+@pytest.mark.parametrize("degree,placement,num_patches,warmup,parts", list(cases()))
 @pytest.mark.parametrize("lookahead", [1, 2])
-def test_sends_match_receives_and_no_rank_cycle_waits(degree, placement, num_patches, warmup, lookahead):
-    schedule = build_schedule(
-        stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS)), STEPS, warmup, num_patches
-    )
+def test_sends_match_receives_and_no_rank_cycle_waits(degree, placement, num_patches, warmup, parts, lookahead):
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, warmup, num_patches, parts)
     check_protocol(schedule, lookahead)  # asserts pairwise message order; raises on a deadlock
 
 
-@pytest.mark.parametrize("degree,placement,num_patches,warmup", list(cases()))
-def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placement, num_patches, warmup):
+@pytest.mark.parametrize("degree,placement,num_patches,warmup,parts", list(cases()))
+def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placement, num_patches, warmup, parts):
     plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
-    schedule = build_schedule(plan, STEPS, warmup, num_patches)
+    schedule = build_schedule(plan, STEPS, warmup, num_patches, parts)
     tasks = [t for order in schedule.orders.values() for t in order if t.hop != COLLECT]
-    expected = {Task(s, p, h) for s in range(STEPS) for p in schedule.patches_of(s) for h in range(len(plan.route))}
+    expected = {
+        Task(s, p, h, k)
+        for s in range(STEPS)
+        for p in schedule.patches_of(s)
+        for k in schedule.parts_of(s)
+        for h in range(len(plan.route))
+    }
     assert len(tasks) == len(expected) and set(tasks) == expected
+    assert all((t.part is not None) == (t.step < warmup and parts > 1) for t in tasks)
     for rank, order in schedule.orders.items():
         for hop in {t.hop for t in order if t.hop != COLLECT}:
-            seq = [(t.step, -1 if t.patch is None else t.patch) for t in order if t.hop == hop]
-            assert seq == sorted(seq)  # stale K/V: each layer sees (step, patch) in order
+            seq = [(t.step, -1 if t.patch is None else t.patch, t.part or 0) for t in order if t.hop == hop]
+            assert seq == sorted(seq)  # stale K/V: each layer sees (step, patch) in order, a step's parts in order
             assert plan.route[hop].rank == rank
+
+
+@pytest.mark.parametrize(
+    "model_batch,degree,parts",
+    [(2, 1, 1), (2, 2, 2), (2, 8, 2), (1, 4, 1), (3, 2, 1), (4, 3, 2), (4, 8, 4), (6, 4, 3), (8, 8, 8)],
+)
+def test_batch_parts_are_the_most_even_parts_up_to_one_per_rank(model_batch, degree, parts):
+    assert batch_parts(model_batch, degree) == parts
+
+
+def test_batch_parts_overlap_the_warmup_step():
+    """Folded, N = 2, 16 blocks: the route is rank 0 (blocks 0-3), rank 1 (4-7, then 8-11), rank 0 (12-15); M = 2,
+    costs in blocks on one patch. The whole warm-up image costs M = 2 per block and its four segments of 4 blocks run
+    one at a time: 8 each, the step ends at 32. In two parts (1 per block each): rank 0 runs both parts' first
+    segment (0-4, 4-8); rank 1 part 0's first segment as it arrives (4-8), then the earliest segment of the route
+    first: part 1's (8-12), part 0's second (12-16), part 1's second (16-20); rank 0 the last segment of part 0
+    (16-20) and of part 1 (20-24): the step ends at 24."""
+    plan = stage_plan(16, 2, "folded", skips=HUNYUANDIT.skip_pairs(16))
+    whole = build_schedule(plan, 3, 1, 2)
+    split = build_schedule(plan, 3, 1, 2, batch_parts=2)
+    assert [whole.times[Task(0, None, hop)] for hop in range(4)] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert [split.times[Task(0, None, hop, k)] for k in (0, 1) for hop in range(4)] == [
+        (0.0, 4.0), (4.0, 8.0), (12.0, 16.0), (16.0, 20.0),
+        (4.0, 8.0), (8.0, 12.0), (16.0, 20.0), (20.0, 24.0),
+    ]  # fmt: skip
+    # the first pipelined step waits for the whole warm-up step (guidance needs both parts), then runs the same
+    pipelined = [(t, e) for t, e in whole.times.items() if t.step > 0]
+    assert all(split.times[t] == (start - 8, end - 8) for t, (start, end) in pipelined)
+
+
+def test_batch_parts_hand_off_their_rows_and_the_last_part_returns_the_latent():
+    plan = stage_plan(16, 2, "linear", skips=HUNYUANDIT.skip_pairs(16))
+    schedule = build_schedule(plan, 3, 2, 2, batch_parts=2)
+    assert schedule.sends(Task(0, None, 0, 0)) == [Message("hidden", 0, 1, 0, None, part=0)]
+    assert schedule.sends(Task(0, None, 1, 0)) == []  # the output rank waits for part 1 before guidance
+    assert schedule.sends(Task(0, None, 1, 1)) == [Message("latent", 1, 0, 0, None)]
+    assert schedule.recvs(Task(1, None, 0, 0)) == [Message("latent", 1, 0, 0, None)]
+    assert schedule.recvs(Task(1, None, 0, 1)) == []  # part 1 reads the latent part 0 received
+    # the first pipelined step's patch 0 receives the whole latent of the last warm-up step, once
+    assert schedule.recvs(Task(2, 0, 0)) == [Message("latent", 1, 0, 1, None)]
+    with pytest.raises(ValueError, match="batch_parts >= 1"):
+        build_schedule(plan, 3, 2, 2, batch_parts=0)
 
 
 def test_folded_sends_no_skips_and_linear_returns_latents():

@@ -72,8 +72,8 @@ class CachedCrossAttnProcessor:
 
     The cache is keyed on the text tensor object: the engine passes the same tensor for every step and patch of a
     request, and one per batch part of a whole-image step (``ShardedStage.batch_part`` slices it once per request);
-    a new tensor gets its own entry, the oldest beyond ``MAX_TEXTS`` is dropped. A text mask (PixArt: a bias of shape (B, 1, S_text)) is
-    expanded per head as ``AttnProcessor2_0`` does.
+    a new tensor gets its own entry, the oldest beyond ``MAX_TEXTS`` is dropped. A text mask (PixArt: a bias of
+    shape (B, 1, S_text)) is expanded per head as ``AttnProcessor2_0`` does.
     """
 
     MAX_TEXTS = 16  # the whole batch's text and one per batch part (at most one part per rank)
