@@ -6,7 +6,7 @@ Each run is one call of the xfuse pipeline class (``output_type="latent"``: text
 degree 1 and at degree 2 (linear, M = 2, warm-up 1), one torch thread per rank, in its own world of real gloo
 processes; the first call is included (nothing is warmed up before). ``sd3-small`` runs with CFG (guidance 7,
 batch 2), ``flux-small`` with its embedded guidance (batch 1). The ideal degree-2 speedup is
-steps / (1 + (steps - 1) / 2).
+``bench_pipefusion.ideal_speedup`` (SD3's warm-up step runs in two batch parts, FLUX's whole).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRESETS = {"sd3-small": {"guidance_scale": 7.0}, "flux-small": {"guidance_scale": 3.5}}
+MODEL_BATCH = {"sd3-small": 2, "flux-small": 1}  # transformer batch: SD3's CFG [uncond, cond]; FLUX embeds guidance
 
 
 def bench_rank(preset, degree, steps, size, repeats):
@@ -51,6 +52,7 @@ def bench_rank(preset, degree, steps, size, repeats):
 
 
 def main():
+    from benchmarks.bench_pipefusion import ideal_speedup
     from xfuse.testing.world import World
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,9 +61,9 @@ def main():
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--json")
     args = parser.parse_args()
-    ideal = args.steps / (1 + (args.steps - 1) / 2)
-    report = {"steps": args.steps, "size": args.size, "ideal_speedup": round(ideal, 3), "presets": {}}
+    report = {"steps": args.steps, "size": args.size, "presets": {}}
     for preset in PRESETS:
+        ideal = ideal_speedup(args.steps, 2, MODEL_BATCH[preset])
         seconds = {}
         for degree in (1, 2):
             with World(degree, start_timeout=240) as world:
@@ -74,6 +76,7 @@ def main():
             "speedup_median": round(statistics.median(speedups), 3),
             "speedup_min": round(min(speedups), 3),
             "speedup_max": round(max(speedups), 3),
+            "ideal_speedup": round(ideal, 3),
         }
         print(f"{preset}: degree 1 {statistics.median(seconds[1]):.2f} s, degree 2 {statistics.median(seconds[2]):.2f}"
               f" s, speedup {statistics.median(speedups):.2f}x ({min(speedups):.2f}-{max(speedups):.2f}; ideal "

@@ -4,7 +4,8 @@
 
 * Time: the `small` preset (16 blocks, hidden 256, 512 px, batch 2 with CFG), one torch thread per rank, at degree 1
   and degree 2 (folded and linear, M = 2), `steps` steps with `warmup` whole-image warm-up steps. With 20 steps and 1
-  warm-up step the ideal degree-2 speedup is 20 / (1 + 19/2) = 1.90x.
+  warm-up step the ideal degree-2 speedup is 20 / (3/4 + 19/2) = 1.95x (``ideal_speedup``: the warm-up step's two
+  CFG batch parts overlap on the two ranks).
 * Bytes: the `bytes40` preset (40 blocks like the released checkpoint, hidden 32) at 1024 px, from the comm
   counters of a real run, per step and rank, folded, balanced and linear at N = 2, 4, 8; scaled x44 to hidden 1408.
 Each degree runs in its own world of real gloo processes (this machine: 2 cores, so degree 2 is the largest degree
@@ -24,12 +25,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from xfuse.parallel.schedule import batch_parts  # noqa: E402  (after the path insert, as run directly)
 
 WIDTH_SCALE = 1408 / 32  # hidden states and skips scale with the width; latents do not
 
 
 def spread(values: list[float]) -> dict:
     return dict(median=statistics.median(values), min=min(values), max=max(values), runs=values)
+
+
+def ideal_speedup(steps: int, degree: int, model_batch: int = 2) -> float:
+    """Degree-N speedup without fill, drain or any cost but the blocks (warm-up 1): the warm-up step's P batch parts
+    through N equal stages take (P + N - 1) / (P N) of a step, every pipelined step 1 / N of one."""
+    parts = batch_parts(model_batch, degree)
+    return steps / ((parts + degree - 1) / (parts * degree) + (steps - 1) / degree)
 
 
 def speedups(rows: dict, base: str) -> dict:

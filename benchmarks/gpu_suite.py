@@ -50,7 +50,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import interleaved_loops, speedups, spread  # noqa: E402 (only the stdlib at import time)
+from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups, spread  # noqa: E402 (no torch at import time)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red house by a lake"
@@ -181,7 +181,7 @@ def cpu_speedups(preset: str, size: int, steps: int, degrees: tuple[int, ...], r
     configs = {degree: (degree, (preset, "folded", degree, 1, size)) for degree in degrees}  # M = N, warm-up 1
     rows = speedups(interleaved_loops(configs, repeats, steps), degrees[0])
     for degree, row in rows.items():
-        row["ideal"] = steps / (1 + (steps - 1) / degree)  # one synchronous warm-up step, then N stages busy
+        row["ideal"] = ideal_speedup(steps, degree)
     return {"model": preset, "size": size, "steps": steps, "threads_per_rank": 1, "degrees": rows}
 
 

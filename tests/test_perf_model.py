@@ -9,13 +9,22 @@ from xfuse.perf_model import A100, LINKS, LinkProfile, block_flops, l40_profile,
 
 
 @pytest.mark.parametrize(
-    "degree,placement,patches,warmup", [(2, "folded", 2, 1), (3, "linear", 4, 0), (4, "folded", 8, 2)]
+    "degree,placement,patches,warmup,parts",
+    [
+        (2, "folded", 2, 1, 1),
+        (3, "linear", 4, 0, 1),
+        (4, "folded", 8, 2, 1),
+        (2, "folded", 2, 1, 2),
+        (3, "linear", 3, 5, 2),
+    ],
 )
-def test_replay_with_unit_costs_reproduces_the_schedule_timeline(degree, placement, patches, warmup):
-    schedule = build_schedule(stage_plan(16, degree, placement, skips=HUNYUANDIT.skip_pairs(16)), 5, warmup, patches)
+def test_replay_with_unit_costs_reproduces_the_schedule_timeline(degree, placement, patches, warmup, parts):
+    plan = stage_plan(16, degree, placement, skips=HUNYUANDIT.skip_pairs(16))
+    schedule = build_schedule(plan, 5, warmup, patches, parts)
 
-    def cost(t):  # one unit per block per patch; a whole-image task costs all patches
-        return 0.0 if t.hop < 0 else len(schedule.plan.route[t.hop].blocks) * (patches if t.patch is None else 1)
+    def cost(t):  # one unit per block per patch; a whole-image task costs all patches, a batch part its share
+        whole = patches if t.part is None else patches / parts
+        return 0.0 if t.hop < 0 else len(schedule.plan.route[t.hop].blocks) * (whole if t.patch is None else 1)
 
     makespan = replay(schedule, cost, lambda m: 0.0)
     assert makespan == max(end for _, end in schedule.times.values())
@@ -59,3 +68,20 @@ def test_balanced_is_never_slower_than_folded_and_faster_where_folded_is_uneven(
             assert balanced < folded, degree
     eight = [predict(profile, LINKS[link], degree=8, placement=p, size=1024) for p in ("folded", "balanced")]
     assert eight[1] < 0.96 * eight[0]  # 5 blocks on every rank instead of 6 on the busiest: ~1/6 of the loop
+
+
+@pytest.mark.parametrize("link", ["a100-nvlink", "l40-pcie"])
+def test_warmup_in_batch_parts_is_faster_from_two_gpus_on(link):
+    """xfuse streams the warm-up step's [uncond, cond] halves through the route as two parts (xDiT runs it whole,
+    the calibration's schedule): the same at one GPU, faster from two on, by at most the warm-up step's idle time."""
+    profile = A100 if link == "a100-nvlink" else l40_profile(A100)
+    for degree in range(1, 9):
+        split, whole = (
+            predict(profile, LINKS[link], degree=degree, placement="balanced", size=1024, warmup=2, split_warmup=s)
+            for s in (True, False)
+        )
+        if degree == 1:
+            assert split == whole
+            step = (whole - profile.outside_loop[1024]) / 50  # one whole-image step on one GPU
+        else:  # saving at most the two warm-up steps' time
+            assert whole - 2 * step < split < whole, degree

@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 
-from xfuse.models.hunyuandit import HunyuanDiTStage, rotary_embedding, staged_forward
+from xfuse.models.hunyuandit import HunyuanDiTStage, rotary_embedding, staged_forward, text_states
 from xfuse.models.registry import HUNYUANDIT
 from xfuse.models.tiny import build_tiny_transformer
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import stage_plan
 
 NUM_LAYERS = 16
@@ -70,6 +71,78 @@ def test_stages_reproduce_forward_whole_and_patchwise(model, degree, placement, 
         grid = patch_grid(height, width, num_patches=min(degree + 1, height // 2), patch_size=2)
         patchwise = staged_forward(stages, latents, t, **kwargs, grid=grid)
         assert rel_diff(patchwise, expected) <= 1e-5
+
+
+def request_text(stage, kwargs):
+    """The cross-attention input, computed once per request as ``denoise_request`` does."""
+    return text_states(
+        stage.transformer,
+        kwargs["encoder_hidden_states"],
+        kwargs["text_embedding_mask"],
+        kwargs["encoder_hidden_states_t5"],
+        kwargs["text_embedding_mask_t5"],
+    )
+
+
+def run_in_parts(stage, latents, t, kwargs, text, parts):
+    """The whole image through a one-rank stage as batch parts (each its rows, its conditioning), outputs joined in
+    batch order, as the engine runs a whole-image step on the output rank."""
+    cond = stage.conditioning(
+        t, text, kwargs["encoder_hidden_states_t5"], None, None, kwargs["image_rotary_emb"]
+    )  # a new conditioning object per call, as the engine builds one per step
+    outputs = []
+    for part in parts:
+        part_cond, skips = stage.batch_part(cond, part), {}
+        hidden = stage.embed(latents[part.rows], None)  # (part rows, C, H, W) -> (part rows, tokens, D)
+        for segment in stage.plan.route:
+            hidden = stage.run_segment(hidden, segment, part_cond, None, skips, keep_kv=True)
+        outputs.append(stage.head(hidden, part_cond, latents.shape[-1] // 2))
+    return torch.cat(outputs), cond
+
+
+def test_batch_parts_reproduce_forward_and_store_their_kv_rows(model):
+    """A whole-image pass in two batch parts equals the model's forward, and leaves the K/V buffers as a whole pass
+    does: a patch-by-patch pass of the whole batch afterwards equals the forward too. Storing both parts into the
+    first part's rows (an injected bug) leaves the second row's K/V unwritten and shows in the patch pass."""
+    height, width = 12, 20
+    kwargs, latents, t = inputs(model.config, height, width)
+    plan = stage_plan(NUM_LAYERS, 1, "folded", skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    grid = patch_grid(height, width, num_patches=3, patch_size=2)
+    with torch.no_grad():
+        expected = model(latents, t, **kwargs, return_dict=False)[0]
+        for parts, close in (([BatchPart(0, 2, 1), BatchPart(1, 2, 1)], True), ([BatchPart(0, 2, 1)] * 2, False)):
+            stage = HunyuanDiTStage(copy.deepcopy(model), plan, 0)
+            stage.begin_request(grid)
+            text = request_text(stage, kwargs)
+            whole, _ = run_in_parts(stage, latents, t, kwargs, text, [BatchPart(0, 2, 1), BatchPart(1, 2, 1)])
+            assert rel_diff(whole, expected) <= 1e-5  # float rounding of batch-1 GEMMs only
+            stage.begin_request(grid)
+            run_in_parts(stage, latents, t, kwargs, text, parts)
+            patchwise = staged_forward({0: stage}, latents, t, **kwargs, grid=grid)
+            assert (rel_diff(patchwise, expected) <= 1e-5) == close, parts
+
+
+def test_a_batch_part_reuses_its_text_and_text_kv_every_step(model):
+    """``batch_part`` slices the request's text once per part, so every step's part passes the same tensor and the
+    cross-attention computes a part's text K/V once per request (not once per step)."""
+    kwargs, latents, t = inputs(model.config, 8, 8)
+    plan = stage_plan(NUM_LAYERS, 1, "folded", skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    stage = HunyuanDiTStage(copy.deepcopy(model), plan, 0)
+    stage.begin_request(patch_grid(8, 8, 1, 2))
+    projections = []
+    hooks = [b.attn2.to_k.register_forward_hook(lambda *a: projections.append(1)) for b in stage.transformer.blocks]
+    parts = [BatchPart(0, 2, 1), BatchPart(1, 2, 1)]
+    with torch.no_grad():
+        text = request_text(stage, kwargs)
+        _, first = run_in_parts(stage, latents, t, kwargs, text, parts)
+        assert len(projections) == NUM_LAYERS * 2  # each part's text K/V, in every block
+        part_texts = [stage.batch_part(first, p).text for p in parts]
+        _, second = run_in_parts(stage, latents, t, kwargs, text, parts)  # the next step: a new conditioning
+    for hook in hooks:
+        hook.remove()
+    assert second is not first and len(projections) == NUM_LAYERS * 2
+    assert all(a is b for a, b in zip(part_texts, [stage.batch_part(second, p).text for p in parts]))
+    assert [tuple(x.shape) for x in part_texts] == [(1, *text.shape[1:])] * 2
 
 
 def test_stage_keeps_only_its_blocks_with_stable_names(model):

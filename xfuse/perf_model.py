@@ -3,7 +3,8 @@
 The engine's own schedule (the per-rank task orders and message lists of ``xfuse.parallel.schedule``) is replayed
 with durations instead of run: a task takes the FLOPs of its blocks on its patch divided by the GPU's effective
 throughput, plus a fixed cost per block launch; a message arrives ``bytes / bandwidth + latency`` after its
-producer finished. Warm-up steps are whole-image tasks. Outside the loop, text encoding and VAE decoding take a
+producer finished. Warm-up steps are whole-image tasks, streamed in CFG's two batch parts as xfuse runs them (xDiT's
+runs whole, and the calibration replays it so). Outside the loop, text encoding and VAE decoding take a
 fixed time per image size. Messages between the same two GPUs queue on their link. Not modelled: contention
 between different links (e.g. PCIe switches shared by several pairs), the compute NCCL kernels take from the
 SMs, CFG parallelism.
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 
 from xfuse.models.registry import HUNYUANDIT
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
-from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, build_schedule
+from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
 from xfuse.parallel.stage_plan import stage_plan
 
 # HunyuanDiT-v1.2 (DiT-g/2) transformer shape.
 HIDDEN, LAYERS, MLP_RATIO = 1408, 40, 4.3637
+BATCH = 2  # CFG's [uncond, cond] batch of one image
 TEXT_TOKENS, VAE = sum(HUNYUANDIT.text_lengths), HUNYUANDIT.vae_scale_factor
 XDIT_A100 = {  # xDiT's published HunyuanDiT latencies in seconds (linear placement, PipeFusion only, 50 steps)
     1024: {1: 19.9, 2: 12.5, 4: 9.0, 8: 7.3},
@@ -59,7 +61,7 @@ class ComputeProfile:
     outside_loop: dict[int, float]  # image size (px) -> seconds of text encoding + VAE decoding + setup
 
 
-def block_flops(query_tokens: int, image_tokens: int, batch: int = 2) -> float:
+def block_flops(query_tokens: int, image_tokens: int, batch: int = BATCH) -> float:
     """FLOPs of one HunyuanDiT block on ``query_tokens`` tokens attending to ``image_tokens`` (CFG batch 2)."""
     d = HIDDEN
     # projections: self-attn q, k, v, out (4 d^2) + cross-attn q, out (2 d^2) + MLP (2 * ratio * d^2)
@@ -82,17 +84,20 @@ def _duration(schedule: Schedule, grid: PatchGrid, compute: ComputeProfile):
         query = grid.num_tokens if task.patch is None else grid[task.patch].num_tokens
         blocks = len(route[task.hop].blocks)
         size = grid.latent_height * VAE
-        return blocks * (block_flops(query, grid.num_tokens) / compute.flops[size] + compute.per_block)
+        batch = BATCH if task.part is None else BATCH // schedule.batch_parts
+        flops = block_flops(query, grid.num_tokens, batch)
+        return blocks * (flops / compute.flops[size] + compute.per_block)
 
     return duration
 
 
-def _transfer(grid: PatchGrid, link: LinkProfile, batch: int = 2, dtype_bytes: int = 2):
+def _transfer(schedule: Schedule, grid: PatchGrid, link: LinkProfile, dtype_bytes: int = 2):
     def transfer(m: Message) -> float:
         tokens = grid.num_tokens if m.patch is None else grid[m.patch].num_tokens
         if m.kind == "latent":  # (B, 4, rows, W) of one image batch
-            nbytes = (batch // 2) * 4 * tokens * 4 * dtype_bytes
-        else:  # (B, tokens, hidden)
+            nbytes = (BATCH // 2) * 4 * tokens * 4 * dtype_bytes
+        else:  # (B, tokens, hidden), a batch part's rows of it
+            batch = BATCH if m.part is None else BATCH // schedule.batch_parts
             nbytes = batch * tokens * HIDDEN * dtype_bytes
         return nbytes / link.bandwidth + link.latency
 
@@ -140,12 +145,15 @@ def predict(
     warmup: int = 1,
     num_patches: int | None = None,
     split=None,
+    split_warmup: bool = True,
 ) -> float:
-    """Seconds for one 50-step (default) HunyuanDiT image of ``size`` px on ``degree`` GPUs."""
+    """Seconds for one 50-step (default) HunyuanDiT image of ``size`` px on ``degree`` GPUs. ``split_warmup``:
+    warm-up steps in batch parts, as xfuse runs them (``False``: whole, as xDiT does)."""
     plan = stage_plan(LAYERS, degree, placement, split, skips=HUNYUANDIT.skip_pairs(LAYERS))
     grid = patch_grid(size // VAE, size // VAE, num_patches or degree, 2)
-    schedule = build_schedule(plan, steps, min(warmup, steps), grid.num_patches)
-    loop = replay(schedule, _duration(schedule, grid, compute), _transfer(grid, link))
+    parts = batch_parts(BATCH, degree) if split_warmup else 1
+    schedule = build_schedule(plan, steps, min(warmup, steps), grid.num_patches, parts)
+    loop = replay(schedule, _duration(schedule, grid, compute), _transfer(schedule, grid, link))
     return compute.outside_loop[size] + loop
 
 
@@ -174,8 +182,16 @@ def fit(steps: int = 50, per_block_grid=None, efficiency_grid=None) -> ComputePr
             size_best = None
             for eff in efficiency_grid:
                 trial = ComputeProfile("", {size: eff * 312e12}, per_block, {size: 0.0})
-                loops = {
-                    n: predict(trial, LINKS["a100-nvlink"], degree=n, placement="linear", size=size, steps=steps)
+                loops = {  # xDiT's schedule: linear, warm-up steps whole
+                    n: predict(
+                        trial,
+                        LINKS["a100-nvlink"],
+                        degree=n,
+                        placement="linear",
+                        size=size,
+                        steps=steps,
+                        split_warmup=False,
+                    )
                     for n in measured
                 }
                 o = max(sum(measured[n] - loops[n] for n in measured) / len(measured), 0.0)
