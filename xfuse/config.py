@@ -426,7 +426,7 @@ class XfuseConfig:
             raise ConfigError(
                 "parallel.warmup_steps",
                 f"must be <= generation.num_inference_steps ({g.num_inference_steps}); "
-                f"warm-up = all steps runs fully synchronously (got {p.warmup_steps})",
+                f"warm-up = all steps runs every step on the whole image (got {p.warmup_steps})",
             )
         if p.cfg_degree == 2 and g.guidance_scale <= 1.0:
             raise ConfigError(

@@ -83,7 +83,7 @@ class PipeFusionEngine:
         stage: this rank's share of the model (a family's adapter: the ``Stage`` protocol).
         plan, grid: the stage plan and patch grid (the grid is for the request's latent size).
         channels: point-to-point channels; ``group_ranks[i]`` is the global rank of pipeline rank i.
-        warmup_steps: synchronous whole-image steps before patches are pipelined.
+        warmup_steps: whole-image steps (exact, no stale K/V) before patches are pipelined.
         lookahead: tasks whose receives are posted ahead (≤ ``comm.max_inflight``).
     """
 
