@@ -113,9 +113,10 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     assert {e["pid"] for e in spans} == {0, 1}
     for rank in (0, 1):
         compute = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans if e["pid"] == rank and e["tid"] == 0)
-        # configs/tiny/pp2.yaml has 8 steps: 1 whole-image warm-up task, then 7 steps x 3 patches per rank
-        # (rank 0's collect tasks, which only receive the final latents, are waits, not compute)
-        assert len(compute) == 1 + 7 * 3
+        # configs/tiny/pp2.yaml has 8 steps: 1 whole-image warm-up step in its two CFG batch parts, then 7 steps x 3
+        # patches per rank (rank 0's collect tasks, which only receive the final latents, are waits, not compute)
+        assert len(compute) == 2 + 7 * 3
+        assert [name.split(" blocks")[0] for *_, name in compute[:3]] == ["s0 whole b0", "s0 whole b1", "s1 p0"]
         assert all(a[1] <= b[0] + 1 for a, b in zip(compute, compute[1:]))
         waits = [e["name"] for e in spans if e["tid"] == 1 and e["pid"] == rank]  # the communication track
         assert waits and (rank == 1 or sum(name == "recv latent from r1" for name in waits) >= 3)

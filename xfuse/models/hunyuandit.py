@@ -33,7 +33,7 @@ class Conditioning:
     rope: tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (tokens, head_dim), row-major over the whole image
     part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
 
-    STEP_FIELDS: ClassVar = ("temb",)  # batch-indexed tensors, per step and per request (see batch_part)
+    STEP_FIELDS: ClassVar = ("temb",)  # batch-indexed tensors (see batch_part)
     REQUEST_FIELDS: ClassVar = ("text",)
 
 

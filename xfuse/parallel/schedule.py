@@ -1,24 +1,24 @@
 """The PipeFusion schedule: what every rank computes, in what order, and what it sends and receives.
 
-A pure function of (plan, steps, warm-up, patches): no torch, no processes. The engine executes it; the tests check
-it without processes (every send list matches its receiver's list in order, and the protocol cannot deadlock).
+A pure function of (plan, steps, warm-up, patches, batch parts): no torch, no processes. The engine executes it;
+the tests check it without processes (every send list matches its receiver's list in order, and the protocol cannot
+deadlock).
 
 A *task* is one route segment run on one patch of one step (``patch=None``: the whole image, a warm-up step).
 Warm-up steps run the route on the whole image, split into *batch parts* where the transformer batch allows
 (``batch_parts``): the rows of a transformer batch ([uncond, cond] under classifier-free guidance) never attend to
-each other, so a whole-image step streamed through the route as P batch parts is exact and keeps every rank busy
-while the next part is on its way (at N = 2, the warm-up step overlaps half its route instead of running it one
-rank at a time). Every part of a step waits for the whole previous step: guidance and ``scheduler.step`` need all
-parts. Pipelined steps stream patches continuously across
-steps: patch p of step s+1 enters as soon as patch p of step s left the output layer. Each rank's order of
-pipelined tasks comes from a list-scheduling simulation with segment costs proportional to their block counts: a
-free rank takes, among its ready tasks, the one nearest the start of the route (fill before drain), and a patch
-enters the route no sooner than the busiest rank's blocks per patch after the previous one (entering faster only
-queues work that collides further on, on routes whose ranks have uneven outbound and return chunks). In steady state
-this keeps the busiest rank busy for every degree, placement and M >= N (tested), which the half-slot staggering
-rule of DESIGN.md aims for on folded routes. Every segment sees
-its patches in (step, patch) order, which is what the stale K/V semantics need: patch p of step s attends to
-patches < p of step s and patches > p of step s-1.
+each other, so a whole-image step streamed through the route as P batch parts is exact and a rank runs the next
+part while the route carries the previous one on (instead of idling while one rank at a time runs the whole
+image). Every part of a step waits for the whole previous step: guidance and ``scheduler.step`` need all parts.
+Pipelined steps stream patches continuously across steps: patch p of step s+1 enters as soon as patch p of step s
+left the output layer. Each rank's order of pipelined tasks comes from a list-scheduling simulation with segment
+costs proportional to their block counts: a free rank takes, among its ready tasks, the one nearest the start of the
+route (fill before drain), and a patch enters the route no sooner than the busiest rank's blocks per patch after the
+previous one (entering faster only queues work that collides further on, on routes whose ranks have uneven outbound
+and return chunks). In steady state this keeps the busiest rank busy for every degree, placement and M >= N
+(tested), which the half-slot staggering rule of DESIGN.md aims for on folded routes. Every segment sees its
+patches in (step, patch) order (a step's batch parts in order), which is what the stale K/V semantics need: patch p
+of step s attends to patches < p of step s and patches > p of step s-1.
 
 Linear placement ends with *collect* tasks on rank 0 (``hop=-1``): receiving the final latents from the output rank.
 
