@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.fault_fns import build_errors, start_with_config
 from tests.pipeline_fns import run_calls
 from tests.reports import REPORT, at, parse_reports
-from xfuse.health import TERMINATED_KEY, FailureMonitor
+from xfuse.health import LEFT, TERMINATED_KEY, FailureMonitor
 from xfuse.models.tiny import save_tiny_pipeline
 from xfuse.testing.world import World
 
@@ -239,7 +239,9 @@ def test_a_rank_that_died_without_a_report_is_named_by_its_stale_heartbeat(tmp_p
     monitor = FailureMonitor(0, store, poll_s=0.05, world_size=4)
     stopped = FailureMonitor(1, store, poll_s=0.05, world_size=4)
     time.sleep(0.2)
-    assert stopped.stop() and not store.check(["xfuse/alive/1"])  # left in order: no heartbeat to go stale
+    # Left in order: the heartbeat says so (the key stays: a reader between its check() and get() must not wait
+    # in get() for a deleted key; that race stranded a report on the store's timeout in CI).
+    assert stopped.stop() and store.get("xfuse/alive/1").decode() == LEFT
     store.set("xfuse/alive/2", f"{time.time() - 5:.3f}")  # killed 5 s ago
     store.set("xfuse/alive/3", f"{time.time() - 5:.3f}")
     store.set(f"{TERMINATED_KEY}/3", "12:00:00.000")  # stale too, but the launcher terminated it

@@ -34,6 +34,10 @@ from xfuse.stderr import clock, write_stderr
 
 FAILURE_KEY = "xfuse/first_failure"
 TERMINATED_KEY = "xfuse/terminated"  # + "/<rank>": the launcher terminated that rank (SIGTERM), it did not fail
+ALIVE_KEY = "xfuse/alive"  # + "/<rank>": the time of that rank's last heartbeat, or LEFT
+# A rank that stops its monitor in order overwrites its heartbeat with this; it never deletes the key: a reader's
+# check() then get() would wait in get() for a key deleted between the two (TCPStore.get blocks on missing keys).
+LEFT = "left"
 # A healthy store answers in milliseconds; one that has not answered in this long has lost its host (or we ours).
 STORE_CALL_TIMEOUT_S = 3.0
 
@@ -335,17 +339,20 @@ class FailureMonitor:
             text = f"not communicating for {time.monotonic() - self._last_wait:.1f} s (computing, or stalled)"
         try:
             self._watch_store.set(f"xfuse/state/{self.rank}", text)
-            self._watch_store.set(f"xfuse/alive/{self.rank}", f"{time.time():.3f}")
+            self._watch_store.set(f"{ALIVE_KEY}/{self.rank}", f"{time.time():.3f}")
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
 
     def _silence(self, peer: int, now: float) -> float | None:
         """How long ``peer``'s heartbeat has been stale beyond ``max(1 s, 4 poll_s)`` (None: fresh, never
-        published, or the launcher terminated it). Raises when the store does not answer."""
-        key = f"xfuse/alive/{peer}"
+        published, left in order, or the launcher terminated it). Raises when the store does not answer."""
+        key = f"{ALIVE_KEY}/{peer}"
         if not self.store.check([key]) or self.store.check([f"{TERMINATED_KEY}/{peer}"]):
             return None
-        age = now - float(self.store.get(key).decode())
+        beat = self.store.get(key).decode()  # the key, once published, is never deleted (see LEFT): no wait here
+        if beat == LEFT:
+            return None
+        age = now - float(beat)
         return age if age > max(1.0, 4 * self.poll_s) else None
 
     def silent_ranks(self) -> str:
@@ -415,7 +422,7 @@ class FailureMonitor:
             self._watch_loop()
         finally:  # a stopped monitor is a rank that left in order: its stale heartbeat must not read as a death
             try:
-                self._watch_store.delete_key(f"xfuse/alive/{self.rank}")
+                self._watch_store.set(f"{ALIVE_KEY}/{self.rank}", LEFT)
             except Exception:  # noqa: BLE001 - the store is gone
                 pass
 
