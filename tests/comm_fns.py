@@ -177,7 +177,8 @@ def unmatched_ops(timeout_s: float) -> dict:
     if rank == 0:
         h = ch.exchange(recvs=[Recv(1, "hidden", (2, 4, 8), torch.float32, 3, 1)])[1][0]
     else:
-        h = ch.exchange([Send(1, "skip", torch.zeros(2, 4, 8, dtype=torch.bfloat16), 7, 0)])[0][0]
+        # a batch part of a whole-image step: the message names it
+        h = ch.exchange([Send(1, "skip", torch.zeros(2, 4, 8, dtype=torch.bfloat16), 7, None, part=1)])[0][0]
     t0 = time.monotonic()
     try:
         h.wait()
@@ -217,7 +218,7 @@ def stream_ordered_ops_never_matched(timeout_s: float, out_dir: str) -> dict:
     if rank == 0:
         (h,) = ch.exchange(recvs=[Recv(1, "hidden", (2, 4, 8), torch.float32, 3, 1)])[1]
     else:
-        (h,), _ = ch.exchange([Send(1, "skip", torch.zeros(2, 4, 8, dtype=torch.bfloat16), 7, 0)])
+        (h,), _ = ch.exchange([Send(1, "skip", torch.zeros(2, 4, 8, dtype=torch.bfloat16), 7, None, part=1)])
     h.wait()  # never returns
     return {"returned": True}
 

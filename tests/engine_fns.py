@@ -47,9 +47,10 @@ def run_engine(
     max_inflight=2,
     requests=1,
     preset="tiny",
+    on_stage=None,
 ):
     """Run PipeFusion on ranks 0 … degree-1 of the world (the others idle); return rank 0's final latents of the
-    last request plus every rank's byte counters."""
+    last request plus every rank's byte counters. ``on_stage(stage)``: called once the rank's stage is built."""
     rank = dist.get_rank()
     if rank >= degree:
         return None
@@ -61,6 +62,8 @@ def run_engine(
         skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
     )
     stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, rank)
+    if on_stage is not None:
+        on_stage(stage)
     channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=max_inflight, device=torch.device("cpu"))
     engine = PipeFusionEngine(
         stage,

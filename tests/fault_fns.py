@@ -35,3 +35,23 @@ def build_errors(folder, kwargs_list):
         except Exception as err:  # noqa: BLE001
             results.append((type(err).__name__, str(err)))
     return results
+
+
+def passes_until_the_fault(spec: str, placement: str, timeout_s: float):
+    """PipeFusion on the tiny model (2 ranks, 2 patches, warm-up 1, CFG) with ``spec`` armed; every rank records
+    the (B, tokens, hidden) shape of each pass of its first block, in a hook registered before the fault's.
+    Returns (error type, message, shapes)."""
+    from tests.engine_fns import run_engine
+    from xfuse.faults import install
+
+    shapes = []
+
+    def arm(stage):
+        stage.blocks[stage.block_ids[0]].register_forward_pre_hook(lambda module, args: shapes.append(args[0].shape))
+        install(stage, dist.get_rank(), spec)
+
+    try:
+        run_engine(2, placement, 2, 1, steps=4, timeout_s=timeout_s, on_stage=arm)
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return type(err).__name__, str(err), [tuple(shape) for shape in shapes]
+    return None, None, [tuple(shape) for shape in shapes]

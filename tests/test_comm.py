@@ -57,6 +57,21 @@ def test_error_message_names_the_operation_and_pickles():
     assert isinstance(err, CommError) and isinstance(err, RuntimeError)
 
 
+@pytest.mark.parametrize(
+    "step, patch, part, where",
+    [
+        (3, 1, None, "step 3, patch 1"),
+        (0, None, None, "step 0, whole image"),
+        (0, None, 1, "step 0, whole image, batch part 1"),  # a warm-up step streamed in batch parts
+    ],
+)
+def test_error_message_says_where_in_the_schedule(step, patch, part, where):
+    err = CommTimeout.for_op(what="timed out after 5.0 s", **{**FIELDS, "step": step, "patch": patch, "part": part})
+    assert str(err).endswith(f"from rank 0 timed out after 5.0 s at {where}")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.step, back.patch, back.part) == (step, patch, part) and str(back) == str(err)
+
+
 def test_backend_errors_are_classified():
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:42917. This is typically caused ...")
     lost = error_from_backend(closed, timeout_s=5.0, **FIELDS)
@@ -272,8 +287,10 @@ def test_unmatched_ops_time_out_with_a_full_message():
     err = r2["error"]
     assert type(err) is CommTimeout and r2["elapsed"] < timeout_s + 1.0
     assert str(err) == (
-        "rank 2: send of skip (2, 4, 8) bfloat16, 128 bytes, to rank 1 timed out after 1.0 s at step 7, patch 0"
+        "rank 2: send of skip (2, 4, 8) bfloat16, 128 bytes, to rank 1 timed out after 1.0 s "
+        "at step 7, whole image, batch part 1"
     )
+    assert (err.patch, err.part) == (None, 1) and "step 7 patch None part 1  failed in" in err.op_log
 
 
 def test_stream_ordered_waits_are_bounded_by_the_watchdog(tmp_path):
@@ -287,12 +304,12 @@ def test_stream_ordered_waits_are_bounded_by_the_watchdog(tmp_path):
             got = pickle.load(fh)
         err = got["error"]
         assert type(err) is CommTimeout
-        patch = "step 3, patch 1" if rank == 0 else "step 7, patch 0"
+        patch = "step 3, patch 1" if rank == 0 else "step 7, whole image, batch part 1"
         assert str(err) == f"rank {rank}: {op} timed out after 1.0 s at {patch}"
         # the watchdog's timeout, then its grace period for the main thread (0.5 s), then on_stuck
         assert timeout_s + 0.5 <= got["elapsed"] < timeout_s + 1.5
         assert "FAILED" in err.op_log
-        assert got["state"].startswith("waiting 1.") and " rank 1 at step" in got["state"]
+        assert got["state"].startswith("waiting 1.") and got["state"].endswith(f" rank 1 at {patch}")
 
 
 def test_killed_peer_is_reported_quickly():

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tests.fault_fns import build_errors, start_with_config
+from tests.fault_fns import build_errors, passes_until_the_fault, start_with_config
 from tests.pipeline_fns import run_calls
 from tests.reports import REPORT, at, parse_reports
 from xfuse.health import LEFT, TERMINATED_KEY, FailureMonitor
@@ -119,6 +119,25 @@ def test_exception_in_a_forward_stops_every_rank_naming_it(tmp_path, degree):
     for _, text in reports.values():
         assert "RuntimeError: injected fault: rank 1 raised in its forward at step 1" in text, text
     assert "xfuse generate: rank 1: error: RuntimeError: injected fault" in stderr
+
+
+# The tiny model at 128 x 96 px: 8 x 6 = 48 tokens, 2 patches of 24; CFG's batch of 2 streamed in 2 parts of 1
+# row in the warm-up step (degree 2). The fault must fire on its step's first pass however many passes a step takes.
+WARMUP_PARTS, PATCHES = [(1, 48)] * 2, [(2, 24)] * 2
+
+
+@pytest.mark.parametrize(
+    "step, placement, passes, place",
+    [
+        (0, "linear", WARMUP_PARTS[:1], "step 0, whole image, batch part 0"),
+        (2, "folded", WARMUP_PARTS + PATCHES + PATCHES[:1], "step 2, patch 0"),
+    ],
+)
+def test_a_fault_fires_on_its_steps_first_pass(step, placement, passes, place):
+    with World(2) as world:
+        _, (error_type, message, shapes) = world.run_ok(passes_until_the_fault, f"raise:1:{step}", placement, 2.0)
+    assert error_type == "RuntimeError" and message == f"injected fault: rank 1 raised in its forward at {place}"
+    assert [shape[:2] for shape in shapes] == passes  # the last pass recorded is the one the fault fired in
 
 
 @pytest.mark.parametrize("degree", [2, 4])

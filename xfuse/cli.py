@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
     if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/faults.py
         from xfuse.faults import install
 
-        install(pipe.stage, par.warmup_steps, par.resolved_num_patches, pipe.context.rank)
+        install(pipe.stage, pipe.context.rank)
     if args.trace:
         pipe.enable_trace()
     start = time.perf_counter()

@@ -22,6 +22,7 @@ __all__ = [
     "PeerLost",
     "InflightLimitError",
     "describe_op",
+    "describe_place",
     "error_from_backend",
 ]
 
@@ -37,6 +38,13 @@ def describe_op(*, rank, op, kind, shape, dtype, nbytes, peer) -> str:
         f"rank {rank}: {op} of {kind} {tuple(shape) if shape is not None else '?'} {_dtype_name(dtype)}, "
         f"{nbytes} bytes, {direction} rank {peer}"
     )
+
+
+def describe_place(step, patch, part=None) -> str:
+    """Where in the schedule: ``step 3, patch 1``, ``step 0, whole image``, ``step 0, whole image, batch part 1``
+    (a whole-image step streamed in batch parts, see ``xfuse.parallel.schedule.batch_parts``)."""
+    where = f"step {step}, " + ("whole image" if patch is None else f"patch {patch}")
+    return where if part is None else f"{where}, batch part {part}"
 
 
 class CommError(RuntimeError):
@@ -61,24 +69,26 @@ class CommError(RuntimeError):
         nbytes: int | None = None,
         step: int | None = None,
         patch: int | None = None,
+        part: int | None = None,
         detail: str | None = None,
     ):
         super().__init__(message)
         self.rank, self.peer, self.op, self.kind = rank, peer, op, kind
         self.shape = tuple(shape) if shape is not None else None
-        self.dtype, self.nbytes, self.step, self.patch, self.detail = dtype, nbytes, step, patch, detail
+        self.dtype, self.nbytes, self.step, self.patch, self.part = dtype, nbytes, step, patch, part
+        self.detail = detail
 
     @classmethod
     def for_op(cls, *, what: str, detail: str | None = None, **fields) -> CommError:
         """Build the error with the standard message.
 
         ``what`` says what happened ("timed out after 5.0 s", "failed: peer lost");
-        ``fields`` are rank, peer, op, kind, shape, dtype, nbytes, step, patch.
+        ``fields`` are rank, peer, op, kind, shape, dtype, nbytes, step, patch, part.
         """
         msg = (
             describe_op(**{k: fields.get(k) for k in ("rank", "op", "kind", "shape", "dtype", "nbytes", "peer")})
-            + f" {what} at step {fields.get('step')}, "
-            + ("whole image" if fields.get("patch") is None else f"patch {fields.get('patch')}")
+            + f" {what} at "
+            + describe_place(fields.get("step"), fields.get("patch"), fields.get("part"))
         )
         if detail:
             msg += f": {detail}"

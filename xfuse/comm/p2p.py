@@ -62,7 +62,7 @@ import torch.distributed as dist
 from xfuse.stderr import write_stderr
 
 from .buffers import BufferSlot, RecvBufferPool
-from .errors import CommError, CommTimeout, InflightLimitError, describe_op, error_from_backend
+from .errors import CommError, CommTimeout, InflightLimitError, describe_op, describe_place, error_from_backend
 from .groups import DirectionGroups
 from .stats import OpLog, OpRecord, TrafficCounters
 from .watchdog import CommWatchdog
@@ -78,7 +78,8 @@ class Send:
     kind: str
     tensor: torch.Tensor
     step: int
-    patch: int
+    patch: int | None  # None: a whole-image step
+    part: int | None = None  # batch part of a whole-image step streamed in parts (None: the whole batch)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class Recv:
     shape: tuple
     dtype: torch.dtype
     step: int
-    patch: int
+    patch: int | None  # None: a whole-image step
+    part: int | None = None  # batch part of a whole-image step streamed in parts (None: the whole batch)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -129,7 +131,7 @@ class _Pending:
 
     def __repr__(self) -> str:
         r = self.record
-        where = f"{r.direction} {r.kind} peer {r.peer} step {r.step} patch {r.patch}"
+        where = f"{r.direction} {r.kind} peer {r.peer} {describe_place(r.step, r.patch, r.part)}"
         return f"<{type(self).__name__} {where}: {self.state}>"
 
 
@@ -275,14 +277,14 @@ class P2PChannels:
         recv_handles: list[PendingRecv] = []
         send_handles: list[PendingSend] = []
         for r, slot in zip(recvs, slots):
-            rec = OpRecord("recv", r.kind, r.peer, r.shape, r.dtype, slot.tensor.nbytes, r.step, r.patch, now)
+            rec = OpRecord("recv", r.kind, r.peer, r.shape, r.dtype, slot.tensor.nbytes, r.step, r.patch, now, r.part)
             h = PendingRecv(self, None, rec, slot)
             group = self.groups.group_for(r.peer, self.rank)
             posted.append((group, dist.P2POp(dist.irecv, slot.tensor, r.peer, group), h))
             recv_handles.append(h)
         for s in sends:
             t = s.tensor
-            rec = OpRecord("send", s.kind, s.peer, tuple(t.shape), t.dtype, t.nbytes, s.step, s.patch, now)
+            rec = OpRecord("send", s.kind, s.peer, tuple(t.shape), t.dtype, t.nbytes, s.step, s.patch, now, s.part)
             h = PendingSend(self, None, rec, t)
             group = self.groups.group_for(self.rank, s.peer)
             posted.append((group, dist.P2POp(dist.isend, t, s.peer, group), h))
@@ -331,11 +333,10 @@ class P2PChannels:
         if waiting is None:
             return None
         r, since = waiting
-        patch = "whole image" if r.patch is None else f"patch {r.patch}"
         preposition = "from" if r.direction == "recv" else "to"
         return (
             f"waiting {time.monotonic() - since:.1f} s: {r.direction} of {r.kind} {preposition} rank {r.peer} "
-            f"at step {r.step}, {patch}"
+            f"at {describe_place(r.step, r.patch, r.part)}"
         )
 
     def format_op_log(self) -> str:
@@ -363,7 +364,7 @@ class P2PChannels:
         if not t.is_contiguous():
             raise ValueError(
                 f"rank {self.rank}: send of {s.kind} {tuple(t.shape)} to rank {s.peer} "
-                f"at step {s.step}, patch {s.patch}: "
+                f"at {describe_place(s.step, s.patch, s.part)}: "
                 "tensor is not contiguous; call .contiguous() where a copy is intended"
             )
 
@@ -384,9 +385,9 @@ class P2PChannels:
                             nbytes=_nbytes(r.shape, r.dtype),
                             peer=r.peer,
                         )
-                        + f" at step {r.step}, patch {r.patch} would be receive #{busy + 1} outstanding on channel "
-                        f"(peer {r.peer}, {r.kind!r}), but max_inflight={self.max_inflight}: release() the buffers "
-                        "of earlier receives first. This is a scheduling bug; nothing was posted."
+                        + f" at {describe_place(r.step, r.patch, r.part)} would be receive #{busy + 1} outstanding "
+                        f"on channel (peer {r.peer}, {r.kind!r}), but max_inflight={self.max_inflight}: release() the "
+                        "buffers of earlier receives first. This is a scheduling bug; nothing was posted."
                     )
                 slots.append(self._pool.acquire(r.peer, r.kind, r.shape, r.dtype))
         except BaseException:
@@ -421,6 +422,7 @@ class P2PChannels:
             nbytes=r.nbytes,
             step=r.step,
             patch=r.patch,
+            part=r.part,
         )
 
     def _wait(self, h: _Pending) -> None:

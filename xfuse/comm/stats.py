@@ -68,8 +68,9 @@ class OpRecord:
     dtype: torch.dtype
     nbytes: int
     step: int
-    patch: int
+    patch: int | None  # None: a whole-image step
     t_post: float
+    part: int | None = None  # batch part of a whole-image step streamed in parts
     t_done: float | None = None
     status: str = "posted"
 
@@ -79,6 +80,7 @@ class OpRecord:
         head = (
             f"{self.t_post - now:+9.3f}s {self.direction:4} {self.kind:<8} {arrow} rank {self.peer:<3} "
             f"{str(self.shape):<18} {dtype:<9} {self.nbytes:>10} B  step {self.step} patch {self.patch}"
+            + ("" if self.part is None else f" part {self.part}")
         )
         if self.t_done is None:
             return f"{head}  {self.status.upper()} for {now - self.t_post:.3f} s"

@@ -204,12 +204,12 @@ class _Run:
         sends, send_owner = [], []
         for task in send_tasks:
             for m, tensor in self.outgoing.pop(task, {}).items():
-                sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch))
+                sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch, m.part))
                 send_owner.append(task)
         recvs, posted = [], []
         for task in post_tasks:
             for m in self.recv_msgs[task]:
-                recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch))
+                recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch, m.part))
                 posted.append(m)
         if not sends and not recvs:
             return
