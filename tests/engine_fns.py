@@ -97,7 +97,7 @@ def inject_unrefreshed_kv(monkeypatch) -> None:
     def update_without_refresh(cache, layer, key, value):
         if cache.tokens is None:
             return original(cache, layer, key, value)
-        k, v = cache._buffers(layer, key, cache.num_tokens)
+        k, v = cache._buffers(layer, key, key.shape[0])  # the buffers the warm-up step filled: (B, heads, tokens, D)
         return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
 
     monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)
