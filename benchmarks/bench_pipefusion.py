@@ -60,13 +60,13 @@ _LOOP: dict = {}  # in a rank process: the model, engine and grid that setup_loo
 
 def setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers=None) -> None:
     """On every rank: build the model (deterministic; ``layers`` overrides the preset's block count), its stage and
-    engine, and keep them for ``time_loop_rank``; pin the rank to its own core (as a GPU per rank) and freeze the
-    start-up heap as the CLI does."""
+    engine, and keep them for ``time_loop_rank``; pin the rank to its own core (as a GPU per rank); freeze the
+    start-up heap and keep freed memory as the CLI does (``xfuse.heap``)."""
     import torch
     import torch.distributed as dist
 
     from xfuse.comm.p2p import P2PChannels
-    from xfuse.launch import freeze_startup_heap
+    from xfuse.heap import freeze_startup_heap, keep_freed_heap
     from xfuse.models.hunyuandit import HunyuanDiTStage
     from xfuse.models.registry import HUNYUANDIT
     from xfuse.models.tiny import build_tiny_pipeline
@@ -89,6 +89,7 @@ def setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers
     grid = patch_grid(size // 8, size // 8, num_patches, 2)
     _LOOP.update(pipe=pipe, stage=stage, channels=channels, engine=engine, size=size, grid=grid)
     freeze_startup_heap()  # as xfuse generate / serve ranks do after loading
+    keep_freed_heap()
 
 
 def time_loop_rank(steps: int, trace: bool = False) -> dict:

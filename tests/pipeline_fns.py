@@ -120,14 +120,16 @@ def check_against_diffusers(per_rank, calls, reference, base, *, output_class, c
 
 
 def heap_after_build_pipeline(config_path):
-    """``xfuse.launch.build_pipeline`` on this rank; returns (objects it froze, objects the collector still tracks)
-    and unfreezes them again (the world serves other tests)."""
+    """``xfuse.launch.build_pipeline`` on this rank; returns (objects it froze, objects the collector still tracks,
+    the page faults of block passes after it: ``tests.heap_child.block_pass_faults``) and unfreezes the objects
+    again (the world serves other tests)."""
     import gc
 
+    from tests.heap_child import block_pass_faults
     from xfuse.config import load_config
     from xfuse.launch import build_pipeline
 
     build_pipeline(load_config(config_path, []))
     frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())
     gc.unfreeze()
-    return frozen, tracked
+    return frozen, tracked, block_pass_faults()

@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-import gc
 from typing import TYPE_CHECKING, Any
 
 from xfuse.config import XfuseConfig
 from xfuse.health import flatten
+from xfuse.heap import freeze_startup_heap, keep_freed_heap
 
 if TYPE_CHECKING:
     from xfuse.models.registry import ModelSpec
@@ -37,21 +37,8 @@ def build_pipeline(config: XfuseConfig, *, sections: tuple[str, ...] = ("generat
     else:
         pipe = pipeline_class.from_pretrained(resolve_model(config.model), torch_dtype=dtype, **common)
     freeze_startup_heap()
+    keep_freed_heap()
     return pipe
-
-
-def freeze_startup_heap() -> None:
-    """Exempt everything alive now (the libraries, the model's modules) from Python's garbage collector.
-
-    After torch, transformers and diffusers are imported and a pipeline is loaded, a full collection walks some
-    400,000 objects: 150 ms on one core of the CPU machine of the README, and the collector runs one in the middle
-    of a denoising loop every few requests, on whichever rank it likes. A pause on one rank stalls every rank
-    behind it in the pipeline. Frozen objects are never scanned again (``gc.freeze``; vLLM's engine does the same
-    after start-up), so later collections only see what requests create. Only for processes xfuse owns (the CLI
-    and the server's ranks): the pipeline classes leave a user's own process alone.
-    """
-    gc.collect()  # what start-up left as garbage is freed, not frozen
-    gc.freeze()
 
 
 def default_size(config: XfuseConfig) -> tuple[int, int]:
