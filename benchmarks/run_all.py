@@ -9,8 +9,9 @@ processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch
 1. degree-1 xfuse vs diffusers' ``HunyuanDiTPipeline`` (whole ``__call__``, same model and settings);
 2. denoising loop at degree 2 (folded, linear; M = 2, warm-up 1, the first call included) vs degree 1 (ideal
    20 / (3/4 + 19/2) = 1.95x, ``ideal_speedup``), on ``small`` and on ``small`` with half its blocks (8), the
-   degrees timed in turns (``interleaved_loops``: drift falls on both sides of a ratio); and the engine's own time
-   per task (everything in the loop but the model's compute and the waits on messages) from one traced run per rank;
+   degrees timed in turns (``interleaved_loops``: drift falls on both sides of a ratio), with degree 1 also run as
+   degree 2's patches (M = 2, one process: what patch passes cost by themselves); and the engine's own time per
+   task (everything in the loop but the model's compute and the waits on messages) from one traced run per rank;
 3. bytes sent per denoising step per rank, folded, balanced and linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
    1024 px; scaled to hidden 1408), from the comm counters;
 4. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
@@ -41,6 +42,7 @@ from benchmarks.bench_pipefusion import (  # noqa: E402
 )
 
 SIZE = 512
+PATCHES = "1-patches"  # denoising_loop's key of degree 1 run as degree 2's patches (M = 2)
 
 
 def pipeline_call_rank(repeats: int, steps: int) -> dict:
@@ -139,12 +141,17 @@ def denoising_loop(args) -> dict:
             for degree, placement in ((1, "folded"), (2, "folded"), (2, "linear"))
             if not (layers is not None and placement == "linear")  # the half model's figure: default placement
         }
+        # Degree 2's passes in one process (M = 2): what patches cost by themselves, apart from the second rank.
+        configs[PATCHES] = (1, ("small", "folded", 2, 1, SIZE, layers))
         measured = interleaved_loops(configs, args.repeats, args.steps, trace=True, timeout=7200)
+        same_passes = speedups(measured, PATCHES)
         rows = {}
         for key, row in speedups(measured, "1").items():
             rows[key] = dict(
                 **row, peak_rss_mib=measured[key]["peak_rss_mib"], engine_time=measured[key]["engine_time"] or [None]
             )
+            if key.startswith("2-"):
+                rows[key]["over_patches"] = {k: same_passes[key][k] for k in ("speedup", "round_speedups")}
             print(f"loop {model} {key}: {row['median']:.2f} s, {row['speedup']:.2f}x", flush=True)
         loops[model] = rows
     return loops
@@ -257,9 +264,13 @@ def markdown(r: dict) -> str:
     for model, rows in r["denoising_loop"].items():
         for key, row in rows.items():
             rss = " / ".join(f"{m:.0f} MiB" for m in row["peak_rss_mib"])
-            where = "degree 1" if key == "1" else f"degree {key.replace('-', ', ')}"
+            where = {"1": "degree 1", PATCHES: "degree 1, M = 2"}.get(key, f"degree {key.replace('-', ', ')}")
             pairs = row.get("round_speedups") or [row["speedup"]]
             speedup = f"{row['speedup']:.2f}x ({min(pairs):.2f}–{max(pairs):.2f})"
+            if "over_patches" in row:  # the second rank's own gain: over degree 1 on the same patches
+                over = row["over_patches"]
+                speedup += f"; {over['speedup']:.2f}x over M = 2 ({min(over['round_speedups']):.2f}–"
+                speedup += f"{max(over['round_speedups']):.2f})"
             out.append(f"| {model}, {where} | {fmt(row)} | {speedup} | {rss} |")
     out += [
         "",
