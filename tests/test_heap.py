@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.heap_child import SETTLE
+
 glibc_only = pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="keep_freed_heap tunes glibc's malloc; elsewhere it is a no-op"
 )
@@ -25,7 +27,7 @@ def test_keep_freed_heap_stops_the_page_faults_of_every_pass():
     (default_out, default_err), (keep_out, keep_err) = default.communicate(timeout=120), keep.communicate(timeout=120)
     assert default.returncode == 0, default_err
     assert keep.returncode == 0, keep_err
-    default_faults, keep_faults = json.loads(default_out)[2:], json.loads(keep_out)[2:]  # 2 to settle in
+    default_faults, keep_faults = json.loads(default_out)[SETTLE:], json.loads(keep_out)[SETTLE:]
     # The premise: left to glibc's defaults, a pass maps thousands of pages afresh (4,436 per pass here: 17 MiB
     # of activations of 1 to 9 MiB each, zeroed by the kernel).
     assert statistics.median(default_faults) > 1000, default_faults

@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import HunyuanDiTPipeline
 
+from tests.heap_child import SETTLE
 from tests.pipeline_fns import (
     changing_callback,
     heap_after_build_pipeline,
@@ -112,7 +113,7 @@ def test_the_cli_pipeline_leaves_the_start_up_heap_to_no_collection(world2):
         assert frozen > 100_000, frozen  # torch, transformers, diffusers and the model's modules
         assert tracked < frozen / 20, (tracked, frozen)
         if platform.libc_ver()[0] == "glibc":
-            assert statistics.median(faults[2:]) < 100, faults
+            assert statistics.median(faults[SETTLE:]) < 100, faults
 
 
 def check_against_diffusers(per_rank, calls, reference, atol=1e-4):
