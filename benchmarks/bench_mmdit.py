@@ -28,7 +28,7 @@ def bench_rank(preset, degree, steps, size, repeats):
     """On every rank: build the preset (deterministic), time ``repeats`` calls; rank 0 returns the wall times."""
     import torch
 
-    from xfuse.models.registry import load_pipeline, model_spec
+    from xfuse.families.registry import load_pipeline, model_spec
 
     torch.set_num_threads(1)
     parallel = {"pipefusion_degree": degree, "num_patches": 2, "warmup_steps": 1, "placement": "linear"}
@@ -53,7 +53,7 @@ def bench_rank(preset, degree, steps, size, repeats):
 
 def main():
     from benchmarks.bench_pipefusion import ideal_speedup
-    from xfuse.testing.world import World
+    from tests.support.world import World
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)

@@ -61,18 +61,18 @@ _LOOP: dict = {}  # in a rank process: the model, engine and grid that setup_loo
 def setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers=None) -> None:
     """On every rank: build the model (deterministic; ``layers`` overrides the preset's block count), its stage and
     engine, and keep them for ``time_loop_rank``; pin the rank to its own core (as a GPU per rank); freeze the
-    start-up heap and keep freed memory as the CLI does (``xfuse.heap``)."""
+    start-up heap and keep freed memory as the CLI does (``xfuse.runtime.heap``)."""
     import torch
     import torch.distributed as dist
 
     from xfuse.comm.p2p import P2PChannels
-    from xfuse.heap import freeze_startup_heap, keep_freed_heap
-    from xfuse.models.hunyuandit import HunyuanDiTStage
-    from xfuse.models.registry import HUNYUANDIT
-    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.families.hunyuandit.presets import build_tiny_pipeline
+    from xfuse.families.hunyuandit.stage import HunyuanDiTStage
+    from xfuse.families.registry import HUNYUANDIT
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
     from xfuse.parallel.stage_plan import stage_plan
+    from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
     rank = dist.get_rank()
     if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
@@ -101,8 +101,8 @@ def time_loop_rank(steps: int, trace: bool = False) -> dict:
 
     import torch.distributed as dist
 
+    from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs
     from xfuse.parallel.trace import Tracer, engine_time
-    from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs
 
     pipe, stage, channels, size = _LOOP["pipe"], _LOOP["stage"], _LOOP["channels"], _LOOP["size"]
     inputs = prepare_inputs(pipe, height=size, width=size, num_inference_steps=steps)
@@ -134,7 +134,7 @@ def bench_rank(preset, degree, placement, num_patches, warmup, steps, size, repe
 
 
 def run_world(degree, *args, timeout=3600, **kwargs):
-    from xfuse.testing.world import World
+    from tests.support.world import World
 
     with World(degree, threads_per_rank=1, start_timeout=600) as world:
         return world.run_ok(bench_rank, *args, timeout=timeout, **kwargs)
@@ -157,7 +157,7 @@ def interleaved_loops(configs: dict, repeats: int, steps: int, *, trace: bool = 
     """
     import contextlib
 
-    from xfuse.testing.world import World
+    from tests.support.world import World
 
     rows = {}
     with contextlib.ExitStack() as stack:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
-from tests.serve_fns import ServedWorld, poll_health  # noqa: E402 - the same launcher the tests use
+from tests.support.serve_fns import ServedWorld, poll_health  # noqa: E402 - the same launcher the tests use
 
 
 def _summary(values: list[float]) -> dict:

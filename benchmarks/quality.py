@@ -5,8 +5,8 @@ prompt, and how close is it to the serial image?
     python benchmarks/quality.py --quick    # 4 prompts, 2 configurations
     python benchmarks/quality.py --models shapes-pixart
 
-For a fixed set of prompts (``xfuse.shapes.scoring_scenes``: every colour x shape x background once, positions
-cycling) and seeds (prompt i uses seed i), 256 px, 20 steps, guidance 5, CFG:
+For a fixed set of prompts (``xfuse.assets.shapes_world.scoring_scenes``: every colour x shape x background once,
+positions cycling) and seeds (prompt i uses seed i), 256 px, 20 steps, guidance 5, CFG:
 
 * serial: diffusers' own pipeline (``HunyuanDiTPipeline``, ``PixArtSigmaPipeline``) on the shipped folder;
 * xfuse exact mode at degree 2 (every step synchronous: ``warmup_steps = num_inference_steps``);
@@ -24,14 +24,17 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
 import torch
 
-from xfuse import shapes
-from xfuse.models.registry import SHIPPED_MODELS, load_pipeline, model_spec
-from xfuse.testing.world import World
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests.support
+
+from tests.support.world import World  # noqa: E402
+from xfuse.assets import shapes_world as shapes  # noqa: E402
+from xfuse.families.registry import SHIPPED_MODELS, load_pipeline, model_spec  # noqa: E402
 
 CALL = shapes.SCORING_CALL
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

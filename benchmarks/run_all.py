@@ -51,7 +51,7 @@ def pipeline_call_rank(repeats: int, steps: int) -> dict:
 
     import torch
 
-    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.families.hunyuandit.presets import build_tiny_pipeline
     from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
 
     call = dict(
@@ -85,13 +85,13 @@ def distance_rank(steps: int) -> dict:
     """Pipelined vs serial on one rank (the result depends on M and W only, not on the degree)."""
     import torch
 
-    from xfuse.models.hunyuandit import HunyuanDiTStage
-    from xfuse.models.registry import HUNYUANDIT
-    from xfuse.models.tiny import build_tiny_pipeline
+    from xfuse.families.hunyuandit.presets import build_tiny_pipeline
+    from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs, swap_scheduler
+    from xfuse.families.hunyuandit.stage import HunyuanDiTStage
+    from xfuse.families.registry import HUNYUANDIT
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
     from xfuse.parallel.stage_plan import stage_plan
-    from xfuse.testing.hunyuan import prepare_inputs, request_from_inputs, swap_scheduler
 
     pipe = swap_scheduler(build_tiny_pipeline("small", seed=0), "DDIMScheduler")
     plan = stage_plan(
@@ -120,7 +120,7 @@ def distance_rank(steps: int) -> dict:
 
 
 def degree1_vs_diffusers(args) -> dict:
-    from xfuse.testing.world import World
+    from tests.support.world import World
 
     with World(1, threads_per_rank=1, start_timeout=600) as world:
         calls = world.run_ok(pipeline_call_rank, args.repeats, args.steps, timeout=7200)[0]
@@ -191,7 +191,7 @@ def dit_g2_memory(args) -> dict:
 
 
 def pipelined_distance(args) -> dict:
-    from xfuse.testing.world import World
+    from tests.support.world import World
 
     with World(1, threads_per_rank=1, start_timeout=600) as world:
         return world.run_ok(distance_rank, args.steps, timeout=7200)[0]

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from xfuse.models.tiny import save_tiny_pipeline
+    from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 
     os.makedirs(args.log_dir, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONFAULTHANDLER": "1"}

@@ -26,9 +26,9 @@ import os
 
 import torch
 
-from xfuse.models import PRESET_MODELS, load_pipeline
-from xfuse.models.tiny_flux import DEFAULT_SIZE
-from xfuse.pipelines.flux import PipeFusionFluxPipeline
+from xfuse.families.flux.pipeline import PipeFusionFluxPipeline
+from xfuse.families.flux.presets import DEFAULT_SIZE
+from xfuse.families.registry import PRESET_MODELS, load_pipeline
 
 # The test-sized presets get a small image (a CPU demo); a folder or a released-shape preset gets 1024 px.
 DEMO_SIZE = (128, 96)  # width, height: multiples of 16 px (VAE factor 8 x 2x2 packing)

@@ -16,14 +16,14 @@ import sys
 import torch
 
 from xfuse import PipeFusionHunyuanDiTPipeline  # xfuse (1/2)
-from xfuse.config import PRESET_MODELS
+from xfuse.families.registry import PRESET_MODELS
 
 path = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 dtype = torch.float16 if torch.cuda.is_available() else torch.float32
 parallel = {"pipefusion_degree": int(os.environ.get("WORLD_SIZE", "1"))}
 
 if path in PRESET_MODELS:  # the built-in model is built in memory instead of loaded from a folder
-    from xfuse.models import load_pipeline
+    from xfuse.families.registry import load_pipeline
 
     pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(path, dtype), parallel=parallel)
 else:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from xfuse import PipeFusionHunyuanDiTPipeline
-from xfuse.config import PRESET_MODELS
+from xfuse.families.registry import PRESET_MODELS
 
 
 def main():
@@ -46,7 +46,7 @@ def main():
     )
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if args.model in PRESET_MODELS:
-        from xfuse.models import load_pipeline
+        from xfuse.families.registry import load_pipeline
 
         pipe = PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(args.model, dtype), parallel=parallel)
     else:

@@ -18,7 +18,7 @@ import os
 import torch
 
 from xfuse import PipeFusionPixArtSigmaPipeline
-from xfuse.models import PRESET_MODELS, load_pipeline
+from xfuse.families.registry import PRESET_MODELS, load_pipeline
 
 
 def main():

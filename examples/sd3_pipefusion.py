@@ -19,9 +19,9 @@ import os
 
 import torch
 
-from xfuse.models import PRESET_MODELS, load_pipeline
-from xfuse.models.tiny_sd3 import DEFAULT_SIZE
-from xfuse.pipelines.sd3 import PipeFusionStableDiffusion3Pipeline
+from xfuse.families.registry import PRESET_MODELS, load_pipeline
+from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
+from xfuse.families.sd3.presets import DEFAULT_SIZE
 
 # The test-sized presets get a small image (a CPU demo); a folder or a released-shape preset gets 1024 px.
 DEMO_SIZE = (128, 96)  # width, height: multiples of 16 px (VAE factor 8 x patch size 2)

@@ -7,8 +7,8 @@
 
 Stages (each logged with its time and losses, seed fixed):
 
-1. the attribute classifier on rendered scenes (``xfuse.shapes``), lightly blurred and noised so it also reads
-   decoded images;
+1. the attribute classifier on rendered scenes (``xfuse.assets.shapes_world``), lightly blurred and noised so it also
+   reads decoded images;
 2. a small ``AutoencoderKL`` (four levels: scale factor 8, as both pipelines assume) on 64x64 crops of the scenes
    (it is convolutional: it runs on 256 px afterwards), then its ``scaling_factor`` from the latents' std;
    ``--vae-from`` takes both from an earlier run instead (the two families share one VAE and one classifier);
@@ -18,8 +18,8 @@ Stages (each logged with its time and losses, seed fixed):
    feeds as the negative prompt for guidance).
 
 Never run by CI: the shipped weights are its output. Text encoders and tokenizers are the tiny ones of
-``xfuse.models.tiny`` (random, frozen), sized by the transformer config; PixArt-Σ's tokenizer also holds every word
-of the captions' grammar (``shapes.VOCABULARY``) as one token (each family's ``extra_words`` says why).
+``xfuse.families.common.presets`` (random, frozen), sized by the transformer config; PixArt-Σ's tokenizer also holds
+every word of the captions' grammar (``shapes.VOCABULARY``) as one token (each family's ``extra_words`` says why).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 import torch
 from torch import nn
 
-from xfuse import shapes
-from xfuse.models.tiny import build_tiny_pipeline
+from xfuse.assets import shapes_world as shapes
+from xfuse.families.hunyuandit.presets import build_tiny_pipeline
 
 MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "xfuse", "models")
 
@@ -193,7 +193,7 @@ class PixArtSigmaFamily:
     def build(self, seed: int):
         from diffusers import DPMSolverMultistepScheduler
 
-        from xfuse.models.tiny_pixart import build_preset_pipeline
+        from xfuse.families.pixart.presets import build_preset_pipeline
 
         pipe = build_preset_pipeline("pixart-tiny", seed, extra_words=self.extra_words, **self.transformer)
         # v-prediction, not PixArt-Σ's epsilon: DPM-Solver++ steps on the model's x0 estimate, which epsilon turns

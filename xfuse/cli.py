@@ -9,7 +9,7 @@ import time
 import traceback
 
 from xfuse.config import ConfigError, load_config
-from xfuse.stderr import write_stderr
+from xfuse.runtime.stderr import write_stderr
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def cmd_plan(args) -> int:
 
 def cmd_generate(args) -> int:
     """Generate one image. Under torchrun every rank runs this; rank 0 writes the PNG and reports."""
-    from xfuse.launch import build_pipeline, default_size, image_call_kwargs
+    from xfuse.build import build_pipeline, default_size, image_call_kwargs
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
     config = load_config(args.config, overrides)
@@ -45,7 +45,7 @@ def cmd_generate(args) -> int:
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
     if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/faults.py
-        from xfuse.faults import install
+        from xfuse.runtime.faults import install
 
         install(pipe.stage, pipe.context.rank)
     if args.trace:
@@ -90,10 +90,10 @@ def cmd_generate(args) -> int:
 
 
 def _shutdown_or_exit(code: int) -> int:
-    """Tear down what xfuse started (``xfuse.distributed.shutdown``: monitor -> channels -> groups) and return
+    """Tear down what xfuse started (``xfuse.runtime.world.shutdown``: monitor -> channels -> groups) and return
     ``code``. If the monitor's thread cannot be joined (stuck in a store call), leave now with ``os._exit(code)``:
     finalizing the interpreter under that thread is what aborts a finished run with SIGABRT."""
-    distributed = sys.modules.get("xfuse.distributed")  # never imported: nothing was started (plan)
+    distributed = sys.modules.get("xfuse.runtime.world")  # never imported: nothing was started (plan)
     if distributed is not None and not distributed.shutdown():
         sys.stdout.flush()
         sys.stderr.flush()

@@ -9,7 +9,7 @@ message reads ``<dotted.key>: <what is wrong and what is allowed> (got <repr>)``
 
 YAML layout (every key optional)::
 
-    model: tiny                      # local diffusers folder, a preset (registry.PRESET_MODELS), or shapes
+    model: tiny                      # local diffusers folder, a preset (xfuse.families.registry), or shapes
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
                placement: null, stage_split: null}   # placement null: the model family's default
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
@@ -21,8 +21,9 @@ YAML layout (every key optional)::
                max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
                heartbeat_timeout_s: 2.0}   # xfuse serve only; generation holds the requests' defaults
 
-Checks that need the world size or the model (block count, patch size, image size) live in :func:`check_world`,
-which the launcher runs once before any communication.
+Checks that need the model (block count, patch size, image size) are its family's (``ModelSpec.check_layout``), and
+the world size is checked where the world is joined (``xfuse.runtime.world.init_parallel``); both run before any
+communication.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ from typing import Any, ClassVar
 import yaml
 
 from xfuse.errors import ConfigError
-from xfuse.models.registry import PRESET_MODELS, ModelSpec
-from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.stage_plan import PLACEMENTS
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,7 +196,7 @@ class ParallelConfig(_Section):
     ``stage_split`` lists block counts per chunk, one entry per PipeFusion rank: for ``folded`` the chunk sizes of the
     first half of the blocks (the mirrored chunks of the second half are equal), for ``linear`` and ``balanced`` the
     blocks per rank (``balanced``: at least 2 each; the planner splits each rank's blocks between the way out and
-    the way back). Whether the split fits the model's block count is checked by :func:`check_world`.
+    the way back). Whether the split fits the model's block count is checked by ``ModelSpec.check_layout``.
     """
 
     SECTION: ClassVar[str] = "parallel"
@@ -453,18 +452,6 @@ class XfuseConfig:
         """Ranks this config needs: ``pipefusion_degree * cfg_degree``."""
         return self.parallel.pipefusion_degree * self.parallel.cfg_degree
 
-    @property
-    def model_is_preset(self) -> bool:
-        """True if :attr:`model` names a built-in tiny preset rather than a local diffusers folder."""
-        return self.model in PRESET_MODELS
-
-    @property
-    def model_spec(self) -> ModelSpec:
-        """The model's family (from the preset name or the folder's ``model_index.json``)."""
-        from xfuse.models.registry import model_spec
-
-        return model_spec(self.model)
-
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, no tuples); round-trips through :func:`config_from_dict` and YAML."""
         return {"model": self.model, **{name: getattr(self, name).to_dict() for name in _SECTIONS}}
@@ -643,57 +630,6 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     return config_from_dict(apply_overrides(raw, overrides))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# World / model checks (run once, before any communication)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def check_world(
-    config: XfuseConfig | ParallelConfig,
-    *,
-    world_size: int,
-    spec: ModelSpec,
-    num_layers: int,
-    patch_size: int,
-    height: int,
-    width: int,
-) -> None:
-    """Check the config against the launched world and the loaded model; raise :class:`ConfigError` on mismatch.
-
-    ``config`` is the whole config or just its ``parallel`` section; ``spec`` the model's family. ``height``/
-    ``width`` are the image size in pixels actually requested (after resolving model defaults). The block placement
-    and the patch grid are validated by the pure planners themselves.
-    """
-    p = config.parallel if isinstance(config, XfuseConfig) else config
-    need = p.pipefusion_degree * p.cfg_degree
-    if need != world_size:
-        hint = f"launch with torchrun --nproc_per_node={need}"
-        if world_size % p.cfg_degree == 0 and 1 <= world_size // p.cfg_degree <= MAX_PIPEFUSION_DEGREE:
-            hint += f", or set parallel.pipefusion_degree={world_size // p.cfg_degree} for {world_size} ranks"
-        raise ConfigError(
-            "parallel.pipefusion_degree",
-            f"parallel.pipefusion_degree ({p.pipefusion_degree}) x parallel.cfg_degree "
-            f"({p.cfg_degree}) = {need} ranks, but the world size is {world_size}; {hint} "
-            f"(got pipefusion_degree={p.pipefusion_degree}, cfg_degree={p.cfg_degree})",
-        )
-
-    spec.skip_pairs(num_layers)  # the family's own rule on its block count
-    vae = spec.latent_scale
-    multiple = vae * patch_size
-    packing = f" x packing {spec.packing}" if spec.packing > 1 else ""
-    for name, value in (("height", height), ("width", width)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
-            lower = max(multiple, (value // multiple) * multiple) if isinstance(value, int) else multiple
-            raise ConfigError(
-                f"generation.{name}",
-                f"must be a positive multiple of {multiple} pixels (VAE factor {spec.vae_scale_factor}{packing} x "
-                f"patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
-            )
-
-    spec.plan(num_layers, p)
-    patch_grid(height // vae, width // vae, p.resolved_num_patches, patch_size)
-
-
 __all__ = [
     "BACKENDS",
     "CFG_DEGREES",
@@ -701,7 +637,6 @@ __all__ = [
     "DTYPES",
     "MAX_PIPEFUSION_DEGREE",
     "PLACEMENTS",
-    "PRESET_MODELS",
     "TOP_LEVEL_KEYS",
     "CommConfig",
     "ConfigError",
@@ -711,7 +646,6 @@ __all__ = [
     "ServeConfig",
     "XfuseConfig",
     "apply_overrides",
-    "check_world",
     "comm_config",
     "config_from_dict",
     "generation_config",

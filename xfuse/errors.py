@@ -1,4 +1,5 @@
-"""``ConfigError``, in a leaf module: the config, the planners and the CLI import it without import cycles."""
+"""The errors xfuse raises to its callers, in a leaf module: the config, the planners, the runtime and the CLI import
+it without import cycles."""
 
 
 class ConfigError(ValueError):
@@ -13,3 +14,11 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"{key}: {message}")
+
+
+class StartupMismatch(ValueError):
+    """Ranks disagree on something they must share (config, versions, model, plan)."""
+
+
+class WorldFailure(RuntimeError):
+    """This rank stopped because a rank of the world failed; the message names the first failure."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xfuse.models.registry import HUNYUANDIT
+from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
 from xfuse.parallel.stage_plan import stage_plan

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from xfuse.config import ConfigError, XfuseConfig, check_world
-from xfuse.models.registry import HUNYUANDIT, ModelSpec, transformer_config
+from xfuse.config import ConfigError, XfuseConfig
+from xfuse.families.registry import HUNYUANDIT, model_spec, transformer_config
+from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes
 from xfuse.parallel.patch_grid import patch_grid
 
@@ -39,20 +40,12 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
 
 def plan_report(config: XfuseConfig) -> dict:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
-    spec, model = config.model_spec, transformer_config(config.model)
+    spec, model = model_spec(config.model), transformer_config(config.model)
     patch_size, num_layers, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
     default = spec.default_side(model)
     height, width = config.generation.height or default, config.generation.width or default
-    check_world(
-        config,
-        world_size=config.world_size,
-        spec=spec,
-        num_layers=num_layers,
-        patch_size=patch_size,
-        height=height,
-        width=width,
-    )
+    spec.check_layout(config.parallel, num_blocks=num_layers, patch_size=patch_size, height=height, width=width)
     par = config.parallel
     plan = spec.plan(num_layers, par)
     grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size)

@@ -59,7 +59,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from xfuse.stderr import write_stderr
+from xfuse.runtime.stderr import write_stderr
 
 from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, describe_place, error_from_backend
@@ -231,7 +231,7 @@ class P2PChannels:
         self.op_log = OpLog(log_size)
         self.failure: CommError | None = None  # the first fatal error; the channels are dead after it
         self.waiting_on = None  # (record, since) while a wait blocks: the failure monitor reports it
-        self.closed = False  # set by close(): part of xfuse.distributed.shutdown, before the groups go
+        self.closed = False  # set by close(): part of xfuse.runtime.world.shutdown, before the groups go
         self._pool = RecvBufferPool(self.device)
         self.stream_ordered = self.device.type == "cuda" if stream_ordered is None else bool(stream_ordered)
         self._cuda_events = self.stream_ordered and self.device.type == "cuda"
@@ -260,7 +260,7 @@ class P2PChannels:
         if self.failure is not None:
             raise CommError(f"rank {self.rank}: channels unusable after an earlier failure: {self.failure}")
         if self.closed:
-            raise CommError(f"rank {self.rank}: channels closed (xfuse.distributed.shutdown); build a new pipeline")
+            raise CommError(f"rank {self.rank}: channels closed (xfuse.runtime.world.shutdown); build a new pipeline")
         for s in sends:
             self._check_send(s)
         for r in recvs:

@@ -15,8 +15,8 @@ gives the bound back. Each stream-ordered wait hands its operation to the watchd
   synchronisation behind the stuck operation), ``on_stuck(error)`` reports from this thread and ends the process.
 
 The thread is started by the first stream-ordered wait and stopped and joined by ``stop()`` (``P2PChannels.close``,
-called by ``xfuse.distributed.shutdown`` before the interpreter finalizes: see ``xfuse.health`` for why a thread
-must not be left inside a C++ call then).
+called by ``xfuse.runtime.world.shutdown`` before the interpreter finalizes: see ``xfuse.runtime.monitor`` for why a
+thread must not be left inside a C++ call then).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from xfuse.stderr import write_stderr
+from xfuse.runtime.stderr import write_stderr
 
 __all__ = ["CommWatchdog", "exit_on_stuck"]
 

@@ -1,7 +1,7 @@
 """The PipeFusion driver: one generic loop that runs a rank's share of the schedule.
 
 Model-agnostic: it calls a *stage* (``begin_request``, ``embed``, ``run_segment``, ``head``; see
-``xfuse.models.hunyuandit.HunyuanDiTStage``) and receives the model-specific parts of a request as callables
+``xfuse.families.hunyuandit.stage.HunyuanDiTStage``) and receives the model-specific parts of a request as callables
 (per-step conditioning, classifier-free guidance). The order of work and of every message is the pure schedule of
 ``xfuse.parallel.schedule``; this file only executes it.
 

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from xfuse.comm.p2p import Recv, Send
-from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, check_world, comm_config, parallel_config
-from xfuse.distributed import ParallelContext, init_parallel
-from xfuse.health import config_hash, handshake
-from xfuse.models.registry import ModelSpec
+from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, comm_config, parallel_config
+from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.trace import Tracer, write_trace
+from xfuse.runtime.handshake import config_hash, handshake
+from xfuse.runtime.world import ParallelContext, init_parallel
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
@@ -46,7 +46,7 @@ class PipeFusionPipelineBase:
     r"""
     A diffusers pipeline of one family run on ``cfg_degree x pipefusion_degree`` ranks with PipeFusion.
 
-    Subclasses set ``spec`` (the family's [`~xfuse.models.registry.ModelSpec`]) and ``rank0_components`` (the
+    Subclasses set ``spec`` (the family's [`~xfuse.families.registry.ModelSpec`]) and ``rank0_components`` (the
     pipeline components only global rank 0 uses), and implement `__call__` with their diffusers pipeline's
     arguments.
 
@@ -287,14 +287,8 @@ class PipeFusionPipelineBase:
         _positive_int("num_images_per_prompt", num_images_per_prompt)
         _positive_int("num_inference_steps", num_inference_steps)
         par, config = self.parallel, self.stage.config
-        check_world(
-            par,
-            world_size=self.context.world_size,
-            spec=self.spec,
-            num_layers=self.num_blocks,
-            patch_size=config.patch_size,
-            height=height,
-            width=width,
+        self.spec.check_layout(
+            par, num_blocks=self.num_blocks, patch_size=config.patch_size, height=height, width=width
         )
         if latents is not None:
             shape = self._latents_shape(batch_size * num_images_per_prompt, height, width)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from xfuse.launch import image_call_kwargs
+from xfuse.build import image_call_kwargs
 from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane
 from xfuse.serve.protocol import GenerationJob
 from xfuse.serve.service import GenerationResult, Service

@@ -20,15 +20,16 @@ import threading
 import time
 from typing import NoReturn
 
-from xfuse.config import XfuseConfig, check_world
+from xfuse.build import build_pipeline, default_size
+from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
-from xfuse.launch import build_pipeline, default_size
+from xfuse.families.registry import model_is_preset
+from xfuse.runtime.stderr import clock, write_stderr
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
 from xfuse.serve.metrics import ServeMetrics
 from xfuse.serve.protocol import RequestLimits
 from xfuse.serve.service import Service
-from xfuse.stderr import clock, write_stderr
 
 LINGER_S = 1.5  # a broken rank 0 keeps answering (503) this long, so probes and waiting clients hear why
 NAMING_WAIT_S = 2.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it)
@@ -81,7 +82,7 @@ def model_name(config: XfuseConfig) -> str:
     """The id clients use: ``serve.model_name``, else the preset's name or the model folder's name."""
     if config.serve.model_name:
         return config.serve.model_name
-    return config.model if config.model_is_preset else os.path.basename(os.path.normpath(config.model))
+    return config.model if model_is_preset(config.model) else os.path.basename(os.path.normpath(config.model))
 
 
 def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
@@ -89,14 +90,8 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
     stage = pipe.stage.config
 
     def check_size(width: int, height: int) -> None:
-        check_world(
-            pipe.parallel,
-            world_size=pipe.context.world_size,
-            spec=pipe.spec,
-            num_layers=pipe.num_blocks,
-            patch_size=stage.patch_size,
-            height=height,
-            width=width,
+        pipe.spec.check_layout(
+            pipe.parallel, num_blocks=pipe.num_blocks, patch_size=stage.patch_size, height=height, width=width
         )
 
     width, height = default_size(config)
@@ -144,7 +139,7 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
 
 
 def _exit_now(monitor, code: int) -> NoReturn:
-    """Leave without finalizing: the main thread's collectives may be half done (see xfuse.distributed)."""
+    """Leave without finalizing: the main thread's collectives may be half done (see xfuse.runtime.world)."""
     monitor.stop(timeout_s=2.0)
     sys.stdout.flush()
     sys.stderr.flush()

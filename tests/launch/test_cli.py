@@ -1,0 +1,214 @@
+"""The xfuse command line, run as a real subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ENV = dict(os.environ)  # offline: tests/conftest.py
+
+
+def xfuse(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "xfuse", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+
+
+def torchrun(*args, nproc=2, timeout=180, cwd=None):
+    """``torchrun --standalone --nproc_per_node=nproc ARGS`` (a script path, or ``-m xfuse ...``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd)
+
+
+def test_plan_prints_ranks_blocks_skips_and_bytes():
+    out = xfuse(
+        "plan",
+        "--config",
+        "configs/hunyuandit/pp2.yaml",
+        "--set",
+        "model=bytes40",
+        "--set",
+        "parallel.placement=linear",
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "route of a patch: r0[0-19] -> r1[20-39]" in text
+    assert "0->39 (r0->r1)" in text and "18->21 (r0->r1)" in text  # all 19 skips cross at linear pp=2
+    assert "sent skip" in text and "K/V buffers" in text
+
+
+def test_plan_folded_has_no_cross_rank_skips_and_uneven_patches():
+    out = xfuse(
+        "plan",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "parallel.pipefusion_degree=3",
+        "--set",
+        "parallel.num_patches=5",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "cross-rank skips: none" in out.stdout
+    assert "patches (token rows): 0:[0,4)  1:[4,7)  2:[7,10)  3:[10,13)  4:[13,16)" in out.stdout
+    assert "r0[0-2] -> r1[3-5] -> r2[6-7] -> r2[8-9] -> r1[10-12] -> r0[13-15]" in out.stdout
+
+
+def test_plan_bad_value_exits_2_naming_the_key():
+    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.num_patches=17")
+    assert out.returncode == 2
+    assert "parallel.num_patches: must be an integer from 1 to the number of token rows, 16" in out.stderr
+
+
+def test_generate_degree_1_with_plain_python(tmp_path):
+    target = tmp_path / "out.png"
+    out = xfuse(
+        "generate",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "parallel.pipefusion_degree=1",
+        "--set",
+        "generation.num_inference_steps=2",
+        "--prompt",
+        "a red house",
+        "--output",
+        str(target),
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {target}: 256x256, 2 steps" in out.stdout and "rank 0 sent 0.00 MiB (nothing)" in out.stdout
+    image = np.asarray(Image.open(target))
+    assert image.shape == (256, 256, 3) and image.std() > 0
+
+
+def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
+    target = tmp_path / "pp2.png"
+    out = torchrun(
+        "-m",
+        "xfuse",
+        "generate",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "parallel.placement=linear",
+        "--set",
+        "generation.height=192",
+        "--set",
+        "parallel.num_patches=3",
+        "--output",
+        str(target),
+        "--trace",
+        str(tmp_path / "trace.json"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"wrote {target}: 256x192" in out.stdout and "linear, 3 patches" in out.stdout
+    assert "rank 0 sent" in out.stdout and "skip" in out.stdout  # linear sends skips
+    assert np.asarray(Image.open(target)).shape == (192, 256, 3)
+    # The merged timeline: both ranks, compute spans per segment and patch that never overlap on a rank.
+    events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    for rank in (0, 1):
+        compute = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans if e["pid"] == rank and e["tid"] == 0)
+        # configs/tiny/pp2.yaml has 8 steps: 1 whole-image warm-up step in its two CFG batch parts, then 7 steps x 3
+        # patches per rank (rank 0's collect tasks, which only receive the final latents, are waits, not compute)
+        assert len(compute) == 2 + 7 * 3
+        assert [name.split(" blocks")[0] for *_, name in compute[:3]] == ["s0 whole b0", "s0 whole b1", "s1 p0"]
+        assert all(a[1] <= b[0] + 1 for a, b in zip(compute, compute[1:]))
+        waits = [e["name"] for e in spans if e["tid"] == 1 and e["pid"] == rank]  # the communication track
+        assert waits and (rank == 1 or sum(name == "recv latent from r1" for name in waits) >= 3)
+        (loop,) = [e for e in spans if e["tid"] == 2 and e["pid"] == rank]  # one denoising loop span per call
+        assert loop["ts"] <= compute[0][0] and compute[-1][1] <= loop["ts"] + loop["dur"] + 1
+
+
+def test_generate_refuses_a_world_that_does_not_match():
+    out = xfuse("generate", "--config", "configs/tiny/pp2.yaml")  # pp2 without torchrun: world size 1
+    assert out.returncode == 2
+    assert "must equal the world size (1)" in out.stderr and "torchrun --nproc_per_node=2" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
+        ("examples/from_diffusers.py", ["tiny"]),
+        ("examples/pixart_pipefusion.py", ["--model", "pixart-tiny", "--steps", "2", "--output"]),
+        ("examples/sd3_pipefusion.py", ["--model", "sd35-tiny", "--steps", "2", "--output"]),
+        (
+            "examples/flux_pipefusion.py",
+            ["--model", "flux-tiny", "--steps", "2", "--true-cfg", "2", "--negative-prompt", "dark", "--output"],
+        ),
+    ],
+)
+def test_examples_run_under_torchrun(tmp_path, script, args):
+    args = [*args, str(tmp_path / "out.png")] if args[-1] == "--output" else args
+    out = torchrun(os.path.abspath(script), *args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "wrote" in out.stdout
+    assert len(list(tmp_path.glob("*.png"))) == 1
+
+
+def test_doctor_reports_and_passes_its_self_test():
+    out = xfuse("doctor")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("xfuse 0.1.0, torch ") and "backends: gloo yes" in out.stdout
+    assert "flash-attn: " in out.stdout and "attention: torch SDPA" in out.stdout
+    assert lines[-1].startswith("self-test: 2-rank gloo p2p on loopback") and lines[-1].split(": ")[-1].startswith(
+        "PASS"
+    )
+
+
+def test_doctor_self_test_fails_on_a_missing_interface():
+    out = subprocess.run(
+        [sys.executable, "-m", "xfuse", "doctor", "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        env={**ENV, "GLOO_SOCKET_IFNAME": "nope0"},
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert "GLOO_SOCKET_IFNAME=nope0" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("self-test: 2-rank gloo p2p on loopback: FAIL")
+
+
+def test_plan_and_generate_detect_pixart_from_the_folder(tmp_path):
+    from xfuse.families.pixart.presets import save_preset_pipeline
+
+    folder = save_preset_pipeline(tmp_path / "pixart")
+    planned = xfuse("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
+    assert planned.returncode == 0, planned.stderr
+    assert "(pixart-sigma): 8 blocks" in planned.stdout and "placement linear" in planned.stdout
+    assert "cross-rank skips: none" in planned.stdout and "the T5 text is static" in planned.stdout
+    output = tmp_path / "pixart.png"
+    settings = ("parallel.pipefusion_degree=2", "generation.height=128", "generation.width=96")
+    sets = [arg for value in (*settings, "generation.num_inference_steps=3") for arg in ("--set", value)]
+    generated = torchrun("-m", "xfuse", "generate", "--set", f"model={folder}", *sets, "--output", str(output))
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert f"wrote {output}: 96x128, 3 steps" in generated.stdout and "linear" in generated.stdout
+    assert np.asarray(Image.open(output)).shape == (128, 96, 3)
+
+
+@pytest.mark.parametrize(
+    "preset, family, blocks",
+    [("sd35-tiny", "sd3", "4 blocks"), ("flux-tiny", "flux", "5 blocks")],
+)
+def test_plan_and_generate_detect_the_mmdit_families_from_the_folder(tmp_path, preset, family, blocks):
+    """SD3.5 and FLUX folders: the family from model_index.json, the text stream in the plan, a PNG under torchrun."""
+    from xfuse.families.registry import PRESET_MODELS
+
+    folder = PRESET_MODELS[preset].save_preset_pipeline(tmp_path / preset, preset)
+    planned = xfuse("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
+    assert planned.returncode == 0, planned.stderr
+    assert f"({family}): {blocks}" in planned.stdout and "placement linear" in planned.stdout
+    assert "sent text" in planned.stdout and "the text stream" in planned.stdout
+    output = tmp_path / f"{preset}.png"
+    settings = ("parallel.pipefusion_degree=2", "generation.height=128", "generation.width=96")
+    sets = [arg for value in (*settings, "generation.num_inference_steps=3") for arg in ("--set", value)]
+    generated = torchrun("-m", "xfuse", "generate", "--set", f"model={folder}", *sets, "--output", str(output))
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert f"wrote {output}: 96x128, 3 steps" in generated.stdout
+    assert np.asarray(Image.open(output)).shape == (128, 96, 3)

@@ -1,0 +1,114 @@
+"""benchmarks/gpu_suite.py: the GPU suite runs end to end here in ``--quick`` mode. Without a GPU its GPU sections
+are recorded as skipped with the reason and its CPU section (speedups with real gloo ranks) is measured; its
+Markdown renders the GPU sections' figures from a report of the same shape."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import gpu_suite
+from tests.support import REPO
+
+ROOT = str(REPO)
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(out / "gpu.json") as fh:
+        report = json.load(fh)
+    return report, (out / "gpu.md").read_text()
+
+
+def test_cpu_section_measures_speedups_with_real_ranks(quick_report):
+    report, md = quick_report
+    cpu = report["cpu_speedups"]
+    assert (cpu["model"], cpu["size"], cpu["steps"], cpu["threads_per_rank"]) == ("tiny", 256, 4, 1)
+    rows = cpu["degrees"]
+    assert set(rows) == {"1", "2"}
+    for row in rows.values():
+        assert 0 < row["min"] <= row["median"] <= row["max"] < 60
+    assert rows["1"]["speedup"] == 1.0
+    assert rows["2"]["speedup"] == pytest.approx(rows["1"]["median"] / rows["2"]["median"])
+    # 4 steps at N = 2: the warm-up step's two CFG batch parts overlap (3/4 of a step), then 3 steps at 1/2 each
+    assert rows["2"]["ideal"] == pytest.approx(4 / (3 / 4 + 3 / 2))
+    assert f"| 2 | {rows['2']['median']:.3f} s" in md and f"{rows['2']['speedup']:.2f}x | 1.78x |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the suite records where no GPU is")
+def test_gpu_sections_say_why_they_did_not_run(quick_report):
+    report, md = quick_report
+    reason = "skipped: no CUDA device (torch.cuda.is_available() is False)"
+    assert report["degree1"] == {"skipped": reason} and report["nccl_one_gpu"] == {"skipped": reason}
+    assert md.count(reason) == 2 and report["machine"].startswith("no GPU, ")
+
+
+def test_markdown_of_the_gpu_sections():
+    timing = {"median": 2.0, "min": 1.9, "max": 2.2, "runs": [1.9, 2.0, 2.2]}
+    report = {
+        "machine": "NVIDIA H100",
+        "degree1": {
+            "model": "dit-g2",
+            "size": 1024,
+            "steps": 20,
+            "dtype": "bfloat16",
+            "repeats": 3,
+            "diffusers": {"sdpa (default choice)": {"seconds": timing, "peak_gib": 9.5}},
+            "xfuse": {"sdpa (default choice)": {"seconds": {**timing, "median": 1.8}, "peak_gib": 8.25}},
+            "sync_debug": {"total": 3, "by_source": {"diffusers/x.py:1 step": 3}},
+        },
+        "cpu_speedups": {"model": "small", "size": 512, "steps": 20, "degrees": {}},
+        "nccl_one_gpu": {"error": "NCCL refused"},
+    }
+    md = gpu_suite.markdown(report)
+    assert "| sdpa (default choice) | 2.000 s (1.900–2.200) | 1.800 s (1.900–2.200) | 0.900 | 9.50 / 8.25 |" in md
+    assert "(M = 2, warm-up 1): 3" in md and "- 3x diffusers/x.py:1 step" in md
+    assert md.rstrip().endswith("NCCL refused")
+
+
+def test_only_runs_the_named_sections_and_merge_joins_split_runs(quick_report, tmp_path):
+    report, _ = quick_report
+    only = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--quick", "--only", "nccl_one_gpu", "--out", str(tmp_path / "a")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert only.returncode == 0, only.stderr[-3000:]
+    with open(tmp_path / "a" / "gpu.json") as fh:
+        part = json.load(fh)
+    assert set(part) == {"machine", "nccl_one_gpu"}  # the other sections neither ran nor appear
+    assert "CPU," not in (tmp_path / "a" / "gpu.md").read_text()
+    cpu_part = tmp_path / "cpu.json"
+    cpu_part.write_text(json.dumps({"machine": report["machine"], "cpu_speedups": report["cpu_speedups"]}))
+    merged = gpu_suite.merge([str(tmp_path / "a" / "gpu.json"), str(cpu_part)])
+    want = {"machine": report["machine"], "nccl_one_gpu": part["nccl_one_gpu"], "cpu_speedups": report["cpu_speedups"]}
+    assert merged == want
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"machine": "NVIDIA H200, x86_64", "degree1": {}}))
+    with pytest.raises(SystemExit, match="is from 'NVIDIA H200, x86_64'"):
+        gpu_suite.merge([str(cpu_part), str(other)])
+
+
+def test_bad_section_names_are_refused_naming_the_allowed_ones():
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--only", "degree1,nccl"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--only: unknown section(s) ['nccl']; allowed: degree1, cpu_speedups, nccl_one_gpu" in run.stderr

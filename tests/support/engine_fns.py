@@ -1,0 +1,103 @@
+"""Rank functions for the engine tests (importable by spawned ranks)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from xfuse.comm.p2p import P2PChannels
+from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs, swap_scheduler
+from xfuse.families.hunyuandit.stage import HunyuanDiTStage
+from xfuse.families.registry import HUNYUANDIT
+from xfuse.parallel.engine import PipeFusionEngine
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import stage_plan
+from xfuse.parallel.stale_kv import StaleKVCache
+
+_PIPES = {}
+
+
+def tiny_pipe(scheduler="DDPMScheduler", dtype=torch.float32, preset="tiny"):
+    """A preset pipeline (``tiny``: 16 blocks; ``bytes40``: 40), built once per process, scheduler and dtype (stages
+    copy its transformer)."""
+    key = (scheduler, dtype, preset)
+    if key not in _PIPES:
+        from xfuse.families.hunyuandit.presets import build_tiny_pipeline
+
+        pipe = swap_scheduler(build_tiny_pipeline(preset, seed=0), scheduler)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[key] = pipe.to(dtype=dtype) if dtype != torch.float32 else pipe
+    return _PIPES[key]
+
+
+def run_engine(
+    degree,
+    placement,
+    num_patches,
+    warmup,
+    *,
+    height=128,
+    width=96,
+    steps=3,
+    scheduler="DDPMScheduler",
+    dtype=torch.float32,
+    prompt="a red house by a lake",
+    seed=0,
+    timeout_s=60.0,
+    max_inflight=2,
+    requests=1,
+    preset="tiny",
+    on_stage=None,
+):
+    """Run PipeFusion on ranks 0 … degree-1 of the world (the others idle); return rank 0's final latents of the
+    last request plus every rank's byte counters. ``on_stage(stage)``: called once the rank's stage is built."""
+    rank = dist.get_rank()
+    if rank >= degree:
+        return None
+    pipe = tiny_pipe(scheduler, dtype, preset)
+    plan = stage_plan(
+        pipe.transformer.config.num_layers,
+        degree,
+        placement,
+        skips=HUNYUANDIT.skip_pairs(pipe.transformer.config.num_layers),
+    )
+    stage = HunyuanDiTStage(copy.deepcopy(pipe.transformer), plan, rank)
+    if on_stage is not None:
+        on_stage(stage)
+    channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=max_inflight, device=torch.device("cpu"))
+    engine = PipeFusionEngine(
+        stage,
+        plan,
+        channels,
+        pipe_rank=rank,
+        group_ranks=list(range(degree)),
+        warmup_steps=warmup,
+        lookahead=max_inflight,
+    )
+    grid = patch_grid(height // 8, width // 8, num_patches, pipe.transformer.config.patch_size)
+    outputs = []
+    for request_prompt in [prompt] if requests == 1 else requests:
+        inputs = prepare_inputs(
+            pipe, prompt=request_prompt, height=height, width=width, num_inference_steps=steps, seed=seed
+        )
+        channels.counters.reset()
+        request = request_from_inputs(stage, inputs, copy.deepcopy(pipe.scheduler))
+        outputs.append(engine.denoise(request, grid))
+    return dict(
+        latents=outputs if requests != 1 else outputs[0],
+        counters=channels.counters.as_dict(),
+        num_buffers=channels.num_buffers,
+    )
+
+
+def inject_unrefreshed_kv(monkeypatch) -> None:
+    """An injected bug for the oracle tests: patch passes read the warm-up K/V and never write theirs."""
+    original = StaleKVCache.update
+
+    def update_without_refresh(cache, layer, key, value):
+        if cache.tokens is None:
+            return original(cache, layer, key, value)
+        k, v = cache._buffers(layer, key, key.shape[0])  # the buffers the warm-up step filled: (B, heads, tokens, D)
+        return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
+
+    monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)

@@ -1,0 +1,128 @@
+"""SD3 and FLUX inputs prepared as their diffusers pipelines prepare them, and rank functions for their tests."""
+
+import copy
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_PIPES = {}
+PROMPT, NEGATIVE = "a red house by a lake", "blurry"
+
+
+def tiny(preset):
+    """A tiny preset's diffusers pipeline, built once per process (stages copy its transformer)."""
+    if preset not in _PIPES:
+        from xfuse.families.registry import load_pipeline
+
+        _PIPES[preset] = load_pipeline(preset)
+        _PIPES[preset].set_progress_bar_config(disable=True)
+    return _PIPES[preset]
+
+
+def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, seed=0):
+    """What the denoising loop needs, built with the diffusers pipeline's own methods (the oracle's ``inputs``):
+    SD3 with ``guidance_scale=cfg`` (batched [uncond, cond] when > 1), FLUX with ``true_cfg_scale=cfg`` and a
+    negative prompt when > 1 (its guidance embedding at 3.5)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if type(pipe).__name__ == "StableDiffusion3Pipeline":
+            emb, neg, pooled, neg_pooled = pipe.encode_prompt(
+                PROMPT, None, None, negative_prompt=NEGATIVE, do_classifier_free_guidance=cfg > 1,
+                device="cpu", max_sequence_length=max_sequence_length,
+            )  # fmt: skip
+            if cfg > 1:
+                emb, pooled = torch.cat([neg, emb]), torch.cat([neg_pooled, pooled])
+            channels = pipe.transformer.config.in_channels
+            latents = pipe.prepare_latents(1, channels, height, width, emb.dtype, "cpu", generator, None)
+            pipe.scheduler.set_timesteps(steps, device="cpu")
+            return dict(prompt_embeds=emb, pooled_prompt_embeds=pooled, latents=latents, guidance_scale=cfg,
+                        timesteps=pipe.scheduler.timesteps, extra_step_kwargs={}, generator=generator)  # fmt: skip
+        text = {}
+        for prefix, prompt in (("", PROMPT), ("negative_", NEGATIVE)):
+            emb, pooled, ids = pipe.encode_prompt(prompt, None, device="cpu", max_sequence_length=max_sequence_length)
+            text |= {f"{prefix}prompt_embeds": emb, f"{prefix}pooled_prompt_embeds": pooled, f"{prefix}text_ids": ids}
+        channels = pipe.transformer.config.in_channels // 4
+        latents, image_ids = pipe.prepare_latents(1, channels, height, width, emb.dtype, "cpu", generator, None)
+        config = pipe.scheduler.config
+        mu = calculate_shift(latents.shape[1], config.base_image_seq_len, config.max_image_seq_len,
+                             config.base_shift, config.max_shift)  # fmt: skip
+        sigmas = np.linspace(1.0, 1 / steps, steps)  # as FluxPipeline.__call__
+        timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
+        pipe.scheduler.set_begin_index(0)
+        guidance = torch.full([1], 3.5).expand(1) if pipe.transformer.config.guidance_embeds else None
+        return dict(text, latents=latents, latent_image_ids=image_ids, timesteps=timesteps, guidance=guidance,
+                    true_cfg_scale=cfg, extra_step_kwargs={}, generator=generator)  # fmt: skip
+
+
+def engine_latents(stage, plan, inputs, scheduler, grid, warmup, channels=None, rank=0):
+    """Run PipeFusion's engine for ``stage`` on the oracle's ``inputs``; the final latents on the embedding rank, in
+    the diffusers pipeline's layout (FLUX: packed)."""
+    from xfuse.parallel.engine import PipeFusionEngine
+
+    if stage.spec.name == "flux":
+        from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
+
+        cfg = inputs["true_cfg_scale"] > 1
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+        text = {k: torch.cat([inputs[f"negative_{k}"], inputs[k]]) if cfg else inputs[k] for k in keys}
+        guidance = inputs["guidance"]
+        request = denoise_request(
+            stage,
+            latents=packed_to_grid(inputs["latents"], grid.token_rows).contiguous(),
+            timesteps=inputs["timesteps"],
+            scheduler=scheduler,
+            text_ids=inputs["text_ids"],
+            latent_image_ids=inputs["latent_image_ids"],
+            guidance_value=None if guidance is None else guidance.expand(text["prompt_embeds"].shape[0]),
+            true_cfg_scale=inputs["true_cfg_scale"],
+            generator=inputs["generator"],
+            **text,
+        )
+        unpack = grid_to_packed
+    else:
+        from xfuse.families.sd3.stage import denoise_request
+
+        keys = ("prompt_embeds", "pooled_prompt_embeds", "guidance_scale", "generator", "latents")
+        request = denoise_request(
+            stage, timesteps=inputs["timesteps"], scheduler=scheduler, **{k: inputs[k] for k in keys}
+        )
+        unpack = lambda x: x  # noqa: E731
+    engine = PipeFusionEngine(
+        stage, plan, channels, pipe_rank=rank, group_ranks=list(range(plan.degree)), warmup_steps=warmup
+    )
+    out = engine.denoise(request, grid)
+    return None if out is None else unpack(out)
+
+
+def grid_of(spec, pipe, height, width, num_patches):
+    from xfuse.parallel.patch_grid import patch_grid
+
+    scale = spec.latent_scale
+    return patch_grid(height // scale, width // scale, num_patches, pipe.transformer.config.patch_size)
+
+
+def run_engine(preset, degree, num_patches, warmup, *, height, width, steps, cfg, placement="linear", counters=False):
+    """PipeFusion on ranks 0 … degree-1 of the world (the others idle); rank 0 returns the final latents (with
+    ``counters``: every rank of the pipeline returns ``(latents, its channels' counters)``)."""
+    from xfuse.comm.p2p import P2PChannels
+    from xfuse.config import ParallelConfig
+    from xfuse.families.registry import model_spec
+
+    rank = dist.get_rank()
+    if rank >= degree:
+        return None
+    pipe, spec = tiny(preset), model_spec(preset)
+    plan = spec.plan(spec.num_blocks(pipe.transformer.config), ParallelConfig(pipefusion_degree=degree,
+                                                                             placement=placement))  # fmt: skip
+    stage = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, rank)
+    channels = P2PChannels(rank=rank, timeout_s=60, max_inflight=2, device=torch.device("cpu"))
+    inputs = prepare_inputs(pipe, height=height, width=width, steps=steps, cfg=cfg)
+    grid = grid_of(spec, pipe, height, width, num_patches)
+    try:
+        out = engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup, channels, rank)
+        return (out, channels.counters.as_dict()) if counters else out
+    finally:
+        channels.close()

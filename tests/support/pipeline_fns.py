@@ -1,0 +1,136 @@
+"""Rank functions and callbacks for the pipeline tests (importable by spawned ranks and by diffusers runs)."""
+
+import numpy as np
+import torch
+
+CALLBACK_LOG = []
+
+
+def log_callback(pipe, step, t, kwargs):
+    """Observes the loop: records the step, timestep and the latents' norm; changes nothing."""
+    CALLBACK_LOG.append((step, float(t), float(kwargs["latents"].float().norm())))
+    return kwargs
+
+
+def legacy_callback(step, t, latents):
+    """The older ``callback(step, timestep, latents)`` of PixArt's pipelines: records like ``log_callback``."""
+    CALLBACK_LOG.append((step, float(t), float(latents.float().norm())))
+
+
+def changing_callback(pipe, step, t, kwargs):
+    return {"latents": kwargs["latents"] * 0.5}
+
+
+def interrupting_callback(pipe, step, t, kwargs):
+    pipe._interrupt = True
+    return kwargs
+
+
+def as_array(out):
+    """Images of a pipeline output (dataclass or tuple) as one numpy array."""
+    images = out.images if hasattr(out, "images") else out[0]
+    if isinstance(images, list):  # PIL images
+        return np.stack([np.asarray(im) for im in images])
+    return images.float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+
+
+def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None, family="hunyuandit"):
+    """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
+
+    Other ranks return their list of None / errors, so a test can check that every rank agrees.
+    """
+    from xfuse.families.registry import MODEL_SPECS
+
+    pipe = (
+        MODEL_SPECS[family]
+        .pipeline_class()
+        .from_pretrained(folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype)
+    )
+    pipe.set_progress_bar_config(disable=True)
+    if scheduler is not None:
+        from xfuse.families.hunyuandit.reference import swap_scheduler
+
+        swap_scheduler(pipe.pipeline, scheduler)
+    results = []
+    for call in calls:
+        call = dict(call)
+        CALLBACK_LOG.clear()
+        try:
+            generator = generators(call)  # pops seed/seeds from call
+            out = pipe(**call, generator=generator)
+        except Exception as err:  # noqa: BLE001 - the test inspects every error
+            results.append(dict(kind="error", type=type(err).__name__, message=str(err)))
+            continue
+        if out is None:
+            results.append(dict(kind="none", log=list(CALLBACK_LOG)))
+        else:
+            results.append(dict(kind="ok", images=as_array(out), log=list(CALLBACK_LOG), type=type(out).__name__))
+    return results
+
+
+def generators(call):
+    """``seed`` (int) gives one generator, ``seeds`` (list) a list of them; both are removed from ``call``."""
+    seeds = call.pop("seeds", None)
+    seed = call.pop("seed", 0)
+    if seed == "rank":  # a deliberately inconsistent seed: each rank its own
+        import torch.distributed as dist
+
+        seed = dist.get_rank()
+    if seeds is not None:
+        return [torch.Generator().manual_seed(s) for s in seeds]
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_runner(pipe):
+    """``run(call) -> (images, callback log)`` of a diffusers pipeline on a call dict (``seed``/``seeds`` become
+    generators); ``run.pipe`` is the pipeline."""
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(call):
+        call = dict(call)
+        CALLBACK_LOG.clear()
+        generator = generators(call)  # pops seed/seeds from call
+        return as_array(pipe(**call, generator=generator)), list(CALLBACK_LOG)
+
+    run.pipe = pipe
+    return run
+
+
+def check_against_diffusers(per_rank, calls, reference, base, *, output_class, callback_steps):
+    """Every call's images on rank 0 equal diffusers' (``reference``) on the same call (max abs <= 1e-4 on images;
+    PIL: one 8-bit level; latents: 2e-6 of their largest value), the other ranks return ``None``, the output type is
+    diffusers', and a call with a step callback logs the steps ``callback_steps`` with diffusers' latents norms."""
+    for index, (name, call) in enumerate(calls.items()):
+        result = per_rank[0][index]
+        assert result["kind"] == "ok", (name, result)
+        assert all(r[index]["kind"] == "none" for r in per_rank[1:]), name
+        expected, expected_log = reference({**base, **call})
+        images = result["images"]
+        assert images.shape == expected.shape, name
+        # PIL: one 8-bit level may flip. Floats: 1e-4, or 2e-6 of the largest value for outputs beyond 50 (latents:
+        # PixArt's tiny model reaches ~600): whole-image steps run the [uncond, cond] halves as separate batch parts,
+        # whose GEMMs round differently from diffusers' batched ones (observed 7e-7 of the largest value).
+        tolerance = 1 if images.dtype == np.uint8 else max(1e-4, 2e-6 * float(np.abs(expected).max()))
+        assert np.abs(images.astype(np.float64) - expected).max() <= tolerance, name
+        assert result["type"] == ("tuple" if call.get("return_dict") is False else output_class), name
+        if "callback" in call or "callback_on_step_end" in call:
+            log = [entry for r in per_rank for entry in r[index]["log"]]
+            assert [s for s, _, _ in log] == [s for s, _, _ in expected_log] == list(callback_steps)
+            assert np.allclose([n for *_, n in log], [n for *_, n in expected_log], rtol=1e-5)
+
+
+def heap_after_build_pipeline(config_path):
+    """``xfuse.build.build_pipeline`` on this rank; returns (objects it froze, objects the collector still tracks,
+    the page faults of block passes after it: ``tests.support.heap_child.block_pass_faults``) and unfreezes the objects
+    again (the world serves other tests)."""
+    import gc
+
+    from tests.support.heap_child import block_pass_faults
+    from xfuse.build import build_pipeline
+    from xfuse.config import load_config
+
+    build_pipeline(load_config(config_path, []))
+    frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())
+    faults = block_pass_faults()  # with the start-up heap still frozen, as in xfuse's own ranks
+    gc.unfreeze()
+    return frozen, tracked, faults

@@ -1,0 +1,649 @@
+"""Tests for xfuse.config: defaults, YAML round trip, overrides, section inputs, bad configs, world checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.support import REPO
+from xfuse.config import (
+    CommConfig,
+    ConfigError,
+    GenerationConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    XfuseConfig,
+    comm_config,
+    config_from_dict,
+    load_config,
+    parallel_config,
+    parse_override,
+)
+from xfuse.families.registry import HUNYUANDIT, model_is_preset
+from xfuse.runtime.world import check_world_size
+
+CONFIG_FILES = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def _write(tmp_path, text: str, name: str = "c.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Defaults and basics
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_defaults():
+    c = XfuseConfig()
+    assert c == load_config() == config_from_dict({}) == config_from_dict(None)
+    assert c.model == "tiny" and model_is_preset(c.model)
+    p = c.parallel
+    assert (p.pipefusion_degree, p.num_patches, p.warmup_steps, p.cfg_degree, p.placement, p.stage_split) == (
+        1,
+        None,
+        1,
+        1,
+        None,  # placement: the model family's default (ModelSpec.default_placement)
+        None,
+    )
+    assert p.resolved_num_patches == 1
+    assert (c.comm.backend, c.comm.timeout_s, c.comm.max_inflight, c.comm.socket_ifname) == ("auto", 60.0, 2, None)
+    assert (c.runtime.device, c.runtime.dtype) == ("auto", "float32")
+    g = c.generation
+    assert isinstance(g.prompt, str) and g.prompt
+    assert (g.negative_prompt, g.height, g.width, g.num_inference_steps, g.guidance_scale, g.seed) == (
+        None,
+        None,
+        None,
+        20,
+        5.0,
+        0,
+    )
+    assert c.world_size == 1
+
+
+def test_import_has_no_side_effects():
+    # No torch import, no process group, no env changes from importing and constructing.
+    code = (
+        "import os, sys; before = dict(os.environ); import xfuse.config as m; m.load_config(); m.XfuseConfig(); "
+        "assert 'torch' not in sys.modules, 'torch imported'; assert dict(os.environ) == before"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_num_patches_resolution_keeps_user_value():
+    p = ParallelConfig(pipefusion_degree=4)
+    assert p.num_patches is None and p.resolved_num_patches == 4
+    p = ParallelConfig(pipefusion_degree=4, num_patches=2)  # fewer patches than stages: allowed, never changed
+    assert p.num_patches == 2 and p.resolved_num_patches == 2
+    p = ParallelConfig(pipefusion_degree=2, num_patches=16)
+    assert p.resolved_num_patches == 16
+
+
+def test_world_size_and_frozen():
+    c = config_from_dict({"parallel": {"pipefusion_degree": 4, "cfg_degree": 2}})
+    assert c.world_size == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.parallel.pipefusion_degree = 2  # type: ignore[misc]
+    # dataclasses.replace re-validates
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(c.parallel, pipefusion_degree=9)
+    assert e.value.key == "parallel.pipefusion_degree"
+
+
+def test_normalisation_and_hashable():
+    p = ParallelConfig(pipefusion_degree=2, stage_split=[3, 5])
+    assert p.stage_split == (3, 5)
+    hash(p)
+    c = CommConfig(timeout_s=30)
+    assert c.timeout_s == 30.0 and isinstance(c.timeout_s, float)
+    assert GenerationConfig(guidance_scale=7).guidance_scale == 7.0
+
+
+def test_backend_resolution_is_pure():
+    assert CommConfig().resolved_backend("cuda") == "nccl"
+    assert CommConfig().resolved_backend("cpu") == "gloo"
+    assert CommConfig(backend="gloo").resolved_backend("cuda") == "gloo"
+
+
+def test_torch_dtype():
+    torch = pytest.importorskip("torch")
+    assert RuntimeConfig(dtype="bfloat16").torch_dtype() is torch.bfloat16
+    assert RuntimeConfig().torch_dtype() is torch.float32
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Round trip
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _non_default() -> XfuseConfig:
+    return config_from_dict(
+        {
+            "model": "/models/HunyuanDiT-v1.2-Diffusers",
+            "parallel": {
+                "pipefusion_degree": 3,
+                "num_patches": 6,
+                "warmup_steps": 2,
+                "cfg_degree": 2,
+                "placement": "linear",
+                "stage_split": [14, 13, 13],
+            },
+            "comm": {"backend": "nccl", "timeout_s": 12.5, "max_inflight": 4, "socket_ifname": "eth0"},
+            "runtime": {"device": "cuda", "dtype": "bfloat16"},
+            "generation": {
+                "prompt": "a cat: 'quoted' \"text\"",
+                "negative_prompt": "blurry",
+                "height": 864,
+                "width": 1024,
+                "num_inference_steps": 30,
+                "guidance_scale": 6,
+                "seed": 1234,
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("config", [XfuseConfig(), _non_default()], ids=["defaults", "non_default"])
+def test_yaml_round_trip(tmp_path, config):
+    d = config.to_dict()
+    assert isinstance(d["parallel"], dict)
+    if d["parallel"]["stage_split"] is not None:
+        assert isinstance(d["parallel"]["stage_split"], list)
+    assert config_from_dict(d) == config
+    path = _write(tmp_path, yaml.safe_dump(d, sort_keys=False))
+    assert load_config(path) == config
+    assert load_config(_write(tmp_path, config.to_yaml(), "b.yaml")) == config
+    # to_dict is plain data: safe_dump would raise on tuples or dataclasses
+    assert yaml.safe_load(yaml.safe_dump(d)) == d
+
+
+def test_empty_yaml_file_means_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "# nothing here\n")) == XfuseConfig()
+    assert load_config(_write(tmp_path, "parallel:\n", "b.yaml")) == XfuseConfig()  # empty section
+
+
+def test_yaml_exponent_float(tmp_path):
+    # PyYAML's YAML 1.1 rules read 1e3 as a string; the loader reads it as a float.
+    assert load_config(_write(tmp_path, "comm:\n  timeout_s: 1e3\n")).comm.timeout_s == 1000.0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Overrides
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_parse_override_values():
+    assert parse_override("parallel.warmup_steps=2") == ("parallel.warmup_steps", 2)
+    assert parse_override("parallel.stage_split=[3,5]") == ("parallel.stage_split", [3, 5])
+    assert parse_override("parallel.num_patches=null") == ("parallel.num_patches", None)
+    assert parse_override("runtime.dtype=bfloat16") == ("runtime.dtype", "bfloat16")
+    assert parse_override("comm.timeout_s=2.5") == ("comm.timeout_s", 2.5)
+    assert parse_override("generation.prompt=a=b c") == ("generation.prompt", "a=b c")  # split on first '='
+    assert parse_override("model=./weights") == ("model", "./weights")
+
+
+def test_overrides_apply_on_file(tmp_path):
+    path = _write(tmp_path, "parallel:\n  pipefusion_degree: 2\n  num_patches: 4\nruntime:\n  dtype: float16\n")
+    c = load_config(
+        path,
+        [
+            "parallel.warmup_steps=2",
+            "parallel.stage_split=[3,5]",
+            "parallel.num_patches=null",
+            "runtime.dtype=bfloat16",
+            "generation.height=512",
+            "comm.socket_ifname=lo",
+            "model=small",
+        ],
+    )
+    assert c.parallel.pipefusion_degree == 2  # kept from the file
+    assert c.parallel.warmup_steps == 2
+    assert c.parallel.stage_split == (3, 5)
+    assert c.parallel.num_patches is None and c.parallel.resolved_num_patches == 2
+    assert c.runtime.dtype == "bfloat16"
+    assert c.generation.height == 512
+    assert c.comm.socket_ifname == "lo"
+    assert c.model == "small"
+
+
+def test_overrides_without_file_and_later_wins():
+    c = load_config(None, ["parallel.pipefusion_degree=2", "parallel.pipefusion_degree=4"])
+    assert c.parallel.pipefusion_degree == 4
+    c = load_config(overrides=["parallel.pipefusion_degree=2", "parallel.num_patches=3"])
+    assert c.parallel.resolved_num_patches == 3
+
+
+def test_overrides_are_validated():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["parallel.warmup_steps=-1"])
+    assert e.value.key == "parallel.warmup_steps"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# parallel_config / comm_config inputs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_parallel_config_inputs():
+    dc = ParallelConfig(pipefusion_degree=2, num_patches=4)
+    assert parallel_config(dc) is dc
+    assert parallel_config({"pipefusion_degree": 2, "num_patches": 4}) == dc
+    assert parallel_config(None) == ParallelConfig()
+    assert parallel_config({}) == ParallelConfig()
+    assert parallel_config(XfuseConfig(parallel=dc)) is dc
+    with pytest.raises(ConfigError) as e:
+        parallel_config({"pipefusion_degre": 2})
+    assert e.value.key == "parallel.pipefusion_degre" and "pipefusion_degree" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parallel_config(2)
+    assert e.value.key == "parallel"
+
+
+def test_comm_config_inputs():
+    dc = CommConfig(backend="gloo", timeout_s=5)
+    assert comm_config(dc) is dc
+    assert comm_config({"backend": "gloo", "timeout_s": 5}) == dc
+    assert comm_config(None) == CommConfig()
+    with pytest.raises(ConfigError) as e:
+        comm_config({"backend": "mpi"})
+    assert e.value.key == "comm.backend"
+
+
+def test_xfuse_config_accepts_section_dicts():
+    c = XfuseConfig(parallel={"pipefusion_degree": 2}, comm={"backend": "gloo"})
+    assert isinstance(c.parallel, ParallelConfig) and c.parallel.pipefusion_degree == 2
+    assert isinstance(c.comm, CommConfig) and c.comm.backend == "gloo"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Bad configs (table-driven). Each: (id, raw dict or overrides, expected key, fragments the message must contain)
+# ------------------------------------------------------------------------------------------------------------------
+
+BAD_DICTS = [
+    ("unknown_section", {"paralel": {}}, "paralel", ["unknown section", "'parallel'", "generation"]),
+    ("flat_key_at_top", {"pipefusion_degree": 2}, "pipefusion_degree", ["parallel.pipefusion_degree"]),
+    (
+        "unknown_key",
+        {"parallel": {"pipefusion_degre": 2}},
+        "parallel.pipefusion_degre",
+        ["did you mean 'parallel.pipefusion_degree'", "num_patches"],
+    ),
+    ("key_in_wrong_section", {"parallel": {"backend": "gloo"}}, "parallel.backend", ["comm.backend"]),
+    ("section_not_mapping", {"parallel": 3}, "parallel", ["mapping", "pipefusion_degree"]),
+    ("degree_zero", {"parallel": {"pipefusion_degree": 0}}, "parallel.pipefusion_degree", ["from 1 to 8", "(got 0)"]),
+    ("degree_nine", {"parallel": {"pipefusion_degree": 9}}, "parallel.pipefusion_degree", ["from 1 to 8", "(got 9)"]),
+    (
+        "degree_bool",
+        {"parallel": {"pipefusion_degree": True}},
+        "parallel.pipefusion_degree",
+        ["from 1 to 8", "boolean"],
+    ),
+    (
+        "degree_string",
+        {"parallel": {"pipefusion_degree": "2"}},
+        "parallel.pipefusion_degree",
+        ["from 1 to 8", "string", "(got '2')"],
+    ),
+    ("degree_float", {"parallel": {"pipefusion_degree": 2.0}}, "parallel.pipefusion_degree", ["from 1 to 8"]),
+    ("num_patches_zero", {"parallel": {"num_patches": 0}}, "parallel.num_patches", [">= 1 or null", "(got 0)"]),
+    ("warmup_negative", {"parallel": {"warmup_steps": -1}}, "parallel.warmup_steps", [">= 0", "(got -1)"]),
+    (
+        "warmup_more_than_steps",
+        {"parallel": {"warmup_steps": 5}, "generation": {"num_inference_steps": 4}},
+        "parallel.warmup_steps",
+        ["generation.num_inference_steps", "(got 5)"],
+    ),
+    ("cfg_degree_three", {"parallel": {"cfg_degree": 3}}, "parallel.cfg_degree", ["must be 1 or 2", "(got 3)"]),
+    ("cfg_degree_true", {"parallel": {"cfg_degree": True}}, "parallel.cfg_degree", ["must be 1 or 2"]),
+    (
+        "cfg2_without_guidance",
+        {"parallel": {"cfg_degree": 2}, "generation": {"guidance_scale": 1.0}},
+        "parallel.cfg_degree",
+        ["guidance_scale > 1"],
+    ),
+    (
+        "placement",
+        {"parallel": {"placement": "Folded"}},
+        "parallel.placement",
+        ["'balanced', 'folded', 'linear'", "did you mean 'folded'"],
+    ),
+    (
+        "stage_split_wrong_length",
+        {"parallel": {"pipefusion_degree": 2, "stage_split": [2, 2, 2]}},
+        "parallel.stage_split",
+        ["one per PipeFusion rank", "3 entries"],
+    ),
+    (
+        "stage_split_zero_entry",
+        {"parallel": {"pipefusion_degree": 2, "stage_split": [4, 0]}},
+        "parallel.stage_split",
+        ["positive", "entry 1"],
+    ),
+    (
+        "stage_split_not_list",
+        {"parallel": {"pipefusion_degree": 2, "stage_split": "4,4"}},
+        "parallel.stage_split",
+        ["list of positive block counts"],
+    ),
+    ("backend", {"comm": {"backend": "mpi"}}, "comm.backend", ["'auto', 'nccl', 'gloo'", "(got 'mpi')"]),
+    ("wait", {"comm": {"wait": "polling"}}, "comm.wait", ["'auto', 'stream', 'host'", "(got 'polling')"]),
+    (
+        "nccl_on_cpu",
+        {"comm": {"backend": "nccl"}, "runtime": {"device": "cpu"}},
+        "comm.backend",
+        ["gloo", "runtime.device"],
+    ),
+    ("timeout_zero", {"comm": {"timeout_s": 0}}, "comm.timeout_s", ["> 0.0", "(got 0.0)"]),
+    ("timeout_string", {"comm": {"timeout_s": "60"}}, "comm.timeout_s", ["> 0.0", "string"]),
+    ("timeout_inf", {"comm": {"timeout_s": float("inf")}}, "comm.timeout_s", ["finite"]),
+    ("max_inflight_zero", {"comm": {"max_inflight": 0}}, "comm.max_inflight", [">= 1", "(got 0)"]),
+    ("socket_ifname_int", {"comm": {"socket_ifname": 0}}, "comm.socket_ifname", ["string or null"]),
+    (
+        "device",
+        {"runtime": {"device": "gpu"}},
+        "runtime.device",
+        ["'auto', 'cpu', 'cuda'", "did you mean 'cuda'", "(got 'gpu')"],
+    ),
+    (
+        "dtype",
+        {"runtime": {"dtype": "bf16"}},
+        "runtime.dtype",
+        ["'float32', 'bfloat16', 'float16'", "did you mean 'bfloat16'"],
+    ),
+    ("prompt_not_string", {"generation": {"prompt": 42}}, "generation.prompt", ["string", "(got 42)"]),
+    ("height_negative", {"generation": {"height": -8}}, "generation.height", [">= 1 or null", "(got -8)"]),
+    ("width_string", {"generation": {"width": "1024"}}, "generation.width", ["integer", "string"]),
+    ("steps_zero", {"generation": {"num_inference_steps": 0}}, "generation.num_inference_steps", [">= 1"]),
+    ("guidance_negative", {"generation": {"guidance_scale": -1}}, "generation.guidance_scale", [">= 0.0"]),
+    ("seed_negative", {"generation": {"seed": -1}}, "generation.seed", ["from 0 to", "(got -1)"]),
+    ("serve_port_too_big", {"serve": {"port": 70000}}, "serve.port", ["from 0 to 65535", "(got 70000)"]),
+    ("serve_host_empty", {"serve": {"host": ""}}, "serve.host", ["non-empty string"]),
+    ("serve_max_queue_zero", {"serve": {"max_queue": 0}}, "serve.max_queue", [">= 1", "(got 0)"]),
+    ("serve_unknown_key", {"serve": {"max_batch": 4}}, "serve.max_batch", ["unknown key", "max_queue"]),
+    (
+        "serve_heartbeat_slow",
+        {"serve": {"heartbeat_interval_s": 5}},
+        "serve.heartbeat_interval_s",
+        ["at most 1.0 s", "(got 5.0)"],
+    ),
+    (
+        "serve_heartbeat_beyond_comm_timeout",
+        {"serve": {"heartbeat_interval_s": 1.0}, "comm": {"timeout_s": 0.5}},
+        "serve.heartbeat_interval_s",
+        ["below comm.timeout_s (0.5 s)"],
+    ),
+    ("serve_timeout_zero", {"serve": {"request_timeout_s": 0}}, "serve.request_timeout_s", ["> 0.0"]),
+    ("serve_model_name_int", {"serve": {"model_name": 3}}, "serve.model_name", ["string or null"]),
+    ("model_empty", {"model": ""}, "model", ["non-empty string"]),
+    ("model_not_string", {"model": 7}, "model", ["string", "(got 7)"]),
+    ("top_level_not_mapping", [1, 2], "config", ["mapping", "parallel"]),
+]
+
+
+@pytest.mark.parametrize("raw,key,fragments", [c[1:] for c in BAD_DICTS], ids=[c[0] for c in BAD_DICTS])
+def test_bad_config(raw, key, fragments):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    err = e.value
+    assert isinstance(err, ValueError)
+    assert err.key == key
+    msg = str(err)
+    assert msg.startswith(f"{key}: ")
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+
+
+BAD_OVERRIDES = [
+    ("no_equals", ["parallel.warmup_steps"], "--set", ["KEY=VALUE", "'parallel.warmup_steps'"]),
+    ("empty_key", ["=2"], "--set", ["KEY=VALUE"]),
+    ("unknown_key", ["parallel.num_patch=2"], "parallel.num_patch", ["did you mean 'parallel.num_patches'"]),
+    ("unknown_section", ["paralel.num_patches=2"], "paralel", ["unknown section", "'parallel'"]),
+    ("whole_section", ["parallel=3"], "parallel", ["is a section", "parallel.pipefusion_degree="]),
+    ("too_deep", ["parallel.stage_split.0=3"], "parallel.stage_split.0", ["SECTION.KEY"]),
+    ("model_subkey", ["model.path=x"], "model", ["model=VALUE"]),
+    ("bad_yaml", ["generation.prompt=[unclosed"], "generation.prompt", ["not valid YAML"]),
+    ("value_type", ["parallel.pipefusion_degree=two"], "parallel.pipefusion_degree", ["from 1 to 8"]),
+    ("quoted_int", ["parallel.pipefusion_degree='2'"], "parallel.pipefusion_degree", ["string"]),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragments", [c[1:] for c in BAD_OVERRIDES], ids=[c[0] for c in BAD_OVERRIDES])
+def test_bad_override(overrides, key, fragments):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.key == key
+    for fragment in fragments:
+        assert fragment in str(e.value), f"{fragment!r} not in {str(e.value)!r}"
+
+
+def test_bad_files(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(missing)
+    assert e.value.key == missing and "not found" in str(e.value)
+
+    path = _write(tmp_path, "- a\n- b\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.key == path and "mapping" in str(e.value) and "parallel" in str(e.value)
+
+    path = _write(tmp_path, "parallel: [unclosed\n", "bad.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.key == path and "YAML" in str(e.value)
+
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path))
+    assert e.value.key == str(tmp_path)
+
+    path = _write(tmp_path, "parallel:\n  num_patchs: 4\n", "typo.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.key == "parallel.num_patchs" and "parallel.num_patches" in str(e.value)
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ConfigError) as e:
+        ParallelConfig(cfg_degree=3)
+    assert str(e.value).startswith("parallel.cfg_degree: must be 1 or 2") and str(e.value).endswith("(got 3)")
+    with pytest.raises(ConfigError) as e:
+        RuntimeConfig(dtype="float64")
+    assert e.value.key == "runtime.dtype"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# check_world
+# ------------------------------------------------------------------------------------------------------------------
+
+HUNYUAN = dict(spec=HUNYUANDIT, num_layers=40, patch_size=2, height=1024, width=1024)
+
+
+def check_world(config: XfuseConfig, *, world_size, spec, num_layers, patch_size, height, width) -> None:
+    """The checks a launch makes before any communication: the world size (``xfuse.runtime.world``), then the
+    family's checks of the model and the image (``ModelSpec.check_layout``)."""
+    check_world_size(config.parallel, world_size)
+    spec.check_layout(config.parallel, num_blocks=num_layers, patch_size=patch_size, height=height, width=width)
+
+
+def _cfg(**parallel) -> XfuseConfig:
+    return XfuseConfig(parallel=parallel)
+
+
+def test_check_world_ok():
+    for n in range(1, 9):
+        check_world(_cfg(pipefusion_degree=n), world_size=n, **HUNYUAN)
+        check_world(_cfg(pipefusion_degree=n, placement="linear"), world_size=n, **HUNYUAN)
+        check_world(_cfg(pipefusion_degree=n, placement="balanced"), world_size=n, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=4, cfg_degree=2), world_size=8, **HUNYUAN)
+    # uneven bands (864 px -> 54 token rows) and uneven folded chunks are fine
+    check_world(_cfg(pipefusion_degree=4), world_size=4, **{**HUNYUAN, "height": 864})
+    check_world(_cfg(pipefusion_degree=3, placement="folded", stage_split=[6, 7, 7]), world_size=3, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=3, placement="balanced", stage_split=[12, 14, 14]), world_size=3, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_layers": 6})
+    check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
+
+
+CHECK_WORLD_BAD = [
+    (
+        "world_mismatch",
+        dict(pipefusion_degree=2),
+        dict(world_size=4),
+        "parallel.pipefusion_degree",
+        ["parallel.cfg_degree", "world size (4)", "--nproc_per_node=2", "pipefusion_degree=4"],
+    ),
+    (
+        "world_mismatch_cfg",
+        dict(pipefusion_degree=4, cfg_degree=2),
+        dict(world_size=4),
+        "parallel.pipefusion_degree",
+        ["= 8 ranks", "--nproc_per_node=8"],
+    ),
+    (
+        "bad_height",
+        dict(pipefusion_degree=2),
+        dict(world_size=2, height=1000),
+        "generation.height",
+        ["multiple of 16", "992", "(got 1000)"],
+    ),
+    ("bad_width", dict(pipefusion_degree=2), dict(world_size=2, width=1032), "generation.width", ["multiple of 16"]),
+    ("odd_layers", dict(pipefusion_degree=2), dict(world_size=2, num_layers=39), "model", ["even", "skip"]),
+    (
+        "num_patches_too_large",
+        dict(pipefusion_degree=2, num_patches=65),
+        dict(world_size=2),
+        "parallel.num_patches",
+        ["64", "(got 65)"],
+    ),
+    (
+        "num_patches_small_image",
+        dict(pipefusion_degree=2, num_patches=9),
+        dict(world_size=2, height=128, width=128),
+        "parallel.num_patches",
+        ["8"],
+    ),
+    (
+        "folded_degree_too_large",
+        dict(pipefusion_degree=8, placement="folded"),
+        dict(world_size=8, num_layers=8),
+        "parallel.pipefusion_degree",
+        ["folded"],
+    ),
+    (
+        "linear_degree_too_large",
+        dict(pipefusion_degree=8, placement="linear"),
+        dict(world_size=8, num_layers=6),
+        "parallel.pipefusion_degree",
+        ["linear"],
+    ),
+    (
+        "stage_split_bad_sum_folded",
+        dict(pipefusion_degree=2, stage_split=[10, 20]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["20"],
+    ),
+    (
+        "balanced_degree_too_large",
+        dict(pipefusion_degree=4, placement="balanced"),
+        dict(world_size=4, num_layers=6),
+        "parallel.pipefusion_degree",
+        ["from 1 to 3", "6-block model with balanced placement", "2 blocks per rank", "(got 4)"],
+    ),
+    (
+        "stage_split_bad_sum_balanced",
+        dict(pipefusion_degree=2, placement="balanced", stage_split=[10, 10]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["at least 2", "summing to 40", "(got [10, 10])"],
+    ),
+    (
+        "stage_split_one_block_balanced",
+        dict(pipefusion_degree=2, placement="balanced", stage_split=[39, 1]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["2 block counts of at least 2", "a chunk each way"],
+    ),
+    (
+        "stage_split_bad_sum_linear",
+        dict(pipefusion_degree=2, placement="linear", stage_split=[10, 10]),
+        dict(world_size=2),
+        "parallel.stage_split",
+        ["40"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "parallel,world,key,fragments", [c[1:] for c in CHECK_WORLD_BAD], ids=[c[0] for c in CHECK_WORLD_BAD]
+)
+def test_check_world_bad(parallel, world, key, fragments):
+    kwargs = {**HUNYUAN, **world}
+    with pytest.raises(ConfigError) as e:
+        check_world(_cfg(**parallel), **kwargs)
+    assert e.value.key == key
+    for fragment in fragments:
+        assert fragment in str(e.value), f"{fragment!r} not in {str(e.value)!r}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Shipped YAML files
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_config_files_exist():
+    names = {str(p.relative_to(REPO / "configs")) for p in CONFIG_FILES}
+    expected = {"tiny/pp2.yaml", "hunyuandit/cfg2_pp4.yaml"} | {f"hunyuandit/pp{n}.yaml" for n in range(2, 9)}
+    assert expected <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[str(p.relative_to(REPO)) for p in CONFIG_FILES])
+def test_config_file_loads(path):
+    c = load_config(str(path))
+    assert c.to_dict() == config_from_dict(c.to_dict()).to_dict()
+    if path.parent.name == "hunyuandit":
+        # the released HunyuanDiT: 40 blocks, patch size 2, 1024 px
+        assert c.generation.height == c.generation.width == 1024
+        check_world(
+            c,
+            world_size=c.world_size,
+            spec=HUNYUANDIT,
+            num_layers=40,
+            patch_size=2,
+            height=c.generation.height,
+            width=c.generation.width,
+        )
+
+
+def test_tiny_demo_config():
+    c = load_config(str(REPO / "configs/tiny/pp2.yaml"))
+    assert c.model == "tiny"
+    p = c.parallel
+    assert (p.pipefusion_degree, p.num_patches, p.warmup_steps, p.placement) == (2, 2, 1, "folded")
+    g = c.generation
+    assert (g.height, g.width, g.num_inference_steps, g.seed) == (256, 256, 8, 0)
+    assert g.prompt
+
+
+def test_hunyuandit_sweep_configs():
+    for n in range(2, 9):
+        c = load_config(str(REPO / f"configs/hunyuandit/pp{n}.yaml"))
+        assert c.parallel.pipefusion_degree == n and c.parallel.resolved_num_patches == n
+        assert c.world_size == n and c.runtime.dtype == "bfloat16" and c.generation.num_inference_steps == 50
+    c = load_config(str(REPO / "configs/hunyuandit/cfg2_pp4.yaml"))
+    assert (c.parallel.cfg_degree, c.parallel.pipefusion_degree, c.world_size) == (2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "wait,device,stream_ordered",
+    [("auto", "cuda", True), ("auto", "cpu", False), ("stream", "cpu", True), ("host", "cuda", False)],
+)
+def test_comm_wait_resolves_per_device(wait, device, stream_ordered):
+    assert CommConfig(wait=wait).stream_ordered(device) is stream_ordered

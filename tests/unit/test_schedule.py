@@ -1,0 +1,186 @@
+"""The schedule is a pure function: checked here for every degree, placement, M and W without any process."""
+
+import dataclasses
+
+import pytest
+
+from xfuse.families.registry import HUNYUANDIT
+from xfuse.parallel.schedule import (
+    COLLECT,
+    Message,
+    ScheduleDeadlock,
+    Task,
+    batch_parts,
+    build_schedule,
+    check_protocol,
+    protocol,
+)
+from xfuse.parallel.stage_plan import stage_plan
+
+NUM_LAYERS = 16
+STEPS = 4
+
+
+def cases():
+    for degree in range(1, 9):
+        for placement in ("balanced", "folded", "linear"):
+            for m in sorted({1, degree, 2 * degree, 3}):
+                for warmup in (0, 1, STEPS):
+                    for parts in (1, 2) if warmup else (1,):  # batch parts split whole-image steps only
+                        yield degree, placement, m, warmup, parts
+
+
+@pytest.mark.parametrize("degree,placement,num_patches,warmup,parts", list(cases()))
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_sends_match_receives_and_no_rank_cycle_waits(degree, placement, num_patches, warmup, parts, lookahead):
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, warmup, num_patches, parts)
+    check_protocol(schedule, lookahead)  # asserts pairwise message order; raises on a deadlock
+
+
+@pytest.mark.parametrize("degree,placement,num_patches,warmup,parts", list(cases()))
+def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placement, num_patches, warmup, parts):
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, warmup, num_patches, parts)
+    tasks = [t for order in schedule.orders.values() for t in order if t.hop != COLLECT]
+    expected = {
+        Task(s, p, h, k)
+        for s in range(STEPS)
+        for p in schedule.patches_of(s)
+        for k in schedule.parts_of(s)
+        for h in range(len(plan.route))
+    }
+    assert len(tasks) == len(expected) and set(tasks) == expected
+    assert all((t.part is not None) == (t.step < warmup and parts > 1) for t in tasks)
+    for rank, order in schedule.orders.items():
+        for hop in {t.hop for t in order if t.hop != COLLECT}:
+            seq = [(t.step, -1 if t.patch is None else t.patch, t.part or 0) for t in order if t.hop == hop]
+            assert seq == sorted(seq)  # stale K/V: each layer sees (step, patch) in order, a step's parts in order
+            assert plan.route[hop].rank == rank
+
+
+@pytest.mark.parametrize(
+    "model_batch,degree,parts",
+    [(2, 1, 1), (2, 2, 2), (2, 8, 2), (1, 4, 1), (3, 2, 1), (4, 3, 2), (4, 8, 4), (6, 4, 3), (8, 8, 8)],
+)
+def test_batch_parts_are_the_most_even_parts_up_to_one_per_rank(model_batch, degree, parts):
+    assert batch_parts(model_batch, degree) == parts
+
+
+def test_batch_parts_overlap_the_warmup_step():
+    """Folded, N = 2, 16 blocks: the route is rank 0 (blocks 0-3), rank 1 (4-7, then 8-11), rank 0 (12-15); M = 2,
+    costs in blocks on one patch. The whole warm-up image costs M = 2 per block and its four segments of 4 blocks run
+    one at a time: 8 each, the step ends at 32. In two parts (1 per block each): rank 0 runs both parts' first
+    segment (0-4, 4-8); rank 1 part 0's first segment as it arrives (4-8), then the earliest segment of the route
+    first: part 1's (8-12), part 0's second (12-16), part 1's second (16-20); rank 0 the last segment of part 0
+    (16-20) and of part 1 (20-24): the step ends at 24."""
+    plan = stage_plan(16, 2, "folded", skips=HUNYUANDIT.skip_pairs(16))
+    whole = build_schedule(plan, 3, 1, 2)
+    split = build_schedule(plan, 3, 1, 2, batch_parts=2)
+    assert [whole.times[Task(0, None, hop)] for hop in range(4)] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert [split.times[Task(0, None, hop, k)] for k in (0, 1) for hop in range(4)] == [
+        (0.0, 4.0), (4.0, 8.0), (12.0, 16.0), (16.0, 20.0),
+        (4.0, 8.0), (8.0, 12.0), (16.0, 20.0), (20.0, 24.0),
+    ]  # fmt: skip
+    # the first pipelined step waits for the whole warm-up step (guidance needs both parts), then runs the same
+    pipelined = [(t, e) for t, e in whole.times.items() if t.step > 0]
+    assert all(split.times[t] == (start - 8, end - 8) for t, (start, end) in pipelined)
+
+
+def test_batch_parts_hand_off_their_rows_and_the_last_part_returns_the_latent():
+    plan = stage_plan(16, 2, "linear")  # a chain of blocks (PixArt-like): hand-offs and latents only
+    schedule = build_schedule(plan, 3, 2, 2, batch_parts=2)
+    assert schedule.sends(Task(0, None, 0, 0)) == [Message("hidden", 0, 1, 0, None, part=0)]
+    assert schedule.sends(Task(0, None, 1, 0)) == []  # the output rank waits for part 1 before guidance
+    assert schedule.sends(Task(0, None, 1, 1)) == [Message("latent", 1, 0, 0, None)]
+    assert schedule.recvs(Task(1, None, 0, 0)) == [Message("latent", 1, 0, 0, None)]
+    assert schedule.recvs(Task(1, None, 0, 1)) == []  # part 1 reads the latent part 0 received
+    # the first pipelined step's patch 0 receives the whole latent of the last warm-up step, once
+    assert schedule.recvs(Task(2, 0, 0)) == [Message("latent", 1, 0, 1, None)]
+    with pytest.raises(ValueError, match="batch_parts >= 1"):
+        build_schedule(plan, 3, 2, 2, batch_parts=0)
+
+
+def test_folded_sends_no_skips_and_linear_returns_latents():
+    folded = build_schedule(stage_plan(16, 4, "folded", skips=HUNYUANDIT.skip_pairs(16)), STEPS, 1, 4)
+    kinds = {m.kind for order in folded.orders.values() for t in order for m in folded.sends(t)}
+    assert kinds == {"hidden"}
+    linear = build_schedule(stage_plan(16, 4, "linear", skips=HUNYUANDIT.skip_pairs(16)), STEPS, 1, 4)
+    latents = [m for t in linear.orders[3] for m in linear.sends(t) if m.kind == "latent"]
+    # one whole latent after the warm-up step, then one per patch for every pipelined step (the last: final latents)
+    assert [(m.step, m.patch) for m in latents] == [(0, None)] + [(s, p) for s in (1, 2, 3) for p in range(4)]
+    assert [t for t in linear.orders[0] if t.hop == COLLECT] == [Task(STEPS, p, COLLECT) for p in range(4)]
+
+
+@pytest.mark.parametrize("num_layers", [16, 40])
+@pytest.mark.parametrize("placement", ["folded", "linear"])
+@pytest.mark.parametrize("degree", range(2, 9))
+def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement):
+    """With M >= N, a pipelined step takes exactly the busiest rank's work (its blocks x M patches): no bubbles."""
+    plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
+    last = len(plan.route) - 1
+    for num_patches in (degree, degree + 1, 2 * degree):
+        schedule = build_schedule(plan, 12, 1, num_patches)
+        ends = [schedule.times[Task(s, num_patches - 1, last)][1] for s in range(1, 12)]
+        busiest = max(len(plan.blocks_of(r)) for r in range(degree)) * num_patches
+        steady = ends[3:-3]  # away from the fill and from the drain of the last steps
+        assert all(b - a == busiest for a, b in zip(steady, steady[1:])), (num_patches, ends)
+
+
+def balanced_cases():
+    for num_layers in (16, 40):
+        for degree in range(2, 9):
+            for m in (degree, degree + 1, 2 * degree):
+                yield num_layers, degree, m
+
+
+@pytest.mark.parametrize("num_layers,degree,num_patches", list(balanced_cases()))
+def test_steady_state_on_balanced_routes(num_layers, degree, num_patches):
+    plan = stage_plan(num_layers, degree, "balanced", skips=HUNYUANDIT.skip_pairs(num_layers))
+    schedule = build_schedule(plan, 12, 1, num_patches)
+    last = len(plan.route) - 1
+    ends = [schedule.times[Task(s, num_patches - 1, last)][1] for s in range(1, 12)]
+    busiest = max(len(plan.blocks_of(r)) for r in range(degree)) * num_patches
+    steady = ends[3:-3]
+    assert all(b - a == busiest for a, b in zip(steady, steady[1:])), ends
+
+
+def test_a_skip_into_a_lower_ranks_return_chunk_travels_with_the_return_handoff():
+    """Balanced, 40 blocks, N = 8: block 2 (rank 1's outbound chunk) feeds block 37 (rank 0's return chunk). Rank 1
+    sends it with its return chunk's hidden state, so rank 1 -> 0 carries one task pair's messages, in order."""
+    schedule = build_schedule(stage_plan(40, 8, "balanced", skips=HUNYUANDIT.skip_pairs(40)), 3, 1, 8)
+    out_hop, back_hop = 1, 14  # rank 1's two segments
+    assert [m.kind for m in schedule.sends(Task(2, 3, out_hop))] == ["hidden"]
+    assert [(m.kind, m.block, m.dst) for m in schedule.sends(Task(2, 3, back_hop))] == [
+        ("skip", 2, 0),
+        ("hidden", -1, 0),
+    ]
+    assert [(m.kind, m.src) for m in schedule.recvs(Task(2, 3, 15))] == [("skip", 1), ("hidden", 1)]
+
+
+def test_a_wrong_order_is_caught():
+    """The checker is not vacuous: swapping two receives of rank 1 makes the pair disagree."""
+    schedule = build_schedule(stage_plan(8, 2, "linear", skips=HUNYUANDIT.skip_pairs(8)), 2, 0, 2)
+    order = list(schedule.orders[1])
+    order[0], order[1] = order[1], order[0]
+    broken = dataclasses.replace(schedule, orders={**schedule.orders, 1: tuple(order)})
+    with pytest.raises(AssertionError, match="disagree"):
+        check_protocol(broken, 1)
+
+
+def test_a_deadlocking_protocol_is_caught():
+    """Rank 1 running its return segment before the outbound one waits forever on itself: reported."""
+    schedule = build_schedule(stage_plan(8, 2, "folded", skips=HUNYUANDIT.skip_pairs(8)), 1, 1, 1)
+    assert [t.hop for t in schedule.orders[0]] == [0, 3]
+    broken = dataclasses.replace(schedule, orders={**schedule.orders, 0: tuple(reversed(schedule.orders[0]))})
+    with pytest.raises((ScheduleDeadlock, AssertionError)):
+        check_protocol(broken, 1)
+
+
+def test_protocol_posts_before_waiting_on_sends():
+    schedule = build_schedule(stage_plan(16, 3, "folded", skips=HUNYUANDIT.skip_pairs(16)), STEPS, 1, 3)
+    for rank in range(3):
+        actions = protocol(schedule, rank, 2)
+        first_wait_send = next(i for i, (a, _) in enumerate(actions) if a == "wait_send")
+        assert all(a == "post" for a, _ in actions[:2])
+        assert first_wait_send > actions.index(("post", schedule.orders[rank][2]))

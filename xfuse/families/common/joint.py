@@ -1,0 +1,152 @@
+"""Joint text–image attention under PipeFusion (the MMDiT families: SD3/SD3.5 and FLUX.1).
+
+In an MMDiT block the text tokens sit in the same softmax as the image tokens, so a block's text update depends on
+the whole image. xfuse gives that update to one owner per step, the step's first patch (patch 0; a whole-image pass
+owns it too):
+
+* patch 0 runs every block on (its image rows, the text): its text queries see patch 0 fresh and the other
+  patches' K/V of the previous step, its text output goes on to the next block and, with patch 0's hand-off, to
+  the next rank; each attention module records the text K/V it computed;
+* every later patch runs the same untouched diffusers block with a text stream of **zero tokens**: the block's text
+  path (norm, projections, feed-forward) costs nothing, and the processor attends the patch's image queries to the
+  image buffer plus the text K/V patch 0 recorded. Those K/V are exactly what recomputing the block on patch 0's
+  text input would give (xDiT's SD3 scheme), without the recomputation: no text crosses ranks after patch 0.
+
+Warm-up (whole-image) steps are exact. Image K/V go through the stage's ``StaleKVCache`` (post q/k-norm; FLUX:
+post-RoPE, so stale rows keep their own positions); text K/V never go stale within a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttention
+
+from xfuse.families.common.layers import project_heads
+from xfuse.parallel.stale_kv import StaleKVCache
+
+
+@dataclass
+class JointKV:
+    """The K/V state every joint-attention processor of one stage shares.
+
+    ``image`` holds the whole-image buffers (stale between patches); ``text`` the text K/V per attention module,
+    recorded by the owner of the text update. ``reuse_text``: the current pass is a later patch (its text stream
+    has zero tokens; attend to the recorded text K/V). ``text_tokens``: text tokens at the front of the sequence
+    a FLUX single-stream block's attention sees (its processor cannot tell text from image by itself).
+    """
+
+    image: StaleKVCache = field(default_factory=StaleKVCache)
+    text: dict = field(default_factory=dict)
+    reuse_text: bool = False
+    text_tokens: int = 0
+
+    def text_kv(self, key, text_k: torch.Tensor, text_v: torch.Tensor):
+        """(B, heads, T, head_dim) text K/V of this pass: recorded by the owner, replaced by the owner's for a
+        later patch (whose own text has zero tokens)."""
+        if not self.reuse_text:
+            self.text[key] = (text_k, text_v)
+            return text_k, text_v
+        if text_k.shape[2] != 0:
+            raise RuntimeError(f"joint attention {key}: a later patch must carry no text tokens")
+        if key not in self.text:
+            raise RuntimeError(f"joint attention {key}: no text K/V recorded by this step's first patch")
+        return self.text[key]
+
+    def begin_request(self, num_tokens: int) -> None:
+        self.image.reset(num_tokens)
+        self.text.clear()
+        self.reuse_text, self.text_tokens = False, 0
+
+
+def _sdpa(query, key, value) -> torch.Tensor:
+    """(B, heads, S_q, d) x (B, heads, S_kv, d) -> (B, S_q, heads * d), as diffusers' processors merge heads."""
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+    return out.transpose(1, 2).flatten(2).to(query.dtype)  # (B, heads, S, d) -> (B, S, heads * d)
+
+
+def _norm(norm, x):
+    return x if norm is None else norm(x)
+
+
+class StaleJointAttnProcessor:
+    """Mirrors ``JointAttnProcessor2_0.__call__`` (SD3/SD3.5: [image, text] order, optional per-head RMSNorm,
+    ``context_pre_only`` last block, and SD3.5's image-only ``attn2``) with PipeFusion's K/V."""
+
+    def __init__(self, state: JointKV, key):
+        self.state, self.key = state, key
+
+    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        if attention_mask is not None or kwargs:
+            raise ValueError(f"StaleJointAttnProcessor: no attention mask or extra arguments (got {sorted(kwargs)})")
+        image_len = hidden_states.shape[1]
+        query = _norm(attn.norm_q, project_heads(attn, hidden_states, attn.to_q))  # (B, heads, S, d)
+        key = _norm(attn.norm_k, project_heads(attn, hidden_states, attn.to_k))
+        value = project_heads(attn, hidden_states, attn.to_v)
+        key, value = self.state.image.update(self.key, key, value)  # the band fresh, the rest stale
+        if encoder_hidden_states is not None:
+            text_q = _norm(attn.norm_added_q, project_heads(attn, encoder_hidden_states, attn.add_q_proj))
+            text_k = _norm(attn.norm_added_k, project_heads(attn, encoder_hidden_states, attn.add_k_proj))
+            text_v = project_heads(attn, encoder_hidden_states, attn.add_v_proj)
+            text_k, text_v = self.state.text_kv(self.key, text_k, text_v)
+            query = torch.cat([query, text_q], dim=2)
+            key, value = torch.cat([key, text_k], dim=2), torch.cat([value, text_v], dim=2)
+        out = _sdpa(query, key, value)  # (B, image_len + text queries, D)
+        image = attn.to_out[1](attn.to_out[0](out[:, :image_len]))
+        if encoder_hidden_states is None:
+            return image
+        text = out[:, image_len:]
+        return image, (text if attn.context_pre_only else attn.to_add_out(text))
+
+
+class StaleFluxAttnProcessor:
+    """Mirrors ``FluxAttnProcessor.__call__`` (FLUX: [text, image] order, per-head RMSNorm, RoPE on every token)
+    with PipeFusion's K/V. In a single-stream block the sequence is [text, image] already concatenated; the
+    stage says how many text tokens lead it (``JointKV.text_tokens``)."""
+
+    def __init__(self, state: JointKV, key):
+        self.state, self.key = state, key
+
+    def __call__(
+        self, attn: FluxAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
+    ):
+        if attention_mask is not None:
+            raise ValueError("StaleFluxAttnProcessor: no attention mask")
+
+        def heads(x, proj, norm):  # (B, S, heads * d) -> (B, S, heads, d), normed per head
+            out = proj(x).unflatten(-1, (-1, attn.head_dim))
+            return out if norm is None else norm(out)
+
+        query = heads(hidden_states, attn.to_q, attn.norm_q)
+        key = heads(hidden_states, attn.to_k, attn.norm_k)
+        value = heads(hidden_states, attn.to_v, None)
+        if encoder_hidden_states is not None:  # double-stream block: the text comes separately, and first
+            text_len = encoder_hidden_states.shape[1]
+            query = torch.cat([heads(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q), query], dim=1)
+            key = torch.cat([heads(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k), key], dim=1)
+            value = torch.cat([heads(encoder_hidden_states, attn.add_v_proj, None), value], dim=1)
+        else:  # single-stream block: the block put its text in front
+            text_len = self.state.text_tokens
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, d) -> (B, heads, S, d)
+        text_k, text_v = self.state.text_kv(self.key, key[:, :, :text_len], value[:, :, :text_len])
+        image_k, image_v = self.state.image.update(self.key, key[:, :, text_len:], value[:, :, text_len:])
+        out = _sdpa(query, torch.cat([text_k, image_k], dim=2), torch.cat([text_v, image_v], dim=2))
+        if encoder_hidden_states is None:
+            return out  # (B, text_len + band, D): the single block projects it with its MLP branch
+        text, image = out[:, :text_len], out[:, text_len:]
+        return attn.to_out[1](attn.to_out[0](image.contiguous())), attn.to_add_out(text.contiguous())
+
+
+def check_joint_attention(attn, expected: type) -> None:
+    """The processor diffusers installed is the one the processors above mirror, with nothing they leave out."""
+    if type(attn.processor) is not expected:
+        raise TypeError(f"expected {expected.__name__}, found {type(attn.processor).__name__}")
+    if getattr(attn, "fused_projections", False):
+        raise ValueError("fused QKV projections are not supported (call unfuse_qkv_projections() first)")

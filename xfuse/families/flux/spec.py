@@ -1,0 +1,53 @@
+"""FLUX.1's ``ModelSpec``: the facts xfuse's planner, checks and CLI read, written beside the family's code."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from xfuse.families.spec import ModelSpec, no_skips
+
+
+def _flux_blocks(config: dict) -> int:
+    """FLUX's double-stream blocks (``num_layers``) then its single-stream blocks, indexed as one chain."""
+    return config["num_layers"] + config["num_single_layers"]
+
+
+def _pipeline_class() -> type:
+    from xfuse.families.flux.pipeline import PipeFusionFluxPipeline
+
+    return PipeFusionFluxPipeline
+
+
+def _stage_class() -> type:
+    from xfuse.families.flux.stage import FluxStage
+
+    return FluxStage
+
+
+def _preset_builders() -> ModuleType:
+    from xfuse.families.flux import presets
+
+    return presets
+
+
+FLUX = ModelSpec(
+    name="flux",
+    diffusers_pipeline="FluxPipeline",
+    diffusers_transformer="FluxTransformer2DModel",
+    pipeline_class=_pipeline_class,
+    stage_class=_stage_class,
+    preset_builders=_preset_builders,
+    presets=("flux-tiny", "flux-small", "flux-dev", "flux-schnell"),
+    vae_scale_factor=8,
+    text_lengths=(512,),  # T5 (max_sequence_length); the CLIP prompt gives only the pooled vector
+    skip_pairs=no_skips,
+    default_placement="linear",
+    crosses_per_patch="hidden states at each hand-off, plus the text stream (B, T5 tokens, hidden) with the step's "
+    "first patch only (it owns the text update; later patches reuse its text K/V); with linear placement the "
+    "stepped packed latent rows back to rank 0",
+    num_blocks=_flux_blocks,
+    packing=2,
+    streams=("text",),
+    distilled_guidance=True,
+    native_side=lambda config: 128 * 8,  # FluxPipeline.default_sample_size x its VAE factor
+)

@@ -1,0 +1,2 @@
+"""HunyuanDiT (diffusers `HunyuanDiT2DModel` / `HunyuanDiTPipeline`): spec, adapter, pipeline, presets, and the
+serial reference loop the engine tests and benchmarks compare with."""

@@ -1,0 +1,58 @@
+"""HunyuanDiT's ``ModelSpec``: the facts xfuse's planner, checks and CLI read, written beside the family's code."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from xfuse.errors import ConfigError
+from xfuse.families.spec import ModelSpec
+
+
+def hunyuandit_skip_pairs(num_blocks: int) -> tuple[tuple[int, int], ...]:
+    """(producer, consumer) pairs of HunyuanDiT's long skips, as ``HunyuanDiT2DModel.forward`` wires them: block
+    ``k < B/2 - 1`` feeds block ``B-1-k``."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2 or num_blocks % 2:
+        raise ConfigError(
+            "model",
+            f"has {num_blocks} transformer blocks; HunyuanDiT's long skips pair block k with block N-1-k, so it "
+            f"needs an even block count >= 2 (got num_layers={num_blocks!r})",
+        )
+    half = num_blocks // 2
+    return tuple((k, num_blocks - 1 - k) for k in range(half - 1))
+
+
+def _pipeline_class() -> type:
+    from xfuse.families.hunyuandit.pipeline import PipeFusionHunyuanDiTPipeline
+
+    return PipeFusionHunyuanDiTPipeline
+
+
+def _stage_class() -> type:
+    from xfuse.families.hunyuandit.stage import HunyuanDiTStage
+
+    return HunyuanDiTStage
+
+
+def _preset_builders() -> ModuleType:
+    from xfuse.families.hunyuandit import presets
+
+    return presets
+
+
+HUNYUANDIT = ModelSpec(
+    name="hunyuandit",
+    diffusers_pipeline="HunyuanDiTPipeline",
+    diffusers_transformer="HunyuanDiT2DModel",
+    pipeline_class=_pipeline_class,
+    stage_class=_stage_class,
+    preset_builders=_preset_builders,
+    presets=("tiny", "small", "bytes40", "dit-g2"),
+    vae_scale_factor=8,  # the SDXL AutoencoderKL: 4 levels, 3 downsamplings
+    text_lengths=(77, 256),  # BERT, mT5
+    skip_pairs=hunyuandit_skip_pairs,
+    default_placement="balanced",
+    resolution_binning=True,
+    crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks "
+    "and the stepped latent rows back to rank 0; with balanced placement the few long skips its even split cannot "
+    "keep on one rank (at most one per pair of neighbouring ranks, with the return hand-off)",
+)

@@ -1,0 +1,1 @@
+"""PixArt-Σ (diffusers `PixArtTransformer2DModel` / `PixArtSigmaPipeline`): spec, adapter, pipeline, presets."""

@@ -1,0 +1,93 @@
+"""The families xfuse runs, collected from their folders, and the lookups from a ``model`` value to its family.
+
+Each family is one folder under ``xfuse/families/`` whose ``spec.py`` describes it (``xfuse.families.spec``);
+adding a family is one more folder and one more line in ``FAMILIES`` below. Reading the registry imports neither
+torch nor diffusers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from xfuse.errors import ConfigError
+from xfuse.families.flux.spec import FLUX
+from xfuse.families.hunyuandit.spec import HUNYUANDIT
+from xfuse.families.pixart.spec import PIXART_SIGMA
+from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
+from xfuse.families.spec import ModelSpec
+
+FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX)
+
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in FAMILIES}
+PRESET_MODELS: dict[str, ModelSpec] = {preset: spec for spec in MODEL_SPECS.values() for preset in spec.presets}
+# Trained models shipped inside the package (diffusers folders in xfuse/assets/): ``model: shapes`` is that folder.
+# Both are trained on ``xfuse.assets.shapes_world``'s captioned scenes by scripts/train_tiny.py, on one VAE:
+# ``shapes`` a HunyuanDiT (its folder also holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ.
+_ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+SHIPPED_MODELS: dict[str, str] = {name: os.path.join(_ASSETS, name) for name in ("shapes", "shapes-pixart")}
+
+
+def resolve_model(model: str) -> str:
+    """A shipped model's folder for its name; any other ``model`` (a preset or a folder) unchanged."""
+    return SHIPPED_MODELS.get(model, model)
+
+
+_BY_PIPELINE = {spec.diffusers_pipeline: spec for spec in MODEL_SPECS.values()}
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The family of ``model``: a preset name, or a local diffusers folder (from its ``model_index.json``)."""
+    if model in PRESET_MODELS:
+        return PRESET_MODELS[model]
+    model = resolve_model(model)
+    index = os.path.join(model, "model_index.json")
+    families = ", ".join(f"{s.diffusers_pipeline} ({s.name})" for s in MODEL_SPECS.values())
+    if not os.path.isfile(index):
+        raise ConfigError(
+            "model",
+            f"must be one of the presets {', '.join(PRESET_MODELS)}, a shipped model ({', '.join(SHIPPED_MODELS)}) "
+            "or a local diffusers folder with "
+            f"model_index.json of one of {families} (not found: {index!r})",
+        )
+    with open(index) as f:
+        class_name = json.load(f).get("_class_name")
+    if class_name not in _BY_PIPELINE:
+        raise ConfigError(
+            "model",
+            f"{model!r} is a {class_name} folder; xfuse runs {families} (got _class_name={class_name!r})",
+        )
+    return _BY_PIPELINE[class_name]
+
+
+def transformer_config(model: str) -> dict:
+    """The transformer config of ``model`` without loading weights (a preset name or a local folder)."""
+    spec = model_spec(model)
+    if model in PRESET_MODELS:
+        return spec.preset_transformer_config(model)
+    model = resolve_model(model)
+    path = os.path.join(model, "transformer", "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError("model", f"{model!r} has no transformer/config.json (not found: {path!r})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def model_is_preset(model: str) -> bool:
+    """True if ``model`` names a built-in random-weight preset rather than a folder (or a shipped model)."""
+    return model in PRESET_MODELS
+
+
+def load_pipeline(model: str, torch_dtype=None):
+    """The family's diffusers pipeline on CPU: built from a preset, or loaded from a local folder."""
+    spec = model_spec(model)
+    if model in PRESET_MODELS:
+        import torch
+
+        pipe = spec.build_preset_pipeline(model)  # built in float32
+        return pipe if torch_dtype in (None, torch.float32) else pipe.to(dtype=torch_dtype)
+    import diffusers
+
+    return getattr(diffusers, spec.diffusers_pipeline).from_pretrained(
+        resolve_model(model), torch_dtype=torch_dtype, local_files_only=True
+    )

@@ -1,0 +1,212 @@
+"""``PipeFusionStableDiffusion3Pipeline``: diffusers' ``StableDiffusion3Pipeline`` with PipeFusion, under torchrun.
+
+What every family shares is ``PipeFusionPipelineBase``'s. This file is ``StableDiffusion3Pipeline.__call__``'s
+preparation (``check_inputs``, ``encode_prompt`` with the three text encoders, ``prepare_latents``, the flow-matching
+timesteps with an optional ``mu``) and decoding, run by the diffusers pipeline object itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.stable_diffusion_3 import pipeline_stable_diffusion_3 as diffusers_sd3
+from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
+
+from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
+from xfuse.families.sd3.stage import denoise_request
+from xfuse.pipelines.base import PipeFusionPipelineBase
+
+
+class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
+    r"""
+    Text-to-image with SD3 / SD3.5 on ``cfg_degree x pipefusion_degree`` ranks, called with the arguments of
+    diffusers' [`~diffusers.StableDiffusion3Pipeline.__call__`]; global rank 0 returns what diffusers returns, the
+    others `None`. Rules: [`~xfuse.pipelines.base.PipeFusionPipelineBase`]; `callback_on_step_end` as in
+    [`~xfuse.pipelines.PipeFusionHunyuanDiTPipeline`] (read-only). Refused by name: IP-Adapter images,
+    `joint_attention_kwargs` and skip-layer guidance (`skip_guidance_layers`: a third forward pass with its own K/V).
+    """
+
+    spec = STABLE_DIFFUSION_3
+    rank0_components = (
+        "tokenizer",
+        "tokenizer_2",
+        "tokenizer_3",
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "vae",
+    )
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] = None,
+        prompt_2: str | list[str] | None = None,
+        prompt_3: str | list[str] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int = 28,
+        sigmas: list[float] | None = None,
+        guidance_scale: float = 7.0,
+        negative_prompt: str | list[str] | None = None,
+        negative_prompt_2: str | list[str] | None = None,
+        negative_prompt_3: str | list[str] | None = None,
+        num_images_per_prompt: int | None = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.FloatTensor | None = None,
+        prompt_embeds: torch.FloatTensor | None = None,
+        negative_prompt_embeds: torch.FloatTensor | None = None,
+        pooled_prompt_embeds: torch.FloatTensor | None = None,
+        negative_pooled_prompt_embeds: torch.FloatTensor | None = None,
+        ip_adapter_image=None,
+        ip_adapter_image_embeds: torch.Tensor | None = None,
+        output_type: str | None = "pil",
+        return_dict: bool = True,
+        joint_attention_kwargs: dict | None = None,
+        clip_skip: int | None = None,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
+        max_sequence_length: int = STABLE_DIFFUSION_3.text_lengths[1],
+        skip_guidance_layers: list[int] = None,
+        skip_layer_guidance_scale: float = 2.8,
+        skip_layer_guidance_stop: float = 0.2,
+        skip_layer_guidance_start: float = 0.01,
+        mu: float | None = None,
+    ):
+        pipe, ctx = self.pipeline, self.context
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        self._refuse(
+            ip_adapter_image=(ip_adapter_image, None, "IP-Adapter attention is not a stale-K/V processor"),
+            ip_adapter_image_embeds=(ip_adapter_image_embeds, None, "IP-Adapter attention"),
+            joint_attention_kwargs=(joint_attention_kwargs, None, "its processors take no extra arguments"),
+            skip_guidance_layers=(skip_guidance_layers, None, "a third forward pass would need its own K/V buffers"),
+        )
+        # 1. Size and checks, the same on every rank before any communication.
+        height = height or self.default_sample_size * pipe.vae_scale_factor
+        width = width or self.default_sample_size * pipe.vae_scale_factor
+        pipe.check_inputs(
+            prompt,
+            prompt_2,
+            prompt_3,
+            height,
+            width,
+            negative_prompt=negative_prompt,
+            negative_prompt_2=negative_prompt_2,
+            negative_prompt_3=negative_prompt_3,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            max_sequence_length=max_sequence_length,
+        )
+        batch_size = 1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else len(prompt_embeds)
+        if sigmas is not None:  # the number of steps is the custom schedule's length
+            num_inference_steps = len(sigmas)
+        self._check_common(
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            output_type=output_type,
+            num_images_per_prompt=num_images_per_prompt,
+            latents=latents,
+            batch_size=batch_size,
+        )
+        self._begin_call()
+        do_cfg = guidance_scale > 1
+
+        result = None
+        with ctx.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
+            device = ctx.device
+
+            # 2. Encode the prompts on rank 0 (CLIP-L, CLIP-G, T5) and broadcast the embeddings.
+            def encode() -> dict[str, torch.Tensor]:
+                emb, neg, pooled, neg_pooled = pipe.encode_prompt(
+                    prompt=prompt,
+                    prompt_2=prompt_2,
+                    prompt_3=prompt_3,
+                    negative_prompt=negative_prompt,
+                    negative_prompt_2=negative_prompt_2,
+                    negative_prompt_3=negative_prompt_3,
+                    do_classifier_free_guidance=do_cfg,
+                    prompt_embeds=prompt_embeds,
+                    negative_prompt_embeds=negative_prompt_embeds,
+                    pooled_prompt_embeds=pooled_prompt_embeds,
+                    negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+                    device=device,
+                    clip_skip=clip_skip,
+                    num_images_per_prompt=num_images_per_prompt,
+                    max_sequence_length=max_sequence_length,
+                )
+                text = {"prompt_embeds": emb, "pooled_prompt_embeds": pooled}
+                if do_cfg:
+                    text |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
+                return {k: v.to(self.dtype) for k, v in text.items()}
+
+            text = self._broadcast_tensors(encode)
+            keys = ("prompt_embeds", "pooled_prompt_embeds")
+            batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) if do_cfg else text[k] for k in keys}
+
+            # 3. Latents (rank 0's, broadcast), then the timesteps (mu from the whole image's tokens if dynamic).
+            generator = self._shared_generator(generator)
+            channels = self.stage.config.in_channels
+            latents = self._shared_latents(
+                lambda: pipe.prepare_latents(
+                    batch_size * num_images_per_prompt, channels, height, width, self.dtype, device, generator, latents
+                )
+            )
+            scheduler_kwargs = {}
+            if pipe.scheduler.config.get("use_dynamic_shifting", None) and mu is None:
+                # Mirrors StableDiffusion3Pipeline.__call__: mu from the whole latent's token count.
+                patch = self.stage.config.patch_size
+                config = pipe.scheduler.config
+                mu = diffusers_sd3.calculate_shift(
+                    (latents.shape[2] // patch) * (latents.shape[3] // patch),
+                    config.get("base_image_seq_len", 256),
+                    config.get("max_image_seq_len", 4096),
+                    config.get("base_shift", 0.5),
+                    config.get("max_shift", 1.16),
+                )
+            if mu is not None:
+                scheduler_kwargs["mu"] = mu
+            timesteps, num_inference_steps = diffusers_sd3.retrieve_timesteps(
+                pipe.scheduler, num_inference_steps, device, sigmas=sigmas, **scheduler_kwargs
+            )
+            model_text, cfg_half = self._cfg_split(batched, latents.shape[0])
+
+            # 4. The denoising loop: xfuse's engine.
+            on_step_end = self._step_end_callback(
+                callback_on_step_end, callback_on_step_end_tensor_inputs, timesteps, batched
+            )
+            request = denoise_request(
+                self.stage,
+                latents=latents,
+                timesteps=timesteps,
+                scheduler=pipe.scheduler,
+                guidance_scale=guidance_scale,
+                cfg_half=cfg_half,
+                generator=generator,
+                on_step_end=on_step_end,
+                **model_text,
+            )
+            final = self._denoise(request, height, width, num_inference_steps)
+            if ctx.is_output:
+                result = self._decode(final, output_type, return_dict)
+        return self._finish(result)
+
+    def _decode(self, final, output_type, return_dict):
+        """Rank 0: VAE decode and post-processing, as ``StableDiffusion3Pipeline.__call__`` does."""
+        pipe = self.pipeline
+        if output_type == "latent":
+            image = final
+        else:
+            final = (final / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+            image = pipe.vae.decode(final, return_dict=False)[0]
+            image = pipe.image_processor.postprocess(image, output_type=output_type)
+        pipe.maybe_free_model_hooks()
+        if not return_dict:
+            return (image,)
+        return StableDiffusion3PipelineOutput(images=image)

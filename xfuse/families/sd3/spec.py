@@ -1,0 +1,46 @@
+"""SD3 / SD3.5's ``ModelSpec``: the facts xfuse's planner, checks and CLI read, written beside the family's code."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from xfuse.families.spec import ModelSpec, no_skips
+
+
+def _pipeline_class() -> type:
+    from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
+
+    return PipeFusionStableDiffusion3Pipeline
+
+
+def _stage_class() -> type:
+    from xfuse.families.sd3.stage import SD3Stage
+
+    return SD3Stage
+
+
+def _preset_builders() -> ModuleType:
+    from xfuse.families.sd3 import presets
+
+    return presets
+
+
+STABLE_DIFFUSION_3 = ModelSpec(
+    name="sd3",
+    diffusers_pipeline="StableDiffusion3Pipeline",
+    diffusers_transformer="SD3Transformer2DModel",
+    pipeline_class=_pipeline_class,
+    stage_class=_stage_class,
+    preset_builders=_preset_builders,
+    presets=("sd3-tiny", "sd35-tiny", "sd3-small", "sd3-medium", "sd3.5-medium", "sd3.5-large"),
+    vae_scale_factor=8,
+    text_lengths=(77, 256),  # CLIP-L and CLIP-G (side by side, one sequence), T5 (max_sequence_length)
+    skip_pairs=no_skips,
+    default_placement="linear",
+    crosses_per_patch="hidden states at each hand-off, plus the text stream (B, 77 + T5 tokens, hidden) with the "
+    "step's first patch only (it owns the text update; later patches reuse its text K/V); with linear placement "
+    "the stepped latent rows back to rank 0",
+    streams=("text",),
+    # SD3.5-medium's blocks listed in dual_attention_layers add an image-only self-attention (attn2)
+    attentions_of_block=lambda config, block: 2 if block in (config.get("dual_attention_layers") or ()) else 1,
+)

@@ -1,0 +1,141 @@
+"""``ModelSpec``: what xfuse knows about one family of diffusers DiTs (in the spirit of torchtitan's ``ModelSpec``).
+
+Each family folder (``xfuse/families/<name>/spec.py``) writes its spec beside the code it names; the registry
+(``xfuse.families.registry``) collects them. A spec holds what the planner, the request checks, the cost model,
+``xfuse plan`` and the CLI need to know about a family: its diffusers classes, its long skips, the VAE scale factor,
+its text lengths, its presets and its default placement. It reaches the family's adapter, pipeline and preset
+builders through zero-argument loaders that import them from the family's own folder on first use, so reading a
+spec (the config, the planners, ``xfuse plan``) imports neither torch nor diffusers. The engine, schedule and comm
+layer never see a spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from xfuse.errors import ConfigError
+from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.stage_plan import StagePlan, stage_plan
+
+
+def no_skips(num_blocks: int) -> tuple[tuple[int, int], ...]:
+    """Families whose blocks are a plain chain."""
+    return ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What xfuse knows about one family of diffusers DiTs.
+
+    Attributes:
+        name: family id (``xfuse plan`` and the docs use it).
+        diffusers_pipeline: the diffusers pipeline class name, as ``model_index.json``'s ``_class_name`` has it.
+        diffusers_transformer: the diffusers transformer class name (``transformer/config.json``).
+        pipeline_class: loads the xfuse pipeline class (a ``PipeFusionPipelineBase``) from the family's folder
+            (importing torch and diffusers).
+        stage_class: loads the adapter class (the ``Stage`` the engine calls) from the family's folder.
+        preset_builders: loads the family's ``presets`` module, which has ``preset_transformer_config(name)``,
+            ``build_preset_pipeline(name, seed)`` and ``save_preset_pipeline(path, name, seed)``.
+        presets: built-in random-weight models of this family (``model: <preset>``).
+        vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
+        text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s).
+        skip_pairs: ``num_blocks -> ((producer, consumer), ...)``, the long skips between blocks; raises
+            ``ConfigError("model", ...)`` for a block count the family cannot have.
+        default_placement: used when ``parallel.placement`` is not set. Long skips: ``balanced`` (folded's route, which
+            keeps the skips on-rank, with per-rank totals even to one block; where folded is already even it is
+            folded's plan, elsewhere a few skips cross one rank down, and the performance model predicts it faster
+            than folded at every degree); without long skips a folded route only adds hand-offs: ``linear``.
+        crosses_per_patch: what one patch sends between ranks, for the docs and ``xfuse plan``.
+        num_blocks: ``transformer config -> number of blocks`` the plan places (FLUX: double + single blocks).
+        packing: latent pixels per side the pipeline folds into one transformer input token before the model
+            (FLUX packs 2x2 latents; the engine's latent grid is then ``vae_scale_factor * packing`` px per row).
+        streams: hand-off tensors a step's first patch carries besides the hidden state (an MMDiT's text stream;
+            its length is ``sum(text_lengths)`` at the defaults).
+        distilled_guidance: ``guidance_scale`` never batches [uncond, cond] (FLUX.1-dev embeds it, schnell ignores
+            it; their CFG is ``true_cfg_scale``): the transformer batch is not doubled by it.
+        native_side: ``transformer config -> pixels`` of the default image side (what the diffusers pipeline
+            uses when no size is given).
+        resolution_binning: the diffusers pipeline takes ``use_resolution_binning`` (the CLI and serve turn it off).
+        attentions_of_block: ``(transformer config, block) -> `` the attention modules in that block that mix
+            image tokens, each holding a whole-image K/V buffer (SD3.5's dual-attention blocks have 2).
+    """
+
+    name: str
+    diffusers_pipeline: str
+    diffusers_transformer: str
+    pipeline_class: Callable[[], type]
+    stage_class: Callable[[], type]
+    preset_builders: Callable[[], ModuleType]
+    presets: tuple[str, ...]
+    vae_scale_factor: int
+    text_lengths: tuple[int, ...]
+    skip_pairs: Callable[[int], tuple[tuple[int, int], ...]]
+    default_placement: str
+    crosses_per_patch: str
+    num_blocks: Callable[[dict], int] = lambda config: config["num_layers"]
+    packing: int = 1
+    streams: tuple[str, ...] = ()
+    distilled_guidance: bool = False
+    native_side: Callable[[dict], int] | None = None
+    attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
+    resolution_binning: bool = False
+
+    @property
+    def latent_scale(self) -> int:
+        """Pixels per row (and column) of the latent the engine steps: the VAE factor times the packing."""
+        return self.vae_scale_factor * self.packing
+
+    def default_side(self, config: dict) -> int:
+        """Pixels of the default image side for a transformer ``config`` (diffusers' ``default_sample_size``)."""
+        if self.native_side is not None:
+            return self.native_side(config)
+        return config["sample_size"] * self.vae_scale_factor
+
+    def placement(self, parallel) -> str:
+        """``parallel.placement``, or this family's default when it is not set."""
+        return parallel.placement or self.default_placement
+
+    def plan(self, num_blocks: int, parallel) -> StagePlan:
+        """The stage plan of a ``num_blocks``-block model of this family under ``parallel`` (a ParallelConfig)."""
+        return stage_plan(
+            num_blocks,
+            parallel.pipefusion_degree,
+            self.placement(parallel),
+            parallel.stage_split,
+            skips=self.skip_pairs(num_blocks),
+            streams=self.streams,
+        )
+
+    def check_layout(self, parallel, *, num_blocks: int, patch_size: int, height: int, width: int) -> None:
+        """Check that this family runs ``parallel`` (a ParallelConfig) on a ``num_blocks``-block model for a
+        ``height`` x ``width`` px image; raise :class:`ConfigError` naming the key otherwise.
+
+        Run before any communication, the same on every rank (the world size is ``xfuse.runtime.world``'s check).
+        The block placement and the patch grid are validated by the pure planners themselves.
+        """
+        self.skip_pairs(num_blocks)  # the family's own rule on its block count
+        multiple = self.latent_scale * patch_size
+        packing = f" x packing {self.packing}" if self.packing > 1 else ""
+        for name, value in (("height", height), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
+                lower = max(multiple, (value // multiple) * multiple) if isinstance(value, int) else multiple
+                raise ConfigError(
+                    f"generation.{name}",
+                    f"must be a positive multiple of {multiple} pixels (VAE factor {self.vae_scale_factor}{packing} "
+                    f"x patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
+                )
+        self.plan(num_blocks, parallel)
+        patch_grid(height // self.latent_scale, width // self.latent_scale, parallel.resolved_num_patches, patch_size)
+
+    def preset_transformer_config(self, preset: str) -> dict:
+        return self.preset_builders().preset_transformer_config(preset)
+
+    def build_preset_pipeline(self, preset: str, seed: int = 0) -> Any:
+        return self.preset_builders().build_preset_pipeline(preset, seed)
+
+    def save_preset_pipeline(self, path: str, preset: str, seed: int = 0) -> str:
+        """Build preset ``preset`` and ``save_pretrained`` it as a diffusers folder at ``path``."""
+        return self.preset_builders().save_preset_pipeline(path, preset, seed)

@@ -1,0 +1,74 @@
+"""Fault injection for failure drills (and xfuse's own fault tests), driven by ``XFUSE_FAULT="kind:rank:step"``.
+
+``kind`` is ``kill`` (the rank SIGKILLs itself), ``stall`` (it sleeps for an hour) or ``raise`` (a RuntimeError
+inside its forward). The fault fires when global rank ``rank`` starts its first block on the first pass of diffusion
+step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in parts). ``xfuse
+generate`` installs it when the variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from xfuse.comm.errors import describe_place
+from xfuse.runtime.stderr import clock, write_stderr
+
+KINDS = ("kill", "stall", "raise")
+
+
+def parse(spec: str) -> tuple[str, int, int]:
+    try:
+        kind, rank, step = spec.split(":")
+        if kind not in KINDS:
+            raise ValueError
+        return kind, int(rank), int(step)
+    except ValueError:
+        raise ValueError(f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} (got {spec!r})") from None
+
+
+def install(stage, rank: int, spec: str | None = None) -> bool:
+    """Arm the fault of ``spec`` (default: ``$XFUSE_FAULT``) on ``stage`` if it targets ``rank``.
+
+    The step is counted from what the engine hands the stage for each pass (``run_segment``'s band and the
+    conditioning's batch part), not from a number of passes per step: a whole-image step takes one pass per batch
+    part, a pipelined one one per patch, and the parts depend on the request's batch."""
+    spec = spec or os.environ.get("XFUSE_FAULT")
+    if not spec:
+        return False
+    kind, target, step = parse(spec)
+    if target != rank:
+        return False
+    now = {"step": -1, "pass": (None, None)}  # the step of the first block's last pass; this run_segment's pass
+    begin, run_segment = stage.begin_request, stage.run_segment
+
+    def begin_request(*args, **kwargs):  # a new request: count its steps from zero
+        now["step"] = -1
+        return begin(*args, **kwargs)
+
+    def run_segment_noting_the_pass(hidden, segment, cond, band, *args, **kwargs):
+        now["pass"] = (band, getattr(cond, "part", None))  # read by the first block's pre-hook inside this call
+        return run_segment(hidden, segment, cond, band, *args, **kwargs)
+
+    def pre_hook(module, args):
+        # The rank's first block runs one segment, which sees its passes in (step, patch, part) order.
+        band, part = now["pass"]
+        if (band.index if band is not None else getattr(part, "index", 0)) != 0:
+            return  # not a step's first pass
+        now["step"] += 1
+        if now["step"] != step:
+            return
+        place = describe_place(step, None if band is None else band.index, getattr(part, "index", None))
+        write_stderr(f"[xfuse-fault {clock()}] rank {rank}: {kind} at {place}")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stall":
+            time.sleep(3600)
+        else:
+            raise RuntimeError(f"injected fault: rank {rank} raised in its forward at {place}")
+
+    stage.begin_request = begin_request
+    stage.run_segment = run_segment_noting_the_pass
+    stage.blocks[stage.block_ids[0]].register_forward_pre_hook(pre_hook)
+    return True

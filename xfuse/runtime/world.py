@@ -1,0 +1,257 @@
+"""Process groups and topology: world = cfg_degree x pipefusion_degree, launched by torchrun (or a test world).
+
+Global rank g belongs to CFG group ``g // pipefusion_degree`` (0: the unconditional half, 1: the conditional half
+when ``cfg_degree == 2``) at pipeline rank ``g % pipefusion_degree``. Global rank 0 is pipeline rank 0 of CFG group
+0: it owns the text encoders, the VAE and the output. Everything here is created once per process.
+
+Teardown (``shutdown``, the one place that tears down what xfuse started in a process) goes in this order:
+
+1. the failure monitor: its watcher thread calls into the rendezvous store. It is stopped and joined first, while
+   the store and the process groups still exist and before the interpreter finalizes. A thread that returns from
+   a store call (C++, GIL released) into a finalizing interpreter is ended by ``pthread_exit``; the forced unwind
+   hits pybind11's noexcept ``gil_scoped_release`` destructor and calls ``std::terminate`` (issue 15: "terminate
+   called without an active exception", SIGABRT after a successful generation, ~15 % of 4-rank runs).
+2. the channels: closed (no further sends or receives), their idle receive buffers dropped.
+3. the process groups: the default group and every subgroup, if xfuse created the default group (a world the
+   caller created is the caller's to destroy).
+
+It runs from the CLI on every path (success and error), and from ``atexit`` for library use (atexit handlers run
+before the interpreter starts finalizing). Under SIGTERM the handler stops the monitor and leaves with
+``os._exit`` without steps 2-3: the main thread may be inside a collective, and ``os._exit`` skips finalization.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from xfuse.comm.groups import DirectionGroups, make_direction_groups
+from xfuse.comm.p2p import P2PChannels
+from xfuse.config import MAX_PIPEFUSION_DEGREE, CommConfig, ConfigError, ParallelConfig, RuntimeConfig
+from xfuse.runtime.handshake import flatten, handshake, versions
+from xfuse.runtime.monitor import FailureMonitor, default_store
+from xfuse.runtime.netprobe import check_reachability
+
+# NCCL's own diagnostics, on unless the user set them: async error handling tears a failed communicator down instead
+# of hanging, and the flight recorder dumps the last collectives/P2P ops of every rank on a timeout.
+NCCL_ENV_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/xfuse_nccl_trace_rank_",
+}
+# NCCL's own watchdog times an operation from its launch and ends the process with little to say; xfuse's (in
+# xfuse.comm.watchdog) times it from its wait and names it. NCCL's stays as the backstop, this much later.
+NCCL_BACKSTOP_S = 30.0
+
+
+@dataclass
+class ParallelContext:
+    """Where this process sits, and the channels it talks through."""
+
+    rank: int
+    world_size: int
+    pipe_rank: int
+    cfg_rank: int
+    pipe_ranks: list[int]  # global ranks of this rank's pipeline group, by pipeline rank
+    cfg_peer: int | None  # the same pipeline rank in the other CFG group
+    device: torch.device
+    backend: str | None  # None: a single process, no process group
+    channels: P2PChannels | None  # pipeline neighbours
+    cfg_channels: P2PChannels | None  # the CFG peer
+    control_group: dist.ProcessGroup | None  # gloo group for object collectives (None: the default group)
+    monitor: FailureMonitor  # first-failure propagation across ranks
+
+    @property
+    def is_output(self) -> bool:
+        """The rank that returns the pipeline's output (global rank 0)."""
+        return self.rank == 0
+
+
+def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
+    """The world must have exactly the ranks the parallel degrees multiply to (the one home of this rule)."""
+    need = parallel.pipefusion_degree * parallel.cfg_degree
+    if need == world_size:
+        return
+    hint = f"launch with torchrun --nproc_per_node={need}"
+    if world_size % parallel.cfg_degree == 0 and 1 <= world_size // parallel.cfg_degree <= MAX_PIPEFUSION_DEGREE:
+        hint += f", or set parallel.pipefusion_degree={world_size // parallel.cfg_degree} for {world_size} ranks"
+    raise ConfigError(
+        "parallel.pipefusion_degree",
+        f"parallel.pipefusion_degree ({parallel.pipefusion_degree}) x parallel.cfg_degree ({parallel.cfg_degree}) "
+        f"= {need} ranks must equal the world size ({world_size}); {hint} "
+        f"(got pipefusion_degree={parallel.pipefusion_degree}, cfg_degree={parallel.cfg_degree})",
+    )
+
+
+def resolve_device(runtime: RuntimeConfig) -> torch.device:
+    if runtime.device == "cpu" or (runtime.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("runtime.device", "is cuda but no CUDA device is available; use auto or cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_socket_ifname(comm: CommConfig) -> None:
+    """Refuse a ``comm.socket_ifname`` this host does not have, listing the ones it has."""
+    if comm.socket_ifname is None:
+        return
+    names = sorted(name for _, name in socket.if_nameindex())
+    if comm.socket_ifname not in names:
+        raise ConfigError(
+            "comm.socket_ifname", f"no interface {comm.socket_ifname!r} on this host; it has: {', '.join(names)}"
+        )
+
+
+def apply_socket_ifname(comm: CommConfig) -> None:
+    """Point gloo and NCCL at ``comm.socket_ifname`` (before the process group is created)."""
+    check_socket_ifname(comm)
+    if comm.socket_ifname is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = comm.socket_ifname
+        os.environ["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
+
+
+class _ProcessResources:
+    """What xfuse started in this process: torn down by ``shutdown`` in the order of the module docstring."""
+
+    def __init__(self) -> None:
+        self.monitors: dict[tuple[int, int], FailureMonitor] = {}  # (rank, world size) -> its monitor
+        self.channels: weakref.WeakSet[P2PChannels] = weakref.WeakSet()  # weak: a dropped pipeline frees them
+        self.owns_default_group = False
+
+
+_RESOURCES = _ProcessResources()
+
+
+def _process_monitor(rank: int, world: int) -> FailureMonitor:
+    """One failure monitor (and watcher thread) per process and world, shared by every pipeline built in it."""
+    key = (rank, world)
+    if key not in _RESOURCES.monitors:
+        _RESOURCES.monitors[key] = FailureMonitor(rank, default_store() if world > 1 else None, world_size=world)
+    return _RESOURCES.monitors[key]
+
+
+def shutdown(join_timeout_s: float = 10.0) -> bool:
+    """Tear down what xfuse started in this process: monitor, then channels, then process groups (see the module
+    docstring for why this order). Idempotent; safe to call when nothing was started.
+
+    Returns:
+        `bool`: False if a monitor's watcher thread could not be joined within ``join_timeout_s`` (it is inside a
+        store call whose host does not answer). The process must then not finalize the interpreter with that
+        thread alive: the CLI leaves with ``os._exit``.
+    """
+    stopped = True
+    for monitor in list(_RESOURCES.monitors.values()):
+        stopped = monitor.stop(join_timeout_s) and stopped
+    _RESOURCES.monitors.clear()
+    for channels in list(_RESOURCES.channels):
+        channels.close()
+    _RESOURCES.channels = weakref.WeakSet()
+    if _RESOURCES.owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()  # the default group and every subgroup xfuse created in it
+    _RESOURCES.owns_default_group = False
+    return stopped
+
+
+# A no-op when nothing was started; atexit handlers run before the interpreter starts finalizing.
+atexit.register(shutdown)
+
+
+def init_parallel(
+    parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig, fingerprint: dict | None = None
+) -> ParallelContext:
+    """Join (or create) the process group, compare every rank's config (handshake), check the world size and
+    build the topology. ``fingerprint``: extra fields every rank must agree on (e.g. the CLI's whole config)."""
+    pp, cfg = parallel.pipefusion_degree, parallel.cfg_degree
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(runtime)
+    check_socket_ifname(comm)  # also when the process group exists already: a wrong name is still wrong
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any NCCL call, or NCCL hangs
+    backend = None
+    if world > 1 and not dist.is_initialized():
+        apply_socket_ifname(comm)
+        backend = comm.resolved_backend(device.type)
+        if backend == "nccl":
+            for key, value in NCCL_ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        timeout = timedelta(seconds=max(comm.timeout_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0))
+        if "MASTER_ADDR" in os.environ:  # env:// (torchrun): rendezvous first, so the probe runs before gloo connects
+            # Mirrors torch.distributed.init_process_group's own env:// path (rendezvous, set_timeout, "default_pg").
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            store.set_timeout(timeout)
+            check_reachability(store, rank, world, comm.socket_ifname, comm.timeout_s)
+            store = dist.PrefixStore("default_pg", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        else:
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+        _RESOURCES.owns_default_group = True  # xfuse created it: shutdown() destroys it
+    if dist.is_initialized():
+        backend = dist.get_backend()
+    control = (  # object collectives, and xfuse serve's control plane: CPU only, bounded like the data plane
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=max(comm.timeout_s, 1.0)))
+        if backend not in (None, "gloo")
+        else None
+    )
+    # Before the world check: ranks started with different configs must all say which field differs.
+    handshake(
+        {
+            **versions(),
+            **flatten("parallel", vars(parallel)),
+            **flatten("comm", vars(comm)),
+            **flatten("runtime", vars(runtime)),
+            **(fingerprint or {}),
+        },
+        world_size=world,
+        group=control,
+    )
+    check_world_size(parallel, world)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg_rank, pipe_rank = divmod(rank, pp)
+    all_pipes = [list(range(c * pp, (c + 1) * pp)) for c in range(cfg)]
+    channels = cfg_channels = None
+    if world > 1:
+        separate = backend != "gloo"
+        groups = DirectionGroups()
+        for ranks in all_pipes:  # collective: every rank creates every group, in the same order
+            made = make_direction_groups(ranks, separate=separate, device_id=device if backend == "nccl" else None)
+            if rank in ranks:
+                groups = made
+        kw = dict(
+            rank=rank,
+            timeout_s=comm.timeout_s,
+            max_inflight=comm.max_inflight,
+            device=device,
+            stream_ordered=comm.stream_ordered(device.type),
+        )
+        channels = P2PChannels(groups=groups, **kw) if pp > 1 else None
+        cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
+        _RESOURCES.channels.update(c for c in (channels, cfg_channels) if c is not None)
+    monitor = _process_monitor(rank, world)
+    monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
+    monitor.state_sources = [c.describe_state for c in (channels, cfg_channels) if c is not None]
+    for c in (channels, cfg_channels):
+        if c is not None and c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
+            c.watchdog.on_stuck = monitor.fail_from_thread
+    return ParallelContext(
+        rank=rank,
+        world_size=world,
+        pipe_rank=pipe_rank,
+        cfg_rank=cfg_rank,
+        pipe_ranks=all_pipes[cfg_rank],
+        cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp),
+        device=device,
+        backend=backend,
+        channels=channels,
+        cfg_channels=cfg_channels,
+        control_group=control,
+        monitor=monitor,
+    )
