@@ -9,33 +9,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from xfuse.config import XfuseConfig
-from xfuse.runtime.handshake import flatten
 from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
 if TYPE_CHECKING:
     from xfuse.families.spec import ModelSpec
 
 
-def build_pipeline(config: XfuseConfig, *, sections: tuple[str, ...] = ("generation",)):
+def build_pipeline(config: XfuseConfig):
     """Load ``config.model`` with its family's PipeFusion pipeline on this rank (joining the world).
 
-    Every rank must agree on the model and on the config ``sections`` named: they are compared at start-up
-    (``xfuse.runtime.handshake``) with the parallel, comm and runtime settings.
+    Every rank must hold the same ``config``: it is compared at start-up (``xfuse.runtime.handshake``).
     """
     import torch
 
     from xfuse.families.registry import load_pipeline, model_is_preset, model_spec, resolve_model
 
-    dtype = getattr(torch, config.runtime.dtype)
-    device = None if config.runtime.device == "auto" else config.runtime.device
     pipeline_class = model_spec(config.model).pipeline_class()  # the family, from the preset or model_index.json
-    whole = config.to_dict()
-    fingerprint = flatten("", {"model": config.model, **{name: whole[name] for name in sections}})
-    common = dict(parallel=config.parallel, comm=config.comm, device=device, fingerprint=fingerprint)
     if model_is_preset(config.model):  # built-in random-weight model: every rank builds the same one from its seed
-        pipe = pipeline_class.from_pipe(load_pipeline(config.model, dtype), **common)
+        pipe = pipeline_class.from_pipe(
+            load_pipeline(config.model, getattr(torch, config.runtime.dtype)), config=config
+        )
     else:
-        pipe = pipeline_class.from_pretrained(resolve_model(config.model), torch_dtype=dtype, **common)
+        pipe = pipeline_class.from_pretrained(resolve_model(config.model), config=config)
     freeze_startup_heap()
     keep_freed_heap()
     return pipe

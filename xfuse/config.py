@@ -380,6 +380,9 @@ _SECTIONS: dict[str, type[_Section]] = {
     c.SECTION: c for c in (ParallelConfig, CommConfig, RuntimeConfig, GenerationConfig, ServeConfig)
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = ("model", *_SECTIONS)
+# Sections a pipeline built from Python has none of (None): the defaults of ``xfuse generate``'s and ``xfuse serve``'s
+# requests, and the server's settings.
+REQUEST_SECTIONS: tuple[str, ...] = ("generation", "serve")
 
 
 def _unknown_key_error(section: str | None, key: Any, known: Sequence[str]) -> ConfigError:
@@ -412,29 +415,31 @@ class XfuseConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    serve: ServeConfig = field(default_factory=ServeConfig)
+    generation: GenerationConfig | None = field(default_factory=GenerationConfig)
+    serve: ServeConfig | None = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
         _check_str("model", self.model, nonempty=True)
         for name, cls in _SECTIONS.items():
+            if name in REQUEST_SECTIONS and getattr(self, name) is None:
+                continue  # no request defaults, no server: a pipeline built from Python
             _set(self, name, _section_config(cls, getattr(self, name)))
         p, g = self.parallel, self.generation
         # Cross-section checks that need no world and no model.
-        if p.warmup_steps > g.num_inference_steps:
+        if g is not None and p.warmup_steps > g.num_inference_steps:
             raise ConfigError(
                 "parallel.warmup_steps",
                 f"must be <= generation.num_inference_steps ({g.num_inference_steps}); "
                 f"warm-up = all steps runs every step on the whole image (got {p.warmup_steps})",
             )
-        if p.cfg_degree == 2 and g.guidance_scale <= 1.0:
+        if g is not None and p.cfg_degree == 2 and g.guidance_scale <= 1.0:
             raise ConfigError(
                 "parallel.cfg_degree",
                 f"2 needs classifier-free guidance, which diffusers runs only when "
                 f"generation.guidance_scale > 1 (guidance_scale is {g.guidance_scale}); use "
                 f"cfg_degree 1 or a larger guidance_scale (got {p.cfg_degree})",
             )
-        if self.serve.heartbeat_interval_s >= self.comm.timeout_s:
+        if self.serve is not None and self.serve.heartbeat_interval_s >= self.comm.timeout_s:
             raise ConfigError(
                 "serve.heartbeat_interval_s",
                 f"must be below comm.timeout_s ({self.comm.timeout_s} s), or idle ranks waiting for the next "
@@ -454,7 +459,8 @@ class XfuseConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, no tuples); round-trips through :func:`config_from_dict` and YAML."""
-        return {"model": self.model, **{name: getattr(self, name).to_dict() for name in _SECTIONS}}
+        sections = {name: getattr(self, name) for name in _SECTIONS}
+        return {"model": self.model, **{name: None if s is None else s.to_dict() for name, s in sections.items()}}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

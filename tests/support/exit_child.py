@@ -44,12 +44,12 @@ def wait_until_inside_store_call(thread: threading.Thread, held_s: float = 0.5, 
 def main(rank: int, store_path: str) -> None:
     import torch.distributed as dist
 
-    from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig
+    from xfuse.config import XfuseConfig
     from xfuse.runtime.world import init_parallel
 
     # The caller's own world (as a user embedding xfuse would create it): xfuse does not own the default group.
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    init_parallel(ParallelConfig(pipefusion_degree=2), CommConfig(timeout_s=10), RuntimeConfig(device="cpu"))
+    init_parallel(XfuseConfig(parallel={"pipefusion_degree": 2}, comm={"timeout_s": 10}, runtime={"device": "cpu"}))
     print("ready", flush=True)
     sys.stdin.readline()
     wait_until_inside_store_call(monitor_thread(rank))

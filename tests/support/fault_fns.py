@@ -8,16 +8,10 @@ def start_with_config(paths):
     from xfuse.config import load_config
     from xfuse.families.registry import load_pipeline
     from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
-    from xfuse.runtime.handshake import flatten
 
     config = load_config(paths[dist.get_rank()])
     try:
-        PipeFusionHunyuanDiTPipeline.from_pipe(
-            load_pipeline(config.model),
-            parallel=config.parallel,
-            comm=config.comm,
-            fingerprint=flatten("", {"generation": config.to_dict()["generation"]}),
-        )
+        PipeFusionHunyuanDiTPipeline.from_pipe(load_pipeline(config.model), config=config)
     except Exception as err:  # noqa: BLE001 - the test inspects it
         return type(err).__name__, str(err)
     return None

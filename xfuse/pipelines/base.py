@@ -3,22 +3,26 @@
 Every rank runs the same script. Global rank 0 keeps the text encoders, tokenizers, VAE and safety checker; it
 encodes the prompts and broadcasts the embeddings, and it decodes and returns the images. Every rank loads and keeps
 only the transformer blocks of its stage. This class holds the world, the handshakes, the loading, the broadcasts,
-the CFG exchange, the engine call, progress, tracing and statistics; a family's subclass holds its diffusers
-``__call__`` preparation (checks, prompt encoding, conditioning) and its decoding, and nothing else.
+the CFG exchange, the engine call, progress, tracing and statistics, and the one ``__call__`` driver (``_run``) that
+puts them in order. A family's subclass holds its diffusers ``__call__`` signature and argument checks, and hands
+``_run`` a :class:`CallRecipe`: how to encode its prompts, set its timesteps, draw its latents, build the engine's
+request and decode.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import resource
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from xfuse.comm.p2p import Recv, Send
-from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, comm_config, parallel_config
+from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, XfuseConfig, comm_config, parallel_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
@@ -31,10 +35,28 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
 def _runtime(torch_dtype, device) -> RuntimeConfig:
+    """The ``runtime`` section of diffusers-style keyword arguments (``torch_dtype=``, ``device=``)."""
     if torch_dtype is not None and torch_dtype not in _DTYPE_NAMES:
         raise ValueError(f"torch_dtype must be one of {list(_DTYPE_NAMES)} (got {torch_dtype!r})")
     device = "auto" if device is None else str(torch.device(device).type)
     return RuntimeConfig(device=device, dtype=_DTYPE_NAMES.get(torch_dtype, "float32"))
+
+
+def _one_config(config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig]):
+    """The whole config of a pipeline: ``config`` as given (the CLI and the server pass theirs), or one built from
+    diffusers-style keyword arguments (the sections given, defaults elsewhere). Not both."""
+    if config is None:
+        return XfuseConfig(
+            model=model,
+            parallel=parallel_config(parallel),
+            comm=comm_config(comm),
+            runtime=runtime(),
+            generation=None,  # a pipeline built from Python: its calls carry their own arguments
+            serve=None,
+        )
+    if parallel is not None or comm is not None:
+        raise ValueError("pass either config= or the parallel= / comm= sections, not both")
+    return config
 
 
 def _positive_int(name: str, value) -> None:
@@ -42,38 +64,72 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer (got {value!r})")
 
 
+@dataclass(frozen=True)
+class CallRecipe:
+    """One ``__call__`` of a family pipeline after the family's own argument checks: what the request is and the
+    family's steps, which :meth:`PipeFusionPipelineBase._run` calls in its one fixed order.
+
+    Attributes:
+        height, width: the image size in pixels (defaults resolved, binned if the family bins).
+        num_inference_steps: the steps the caller asked for (a custom schedule's length).
+        batch_size: prompts (or prompt embeddings) in the call; the latents' batch is this times
+            ``num_images_per_prompt``.
+        num_images_per_prompt: as diffusers' argument.
+        guidance_scale: the scale that batches [uncond, cond] when it is > 1 (FLUX: ``true_cfg_scale`` when true
+            CFG runs, else 1).
+        generator, latents, output_type: the caller's arguments, checked here on every rank.
+        encode: ``() -> {name: tensor}``, rank 0 only: the prompt embeddings (broadcast to every rank).
+        timesteps: ``() -> timesteps``, every rank: the scheduler's timesteps, set before the latents are drawn
+            (``init_noise_sigma`` may depend on them).
+        prepare_latents: ``generator -> latents``, every rank: the initial latents as diffusers draws them (rank 0's
+            are broadcast; every rank draws, so its generator advances as diffusers' does).
+        request: ``(text, latents, timesteps, generator) -> DenoiseRequest``, every rank, no communication: the
+            engine's request (conditioning, guidance, this CFG group's half, step callbacks).
+        decode: ``final latents -> output``, rank 0 only: the VAE decode and diffusers' output object.
+    """
+
+    height: int
+    width: int
+    num_inference_steps: int
+    batch_size: int
+    num_images_per_prompt: int
+    guidance_scale: float
+    generator: Any
+    latents: torch.Tensor | None
+    output_type: str
+    encode: Callable[[], dict[str, torch.Tensor]]
+    timesteps: Callable[[], torch.Tensor]
+    prepare_latents: Callable[[torch.Generator], torch.Tensor]
+    request: Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Generator], DenoiseRequest]
+    decode: Callable[[torch.Tensor], Any]
+
+
 class PipeFusionPipelineBase:
     r"""
     A diffusers pipeline of one family run on ``cfg_degree x pipefusion_degree`` ranks with PipeFusion.
 
-    Subclasses set ``spec`` (the family's [`~xfuse.families.registry.ModelSpec`]) and ``rank0_components`` (the
+    Subclasses set ``spec`` (the family's [`~xfuse.families.spec.ModelSpec`]) and ``rank0_components`` (the
     pipeline components only global rank 0 uses), and implement `__call__` with their diffusers pipeline's
-    arguments.
+    arguments: check them, then `return self._run(CallRecipe(...))`.
 
     Attributes:
         pipeline: the wrapped diffusers pipeline (rank 0 has every component; other ranks have no text encoders,
             tokenizers or VAE). stage: this rank's share of the transformer. plan: the stage plan.
-        parallel, comm: the validated configs (``parallel.placement`` resolved from the spec when unset);
-            context: this rank's place in the world.
+        config: the whole validated config (``config.parallel.placement`` as given; ``plan.placement`` resolved).
+        parallel, comm: its sections. context: this rank's place in the world. dtype: the transformer's dtype.
     """
 
     spec: ClassVar[ModelSpec]
     rank0_components: ClassVar[tuple[str, ...]]
 
-    def __init__(
-        self,
-        pipeline,
-        parallel: ParallelConfig,
-        comm: CommConfig,
-        context: ParallelContext,
-        dtype: torch.dtype,
-        stage=None,
-    ):
-        parallel = dataclasses.replace(parallel, placement=self.spec.placement(parallel))
-        self.pipeline, self.parallel, self.comm, self.context, self.dtype = pipeline, parallel, comm, context, dtype
+    def __init__(self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None):
+        self.pipeline, self.context, self.dtype = pipeline, context, dtype
+        self.config: XfuseConfig = context.config
+        self.parallel: ParallelConfig = self.config.parallel
+        self.comm: CommConfig = self.config.comm
         config = (stage or pipeline.transformer).config
         self.num_blocks = self.spec.num_blocks(config)
-        self.plan = self.spec.plan(self.num_blocks, parallel)
+        self.plan = self.spec.plan(self.num_blocks, self.parallel)
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
         handshake(
             {
@@ -105,8 +161,8 @@ class PipeFusionPipelineBase:
             context.channels,
             pipe_rank=context.pipe_rank,
             group_ranks=context.pipe_ranks,
-            warmup_steps=parallel.warmup_steps,
-            lookahead=comm.max_inflight,
+            warmup_steps=self.parallel.warmup_steps,
+            lookahead=self.comm.max_inflight,
         )
         self._interrupt, self._callback_error = False, None
         self._tracer: Tracer | None = None
@@ -121,7 +177,8 @@ class PipeFusionPipelineBase:
         comm=None,
         torch_dtype=None,
         device=None,
-        fingerprint=None,
+        *,
+        config: XfuseConfig | None = None,
         **kwargs,
     ):
         r"""
@@ -135,8 +192,9 @@ class PipeFusionPipelineBase:
             torch_dtype (`torch.dtype`, *optional*): float32 (default), bfloat16 or float16.
             device (`str` or `torch.device`, *optional*): `cpu` or `cuda` (default: CUDA when available; each
                 rank uses `cuda:LOCAL_RANK`).
-            fingerprint (`dict`, *optional*): extra `{field: value}` every rank must agree on (checked at start-up
-                with the config, versions, model config and plan; a difference raises on every rank).
+            config ([`~xfuse.config.XfuseConfig`], *optional*): the whole config instead of the four arguments
+                above (what `xfuse generate` and `xfuse serve` pass). Every rank must hold the same: it is compared
+                at start-up with the versions, model config and plan, and a difference raises on every rank.
             kwargs: passed to the diffusers pipeline's `from_pretrained` (e.g. `scheduler=`).
 
         Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank reads only its own
@@ -144,13 +202,20 @@ class PipeFusionPipelineBase:
         """
         import diffusers
 
-        parallel, comm, runtime = parallel_config(parallel), comm_config(comm), _runtime(torch_dtype, device)
-        context = init_parallel(parallel, comm, runtime, fingerprint)
+        if config is not None and (torch_dtype is not None or device is not None):
+            raise ValueError("pass either config= or torch_dtype= / device=, not both")
+        config = _one_config(
+            config, pretrained_model_name_or_path, parallel, comm, lambda: _runtime(torch_dtype, device)
+        )
+        torch_dtype = getattr(torch, config.runtime.dtype)
+        context = init_parallel(config)
         skip = {} if context.is_output else {name: None for name in cls.rank0_components}
         diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
         model_class = getattr(diffusers, cls.spec.diffusers_transformer)
-        config = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
-        plan = cls.spec.plan(cls.spec.num_blocks(config), parallel)
+        transformer = model_class.load_config(
+            pretrained_model_name_or_path, subfolder="transformer", local_files_only=True
+        )
+        plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel)
         # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
         stage = cls.spec.stage_class().from_pretrained(
             pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype
@@ -163,21 +228,27 @@ class PipeFusionPipelineBase:
             **skip,
             **kwargs,
         )
-        return cls(pipeline, parallel, comm, context, torch_dtype or torch.float32, stage)
+        return cls(pipeline, context, torch_dtype, stage)
 
     @classmethod
-    def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, fingerprint=None):
+    def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None):
         """Parallelise an already loaded diffusers pipeline of this family (the same object on every rank).
 
-        The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and ranks other than 0
-        drop the text encoders and VAE: do not keep using ``pipeline`` itself afterwards.
+        ``config``: the whole config instead of ``parallel``, ``comm`` and ``device`` (its ``runtime.dtype`` must
+        be the pipeline's). The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and
+        ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline`` itself afterwards.
         """
         if type(pipeline).__name__ != cls.spec.diffusers_pipeline:
             raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.spec.diffusers_pipeline} (got {type(pipeline)})")
         dtype = pipeline.transformer.dtype
-        parallel, comm = parallel_config(parallel), comm_config(comm)
-        context = init_parallel(parallel, comm, _runtime(dtype, device), fingerprint)
-        return cls(pipeline, parallel, comm, context, dtype)
+        if config is not None and device is not None:
+            raise ValueError("pass either config= or device=, not both")
+        # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
+        source = pipeline.config.get("_name_or_path") or cls.spec.diffusers_pipeline
+        config = _one_config(config, source, parallel, comm, lambda: _runtime(dtype, device))
+        if config.runtime.dtype != _DTYPE_NAMES.get(dtype):
+            raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
+        return cls(pipeline, init_parallel(config), dtype)
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -266,44 +337,72 @@ class PipeFusionPipelineBase:
         sends[0].wait()
         return other
 
-    # ----------------------------------------------------------------------------------- shared __call__ steps
-    def _check_common(
-        self,
-        *,
-        height: int,
-        width: int,
-        num_inference_steps,
-        guidance_scale: float,
-        generator,
-        output_type,
-        num_images_per_prompt,
-        latents,
-        batch_size: int,
-    ) -> None:
+    # ------------------------------------------------------------------------------------------ the __call__ driver
+    def _run(self, recipe: CallRecipe) -> Any:
+        """Run one call of the family's ``recipe`` in the one order every family shares.
+
+        The order is a cross-rank invariant: every rank must make the same collectives in the same order (a family
+        that drew its seed before encoding, or broadcast on one branch only, would deadlock the world), so it lives
+        here once:
+
+        1. the checks every family makes, on every rank, before any communication (the generator's state is
+           compared across ranks: the first collective, and one that cannot deadlock on a bad argument);
+        2. rank 0 encodes the prompts; the embeddings are broadcast;
+        3. every rank sets the scheduler's timesteps;
+        4. the generator every rank steps the scheduler with (with none given: rank 0's seed, broadcast);
+        5. the initial latents: every rank draws them (so its generator advances as diffusers' does), rank 0's
+           are broadcast;
+        6. every rank builds the engine's request, without communication;
+        7. the denoising loop (the engine: point-to-point messages only);
+        8. rank 0 decodes and returns diffusers' output; every other rank returns ``None``.
+        """
+        self._check_call(recipe)
+        self._begin_call()
+        result = None
+        with self.context.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
+            text = self._broadcast_tensors(recipe.encode)
+            timesteps = recipe.timesteps()
+            generator = self._shared_generator(recipe.generator)
+            latents = self._shared_latents(lambda: recipe.prepare_latents(generator))
+            request = recipe.request(text, latents, timesteps, generator)
+            final = self._denoise(request, recipe.height, recipe.width)
+            if self.context.is_output:
+                result = recipe.decode(final)
+        if self._callback_error is not None:  # a refused callback change: raised once every peer is done
+            raise self._callback_error
+        return result
+
+    def _check_call(self, recipe: CallRecipe) -> None:
         """Checks every family makes up front, on every rank, before any communication (diffusers makes some of
         them late, after the loop, or on one rank only)."""
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {', '.join(map(repr, OUTPUT_TYPES))} (got {output_type!r})")
-        _positive_int("num_images_per_prompt", num_images_per_prompt)
-        _positive_int("num_inference_steps", num_inference_steps)
-        par, config = self.parallel, self.stage.config
+        if recipe.output_type not in OUTPUT_TYPES:
+            raise ValueError(
+                f"output_type must be one of {', '.join(map(repr, OUTPUT_TYPES))} (got {recipe.output_type!r})"
+            )
+        _positive_int("num_images_per_prompt", recipe.num_images_per_prompt)
+        _positive_int("num_inference_steps", recipe.num_inference_steps)
+        par = self.parallel
         self.spec.check_layout(
-            par, num_blocks=self.num_blocks, patch_size=config.patch_size, height=height, width=width
+            par,
+            num_blocks=self.num_blocks,
+            patch_size=self.stage.config.patch_size,
+            height=recipe.height,
+            width=recipe.width,
         )
-        if latents is not None:
-            shape = self._latents_shape(batch_size * num_images_per_prompt, height, width)
-            if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
+        if recipe.latents is not None:
+            shape = self._latents_shape(recipe.batch_size * recipe.num_images_per_prompt, recipe.height, recipe.width)
+            if not isinstance(recipe.latents, torch.Tensor) or tuple(recipe.latents.shape) != shape:
                 raise ValueError(
                     f"latents must be a tensor of shape {shape} for this request "
-                    f"(got {getattr(latents, 'shape', type(latents).__name__)})"
+                    f"(got {getattr(recipe.latents, 'shape', type(recipe.latents).__name__)})"
                 )
-        pipelined = par.warmup_steps < num_inference_steps
-        if par.cfg_degree == 2 and not guidance_scale > 1:
+        if par.cfg_degree == 2 and not recipe.guidance_scale > 1:
             raise ValueError(
                 f"guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the "
-                f"classifier-free-guidance batch (got {guidance_scale})"
+                f"classifier-free-guidance batch (got {recipe.guidance_scale})"
             )
-        if isinstance(generator, list) and pipelined:
+        generator = recipe.generator
+        if isinstance(generator, list) and par.warmup_steps < recipe.num_inference_steps:
             raise ValueError(
                 "generator: a list of generators works only with parallel.warmup_steps >= "
                 "num_inference_steps; pipelined steps derive per-patch generators from one generator"
@@ -314,11 +413,39 @@ class PipeFusionPipelineBase:
             [None if g is None else hashlib.sha1(g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens],
         )
 
+    # --------------------------------------------------------------------------- what the families' checks share
+    def _default_size(self, height: int | None, width: int | None) -> tuple[int, int]:
+        """``height``/``width``, or diffusers' default where not given (``default_sample_size * vae_scale_factor``)."""
+        side = self.default_sample_size * self.spec.vae_scale_factor
+        return height or side, width or side
+
+    @staticmethod
+    def _batch_size(prompt, prompt_embeds) -> int:
+        """Prompts in the call, as every diffusers DiT pipeline counts them (after its ``check_inputs``)."""
+        if isinstance(prompt, str):
+            return 1
+        return len(prompt) if isinstance(prompt, list) else prompt_embeds.shape[0]
+
+    @staticmethod
+    def _callback_tensor_inputs(callback, tensor_inputs: list[str]) -> list[str]:
+        """The tensors a ``callback_on_step_end`` reads: a diffusers callback object names its own."""
+        if isinstance(callback, (PipelineCallback, MultiPipelineCallbacks)):
+            return callback.tensor_inputs
+        return tensor_inputs
+
+    @staticmethod
+    def _refuse(**unsupported) -> None:
+        """Raise naming the first diffusers argument given a value xfuse cannot honour (each with its reason)."""
+        for name, (value, default, why) in unsupported.items():
+            if value is not default and value != default:
+                raise ValueError(f"{name} is not supported by PipeFusion ({why}); leave it at {default!r}")
+
     def _latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         """The shape of the ``latents`` argument diffusers' pipeline takes for this request."""
         vae = self.spec.vae_scale_factor
         return (batch, self.stage.config.in_channels, height // vae, width // vae)
 
+    # ------------------------------------------------------------------------------- the driver's steps, in order
     def _begin_call(self) -> None:
         self._interrupt, self._callback_error = False, None
         for channels in (self.context.channels, self.context.cfg_channels):
@@ -341,6 +468,27 @@ class PipeFusionPipelineBase:
         latents = prepare()
         return self._broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)
 
+    def _denoise(self, request: DenoiseRequest, height: int, width: int):
+        """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
+        vae = self.spec.latent_scale
+        grid = patch_grid(height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size)
+        shape = (grid.token_rows, grid.token_cols, tuple(request.latents.shape), request.latents.dtype)
+        if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
+            for channels in (self.context.channels, self.context.cfg_channels):
+                if channels is not None:
+                    channels.reset_buffers()
+            self._buffer_shape = shape
+        # One update per step the engine runs (a second-order scheduler's steps are its timesteps).
+        progress = self.pipeline.progress_bar(total=len(request.timesteps)) if self.context.is_output else None
+        if progress is not None:
+            request.on_progress = lambda step: progress.update()
+        try:
+            return self.engine.denoise(request, grid, self._tracer)
+        finally:
+            if progress is not None:
+                progress.close()
+
+    # ------------------------------------------------------------------- what the families' requests share
     def _cfg_split(self, tensors: dict[str, torch.Tensor], half: int):
         """With ``cfg_degree: 2``: this CFG group's half of every [uncond | cond] batched tensor, and the
         ``(cfg_rank, exchange)`` pair a request uses to swap noise predictions. Otherwise the tensors as they are."""
@@ -353,30 +501,11 @@ class PipeFusionPipelineBase:
         """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""
         return self.context.cfg_rank == 0 and self.context.pipe_rank == self.plan.output_rank
 
-    def _denoise(self, request: DenoiseRequest, height: int, width: int, num_inference_steps: int):
-        """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
-        vae = self.spec.latent_scale
-        grid = patch_grid(height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size)
-        shape = (grid.token_rows, grid.token_cols, tuple(request.latents.shape), request.latents.dtype)
-        if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
-            for channels in (self.context.channels, self.context.cfg_channels):
-                if channels is not None:
-                    channels.reset_buffers()
-            self._buffer_shape = shape
-        progress = self.pipeline.progress_bar(total=num_inference_steps) if self.context.is_output else None
-        if progress is not None:
-            request.on_progress = lambda step: progress.update()
-        try:
-            return self.engine.denoise(request, grid, self._tracer)
-        finally:
-            if progress is not None:
-                progress.close()
-
     def _step_end_callback(self, callback, tensor_inputs, timesteps, named: dict, latents_view=None):
         """The engine's ``on_step_end`` for diffusers' ``callback_on_step_end`` (``None`` when there is none or this
         rank does not step the scheduler): the callback reads copies of the tensors ``named`` (name -> tensor; the
         latents are filled in per step, through ``latents_view`` into the shape diffusers' loop has them). After a
-        refused change the loop finishes without further callbacks and ``_finish`` raises."""
+        refused change the loop finishes without further callbacks and ``_run`` raises."""
         if callback is None or not self._observer():
             return None
 
@@ -408,16 +537,3 @@ class PipeFusionPipelineBase:
                 "callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop mid-pipeline"
             )
         return None
-
-    @staticmethod
-    def _refuse(**unsupported) -> None:
-        """Raise naming the first diffusers argument given a value xfuse cannot honour (each with its reason)."""
-        for name, (value, default, why) in unsupported.items():
-            if value is not default and value != default:
-                raise ValueError(f"{name} is not supported by PipeFusion ({why}); leave it at {default!r}")
-
-    def _finish(self, result: Any):
-        """After the loop: raise a refused callback change (every peer is done by now), else return the result."""
-        if self._callback_error is not None:
-            raise self._callback_error
-        return result

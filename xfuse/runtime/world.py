@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from xfuse.comm.groups import DirectionGroups, make_direction_groups
 from xfuse.comm.p2p import P2PChannels
-from xfuse.config import MAX_PIPEFUSION_DEGREE, CommConfig, ConfigError, ParallelConfig, RuntimeConfig
+from xfuse.config import MAX_PIPEFUSION_DEGREE, CommConfig, ConfigError, ParallelConfig, RuntimeConfig, XfuseConfig
 from xfuse.runtime.handshake import flatten, handshake, versions
 from xfuse.runtime.monitor import FailureMonitor, default_store
 from xfuse.runtime.netprobe import check_reachability
@@ -56,6 +56,7 @@ NCCL_BACKSTOP_S = 30.0
 class ParallelContext:
     """Where this process sits, and the channels it talks through."""
 
+    config: XfuseConfig  # the whole config every rank agreed on at start-up
     rank: int
     world_size: int
     pipe_rank: int
@@ -164,11 +165,10 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
 atexit.register(shutdown)
 
 
-def init_parallel(
-    parallel: ParallelConfig, comm: CommConfig, runtime: RuntimeConfig, fingerprint: dict | None = None
-) -> ParallelContext:
-    """Join (or create) the process group, compare every rank's config (handshake), check the world size and
-    build the topology. ``fingerprint``: extra fields every rank must agree on (e.g. the CLI's whole config)."""
+def init_parallel(config: XfuseConfig) -> ParallelContext:
+    """Join (or create) the process group, compare every rank's whole ``config`` (handshake), check the world size
+    and build the topology. The context holds the config: everything below reads its sections from there."""
+    parallel, comm, runtime = config.parallel, config.comm, config.runtime
     pp, cfg = parallel.pipefusion_degree, parallel.cfg_degree
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(runtime)
@@ -203,13 +203,7 @@ def init_parallel(
     )
     # Before the world check: ranks started with different configs must all say which field differs.
     handshake(
-        {
-            **versions(),
-            **flatten("parallel", vars(parallel)),
-            **flatten("comm", vars(comm)),
-            **flatten("runtime", vars(runtime)),
-            **(fingerprint or {}),
-        },
+        {**versions(), **flatten("", config.to_dict())},
         world_size=world,
         group=control,
     )
@@ -242,6 +236,7 @@ def init_parallel(
         if c is not None and c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
             c.watchdog.on_stuck = monitor.fail_from_thread
     return ParallelContext(
+        config=config,
         rank=rank,
         world_size=world,
         pipe_rank=pipe_rank,

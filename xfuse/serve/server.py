@@ -217,7 +217,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         http.start()
         print(f"xfuse serve: listening on {http.url} (starting: loading {config.model})", flush=True)
     try:
-        pipe = build_pipeline(config, sections=("generation", "serve"))
+        pipe = build_pipeline(config)
         pipe.set_progress_bar_config(disable=True)
         limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
     except BaseException as err:

@@ -1,8 +1,10 @@
 """The two attention processors PipeFusion puts into a diffusers DiT, for every family whose attention module is a
 diffusers ``Attention`` with ``AttnProcessor2_0`` (PixArt-Σ) or ``HunyuanAttnProcessor2_0`` (HunyuanDiT).
 
-Both mirror those processors' ``__call__`` (project, split heads, optional per-head q/k norm, optional RoPE, SDPA,
-merge heads, output projection); ``check_attention`` asserts the options they leave out are off.
+Both mirror ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` and
+``diffusers.models.attention_processor.HunyuanAttnProcessor2_0.__call__`` (project, split heads, optional per-head q/k
+norm, optional RoPE, SDPA, merge heads, output projection); ``check_attention`` asserts the options they leave out are
+off.
 """
 
 from __future__ import annotations
@@ -71,9 +73,9 @@ class CachedCrossAttnProcessor:
     """Cross-attention to the text with its K/V computed once per request (RoPE, if any, on the image queries).
 
     The cache is keyed on the text tensor object: the engine passes the same tensor for every step and patch of a
-    request, and one per batch part of a whole-image step (``ShardedStage.batch_part`` slices it once per request);
-    a new tensor gets its own entry, the oldest beyond ``MAX_TEXTS`` is dropped. A text mask (PixArt: a bias of
-    shape (B, 1, S_text)) is expanded per head as ``AttnProcessor2_0`` does.
+    request, and one per batch part of a whole-image step (``ShardedStage.batch_part`` slices it once per request); a
+    new tensor gets its own entry, the oldest beyond ``MAX_TEXTS`` is dropped. A text mask (PixArt: a bias of shape (B,
+    1, S_text)) is expanded per head as ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` does.
     """
 
     MAX_TEXTS = 16  # the whole batch's text and one per batch part (at most one part per rank)

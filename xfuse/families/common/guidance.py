@@ -7,10 +7,15 @@ from collections.abc import Callable
 import torch
 
 
+def do_classifier_free_guidance(guidance_scale: float) -> bool:
+    """Whether a diffusers DiT pipeline batches [uncond, cond]: its ``do_classifier_free_guidance`` property."""
+    return guidance_scale > 1
+
+
 def cfg_batch(latents: torch.Tensor, guidance_scale: float, cfg_half=None):
     """The transformer batch and the request's ``model_input``: the latent rows twice ([uncond | cond]) when CFG
     runs batched on this rank, once without CFG or with CFG parallelism (each group runs its half)."""
-    copies = 2 if guidance_scale > 1 and cfg_half is None else 1
+    copies = 2 if do_classifier_free_guidance(guidance_scale) and cfg_half is None else 1
 
     def model_input(rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([rows] * copies) if copies > 1 else rows  # (B, C, h, W) -> (copies*B, C, h, W)
@@ -33,7 +38,7 @@ def guidance(
     is this rank's half (0: uncond, 1: cond) and ``exchange(noise, step, patch)`` returns the other half's rows.
     ``guidance_rescale`` needs whole-image statistics: pipelines allow it in whole-image steps only.
     """
-    do_cfg = guidance_scale > 1
+    do_cfg = do_classifier_free_guidance(guidance_scale)
     if guidance_rescale > 0.0:
         from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import rescale_noise_cfg
 

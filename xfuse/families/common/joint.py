@@ -74,8 +74,9 @@ def _norm(norm, x):
 
 
 class StaleJointAttnProcessor:
-    """Mirrors ``JointAttnProcessor2_0.__call__`` (SD3/SD3.5: [image, text] order, optional per-head RMSNorm,
-    ``context_pre_only`` last block, and SD3.5's image-only ``attn2``) with PipeFusion's K/V."""
+    """Mirrors ``diffusers.models.attention_processor.JointAttnProcessor2_0.__call__`` (SD3/SD3.5: [image, text] order,
+    optional per-head RMSNorm, ``context_pre_only`` last block, and SD3.5's image-only ``attn2``) with PipeFusion's
+    K/V."""
 
     def __init__(self, state: JointKV, key):
         self.state, self.key = state, key
@@ -104,9 +105,9 @@ class StaleJointAttnProcessor:
 
 
 class StaleFluxAttnProcessor:
-    """Mirrors ``FluxAttnProcessor.__call__`` (FLUX: [text, image] order, per-head RMSNorm, RoPE on every token)
-    with PipeFusion's K/V. In a single-stream block the sequence is [text, image] already concatenated; the
-    stage says how many text tokens lead it (``JointKV.text_tokens``)."""
+    """Mirrors ``diffusers.models.transformers.transformer_flux.FluxAttnProcessor.__call__`` (FLUX: [text, image] order,
+    per-head RMSNorm, RoPE on every token) with PipeFusion's K/V. In a single-stream block the sequence is [text, image]
+    already concatenated; the stage says how many text tokens lead it (``JointKV.text_tokens``)."""
 
     def __init__(self, state: JointKV, key):
         self.state, self.key = state, key

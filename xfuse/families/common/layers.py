@@ -1,4 +1,4 @@
-"""Tensor helpers the family adapters share, each mirroring lines diffusers repeats in every DiT."""
+"""Tensor helpers the family adapters share: lines diffusers repeats in every DiT (each helper names where)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from torch import nn
 
 
 def project_heads(attn: Attention, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-    """``proj(x)`` split into heads, as diffusers' ``AttnProcessor2_0`` does before attending."""
+    """``proj(x)`` split into heads, as ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` does before
+    attending."""
     # unflatten, not view(B, S, heads, -1): a later MMDiT patch projects a text stream of zero tokens
     return proj(x).unflatten(-1, (attn.heads, -1)).transpose(1, 2)  # (B, S, D) -> (B, heads, S, head_dim)
 
 
 def attend(attn: Attention, query, key, value, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA, heads merged, output projection and dropout: the end of diffusers' ``AttnProcessor2_0.__call__``."""
+    """SDPA, heads merged, output projection and dropout: the end of
+    ``diffusers.models.attention_processor.AttnProcessor2_0.__call__``."""
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)  # (B, heads, S, head_dim)
     out = out.transpose(1, 2).flatten(2).to(query.dtype)  # -> (B, S, heads * head_dim)
     return attn.to_out[1](attn.to_out[0](out))
@@ -23,7 +25,8 @@ def attend(attn: Attention, query, key, value, mask: torch.Tensor | None = None)
 
 def unpatchify(out: torch.Tensor, token_cols: int, patch_size: int, channels: int) -> torch.Tensor:
     """(B, tokens, p*p*C) of whole token rows -> (B, C, rows*p, cols*p); mirrors the unpatchify at the end of
-    ``HunyuanDiT2DModel.forward`` and ``PixArtTransformer2DModel.forward``, for a band of rows as for the image."""
+    ``diffusers.HunyuanDiT2DModel.forward`` and ``diffusers.PixArtTransformer2DModel.forward``, for a band of rows as
+    for the image."""
     p = patch_size
     batch, tokens = out.shape[:2]
     rows = tokens // token_cols

@@ -43,7 +43,7 @@ class JointStage(ShardedStage):
     ``block_kwargs`` (per-pass arguments of its blocks) and the ``Stage`` methods ``embed`` and ``head``."""
 
     processor_class: type  # the PipeFusion processor of the family's joint attention
-    mirrored_processor: type  # the diffusers processor it mirrors
+    mirrored_processor: type  # the diffusers processor that processor_class stands in for
 
     def __init__(self, transformer: nn.Module, plan: StagePlan, rank: int):
         self.joint = JointKV()

@@ -1,22 +1,21 @@
 """``PipeFusionFluxPipeline``: diffusers' ``FluxPipeline`` with PipeFusion inside, under torchrun.
 
-What every family shares is ``PipeFusionPipelineBase``'s. This file is ``FluxPipeline.__call__``'s preparation
-(``check_inputs``, ``encode_prompt`` for the prompt and, with true CFG, the negative prompt, ``prepare_latents``
-with the packed latents and their ids, the timesteps with ``mu`` from the whole image's token count, the guidance
-embedding) and decoding (unpacking), run by the diffusers pipeline object itself.
+What every family shares, and the order of every call, is ``PipeFusionPipelineBase``'s. This file is
+``FluxPipeline.__call__``'s signature and checks, and its recipe (``encode_prompt`` for the prompt and, with true CFG,
+the negative prompt; the timesteps with ``mu`` from the whole image's token count; ``prepare_latents`` with the packed
+latents and their ids; the guidance embedding; decoding with unpacking), run by the diffusers pipeline object itself.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.flux import pipeline_flux as diffusers_flux
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
-from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 
 
 class PipeFusionFluxPipeline(PipeFusionPipelineBase):
@@ -72,9 +71,10 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
         max_sequence_length: int = FLUX.text_lengths[0],
     ):
-        pipe, ctx = self.pipeline, self.context
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        pipe, device = self.pipeline, self.context.device
+        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+            callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
         why_ip = "IP-Adapter attention is not a stale-K/V processor"
         self._refuse(
             ip_adapter_image=(ip_adapter_image, None, why_ip),
@@ -83,10 +83,9 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
             negative_ip_adapter_image_embeds=(negative_ip_adapter_image_embeds, None, why_ip),
             joint_attention_kwargs=(joint_attention_kwargs, None, "its processors take no extra arguments"),
         )
-        # 1. Size and checks, the same on every rank before any communication. (diffusers only warns about a size
-        #    that is not a multiple of 16 and resizes it; xfuse refuses it.)
-        height = height or self.default_sample_size * pipe.vae_scale_factor
-        width = width or self.default_sample_size * pipe.vae_scale_factor
+        # diffusers only warns about a size that is not a multiple of 16 and resizes it; xfuse refuses it (the
+        # family's layout check, before any communication).
+        height, width = self._default_size(height, width)
         pipe.check_inputs(
             prompt,
             prompt_2,
@@ -101,8 +100,8 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             max_sequence_length=max_sequence_length,
         )
-        batch_size = 1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else len(prompt_embeds)
-        # Mirrors FluxPipeline.__call__: true CFG needs a negative prompt (or both negative embeddings).
+        batch_size = self._batch_size(prompt, prompt_embeds)
+        # Mirrors ``diffusers.FluxPipeline.__call__``: true CFG needs a negative prompt (or both negative embeddings).
         has_neg_prompt = negative_prompt is not None or (
             negative_prompt_embeds is not None and negative_pooled_prompt_embeds is not None
         )
@@ -116,85 +115,63 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
         if sigmas is not None:
             num_inference_steps = len(sigmas)
         cfg_scale = true_cfg_scale if do_true_cfg else 1.0  # what batches [negative, positive]
-        self._check_common(
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=cfg_scale,
-            generator=generator,
-            output_type=output_type,
-            num_images_per_prompt=num_images_per_prompt,
-            latents=latents,
-            batch_size=batch_size,
-        )
-        self._begin_call()
+        image_ids = []  # the packed latents' position ids, from prepare_latents
 
-        result = None
-        with ctx.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
-            device = ctx.device
-
-            # 2. Encode the prompt (and the negative prompt) on rank 0 and broadcast the embeddings.
-            def encode() -> dict[str, torch.Tensor]:
-                text = {}
-                prompts = {"": (prompt, prompt_2, prompt_embeds, pooled_prompt_embeds)}
-                if do_true_cfg:
-                    given = (negative_prompt, negative_prompt_2, negative_prompt_embeds, negative_pooled_prompt_embeds)
-                    prompts["negative_"] = given
-                for prefix, (first, second, embeds, pooled) in prompts.items():
-                    emb, pooled_emb, ids = pipe.encode_prompt(
-                        prompt=first,
-                        prompt_2=second,
-                        prompt_embeds=embeds,
-                        pooled_prompt_embeds=pooled,
-                        device=device,
-                        num_images_per_prompt=num_images_per_prompt,
-                        max_sequence_length=max_sequence_length,
-                    )
-                    text |= {f"{prefix}prompt_embeds": emb, f"{prefix}pooled_prompt_embeds": pooled_emb}
-                    text[f"{prefix}text_ids"] = ids
-                return {k: v.to(self.dtype) for k, v in text.items()}
-
-            text = self._broadcast_tensors(encode)
-            keys = ("prompt_embeds", "pooled_prompt_embeds")
-            batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) if do_true_cfg else text[k] for k in keys}
-
-            # 3. Latents (rank 0's, broadcast; packed) and their ids, timesteps with mu from the whole image.
-            generator = self._shared_generator(generator)
-            channels = self.stage.config.in_channels // 4
-            image_ids = []
-
-            def prepare():
-                packed, ids = pipe.prepare_latents(
-                    batch_size * num_images_per_prompt, channels, height, width, self.dtype, device, generator, latents
+        def encode() -> dict[str, torch.Tensor]:  # rank 0: the prompt and, with true CFG, the negative prompt
+            text = {}
+            prompts = {"": (prompt, prompt_2, prompt_embeds, pooled_prompt_embeds)}
+            if do_true_cfg:
+                given = (negative_prompt, negative_prompt_2, negative_prompt_embeds, negative_pooled_prompt_embeds)
+                prompts["negative_"] = given
+            for prefix, (first, second, embeds, pooled) in prompts.items():
+                emb, pooled_emb, ids = pipe.encode_prompt(
+                    prompt=first,
+                    prompt_2=second,
+                    prompt_embeds=embeds,
+                    pooled_prompt_embeds=pooled,
+                    device=device,
+                    num_images_per_prompt=num_images_per_prompt,
+                    max_sequence_length=max_sequence_length,
                 )
-                image_ids.append(ids)
-                return packed
+                text |= {f"{prefix}prompt_embeds": emb, f"{prefix}pooled_prompt_embeds": pooled_emb}
+                text[f"{prefix}text_ids"] = ids
+            return {k: v.to(self.dtype) for k, v in text.items()}
 
-            packed = self._shared_latents(prepare)
+        def timesteps() -> torch.Tensor:
             steps_sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps) if sigmas is None else sigmas
             if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
                 steps_sigmas = None
             config = pipe.scheduler.config
+            scale = self.spec.latent_scale
             mu = diffusers_flux.calculate_shift(
-                packed.shape[1],  # the whole image's packed tokens, never a band's
+                (height // scale) * (width // scale),  # the whole image's packed tokens, never a band's
                 config.get("base_image_seq_len", 256),
                 config.get("max_image_seq_len", 4096),
                 config.get("base_shift", 0.5),
                 config.get("max_shift", 1.15),
             )
-            timesteps, num_inference_steps = diffusers_flux.retrieve_timesteps(
+            steps = diffusers_flux.retrieve_timesteps(
                 pipe.scheduler, num_inference_steps, device, sigmas=steps_sigmas, mu=mu
-            )
+            )[0]
             pipe.scheduler.set_begin_index(0)
+            return steps
+
+        def prepare_latents(generator) -> torch.Tensor:
+            channels = self.stage.config.in_channels // 4
+            batch = batch_size * num_images_per_prompt
+            packed, ids = pipe.prepare_latents(batch, channels, height, width, self.dtype, device, generator, latents)
+            image_ids.append(ids)
+            return packed
+
+        def request(text, packed, timesteps, generator):
+            keys = ("prompt_embeds", "pooled_prompt_embeds")
+            batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) if do_true_cfg else text[k] for k in keys}
             model_text, cfg_half = self._cfg_split(batched, packed.shape[0])
             model_batch = model_text["prompt_embeds"].shape[0]
             guidance_value = None
             if self.stage.config.guidance_embeds:  # as FluxPipeline builds it, for the transformer batch
                 guidance_value = torch.full([1], guidance_scale, device=device, dtype=torch.float32)
                 guidance_value = guidance_value.expand(model_batch)
-
-            # 4. The denoising loop: xfuse's engine, on the packed latents viewed as a grid of token rows.
-            token_rows = height // self.spec.latent_scale
             on_step_end = self._step_end_callback(
                 callback_on_step_end,
                 callback_on_step_end_tensor_inputs,
@@ -202,9 +179,9 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
                 {"prompt_embeds": text["prompt_embeds"]},
                 latents_view=grid_to_packed,
             )
-            request = denoise_request(
+            return denoise_request(  # on the packed latents viewed as a grid of token rows
                 self.stage,
-                latents=packed_to_grid(packed, token_rows).contiguous(),
+                latents=packed_to_grid(packed, height // self.spec.latent_scale).contiguous(),
                 timesteps=timesteps,
                 scheduler=pipe.scheduler,
                 text_ids=text["text_ids"],
@@ -216,13 +193,28 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
                 on_step_end=on_step_end,
                 **model_text,
             )
-            final = self._denoise(request, height, width, num_inference_steps)
-            if ctx.is_output:
-                result = self._decode(grid_to_packed(final), height, width, output_type, return_dict)
-        return self._finish(result)
+
+        return self._run(
+            CallRecipe(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                batch_size=batch_size,
+                num_images_per_prompt=num_images_per_prompt,
+                guidance_scale=cfg_scale,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                encode=encode,
+                timesteps=timesteps,
+                prepare_latents=prepare_latents,
+                request=request,
+                decode=lambda final: self._decode(grid_to_packed(final), height, width, output_type, return_dict),
+            )
+        )
 
     def _decode(self, packed, height, width, output_type, return_dict):
-        """Rank 0: unpack, VAE decode and post-processing, as ``FluxPipeline.__call__`` does."""
+        """Rank 0: unpack, VAE decode and post-processing, as ``diffusers.FluxPipeline.__call__`` does."""
         pipe = self.pipeline
         if output_type == "latent":
             image = packed

@@ -54,7 +54,7 @@ class FluxStage(JointStage):
         return self.transformer.pos_embed(torch.cat((text_ids, image_ids), dim=0))
 
     def conditioning(self, timestep, guidance_value, pooled, text, rope) -> JointConditioning:
-        """Per-step conditioning, as ``FluxTransformer2DModel.forward`` builds it from FluxPipeline's
+        """Per-step conditioning, as ``diffusers.FluxTransformer2DModel.forward`` builds it from FluxPipeline's
         ``timestep / 1000`` and ``guidance``."""
         dtype = text.dtype
         timestep = timestep.to(dtype) * 1000
@@ -82,8 +82,8 @@ class FluxStage(JointStage):
         return self.transformer.x_embedder(grid_to_packed(latent_rows))
 
     def head(self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int) -> torch.Tensor:
-        """(B, tokens, hidden) -> (B, C4, rows, token_cols): mirrors the end of ``FluxTransformer2DModel.forward``
-        (packed output), as engine grid rows."""
+        """(B, tokens, hidden) -> (B, C4, rows, token_cols): mirrors the end of
+        ``diffusers.FluxTransformer2DModel.forward`` (packed output), as engine grid rows."""
         model = self.transformer
         out = model.proj_out(model.norm_out(hidden, cond.temb))  # (B, tokens, C4)
         return packed_to_grid(out, out.shape[1] // token_cols)

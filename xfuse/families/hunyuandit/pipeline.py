@@ -1,22 +1,23 @@
 """``PipeFusionHunyuanDiTPipeline``: diffusers' ``HunyuanDiTPipeline`` with PipeFusion inside, under torchrun.
 
-What every family shares (world, loading this rank's blocks, broadcasts, the engine call) is
-``PipeFusionPipelineBase``'s. This file is ``HunyuanDiTPipeline.__call__``'s preparation (its ``check_inputs``,
-``encode_prompt`` for both text encoders, ``prepare_latents``, size/style conditioning) and decoding (VAE, safety
-checker, image processor), run by the diffusers pipeline object itself.
+What every family shares (world, loading this rank's blocks, broadcasts, the engine call, the order of every call) is
+``PipeFusionPipelineBase``'s. This file is ``HunyuanDiTPipeline.__call__``'s signature and checks (its
+``check_inputs``, size binning), and its recipe (``encode_prompt`` for both text encoders, the timesteps,
+``prepare_latents``, size/style conditioning, decoding with the VAE, safety checker and image processor), run by the
+diffusers pipeline object itself.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import SUPPORTED_SHAPE, map_to_standard_shapes
 from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.utils import logging
 
+from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.hunyuandit.stage import denoise_request
-from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 
 logger = logging.get_logger(__name__)
 
@@ -99,14 +100,13 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
             tuple `(images, nsfw_content_detected)` if `return_dict=False`), exactly as diffusers returns it; on
             every other rank, `None`.
         """
-        pipe, ctx = self.pipeline, self.context
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-
-        # 0. Default height and width as diffusers does, optionally binned. diffusers silently rounds a size down to
-        #    a multiple of 16; xfuse refuses it instead (binning, which users opt into and which logs, still maps).
-        height = height or self.default_sample_size * pipe.vae_scale_factor
-        width = width or self.default_sample_size * pipe.vae_scale_factor
+        pipe, device = self.pipeline, self.context.device
+        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+            callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
+        # Default height and width as diffusers does, optionally binned. diffusers silently rounds a size down to a
+        # multiple of 16; xfuse refuses it instead (binning, which users opt into and which logs, still maps).
+        height, width = self._default_size(height, width)
         for name, value in (("height", height), ("width", width)):
             if not use_resolution_binning and (not isinstance(value, int) or isinstance(value, bool) or value % 16):
                 raise ValueError(
@@ -117,8 +117,6 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
         if use_resolution_binning and (height, width) not in SUPPORTED_SHAPE:
             width, height = map(int, map_to_standard_shapes(width, height))
             logger.warning(f"Reshaped to (height, width)=({height}, {width}), Supported shapes are {SUPPORTED_SHAPE}")
-
-        # 1. Every check before any communication, the same on every rank.
         pipe.check_inputs(
             prompt,
             height,
@@ -134,12 +132,7 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
             negative_prompt_attention_mask_2,
             callback_on_step_end_tensor_inputs,
         )
-        if prompt is not None and isinstance(prompt, str):
-            batch_size = 1
-        elif prompt is not None and isinstance(prompt, list):
-            batch_size = len(prompt)
-        else:
-            batch_size = prompt_embeds.shape[0]
+        batch_size = self._batch_size(prompt, prompt_embeds)
         for name, value in (
             ("original_size", original_size),
             ("target_size", target_size),
@@ -153,78 +146,57 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
                 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
             ):
                 raise ValueError(f"{name} must be a tuple of two ints (got {value!r})")
-        self._check_common(
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            generator=generator,
-            output_type=output_type,
-            num_images_per_prompt=num_images_per_prompt,
-            latents=latents,
-            batch_size=batch_size,
-        )
         if guidance_rescale > 0 and self.parallel.warmup_steps < num_inference_steps:
             raise ValueError(
                 f"guidance_rescale={guidance_rescale} needs whole-image statistics, which pipelined steps do not "
                 f"have: use guidance_rescale=0, or parallel.warmup_steps >= num_inference_steps "
                 f"({self.parallel.warmup_steps} < {num_inference_steps})"
             )
-        self._begin_call()
-        do_cfg = guidance_scale > 1
+        do_cfg = do_classifier_free_guidance(guidance_scale)
 
-        result = None
-        with ctx.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
-            device = ctx.device
-
-            # 2. Encode the prompts on rank 0 (both text encoders, as diffusers does) and broadcast the embeddings.
-            def encode() -> dict[str, torch.Tensor]:
-                text = {}
-                given = {
-                    "": (prompt_embeds, negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask),
-                    "_2": (
-                        prompt_embeds_2,
-                        negative_prompt_embeds_2,
-                        prompt_attention_mask_2,
-                        negative_prompt_attention_mask_2,
-                    ),
-                }
-                for index, (suffix, length) in enumerate(zip(("", "_2"), self.spec.text_lengths)):
-                    emb, neg, mask, neg_mask = pipe.encode_prompt(
-                        prompt=prompt,
-                        device=device,
-                        dtype=self.dtype,
-                        num_images_per_prompt=num_images_per_prompt,
-                        do_classifier_free_guidance=do_cfg,
-                        negative_prompt=negative_prompt,
-                        prompt_embeds=given[suffix][0],
-                        negative_prompt_embeds=given[suffix][1],
-                        prompt_attention_mask=given[suffix][2],
-                        negative_prompt_attention_mask=given[suffix][3],
-                        max_sequence_length=length,
-                        text_encoder_index=index,
-                    )
-                    text[f"prompt_embeds{suffix}"], text[f"prompt_attention_mask{suffix}"] = emb, mask
-                    if do_cfg:
-                        text[f"negative_prompt_embeds{suffix}"] = neg
-                        text[f"negative_prompt_attention_mask{suffix}"] = neg_mask
-                return text
-
-            text = self._broadcast_tensors(encode)
-
-            # 3. Timesteps, latents (rank 0's, broadcast), scheduler kwargs.
-            pipe.scheduler.set_timesteps(num_inference_steps, device=device)
-            timesteps = pipe.scheduler.timesteps
-            generator = self._shared_generator(generator)
-            channels = self.stage.config.in_channels
-            latents = self._shared_latents(
-                lambda: pipe.prepare_latents(
-                    batch_size * num_images_per_prompt, channels, height, width, self.dtype, device, generator, latents
+        def encode() -> dict[str, torch.Tensor]:  # rank 0: both text encoders, as diffusers does
+            text = {}
+            given = {
+                "": (prompt_embeds, negative_prompt_embeds, prompt_attention_mask, negative_prompt_attention_mask),
+                "_2": (
+                    prompt_embeds_2,
+                    negative_prompt_embeds_2,
+                    prompt_attention_mask_2,
+                    negative_prompt_attention_mask_2,
+                ),
+            }
+            for index, (suffix, length) in enumerate(zip(("", "_2"), self.spec.text_lengths)):
+                emb, neg, mask, neg_mask = pipe.encode_prompt(
+                    prompt=prompt,
+                    device=device,
+                    dtype=self.dtype,
+                    num_images_per_prompt=num_images_per_prompt,
+                    do_classifier_free_guidance=do_cfg,
+                    negative_prompt=negative_prompt,
+                    prompt_embeds=given[suffix][0],
+                    negative_prompt_embeds=given[suffix][1],
+                    prompt_attention_mask=given[suffix][2],
+                    negative_prompt_attention_mask=given[suffix][3],
+                    max_sequence_length=length,
+                    text_encoder_index=index,
                 )
-            )
-            extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, eta)
+                text[f"prompt_embeds{suffix}"], text[f"prompt_attention_mask{suffix}"] = emb, mask
+                if do_cfg:
+                    text[f"negative_prompt_embeds{suffix}"] = neg
+                    text[f"negative_prompt_attention_mask{suffix}"] = neg_mask
+            return text
 
-            # 4. Size/style conditioning, as diffusers builds it.
+        def timesteps() -> torch.Tensor:
+            pipe.scheduler.set_timesteps(num_inference_steps, device=device)
+            return pipe.scheduler.timesteps
+
+        def prepare_latents(generator) -> torch.Tensor:
+            channels = self.stage.config.in_channels
+            batch = batch_size * num_images_per_prompt
+            return pipe.prepare_latents(batch, channels, height, width, self.dtype, device, generator, latents)
+
+        def request(text, latents, timesteps, generator):
+            # Size/style conditioning, as diffusers builds it.
             style = torch.tensor([0], device=device)
             add_time_ids = torch.tensor(
                 [list(original_size + (target_size or (height, width)) + crops_coords_top_left)], dtype=self.dtype
@@ -239,8 +211,6 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
             model_text, cfg_half = self._cfg_split(
                 dict(batched, image_meta_size=add_time_ids, style=style), latents.shape[0]
             )
-
-            # 5. The denoising loop: xfuse's engine.
             on_step_end = self._step_end_callback(
                 callback_on_step_end,
                 callback_on_step_end_tensor_inputs,
@@ -252,8 +222,7 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
                     "negative_prompt_embeds_2": text.get("negative_prompt_embeds_2"),
                 },
             )
-
-            request = denoise_request(
+            return denoise_request(
                 self.stage,
                 latents=latents,
                 timesteps=timesteps,
@@ -261,18 +230,33 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
                 guidance_scale=guidance_scale,
                 guidance_rescale=guidance_rescale,
                 cfg_half=cfg_half,
-                extra_step_kwargs=extra_step_kwargs,
+                extra_step_kwargs=pipe.prepare_extra_step_kwargs(generator, eta),
                 generator=generator,
                 on_step_end=on_step_end,
                 **model_text,
             )
-            final = self._denoise(request, height, width, num_inference_steps)
-            if ctx.is_output:
-                result = self._decode(final, output_type, return_dict)
-        return self._finish(result)
+
+        return self._run(
+            CallRecipe(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                batch_size=batch_size,
+                num_images_per_prompt=num_images_per_prompt,
+                guidance_scale=guidance_scale,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                encode=encode,
+                timesteps=timesteps,
+                prepare_latents=prepare_latents,
+                request=request,
+                decode=lambda final: self._decode(final, output_type, return_dict),
+            )
+        )
 
     def _decode(self, final, output_type, return_dict):
-        """Rank 0: VAE decode, safety checker and post-processing, as ``HunyuanDiTPipeline.__call__`` does."""
+        """Rank 0: VAE decode, safety checker and post-processing, as ``diffusers.HunyuanDiTPipeline.__call__`` does."""
         pipe, device = self.pipeline, self.context.device
         if output_type != "latent":
             image = pipe.vae.decode(final / pipe.vae.config.scaling_factor, return_dict=False)[0]

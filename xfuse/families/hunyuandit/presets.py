@@ -61,7 +61,7 @@ __all__ = [
     "tiny_transformer_config",
 ]
 
-# Settings shared by every preset. They mirror the released HunyuanDiT-v1.2 transformer config, except for the sizes
+# Settings shared by every preset. They follow the released HunyuanDiT-v1.2 transformer config, except for the sizes
 # that the presets shrink. `text_len` / `text_len_t5` must stay 77 / 256: the pipeline pads the BERT and T5 prompts
 # to exactly these lengths and the model's learned text padding parameter is sized from them.
 _COMMON_TRANSFORMER_KWARGS: dict[str, Any] = {

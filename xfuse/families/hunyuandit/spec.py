@@ -9,8 +9,8 @@ from xfuse.families.spec import ModelSpec
 
 
 def hunyuandit_skip_pairs(num_blocks: int) -> tuple[tuple[int, int], ...]:
-    """(producer, consumer) pairs of HunyuanDiT's long skips, as ``HunyuanDiT2DModel.forward`` wires them: block
-    ``k < B/2 - 1`` feeds block ``B-1-k``."""
+    """(producer, consumer) pairs of HunyuanDiT's long skips, as ``diffusers.HunyuanDiT2DModel.forward`` wires them:
+    block ``k < B/2 - 1`` feeds block ``B-1-k``."""
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2 or num_blocks % 2:
         raise ConfigError(
             "model",

@@ -44,7 +44,7 @@ def text_states(
     encoder_hidden_states_t5,
     text_embedding_mask_t5,
 ) -> torch.Tensor:
-    """The cross-attention input, as ``HunyuanDiT2DModel.forward`` builds it: constant for a whole request."""
+    """The cross-attention input, as ``diffusers.HunyuanDiT2DModel.forward`` builds it: constant for a whole request."""
     batch, seq, _ = encoder_hidden_states_t5.shape
     t5 = model.text_embedder(encoder_hidden_states_t5.view(-1, encoder_hidden_states_t5.shape[-1]))
     t5 = t5.view(batch, seq, -1)  # (B*S, D_t5) -> (B, S, D)
@@ -54,9 +54,10 @@ def text_states(
 
 
 def rotary_embedding(config, latent_height: int, latent_width: int, device=None):
-    """The 2D RoPE (cos, sin), each (tokens, head_dim), exactly as ``HunyuanDiTPipeline`` builds it."""
+    """The 2D RoPE (cos, sin), each (tokens, head_dim), exactly as ``diffusers.HunyuanDiTPipeline.__call__`` builds
+    it."""
     grid = (latent_height // config.patch_size, latent_width // config.patch_size)  # token rows, token cols
-    base_size = 512 // 8 // config.patch_size  # mirrors HunyuanDiTPipeline.__call__ (its literal VAE factor 8)
+    base_size = 512 // 8 // config.patch_size  # mirrors ``diffusers.HunyuanDiTPipeline.__call__`` (its literal VAE 8)
     crops = get_resize_crop_region_for_grid(grid, base_size)
     return get_2d_rotary_pos_embed(config.attention_head_dim, crops, grid, device=device, output_type="pt")
 
@@ -120,7 +121,7 @@ class HunyuanDiTStage(ShardedStage):
 
     def head(self, hidden: torch.Tensor, cond: Conditioning, token_cols: int) -> torch.Tensor:
         """(B, tokens, hidden) -> model output (B, out_channels, rows * p, token_cols * p) of the same band; mirrors
-        the output layer of ``HunyuanDiT2DModel.forward``."""
+        the output layer of ``diffusers.HunyuanDiT2DModel.forward``."""
         model = self.transformer
         out = model.proj_out(model.norm_out(hidden, cond.temb.to(torch.float32)))  # (B, tokens, p*p*C)
         return unpatchify(out, token_cols, model.config.patch_size, model.out_channels)

@@ -1,8 +1,9 @@
 """``PipeFusionPixArtSigmaPipeline``: diffusers' ``PixArtSigmaPipeline`` with PipeFusion inside, under torchrun.
 
-What every family shares is ``PipeFusionPipelineBase``'s. This file is ``PixArtSigmaPipeline.__call__``'s
-preparation (resolution binning, ``check_inputs``, ``encode_prompt``, ``retrieve_timesteps``, ``prepare_latents``)
-and decoding, run by the diffusers pipeline object itself.
+What every family shares, and the order of every call, is ``PipeFusionPipelineBase``'s. This file is
+``PixArtSigmaPipeline.__call__``'s signature and checks (resolution binning, ``check_inputs``), and its recipe
+(``encode_prompt``, ``retrieve_timesteps``, ``prepare_latents``, the legacy ``callback``, decoding), run by the
+diffusers pipeline object itself.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import torch
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 from diffusers.pipelines.pixart_alpha import pipeline_pixart_sigma as diffusers_sigma
 
+from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.pixart.spec import PIXART_SIGMA
 from xfuse.families.pixart.stage import denoise_request
-from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 
-# Mirrors PixArtSigmaPipeline.__call__: the aspect-ratio bins of each transformer sample size.
+# Mirrors ``diffusers.PixArtSigmaPipeline.__call__``: the aspect-ratio bins of each transformer sample size.
 _BINS = {size: getattr(diffusers_sigma, f"ASPECT_RATIO_{8 * size}_BIN") for size in (256, 128, 64, 32)}
 
 
@@ -60,10 +62,8 @@ class PipeFusionPixArtSigmaPipeline(PipeFusionPipelineBase):
     ):
         if kwargs:
             raise TypeError(f"PipeFusionPixArtSigmaPipeline got unexpected keyword arguments {sorted(kwargs)}")
-        pipe, ctx = self.pipeline, self.context
-        # 1. Size (optionally binned) and checks, the same on every rank before any communication.
-        height = height or self.default_sample_size * pipe.vae_scale_factor
-        width = width or self.default_sample_size * pipe.vae_scale_factor
+        pipe, device = self.pipeline, self.context.device
+        height, width = self._default_size(height, width)
         orig_height, orig_width = height, width
         if use_resolution_binning:
             if self.default_sample_size not in _BINS:
@@ -82,73 +82,51 @@ class PipeFusionPixArtSigmaPipeline(PipeFusionPipelineBase):
             prompt_attention_mask,
             negative_prompt_attention_mask,
         )
-        batch_size = 1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else len(prompt_embeds)
+        batch_size = self._batch_size(prompt, prompt_embeds)
         if timesteps is not None or sigmas is not None:  # the number of steps is the custom schedule's length
             num_inference_steps = len(timesteps if timesteps is not None else sigmas)
-        self._check_common(
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            generator=generator,
-            output_type=output_type,
-            num_images_per_prompt=num_images_per_prompt,
-            latents=latents,
-            batch_size=batch_size,
-        )
-        self._begin_call()
-        do_cfg = guidance_scale > 1.0
+        do_cfg = do_classifier_free_guidance(guidance_scale)
 
-        result = None
-        with ctx.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
-            device = ctx.device
-
-            # 2. Encode the prompt on rank 0 and broadcast the embeddings.
-            def encode() -> dict[str, torch.Tensor]:
-                emb, mask, neg, neg_mask = pipe.encode_prompt(
-                    prompt,
-                    do_cfg,
-                    negative_prompt=negative_prompt,
-                    num_images_per_prompt=num_images_per_prompt,
-                    device=device,
-                    prompt_embeds=prompt_embeds,
-                    negative_prompt_embeds=negative_prompt_embeds,
-                    prompt_attention_mask=prompt_attention_mask,
-                    negative_prompt_attention_mask=negative_prompt_attention_mask,
-                    clean_caption=clean_caption,
-                    max_sequence_length=max_sequence_length,
-                )
-                if do_cfg:
-                    emb, mask = torch.cat([neg, emb]), torch.cat([neg_mask, mask])
-                return {"prompt_embeds": emb.to(self.dtype), "prompt_attention_mask": mask}
-
-            text = self._broadcast_tensors(encode)
-
-            # 3. Timesteps, latents (rank 0's, broadcast), scheduler kwargs.
-            step_times, num_inference_steps = diffusers_sigma.retrieve_timesteps(
-                pipe.scheduler, num_inference_steps, device, timesteps, sigmas
+        def encode() -> dict[str, torch.Tensor]:  # rank 0
+            emb, mask, neg, neg_mask = pipe.encode_prompt(
+                prompt,
+                do_cfg,
+                negative_prompt=negative_prompt,
+                num_images_per_prompt=num_images_per_prompt,
+                device=device,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                prompt_attention_mask=prompt_attention_mask,
+                negative_prompt_attention_mask=negative_prompt_attention_mask,
+                clean_caption=clean_caption,
+                max_sequence_length=max_sequence_length,
             )
-            generator = self._shared_generator(generator)
+            if do_cfg:
+                emb, mask = torch.cat([neg, emb]), torch.cat([neg_mask, mask])
+            return {"prompt_embeds": emb.to(self.dtype), "prompt_attention_mask": mask}
+
+        def set_timesteps() -> torch.Tensor:
+            return diffusers_sigma.retrieve_timesteps(pipe.scheduler, num_inference_steps, device, timesteps, sigmas)[0]
+
+        def prepare_latents(generator) -> torch.Tensor:
             channels = self.stage.config.in_channels
-            latents = self._shared_latents(
-                lambda: pipe.prepare_latents(
-                    batch_size * num_images_per_prompt, channels, height, width, self.dtype, device, generator, latents
-                )
-            )
-            model_text, cfg_half = self._cfg_split(text, latents.shape[0])
+            batch = batch_size * num_images_per_prompt
+            return pipe.prepare_latents(batch, channels, height, width, self.dtype, device, generator, latents)
 
-            # 4. The denoising loop: xfuse's engine.
+        def request(text, latents, step_times, generator):
+            model_text, cfg_half = self._cfg_split(text, latents.shape[0])
             on_step_end = None
             if callback is not None and self._observer():
                 order = getattr(pipe.scheduler, "order", 1)
                 warmup = max(len(step_times) - num_inference_steps * order, 0)
 
-                def on_step_end(i, current):  # mirrors the loop's callback condition
+                # Mirrors ``diffusers.PixArtSigmaPipeline.__call__``: the denoising loop's callback condition.
+                def on_step_end(i, current):
                     last = i == len(step_times) - 1
                     if (last or ((i + 1) > warmup and (i + 1) % order == 0)) and i % callback_steps == 0:
                         callback(i // order, step_times[i], current.clone())
 
-            request = denoise_request(
+            return denoise_request(
                 self.stage,
                 latents=latents,
                 timesteps=step_times,
@@ -160,13 +138,31 @@ class PipeFusionPixArtSigmaPipeline(PipeFusionPipelineBase):
                 on_step_end=on_step_end,
                 **model_text,
             )
-            final = self._denoise(request, height, width, num_inference_steps)
-            if ctx.is_output:
-                result = self._decode(final, output_type, return_dict, use_resolution_binning, orig_height, orig_width)
-        return self._finish(result)
+
+        def decode(final):
+            return self._decode(final, output_type, return_dict, use_resolution_binning, orig_height, orig_width)
+
+        return self._run(
+            CallRecipe(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                batch_size=batch_size,
+                num_images_per_prompt=num_images_per_prompt,
+                guidance_scale=guidance_scale,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                encode=encode,
+                timesteps=set_timesteps,
+                prepare_latents=prepare_latents,
+                request=request,
+                decode=decode,
+            )
+        )
 
     def _decode(self, final, output_type, return_dict, binned, orig_height, orig_width):
-        """Rank 0: VAE decode and post-processing, as ``PixArtSigmaPipeline.__call__`` does."""
+        """Rank 0: VAE decode and post-processing, as ``diffusers.PixArtSigmaPipeline.__call__`` does."""
         pipe = self.pipeline
         if output_type != "latent":
             image = pipe.vae.decode(final.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]

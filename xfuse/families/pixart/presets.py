@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Mirrors the released PixArt-Sigma-XL-2-1024-MS transformer config, except for the sizes the preset shrinks.
+# Follows the released PixArt-Sigma-XL-2-1024-MS transformer config, except for the sizes the preset shrinks.
 _COMMON = {
     "in_channels": 4,
     "out_channels": 8,  # learned sigma

@@ -63,7 +63,8 @@ class PixArtStage(ShardedStage):
         embed = self.transformer.pos_embed
         if embed is None:
             return
-        # Mirrors PatchEmbed.forward: the stored table at the configured size, else one for the whole image's grid.
+        # Mirrors ``diffusers.models.embeddings.PatchEmbed.forward``: the stored table at the configured size, else one
+        # for the whole image's grid.
         if (grid.token_rows, grid.token_cols) == (embed.height, embed.width):
             self._positions = embed.pos_embed  # (1, tokens, hidden)
         else:
@@ -83,15 +84,15 @@ class PixArtStage(ShardedStage):
         return self.transformer.caption_projection(prompt_embeds).view(batch, -1, self.hidden_size)
 
     def conditioning(self, timestep: torch.Tensor, text, text_bias, dtype) -> PixArtConditioning:
-        """Per-step conditioning from the (B,) timestep, as ``PixArtTransformer2DModel.forward`` builds it."""
+        """Per-step conditioning from the (B,) timestep, as ``diffusers.PixArtTransformer2DModel.forward`` builds it."""
         modulation, embedded = self.transformer.adaln_single(
             timestep, {"resolution": None, "aspect_ratio": None}, batch_size=timestep.shape[0], hidden_dtype=dtype
         )
         return PixArtConditioning(modulation, embedded, text, text_bias)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C, rows, W) -> (B, tokens, hidden): mirrors ``PatchEmbed.forward`` with the band's rows of the
-        whole image's position table."""
+        """(B, C, rows, W) -> (B, tokens, hidden): mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` with the
+        band's rows of the whole image's position table."""
         embed = self.transformer.pos_embed
         hidden = embed.proj(latent_rows).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
         if embed.layer_norm:
@@ -124,7 +125,7 @@ class PixArtStage(ShardedStage):
 
     def head(self, hidden: torch.Tensor, cond: PixArtConditioning, token_cols: int) -> torch.Tensor:
         """(B, tokens, hidden) -> (B, out_channels, rows * p, token_cols * p): mirrors the output layer of
-        ``PixArtTransformer2DModel.forward``."""
+        ``diffusers.PixArtTransformer2DModel.forward``."""
         model = self.transformer
         table = model.scale_shift_table[None]  # (1, 2, hidden)
         shift, scale = (table + cond.embedded_timestep[:, None].to(table.device)).chunk(2, dim=1)  # (B, 1, D) each
@@ -156,7 +157,7 @@ def denoise_request(
 
     model_batch, model_input = cfg_batch(latents, guidance_scale, cfg_half)
     text = stage.text_states(prompt_embeds)
-    # Mirrors PixArtTransformer2DModel.forward: a (B, S) keep-mask becomes a (B, 1, S) additive bias.
+    # Mirrors ``diffusers.PixArtTransformer2DModel.forward``: a (B, S) keep-mask becomes a (B, 1, S) additive bias.
     text_bias = ((1 - prompt_attention_mask.to(latents.dtype)) * -10000.0).unsqueeze(1)
     learned_sigma = stage.config.out_channels // 2 == stage.config.in_channels
 

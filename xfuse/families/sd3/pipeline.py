@@ -1,20 +1,21 @@
 """``PipeFusionStableDiffusion3Pipeline``: diffusers' ``StableDiffusion3Pipeline`` with PipeFusion, under torchrun.
 
-What every family shares is ``PipeFusionPipelineBase``'s. This file is ``StableDiffusion3Pipeline.__call__``'s
-preparation (``check_inputs``, ``encode_prompt`` with the three text encoders, ``prepare_latents``, the flow-matching
-timesteps with an optional ``mu``) and decoding, run by the diffusers pipeline object itself.
+What every family shares, and the order of every call, is ``PipeFusionPipelineBase``'s. This file is
+``StableDiffusion3Pipeline.__call__``'s signature and checks, and its recipe (``encode_prompt`` with the three text
+encoders, the flow-matching timesteps with an optional ``mu``, ``prepare_latents``, decoding), run by the diffusers
+pipeline object itself.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_3 import pipeline_stable_diffusion_3 as diffusers_sd3
 from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
 
+from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.sd3.stage import denoise_request
-from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 
 
 class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
@@ -73,18 +74,17 @@ class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
         skip_layer_guidance_start: float = 0.01,
         mu: float | None = None,
     ):
-        pipe, ctx = self.pipeline, self.context
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        pipe, device = self.pipeline, self.context.device
+        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+            callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
         self._refuse(
             ip_adapter_image=(ip_adapter_image, None, "IP-Adapter attention is not a stale-K/V processor"),
             ip_adapter_image_embeds=(ip_adapter_image_embeds, None, "IP-Adapter attention"),
             joint_attention_kwargs=(joint_attention_kwargs, None, "its processors take no extra arguments"),
             skip_guidance_layers=(skip_guidance_layers, None, "a third forward pass would need its own K/V buffers"),
         )
-        # 1. Size and checks, the same on every rank before any communication.
-        height = height or self.default_sample_size * pipe.vae_scale_factor
-        width = width or self.default_sample_size * pipe.vae_scale_factor
+        height, width = self._default_size(height, width)
         pipe.check_inputs(
             prompt,
             prompt_2,
@@ -101,87 +101,65 @@ class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             max_sequence_length=max_sequence_length,
         )
-        batch_size = 1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else len(prompt_embeds)
+        batch_size = self._batch_size(prompt, prompt_embeds)
         if sigmas is not None:  # the number of steps is the custom schedule's length
             num_inference_steps = len(sigmas)
-        self._check_common(
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            generator=generator,
-            output_type=output_type,
-            num_images_per_prompt=num_images_per_prompt,
-            latents=latents,
-            batch_size=batch_size,
-        )
-        self._begin_call()
-        do_cfg = guidance_scale > 1
+        do_cfg = do_classifier_free_guidance(guidance_scale)
 
-        result = None
-        with ctx.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
-            device = ctx.device
-
-            # 2. Encode the prompts on rank 0 (CLIP-L, CLIP-G, T5) and broadcast the embeddings.
-            def encode() -> dict[str, torch.Tensor]:
-                emb, neg, pooled, neg_pooled = pipe.encode_prompt(
-                    prompt=prompt,
-                    prompt_2=prompt_2,
-                    prompt_3=prompt_3,
-                    negative_prompt=negative_prompt,
-                    negative_prompt_2=negative_prompt_2,
-                    negative_prompt_3=negative_prompt_3,
-                    do_classifier_free_guidance=do_cfg,
-                    prompt_embeds=prompt_embeds,
-                    negative_prompt_embeds=negative_prompt_embeds,
-                    pooled_prompt_embeds=pooled_prompt_embeds,
-                    negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-                    device=device,
-                    clip_skip=clip_skip,
-                    num_images_per_prompt=num_images_per_prompt,
-                    max_sequence_length=max_sequence_length,
-                )
-                text = {"prompt_embeds": emb, "pooled_prompt_embeds": pooled}
-                if do_cfg:
-                    text |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
-                return {k: v.to(self.dtype) for k, v in text.items()}
-
-            text = self._broadcast_tensors(encode)
-            keys = ("prompt_embeds", "pooled_prompt_embeds")
-            batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) if do_cfg else text[k] for k in keys}
-
-            # 3. Latents (rank 0's, broadcast), then the timesteps (mu from the whole image's tokens if dynamic).
-            generator = self._shared_generator(generator)
-            channels = self.stage.config.in_channels
-            latents = self._shared_latents(
-                lambda: pipe.prepare_latents(
-                    batch_size * num_images_per_prompt, channels, height, width, self.dtype, device, generator, latents
-                )
+        def encode() -> dict[str, torch.Tensor]:  # rank 0: CLIP-L, CLIP-G and T5
+            emb, neg, pooled, neg_pooled = pipe.encode_prompt(
+                prompt=prompt,
+                prompt_2=prompt_2,
+                prompt_3=prompt_3,
+                negative_prompt=negative_prompt,
+                negative_prompt_2=negative_prompt_2,
+                negative_prompt_3=negative_prompt_3,
+                do_classifier_free_guidance=do_cfg,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                pooled_prompt_embeds=pooled_prompt_embeds,
+                negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+                device=device,
+                clip_skip=clip_skip,
+                num_images_per_prompt=num_images_per_prompt,
+                max_sequence_length=max_sequence_length,
             )
-            scheduler_kwargs = {}
+            text = {"prompt_embeds": emb, "pooled_prompt_embeds": pooled}
+            if do_cfg:
+                text |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
+            return {k: v.to(self.dtype) for k, v in text.items()}
+
+        def timesteps() -> torch.Tensor:
+            scheduler_kwargs = {} if mu is None else {"mu": mu}
             if pipe.scheduler.config.get("use_dynamic_shifting", None) and mu is None:
-                # Mirrors StableDiffusion3Pipeline.__call__: mu from the whole latent's token count.
-                patch = self.stage.config.patch_size
+                # Mirrors ``diffusers.StableDiffusion3Pipeline.__call__``: mu from the whole latent's token count
+                # (diffusers reads it off the latents' shape: the same number).
+                patch, vae = self.stage.config.patch_size, self.spec.vae_scale_factor
                 config = pipe.scheduler.config
-                mu = diffusers_sd3.calculate_shift(
-                    (latents.shape[2] // patch) * (latents.shape[3] // patch),
+                scheduler_kwargs["mu"] = diffusers_sd3.calculate_shift(
+                    (height // vae // patch) * (width // vae // patch),
                     config.get("base_image_seq_len", 256),
                     config.get("max_image_seq_len", 4096),
                     config.get("base_shift", 0.5),
                     config.get("max_shift", 1.16),
                 )
-            if mu is not None:
-                scheduler_kwargs["mu"] = mu
-            timesteps, num_inference_steps = diffusers_sd3.retrieve_timesteps(
+            return diffusers_sd3.retrieve_timesteps(
                 pipe.scheduler, num_inference_steps, device, sigmas=sigmas, **scheduler_kwargs
-            )
-            model_text, cfg_half = self._cfg_split(batched, latents.shape[0])
+            )[0]
 
-            # 4. The denoising loop: xfuse's engine.
+        def prepare_latents(generator) -> torch.Tensor:
+            channels = self.stage.config.in_channels
+            batch = batch_size * num_images_per_prompt
+            return pipe.prepare_latents(batch, channels, height, width, self.dtype, device, generator, latents)
+
+        def request(text, latents, timesteps, generator):
+            keys = ("prompt_embeds", "pooled_prompt_embeds")
+            batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) if do_cfg else text[k] for k in keys}
+            model_text, cfg_half = self._cfg_split(batched, latents.shape[0])
             on_step_end = self._step_end_callback(
                 callback_on_step_end, callback_on_step_end_tensor_inputs, timesteps, batched
             )
-            request = denoise_request(
+            return denoise_request(
                 self.stage,
                 latents=latents,
                 timesteps=timesteps,
@@ -192,13 +170,28 @@ class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
                 on_step_end=on_step_end,
                 **model_text,
             )
-            final = self._denoise(request, height, width, num_inference_steps)
-            if ctx.is_output:
-                result = self._decode(final, output_type, return_dict)
-        return self._finish(result)
+
+        return self._run(
+            CallRecipe(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                batch_size=batch_size,
+                num_images_per_prompt=num_images_per_prompt,
+                guidance_scale=guidance_scale,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                encode=encode,
+                timesteps=timesteps,
+                prepare_latents=prepare_latents,
+                request=request,
+                decode=lambda final: self._decode(final, output_type, return_dict),
+            )
+        )
 
     def _decode(self, final, output_type, return_dict):
-        """Rank 0: VAE decode and post-processing, as ``StableDiffusion3Pipeline.__call__`` does."""
+        """Rank 0: VAE decode and post-processing, as ``diffusers.StableDiffusion3Pipeline.__call__`` does."""
         pipe = self.pipeline
         if output_type == "latent":
             image = final

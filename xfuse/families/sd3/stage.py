@@ -45,16 +45,17 @@ class SD3Stage(JointStage):
         super().begin_request(grid)
         embed = self.transformer.pos_embed
         if embed is not None:
-            # Mirrors PatchEmbed.forward (latent height/width in latent pixels); raises past pos_embed_max_size.
+            # Mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` (latent height/width in latent pixels); raises
+            # past pos_embed_max_size.
             self._positions = embed.cropped_pos_embed(grid.latent_height, grid.latent_width)  # (1, tokens, hidden)
 
     def conditioning(self, timestep: torch.Tensor, pooled: torch.Tensor, text: torch.Tensor) -> JointConditioning:
-        """Per-step conditioning from the (B,) timestep, as ``SD3Transformer2DModel.forward`` builds it."""
+        """Per-step conditioning from the (B,) timestep, as ``diffusers.SD3Transformer2DModel.forward`` builds it."""
         return JointConditioning(self.transformer.time_text_embed(timestep, pooled), text)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C, rows, W) -> (B, tokens, hidden): mirrors ``PatchEmbed.forward`` with the band's rows of the whole
-        image's cropped position window."""
+        """(B, C, rows, W) -> (B, tokens, hidden): mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` with the
+        band's rows of the whole image's cropped position window."""
         embed = self.transformer.pos_embed
         hidden = embed.proj(latent_rows).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
         if embed.layer_norm:
@@ -66,7 +67,7 @@ class SD3Stage(JointStage):
 
     def head(self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int) -> torch.Tensor:
         """(B, tokens, hidden) -> (B, out_channels, rows * p, token_cols * p): mirrors the end of
-        ``SD3Transformer2DModel.forward``."""
+        ``diffusers.SD3Transformer2DModel.forward``."""
         model = self.transformer
         out = model.proj_out(model.norm_out(hidden, cond.temb))  # (B, tokens, p*p*C)
         return unpatchify(out, token_cols, model.config.patch_size, model.out_channels)

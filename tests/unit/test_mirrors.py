@@ -1,0 +1,44 @@
+"""The diffusers code xfuse mirrors is named in one format and has not moved since the mirror was written
+(``tests/support/mirrors.py``): a diffusers upgrade that changes a mirrored function fails here, naming it."""
+
+import pytest
+
+from tests.support import mirrors
+from xfuse.families.registry import FAMILIES
+
+REFERENCES = mirrors.references()
+RECORDED = mirrors.load_record()
+
+
+def test_every_mirror_claim_names_its_diffusers_function():
+    assert mirrors.unnamed_claims() == []
+
+
+def test_the_record_holds_exactly_the_referenced_names():
+    named, recorded = set(REFERENCES), set(RECORDED)
+    assert named - recorded == set(), "named in xfuse but never recorded: python -m tests.support.mirrors --record"
+    assert recorded - named == set(), "recorded but no longer named in xfuse: re-record"
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_mirrored_signature_is_unchanged(name):
+    where = ", ".join(REFERENCES[name])
+    try:
+        current = mirrors.signature(name)
+    except (ImportError, AttributeError) as err:
+        pytest.fail(f"{name} (named at {where}) no longer exists in the installed diffusers: {err}")
+    assert current == RECORDED[name], (
+        f"the installed diffusers changed {name}'s signature since the mirror at {where} was written:\n"
+        f"  was {RECORDED[name]}\n  now {current}\nre-read the mirror, then: python -m tests.support.mirrors --record"
+    )
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
+def test_each_pipeline_takes_exactly_its_diffusers_pipelines_arguments(spec):
+    """Same names, order and defaults as diffusers' ``__call__``: a diffusers script runs unchanged (what xfuse cannot
+    honour it refuses by name at call time)."""
+    import diffusers
+
+    ours = spec.pipeline_class().__call__
+    theirs = getattr(diffusers, spec.diffusers_pipeline).__call__
+    assert mirrors.parameters(ours) == mirrors.parameters(theirs)
