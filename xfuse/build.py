@@ -20,15 +20,11 @@ def build_pipeline(config: XfuseConfig):
 
     Every rank must hold the same ``config``: it is compared at start-up (``xfuse.runtime.handshake``).
     """
-    import torch
-
     from xfuse.families.registry import load_pipeline, model_is_preset, model_spec, resolve_model
 
     pipeline_class = model_spec(config.model).pipeline_class()  # the family, from the preset or model_index.json
     if model_is_preset(config.model):  # built-in random-weight model: every rank builds the same one from its seed
-        pipe = pipeline_class.from_pipe(
-            load_pipeline(config.model, getattr(torch, config.runtime.dtype)), config=config
-        )
+        pipe = pipeline_class.from_pipe(load_pipeline(config.model, config.runtime.torch_dtype()), config=config)
     else:
         pipe = pipeline_class.from_pretrained(resolve_model(config.model), config=config)
     freeze_startup_heap()

@@ -1,8 +1,9 @@
-"""Validated configuration for xfuse.
+"""Validated configuration for xfuse, on pydantic.
 
 Everything here is pure: no process group, no environment changes, no device queries at import or construction
-(``torch`` is not even imported). Style model: torchtitan's ``ParallelDims`` -- a frozen dataclass that validates
-itself in ``__post_init__`` and fails with a readable message.
+(``torch`` is not even imported). Each section is a frozen pydantic dataclass (strict: ``"2"`` is not 2 and
+``True`` is not 1; unknown keys are refused): pydantic checks the values against the field types and the allowed
+values in :mod:`xfuse.types`, and :func:`_config_error` words its findings as xfuse's errors.
 
 Every error is a :class:`ConfigError` whose ``.key`` is the full dotted key (``parallel.cfg_degree``) and whose
 message reads ``<dotted.key>: <what is wrong and what is allowed> (got <repr>)``.
@@ -30,82 +31,46 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
+import functools
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
+import annotated_types
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic.fields import FieldInfo
 
 from xfuse.errors import ConfigError
-from xfuse.parallel.stage_plan import PLACEMENTS
+from xfuse.types import Backend, Device, DtypeName, Placement, Wait
 
-# ----------------------------------------------------------------------------------------------------------------
-# Allowed values
-# ----------------------------------------------------------------------------------------------------------------
-
-# PLACEMENTS ("balanced", "folded", "linear") is the planner's own list, imported from xfuse.parallel.stage_plan.
-BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
-WAITS: tuple[str, ...] = ("auto", "stream", "host")
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 MAX_PIPEFUSION_DEGREE = 8
-CFG_DEGREES: tuple[int, ...] = (1, 2)
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Small validators (each returns the value, possibly normalised: int -> float for float fields, list -> tuple)
+# Field shapes: pydantic enforces the constraints, and _allowed() words an error from the same constraints
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _type_hint(value: Any) -> str:
-    if isinstance(value, bool):
-        return ", not a boolean"
-    if isinstance(value, str):
-        return ", not a string (write numbers without quotes)"
-    return f", not {type(value).__name__}"
+class Allowed(str):
+    """Field metadata: what a value must be, in words, where the constraint alone would not say why."""
 
 
-def _range_text(lo: int | float | None, hi: int | float | None) -> str:
-    if lo is not None and hi is not None:
-        return f"from {lo} to {hi}"
-    if lo is not None:
-        return f">= {lo}"
-    if hi is not None:
-        return f"<= {hi}"
-    return ""
+NonEmptyStr = Annotated[str, Field(pattern=r"\S")]
+PositiveInt = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0.0)]
+StageSplit = Annotated[
+    tuple[PositiveInt, ...] | None,
+    Field(strict=False),  # a YAML list becomes a tuple; its entries stay strict integers
+    Allowed("a list of positive block counts, one per PipeFusion rank (parallel.pipefusion_degree entries), or null"),
+]
 
-
-def _check_int(
-    key: str, value: Any, *, lo: int | None = None, hi: int | None = None, allow_none: bool = False
-) -> int | None:
-    allowed = " ".join(p for p in ("an integer", _range_text(lo, hi)) if p)
-    if allow_none:
-        allowed += " or null"
-    if value is None:
-        if allow_none:
-            return None
-        raise ConfigError(key, f"must be {allowed}, not null (got None)")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, f"must be {allowed}{_type_hint(value)} (got {value!r})")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(key, f"must be {allowed} (got {value!r})")
-    return value
-
-
-def _check_float(key: str, value: Any, *, lo: float, lo_inclusive: bool) -> float:
-    allowed = f"a finite number {'>=' if lo_inclusive else '>'} {lo}"
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        hint = ", not null" if value is None else _type_hint(value)
-        raise ConfigError(key, f"must be {allowed}{hint} (got {value!r})")
-    value = float(value)
-    if not math.isfinite(value) or value < lo or (value == lo and not lo_inclusive):
-        raise ConfigError(key, f"must be {allowed} (got {value!r})")
-    return value
-
+# Settings are exact: strict types, unknown keys refused, floats finite.
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 # Common spellings of allowed values, for the did-you-mean hint only (never accepted silently).
 _ALIASES = {
@@ -118,52 +83,155 @@ _ALIASES = {
 }
 
 
-def _check_choice(key: str, value: Any, choices: Sequence[Any]) -> Any:
-    # bool == 1 in Python; never let True pass as 1.
-    if isinstance(value, bool) or value not in choices or type(value) is not type(choices[0]):
-        allowed = ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
-        hint = ""
-        if isinstance(value, str) and value.lower() in _ALIASES and _ALIASES[value.lower()] in choices:
-            hint = f"; did you mean {_ALIASES[value.lower()]!r}?"
-        elif isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-            if close:
-                hint = f"; did you mean {close[0]!r}?"
-        raise ConfigError(key, f"must be one of {allowed}{hint} (got {value!r})")
-    return value
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """``int | None`` -> ``(int, True)``; ``int`` -> ``(int, False)``."""
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+    return annotation, False
 
 
-def _check_str(key: str, value: Any, *, allow_none: bool = False, nonempty: bool = False) -> str | None:
-    allowed = ("a non-empty string" if nonempty else "a string") + (" or null" if allow_none else "")
-    if value is None and allow_none:
-        return None
+def _range_text(metadata: Sequence[Any]) -> str:
+    lo = next((m.ge for m in metadata if isinstance(m, annotated_types.Ge)), None)
+    hi = next((m.le for m in metadata if isinstance(m, annotated_types.Le)), None)
+    above = next((m.gt for m in metadata if isinstance(m, annotated_types.Gt)), None)
+    if above is not None:
+        return f" > {above}"
+    if lo is not None and hi is not None:
+        return f" from {lo} to {hi}"
+    if lo is not None:
+        return f" >= {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+def _field_shape(info: FieldInfo) -> tuple[Any, bool, list[Any]]:
+    """A field's base type, whether it may be null, and its constraints (``PositiveInt | None`` keeps them inside)."""
+    base, nullable = _unwrap_optional(info.annotation)
+    metadata = list(info.metadata)
+    if get_origin(base) is Annotated:
+        for m in base.__metadata__:
+            metadata.extend(m.metadata if isinstance(m, FieldInfo) else [m])
+        base = get_args(base)[0]
+    return base, nullable, metadata
+
+
+def _allowed(info: FieldInfo) -> str:
+    """What a field's value must be, in words, from its type and constraints (or its :class:`Allowed` text)."""
+    base, nullable, metadata = _field_shape(info)
+    for m in metadata:
+        if isinstance(m, Allowed):
+            return str(m)
+    if get_origin(base) is Literal:
+        text = "one of " + ", ".join(repr(c) if isinstance(c, str) else str(c) for c in get_args(base))
+    elif base is int:
+        text = "an integer" + _range_text(metadata)
+    elif base is float:
+        text = "a finite number" + _range_text(metadata)
+    elif base is str:
+        nonempty = any(getattr(m, "pattern", None) for m in metadata)
+        text = "a non-empty string" if nonempty else "a string"
+    else:
+        text = f"a {getattr(base, '__name__', base)}"
+    return text + (" or null" if nullable else "")
+
+
+def _type_hint(value: Any, base: Any) -> str:
+    if value is None:
+        return ", not null"
+    if base is str:
+        return " (quote it in YAML)"
+    if isinstance(value, bool):
+        return ", not a boolean"
+    if isinstance(value, str):
+        return ", not a string" + (" (write numbers without quotes)" if base in (int, float) else "")
+    return f", not {type(value).__name__}"
+
+
+def _choice_hint(value: Any, choices: Sequence[Any]) -> str:
     if not isinstance(value, str):
-        raise ConfigError(key, f"must be {allowed} (quote it in YAML) (got {value!r})")
-    if nonempty and not value.strip():
-        raise ConfigError(key, f"must be {allowed} (got {value!r})")
-    return value
+        return ""
+    if value.lower() in _ALIASES and _ALIASES[value.lower()] in choices:
+        return f"; did you mean {_ALIASES[value.lower()]!r}?"
+    close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _set(obj: Any, name: str, value: Any) -> None:
-    object.__setattr__(obj, name, value)  # frozen dataclass: normalise in __post_init__
+def _config_error(cls: type, prefix: str, exc: ValidationError, given: Mapping[str, Any]) -> ConfigError:
+    """pydantic's first finding about ``cls(**given)``, as a :class:`ConfigError` naming the dotted key, what is
+    allowed and what was given. Unknown keys are reported first; an error a check raised itself passes through."""
+    errors = sorted(exc.errors(), key=lambda e: e["type"] not in ("unexpected_keyword_argument", "extra_forbidden"))
+    error = errors[0]
+    raised = error.get("ctx", {}).get("error")
+    if isinstance(raised, ConfigError):
+        return raised
+    name, *inner = error["loc"] or ("",)
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return _unknown_key_error(prefix or None, name, _field_names(cls))
+    info = cls.__pydantic_fields__[name]
+    key = f"{prefix}.{name}" if prefix else str(name)
+    value = given.get(name, error["input"])
+    base, _, _ = _field_shape(info)
+    if inner:  # an entry of a list
+        what = f"; entry {inner[0]} is not a positive integer"
+    elif error["type"].endswith("_type"):
+        what = _type_hint(value, base)
+    elif error["type"] == "literal_error":
+        what = _choice_hint(value, get_args(base))
+    else:
+        what = ""
+        if base is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # what the check saw
+    value_text = list(value) if isinstance(value, tuple) else value
+    return ConfigError(key, f"must be {_allowed(info)}{what} (got {value_text!r})")
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+_T = TypeVar("_T")
+
+
+def section(name: str) -> Callable[[type[_T]], type[_T]]:
+    """Make ``cls`` the frozen, strict pydantic dataclass of config section ``name``; building it with a wrong value
+    raises a :class:`ConfigError` (``dataclasses.replace`` re-validates the same way)."""
+
+    def wrap(cls: type[_T]) -> type[_T]:
+        cls = pydantic_dataclass(frozen=True, config=_STRICT)(cls)
+        cls.SECTION = name  # type: ignore[attr-defined]
+        validated_init = cls.__init__
+
+        @functools.wraps(validated_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                validated_init(self, *args, **kwargs)
+            except ValidationError as exc:
+                given = {**dict(zip(_field_names(cls), args, strict=False)), **kwargs}
+                raise _config_error(cls, name, exc, given) from None
+
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        return cls
+
+    return wrap
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Section dataclasses
+# Sections
 # ----------------------------------------------------------------------------------------------------------------
 
 
 class _Section:
-    """Shared helpers for the section dataclasses. ``SECTION`` is the YAML section name (the key prefix)."""
+    """Shared helpers of the sections. ``SECTION`` is the YAML section name (the key prefix)."""
 
     SECTION: ClassVar[str] = ""
 
-    def _key(self, name: str) -> str:
-        return f"{self.SECTION}.{name}"
-
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        return _field_names(cls)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None):
@@ -172,7 +240,7 @@ class _Section:
             d = {}
         if not isinstance(d, Mapping):
             raise ConfigError(cls.SECTION, f"must be a mapping with keys {', '.join(cls.keys())} (got {d!r})")
-        for k in d:
+        for k in d:  # before any value: a misspelt key explains the values that follow
             if k not in cls.keys():
                 raise _unknown_key_error(cls.SECTION, k, cls.keys())
         return cls(**d)
@@ -185,7 +253,7 @@ class _Section:
         return out
 
 
-@dataclass(frozen=True)
+@section("parallel")
 class ParallelConfig(_Section):
     """How the work is split across ranks.
 
@@ -199,49 +267,25 @@ class ParallelConfig(_Section):
     the way back). Whether the split fits the model's block count is checked by ``ModelSpec.check_layout``.
     """
 
-    SECTION: ClassVar[str] = "parallel"
-
-    pipefusion_degree: int = 1
-    num_patches: int | None = None
-    warmup_steps: int = 1
-    cfg_degree: int = 1
-    placement: str | None = None
-    stage_split: tuple[int, ...] | None = None
+    pipefusion_degree: Annotated[int, Field(ge=1, le=MAX_PIPEFUSION_DEGREE)] = 1
+    num_patches: PositiveInt | None = None
+    warmup_steps: Annotated[int, Field(ge=0)] = 1
+    cfg_degree: Annotated[
+        int,
+        Field(ge=1, le=2),
+        Allowed("1 or 2 (2 runs the unconditional and conditional CFG branches on two rank groups)"),
+    ] = 1
+    placement: Placement | None = None
+    stage_split: StageSplit = None
 
     def __post_init__(self) -> None:
-        _check_int(self._key("pipefusion_degree"), self.pipefusion_degree, lo=1, hi=MAX_PIPEFUSION_DEGREE)
-        _check_int(self._key("num_patches"), self.num_patches, lo=1, allow_none=True)
-        _check_int(self._key("warmup_steps"), self.warmup_steps, lo=0)
-        if (
-            isinstance(self.cfg_degree, bool)
-            or self.cfg_degree not in CFG_DEGREES
-            or not isinstance(self.cfg_degree, int)
-        ):
+        if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:
             raise ConfigError(
-                self._key("cfg_degree"),
-                f"must be 1 or 2 (2 runs the unconditional and conditional CFG branches on two "
-                f"rank groups) (got {self.cfg_degree!r})",
+                "parallel.stage_split",
+                f"must be a list of positive block counts, one per PipeFusion rank (parallel.pipefusion_degree = "
+                f"{self.pipefusion_degree} entries), or null; it has {len(self.stage_split)} entries "
+                f"(got {list(self.stage_split)!r})",
             )
-        if self.placement is not None:
-            _check_choice(self._key("placement"), self.placement, PLACEMENTS)
-        _set(self, "stage_split", self._checked_split())
-
-    def _checked_split(self) -> tuple[int, ...] | None:
-        key, split = self._key("stage_split"), self.stage_split
-        if split is None:
-            return None
-        what = (
-            "a list of positive block counts, one per PipeFusion rank "
-            f"(parallel.pipefusion_degree = {self.pipefusion_degree} entries), or null"
-        )
-        if isinstance(split, (str, bytes)) or not isinstance(split, Sequence):
-            raise ConfigError(key, f"must be {what} (got {split!r})")
-        for i, n in enumerate(split):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ConfigError(key, f"must be {what}; entry {i} is not a positive integer (got {list(split)!r})")
-        if len(split) != self.pipefusion_degree:
-            raise ConfigError(key, f"must be {what}; it has {len(split)} entries (got {list(split)!r})")
-        return tuple(split)
 
     @property
     def resolved_num_patches(self) -> int:
@@ -249,7 +293,7 @@ class ParallelConfig(_Section):
         return self.pipefusion_degree if self.num_patches is None else self.num_patches
 
 
-@dataclass(frozen=True)
+@section("comm")
 class CommConfig(_Section):
     """Point-to-point communication settings. ``backend: auto`` means NCCL on CUDA, gloo on CPU.
 
@@ -260,20 +304,11 @@ class CommConfig(_Section):
     failure handling.
     """
 
-    SECTION: ClassVar[str] = "comm"
-
-    backend: str = "auto"
-    timeout_s: float = 60.0
-    max_inflight: int = 2
-    socket_ifname: str | None = None
-    wait: str = "auto"
-
-    def __post_init__(self) -> None:
-        _check_choice(self._key("backend"), self.backend, BACKENDS)
-        _set(self, "timeout_s", _check_float(self._key("timeout_s"), self.timeout_s, lo=0.0, lo_inclusive=False))
-        _check_int(self._key("max_inflight"), self.max_inflight, lo=1)
-        _check_str(self._key("socket_ifname"), self.socket_ifname, allow_none=True, nonempty=True)
-        _check_choice(self._key("wait"), self.wait, WAITS)
+    backend: Backend = "auto"
+    timeout_s: Seconds = 60.0
+    max_inflight: PositiveInt = 2
+    socket_ifname: NonEmptyStr | None = None
+    wait: Wait = "auto"
 
     def stream_ordered(self, device_type: str) -> bool:
         """Whether waits are stream-ordered on a device type (``"cuda"`` or ``"cpu"``); pure, no device query."""
@@ -286,18 +321,12 @@ class CommConfig(_Section):
         return "nccl" if device_type == "cuda" else "gloo"
 
 
-@dataclass(frozen=True)
+@section("runtime")
 class RuntimeConfig(_Section):
     """Device and dtype. ``device: auto`` means CUDA when available (resolved at launch, not here)."""
 
-    SECTION: ClassVar[str] = "runtime"
-
-    device: str = "auto"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        _check_choice(self._key("device"), self.device, DEVICES)
-        _check_choice(self._key("dtype"), self.dtype, DTYPES)
+    device: Device = "auto"
+    dtype: DtypeName = "float32"
 
     def torch_dtype(self):
         """The ``torch.dtype`` for :attr:`dtype` (imports torch lazily)."""
@@ -306,71 +335,42 @@ class RuntimeConfig(_Section):
         return getattr(torch, self.dtype)
 
 
-@dataclass(frozen=True)
+@section("generation")
 class GenerationConfig(_Section):
     """One request's parameters. ``height``/``width`` ``None`` means the model's default size."""
 
-    SECTION: ClassVar[str] = "generation"
-
     prompt: str = "A cat sitting on a windowsill at sunset, watercolor"
     negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int = 20
-    guidance_scale: float = 5.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _check_str(self._key("prompt"), self.prompt)
-        _check_str(self._key("negative_prompt"), self.negative_prompt, allow_none=True)
-        _check_int(self._key("height"), self.height, lo=1, allow_none=True)
-        _check_int(self._key("width"), self.width, lo=1, allow_none=True)
-        _check_int(self._key("num_inference_steps"), self.num_inference_steps, lo=1)
-        _set(
-            self,
-            "guidance_scale",
-            _check_float(self._key("guidance_scale"), self.guidance_scale, lo=0.0, lo_inclusive=True),
-        )
-        _check_int(self._key("seed"), self.seed, lo=0, hi=MAX_SEED)
+    height: PositiveInt | None = None
+    width: PositiveInt | None = None
+    num_inference_steps: PositiveInt = 20
+    guidance_scale: Annotated[float, Field(ge=0.0)] = 5.0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
 
 
-@dataclass(frozen=True)
+@section("serve")
 class ServeConfig(_Section):
     """``xfuse serve``: where it listens and what one request may ask for. The ``generation`` section gives the
     defaults of a request's optional fields (size, steps, guidance, negative prompt)."""
 
-    SECTION: ClassVar[str] = "serve"
-
-    host: str = "127.0.0.1"  # loopback unless the operator opens it
-    port: int = 8000  # 0: any free port (printed at start-up)
-    model_name: str | None = None  # the id in /v1/models and the requests' ``model``; null: the model's name
-    max_queue: int = 8  # requests waiting behind the running one; more get 429 + Retry-After
-    max_images_per_request: int = 4  # the largest ``n``
-    max_side: int = 2048  # pixels, width and height alike
-    max_pixels: int = 2048 * 2048  # width x height
-    max_steps: int = 100  # the largest ``num_inference_steps``
-    max_prompt_chars: int = 4000
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are read
-    request_timeout_s: float = 300.0  # a request not started within this is answered 503 and never runs
-    heartbeat_interval_s: float = 1.0  # rank 0 -> every rank while idle
-    heartbeat_timeout_s: float = 2.0  # a rank that does not answer within this is lost: the world stops
+    host: NonEmptyStr = "127.0.0.1"  # loopback unless the operator opens it
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0: any free port (printed at start-up)
+    model_name: NonEmptyStr | None = None  # the id in /v1/models and the requests' ``model``; null: the model's name
+    max_queue: PositiveInt = 8  # requests waiting behind the running one; more get 429 + Retry-After
+    max_images_per_request: PositiveInt = 4  # the largest ``n``
+    max_side: Annotated[int, Field(ge=16)] = 2048  # pixels, width and height alike
+    max_pixels: Annotated[int, Field(ge=256)] = 2048 * 2048  # width x height
+    max_steps: PositiveInt = 100  # the largest ``num_inference_steps``
+    max_prompt_chars: PositiveInt = 4000
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20  # larger request bodies get 413 before they are read
+    request_timeout_s: Seconds = 300.0  # a request not started within this is answered 503 and never runs
+    heartbeat_interval_s: Seconds = 1.0  # rank 0 -> every rank while idle
+    heartbeat_timeout_s: Seconds = 2.0  # a rank that does not answer within this is lost: the world stops
 
     def __post_init__(self) -> None:
-        _check_str(self._key("host"), self.host, nonempty=True)
-        _check_int(self._key("port"), self.port, lo=0, hi=65535)
-        _check_str(self._key("model_name"), self.model_name, allow_none=True, nonempty=True)
-        _check_int(self._key("max_queue"), self.max_queue, lo=1)
-        _check_int(self._key("max_images_per_request"), self.max_images_per_request, lo=1)
-        _check_int(self._key("max_side"), self.max_side, lo=16)
-        _check_int(self._key("max_pixels"), self.max_pixels, lo=256)
-        _check_int(self._key("max_steps"), self.max_steps, lo=1)
-        _check_int(self._key("max_prompt_chars"), self.max_prompt_chars, lo=1)
-        _check_int(self._key("max_body_bytes"), self.max_body_bytes, lo=1024)
-        for name in ("request_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
-            _set(self, name, _check_float(self._key(name), getattr(self, name), lo=0.0, lo_inclusive=False))
         if self.heartbeat_interval_s > 1.0:
             raise ConfigError(
-                self._key("heartbeat_interval_s"),
+                "serve.heartbeat_interval_s",
                 f"must be at most 1.0 s: a dead or stalled rank must be noticed within about 2 s of idle time "
                 f"(got {self.heartbeat_interval_s!r})",
             )
@@ -406,24 +406,49 @@ def _unknown_key_error(section: str | None, key: Any, known: Sequence[str]) -> C
 # Whole config
 # ----------------------------------------------------------------------------------------------------------------
 
+_S = TypeVar("_S", bound=_Section)
 
-@dataclass(frozen=True)
+
+def _section_config(cls: type[_S], x: Any) -> _S:
+    if x is None:
+        return cls()
+    if isinstance(x, cls):
+        return x
+    if isinstance(x, XfuseConfig):
+        return getattr(x, cls.SECTION)
+    if isinstance(x, Mapping):
+        return cls.from_dict(x)
+    raise ConfigError(
+        cls.SECTION, f"must be a {cls.__name__} or a mapping with keys {', '.join(cls.keys())} (got {x!r})"
+    )
+
+
+def _given_section(cls: type[_Section], *, none_is_none: bool = False) -> Any:
+    """A section field of :class:`XfuseConfig`: given as the section, a mapping, or None (the defaults; for the
+    request sections, none at all)."""
+
+    def build(x: Any) -> Any:
+        return None if (x is None and none_is_none) else _section_config(cls, x)
+
+    return BeforeValidator(build)
+
+
+@section("")
 class XfuseConfig:
-    """The whole configuration. Sections may be given as dataclasses or plain dicts (they are validated)."""
+    """The whole configuration. Sections may be given as their dataclasses or as plain dicts (they are validated)."""
 
-    model: str = "tiny"
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    generation: GenerationConfig | None = field(default_factory=GenerationConfig)
-    serve: ServeConfig | None = field(default_factory=ServeConfig)
+    model: NonEmptyStr = "tiny"
+    parallel: Annotated[ParallelConfig, _given_section(ParallelConfig)] = Field(default_factory=ParallelConfig)
+    comm: Annotated[CommConfig, _given_section(CommConfig)] = Field(default_factory=CommConfig)
+    runtime: Annotated[RuntimeConfig, _given_section(RuntimeConfig)] = Field(default_factory=RuntimeConfig)
+    generation: Annotated[GenerationConfig | None, _given_section(GenerationConfig, none_is_none=True)] = Field(
+        default_factory=GenerationConfig
+    )
+    serve: Annotated[ServeConfig | None, _given_section(ServeConfig, none_is_none=True)] = Field(
+        default_factory=ServeConfig
+    )
 
     def __post_init__(self) -> None:
-        _check_str("model", self.model, nonempty=True)
-        for name, cls in _SECTIONS.items():
-            if name in REQUEST_SECTIONS and getattr(self, name) is None:
-                continue  # no request defaults, no server: a pipeline built from Python
-            _set(self, name, _section_config(cls, getattr(self, name)))
         p, g = self.parallel, self.generation
         # Cross-section checks that need no world and no model.
         if g is not None and p.warmup_steps > g.num_inference_steps:
@@ -466,20 +491,6 @@ class XfuseConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def _section_config(cls: type[_Section], x: Any) -> Any:
-    if x is None:
-        return cls()
-    if isinstance(x, cls):
-        return x
-    if isinstance(x, XfuseConfig):
-        return getattr(x, cls.SECTION)
-    if isinstance(x, Mapping):
-        return cls.from_dict(x)
-    raise ConfigError(
-        cls.SECTION, f"must be a {cls.__name__} or a mapping with keys {', '.join(cls.keys())} (got {x!r})"
-    )
-
-
 def parallel_config(x: ParallelConfig | Mapping[str, Any] | None) -> ParallelConfig:
     """Accept a :class:`ParallelConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
     return _section_config(ParallelConfig, x)
@@ -488,18 +499,6 @@ def parallel_config(x: ParallelConfig | Mapping[str, Any] | None) -> ParallelCon
 def comm_config(x: CommConfig | Mapping[str, Any] | None) -> CommConfig:
     """Accept a :class:`CommConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
     return _section_config(CommConfig, x)
-
-
-def runtime_config(x: RuntimeConfig | Mapping[str, Any] | None) -> RuntimeConfig:
-    return _section_config(RuntimeConfig, x)
-
-
-def generation_config(x: GenerationConfig | Mapping[str, Any] | None) -> GenerationConfig:
-    return _section_config(GenerationConfig, x)
-
-
-def serve_config(x: ServeConfig | Mapping[str, Any] | None) -> ServeConfig:
-    return _section_config(ServeConfig, x)
 
 
 def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
@@ -511,13 +510,8 @@ def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
     for k in d:
         if k not in TOP_LEVEL_KEYS:
             raise _unknown_key_error(None, k, TOP_LEVEL_KEYS)
-    kwargs: dict[str, Any] = {}
-    if "model" in d:
-        kwargs["model"] = d["model"]
-    for name, cls in _SECTIONS.items():
-        if name in d:
-            kwargs[name] = cls.from_dict(d[name])
-    return XfuseConfig(**kwargs)
+    # A section written with no keys (``parallel:``) is that section's defaults, request sections included.
+    return XfuseConfig(**{k: (_SECTIONS[k].from_dict(v) if k in _SECTIONS else v) for k, v in d.items()})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -637,12 +631,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
 
 
 __all__ = [
-    "BACKENDS",
-    "CFG_DEGREES",
-    "DEVICES",
-    "DTYPES",
     "MAX_PIPEFUSION_DEGREE",
-    "PLACEMENTS",
     "TOP_LEVEL_KEYS",
     "CommConfig",
     "ConfigError",
@@ -654,11 +643,8 @@ __all__ = [
     "apply_overrides",
     "comm_config",
     "config_from_dict",
-    "generation_config",
     "load_config",
     "parallel_config",
     "parse_override",
     "read_yaml",
-    "runtime_config",
-    "serve_config",
 ]

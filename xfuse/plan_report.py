@@ -49,7 +49,7 @@ def plan_report(config: XfuseConfig) -> dict:
     par = config.parallel
     plan = spec.plan(num_layers, par)
     grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size)
-    dtype = getattr(torch, config.runtime.dtype)
+    dtype = config.runtime.torch_dtype()
     element = torch.empty((), dtype=dtype).element_size()
     # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
     cfg_batch = 2 if config.generation.guidance_scale > 1 and not spec.distilled_guidance else 1

@@ -32,8 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from xfuse.errors import ConfigError
-
-PLACEMENTS = ("balanced", "folded", "linear")
+from xfuse.types import PLACEMENTS
 
 
 @dataclass(frozen=True)

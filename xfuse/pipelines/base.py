@@ -29,17 +29,19 @@ from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.trace import Tracer, write_trace
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext, init_parallel
+from xfuse.types import DTYPES
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
 def _runtime(torch_dtype, device) -> RuntimeConfig:
     """The ``runtime`` section of diffusers-style keyword arguments (``torch_dtype=``, ``device=``)."""
-    if torch_dtype is not None and torch_dtype not in _DTYPE_NAMES:
-        raise ValueError(f"torch_dtype must be one of {list(_DTYPE_NAMES)} (got {torch_dtype!r})")
+    dtype = "float32" if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
+    if not isinstance(torch_dtype, (torch.dtype, type(None))) or dtype not in DTYPES:
+        allowed = ", ".join(f"torch.{name}" for name in DTYPES)
+        raise ValueError(f"torch_dtype must be one of {allowed} (got {torch_dtype!r})")
     device = "auto" if device is None else str(torch.device(device).type)
-    return RuntimeConfig(device=device, dtype=_DTYPE_NAMES.get(torch_dtype, "float32"))
+    return RuntimeConfig(device=device, dtype=dtype)
 
 
 def _one_config(config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig]):
@@ -207,7 +209,7 @@ class PipeFusionPipelineBase:
         config = _one_config(
             config, pretrained_model_name_or_path, parallel, comm, lambda: _runtime(torch_dtype, device)
         )
-        torch_dtype = getattr(torch, config.runtime.dtype)
+        torch_dtype = config.runtime.torch_dtype()
         context = init_parallel(config)
         skip = {} if context.is_output else {name: None for name in cls.rank0_components}
         diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
@@ -246,7 +248,7 @@ class PipeFusionPipelineBase:
         # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
         source = pipeline.config.get("_name_or_path") or cls.spec.diffusers_pipeline
         config = _one_config(config, source, parallel, comm, lambda: _runtime(dtype, device))
-        if config.runtime.dtype != _DTYPE_NAMES.get(dtype):
+        if config.runtime.torch_dtype() != dtype:
             raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
         return cls(pipeline, init_parallel(config), dtype)
 

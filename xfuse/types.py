@@ -1,0 +1,16 @@
+"""The allowed values of xfuse's settings, one home each: the config validates against these ``Literal`` types, the
+planner and the pipelines read their tuples. Pure: importing it imports nothing else of xfuse, nor torch."""
+
+from typing import Literal, get_args
+
+Placement = Literal["balanced", "folded", "linear"]  # how blocks map to ranks: xfuse.parallel.stage_plan
+Backend = Literal["auto", "nccl", "gloo"]  # auto: NCCL on CUDA, gloo on CPU
+Wait = Literal["auto", "stream", "host"]  # how a rank waits for a message: xfuse.comm.p2p
+Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA when available
+DtypeName = Literal["float32", "bfloat16", "float16"]  # torch's names (``getattr(torch, name)``)
+
+PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+WAITS: tuple[Wait, ...] = get_args(Wait)
+DEVICES: tuple[Device, ...] = get_args(Device)
+DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)
