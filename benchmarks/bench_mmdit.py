@@ -69,7 +69,7 @@ def main():
             with World(degree, start_timeout=240) as world:
                 seconds[degree] = world.run_ok(bench_rank, preset, degree, args.steps, args.size, args.repeats,
                                                timeout=3600)[0]  # fmt: skip
-        speedups = [one / two for one, two in zip(seconds[1], seconds[2])]
+        speedups = [one / two for one, two in zip(seconds[1], seconds[2], strict=True)]
         report["presets"][preset] = {
             "degree1_s": seconds[1],
             "degree2_s": seconds[2],

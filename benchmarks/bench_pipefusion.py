@@ -49,7 +49,7 @@ def speedups(rows: dict, base: str) -> dict:
         name: dict(
             **spread(row["times"]),
             speedup=statistics.median(base_runs) / statistics.median(row["times"]),
-            round_speedups=[one / t for one, t in zip(base_runs, row["times"])],
+            round_speedups=[one / t for one, t in zip(base_runs, row["times"], strict=True)],
         )
         for name, row in rows.items()
     }

@@ -56,7 +56,7 @@ def main() -> None:
                 total.append(time.perf_counter() - start)
                 response.raise_for_status()
                 generation.append(response.json()["timings"]["generation_s"])
-        overhead = [t - g for t, g in zip(total, generation)]
+        overhead = [t - g for t, g in zip(total, generation, strict=True)]
         results["sequential"] = {
             "client_latency_s": _summary(total),
             "generation_s": _summary(generation),

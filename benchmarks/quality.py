@@ -106,7 +106,7 @@ def score(classifier, images: list, scenes: list[shapes.Scene], serial: list | N
     row = {name: round(100 * sum(h) / len(h), 1) for name, h in hits.items()}
     row["mean"] = round(sum(row[name] for name in hits) / len(hits), 1)
     if serial is not None:
-        pairs = [(np.asarray(a), np.asarray(b)) for a, b in zip(images, serial)]
+        pairs = [(np.asarray(a), np.asarray(b)) for a, b in zip(images, serial, strict=True)]
         # identical images have infinite PSNR: counted as 99 dB so that the mean stays a number
         row["psnr_db"] = round(float(np.mean([min(psnr(a, b), 99.0) for a, b in pairs])), 2)
         row["identical"] = sum(bool(np.array_equal(a, b)) for a, b in pairs)

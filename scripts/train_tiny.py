@@ -95,7 +95,7 @@ def train_vae(steps: int, seed: int):
     for step in range(steps):
         scenes, images = scenes_and_images(16, seed * 100_000 + 50_000 + step)
         crops = []
-        for scene, image in zip(scenes, images):
+        for scene, image in zip(scenes, images, strict=True):
             if rng.random() < 0.8:  # around the shape: random crops are mostly background, and colours then fade
                 fx, fy = shapes.POSITIONS[scene.position]
                 x = int(fx * shapes.IMAGE_SIZE) - 32 + rng.randrange(-40, 41)
@@ -257,7 +257,7 @@ def train_transformer(family, pipe, vae, steps: int, n_images: int, batch: int, 
         index = torch.randint(0, len(scenes), (batch,), generator=generator)
         x0 = latents[index]
         words = [scenes[i].caption if torch.rand((), generator=generator) > 0.1 else "" for i in index.tolist()]
-        batch_text = tuple(torch.stack(parts) for parts in zip(*(text[w] for w in words)))
+        batch_text = tuple(torch.stack(parts) for parts in zip(*(text[w] for w in words), strict=True))
         t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), generator=generator)
         noise = torch.randn(x0.shape, generator=generator)
         a = alphas[t].sqrt().view(-1, 1, 1, 1)

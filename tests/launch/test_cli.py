@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -117,7 +118,7 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
         # patches per rank (rank 0's collect tasks, which only receive the final latents, are waits, not compute)
         assert len(compute) == 2 + 7 * 3
         assert [name.split(" blocks")[0] for *_, name in compute[:3]] == ["s0 whole b0", "s0 whole b1", "s1 p0"]
-        assert all(a[1] <= b[0] + 1 for a, b in zip(compute, compute[1:]))
+        assert all(a[1] <= b[0] + 1 for a, b in pairwise(compute))
         waits = [e["name"] for e in spans if e["tid"] == 1 and e["pid"] == rank]  # the communication track
         assert waits and (rank == 1 or sum(name == "recv latent from r1" for name in waits) >= 3)
         (loop,) = [e for e in spans if e["tid"] == 2 and e["pid"] == rank]  # one denoising loop span per call

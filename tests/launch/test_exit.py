@@ -82,7 +82,7 @@ def test_rank_exits_cleanly_while_its_monitor_is_inside_a_store_call(tmp_path):
     finally:
         for proc in ranks:
             proc.kill()
-    for rank, (proc, (out, err)) in enumerate(zip(ranks, results)):
+    for rank, (proc, (out, err)) in enumerate(zip(ranks, results, strict=True)):
         assert "terminate called" not in err and proc.returncode == 0, f"rank {rank} rc {proc.returncode}:\n{err}"
         assert out.strip().splitlines()[-1] == "finalizing"  # the interpreter did finalize, after the join
 

@@ -101,7 +101,8 @@ def test_pipelined_default_keeps_the_prompt_adherence(serial_images, pipelined_i
     assert mean >= serial_mean - PIPELINED_MARGIN, (mean, serial_mean, per)
     # and the images are close to serial ones, not merely good
     diffs = [
-        np.abs(a.astype(float) - b.astype(float)).mean() for a, b in zip(pipelined_images[model], serial_images[model])
+        np.abs(a.astype(float) - b.astype(float)).mean()
+        for a, b in zip(pipelined_images[model], serial_images[model], strict=True)
     ]
     assert max(diffs) < 20, diffs  # mean absolute difference in 0-255 levels per image
 

@@ -61,7 +61,7 @@ def ring_exchange(steps: int, patches: int, separate_groups: bool, stream_ordere
             sends = [Send(nxt, k, payload(rank, k, sh, dt, step, patch), step, patch) for k, sh, dt in specs]
             recvs = [Recv(prv, k, sh, getattr(torch, dt), step, patch) for k, sh, dt in specs]
             send_h, recv_h = ch.exchange(sends, recvs)
-            for (k, sh, dt), h in zip(specs, recv_h):
+            for (k, sh, dt), h in zip(specs, recv_h, strict=True):
                 with h as got:
                     ptrs.add(got.data_ptr())
                     want = payload(prv, k, sh, dt, step, patch)

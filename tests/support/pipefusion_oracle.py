@@ -482,7 +482,9 @@ def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_pat
                     seeds = torch.randint(0, 2**62, (num_patches,), generator=generator).tolist()
                     if "generator" in step_kwargs:
                         patch_kwargs = [step_kwargs | {"generator": torch.Generator().manual_seed(s)} for s in seeds]
-            for p, (band, r, patch_scheduler, kwargs) in enumerate(zip(bands, regions, patch_schedulers, patch_kwargs)):
+            for p, (band, r, patch_scheduler, kwargs) in enumerate(
+                zip(bands, regions, patch_schedulers, patch_kwargs, strict=True)
+            ):
                 tokens = slice(band.start * token_cols, band.stop * token_cols)
                 noise = noise_prediction(latents[r], t, patch_scheduler, tokens, p)
                 latents[r] = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]

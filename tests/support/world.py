@@ -207,7 +207,7 @@ def _shutdown(owner_pid: int, procs: list, conns: list, tmpdir: str) -> None:
     """Close all ranks: polite message, short grace, then SIGKILL; always reap (no zombies)."""
     if os.getpid() != owner_pid:  # a forked copy of the test process must not touch our ranks
         return
-    for p, c in zip(procs, conns):
+    for p, c in zip(procs, conns, strict=True):
         if p.exitcode is None:
             try:
                 c.send_bytes(pickle.dumps(_CLOSE))

@@ -1,6 +1,7 @@
 """Pure planning: patch grid, stage plan, communication volume. No torch processes."""
 
 import itertools
+from itertools import pairwise
 
 import pytest
 
@@ -111,7 +112,7 @@ def test_patch_grid_uneven_bands():
     assert grid.token_rows == 54 and [b.num_rows for b in grid] == [14, 14, 13, 13]
     assert grid[0].tokens == slice(0, 14 * 64) and grid[3].tokens.stop == grid.num_tokens
     assert grid[1].latent_rows == slice(28, 56)
-    assert all(a.row_stop == b.row_start for a, b in zip(grid.bands, grid.bands[1:]))
+    assert all(a.row_stop == b.row_start for a, b in pairwise(grid.bands))
     assert [b.num_rows for b in patch_grid(16, 16, 8, 2)] == [1] * 8  # one token row per patch is allowed
 
 
@@ -219,7 +220,7 @@ def brute_force_min_crossing(num_layers, degree, skips):
                 if max(totals) - min(totals) > 1:
                     continue
                 route, start = [], 0
-                for rank, size in [*enumerate(out), *zip(reversed(range(degree)), back)]:
+                for rank, size in [*enumerate(out), *zip(reversed(range(degree)), back, strict=True)]:
                     route.append((rank, range(start, start + size)))
                     start += size
                 count = crossing(route, skips)

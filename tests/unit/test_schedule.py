@@ -1,6 +1,7 @@
 """The schedule is a pure function: checked here for every degree, placement, M and W without any process."""
 
 import dataclasses
+from itertools import pairwise
 
 import pytest
 
@@ -124,7 +125,7 @@ def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement)
         ends = [schedule.times[Task(s, num_patches - 1, last)][1] for s in range(1, 12)]
         busiest = max(len(plan.blocks_of(r)) for r in range(degree)) * num_patches
         steady = ends[3:-3]  # away from the fill and from the drain of the last steps
-        assert all(b - a == busiest for a, b in zip(steady, steady[1:])), (num_patches, ends)
+        assert all(b - a == busiest for a, b in pairwise(steady)), (num_patches, ends)
 
 
 def balanced_cases():
@@ -142,7 +143,7 @@ def test_steady_state_on_balanced_routes(num_layers, degree, num_patches):
     ends = [schedule.times[Task(s, num_patches - 1, last)][1] for s in range(1, 12)]
     busiest = max(len(plan.blocks_of(r)) for r in range(degree)) * num_patches
     steady = ends[3:-3]
-    assert all(b - a == busiest for a, b in zip(steady, steady[1:])), ends
+    assert all(b - a == busiest for a, b in pairwise(steady)), ends
 
 
 def test_a_skip_into_a_lower_ranks_return_chunk_travels_with_the_return_handoff():

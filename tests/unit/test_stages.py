@@ -140,7 +140,7 @@ def test_a_batch_part_reuses_its_text_and_text_kv_every_step(model):
     for hook in hooks:
         hook.remove()
     assert second is not first and len(projections) == NUM_LAYERS * 2
-    assert all(a is b for a, b in zip(part_texts, [stage.batch_part(second, p).text for p in parts]))
+    assert all(a is b for a, b in zip(part_texts, [stage.batch_part(second, p).text for p in parts], strict=True))
     assert [tuple(x.shape) for x in part_texts] == [(1, *text.shape[1:])] * 2
 
 

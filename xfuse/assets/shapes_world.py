@@ -161,7 +161,9 @@ def attribute_hits(model, images, scenes: list[Scene]) -> dict[str, list[bool]]:
     for name, values in ATTRIBUTES.items():
         predicted = logits[name].argmax(dim=1).tolist()
         hits[name] = [
-            values[p] == getattr(s, name) for p, s in zip(predicted, scenes) if name != "position" or s.say_position
+            values[p] == getattr(s, name)
+            for p, s in zip(predicted, scenes, strict=True)
+            if name != "position" or s.say_position
         ]
     return hits
 

@@ -276,7 +276,7 @@ class P2PChannels:
         posted: list[tuple[dist.ProcessGroup | None, dist.P2POp, _Pending]] = []
         recv_handles: list[PendingRecv] = []
         send_handles: list[PendingSend] = []
-        for r, slot in zip(recvs, slots):
+        for r, slot in zip(recvs, slots, strict=True):
             rec = OpRecord("recv", r.kind, r.peer, r.shape, r.dtype, slot.tensor.nbytes, r.step, r.patch, now, r.part)
             h = PendingRecv(self, None, rec, slot)
             group = self.groups.group_for(r.peer, self.rank)
@@ -404,7 +404,7 @@ class P2PChannels:
         # gloo returns one Work per op; NCCL coalesces the batch into a single Work that completes
         # when all of its ops have, so there every handle waits on that one.
         if len(works) == len(batch):
-            for w, (_, h) in zip(works, batch):
+            for w, (_, h) in zip(works, batch, strict=True):
                 h._work = w
         else:
             for _, h in batch:

@@ -214,9 +214,9 @@ class _Run:
         if not sends and not recvs:
             return
         send_handles, recv_handles = self.e.channels.exchange(sends, recvs)
-        for task, handle in zip(send_owner, send_handles):
+        for task, handle in zip(send_owner, send_handles, strict=True):
             self.sends.setdefault(task, []).append(handle)
-        self.recvs.update(zip(posted, recv_handles))
+        self.recvs.update(zip(posted, recv_handles, strict=True))
 
     def _received(self, task: Task) -> dict[Message, torch.Tensor]:
         received = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from xfuse.errors import ConfigError
 from xfuse.types import PLACEMENTS
@@ -101,7 +102,7 @@ class StagePlan:
     @property
     def handoffs(self) -> tuple[Handoff, ...]:
         """Hidden-state transfers along the route (consecutive segments on different ranks)."""
-        return tuple(Handoff(a.hop, a.rank, b.rank) for a, b in zip(self.route, self.route[1:]) if a.rank != b.rank)
+        return tuple(Handoff(a.hop, a.rank, b.rank) for a, b in pairwise(self.route) if a.rank != b.rank)
 
     @property
     def cross_rank_skips(self) -> tuple[SkipEdge, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 
 # CLIP's context: the SD3 and FLUX pipelines pad CLIP prompts to the tokenizer's model_max_length.
 CLIP_MAX_LENGTH = 77
@@ -144,7 +145,7 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     while True:
         counts: dict[tuple[str, str], int] = {}
         for word in words:
-            for pair in zip(word, word[1:]):
+            for pair in pairwise(word):
                 counts[pair] = counts.get(pair, 0) + 1
         if not counts:
             break

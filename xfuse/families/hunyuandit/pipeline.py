@@ -165,7 +165,7 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
                     negative_prompt_attention_mask_2,
                 ),
             }
-            for index, (suffix, length) in enumerate(zip(("", "_2"), self.spec.text_lengths)):
+            for index, (suffix, length) in enumerate(zip(("", "_2"), self.spec.text_lengths, strict=True)):
                 emb, neg, mask, neg_mask = pipe.encode_prompt(
                     prompt=prompt,
                     device=device,

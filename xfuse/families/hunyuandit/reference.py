@@ -45,7 +45,7 @@ def prepare_inputs(
     prompts = [prompt] * batch
     negatives = None if negative_prompt is None else [negative_prompt] * batch
     enc = {}
-    for index, (length, suffix) in enumerate(zip(HUNYUANDIT.text_lengths, ("", "_2"))):
+    for index, (length, suffix) in enumerate(zip(HUNYUANDIT.text_lengths, ("", "_2"), strict=True)):
         emb, neg, mask, neg_mask = pipe.encode_prompt(
             prompt=prompts,
             device=device,
