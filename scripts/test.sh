@@ -1,4 +1,11 @@
 #!/usr/bin/env bash
 # The test suite, from a clean clone: sets up .venv (or uses the active environment) and runs pytest.
+#   bash scripts/test.sh           every tier: tests/unit, multirank, launch, netns (what .ci/run runs)
+#   bash scripts/test.sh --fast    the unit tier only: pure tests, no process group, about a minute
+# Other arguments go to pytest (e.g. bash scripts/test.sh --fast -k config -x).
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  set -- tests/unit "$@"
+fi
 python -m pytest "$@"
