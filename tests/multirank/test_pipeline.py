@@ -199,7 +199,7 @@ def test_callback_changes_are_refused_after_a_clean_loop(world2, folder):
     )
     for rank, rank_results in enumerate(results):
         # A refused callback change is raised where the callback ran (rank 0, folded), after a clean loop.
-        for (name, _, text), result in zip(CALLBACK_REFUSED, rank_results, strict=True):
+        for (name, _, text), result in zip(CALLBACK_REFUSED, rank_results[:-1], strict=True):
             if rank == 0:
                 assert result["kind"] == "error" and text in result["message"], (name, result)
             else:
