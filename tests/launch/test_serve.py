@@ -205,7 +205,8 @@ def _generations(url: str) -> float:
 
 
 def test_clients_that_hang_up_do_not_hurt_the_world(world):
-    long = {"prompt": "long", "num_inference_steps": 20, "size": "256x256"}
+    # Long enough (~2 s here) to still run when the next client hangs up 0.6 s later: 256 px took 0.5 s.
+    long = {"prompt": "long", "num_inference_steps": 20, "size": "512x512"}
     before = _generations(world.url)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_generate, world.url, {**long, "seed": 1})

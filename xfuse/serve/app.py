@@ -27,7 +27,6 @@ from xfuse.serve.protocol import RequestError, error_body, parse_request
 from xfuse.serve.service import BROKEN, Service
 
 PUBLIC_PATHS = frozenset({"/health", "/live", "/"})
-HANG_UP_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 def _error_response(err: RequestError) -> JSONResponse:
@@ -55,16 +54,25 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _client_hung_up(request: Request) -> None:
+    """Returns once the client has closed its connection. The body is read by now, so the next ASGI message is the
+    server's ``http.disconnect``, which uvicorn sends as soon as it sees the socket close (no polling delay)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _wait_or_hang_up(request: Request, future: concurrent.futures.Future):
     """The request's result; ``None`` if its client hung up while it still waited in the queue (then it is cancelled:
     the engine loop skips it). Once generating, it runs to the end whatever the client does."""
     waiting = asyncio.wrap_future(future)
-    while True:
-        done, _ = await asyncio.wait({waiting}, timeout=HANG_UP_POLL_S)
-        if done:
-            return waiting.result()
-        if await request.is_disconnected() and future.cancel():  # cancel() fails once the loop has taken it
+    hang_up = asyncio.ensure_future(_client_hung_up(request))
+    try:
+        await asyncio.wait({waiting, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done() and future.cancel():  # cancel() fails once the loop has taken it
             return None
+        return await waiting
+    finally:
+        hang_up.cancel()
 
 
 def _png_b64(images) -> list[str]:
