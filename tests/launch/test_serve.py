@@ -300,7 +300,8 @@ def test_sigterm_drains_the_running_request_and_every_rank_exits_0(world):
     """Last in the module: it stops the world."""
     pids = world.rank_pids()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(_generate, world.url, {"prompt": "long", "num_inference_steps": 60, "size": "256x256"})
+        # 512 px: still running at 1.3 s (60 steps at 256 px ended before the SIGTERM on a quiet machine)
+        running = pool.submit(_generate, world.url, {"prompt": "long", "num_inference_steps": 60, "size": "512x512"})
         time.sleep(1.0)  # it is being generated now
         queued = pool.submit(_generate, world.url, {"prompt": "queued", "seed": 1})
         time.sleep(0.3)
