@@ -73,6 +73,7 @@ class CommError(RuntimeError):
         detail: str | None = None,
     ):
         super().__init__(message)
+        self.op_log = ""  # the channels' recent operations, filled in where it is raised (and pickled with it)
         self.rank, self.peer, self.op, self.kind = rank, peer, op, kind
         self.shape = tuple(shape) if shape is not None else None
         self.dtype, self.nbytes, self.step, self.patch, self.part = dtype, nbytes, step, patch, part

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def make_direction_groups(
         separate = dist.get_backend() != "gloo"
     if not separate:
         return DirectionGroups(None, None)
-    kwargs = {"device_id": device_id} if device_id is not None else {}
+    kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
     ranks = sorted(ranks) if ranks is not None else None
     up = dist.new_group(ranks, **kwargs)
     down = dist.new_group(ranks, **kwargs)

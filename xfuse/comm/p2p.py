@@ -140,7 +140,7 @@ class PendingSend(_Pending):
 
     def __init__(self, channels, work, record, tensor: torch.Tensor) -> None:
         super().__init__(channels, work, record)
-        self._tensor = tensor
+        self._tensor: torch.Tensor | None = tensor
 
     def wait(self) -> None:
         """Block until the peer has the data (bounded by ``timeout_s``); idempotent.
@@ -230,7 +230,8 @@ class P2PChannels:
         self.counters = TrafficCounters()
         self.op_log = OpLog(log_size)
         self.failure: CommError | None = None  # the first fatal error; the channels are dead after it
-        self.waiting_on = None  # (record, since) while a wait blocks: the failure monitor reports it
+        # (record, since) while a wait blocks: the failure monitor reports it
+        self.waiting_on: tuple[OpRecord, float] | None = None
         self.closed = False  # set by close(): part of xfuse.runtime.world.shutdown, before the groups go
         self._pool = RecvBufferPool(self.device)
         self.stream_ordered = self.device.type == "cuda" if stream_ordered is None else bool(stream_ordered)
@@ -278,19 +279,19 @@ class P2PChannels:
         send_handles: list[PendingSend] = []
         for r, slot in zip(recvs, slots, strict=True):
             rec = OpRecord("recv", r.kind, r.peer, r.shape, r.dtype, slot.tensor.nbytes, r.step, r.patch, now, r.part)
-            h = PendingRecv(self, None, rec, slot)
+            recv = PendingRecv(self, None, rec, slot)
             group = self.groups.group_for(r.peer, self.rank)
-            posted.append((group, dist.P2POp(dist.irecv, slot.tensor, r.peer, group), h))
-            recv_handles.append(h)
+            posted.append((group, dist.P2POp(dist.irecv, slot.tensor, r.peer, group), recv))
+            recv_handles.append(recv)
         for s in sends:
             t = s.tensor
             rec = OpRecord("send", s.kind, s.peer, tuple(t.shape), t.dtype, t.nbytes, s.step, s.patch, now, s.part)
-            h = PendingSend(self, None, rec, t)
+            send = PendingSend(self, None, rec, t)
             group = self.groups.group_for(self.rank, s.peer)
-            posted.append((group, dist.P2POp(dist.isend, t, s.peer, group), h))
-            send_handles.append(h)
-        for _, _, h in posted:
-            self.op_log.add(h.record)
+            posted.append((group, dist.P2POp(dist.isend, t, s.peer, group), send))
+            send_handles.append(send)
+        for _, _, pending in posted:
+            self.op_log.add(pending.record)
 
         for group in dict.fromkeys([self.groups.up, self.groups.down]):  # up first; once if shared
             batch = [(op, h) for g, op, h in posted if g is group]
@@ -470,16 +471,18 @@ class P2PChannels:
         CUDA: a receive orders the current stream after it, a send is left to the device; the watchdog retires
         both when ``is_completed()``. CPU (gloo, a drill of this path): gloo completes an operation only inside
         ``wait()``, which blocks, unbounded, while the watchdog ages it; it is retired when the wait returns."""
-        self.watchdog.watch(h)
+        watchdog = self.watchdog
+        assert watchdog is not None  # stream-ordered channels always have one
+        watchdog.watch(h)
         h.record.status = "queued"  # until the device (or gloo's wait) completed it
         try:
             if not self._cuda_events:
                 h._work.wait()
-                self.watchdog.retire(h)
+                watchdog.retire(h)
             elif isinstance(h, PendingRecv):
                 h._work.wait()  # NCCL: the current stream waits for the receive; the host goes on
         except Exception as exc:
-            self.watchdog.forget(h)
+            watchdog.forget(h)
             self._fail(h, exc)
         h.state = "done"
         self.counters.add(h.record.direction, h.record.kind, h.record.nbytes)

@@ -25,8 +25,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from xfuse.runtime.stderr import write_stderr
+
+if TYPE_CHECKING:  # the channels' handles; p2p imports this module
+    from xfuse.comm.p2p import _Pending
 
 __all__ = ["CommWatchdog", "exit_on_stuck"]
 
@@ -67,13 +71,13 @@ class CommWatchdog:
         self.fail, self.on_stuck = fail, on_stuck
         self.error: BaseException | None = None  # set once an operation expired
         self.raised = threading.Event()  # set by the main thread when it raised ``error``
-        self._entries: list[tuple[object, float]] = []  # (handle, since), oldest first
+        self._entries: list[tuple[_Pending, float]] = []  # (handle, since), oldest first
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # --- main thread --------------------------------------------------------------------------------------
-    def watch(self, handle) -> None:
+    def watch(self, handle: _Pending) -> None:
         """Age ``handle`` (a pending operation whose wait was just queued on the device) until it completes."""
         with self._lock:
             self._entries.append((handle, time.monotonic()))
@@ -82,17 +86,17 @@ class CommWatchdog:
             self._thread = threading.Thread(target=self._run, name="xfuse-comm-watchdog", daemon=True)
             self._thread.start()
 
-    def retire(self, handle) -> None:
+    def retire(self, handle: _Pending) -> None:
         """The operation is known complete (gloo: its blocking wait returned): stop aging it, mark it done."""
         self.forget(handle)
         handle._retire(time.monotonic())
 
-    def forget(self, handle) -> None:
+    def forget(self, handle: _Pending) -> None:
         """Stop aging ``handle`` (completed, or failed on the main thread)."""
         with self._lock:
             self._entries = [e for e in self._entries if e[0] is not handle]
 
-    def oldest(self) -> tuple[object, float] | None:
+    def oldest(self) -> tuple[_Pending, float] | None:
         """(handle, since) of the oldest operation still in flight on the device, or None. Thread-safe."""
         with self._lock:
             return self._entries[0] if self._entries else None
@@ -126,7 +130,8 @@ class CommWatchdog:
     def _poll(self) -> None:
         with self._lock:
             entries = list(self._entries)
-        now, done = time.monotonic(), []
+        now = time.monotonic()
+        done: list[_Pending] = []
         for handle, since in entries:
             if handle._work.is_completed():
                 done.append(handle)

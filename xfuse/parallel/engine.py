@@ -160,7 +160,7 @@ class _Run:
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
         self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
         if self.me == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
-            self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.latents, request.timesteps[0])
+            self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.own_latents, request.timesteps[0])
         self.conds: dict[int, Any] = {}
         self.part_size = request.model_batch // schedule.batch_parts  # transformer batch rows of a batch part
         self.part_input: torch.Tensor | None = None  # a whole-image step's transformer input, read part by part
@@ -168,7 +168,8 @@ class _Run:
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
-        self.patch_schedulers = None
+        self.patch_schedulers: list | None = None  # output rank, from the first pipelined step: one per patch
+        self.patch_kwargs: list[dict] = []  # output rank: each patch's scheduler.step keywords (its own generator)
         if self.me == self.plan.output_rank:
             # scheduler.step gets host timesteps and the scheduler keeps its own on the host too: schedulers compare
             # and index them (DDPM's previous_timestep, alphas_cumprod[t]), and on a device every such lookup is a
@@ -180,12 +181,18 @@ class _Run:
                 request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
 
+    @property
+    def own_latents(self) -> torch.Tensor:
+        """The whole latent this rank keeps: only the embedding and output ranks keep one (the others never ask)."""
+        assert self.latents is not None, f"pipeline rank {self.me} keeps no latents"
+        return self.latents
+
     # --- shapes -------------------------------------------------------------------------------------------
     def _rows(self, patch) -> slice:
         return slice(None) if patch is None else self.grid[patch].latent_rows
 
-    def _part(self, part: int | None) -> BatchPart | None:
-        return None if part is None else BatchPart(part, self.schedule.batch_parts, self.part_size)
+    def _part(self, part: int) -> BatchPart:
+        return BatchPart(part, self.schedule.batch_parts, self.part_size)
 
     def _shape(self, m: Message) -> tuple:
         lat = self.req.latents
@@ -201,18 +208,21 @@ class _Run:
     # --- communication --------------------------------------------------------------------------------------
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
         group, dtype = self.e.group_ranks, self.req.latents.dtype
-        sends, send_owner = [], []
+        sends: list[Send] = []
+        send_owner: list[Task] = []
         for task in send_tasks:
             for m, tensor in self.outgoing.pop(task, {}).items():
                 sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch, m.part))
                 send_owner.append(task)
-        recvs, posted = [], []
+        recvs: list[Recv] = []
+        posted: list[Message] = []
         for task in post_tasks:
             for m in self.recv_msgs[task]:
                 recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch, m.part))
                 posted.append(m)
         if not sends and not recvs:
             return
+        assert self.e.channels is not None  # messages flow only between ranks, and then the engine has channels
         send_handles, recv_handles = self.e.channels.exchange(sends, recvs)
         for task, handle in zip(send_owner, send_handles, strict=True):
             self.sends.setdefault(task, []).append(handle)
@@ -236,7 +246,8 @@ class _Run:
         while i < len(program):
             action, task = program[i]
             if action in ("send", "post"):  # coalesce a task's sends with the next posts: one batch call
-                send_tasks, post_tasks = [], []
+                send_tasks: list[Task] = []
+                post_tasks: list[Task] = []
                 while i < len(program) and program[i][0] in ("send", "post"):
                     (send_tasks if program[i][0] == "send" else post_tasks).append(program[i][1])
                     i += 1
@@ -273,12 +284,12 @@ class _Run:
     def _compute(self, task: Task, received: dict[Message, torch.Tensor]) -> None:
         """One task: gather its inputs, run the model on them (the only part traced as compute), route outputs."""
         plan, step, patch = self.plan, task.step, task.patch
-        by_kind = {}
+        by_kind: dict[str, list[tuple[Message, torch.Tensor]]] = {}
         for m, tensor in received.items():
             by_kind.setdefault(m.kind, []).append((m, tensor))
         if task.hop == COLLECT:  # linear: the final latents arrive from the output rank
             ((_, tensor),) = by_kind["latent"]
-            self.latents[:, :, self._rows(patch)] = tensor
+            self.own_latents[:, :, self._rows(patch)] = tensor
             return
         key = (step, patch, task.part)
         skips = self.skips.setdefault(key, {})
@@ -287,7 +298,8 @@ class _Run:
         # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
         band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
-        rows = hidden = None
+        rows: torch.Tensor | None = None
+        hidden: torch.Tensor | None = None
         if task.hop == 0:
             if task.part in (None, 0):  # a batch part after the first reads the first's input
                 rows = self._model_input_rows(step, patch, by_kind.get("latent"))
@@ -308,6 +320,7 @@ class _Run:
                 cond = self.stage.batch_part(cond, self._part(task.part))
             if task.hop == 0:  # (B_model or a part's rows, C, h, W) -> (same, tokens, D)
                 hidden = self.stage.embed(self._transformer_input(task, rows), band)
+            assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
             hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
             stepped = self._step_model(task, hidden, cond) if last_hop else None
         outgoing = {}
@@ -350,9 +363,12 @@ class _Run:
         """Embedding rank: the task's rows of the transformer input, from its (B, C, h, W) latent rows (a batch part
         after the first: ``None``, it takes its rows of the input the first part built)."""
         if task.part is None:
+            assert rows is not None
             return self.req.model_input(rows)  # (B, C, h, W) -> (B_model, C, h, W)
         if task.part == 0:
+            assert rows is not None
             self.part_input = self.req.model_input(rows)
+        assert self.part_input is not None  # built by part 0, which runs first
         part_rows = self.part_input[self._part(task.part).rows]  # (B_model, ...) -> (part rows, ...)
         if self.schedule.is_last_part(task):
             self.part_input = None
@@ -379,9 +395,9 @@ class _Run:
         else:
             if self.patch_schedulers is None:  # first pipelined step: split the scheduler state per patch
                 self.patch_schedulers = patch_schedulers(
-                    req.scheduler, self.latents.shape, [band.latent_rows for band in self.grid]
+                    req.scheduler, self.own_latents.shape, [band.latent_rows for band in self.grid]
                 )
-                gens = patch_generators(req.generator, self.grid.num_patches, self.latents.device)
+                gens = patch_generators(req.generator, self.grid.num_patches, self.own_latents.device)
                 self.patch_kwargs = [
                     {**req.extra_step_kwargs, "generator": g}
                     if "generator" in req.extra_step_kwargs
@@ -392,18 +408,22 @@ class _Run:
         # The host copy of the timestep: schedulers index their host-side tables with it (a device timestep would
         # make every step copy it to the host: a device synchronisation per patch).
         t = self.host_timesteps[step]
-        return scheduler.step(noise, t, self.latents[:, :, rows], **kwargs, return_dict=False)[0]
+        return scheduler.step(noise, t, self.own_latents[:, :, rows], **kwargs, return_dict=False)[0]
 
     def _route_stepped(self, step: int, patch, stepped: torch.Tensor) -> torch.Tensor:
         """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final
         latent rows)."""
-        req, rows = self.req, self._rows(patch)
-        self.latents[:, :, rows] = stepped
+        req, rows, latents = self.req, self._rows(patch), self.own_latents
+        latents[:, :, rows] = stepped
         if req.on_step_end is not None and patch in (None, self.grid.num_patches - 1):
-            req.on_step_end(step, self.latents)
+            req.on_step_end(step, latents)
         if step + 1 == len(req.timesteps):
-            return self.latents[:, :, rows]
-        scheduler = req.scheduler if patch is None else self.patch_schedulers[patch]
+            return latents[:, :, rows]
+        if patch is None:
+            scheduler = req.scheduler
+        else:
+            assert self.patch_schedulers is not None  # split at the first pipelined step, before any patch stepped
+            scheduler = self.patch_schedulers[patch]
         next_rows = _scale_model_input(scheduler, stepped, self.host_timesteps[step + 1])
         if self.plan.embed_rank == self.me:  # folded: the next step's input stays here
             self.inputs[(step + 1, patch)] = next_rows

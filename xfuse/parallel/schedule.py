@@ -172,8 +172,9 @@ def batch_parts(model_batch: int, degree: int) -> int:
 def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, parts: int):
     """Event-driven list scheduling of every task; returns per-rank orders and each task's (start, end) time."""
     hops = len(plan.route)
-    whole_parts = list(range(parts)) if parts > 1 else [None]
-    units = [(s, None, k) for s in range(warmup_steps) for k in whole_parts]
+    whole_parts: list[int | None] = list(range(parts)) if parts > 1 else [None]
+    # (step, patch, batch part): the warm-up's whole images part by part, then the patch stream
+    units: list[tuple[int, int | None, int | None]] = [(s, None, k) for s in range(warmup_steps) for k in whole_parts]
     units += [(s, p, None) for s in range(warmup_steps, num_steps) for p in range(num_patches)]  # the patch stream
 
     def previous(step, patch):  # the unit whose output layer produced this unit's latent (all parts of a step)
@@ -190,7 +191,7 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
     period = max(len(plan.blocks_of(rank)) for rank in range(plan.degree))
     last_entry = None
     for _ in range(len(units) * hops):
-        best = None
+        best: tuple[tuple[float, int], Task] | None = None
         for hop in range(hops):
             if next_unit[hop] == len(units):
                 continue
@@ -210,6 +211,7 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
             key = (max(dep[1], free_at[rank]), hop)
             if best is None or key < best[0]:
                 best = (key, Task(step, patch, hop, part))
+        assert best is not None  # a unit is always ready: its dependencies come earlier in the stream
         (start, _), task = best
         rank = plan.route[task.hop].rank
         # A whole image costs M patches; a batch part of it its share of the batch.
@@ -287,8 +289,8 @@ def check_protocol(schedule: Schedule, lookahead: int) -> None:
     blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match."""
     ranks = sorted(schedule.orders)
     # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
-    sent = {(a, b): [] for a in ranks for b in ranks}
-    posted = {(a, b): [] for a in ranks for b in ranks}
+    sent: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
+    posted: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
     for rank in ranks:
         for task in schedule.orders[rank]:
             for m in schedule.sends(task):

@@ -186,6 +186,7 @@ def _balanced_cuts(
             return memo[key]
         before = sum(totals[:r]) if totals else r * base + larger
         end = num_layers - before + outbound  # where rank r's return chunk ends
+        options: tuple[int, ...]
         if totals:
             options = (totals[r],)
         else:  # the ranks left must be able to take the larger totals not yet given
