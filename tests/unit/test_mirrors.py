@@ -42,3 +42,16 @@ def test_each_pipeline_takes_exactly_its_diffusers_pipelines_arguments(spec):
     ours = spec.pipeline_class().__call__
     theirs = getattr(diffusers, spec.diffusers_pipeline).__call__
     assert mirrors.parameters(ours) == mirrors.parameters(theirs)
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
+def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
+    """A family folder and its registry line are all it takes: ``xfuse`` and ``xfuse.pipelines`` export its class
+    by the name the spec derives from diffusers' (``FluxPipeline`` -> ``PipeFusionFluxPipeline``)."""
+    import xfuse
+    import xfuse.pipelines
+
+    cls = spec.pipeline_class()
+    assert cls.__name__ == spec.pipeline_name == f"PipeFusion{spec.diffusers_pipeline}"
+    assert getattr(xfuse, spec.pipeline_name) is cls and getattr(xfuse.pipelines, spec.pipeline_name) is cls
+    assert spec.pipeline_name in xfuse.__all__ and spec.pipeline_name in xfuse.pipelines.__all__

@@ -84,6 +84,11 @@ class ModelSpec:
     resolution_binning: bool = False
 
     @property
+    def pipeline_name(self) -> str:
+        """The xfuse class's name: ``PipeFusion`` + diffusers' pipeline name (``from xfuse import <it>``)."""
+        return f"PipeFusion{self.diffusers_pipeline}"
+
+    @property
     def latent_scale(self) -> int:
         """Pixels per row (and column) of the latent the engine steps: the VAE factor times the packing."""
         return self.vae_scale_factor * self.packing

@@ -7,22 +7,17 @@ Lazily: a family's pipeline module imports ``xfuse.pipelines.base``, so this pac
 while it loads.
 """
 
-__all__ = [
-    "PipeFusionFluxPipeline",
-    "PipeFusionHunyuanDiTPipeline",
-    "PipeFusionPipelineBase",
-    "PipeFusionPixArtSigmaPipeline",
-    "PipeFusionStableDiffusion3Pipeline",
-]
-
 
 def __getattr__(name: str):
     if name == "PipeFusionPipelineBase":
         from xfuse.pipelines.base import PipeFusionPipelineBase
 
         return PipeFusionPipelineBase
-    if name in __all__:
-        from xfuse.families.registry import FAMILIES
+    from xfuse.families.registry import FAMILIES  # the names come from the registry: one line per family
 
-        return next(cls for cls in (spec.pipeline_class() for spec in FAMILIES) if cls.__name__ == name)
+    pipelines = {spec.pipeline_name: spec for spec in FAMILIES}
+    if name == "__all__":
+        return sorted([*pipelines, "PipeFusionPipelineBase"])
+    if name in pipelines:
+        return pipelines[name].pipeline_class()
     raise AttributeError(f"module 'xfuse.pipelines' has no attribute {name!r}")
