@@ -1,4 +1,4 @@
-"""Every GPU measurement of the README in one command (one device call); JSON and Markdown out.
+"""Every GPU measurement of docs/performance.md in one command (one device call); JSON and Markdown out.
 
     python benchmarks/gpu_suite.py [--out benchmarks/results] [--repeats 5] [--quick] [--only SECTION,...]
     python benchmarks/gpu_suite.py --merge A.json B.json [--out DIR]   # join the reports of split runs
@@ -280,7 +280,8 @@ def fmt(row: dict) -> str:
 
 
 def markdown(r: dict) -> str:
-    """The report as the README's GPU section shows it; sections a run did not take (``--only``) are left out."""
+    """The report as docs/performance.md's GPU section shows it; sections a run did not take (``--only``) are left
+    out."""
     out = [f"Machine: {r['machine']}.", ""]
     d1 = r.get("degree1")
     if d1 is not None and ("skipped" in d1 or "error" in d1):

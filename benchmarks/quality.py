@@ -14,8 +14,8 @@ positions cycling) and seeds (prompt i uses seed i), 256 px, 20 steps, guidance 
 
 Each row: the attribute classifier's accuracy per attribute (colour, shape, background, position) and their mean,
 and PSNR / SSIM of each image against the serial image of the same prompt and seed (mean over prompts). Also
-``docs/<model>.png`` (the README's pictures): every third prompt, serial diffusers above and the default pipelined
-mode (pp2, M = 2, warm-up 1: what the demo runs) below.
+``docs/<model>.png`` (the pictures of docs/models.md): every third prompt, serial diffusers above and the default
+pipelined mode (pp2, M = 2, warm-up 1: what the demo runs) below.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every CPU benchmark of the README in one command; JSON and Markdown out.
+"""Every CPU benchmark of docs/performance.md in one command; JSON and Markdown out.
 
     python benchmarks/run_all.py [--repeats 3] [--steps 20] [--out benchmarks/results]
     python benchmarks/run_all.py --only denoising_loop     # re-measure one section, keep the others

@@ -1,8 +1,8 @@
 """Train the shipped ``shapes`` models on this CPU: a VAE, the attribute classifier, and a transformer per family.
 
-    python scripts/train_tiny.py | tee xfuse/models/shapes/train_log.jsonl     # VAE, classifier, HunyuanDiT
-    python scripts/train_tiny.py --family pixart --vae-from xfuse/models/shapes \
-        | tee xfuse/models/shapes-pixart/train_log.jsonl                        # PixArt-Σ on the same VAE
+    python scripts/train_tiny.py | tee xfuse/assets/shapes/train_log.jsonl     # VAE, classifier, HunyuanDiT
+    python scripts/train_tiny.py --family pixart --vae-from xfuse/assets/shapes \
+        | tee xfuse/assets/shapes-pixart/train_log.jsonl                        # PixArt-Σ on the same VAE
     python scripts/train_tiny.py --quick         # a few steps of each stage, to check the script runs
 
 Stages (each logged with its time and losses, seed fixed):
@@ -37,7 +37,7 @@ from torch import nn
 from xfuse.assets import shapes_world as shapes
 from xfuse.families.hunyuandit.presets import build_tiny_pipeline
 
-MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "xfuse", "models")
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "xfuse", "assets")
 
 
 def log(record: dict) -> None:
@@ -122,7 +122,7 @@ def train_vae(steps: int, seed: int):
 class HunyuanDiTFamily:
     """How the HunyuanDiT transformer is built, fed text and called in training, as its pipeline does."""
 
-    out = os.path.join(MODELS, "shapes")
+    out = os.path.join(ASSETS, "shapes")
     # The built-in tiny vocabulary: the shipped model was trained with it (shape and position words spelled in
     # pieces). A retrain with the grammar's words as whole tokens scored no better (70.8 % vs 76.0 % mean accuracy on
     # the quality benchmark's 24 prompts, within its noise), so the shipped weights stayed.
@@ -185,7 +185,7 @@ class HunyuanDiTFamily:
 class PixArtSigmaFamily:
     """The same for PixArt-Σ: one T5 encoder, AdaLN-single timestep."""
 
-    out = os.path.join(MODELS, "shapes-pixart")
+    out = os.path.join(ASSETS, "shapes-pixart")
     extra_words = shapes.VOCABULARY  # every word of the grammar one token
     # the HunyuanDiT model's width and depth, so the two families' figures compare like for like
     transformer = dict(num_layers=8, num_attention_heads=4, attention_head_dim=24, caption_channels=64)

@@ -125,7 +125,7 @@ def predicted_latency(r: dict, link: str) -> str:
     )
     return (
         f"predicted latency ({LINKS[link].name}): {seconds:.1f} s per image "
-        f"(xfuse.perf_model, fitted to xDiT's A100 numbers; see README)"
+        f"(xfuse.perf_model, fitted to xDiT's A100 numbers; see docs/performance.md)"
     )
 
 

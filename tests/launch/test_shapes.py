@@ -1,7 +1,7 @@
 """The shipped ``shapes`` models (HunyuanDiT and PixArt-Σ): they load with diffusers and with xfuse, they draw what
 the prompt asks for (scored by the shipped attribute classifier), and PipeFusion at the default settings keeps that.
 
-Thresholds were measured on the shipped weights with these 8 prompts and seeds (see the README's quality table for
+Thresholds were measured on the shipped weights with these 8 prompts and seeds (see docs/models.md's quality table for
 the full 24-prompt benchmark): a broken loader, scheduler, text path or VAE drops the accuracy to chance
 (~25-50 % per attribute), far below them.
 """

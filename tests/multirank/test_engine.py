@@ -157,7 +157,7 @@ def test_pipelined_is_deterministic_finite_and_close_to_serial(world, degree, nu
     )[0]["latents"]
     assert torch.equal(first, second)  # bit-identical: the schedule is a pure function of the config
     assert torch.isfinite(first).all()
-    # Stale K/V are the only approximation: measured 2-4 % relative L2 on this model (see README), bound 8 %.
+    # Stale K/V are the only approximation: measured 2-4 % relative L2 on this model (docs/design.md), bound 8 %.
     distance = rel_l2(first, serial(scheduler, height, width, steps))
     assert 1e-4 < distance < 0.08
     # The result depends on (M, W) only, not on how many ranks or which placement computed it.
@@ -225,7 +225,7 @@ def test_exact_mode_allocates_no_kv_buffers_and_pipelined_does():
     assert sizes == {(STEPS, 2): 0, (1, 2): kv, (1, 1): 0}
 
 
-# --- pipelined mode against the independent oracle (tests/pipefusion_oracle.py: diffusers alone, no xfuse code) ---
+# --- pipelined mode against the independent oracle (tests/support/pipefusion_oracle.py: diffusers alone) ---
 
 _ORACLE = {}
 

@@ -1,6 +1,6 @@
 """The MMDiT families (SD3 / SD3.5, FLUX.1): their stages against diffusers' forward, the pipelined engine against
 the independent oracle, and ``PipeFusionStableDiffusion3Pipeline`` / ``PipeFusionFluxPipeline`` against diffusers'
-own pipelines from the same folders (the CLI and ``xfuse serve`` on them: tests/test_cli.py).
+own pipelines from the same folders (the CLI and ``xfuse serve`` on them: tests/launch/test_cli.py).
 
 Sizes are non-square (128 x 96 px: 8 x 6 token rows for both families) so that M = 3 or N + 1 gives uneven bands.
 ``sd3-tiny`` has SD3-medium's structure (no dual attention, no q/k norm), ``sd35-tiny`` SD3.5-medium's (dual

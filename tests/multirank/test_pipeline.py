@@ -108,7 +108,7 @@ def test_the_cli_pipeline_leaves_the_start_up_heap_to_no_collection(world2):
     """``build_pipeline`` (``xfuse generate`` and ``xfuse serve``) freezes what start-up left alive: after it, the
     collector tracks a small fraction of the objects, so a full collection no longer walks the libraries and the
     model (150 ms on this machine, in the middle of a loop). It also keeps freed memory (``keep_freed_heap``):
-    block passes, once settled, fault in no fresh pages (thousands per pass without it, tests/test_heap.py)."""
+    block passes, once settled, fault in no fresh pages (thousands per pass without it, tests/launch/test_heap.py)."""
     for frozen, tracked, faults in world2.run_ok(heap_after_build_pipeline, "configs/tiny/pp2.yaml", timeout=300):
         assert frozen > 100_000, frozen  # torch, transformers, diffusers and the model's modules
         assert tracked < frozen / 20, (tracked, frozen)
@@ -192,7 +192,7 @@ CALLBACK_REFUSED = [
 
 
 def test_callback_changes_are_refused_after_a_clean_loop(world2, folder):
-    """Bad arguments in general: tests/test_faults.py. Here: what only shows during the loop."""
+    """Bad arguments in general: tests/launch/test_faults.py. Here: what only shows during the loop."""
     calls = [{**BASE, "callback_on_step_end": cb} for _, cb, _ in CALLBACK_REFUSED] + [BASE]
     results = world2.run_ok(
         run_calls, folder, {"pipefusion_degree": 2, "warmup_steps": 1, "num_patches": 2}, calls, timeout=300

@@ -1,6 +1,6 @@
 """PixArt-Σ, the second family: its stage against diffusers' forward, the pipelined engine against the independent
 oracle, and ``PipeFusionPixArtSigmaPipeline`` against diffusers' own ``PixArtSigmaPipeline`` from the same folder
-(the CLI on a PixArt folder: tests/test_cli.py).
+(the CLI on a PixArt folder: tests/launch/test_cli.py).
 
 Sizes are non-square (128 x 96 px: 8 x 6 token rows) so that M = N + 1 gives uneven bands.
 """

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_comm.py (World pickles functions by reference).
+"""Rank functions for tests/multirank/test_comm.py (World pickles functions by reference).
 
 Each function runs on every rank of a gloo world and returns plain, picklable
 results (or CommError objects, which must survive pickling) for the test to check.

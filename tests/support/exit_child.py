@@ -1,4 +1,4 @@
-"""One rank of tests/test_exit.py: a 2-rank xfuse world whose rank exits normally while its failure monitor's
+"""One rank of tests/launch/test_exit.py: a 2-rank xfuse world whose rank exits normally while its failure monitor's
 thread is held inside a rendezvous-store call.
 
     python -m tests.support.exit_child RANK STORE_FILE

@@ -1,4 +1,4 @@
-"""A fresh process for tests/test_heap.py: the minor page faults of DiT block passes, with or without
+"""A fresh process for tests/launch/test_heap.py: the minor page faults of DiT block passes, with or without
 ``xfuse.runtime.heap.keep_freed_heap``.
 
     python -m tests.support.heap_child keep|default

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_world.py.
+"""Rank functions for tests/multirank/test_world.py.
 
 They live in their own small module because World pickles functions by reference:
 each rank imports this module, and it should not drag pytest or the tests in.

@@ -36,7 +36,7 @@ ATTRIBUTES = {
 # pipelines), instead of spelling the ones the built-in tiny vocabulary lacks letter by letter.
 VOCABULARY = tuple(dict.fromkeys(" ".join(["a on the background", *COLORS, *SHAPES, *BACKGROUNDS, *POSITIONS]).split()))
 IMAGE_SIZE = 256  # pixels: a 32x32 latent at the VAE's factor 8, i.e. 16 token rows at patch size 2
-# How the shapes models are sampled when scored (benchmarks/quality.py, tests/test_shapes.py): pipeline call arguments.
+# How the shapes models are sampled when scored (benchmarks/quality.py, tests/launch/test_shapes.py): call arguments.
 SCORING_CALL = {
     "height": IMAGE_SIZE,
     "width": IMAGE_SIZE,

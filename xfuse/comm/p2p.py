@@ -11,7 +11,7 @@ Usage, once per schedule slot (all of a slot's receives and sends together)::
     recvs_h[0].release()         # buffer goes back to the pool
     sends_h[0].wait()            # `out` must not be modified before this returns
 
-Rules this module enforces or makes natural (see DESIGN.md section 5):
+Rules this module enforces or makes natural (see docs/design.md §5):
 
 * gloo sends are rendezvous (a send's wait blocks until the peer posted the
   receive), NCCL's are for large messages. ``exchange`` posts receives before sends

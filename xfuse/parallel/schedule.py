@@ -16,7 +16,7 @@ costs proportional to their block counts: a free rank takes, among its ready tas
 route (fill before drain), and a patch enters the route no sooner than the busiest rank's blocks per patch after the
 previous one (entering faster only queues work that collides further on, on routes whose ranks have uneven outbound
 and return chunks). In steady state this keeps the busiest rank busy for every degree, placement and M >= N
-(tested), which the half-slot staggering rule of DESIGN.md aims for on folded routes. Every segment sees its
+(tested), which the half-slot staggering rule of docs/design.md §3 aims for on folded routes. Every segment sees its
 patches in (step, patch) order (a step's batch parts in order), which is what the stale K/V semantics need: patch p
 of step s attends to patches < p of step s and patches > p of step s-1.
 

@@ -4,7 +4,7 @@ A model is B blocks run in order, plus optional long skips: (producer, consumer)
 block is also an input of a later one (HunyuanDiT: block ``k`` feeds block ``B-1-k``; most DiTs have none). The
 skips come from the model family's spec; the planner knows no model. Blocks ``j`` and ``B-1-j`` are "mirrors".
 
-Three placements (DESIGN.md §3):
+Three placements (docs/design.md §3):
 
 * ``linear`` — rank r holds a contiguous run of blocks (xDiT's split, generalised to any degree and split). A patch
   visits ranks 0 → N-1 once; a skip whose producer and consumer live on different ranks is a cross-rank transfer,

@@ -22,8 +22,8 @@ def freeze_startup_heap() -> None:
     """Exempt everything alive now (the libraries, the model's modules) from Python's garbage collector.
 
     After torch, transformers and diffusers are imported and a pipeline is loaded, a full collection walks some
-    400,000 objects: 150 ms on one core of the CPU machine of the README, and the collector runs one in the middle
-    of a denoising loop every few requests, on whichever rank it likes. A pause on one rank stalls every rank
+    400,000 objects: 150 ms on one core of the CPU machine of docs/performance.md, and the collector runs one in the
+    middle of a denoising loop every few requests, on whichever rank it likes. A pause on one rank stalls every rank
     behind it in the pipeline. Frozen objects are never scanned again (``gc.freeze``; vLLM's engine does the same
     after start-up), so later collections only see what requests create.
     """
@@ -37,7 +37,7 @@ def keep_freed_heap() -> bool:
     torch's CPU tensors come from ``malloc``. glibc serves a block above its mmap threshold with a fresh ``mmap``
     and unmaps it on free, and trims the top of its heap once more than the trim threshold is free there; both
     thresholds adapt only up to a point, and a DiT block's activations keep crossing them. Every pass then gets
-    its activations as new pages that the kernel must fault in and zero: on the CPU machine of the README, 8
+    its activations as new pages that the kernel must fault in and zero: on the CPU machine of docs/performance.md, 8
     blocks of the ``small`` preset on a 512 px image (1,024 tokens, CFG batch 2) took 17,744 minor page faults per
     pass, every pass, and a 20-step degree-1 loop 727,000 faults and 1.1 s of system time in 11.6 s. With the mmap
     threshold at glibc's ceiling (``MMAP_THRESHOLD_MAX``) and no trimming on free: 0 faults per pass after the
