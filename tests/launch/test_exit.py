@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tests.support import REPO
 from xfuse.comm.errors import CommError
 from xfuse.comm.p2p import P2PChannels
-from xfuse.runtime.monitor import FailureMonitor
+from xfuse.runtime.monitor import FailureMonitor, RankState
 
 ROOT = str(REPO)
 ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # offline: tests/conftest.py
@@ -98,7 +98,8 @@ def test_stop_joins_the_watcher_promptly(file_store):
     monitor = FailureMonitor(0, store, poll_s=0.05)
     assert monitor.running
     time.sleep(0.2)
-    assert store.get("xfuse/state/0").startswith(b"not communicating")  # the watcher published through the store
+    state = RankState.from_json(store.get("xfuse/state/0"))
+    assert state.sentence().startswith("not communicating")  # the watcher published through the store
     start = time.monotonic()
     assert monitor.stop() is True
     assert time.monotonic() - start < 1.0 and not monitor.running

@@ -16,6 +16,11 @@ from xfuse.comm import CommError, InflightLimitError, P2PChannels, Recv, Send, m
 _state: dict = {}  # per rank process, kept between calls
 
 
+def _sentence(wait) -> str | None:
+    """A channel's wait as failure reports print it (None when it waits for nothing)."""
+    return None if wait is None else wait.sentence()
+
+
 def payload(src: int, kind: str, shape: tuple, dtype_name: str, step: int, patch: int) -> torch.Tensor:
     """The tensor ``src`` sends for (kind, step, patch): random bits, the same on every process."""
     # Not hash(): str hashing is randomised per process.
@@ -74,7 +79,7 @@ def ring_exchange(steps: int, patches: int, separate_groups: bool, stream_ordere
         deadline = time.monotonic() + 10
         while ch.watchdog.outstanding() and time.monotonic() < deadline:
             time.sleep(0.01)
-        watchdog = {"outstanding": ch.watchdog.outstanding(), "state": ch.describe_state()}
+        watchdog = {"outstanding": ch.watchdog.outstanding(), "state": _sentence(ch.wait_state())}
         ch.close()
         watchdog["thread_stopped"] = ch.watchdog._thread is None
     return {
@@ -209,7 +214,7 @@ def stream_ordered_ops_never_matched(timeout_s: float, out_dir: str) -> dict:
     t0 = time.monotonic()
 
     def on_stuck(error):
-        state = ch.describe_state()
+        state = _sentence(ch.wait_state())
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
             pickle.dump({"error": error, "elapsed": time.monotonic() - t0, "state": state}, fh)
         os._exit(3)

@@ -64,7 +64,7 @@ from xfuse.runtime.stderr import write_stderr
 from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, describe_place, error_from_backend
 from .groups import DirectionGroups
-from .stats import OpLog, OpRecord, TrafficCounters
+from .stats import OpLog, OpRecord, TrafficCounters, WaitState
 from .watchdog import CommWatchdog
 
 __all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels"]
@@ -324,21 +324,17 @@ class P2PChannels:
         """Receive buffers currently allocated by the pool."""
         return self._pool.num_buffers()
 
-    def describe_state(self) -> str | None:
-        """What this rank's channels are doing now, e.g. ``waiting 3.2 s: recv of hidden from rank 1 at step 2,
-        patch 0`` (None when not waiting). Safe to call from another thread."""
+    def wait_state(self) -> WaitState | None:
+        """What this rank's channels are blocked on now (None when not waiting); stream-ordered, the oldest
+        operation the device still waits for. Safe to call from another thread."""
         waiting = self.waiting_on
         if waiting is None and self.watchdog is not None:  # stream-ordered: what the device waits for
             oldest = self.watchdog.oldest()
             waiting = None if oldest is None else (oldest[0].record, oldest[1])
         if waiting is None:
             return None
-        r, since = waiting
-        preposition = "from" if r.direction == "recv" else "to"
-        return (
-            f"waiting {time.monotonic() - since:.1f} s: {r.direction} of {r.kind} {preposition} rank {r.peer} "
-            f"at {describe_place(r.step, r.patch, r.part)}"
-        )
+        record, since = waiting
+        return WaitState.of(record, since, time.monotonic())
 
     def format_op_log(self) -> str:
         """The recent operations, with state and timing, for failure reports."""

@@ -1,9 +1,10 @@
-"""Byte/op counters per tensor kind and a ring buffer of recent operations.
+"""Byte/op counters per tensor kind, a ring buffer of recent operations, and what a rank waits for.
 
 Counters feed benchmarks (traffic per kind: hidden vs skip vs latent is exactly
 what separates the linear and folded placements). The op log feeds failure
 reports: when a rank times out, the last few dozen operations with their state
-and timing usually show which side of the schedule went wrong.
+and timing usually show which side of the schedule went wrong. The wait state is what the failure monitor
+publishes to the other ranks, as data, so a timed-out rank can follow who waits for whom.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
+
+from xfuse.comm.errors import describe_place
 
 __all__ = ["TrafficCounters", "OpRecord", "OpLog"]
 
@@ -85,6 +88,34 @@ class OpRecord:
         if self.t_done is None:
             return f"{head}  {self.status.upper()} for {now - self.t_post:.3f} s"
         return f"{head}  {self.status} in {1e3 * (self.t_done - self.t_post):.1f} ms"
+
+
+@dataclass(frozen=True)
+class WaitState:
+    """One operation a rank's channels are blocked on (or the device waits for): published by the failure monitor
+    (``xfuse.runtime.monitor``) and followed through ``peer`` to the rank where a chain of waits ends."""
+
+    direction: str  # "send" | "recv"
+    kind: str
+    peer: int
+    step: int
+    patch: int | None  # None: a whole-image step
+    part: int | None  # batch part of a whole-image step streamed in parts
+    waited_s: float
+
+    @classmethod
+    def of(cls, record: OpRecord, since: float, now: float) -> WaitState:
+        """The wait on ``record``'s operation, blocked since ``since`` (``time.monotonic()``)."""
+        r = record
+        return cls(r.direction, r.kind, r.peer, r.step, r.patch, r.part, round(now - since, 3))
+
+    def sentence(self) -> str:
+        """E.g. ``waiting 3.2 s: recv of hidden from rank 1 at step 2, patch 0``: what failure reports print."""
+        preposition = "from" if self.direction == "recv" else "to"
+        return (
+            f"waiting {self.waited_s:.1f} s: {self.direction} of {self.kind} {preposition} rank {self.peer} "
+            f"at {describe_place(self.step, self.patch, self.part)}"
+        )
 
 
 class OpLog:

@@ -1,11 +1,13 @@
 """Never hang, always say why: failure propagation across ranks (the start-up agreement is ``handshake``'s).
 
-``FailureMonitor``: the first rank to fail writes its error into the process group's key-value store
-(``compare_set``: the first writer wins). Every later failure on any rank names that first failure. A daemon thread
-polls the store: a rank stuck in communication after another rank failed reports and exits instead of sitting out
-its timeout; under torchrun, a rank terminated by the launcher (SIGTERM) says why before exiting. On failure each
-rank writes its ring buffer of recent communication ops to stderr (and to ``$XFUSE_LOG_DIR/rank<R>.ops.log`` when
-set).
+``FailureMonitor``: the first rank to fail writes its error into the process group's key-value store as a
+``FailureRecord`` (``compare_set``: the first writer wins). Every later failure on any rank names that first
+failure. A daemon thread polls the store: a rank stuck in communication after another rank failed reports and exits
+instead of sitting out its timeout; under torchrun, a rank terminated by the launcher (SIGTERM) says why before
+exiting. On failure each rank writes its ring buffer of recent communication ops to stderr (and to
+``$XFUSE_LOG_DIR/rank<R>.ops.log`` when set). Every poll it publishes its heartbeat and its ``RankState`` (what
+its channels wait for), which a rank whose wait timed out follows from rank to rank to the one that is not
+waiting. Records travel as JSON and are read as data; their sentences are only for the reports.
 
 The watcher thread must be stopped and joined (``FailureMonitor.stop``) before the interpreter finalizes: a Python
 thread that returns from a C++ call (a store call releases the GIL) after finalization has begun is ended by
@@ -17,18 +19,24 @@ succeeded. ``xfuse.runtime.world.shutdown`` owns that stop (and the teardown ord
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
-import re
 import signal
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from xfuse.comm.errors import CommTimeout, PeerLost
+from xfuse.comm.stats import WaitState
 from xfuse.errors import WorldFailure
 from xfuse.runtime.stderr import clock, write_stderr
 
-FAILURE_KEY = "xfuse/first_failure"
+FAILURE_KEY = "xfuse/first_failure"  # a FailureRecord
+STATE_KEY = "xfuse/state"  # + "/<rank>": that rank's RankState
 TERMINATED_KEY = "xfuse/terminated"  # + "/<rank>": the launcher terminated that rank (SIGTERM), it did not fail
 ALIVE_KEY = "xfuse/alive"  # + "/<rank>": the time of that rank's last heartbeat, or LEFT
 # A rank that stops its monitor in order overwrites its heartbeat with this; it never deletes the key: a reader's
@@ -36,6 +44,63 @@ ALIVE_KEY = "xfuse/alive"  # + "/<rank>": the time of that rank's last heartbeat
 LEFT = "left"
 # A healthy store answers in milliseconds; one that has not answered in this long has lost its host (or we ours).
 STORE_CALL_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """The world's first failure as the store keeps it: which rank, what error, and whether it only lost a peer.
+
+    ``lost_peer``: the peer a ``PeerLost`` error lost. Such a failure is a consequence (of a rank that died, or
+    that the launcher terminated), not a root cause, so ranks that see it wait briefly for the real one.
+    """
+
+    rank: int | None  # None: not a rank's error (the rendezvous store itself stopped answering)
+    error_type: str
+    message: str
+    lost_peer: int | None = None
+
+    @classmethod
+    def of_error(cls, rank: int, error: BaseException) -> FailureRecord:
+        lost_peer = error.peer if isinstance(error, PeerLost) else None
+        return cls(rank, type(error).__name__, str(error), lost_peer)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> FailureRecord:
+        return cls(**json.loads(raw))
+
+    def __str__(self) -> str:
+        """The sentence reports print: ``rank 3: CommTimeout: rank 3: recv of hidden ... timed out ...``."""
+        return self.message if self.rank is None else f"rank {self.rank}: {self.error_type}: {self.message}"
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a rank is doing, as it publishes it every poll: the operations its channels wait for, or how long it
+    has not communicated (computing, or stalled)."""
+
+    waits: tuple[WaitState, ...]
+    idle_s: float  # since this rank last waited on anything
+
+    @property
+    def waits_for(self) -> int | None:
+        """The rank this one waits for (its first wait's peer), where a who-waits-for-whom walk goes next."""
+        return self.waits[0].peer if self.waits else None
+
+    def to_json(self) -> str:
+        return json.dumps({"waits": [dataclasses.asdict(w) for w in self.waits], "idle_s": self.idle_s})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> RankState:
+        data = json.loads(raw)
+        return cls(tuple(WaitState(**w) for w in data["waits"]), data["idle_s"])
+
+    def sentence(self) -> str:
+        if self.waits:
+            return "; ".join(w.sentence() for w in self.waits)
+        return f"not communicating for {self.idle_s:.1f} s (computing, or stalled)"
 
 
 class StoreUnreachable(RuntimeError):
@@ -108,11 +173,12 @@ class FailureMonitor:
         self.rank, self.op_logs, self.world_size = rank, list(op_logs), world_size
         # The main thread's client: used on failure paths only, where a vanished store host must not strand us.
         self.store = None if store is None else BoundedStore(store, timeout_s=STORE_CALL_TIMEOUT_S)
-        self.state_sources: list = []  # callables: what this rank's channels wait for (None when not waiting)
+        # What this rank's channels wait for (None when not waiting): ``P2PChannels.wait_state`` of each channel.
+        self.state_sources: list[Callable[[], WaitState | None]] = []
         self._last_wait = time.monotonic()
         self.grace_s, self.poll_s = grace_s, poll_s
         self.active = 0  # >0 while this rank is inside a guarded (communicating) section
-        self.failure: str | None = None  # the world's first failure, once known here
+        self.failure: FailureRecord | None = None  # the world's first failure, once known here
         self._reported = False
         # Re-entrant: the SIGTERM handler runs on the main thread, possibly in the middle of the main thread's own
         # report (gathering heartbeats from the store), and then leaves with os._exit; it must write the report.
@@ -162,29 +228,29 @@ class FailureMonitor:
         return True
 
     # --- the store ----------------------------------------------------------------------------------------
-    def record(self, error: BaseException) -> str:
+    def record(self, error: BaseException) -> FailureRecord:
         """Make ``error`` the world's first failure unless one exists; return the first failure."""
-        mine = f"rank {self.rank}: {type(error).__name__}: {error}"
+        mine = FailureRecord.of_error(self.rank, error)
         if self.store is None:
             self.failure = self.failure or mine
             return self.failure
         try:
-            first = self.store.compare_set(FAILURE_KEY, "", mine)
-            self.failure = first.decode() if isinstance(first, bytes) else str(first)
+            first = self.store.compare_set(FAILURE_KEY, "", mine.to_json())
+            self.failure = FailureRecord.from_json(first)
         except Exception:  # noqa: BLE001 - the store died with its host: this error is the best we know
             self.failure = self.failure or mine
         return self.failure
 
-    def first(self, store=None) -> str | None:
+    def first(self, store=None) -> FailureRecord | None:
         """The world's first failure, if any rank recorded one (read from ``store``, default the main client)."""
         store = self.store if store is None else store
         if self.failure is None and store is not None:
             try:
                 if store.check([FAILURE_KEY]):
-                    value = store.get(FAILURE_KEY)
-                    self.failure = (value.decode() if isinstance(value, bytes) else str(value)) or None
+                    self.failure = FailureRecord.from_json(store.get(FAILURE_KEY))
             except Exception as err:  # noqa: BLE001 - losing the store means its host (rank 0 / agent) is gone
-                self.failure = f"the rendezvous store is unreachable ({type(err).__name__}: {err})"
+                unreachable = f"the rendezvous store is unreachable ({type(err).__name__}: {err})"
+                self.failure = FailureRecord(None, type(err).__name__, unreachable)
         return self.failure
 
     # --- reporting ----------------------------------------------------------------------------------------
@@ -227,15 +293,14 @@ class FailureMonitor:
         try:
             yield
         except BaseException as err:
-            peer = getattr(err, "peer", None)
-            if peer is not None and type(err).__name__ == "CommTimeout":  # say where the chain of waits ends
-                chain = self.diagnose(peer)
+            if isinstance(err, CommTimeout) and err.peer is not None:  # say where the chain of waits ends
+                chain = self.diagnose(err.peer)
                 if chain:
                     err.args = (f"{err}\n  {chain}",)
-            if peer is not None and type(err).__name__ == "PeerLost":
-                self.await_root_cause(peer)
+            if isinstance(err, PeerLost) and err.peer is not None:
+                self.await_root_cause(err.peer)
             first = self.record(err)
-            own = first.startswith(f"rank {self.rank}:")
+            own = first.rank == self.rank
             message = f"rank {self.rank} failed: {type(err).__name__}: {err}" + (
                 "" if own else f"\n  first failure in the world: {first}"
             )
@@ -254,7 +319,7 @@ class FailureMonitor:
         if chain:
             err.args = (f"{err}\n  {chain}",)
         first = self.record(err)
-        own = first.startswith(f"rank {self.rank}:")
+        own = first.rank == self.rank
         self.report(
             f"rank {self.rank} failed: {type(err).__name__}: {err}"
             + ("" if own else f"\n  first failure in the world: {first}")
@@ -265,14 +330,13 @@ class FailureMonitor:
     # --- the watcher --------------------------------------------------------------------------------------
     def publish_state(self) -> None:
         """Tell the other ranks what this rank is doing (read by ``diagnose`` when a wait times out)."""
-        states = [state for source in self.state_sources if (state := source()) is not None]
-        if states:
-            self._last_wait = time.monotonic()
-            text = "; ".join(states)
-        else:
-            text = f"not communicating for {time.monotonic() - self._last_wait:.1f} s (computing, or stalled)"
+        waits = tuple(wait for source in self.state_sources if (wait := source()) is not None)
+        now = time.monotonic()
+        if waits:
+            self._last_wait = now
+        state = RankState(waits, idle_s=round(now - self._last_wait, 3))
         try:
-            self._watch_store.set(f"xfuse/state/{self.rank}", text)
+            self._watch_store.set(f"{STATE_KEY}/{self.rank}", state.to_json())
             self._watch_store.set(f"{ALIVE_KEY}/{self.rank}", f"{time.time():.3f}")
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
@@ -321,7 +385,7 @@ class FailureMonitor:
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and not self.silent_ranks():
             first = self.first()
-            if first is not None and "peer lost" not in first:
+            if first is not None and first.lost_peer is None:
                 return
             time.sleep(0.05)
 
@@ -332,23 +396,23 @@ class FailureMonitor:
         lines, seen = [], {self.rank}
         while peer is not None and peer not in seen:  # a cycle of waits ends the walk too
             seen.add(peer)
+            key, next_peer = f"{STATE_KEY}/{peer}", None
             try:
-                state = (
-                    self.store.get(f"xfuse/state/{peer}").decode()
-                    if self.store.check([f"xfuse/state/{peer}"])
-                    else "no state published"
-                )
+                if self.store.check([key]):
+                    state = RankState.from_json(self.store.get(key))
+                    said, next_peer = state.sentence(), state.waits_for
+                else:
+                    said = "no state published"
                 silence = self._silence(peer, time.time())
             except Exception as err:  # noqa: BLE001
                 if self.store_lost:  # the report says the store is gone; a chain of unknowns says nothing more
                     break
-                state, silence = f"unknown ({type(err).__name__})", None
+                said, silence = f"unknown ({type(err).__name__})", None
             if silence is not None:  # what it said last is stale: the chain ends at a rank that went quiet
-                lines.append(f"rank {peer}: no heartbeat for {silence:.1f} s (killed, or its node lost?); was {state}")
+                lines.append(f"rank {peer}: no heartbeat for {silence:.1f} s (killed, or its node lost?); was {said}")
                 break
-            lines.append(f"rank {peer}: {state}")
-            found = re.search(r" rank (\d+) at step", state) if state.startswith("waiting") else None
-            peer = int(found.group(1)) if found else None
+            lines.append(f"rank {peer}: {said}")
+            peer = next_peer
         return "\n  ".join(["who waits for whom:", *lines]) if lines else ""
 
     def _watch(self) -> None:
@@ -366,7 +430,7 @@ class FailureMonitor:
         while not self._stop.wait(self.poll_s):
             self.publish_state()
             first = None if self._stop.is_set() else self.first(self._watch_store)
-            if first is None or first.startswith(f"rank {self.rank}:") or not self.active:
+            if first is None or first.rank == self.rank or not self.active:
                 stuck_since = None
                 continue
             stuck_since = stuck_since or time.monotonic()
@@ -394,9 +458,9 @@ class FailureMonitor:
             deadline = time.monotonic() + self.grace_s
             while self.first() is None and not self.silent_ranks() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            lost = re.search(r"(?:from|to) rank (\d+) failed: peer lost", self.first() or "")
-            if lost:  # the first failure lost a peer: if the launcher terminated that one, find the dead rank
-                self.await_root_cause(int(lost.group(1)))
+            lost = self.first()
+            if lost is not None and lost.lost_peer is not None:  # it lost a peer: if terminated, find the dead rank
+                self.await_root_cause(lost.lost_peer)
             first = self.first() or "unknown (no rank recorded a failure)"
             self.report(f"rank {self.rank} terminated by the launcher (SIGTERM)\n  first failure in the world: {first}")
             # The main thread may be inside a collective: no orderly teardown of channels and groups from here.

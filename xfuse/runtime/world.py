@@ -231,7 +231,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
         _RESOURCES.channels.update(c for c in (channels, cfg_channels) if c is not None)
     monitor = _process_monitor(rank, world)
     monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
-    monitor.state_sources = [c.describe_state for c in (channels, cfg_channels) if c is not None]
+    monitor.state_sources = [c.wait_state for c in (channels, cfg_channels) if c is not None]
     for c in (channels, cfg_channels):
         if c is not None and c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
             c.watchdog.on_stuck = monitor.fail_from_thread

@@ -154,7 +154,7 @@ def _fail_server(pipe, service: Service, http: HttpServer, err: BaseException) -
     silent = _lost_ranks(monitor, err)
     if silent:  # the lost rank first: the gloo or channel error may name only an address
         service.reason = reason = f"{silent}; {reason}"
-    own = first.startswith("rank 0:")
+    own = first.rank == 0
     # (the report adds the silent ranks itself)
     headline = f"rank 0 stopped serving: {_one_line(err)}" + ("" if own else f"\n  first failure in the world: {first}")
     if monitor.reported:  # the pipeline's guard wrote the report already
@@ -171,7 +171,7 @@ def _fail_worker(pipe, err: BaseException) -> NoReturn:
     first = monitor.first()
     silent = _lost_ranks(monitor, err)
     lines = [f"rank {pipe.context.rank} stopped serving: {_one_line(err)}"]
-    if first and not first.startswith(f"rank {pipe.context.rank}:"):
+    if first is not None and first.rank != pipe.context.rank:
         lines.append(f"first failure in the world: {first}")
     if silent:
         lines.append(silent)
