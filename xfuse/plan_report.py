@@ -41,13 +41,13 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
 def plan_report(config: XfuseConfig) -> dict:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
     spec, model = model_spec(config.model), transformer_config(config.model)
-    patch_size, num_layers, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
+    patch_size, num_blocks, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
     default = spec.default_side(model)
     height, width = config.generation.height or default, config.generation.width or default
-    spec.check_layout(config.parallel, num_blocks=num_layers, patch_size=patch_size, height=height, width=width)
+    spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width)
     par = config.parallel
-    plan = spec.plan(num_layers, par)
+    plan = spec.plan(num_blocks, par)
     grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size)
     dtype = config.runtime.torch_dtype()
     element = torch.empty((), dtype=dtype).element_size()
@@ -67,7 +67,7 @@ def plan_report(config: XfuseConfig) -> dict:
     return dict(
         model=config.model,
         spec=spec,
-        num_layers=num_layers,
+        num_blocks=num_blocks,
         hidden_size=hidden,
         patch_size=patch_size,
         height=height,
@@ -134,7 +134,7 @@ def format_plan_report(r: dict) -> str:
     cfg, plan, grid = r["config"], r["plan"], r["grid"]
     par = cfg.parallel
     lines = [
-        f"model {r['model']} ({r['spec'].name}): {r['num_layers']} blocks, hidden {r['hidden_size']}, "
+        f"model {r['model']} ({r['spec'].name}): {r['num_blocks']} blocks, hidden {r['hidden_size']}, "
         f"patch size {r['patch_size']}",
         f"image {r['height']}x{r['width']} px -> latent {grid.latent_height}x{grid.latent_width} -> "
         f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r['batch']}; {r['dtype']}",

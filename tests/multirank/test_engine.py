@@ -60,8 +60,8 @@ _EXACT = {}
 
 
 def exact_run(world, degree, placement, preset="tiny"):
-    num_layers = tiny_pipe(preset=preset).transformer.config.num_layers
-    route = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers)).route
+    num_blocks = tiny_pipe(preset=preset).transformer.config.num_layers
+    route = stage_plan(num_blocks, degree, placement, skips=HUNYUANDIT.skip_pairs(num_blocks)).route
     if (preset, route) not in _EXACT:  # one run per distinct plan (balanced is folded where N divides B/2)
         # M = 3 on 8 token rows: bands of 3, 3, 2 rows
         _EXACT[preset, route] = run(world, degree, placement, 3, STEPS, preset=preset)
@@ -135,11 +135,11 @@ def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
     return engine.denoise(request, patch_grid(height // 8, width // 8, num_patches, 2))
 
 
-def distinct(degree, placement, num_layers=16):
+def distinct(degree, placement, num_blocks=16):
     """Whether this (degree, placement) plans differently from folded (balanced is folded where N divides B/2)."""
     if placement != "balanced":
         return True
-    plans = [stage_plan(num_layers, degree, p, skips=HUNYUANDIT.skip_pairs(num_layers)) for p in ("balanced", "folded")]
+    plans = [stage_plan(num_blocks, degree, p, skips=HUNYUANDIT.skip_pairs(num_blocks)) for p in ("balanced", "folded")]
     return plans[0].route != plans[1].route
 
 

@@ -463,14 +463,14 @@ def test_direct_construction_validates():
 # check_world
 # ------------------------------------------------------------------------------------------------------------------
 
-HUNYUAN = dict(spec=HUNYUANDIT, num_layers=40, patch_size=2, height=1024, width=1024)
+HUNYUAN = dict(spec=HUNYUANDIT, num_blocks=40, patch_size=2, height=1024, width=1024)
 
 
-def check_world(config: XfuseConfig, *, world_size, spec, num_layers, patch_size, height, width) -> None:
+def check_world(config: XfuseConfig, *, world_size, spec, num_blocks, patch_size, height, width) -> None:
     """The checks a launch makes before any communication: the world size (``xfuse.runtime.world``), then the
     family's checks of the model and the image (``ModelSpec.check_layout``)."""
     check_world_size(config.parallel, world_size)
-    spec.check_layout(config.parallel, num_blocks=num_layers, patch_size=patch_size, height=height, width=width)
+    spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width)
 
 
 def _cfg(**parallel) -> XfuseConfig:
@@ -487,7 +487,7 @@ def test_check_world_ok():
     check_world(_cfg(pipefusion_degree=4), world_size=4, **{**HUNYUAN, "height": 864})
     check_world(_cfg(pipefusion_degree=3, placement="folded", stage_split=[6, 7, 7]), world_size=3, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=3, placement="balanced", stage_split=[12, 14, 14]), world_size=3, **HUNYUAN)
-    check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_layers": 6})
+    check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_blocks": 6})
     check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
 
 
@@ -514,7 +514,7 @@ CHECK_WORLD_BAD = [
         ["multiple of 16", "992", "(got 1000)"],
     ),
     ("bad_width", dict(pipefusion_degree=2), dict(world_size=2, width=1032), "generation.width", ["multiple of 16"]),
-    ("odd_layers", dict(pipefusion_degree=2), dict(world_size=2, num_layers=39), "model", ["even", "skip"]),
+    ("odd_layers", dict(pipefusion_degree=2), dict(world_size=2, num_blocks=39), "model", ["even", "skip"]),
     (
         "num_patches_too_large",
         dict(pipefusion_degree=2, num_patches=65),
@@ -532,14 +532,14 @@ CHECK_WORLD_BAD = [
     (
         "folded_degree_too_large",
         dict(pipefusion_degree=8, placement="folded"),
-        dict(world_size=8, num_layers=8),
+        dict(world_size=8, num_blocks=8),
         "parallel.pipefusion_degree",
         ["folded"],
     ),
     (
         "linear_degree_too_large",
         dict(pipefusion_degree=8, placement="linear"),
-        dict(world_size=8, num_layers=6),
+        dict(world_size=8, num_blocks=6),
         "parallel.pipefusion_degree",
         ["linear"],
     ),
@@ -553,7 +553,7 @@ CHECK_WORLD_BAD = [
     (
         "balanced_degree_too_large",
         dict(pipefusion_degree=4, placement="balanced"),
-        dict(world_size=4, num_layers=6),
+        dict(world_size=4, num_blocks=6),
         "parallel.pipefusion_degree",
         ["from 1 to 3", "6-block model with balanced placement", "2 blocks per rank", "(got 4)"],
     ),
@@ -615,7 +615,7 @@ def test_config_file_loads(path):
             c,
             world_size=c.world_size,
             spec=HUNYUANDIT,
-            num_layers=40,
+            num_blocks=40,
             patch_size=2,
             height=c.generation.height,
             width=c.generation.width,

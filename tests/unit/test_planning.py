@@ -14,36 +14,36 @@ from xfuse.parallel.stage_plan import stage_plan
 skip_pairs = HUNYUANDIT.skip_pairs
 
 
-def diffusers_skip_wiring(num_layers):
+def diffusers_skip_wiring(num_blocks):
     """(producer, consumer) pairs as HunyuanDiT2DModel.forward's push/pop loop produces them."""
     stack, pairs = [], []
-    for layer in range(num_layers):
-        if layer > num_layers // 2:
+    for layer in range(num_blocks):
+        if layer > num_blocks // 2:
             pairs.append((stack.pop(), layer))
-        if layer < num_layers // 2 - 1:
+        if layer < num_blocks // 2 - 1:
             stack.append(layer)
     return sorted(pairs)
 
 
-@pytest.mark.parametrize("num_layers", [4, 8, 28, 40])
-def test_skip_pairs_match_diffusers_wiring(num_layers):
-    assert sorted(skip_pairs(num_layers)) == diffusers_skip_wiring(num_layers)
+@pytest.mark.parametrize("num_blocks", [4, 8, 28, 40])
+def test_skip_pairs_match_diffusers_wiring(num_blocks):
+    assert sorted(skip_pairs(num_blocks)) == diffusers_skip_wiring(num_blocks)
 
 
-@pytest.mark.parametrize("num_layers", [4, 8, 28, 40])
+@pytest.mark.parametrize("num_blocks", [4, 8, 28, 40])
 @pytest.mark.parametrize("degree", range(1, 9))
 @pytest.mark.parametrize("placement", ["balanced", "folded", "linear"])
-def test_every_block_once_and_route_shape(num_layers, degree, placement):
-    limit = num_layers if placement == "linear" else num_layers // 2
+def test_every_block_once_and_route_shape(num_blocks, degree, placement):
+    limit = num_blocks if placement == "linear" else num_blocks // 2
     if degree > limit:
         with pytest.raises(ConfigError) as err:
-            stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
+            stage_plan(num_blocks, degree, placement, skips=HUNYUANDIT.skip_pairs(num_blocks))
         assert err.value.key == "parallel.pipefusion_degree"
         return
-    plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
+    plan = stage_plan(num_blocks, degree, placement, skips=HUNYUANDIT.skip_pairs(num_blocks))
     route_blocks = [b for seg in plan.route for b in seg.blocks]
-    assert route_blocks == list(range(num_layers))  # the route runs the model's blocks in order
-    assert sorted(b for r in range(degree) for b in plan.blocks_of(r)) == list(range(num_layers))
+    assert route_blocks == list(range(num_blocks))  # the route runs the model's blocks in order
+    assert sorted(b for r in range(degree) for b in plan.blocks_of(r)) == list(range(num_blocks))
     assert plan.embed_rank == 0
     if placement == "folded":
         assert [s.rank for s in plan.route] == [*range(degree), *reversed(range(degree))]
@@ -52,7 +52,7 @@ def test_every_block_once_and_route_shape(num_layers, degree, placement):
         assert all(abs(h.src_rank - h.dst_rank) == 1 for h in plan.handoffs)  # neighbours only
         for rank in range(degree):  # a rank holds a chunk and its mirror
             blocks = plan.blocks_of(rank)
-            assert {num_layers - 1 - b for b in blocks} == set(blocks)
+            assert {num_blocks - 1 - b for b in blocks} == set(blocks)
     elif placement == "balanced":
         assert [s.rank for s in plan.route] == [*range(degree), *reversed(range(degree))]
         assert plan.output_rank == 0 and len(plan.handoffs) == 2 * (degree - 1)
@@ -64,7 +64,7 @@ def test_every_block_once_and_route_shape(num_layers, degree, placement):
         for rank in range(degree):  # contiguous runs
             blocks = plan.blocks_of(rank)
             assert list(blocks) == list(range(blocks[0], blocks[-1] + 1))
-        expected_cross = {(p, c) for p, c in skip_pairs(num_layers) if plan.rank_of_block(p) != plan.rank_of_block(c)}
+        expected_cross = {(p, c) for p, c in skip_pairs(num_blocks) if plan.rank_of_block(p) != plan.rank_of_block(c)}
         assert {(s.producer, s.consumer) for s in plan.cross_rank_skips} == expected_cross
 
 
@@ -162,12 +162,12 @@ def test_kv_buffer_bytes_per_rank():
     }
 
 
-@pytest.mark.parametrize("num_layers", [5, 28])
+@pytest.mark.parametrize("num_blocks", [5, 28])
 @pytest.mark.parametrize("degree", [1, 2, 4])
-def test_a_family_without_long_skips_plans_any_block_count_linearly(num_layers, degree):
-    plan = stage_plan(num_layers, degree, "linear", skips=PIXART_SIGMA.skip_pairs(num_layers))
+def test_a_family_without_long_skips_plans_any_block_count_linearly(num_blocks, degree):
+    plan = stage_plan(num_blocks, degree, "linear", skips=PIXART_SIGMA.skip_pairs(num_blocks))
     assert plan.skips == () and plan.cross_rank_skips == ()
-    assert [b for seg in plan.route for b in seg.blocks] == list(range(num_layers))
+    assert [b for seg in plan.route for b in seg.blocks] == list(range(num_blocks))
 
 
 def test_folded_needs_an_even_block_count_whatever_the_skips():
@@ -188,12 +188,12 @@ def test_the_default_placement_comes_from_the_family(spec, placement):
 # --- balanced placement -----------------------------------------------------------------------------------------
 
 
-def mirror_skips(num_layers):
+def mirror_skips(num_blocks):
     """HunyuanDiT's skips for an even block count; for an odd one, every block k < B // 2 feeds its mirror B-1-k."""
     return (
-        skip_pairs(num_layers)
-        if num_layers % 2 == 0
-        else tuple((k, num_layers - 1 - k) for k in range(num_layers // 2))
+        skip_pairs(num_blocks)
+        if num_blocks % 2 == 0
+        else tuple((k, num_blocks - 1 - k) for k in range(num_blocks // 2))
     )
 
 
@@ -203,7 +203,7 @@ def crossing(route, skips):
     return sum(owner[p] != owner[c] for p, c in skips)
 
 
-def brute_force_min_crossing(num_layers, degree, skips):
+def brute_force_min_crossing(num_blocks, degree, skips):
     """Fewest crossing skips over every folded-route split with per-rank totals within one block: every cut point,
     every composition of the way out and of the way back into one chunk per rank. Independent of the planner."""
 
@@ -213,9 +213,9 @@ def brute_force_min_crossing(num_layers, degree, skips):
             yield [bounds[i + 1] - bounds[i] for i in range(k)]
 
     best = None
-    for cut in range(degree, num_layers - degree + 1):
+    for cut in range(degree, num_blocks - degree + 1):
         for out in compositions(cut, degree):
-            for back in compositions(num_layers - cut, degree):  # route order: rank N-1 first
+            for back in compositions(num_blocks - cut, degree):  # route order: rank N-1 first
                 totals = [out[r] + back[degree - 1 - r] for r in range(degree)]
                 if max(totals) - min(totals) > 1:
                     continue
@@ -231,16 +231,16 @@ def brute_force_min_crossing(num_layers, degree, skips):
 BALANCED_BLOCKS = [40, 16, 57, 7]
 
 
-@pytest.mark.parametrize("num_layers", BALANCED_BLOCKS)
-def test_balanced_route_and_totals_for_every_degree(num_layers):
-    skips = mirror_skips(num_layers)
-    for degree in range(1, num_layers // 2 + 1):
-        plan = stage_plan(num_layers, degree, "balanced", skips=skips)
+@pytest.mark.parametrize("num_blocks", BALANCED_BLOCKS)
+def test_balanced_route_and_totals_for_every_degree(num_blocks):
+    skips = mirror_skips(num_blocks)
+    for degree in range(1, num_blocks // 2 + 1):
+        plan = stage_plan(num_blocks, degree, "balanced", skips=skips)
         assert [s.rank for s in plan.route] == [*range(degree), *reversed(range(degree))]  # one chunk each way
         assert all(len(s.blocks) >= 1 for s in plan.route)
-        assert [b for s in plan.route for b in s.blocks] == list(range(num_layers))  # every block once, in order
+        assert [b for s in plan.route for b in s.blocks] == list(range(num_blocks))  # every block once, in order
         totals = [len(plan.blocks_of(r)) for r in range(degree)]
-        assert max(totals) - min(totals) <= 1 and sum(totals) == num_layers
+        assert max(totals) - min(totals) <= 1 and sum(totals) == num_blocks
         assert plan.embed_rank == plan.output_rank == 0
         assert len(plan.cross_rank_skips) == crossing([(s.rank, s.blocks) for s in plan.route], skips)
         # every crossing skip goes down to a lower rank's return chunk: the schedule sends it with that hand-off
@@ -256,21 +256,21 @@ def test_balanced_crossing_skips_at_40_blocks():
     assert totals == {6: [6, 6, 7, 7, 7, 7], 8: [5] * 8}  # the lighter shares on rank 0 first
 
 
-@pytest.mark.parametrize("num_layers", [4, 6, 7, 8, 9, 11, 12, 13, 16])
-def test_balanced_crossing_count_is_minimal(num_layers):
-    for skips in (mirror_skips(num_layers), ()):
-        for degree in range(1, num_layers // 2 + 1):
-            plan = stage_plan(num_layers, degree, "balanced", skips=skips)
-            assert len(plan.cross_rank_skips) == brute_force_min_crossing(num_layers, degree, skips), degree
+@pytest.mark.parametrize("num_blocks", [4, 6, 7, 8, 9, 11, 12, 13, 16])
+def test_balanced_crossing_count_is_minimal(num_blocks):
+    for skips in (mirror_skips(num_blocks), ()):
+        for degree in range(1, num_blocks // 2 + 1):
+            plan = stage_plan(num_blocks, degree, "balanced", skips=skips)
+            assert len(plan.cross_rank_skips) == brute_force_min_crossing(num_blocks, degree, skips), degree
 
 
-@pytest.mark.parametrize("num_layers", [8, 16, 24, 40, 48])
-def test_balanced_is_folded_where_folded_is_balanced(num_layers):
-    for degree in range(1, num_layers // 2 + 1):
-        if (num_layers // 2) % degree == 0:
-            skips = skip_pairs(num_layers)
-            assert stage_plan(num_layers, degree, "balanced", skips=skips).route == (
-                stage_plan(num_layers, degree, "folded", skips=skips).route
+@pytest.mark.parametrize("num_blocks", [8, 16, 24, 40, 48])
+def test_balanced_is_folded_where_folded_is_balanced(num_blocks):
+    for degree in range(1, num_blocks // 2 + 1):
+        if (num_blocks // 2) % degree == 0:
+            skips = skip_pairs(num_blocks)
+            assert stage_plan(num_blocks, degree, "balanced", skips=skips).route == (
+                stage_plan(num_blocks, degree, "folded", skips=skips).route
             )
 
 

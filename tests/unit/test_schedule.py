@@ -113,12 +113,12 @@ def test_folded_sends_no_skips_and_linear_returns_latents():
     assert [t for t in linear.orders[0] if t.hop == COLLECT] == [Task(STEPS, p, COLLECT) for p in range(4)]
 
 
-@pytest.mark.parametrize("num_layers", [16, 40])
+@pytest.mark.parametrize("num_blocks", [16, 40])
 @pytest.mark.parametrize("placement", ["folded", "linear"])
 @pytest.mark.parametrize("degree", range(2, 9))
-def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement):
+def test_steady_state_keeps_the_busiest_rank_busy(num_blocks, degree, placement):
     """With M >= N, a pipelined step takes exactly the busiest rank's work (its blocks x M patches): no bubbles."""
-    plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))
+    plan = stage_plan(num_blocks, degree, placement, skips=HUNYUANDIT.skip_pairs(num_blocks))
     last = len(plan.route) - 1
     for num_patches in (degree, degree + 1, 2 * degree):
         schedule = build_schedule(plan, 12, 1, num_patches)
@@ -129,15 +129,15 @@ def test_steady_state_keeps_the_busiest_rank_busy(num_layers, degree, placement)
 
 
 def balanced_cases():
-    for num_layers in (16, 40):
+    for num_blocks in (16, 40):
         for degree in range(2, 9):
             for m in (degree, degree + 1, 2 * degree):
-                yield num_layers, degree, m
+                yield num_blocks, degree, m
 
 
-@pytest.mark.parametrize("num_layers,degree,num_patches", list(balanced_cases()))
-def test_steady_state_on_balanced_routes(num_layers, degree, num_patches):
-    plan = stage_plan(num_layers, degree, "balanced", skips=HUNYUANDIT.skip_pairs(num_layers))
+@pytest.mark.parametrize("num_blocks,degree,num_patches", list(balanced_cases()))
+def test_steady_state_on_balanced_routes(num_blocks, degree, num_patches):
+    plan = stage_plan(num_blocks, degree, "balanced", skips=HUNYUANDIT.skip_pairs(num_blocks))
     schedule = build_schedule(plan, 12, 1, num_patches)
     last = len(plan.route) - 1
     ends = [schedule.times[Task(s, num_patches - 1, last)][1] for s in range(1, 12)]

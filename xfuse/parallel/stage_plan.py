@@ -72,7 +72,7 @@ class Handoff:
 class StagePlan:
     """The route of one patch through the ranks, and the long skips of the model on that route."""
 
-    num_layers: int
+    num_blocks: int
     degree: int
     placement: str
     route: tuple[Segment, ...]
@@ -139,7 +139,7 @@ def _check_split(split: Sequence[int] | None, degree: int, total: int, what: str
 
 @functools.lru_cache(maxsize=256)
 def _balanced_cuts(
-    num_layers: int, degree: int, totals: tuple[int, ...] | None, skips: tuple[tuple[int, int], ...]
+    num_blocks: int, degree: int, totals: tuple[int, ...] | None, skips: tuple[tuple[int, int], ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Block totals and outbound chunk sizes per rank of the ``balanced`` placement, or None if no split qualifies.
 
@@ -161,7 +161,7 @@ def _balanced_cuts(
     outbound chunks, earliest ranks first.
     """
     # table[i][j]: skips with producer < i and consumer < j, so the skips between two block ranges take O(1).
-    size = num_layers + 1
+    size = num_blocks + 1
     table = [[0] * size for _ in range(size)]
     for p, c in skips:
         table[p + 1][c + 1] += 1
@@ -176,7 +176,7 @@ def _balanced_cuts(
     def kept(ranges: tuple[tuple[int, int], ...]) -> int:  # skips with both ends in the union of ranges
         return sum(between(a, b, x, y) for a, b in ranges for x, y in ranges)
 
-    base, extra = divmod(num_layers, degree)
+    base, extra = divmod(num_blocks, degree)
     memo: dict[tuple[int, int, int], tuple[tuple[int, int, int], tuple[int, int]] | None] = {}
 
     def best(r: int, outbound: int, larger: int):
@@ -185,7 +185,7 @@ def _balanced_cuts(
         if key in memo:
             return memo[key]
         before = sum(totals[:r]) if totals else r * base + larger
-        end = num_layers - before + outbound  # where rank r's return chunk ends
+        end = num_blocks - before + outbound  # where rank r's return chunk ends
         options: tuple[int, ...]
         if totals:
             options = (totals[r],)
@@ -224,7 +224,7 @@ def _balanced_cuts(
 
 
 def stage_plan(
-    num_layers: int,
+    num_blocks: int,
     degree: int,
     placement: str,
     stage_split: Sequence[int] | None = None,
@@ -235,7 +235,7 @@ def stage_plan(
     """Plan which blocks each of ``degree`` ranks runs.
 
     Args:
-        num_layers: number of transformer blocks (even for ``folded``, which pairs block j with block B-1-j).
+        num_blocks: number of transformer blocks (even for ``folded``, which pairs block j with block B-1-j).
         degree: number of pipeline ranks (PipeFusion degree).
         placement: ``"balanced"``, ``"folded"`` or ``"linear"``.
         stage_split: optional block counts per rank. Folded: sizes of the N first-half chunks (sum = B/2; each
@@ -252,26 +252,26 @@ def stage_plan(
     """
     if placement not in PLACEMENTS:
         raise ConfigError("parallel.placement", f"must be one of {', '.join(PLACEMENTS)} (got {placement!r})")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ConfigError("model", f"must have at least one transformer block (got num_layers={num_layers!r})")
-    if placement == "folded" and num_layers % 2:
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ConfigError("model", f"must have at least one transformer block (got num_blocks={num_blocks!r})")
+    if placement == "folded" and num_blocks % 2:
         raise ConfigError(
             "parallel.placement",
             f"'folded' puts block j and its mirror B-1-j on one rank, so it needs an even block count; use "
-            f"'balanced' or 'linear' for this {num_layers}-block model (got 'folded')",
+            f"'balanced' or 'linear' for this {num_blocks}-block model (got 'folded')",
         )
-    if placement == "balanced" and num_layers < 2:
+    if placement == "balanced" and num_blocks < 2:
         raise ConfigError(
             "parallel.placement",
             f"'balanced' runs a chunk of blocks on the way out and one on the way back on every rank, so it needs "
-            f"at least 2 blocks; use 'linear' for this {num_layers}-block model (got 'balanced')",
+            f"at least 2 blocks; use 'linear' for this {num_blocks}-block model (got 'balanced')",
         )
     skips = tuple((p, c) for p, c in skips)
-    bad = [pair for pair in skips if not 0 <= pair[0] < pair[1] < num_layers]
+    bad = [pair for pair in skips if not 0 <= pair[0] < pair[1] < num_blocks]
     if bad:
-        raise ValueError(f"long skips must be (producer, consumer) pairs, producer < consumer < {num_layers}: {bad}")
-    half = num_layers // 2
-    max_degree = num_layers if placement == "linear" else half
+        raise ValueError(f"long skips must be (producer, consumer) pairs, producer < consumer < {num_blocks}: {bad}")
+    half = num_blocks // 2
+    max_degree = num_blocks if placement == "linear" else half
     if not isinstance(degree, int) or isinstance(degree, bool) or not 1 <= degree <= max_degree:
         need = {
             "folded": "2 x degree blocks (a chunk and its mirror per rank)",
@@ -280,7 +280,7 @@ def stage_plan(
         }[placement]
         raise ConfigError(
             "parallel.pipefusion_degree",
-            f"must be from 1 to {max_degree} for a {num_layers}-block model with {placement} placement, which needs "
+            f"must be from 1 to {max_degree} for a {num_blocks}-block model with {placement} placement, which needs "
             f"{need} (got {degree!r})",
         )
 
@@ -291,17 +291,17 @@ def stage_plan(
         for r in range(degree):  # outbound: chunk r of the first half
             route.append(Segment(len(route), r, tuple(range(starts[r], starts[r + 1]))))
         for r in reversed(range(degree)):  # return: mirror of chunk r
-            route.append(Segment(len(route), r, tuple(range(num_layers - starts[r + 1], num_layers - starts[r]))))
+            route.append(Segment(len(route), r, tuple(range(num_blocks - starts[r + 1], num_blocks - starts[r]))))
     elif placement == "balanced":
         totals = None
         if stage_split is not None:
             what = "the blocks each rank runs (a chunk each way)"
-            totals = tuple(_check_split(stage_split, degree, num_layers, what, least=2))
-        cuts = _balanced_cuts(num_layers, degree, totals, skips)
+            totals = tuple(_check_split(stage_split, degree, num_blocks, what, least=2))
+        cuts = _balanced_cuts(num_blocks, degree, totals, skips)
         if cuts is None:
             raise ConfigError(
                 "parallel.placement",
-                f"'balanced' found no split of {num_layers} blocks over {degree} ranks in which every long skip "
+                f"'balanced' found no split of {num_blocks} blocks over {degree} ranks in which every long skip "
                 f"that crosses ranks can travel with the patch's hand-offs (none may go from a lower rank's outbound "
                 f"chunk into a higher rank's return chunk); use 'folded' or 'linear' (got 'balanced')",
             )
@@ -314,7 +314,7 @@ def stage_plan(
             route.append(Segment(len(route), r, tuple(range(start, start + totals[r] - outbound[r]))))
             start += totals[r] - outbound[r]
     else:
-        sizes = _check_split(stage_split, degree, num_layers, "the blocks each rank runs")
+        sizes = _check_split(stage_split, degree, num_blocks, "the blocks each rank runs")
         start = 0
         for r, size in enumerate(sizes):
             route.append(Segment(r, r, tuple(range(start, start + size))))
@@ -325,4 +325,4 @@ def stage_plan(
     reserved = {"hidden", "skip", "latent", "cfg"} & set(streams)
     if reserved:
         raise ValueError(f"stream names {sorted(reserved)} are taken by the engine's own messages")
-    return StagePlan(num_layers, degree, placement, tuple(route), edges, tuple(streams))
+    return StagePlan(num_blocks, degree, placement, tuple(route), edges, tuple(streams))

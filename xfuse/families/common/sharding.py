@@ -42,8 +42,8 @@ class ShardedStage(nn.Module):
     def __init__(self, transformer: nn.Module, plan: StagePlan, rank: int):
         super().__init__()
         num_blocks = self.spec.num_blocks(transformer.config)
-        if num_blocks != plan.num_layers:
-            raise ValueError(f"stage plan is for {plan.num_layers} blocks but the transformer has {num_blocks}")
+        if num_blocks != plan.num_blocks:
+            raise ValueError(f"stage plan is for {plan.num_blocks} blocks but the transformer has {num_blocks}")
         self.plan, self.rank = plan, rank
         self.block_ids = plan.blocks_of(rank)
         lists = [getattr(transformer, name) for name in self.blocks_attrs]
