@@ -22,7 +22,7 @@ import torch
 
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.parallel.patch_grid import PatchGrid
-from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule, protocol
+from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
 from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import StagePlan
@@ -245,24 +245,24 @@ class _Run:
         i = 0
         while i < len(program):
             action, task = program[i]
-            if action in ("send", "post"):  # coalesce a task's sends with the next posts: one batch call
+            if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call
                 send_tasks: list[Task] = []
                 post_tasks: list[Task] = []
-                while i < len(program) and program[i][0] in ("send", "post"):
-                    (send_tasks if program[i][0] == "send" else post_tasks).append(program[i][1])
+                while i < len(program) and program[i][0] in (Action.SEND, Action.POST):
+                    (send_tasks if program[i][0] == Action.SEND else post_tasks).append(program[i][1])
                     i += 1
                 self._exchange(send_tasks, post_tasks)
                 continue
-            if action == "wait_send" and task in self.sends:
+            if action == Action.WAIT_SEND and task in self.sends:
                 with self.span("send wait", COMM, step=task.step, patch=task.patch):
                     for handle in self.sends.pop(task):
                         handle.wait()
-            elif action == "compute":
+            elif action == Action.COMPUTE:
                 self._compute(task, self._received(task))
                 self._release(task)
                 if self.req.on_progress is not None and last_of_step.get(task.step) == task:
                     self.req.on_progress(task.step)
-            # "wait_recv" is folded into "compute": the buffers are waited for right before use.
+            # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
         return self.latents if self.me == self.plan.embed_rank else None
 

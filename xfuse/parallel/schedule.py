@@ -32,10 +32,25 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from enum import Enum
 
 from xfuse.parallel.stage_plan import SkipEdge, StagePlan
 
 COLLECT = -1  # hop of the tasks that receive the final latents on the embedding rank (linear placement)
+
+
+class Action(str, Enum):
+    """What a rank's protocol does next with a task (``protocol``); a ``str`` so programs print and compare as
+    their names."""
+
+    POST = "post"  # post the task's receives
+    WAIT_RECV = "wait_recv"  # wait for them (the engine folds this into COMPUTE: buffers are waited for before use)
+    COMPUTE = "compute"
+    SEND = "send"  # issue the task's sends (coalesced with the next POSTs into one call)
+    WAIT_SEND = "wait_send"  # wait for sends, once the timeline says their receivers posted them
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, order=True)
@@ -252,7 +267,7 @@ def build_schedule(
     )
 
 
-def protocol(schedule: Schedule, rank: int, lookahead: int):
+def protocol(schedule: Schedule, rank: int, lookahead: int) -> list[tuple[Action, Task]]:
     """The communication protocol of ``rank`` as the engine runs it: a list of (action, task) pairs.
 
     Actions: ``post`` (the task's receives), ``wait_recv``, ``compute``, ``send`` (the task's sends, issued with the
@@ -263,19 +278,19 @@ def protocol(schedule: Schedule, rank: int, lookahead: int):
     """
     order = schedule.orders[rank]
     posted_at = schedule.recv_post_times(lookahead)
-    actions = [("post", t) for t in order[:lookahead]]
+    actions = [(Action.POST, t) for t in order[:lookahead]]
     pending: list[Task] = []  # tasks whose sends were issued and not yet waited for
     for i, task in enumerate(order):
         now = schedule.times[task][0]
         ready = [t for t in pending if all(posted_at[m] <= now for m in schedule.sends(t))]
-        actions.extend(("wait_send", t) for t in ready)
+        actions.extend((Action.WAIT_SEND, t) for t in ready)
         pending = [t for t in pending if t not in ready]
-        actions += [("wait_recv", task), ("compute", task), ("send", task)]
+        actions += [(Action.WAIT_RECV, task), (Action.COMPUTE, task), (Action.SEND, task)]
         if i + lookahead < len(order):
-            actions.append(("post", order[i + lookahead]))
+            actions.append((Action.POST, order[i + lookahead]))
         if schedule.sends(task):
             pending.append(task)
-    actions.extend(("wait_send", t) for t in pending)
+    actions.extend((Action.WAIT_SEND, t) for t in pending)
     return actions
 
 
@@ -311,11 +326,11 @@ def check_protocol(schedule: Schedule, lookahead: int) -> None:
 
     def blocked(rank):
         action, task = programs[rank][pc[rank]]
-        if action == "wait_recv":
+        if action == Action.WAIT_RECV:
             for m in schedule.recvs(task):
                 if n_sent[(m.src, m.dst)] <= index[m]:
                     return m
-        if action == "wait_send":
+        if action == Action.WAIT_SEND:
             for m in schedule.sends(task):
                 if n_posted[(m.src, m.dst)] <= index[m]:
                     return m
@@ -327,10 +342,10 @@ def check_protocol(schedule: Schedule, lookahead: int) -> None:
         for rank in ranks:
             while pc[rank] < len(programs[rank]) and blocked(rank) is None:
                 action, task = programs[rank][pc[rank]]
-                if action == "post":
+                if action == Action.POST:
                     for m in schedule.recvs(task):
                         n_posted[(m.src, m.dst)] += 1
-                elif action == "send":
+                elif action == Action.SEND:
                     for m in schedule.sends(task):
                         n_sent[(m.src, m.dst)] += 1
                 pc[rank] += 1
