@@ -380,9 +380,6 @@ _SECTIONS: dict[str, type[_Section]] = {
     c.SECTION: c for c in (ParallelConfig, CommConfig, RuntimeConfig, GenerationConfig, ServeConfig)
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = ("model", *_SECTIONS)
-# Sections a pipeline built from Python has none of (None): the defaults of ``xfuse generate``'s and ``xfuse serve``'s
-# requests, and the server's settings.
-REQUEST_SECTIONS: tuple[str, ...] = ("generation", "serve")
 
 
 def _unknown_key_error(section: str | None, key: Any, known: Sequence[str]) -> ConfigError:

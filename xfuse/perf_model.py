@@ -70,11 +70,6 @@ def block_flops(query_tokens: int, image_tokens: int, batch: int = BATCH) -> flo
     return batch * (linear + attention)
 
 
-def step_flops(size: int) -> float:
-    tokens = (size // 16) ** 2
-    return LAYERS * block_flops(tokens, tokens)
-
-
 def _duration(schedule: Schedule, grid: PatchGrid, compute: ComputeProfile):
     route = schedule.plan.route
 

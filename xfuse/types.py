@@ -1,5 +1,6 @@
-"""The allowed values of xfuse's settings, one home each: the config validates against these ``Literal`` types, the
-planner and the pipelines read their tuples. Pure: importing it imports nothing else of xfuse, nor torch."""
+"""The allowed values of xfuse's settings, one home each: the config validates against these ``Literal`` types; the
+planner and the pipelines, which check placements and dtypes themselves, read those tuples. Pure: importing it
+imports nothing else of xfuse, nor torch."""
 
 from typing import Literal, get_args
 
@@ -10,7 +11,4 @@ Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA when available
 DtypeName = Literal["float32", "bfloat16", "float16"]  # torch's names (``getattr(torch, name)``)
 
 PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
-BACKENDS: tuple[Backend, ...] = get_args(Backend)
-WAITS: tuple[Wait, ...] = get_args(Wait)
-DEVICES: tuple[Device, ...] = get_args(Device)
 DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)

@@ -63,17 +63,6 @@ class Scene:
         return {name: values.index(getattr(self, name)) for name, values in ATTRIBUTES.items()}
 
 
-def every_scene() -> list[Scene]:
-    """Every attribute combination, position named: 4 x 3 x 2 x 5 = 120 scenes."""
-    return [
-        Scene(color, shape, background, position)
-        for color in COLORS
-        for shape in SHAPES
-        for background in BACKGROUNDS
-        for position in POSITIONS
-    ]
-
-
 def random_scene(rng: random.Random, say_position_p: float = 0.75) -> Scene:
     return Scene(
         rng.choice(tuple(COLORS)),

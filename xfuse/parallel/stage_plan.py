@@ -95,10 +95,6 @@ class StagePlan:
         """Global indices of the blocks ``rank`` keeps, ascending."""
         return tuple(sorted(b for seg in self.route if seg.rank == rank for b in seg.blocks))
 
-    def segments_of(self, rank: int) -> tuple[Segment, ...]:
-        """The route segments ``rank`` runs, in route order."""
-        return tuple(seg for seg in self.route if seg.rank == rank)
-
     @property
     def handoffs(self) -> tuple[Handoff, ...]:
         """Hidden-state transfers along the route (consecutive segments on different ranks)."""
