@@ -100,8 +100,8 @@ def predicted_latency(r: dict, link: str) -> str:
 
     if link not in LINKS:
         raise ConfigError("--predict", f"must be one of {', '.join(LINKS)} (got {link!r})")
-    cfg = r["config"]
-    par = cfg.parallel
+    config = r["config"]
+    par = config.parallel
     size = r["height"]
     shape = (r["spec"], r["num_layers"], r["hidden_size"])
     if shape != (HUNYUANDIT, 40, 1408) or r["width"] != size or size not in A100.outside_loop:
@@ -118,7 +118,7 @@ def predicted_latency(r: dict, link: str) -> str:
         degree=par.pipefusion_degree,
         placement=r["plan"].placement,
         size=size,
-        steps=cfg.generation.num_inference_steps,
+        steps=config.generation.num_inference_steps,
         warmup=par.warmup_steps,
         num_patches=par.resolved_num_patches,
         split=par.stage_split,
@@ -131,16 +131,16 @@ def predicted_latency(r: dict, link: str) -> str:
 
 def format_plan_report(r: dict) -> str:
     """The report as the text ``xfuse plan`` prints."""
-    cfg, plan, grid = r["config"], r["plan"], r["grid"]
-    par = cfg.parallel
+    config, plan, grid = r["config"], r["plan"], r["grid"]
+    par = config.parallel
     lines = [
         f"model {r['model']} ({r['spec'].name}): {r['num_blocks']} blocks, hidden {r['hidden_size']}, "
         f"patch size {r['patch_size']}",
         f"image {r['height']}x{r['width']} px -> latent {grid.latent_height}x{grid.latent_width} -> "
         f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r['batch']}; {r['dtype']}",
-        f"world {cfg.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "
+        f"world {config.world_size} = pipefusion {par.pipefusion_degree} x config {par.cfg_degree}; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
-        f"{cfg.generation.num_inference_steps} steps",
+        f"{config.generation.num_inference_steps} steps",
         "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),
         "route of a patch: " + " -> ".join(f"r{s.rank}[{_ranges(s.blocks)}]" for s in plan.route),
         f"what crosses ranks per patch ({r['spec'].name}): {r['spec'].crosses_per_patch}",

@@ -147,19 +147,19 @@ class _Run:
         messages: dict,
         tracer: Tracer | None = None,
     ):
-        self.e, self.req, self.grid, self.schedule = engine, request, grid, schedule
+        self.engine, self.request, self.grid, self.schedule = engine, request, grid, schedule
         self.recv_msgs = {t: r for t, (r, _) in messages.items()}  # task -> messages it receives, in order
         self.send_msgs = {t: s for t, (_, s) in messages.items()}  # task -> messages it sends, in order
         self.span = tracer.span if tracer is not None else null_span
-        self.plan, self.stage, self.me = engine.plan, engine.stage, engine.pipe_rank
+        self.plan, self.stage, self.pipe_rank = engine.plan, engine.stage, engine.pipe_rank
         latents = request.latents
-        self.latents = latents.clone() if self.me in (self.plan.output_rank, self.plan.embed_rank) else None
+        self.latents = latents.clone() if self.pipe_rank in (self.plan.output_rank, self.plan.embed_rank) else None
         self.token_cols = grid.token_cols
         # (hidden, streams) handed to this same rank's next segment
         self.local: dict[Task, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
         self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
-        if self.me == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
+        if self.pipe_rank == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
             self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.own_latents, request.timesteps[0])
         self.conds: dict[int, Any] = {}
         self.part_size = request.model_batch // schedule.batch_parts  # transformer batch rows of a batch part
@@ -170,7 +170,7 @@ class _Run:
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
         self.patch_schedulers: list | None = None  # output rank, from the first pipelined step: one per patch
         self.patch_kwargs: list[dict] = []  # output rank: each patch's scheduler.step keywords (its own generator)
-        if self.me == self.plan.output_rank:
+        if self.pipe_rank == self.plan.output_rank:
             # scheduler.step gets host timesteps and the scheduler keeps its own on the host too: schedulers compare
             # and index them (DDPM's previous_timestep, alphas_cumprod[t]), and on a device every such lookup is a
             # host/device synchronisation per patch. One copy per request instead; the math is unchanged (diffusers'
@@ -184,7 +184,7 @@ class _Run:
     @property
     def own_latents(self) -> torch.Tensor:
         """The whole latent this rank keeps: only the embedding and output ranks keep one (the others never ask)."""
-        assert self.latents is not None, f"pipeline rank {self.me} keeps no latents"
+        assert self.latents is not None, f"pipeline rank {self.pipe_rank} keeps no latents"
         return self.latents
 
     # --- shapes -------------------------------------------------------------------------------------------
@@ -195,19 +195,19 @@ class _Run:
         return BatchPart(part, self.schedule.batch_parts, self.part_size)
 
     def _shape(self, m: Message) -> tuple:
-        lat = self.req.latents
+        lat = self.request.latents
         rows = lat.shape[2] if m.patch is None else self.grid[m.patch].num_rows * self.grid.patch_size
         if m.kind == "latent":
             return (lat.shape[0], lat.shape[1], rows, lat.shape[3])  # (B, C, rows, W)
-        batch = self.req.model_batch if m.part is None else self.part_size
+        batch = self.request.model_batch if m.part is None else self.part_size
         if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it
-            return (batch, *self.req.stream_shapes[m.kind][1:])
+            return (batch, *self.request.stream_shapes[m.kind][1:])
         tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
         return (batch, tokens, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
 
     # --- communication --------------------------------------------------------------------------------------
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
-        group, dtype = self.e.group_ranks, self.req.latents.dtype
+        group, dtype = self.engine.group_ranks, self.request.latents.dtype
         sends: list[Send] = []
         send_owner: list[Task] = []
         for task in send_tasks:
@@ -222,8 +222,8 @@ class _Run:
                 posted.append(m)
         if not sends and not recvs:
             return
-        assert self.e.channels is not None  # messages flow only between ranks, and then the engine has channels
-        send_handles, recv_handles = self.e.channels.exchange(sends, recvs)
+        assert self.engine.channels is not None  # messages flow only between ranks, and then the engine has channels
+        send_handles, recv_handles = self.engine.channels.exchange(sends, recvs)
         for task, handle in zip(send_owner, send_handles, strict=True):
             self.sends.setdefault(task, []).append(handle)
         self.recvs.update(zip(posted, recv_handles, strict=True))
@@ -241,7 +241,7 @@ class _Run:
 
     # --- the loop -------------------------------------------------------------------------------------------
     def execute(self, program) -> torch.Tensor | None:
-        last_of_step = {t.step: t for t in self.schedule.orders[self.me] if t.hop != COLLECT}
+        last_of_step = {t.step: t for t in self.schedule.orders[self.pipe_rank] if t.hop != COLLECT}
         i = 0
         while i < len(program):
             action, task = program[i]
@@ -260,11 +260,11 @@ class _Run:
             elif action == Action.COMPUTE:
                 self._compute(task, self._received(task))
                 self._release(task)
-                if self.req.on_progress is not None and last_of_step.get(task.step) == task:
-                    self.req.on_progress(task.step)
+                if self.request.on_progress is not None and last_of_step.get(task.step) == task:
+                    self.request.on_progress(task.step)
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
-        return self.latents if self.me == self.plan.embed_rank else None
+        return self.latents if self.pipe_rank == self.plan.embed_rank else None
 
     def _label(self, task: Task) -> str:
         where = "whole" if task.patch is None else f"p{task.patch}"
@@ -278,7 +278,7 @@ class _Run:
     def _cond(self, step: int):
         if step not in self.conds:
             self.conds.pop(step - 2, None)  # at most two steps are in flight on a rank
-            self.conds[step] = self.req.conditioning(step, self.req.timesteps[step])
+            self.conds[step] = self.request.conditioning(step, self.request.timesteps[step])
         return self.conds[step]
 
     def _compute(self, task: Task, received: dict[Message, torch.Tensor]) -> None:
@@ -338,7 +338,7 @@ class _Run:
             for m in self.send_msgs[task]:
                 if m.kind == "latent":
                     outgoing[m] = next_rows.contiguous()
-        elif not last_hop and plan.route[task.hop + 1].rank == self.me:
+        elif not last_hop and plan.route[task.hop + 1].rank == self.pipe_rank:
             self.local[task] = (hidden, streams)  # picked up by this rank's next segment
         if outgoing:
             self.outgoing[task] = outgoing
@@ -364,10 +364,10 @@ class _Run:
         after the first: ``None``, it takes its rows of the input the first part built)."""
         if task.part is None:
             assert rows is not None
-            return self.req.model_input(rows)  # (B, C, h, W) -> (B_model, C, h, W)
+            return self.request.model_input(rows)  # (B, C, h, W) -> (B_model, C, h, W)
         if task.part == 0:
             assert rows is not None
-            self.part_input = self.req.model_input(rows)
+            self.part_input = self.request.model_input(rows)
         assert self.part_input is not None  # built by part 0, which runs first
         part_rows = self.part_input[self._part(task.part).rows]  # (B_model, ...) -> (part rows, ...)
         if self.schedule.is_last_part(task):
@@ -381,7 +381,7 @@ class _Run:
         batch order (the [uncond, cond] halves guidance combines) and steps the whole latent. ``None`` until then.
         """
         step, patch = task.step, task.patch
-        req, rows = self.req, self._rows(patch)
+        req, rows = self.request, self._rows(patch)
         output = self.stage.head(hidden, cond, self.token_cols)  # (B_model or a part's rows, C_out, h, W)
         if task.part is not None:
             self.head_parts.append(output)
@@ -413,7 +413,7 @@ class _Run:
     def _route_stepped(self, step: int, patch, stepped: torch.Tensor) -> torch.Tensor:
         """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final
         latent rows)."""
-        req, rows, latents = self.req, self._rows(patch), self.own_latents
+        req, rows, latents = self.request, self._rows(patch), self.own_latents
         latents[:, :, rows] = stepped
         if req.on_step_end is not None and patch in (None, self.grid.num_patches - 1):
             req.on_step_end(step, latents)
@@ -425,6 +425,6 @@ class _Run:
             assert self.patch_schedulers is not None  # split at the first pipelined step, before any patch stepped
             scheduler = self.patch_schedulers[patch]
         next_rows = _scale_model_input(scheduler, stepped, self.host_timesteps[step + 1])
-        if self.plan.embed_rank == self.me:  # folded: the next step's input stays here
+        if self.plan.embed_rank == self.pipe_rank:  # folded: the next step's input stays here
             self.inputs[(step + 1, patch)] = next_rows
         return next_rows

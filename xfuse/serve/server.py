@@ -202,18 +202,18 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
                 "warmup_steps": str(par.warmup_steps),
             },
         )
-        serve_cfg = config.serve
+        settings = config.serve
         service = Service(
             world_size=config.world_size,
-            max_queue=serve_cfg.max_queue,
-            request_timeout_s=serve_cfg.request_timeout_s,
-            heartbeat_interval_s=serve_cfg.heartbeat_interval_s,
-            heartbeat_timeout_s=serve_cfg.heartbeat_timeout_s,
+            max_queue=settings.max_queue,
+            request_timeout_s=settings.request_timeout_s,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
             metrics=metrics,
         )
         drain.service = service
-        app = create_app(service, api_key=api_key, max_body_bytes=serve_cfg.max_body_bytes)
-        http = HttpServer(app, serve_cfg.host, serve_cfg.port)
+        app = create_app(service, api_key=api_key, max_body_bytes=settings.max_body_bytes)
+        http = HttpServer(app, settings.host, settings.port)
         http.start()
         print(f"xfuse serve: listening on {http.url} (starting: loading {config.model})", flush=True)
     try:
@@ -226,12 +226,12 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
             http.linger(LINGER_S)
             http.stop()
         raise
-    context, serve_cfg = pipe.context, config.serve
+    context, settings = pipe.context, config.serve
     control = ControlPlane(
         rank=context.rank,
         world_size=context.world_size,
         group=context.control_group,
-        heartbeat_timeout_s=serve_cfg.heartbeat_timeout_s,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
         idle_timeout_s=config.comm.timeout_s,
     )
     if rank != 0:
@@ -251,7 +251,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
             pipe,
             control,
             service,
-            heartbeat_interval_s=serve_cfg.heartbeat_interval_s,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
             drain=drain,
             http_alive=http.thread.is_alive,
         )
