@@ -13,7 +13,7 @@ from xfuse.runtime.stderr import write_stderr
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", help="YAML file (keys: model, parallel, comm, runtime, generation)")
+    parser.add_argument("--config", "-c", help="YAML file (keys: model, parallel, comm, runtime, generation, serve)")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -44,7 +44,7 @@ def cmd_generate(args) -> int:
     pipe = build_pipeline(config)
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
-    if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/faults.py
+    if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/runtime/faults.py
         from xfuse.runtime.faults import install
 
         install(pipe.stage, pipe.context.rank)

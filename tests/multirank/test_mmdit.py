@@ -94,7 +94,7 @@ def staged(stages, plan, latents, cond_of, grid, patched):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_same_input_replay_patch_by_patch_equals_the_whole_image_pass(preset, degree):
     """A whole-image pass, then the same input band by band (patch 0 owns the text, later patches carry zero text
-    tokens against its text K/V) equals diffusers' forward (models.md §1.6: 0.0 observed)."""
+    tokens against its text K/V) equals diffusers' forward (docs/models.md: 0.0 observed)."""
     spec, pipe = model_spec(preset), tiny(preset)
     plan = plan_of(preset, degree)
     grid = grid_of(spec, pipe, HEIGHT, WIDTH, 3)  # 8 token rows: bands of 3, 3, 2
@@ -215,7 +215,7 @@ def test_oracle_catches_text_recomputed_per_patch(monkeypatch, preset):
         return run_segment(self, hidden, segment, cond, whole, skips, keep_kv, streams)
 
     monkeypatch.setattr(JointStage, "run_segment", every_patch_owns_text)
-    assert rel_max(run(), oracle(preset, 3, 1, 2.0)) > 2e-5  # observed ~1e-4 (models.md: 6e-5 - 3e-4)
+    assert rel_max(run(), oracle(preset, 3, 1, 2.0)) > 2e-5  # observed ~1e-4 (shared research/models.md: 6e-5 - 3e-4)
 
 
 # --- the pipeline classes against diffusers' pipelines ---------------------------------------------------------

@@ -51,8 +51,9 @@ def plan(degree, placement):
 
 @pytest.mark.parametrize("degree,placement", [(1, "linear"), (2, "linear"), (3, "linear"), (4, "folded")])
 def test_same_input_replay_patch_by_patch_equals_the_whole_image_pass(degree, placement):
-    """models.md §1.6: after a whole-image pass has filled the K/V buffers, the same input patch by patch (uneven
-    bands, positions sliced from the whole table) gives the whole-image output; both equal diffusers' forward."""
+    """The same-input replay (docs/models.md; the shared research/models.md §1.6): after a whole-image pass has
+    filled the K/V buffers, the same input patch by patch (uneven bands, positions sliced from the whole table)
+    gives the whole-image output; both equal diffusers' forward."""
     model = tiny_pixart().transformer
     g = torch.Generator().manual_seed(1)
     latents, text = torch.randn(2, 4, 16, 12, generator=g), torch.randn(2, 300, 32, generator=g)

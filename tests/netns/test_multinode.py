@@ -1,4 +1,4 @@
-"""Multi-node for real: two torchrun agents in two network namespaces (tests/netns.py), 2 ranks each.
+"""Multi-node for real: two torchrun agents in two network namespaces (tests/support/netns.py), 2 ranks each.
 
 One pair of namespaces per module; each test starts its own 2-node job. The image of a 2-node run must equal the
 single-node run's bit for bit; a decoy interface (named, or picked by host name) must be refused at start-up on

@@ -5,7 +5,7 @@
 
 Runs two blocks of the ``small`` preset on the tokens of a 512 px image (CFG batch 2) ``PASSES`` times and prints
 the minor page faults of each pass as a JSON list; the first ``SETTLE`` passes are the heap growing to its peak.
-``block_pass_faults`` is also run in a rank after ``build_pipeline`` (tests/pipeline_fns.py).
+``block_pass_faults`` is also run in a rank after ``build_pipeline`` (tests/support/pipeline_fns.py).
 """
 
 import json

@@ -83,7 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "qk_norm": None,
         "default_size": 256,
     },
-    # The released transformers (scripts/convert_sd3_to_diffusers.py: heads = blocks, head dim 64).
+    # The released transformers (diffusers' scripts/convert_sd3_to_diffusers.py: heads = blocks, head dim 64).
     "sd3-medium": {
         "num_layers": 24,
         "num_attention_heads": 24,
