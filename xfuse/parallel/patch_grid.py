@@ -79,8 +79,8 @@ def patch_grid(latent_height: int, latent_width: int, num_patches: int, patch_si
 
     Raises:
         ConfigError: ``parallel.num_patches`` outside ``1 … token rows``, or a latent side that is not a multiple of
-            ``patch_size`` (named ``generation.height`` / ``generation.width``; ``check_world`` says it in pixels
-            first, with the family's VAE factor).
+            ``patch_size`` (named ``generation.height`` / ``generation.width``; ``ModelSpec.check_layout`` says it in
+            pixels first, with the family's VAE factor).
     """
     for key, side in (("generation.height", latent_height), ("generation.width", latent_width)):
         if side <= 0 or side % patch_size:
