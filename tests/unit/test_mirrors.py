@@ -55,3 +55,15 @@ def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
     assert cls.__name__ == spec.pipeline_name == f"PipeFusion{spec.diffusers_pipeline}"
     assert getattr(xfuse, spec.pipeline_name) is cls and getattr(xfuse.pipelines, spec.pipeline_name) is cls
     assert spec.pipeline_name in xfuse.__all__ and spec.pipeline_name in xfuse.pipelines.__all__
+
+
+def test_a_name_two_families_claim_is_refused_when_the_registry_loads():
+    """A new family folder copied from another keeps its presets until renamed: the registry must say so, not let
+    the later family silently take the earlier one's presets."""
+    import dataclasses
+
+    from xfuse.families import registry
+
+    copy = dataclasses.replace(registry.FLUX, name="flux-copy")
+    with pytest.raises(ValueError, match="preset 'flux-tiny' is claimed by two families: flux and flux-copy"):
+        registry._by_name("preset", ((p, s) for s in (*registry.FAMILIES, copy) for p in s.presets))

@@ -19,8 +19,20 @@ from xfuse.families.spec import ModelSpec
 
 FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX)
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in FAMILIES}
-PRESET_MODELS: dict[str, ModelSpec] = {preset: spec for spec in MODEL_SPECS.values() for preset in spec.presets}
+
+def _by_name(kind: str, entries) -> dict[str, ModelSpec]:
+    """``name -> spec``, refusing a name that two families claim: a new family folder must bring new names, or the
+    later family would silently take the other's presets or folders."""
+    table: dict[str, ModelSpec] = {}
+    for name, spec in entries:
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is claimed by two families: {table[name].name} and {spec.name}")
+        table[name] = spec
+    return table
+
+
+MODEL_SPECS = _by_name("family name", ((spec.name, spec) for spec in FAMILIES))
+PRESET_MODELS = _by_name("preset", ((preset, spec) for spec in FAMILIES for preset in spec.presets))
 # Trained models shipped inside the package (diffusers folders in xfuse/assets/): ``model: shapes`` is that folder.
 # Both are trained on ``xfuse.assets.shapes_world``'s captioned scenes by scripts/train_tiny.py, on one VAE:
 # ``shapes`` a HunyuanDiT (its folder also holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ.
@@ -33,7 +45,7 @@ def resolve_model(model: str) -> str:
     return SHIPPED_MODELS.get(model, model)
 
 
-_BY_PIPELINE = {spec.diffusers_pipeline: spec for spec in MODEL_SPECS.values()}
+_BY_PIPELINE = _by_name("diffusers pipeline", ((spec.diffusers_pipeline, spec) for spec in FAMILIES))
 
 
 def model_spec(model: str) -> ModelSpec:
