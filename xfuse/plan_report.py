@@ -103,7 +103,7 @@ def predicted_latency(r: dict, link: str) -> str:
     config = r["config"]
     par = config.parallel
     size = r["height"]
-    shape = (r["spec"], r["num_layers"], r["hidden_size"])
+    shape = (r["spec"], r["num_blocks"], r["hidden_size"])
     if shape != (HUNYUANDIT, 40, 1408) or r["width"] != size or size not in A100.outside_loop:
         return (
             f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "

@@ -85,3 +85,24 @@ def test_warmup_in_batch_parts_is_faster_from_two_gpus_on(link):
             step = (whole - profile.outside_loop[1024]) / 50  # one whole-image step on one GPU
         else:  # saving at most the two warm-up steps' time
             assert whole - 2 * step < split < whole, degree
+
+
+def test_the_plan_report_predicts_the_dit_g2_shape_and_refuses_others():
+    """``xfuse plan --predict``: the report's block count and width select the modelled shape."""
+    from xfuse.config import config_from_dict
+    from xfuse.plan_report import plan_report, predicted_latency
+
+    def config(model):
+        return config_from_dict(
+            {
+                "model": model,
+                "parallel": {"pipefusion_degree": 2},
+                "generation": {"height": 1024, "width": 1024, "num_inference_steps": 50},
+            }
+        )
+
+    seconds = predict(A100, LINKS["a100-nvlink"], degree=2, placement="folded", size=1024, steps=50, warmup=1)
+    assert predicted_latency(plan_report(config("dit-g2")), "a100-nvlink").startswith(
+        f"predicted latency ({LINKS['a100-nvlink'].name}): {seconds:.1f} s per image"
+    )
+    assert "only for the HunyuanDiT-g/2 shape" in predicted_latency(plan_report(config("small")), "a100-nvlink")
