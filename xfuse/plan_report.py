@@ -138,7 +138,7 @@ def format_plan_report(r: dict) -> str:
         f"patch size {r['patch_size']}",
         f"image {r['height']}x{r['width']} px -> latent {grid.latent_height}x{grid.latent_width} -> "
         f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r['batch']}; {r['dtype']}",
-        f"world {config.world_size} = pipefusion {par.pipefusion_degree} x config {par.cfg_degree}; placement "
+        f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{config.generation.num_inference_steps} steps",
         "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),

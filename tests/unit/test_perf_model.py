@@ -2,10 +2,12 @@
 
 import pytest
 
+from xfuse.config import ConfigError, config_from_dict
 from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel.schedule import build_schedule
 from xfuse.parallel.stage_plan import stage_plan
 from xfuse.perf_model import A100, LINKS, LinkProfile, block_flops, l40_profile, predict, replay
+from xfuse.plan_report import format_plan_report, plan_report, predicted_latency
 
 
 @pytest.mark.parametrize(
@@ -87,22 +89,42 @@ def test_warmup_in_batch_parts_is_faster_from_two_gpus_on(link):
             assert whole - 2 * step < split < whole, degree
 
 
-def test_the_plan_report_predicts_the_dit_g2_shape_and_refuses_others():
-    """``xfuse plan --predict``: the report's block count and width select the modelled shape."""
-    from xfuse.config import config_from_dict
-    from xfuse.plan_report import plan_report, predicted_latency
-
-    def config(model):
-        return config_from_dict(
-            {
-                "model": model,
-                "parallel": {"pipefusion_degree": 2},
-                "generation": {"height": 1024, "width": 1024, "num_inference_steps": 50},
-            }
-        )
-
-    seconds = predict(A100, LINKS["a100-nvlink"], degree=2, placement="folded", size=1024, steps=50, warmup=1)
-    assert predicted_latency(plan_report(config("dit-g2")), "a100-nvlink").startswith(
-        f"predicted latency ({LINKS['a100-nvlink'].name}): {seconds:.1f} s per image"
+def _plan_config(model, **parallel):
+    generation = {"height": 1024, "width": 1024, "num_inference_steps": 50}
+    return config_from_dict(
+        {"model": model, "parallel": {"pipefusion_degree": 2, **parallel}, "generation": generation}
     )
-    assert "only for the HunyuanDiT-g/2 shape" in predicted_latency(plan_report(config("small")), "a100-nvlink")
+
+
+@pytest.mark.parametrize("link", ["a100-nvlink", "l40-pcie"])
+def test_the_plan_report_predicts_the_dit_g2_shape_on_each_link(link):
+    """``xfuse plan --predict LINK``: plan_report's block count, width and plan reach perf_model.predict."""
+    report = plan_report(_plan_config("dit-g2"))
+    assert "world 2 = pipefusion 2 x cfg 1; placement balanced; 2 patches" in format_plan_report(report)
+    profile = A100 if link == "a100-nvlink" else l40_profile(A100)
+    seconds = predict(profile, LINKS[link], degree=2, placement="balanced", size=1024, steps=50, warmup=1)
+    assert predicted_latency(report, link).startswith(
+        f"predicted latency ({LINKS[link].name}): {seconds:.1f} s per image"
+    )
+
+
+@pytest.mark.parametrize(
+    "model,parallel,link,says",
+    [
+        (
+            "small",
+            {},
+            "a100-nvlink",
+            "only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at square [1024, 2048] px",
+        ),
+        ("dit-g2", {"cfg_degree": 2}, "l40-pcie", "the model does not cover cfg_degree 2"),
+    ],
+)
+def test_the_plan_report_says_what_it_cannot_predict(model, parallel, link, says):
+    report = plan_report(_plan_config(model, **parallel))
+    assert predicted_latency(report, link) == f"predicted latency ({link}): {says}"
+
+
+def test_the_plan_report_refuses_an_unknown_link_by_its_option():
+    with pytest.raises(ConfigError, match=r"--predict: must be one of a100-nvlink, l40-pcie \(got 'h100'\)"):
+        predicted_latency(plan_report(_plan_config("dit-g2")), "h100")
