@@ -8,11 +8,10 @@ def __getattr__(name: str):
     # Lazy (PEP 562): importing xfuse (every test rank does) must not import diffusers, nor the families. Each
     # family's pipeline is ``PipeFusion`` + its diffusers pipeline's name, listed by the registry; ``__all__`` too
     # is read from there, so a new family folder is exported without a line here.
-    from xfuse.families.registry import FAMILIES
+    from xfuse.families.registry import PIPELINE_SPECS
 
-    pipelines = {spec.pipeline_name: spec for spec in FAMILIES}
     if name == "__all__":
-        return [*pipelines, "__version__"]
-    if name in pipelines:
-        return pipelines[name].pipeline_class()
+        return [*PIPELINE_SPECS, "__version__"]
+    if name in PIPELINE_SPECS:
+        return PIPELINE_SPECS[name].pipeline_class()
     raise AttributeError(f"module 'xfuse' has no attribute {name!r}")

@@ -1,6 +1,8 @@
 """The diffusers code xfuse mirrors is named in one format and has not moved since the mirror was written
 (``tests/support/mirrors.py``): a diffusers upgrade that changes a mirrored function fails here, naming it."""
 
+import re
+
 import pytest
 
 from tests.support import mirrors
@@ -57,13 +59,32 @@ def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
     assert spec.pipeline_name in xfuse.__all__ and spec.pipeline_name in xfuse.pipelines.__all__
 
 
-def test_a_name_two_families_claim_is_refused_when_the_registry_loads():
-    """A new family folder copied from another keeps its presets until renamed: the registry must say so, not let
-    the later family silently take the earlier one's presets."""
+@pytest.mark.parametrize(
+    "changes,says",
+    [
+        ({"name": "flux-copy"}, "preset 'flux-tiny' is claimed by two families: flux and flux-copy"),
+        ({"presets": ("flux-copy-tiny",)}, "family name 'flux' is claimed by two families: flux and flux"),
+        (
+            {"name": "flux-copy", "presets": ("flux-copy-tiny",)},
+            "diffusers pipeline 'FluxPipeline' is claimed by two families: flux and flux-copy",
+        ),
+    ],
+    ids=["preset", "family", "diffusers-pipeline"],
+)
+def test_a_name_two_families_claim_is_refused_when_the_registry_loads(changes, says):
+    """A new family folder copied from another keeps its names until renamed: the registry's tables (built by
+    ``_lookups`` when it loads) must say so, not let the later family silently take the earlier one's presets,
+    folders or exports."""
     import dataclasses
 
     from xfuse.families import registry
 
-    copy = dataclasses.replace(registry.FLUX, name="flux-copy")
-    with pytest.raises(ValueError, match="preset 'flux-tiny' is claimed by two families: flux and flux-copy"):
-        registry._by_name("preset", ((p, s) for s in (*registry.FAMILIES, copy) for p in s.presets))
+    assert registry._lookups(registry.FAMILIES) == (
+        registry.MODEL_SPECS,
+        registry.PRESET_MODELS,
+        registry._BY_PIPELINE,
+        registry.PIPELINE_SPECS,
+    )
+    copy = dataclasses.replace(registry.FLUX, **changes)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        registry._lookups((*registry.FAMILIES, copy))

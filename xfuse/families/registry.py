@@ -31,8 +31,18 @@ def _by_name(kind: str, entries) -> dict[str, ModelSpec]:
     return table
 
 
-MODEL_SPECS = _by_name("family name", ((spec.name, spec) for spec in FAMILIES))
-PRESET_MODELS = _by_name("preset", ((preset, spec) for spec in FAMILIES for preset in spec.presets))
+def _lookups(families: tuple[ModelSpec, ...]) -> tuple[dict[str, ModelSpec], ...]:
+    """The registry's tables, built once when it loads: by family name, preset, diffusers pipeline class and xfuse
+    pipeline class (``ModelSpec.pipeline_name``)."""
+    return (
+        _by_name("family name", ((spec.name, spec) for spec in families)),
+        _by_name("preset", ((preset, spec) for spec in families for preset in spec.presets)),
+        _by_name("diffusers pipeline", ((spec.diffusers_pipeline, spec) for spec in families)),
+        _by_name("xfuse pipeline", ((spec.pipeline_name, spec) for spec in families)),
+    )
+
+
+MODEL_SPECS, PRESET_MODELS, _BY_PIPELINE, PIPELINE_SPECS = _lookups(FAMILIES)
 # Trained models shipped inside the package (diffusers folders in xfuse/assets/): ``model: shapes`` is that folder.
 # Both are trained on ``xfuse.assets.shapes_world``'s captioned scenes by scripts/train_tiny.py, on one VAE:
 # ``shapes`` a HunyuanDiT (its folder also holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ.
@@ -43,9 +53,6 @@ SHIPPED_MODELS: dict[str, str] = {name: os.path.join(_ASSETS, name) for name in 
 def resolve_model(model: str) -> str:
     """A shipped model's folder for its name; any other ``model`` (a preset or a folder) unchanged."""
     return SHIPPED_MODELS.get(model, model)
-
-
-_BY_PIPELINE = _by_name("diffusers pipeline", ((spec.diffusers_pipeline, spec) for spec in FAMILIES))
 
 
 def model_spec(model: str) -> ModelSpec:

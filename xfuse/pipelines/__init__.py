@@ -13,11 +13,10 @@ def __getattr__(name: str):
         from xfuse.pipelines.base import PipeFusionPipelineBase
 
         return PipeFusionPipelineBase
-    from xfuse.families.registry import FAMILIES  # the names come from the registry: one line per family
+    from xfuse.families.registry import PIPELINE_SPECS  # the names come from the registry: one line per family
 
-    pipelines = {spec.pipeline_name: spec for spec in FAMILIES}
     if name == "__all__":
-        return sorted([*pipelines, "PipeFusionPipelineBase"])
-    if name in pipelines:
-        return pipelines[name].pipeline_class()
+        return sorted([*PIPELINE_SPECS, "PipeFusionPipelineBase"])
+    if name in PIPELINE_SPECS:
+        return PIPELINE_SPECS[name].pipeline_class()
     raise AttributeError(f"module 'xfuse.pipelines' has no attribute {name!r}")

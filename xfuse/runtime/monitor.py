@@ -90,7 +90,7 @@ class RankState:
         return self.waits[0].peer if self.waits else None
 
     def to_json(self) -> str:
-        return json.dumps({"waits": [dataclasses.asdict(w) for w in self.waits], "idle_s": self.idle_s})
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> RankState:
