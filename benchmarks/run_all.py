@@ -186,7 +186,7 @@ def dit_g2_memory(args) -> dict:
                 ],
             )
         )
-        memory[degree] = dict(param_bytes=r["param_bytes"], kv_bytes=r["kv_bytes"])
+        memory[degree] = dict(param_bytes=r.param_bytes, kv_bytes=r.kv_bytes)
     return memory
 
 

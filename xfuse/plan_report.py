@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from xfuse.config import ConfigError, XfuseConfig
+from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
 from xfuse.families.registry import HUNYUANDIT, model_spec, transformer_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes
-from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.patch_grid import PatchGrid, patch_grid
+from xfuse.parallel.stage_plan import StagePlan
 
 
 def _ranges(blocks) -> str:
@@ -38,13 +41,35 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
     return result
 
 
-def plan_report(config: XfuseConfig) -> dict:
+@dataclass(frozen=True)
+class PlanReport:
+    """What ``config`` will do on its world, computed without one (``xfuse plan`` prints it)."""
+
+    config: XfuseConfig
+    generation: GenerationConfig  # the request planned for: config.generation, or its defaults when it has none
+    spec: ModelSpec
+    num_blocks: int
+    hidden_size: int
+    patch_size: int
+    height: int  # pixels
+    width: int
+    grid: PatchGrid
+    plan: StagePlan
+    batch: int  # transformer batch of one CFG group
+    volume: dict[int, dict[str, int]]  # rank -> kind -> bytes it sends per denoising step
+    kv_bytes: dict[int, int]  # rank -> stale K/V buffer bytes
+    param_bytes: dict[int, int]  # rank -> transformer parameter bytes it keeps
+
+
+def plan_report(config: XfuseConfig) -> PlanReport:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
     spec, model = model_spec(config.model), transformer_config(config.model)
     patch_size, num_blocks, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
     default = spec.default_side(model)
-    height, width = config.generation.height or default, config.generation.width or default
+    # A config built in Python without a request section plans the default request, as a YAML file without one does.
+    generation = config.generation if config.generation is not None else GenerationConfig()
+    height, width = generation.height or default, generation.width or default
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width)
     par = config.parallel
     plan = spec.plan(num_blocks, par)
@@ -52,7 +77,7 @@ def plan_report(config: XfuseConfig) -> dict:
     dtype = config.runtime.torch_dtype()
     element = torch.empty((), dtype=dtype).element_size()
     # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
-    cfg_batch = 2 if config.generation.guidance_scale > 1 and not spec.distilled_guidance else 1
+    cfg_batch = 2 if generation.guidance_scale > 1 and not spec.distilled_guidance else 1
     batch = cfg_batch // par.cfg_degree  # each CFG group runs its half
     volume = comm_volume(
         plan,
@@ -64,8 +89,9 @@ def plan_report(config: XfuseConfig) -> dict:
         dtype_bytes=element,
         stream_tokens={stream: sum(spec.text_lengths) for stream in plan.streams},
     )
-    return dict(
-        model=config.model,
+    return PlanReport(
+        config=config,
+        generation=generation,
         spec=spec,
         num_blocks=num_blocks,
         hidden_size=hidden,
@@ -75,7 +101,6 @@ def plan_report(config: XfuseConfig) -> dict:
         grid=grid,
         plan=plan,
         batch=batch,
-        dtype=config.runtime.dtype,
         volume=volume,
         kv_bytes=kv_buffer_bytes(
             plan,
@@ -86,7 +111,6 @@ def plan_report(config: XfuseConfig) -> dict:
             attentions=lambda block: spec.attentions_of_block(model, block),
         ),
         param_bytes=stage_parameter_bytes(spec, model, plan, dtype),
-        config=config,
     )
 
 
@@ -94,17 +118,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def predicted_latency(r: dict, link: str) -> str:
+def predicted_latency(r: PlanReport, link: str) -> str:
     """The performance model's latency for this plan (HunyuanDiT-g/2 shape, 1024 or 2048 px, CFG batch 2)."""
     from xfuse.perf_model import A100, LINKS, l40_profile, predict
 
     if link not in LINKS:
         raise ConfigError("--predict", f"must be one of {', '.join(LINKS)} (got {link!r})")
-    config = r["config"]
+    config = r.config
     par = config.parallel
-    size = r["height"]
-    shape = (r["spec"], r["num_blocks"], r["hidden_size"])
-    if shape != (HUNYUANDIT, 40, 1408) or r["width"] != size or size not in A100.outside_loop:
+    size = r.height
+    shape = (r.spec, r.num_blocks, r.hidden_size)
+    if shape != (HUNYUANDIT, 40, 1408) or r.width != size or size not in A100.outside_loop:
         return (
             f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "
             f"square {sorted(A100.outside_loop)} px"
@@ -116,9 +140,9 @@ def predicted_latency(r: dict, link: str) -> str:
         profile,
         LINKS[link],
         degree=par.pipefusion_degree,
-        placement=r["plan"].placement,
+        placement=r.plan.placement,
         size=size,
-        steps=config.generation.num_inference_steps,
+        steps=r.generation.num_inference_steps,
         warmup=par.warmup_steps,
         num_patches=par.resolved_num_patches,
         split=par.stage_split,
@@ -129,21 +153,21 @@ def predicted_latency(r: dict, link: str) -> str:
     )
 
 
-def format_plan_report(r: dict) -> str:
+def format_plan_report(r: PlanReport) -> str:
     """The report as the text ``xfuse plan`` prints."""
-    config, plan, grid = r["config"], r["plan"], r["grid"]
+    config, plan, grid = r.config, r.plan, r.grid
     par = config.parallel
     lines = [
-        f"model {r['model']} ({r['spec'].name}): {r['num_blocks']} blocks, hidden {r['hidden_size']}, "
-        f"patch size {r['patch_size']}",
-        f"image {r['height']}x{r['width']} px -> latent {grid.latent_height}x{grid.latent_width} -> "
-        f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r['batch']}; {r['dtype']}",
+        f"model {config.model} ({r.spec.name}): {r.num_blocks} blocks, hidden {r.hidden_size}, "
+        f"patch size {r.patch_size}",
+        f"image {r.height}x{r.width} px -> latent {grid.latent_height}x{grid.latent_width} -> "
+        f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r.batch}; {config.runtime.dtype}",
         f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
-        f"{config.generation.num_inference_steps} steps",
+        f"{r.generation.num_inference_steps} steps",
         "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),
         "route of a patch: " + " -> ".join(f"r{s.rank}[{_ranges(s.blocks)}]" for s in plan.route),
-        f"what crosses ranks per patch ({r['spec'].name}): {r['spec'].crosses_per_patch}",
+        f"what crosses ranks per patch ({r.spec.name}): {r.spec.crosses_per_patch}",
         "cross-rank skips: "
         + (
             ", ".join(f"{s.producer}->{s.consumer} (r{s.src_rank}->r{s.dst_rank})" for s in plan.cross_rank_skips)
@@ -156,11 +180,11 @@ def format_plan_report(r: dict) -> str:
     ]
     kinds = KINDS + plan.streams
     for rank in range(plan.degree):
-        vol = r["volume"][rank]
+        vol = r.volume[rank]
         lines.append(
-            f"{rank:>4}  {_ranges(plan.blocks_of(rank)):<22} {_mib(r['param_bytes'][rank]):>12} "
-            f"{_mib(r['kv_bytes'][rank]):>12}  " + "  ".join(f"{_mib(vol[k]):>12}" for k in kinds)
+            f"{rank:>4}  {_ranges(plan.blocks_of(rank)):<22} {_mib(r.param_bytes[rank]):>12} "
+            f"{_mib(r.kv_bytes[rank]):>12}  " + "  ".join(f"{_mib(vol[k]):>12}" for k in kinds)
         )
-    total = sum(sum(v.values()) for v in r["volume"].values())
+    total = sum(sum(v.values()) for v in r.volume.values())
     lines.append(f"total sent per denoising step (one pipeline group): {_mib(total)}")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from xfuse.config import ConfigError, config_from_dict
+from xfuse.config import ConfigError, XfuseConfig, config_from_dict
 from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel.schedule import build_schedule
 from xfuse.parallel.stage_plan import stage_plan
@@ -128,3 +128,13 @@ def test_the_plan_report_says_what_it_cannot_predict(model, parallel, link, says
 def test_the_plan_report_refuses_an_unknown_link_by_its_option():
     with pytest.raises(ConfigError, match=r"--predict: must be one of a100-nvlink, l40-pcie \(got 'h100'\)"):
         predicted_latency(plan_report(_plan_config("dit-g2")), "h100")
+
+
+def test_a_config_without_a_request_section_plans_the_default_request():
+    """``XfuseConfig(generation=None)`` (Python only; YAML fills in the section) plans what the defaults ask for."""
+    given = _plan_config("dit-g2")
+    bare = XfuseConfig(model=given.model, parallel=given.parallel, generation=None)
+    report, defaults = plan_report(bare), plan_report(XfuseConfig(model=given.model, parallel=given.parallel))
+    assert report.generation == defaults.generation and report.generation.num_inference_steps == 20
+    assert format_plan_report(report) == format_plan_report(defaults)
+    assert predicted_latency(report, "a100-nvlink") == predicted_latency(defaults, "a100-nvlink")
