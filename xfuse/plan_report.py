@@ -9,8 +9,9 @@ import torch
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
 from xfuse.families.registry import HUNYUANDIT, model_spec, transformer_config
 from xfuse.families.spec import ModelSpec
-from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes
+from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
+from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
 
 
@@ -59,6 +60,7 @@ class PlanReport:
     volume: dict[int, dict[str, int]]  # rank -> kind -> bytes it sends per denoising step
     kv_bytes: dict[int, int]  # rank -> stale K/V buffer bytes
     param_bytes: dict[int, int]  # rank -> transformer parameter bytes it keeps
+    ceiling: float  # the schedule's speedup over one rank when only the blocks cost (``speedup_ceiling``)
 
 
 def plan_report(config: XfuseConfig) -> PlanReport:
@@ -73,7 +75,8 @@ def plan_report(config: XfuseConfig) -> PlanReport:
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width)
     par = config.parallel
     plan = spec.plan(num_blocks, par)
-    grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size)
+    stream_tokens = {stream: sum(spec.text_lengths) for stream in plan.streams}  # the text the first patch carries
+    grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size, sum(stream_tokens.values()))
     dtype = config.runtime.torch_dtype()
     element = torch.empty((), dtype=dtype).element_size()
     # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
@@ -87,7 +90,7 @@ def plan_report(config: XfuseConfig) -> PlanReport:
         latent_batch=1,
         in_channels=model["in_channels"],
         dtype_bytes=element,
-        stream_tokens={stream: sum(spec.text_lengths) for stream in plan.streams},
+        stream_tokens=stream_tokens,
     )
     return PlanReport(
         config=config,
@@ -111,6 +114,13 @@ def plan_report(config: XfuseConfig) -> PlanReport:
             attentions=lambda block: spec.attentions_of_block(model, block),
         ),
         param_bytes=stage_parameter_bytes(spec, model, plan, dtype),
+        ceiling=speedup_ceiling(
+            plan,
+            grid.cost_tokens,
+            num_steps=generation.num_inference_steps,
+            warmup_steps=par.warmup_steps,
+            batch_parts=batch_parts(batch, par.pipefusion_degree),
+        ),
     )
 
 
@@ -157,6 +167,8 @@ def format_plan_report(r: PlanReport) -> str:
     """The report as the text ``xfuse plan`` prints."""
     config, plan, grid = r.config, r.plan, r.grid
     par = config.parallel
+    shares = [tokens / sum(grid.cost_tokens) for tokens in grid.cost_tokens]  # a patch's work is its tokens'
+    carried = f"; patch 0 also carries the {grid[0].lead_tokens} text tokens" if grid[0].lead_tokens else ""
     lines = [
         f"model {config.model} ({r.spec.name}): {r.num_blocks} blocks, hidden {r.hidden_size}, "
         f"patch size {r.patch_size}",
@@ -165,7 +177,11 @@ def format_plan_report(r: PlanReport) -> str:
         f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{r.generation.num_inference_steps} steps",
-        "patches (token rows): " + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop})" for b in grid),
+        "patches (token rows, share of the work): "
+        + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop}) {share:.1%}" for b, share in zip(grid, shares, strict=True))
+        + carried,
+        f"schedule's ceiling: {r.ceiling:.2f}x the loop of one rank (blocks only: no communication, no per-pass "
+        "costs; xfuse.parallel.costs.speedup_ceiling)",
         "route of a patch: " + " -> ".join(f"r{s.rank}[{_ranges(s.blocks)}]" for s in plan.route),
         f"what crosses ranks per patch ({r.spec.name}): {r.spec.crosses_per_patch}",
         "cross-rank skips: "

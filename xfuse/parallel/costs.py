@@ -1,4 +1,4 @@
-"""Bytes a plan moves and holds, from shapes alone (no torch, no processes).
+"""Bytes a plan moves and holds and the speedup its schedule allows, from shapes alone (no torch, no processes).
 
 ``comm_volume`` is the contract the communication counters are tested against: per denoising step, the whole image
 passes every hand-off once whatever the number of patches (warm-up and pipelined steps move the same bytes).
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.schedule import build_schedule
 from xfuse.parallel.stage_plan import StagePlan
 
 KINDS = ("hidden", "skip", "latent")
@@ -72,3 +73,16 @@ def kv_buffer_bytes(
     module that mixes image tokens (``attentions(block)`` of them in a block; SD3.5's dual-attention blocks: 2)."""
     per_module = 2 * batch * grid.num_tokens * hidden_size * dtype_bytes
     return {rank: per_module * sum(attentions(b) for b in plan.blocks_of(rank)) for rank in range(plan.degree)}
+
+
+def speedup_ceiling(
+    plan: StagePlan, patch_tokens: tuple[int, ...], *, num_steps: int, warmup_steps: int, batch_parts: int
+) -> float:
+    """The speedup over one rank that the schedule itself allows when only the blocks cost: every block on a patch
+    in proportion to the patch's tokens (``patch_tokens``, ``PatchGrid.cost_tokens``: a step's first patch counts the
+    text it carries), no communication, no per-pass or per-patch overheads. One rank runs every block on the whole
+    image every step (M mean patches); the plan's ranks take the simulated schedule's makespan (fill, drain, the
+    warm-up steps' batch parts, and the waits unequal patches cause)."""
+    warmup, patches = min(warmup_steps, num_steps), len(patch_tokens)
+    schedule = build_schedule(plan, num_steps, warmup, patches, batch_parts, tuple(patch_tokens))
+    return num_steps * plan.num_blocks * patches / schedule.makespan

@@ -28,7 +28,7 @@ from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
 
-MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts) whose schedule and program are kept
+MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts, patch costs) whose programs are kept
 
 
 @dataclass
@@ -106,8 +106,8 @@ class PipeFusionEngine:
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
 
-    def _program(self, num_steps: int, num_patches: int, parts: int):
-        key = (num_steps, min(self.warmup_steps, num_steps), num_patches, parts)
+    def _program(self, num_steps: int, grid: PatchGrid, parts: int):
+        key = (num_steps, min(self.warmup_steps, num_steps), grid.num_patches, parts, grid.cost_tokens)
         if key in self._schedules:
             self._schedules.move_to_end(key)
         else:  # pure and cached: computed once per request shape
@@ -128,9 +128,10 @@ class PipeFusionEngine:
         message is recorded on the timeline.
         """
         span = tracer.span if tracer is not None else null_span
-        with span("denoise", LOOP, steps=len(request.timesteps), patches=grid.num_patches):
+        rows = [band.num_rows for band in grid]
+        with span("denoise", LOOP, steps=len(request.timesteps), patch_rows=rows, patch_tokens=grid.cost_tokens):
             parts = batch_parts(request.model_batch, self.plan.degree)
-            schedule, program, messages = self._program(len(request.timesteps), grid.num_patches, parts)
+            schedule, program, messages = self._program(len(request.timesteps), grid, parts)
             run = _Run(self, request, grid, schedule, messages, tracer)
             return run.execute(program)
 

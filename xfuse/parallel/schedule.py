@@ -12,7 +12,8 @@ part while the route carries the previous one on (instead of idling while one ra
 image). Every part of a step waits for the whole previous step: guidance and ``scheduler.step`` need all parts.
 Pipelined steps stream patches continuously across steps: patch p of step s+1 enters as soon as patch p of step s
 left the output layer. Each rank's order of pipelined tasks comes from a list-scheduling simulation with segment
-costs proportional to their block counts: a free rank takes, among its ready tasks, the one nearest the start of the
+costs proportional to their block counts and to the patch's tokens (``patch_tokens``: its rows', plus the text the
+step's first patch carries; equal when not given): a free rank takes, among its ready tasks, the one nearest the start of the
 route (fill before drain), and a patch enters the route no sooner than the busiest rank's blocks per patch after the
 previous one (entering faster only queues work that collides further on, on routes whose ranks have uneven outbound
 and return chunks). In steady state this keeps the busiest rank busy for every degree, placement and M >= N
@@ -87,6 +88,12 @@ class Schedule:
     orders: dict[int, tuple[Task, ...]]  # rank -> its tasks in execution order
     times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task, in units of one block on a patch
     batch_parts: int = 1  # parts a whole-image step's transformer batch is streamed in
+    patch_tokens: tuple[int, ...] | None = None  # each patch's tokens through every block (None: equal patches)
+
+    @property
+    def makespan(self) -> float:
+        """The simulated loop's length, in units of one block on a mean patch (no communication, no overheads)."""
+        return max(end for _, end in self.times.values())
 
     def recv_post_times(self, lookahead: int) -> dict[Message, float]:
         """Simulated time at which each message's receive is posted (``lookahead`` tasks ahead of its task)."""
@@ -184,9 +191,13 @@ def batch_parts(model_batch: int, degree: int) -> int:
     return max(p for p in range(1, min(model_batch, degree) + 1) if model_batch % p == 0)
 
 
-def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, parts: int):
+def _simulate(
+    plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, parts: int, patch_tokens: tuple[int, ...]
+):
     """Event-driven list scheduling of every task; returns per-rank orders and each task's (start, end) time."""
     hops = len(plan.route)
+    mean_tokens = sum(patch_tokens) / num_patches
+    weight = [tokens / mean_tokens for tokens in patch_tokens]  # a patch's cost relative to a mean patch
     whole_parts: list[int | None] = list(range(parts)) if parts > 1 else [None]
     # (step, patch, batch part): the warm-up's whole images part by part, then the patch stream
     units: list[tuple[int, int | None, int | None]] = [(s, None, k) for s in range(warmup_steps) for k in whole_parts]
@@ -204,7 +215,7 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
     # A patch enters no sooner than the busiest rank can take another one (its blocks per patch after the previous
     # entry): entering faster only queues work that collides later on routes with uneven chunks.
     period = max(len(plan.blocks_of(rank)) for rank in range(plan.degree))
-    last_entry = None
+    last_entry: tuple[float, int] | None = None  # (start, patch) of the last patch that entered the route
     for _ in range(len(units) * hops):
         best: tuple[tuple[float, int], Task] | None = None
         for hop in range(hops):
@@ -219,7 +230,7 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
             if dep is None:
                 continue
             if hop == 0 and patch is not None and last_entry is not None:
-                dep = (dep[0], max(dep[1], last_entry + period))
+                dep = (dep[0], max(dep[1], last_entry[0] + period * weight[last_entry[1]]))
             rank = plan.route[hop].rank
             # Earliest start; among equals the task nearest the start of the route (fill before drain). Preferring
             # the furthest task instead leaves bubbles on folded routes (e.g. N=3, M=3: 33 % slower per step).
@@ -229,11 +240,12 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
         assert best is not None  # a unit is always ready: its dependencies come earlier in the stream
         (start, _), task = best
         rank = plan.route[task.hop].rank
-        # A whole image costs M patches; a batch part of it its share of the batch.
-        cost = len(plan.route[task.hop].blocks) * (num_patches / len(whole_parts) if task.patch is None else 1)
+        # A whole image costs M mean patches; a batch part of it its share of the batch.
+        size = num_patches / len(whole_parts) if task.patch is None else weight[task.patch]
+        cost = len(plan.route[task.hop].blocks) * size
         times[task] = (start, start + cost)
         if task.hop == 0 and task.patch is not None:
-            last_entry = start
+            last_entry = (start, task.patch)
         free_at[rank] = start + cost
         orders[rank].append(task)
         next_unit[task.hop] += 1
@@ -247,15 +259,25 @@ def _simulate(plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: i
 
 
 def build_schedule(
-    plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, batch_parts: int = 1
+    plan: StagePlan,
+    num_steps: int,
+    warmup_steps: int,
+    num_patches: int,
+    batch_parts: int = 1,
+    patch_tokens: tuple[int, ...] | None = None,
 ) -> Schedule:
     """The schedule of a request: per-rank task orders for ``num_steps`` steps, the first ``warmup_steps`` whole
-    (each streamed as ``batch_parts`` parts of the transformer batch, see ``batch_parts``)."""
+    (each streamed as ``batch_parts`` parts of the transformer batch, see ``batch_parts``). ``patch_tokens``: each
+    patch's tokens through every block (``PatchGrid.cost_tokens``), which the simulation's costs follow; ``None``:
+    patches of equal cost."""
     if not 0 <= warmup_steps <= num_steps or num_steps < 1:
         raise ValueError(f"need 1 <= num_steps and 0 <= warmup_steps <= num_steps (got {num_steps}, {warmup_steps})")
     if batch_parts < 1:
         raise ValueError(f"need batch_parts >= 1 (got {batch_parts})")
-    orders, times = _simulate(plan, num_steps, warmup_steps, num_patches, batch_parts)
+    if patch_tokens is not None and (len(patch_tokens) != num_patches or min(patch_tokens) < 1):
+        raise ValueError(f"need one positive token count per patch (got {patch_tokens} for {num_patches} patches)")
+    tokens = (1,) * num_patches if patch_tokens is None else tuple(patch_tokens)
+    orders, times = _simulate(plan, num_steps, warmup_steps, num_patches, batch_parts, tokens)
     return Schedule(
         plan,
         num_steps,
@@ -264,6 +286,7 @@ def build_schedule(
         {r: tuple(t) for r, t in orders.items()},
         times,
         batch_parts,
+        patch_tokens,
     )
 
 

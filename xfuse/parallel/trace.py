@@ -12,7 +12,9 @@ import contextlib
 import json
 import time
 
-COMPUTE, COMM, LOOP = 0, 1, 2  # track ids within a rank: model work, waits on messages, the whole loop
+# Track ids within a rank: model work, waits on messages, the whole loop, and the pipeline call around the loop
+# (text encoding on rank 0 and the others' wait for its broadcast, the preparation, the decode).
+COMPUTE, COMM, LOOP, CALL = 0, 1, 2, 3
 
 
 class Tracer:
@@ -45,7 +47,8 @@ class Tracer:
             {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
         ]
-        for tid, label in ((COMPUTE, "compute"), (COMM, "communication waits"), (LOOP, "denoising loop")):
+        tracks = ((COMPUTE, "compute"), (COMM, "communication waits"), (LOOP, "denoising loop"), (CALL, "pipeline call"))
+        for tid, label in tracks:
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": label}})
         return meta
 
@@ -79,6 +82,16 @@ def engine_time(events: list[dict]) -> dict:
         engine_us_per_task=1e6 * engine / max(tasks, 1),
         engine_fraction_of_task=engine / compute if compute else 0.0,
     )
+
+
+def call_time(events: list[dict]) -> dict[str, float]:
+    """Seconds of each span on the pipeline-call track (``CALL``) of one rank, summed by name over the traced calls
+    (e.g. ``{"call": …, "encode": …, "wait for text": …, "decode": …}``)."""
+    spans: dict[str, float] = {}
+    for e in events:
+        if e.get("tid") == CALL:
+            spans[e["name"]] = spans.get(e["name"], 0.0) + e["dur"] / 1e6
+    return spans
 
 
 def null_span(*args, **kwargs):

@@ -26,7 +26,7 @@ from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, XfuseConfig,
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.trace import Tracer, write_trace
+from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext, init_parallel
 from xfuse.types import DTYPES
@@ -268,6 +268,12 @@ class PipeFusionPipelineBase:
         """Record a timeline of the following calls (compute per segment and patch, communication waits)."""
         self._tracer = Tracer(self.context.rank) if enabled else None
 
+    def trace_events(self) -> list[dict]:
+        """This rank's recorded trace events (Chrome trace format) since ``enable_trace()``."""
+        if self._tracer is None:
+            raise ValueError("trace_events: call enable_trace() before the calls to record")
+        return list(self._tracer.events)
+
     def write_trace(self, path: str) -> int | None:
         """Collective: merge every rank's timeline into one Chrome/Perfetto trace at ``path`` (written by global
         rank 0, which gets the number of events; the others get ``None``)."""
@@ -313,10 +319,16 @@ class PipeFusionPipelineBase:
         dist.broadcast_object_list(box, src=0, group=self.context.control_group)
         return box[0]
 
-    def _broadcast_tensors(self, make) -> dict[str, torch.Tensor]:
-        """``make()`` on global rank 0 (a dict of tensors), broadcast, on this rank's device everywhere."""
-        payload = {k: v.cpu() for k, v in make().items()} if self.context.is_output else None
-        return {k: v.to(self.context.device) for k, v in self._broadcast(payload).items()}
+    def _broadcast_tensors(self, make, span=null_span) -> dict[str, torch.Tensor]:
+        """``make()`` on global rank 0 (a dict of tensors), broadcast, on this rank's device everywhere (traced as
+        "encode" on rank 0 and "wait for text" on the others when ``span`` is a tracer's)."""
+        payload = None
+        if self.context.is_output:
+            with span("encode", CALL):
+                payload = {k: v.cpu() for k, v in make().items()}
+        with span("wait for text" if payload is None else "broadcast text", CALL):
+            received = self._broadcast(payload)
+        return {k: v.to(self.context.device) for k, v in received.items()}
 
     def _same_everywhere(self, name: str, value) -> None:
         """Raise the same ValueError on every rank if ``value`` differs between ranks."""
@@ -361,15 +373,19 @@ class PipeFusionPipelineBase:
         self._check_call(recipe)
         self._begin_call()
         result = None
-        with self.context.monitor.guard():  # from here on every rank communicates: a failure anywhere stops everyone
-            text = self._broadcast_tensors(recipe.encode)
-            timesteps = recipe.timesteps()
-            generator = self._shared_generator(recipe.generator)
-            latents = self._shared_latents(lambda: recipe.prepare_latents(generator))
-            request = recipe.request(text, latents, timesteps, generator)
+        span = self._tracer.span if self._tracer is not None else null_span
+        # from here on every rank communicates: a failure anywhere stops everyone
+        with self.context.monitor.guard(), span("call", CALL):
+            text = self._broadcast_tensors(recipe.encode, span)
+            with span("prepare", CALL):
+                timesteps = recipe.timesteps()
+                generator = self._shared_generator(recipe.generator)
+                latents = self._shared_latents(lambda: recipe.prepare_latents(generator))
+                request = recipe.request(text, latents, timesteps, generator)
             final = self._denoise(request, recipe.height, recipe.width)
             if self.context.is_output:
-                result = recipe.decode(final)
+                with span("decode", CALL):
+                    result = recipe.decode(final)
         if self._callback_error is not None:  # a refused callback change: raised once every peer is done
             raise self._callback_error
         return result
@@ -473,8 +489,12 @@ class PipeFusionPipelineBase:
     def _denoise(self, request: DenoiseRequest, height: int, width: int):
         """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
         vae = self.spec.latent_scale
-        grid = patch_grid(height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size)
-        shape = (grid.token_rows, grid.token_cols, tuple(request.latents.shape), request.latents.dtype)
+        # The step's first patch carries the plan's streams (an MMDiT's text) through every block: cut by cost.
+        lead_tokens = sum(shape[1] for shape in request.stream_shapes.values())  # (B, T, hidden) each
+        grid = patch_grid(
+            height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size, lead_tokens
+        )
+        shape = (grid.token_rows, grid.token_cols, grid.cost_tokens, tuple(request.latents.shape), request.latents.dtype)
         if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
             for channels in (self.context.channels, self.context.cfg_channels):
                 if channels is not None:

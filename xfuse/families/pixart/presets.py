@@ -1,4 +1,5 @@
-"""A tiny, randomly initialised PixArt-Σ pipeline built offline (the ``pixart-tiny`` preset).
+"""Tiny, randomly initialised PixArt-Σ pipelines built offline (the ``pixart-tiny`` preset for tests, ``pixart-small``
+for CPU speed measurements).
 
 The real PixArt-Sigma-XL-2 (28 blocks of width 1152, a 4.7 B-parameter T5-XXL) cannot be downloaded here. The preset
 keeps its structure: ``PixArtTransformer2DModel`` with AdaLN-single, learned sigma, patch size 2 and a sin-cos position
@@ -24,6 +25,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attention_head_dim": 16,
         "caption_channels": 32,  # the T5 width
         "default_size": 256,
+    },
+    # CPU speed: 16 blocks of width 256, the block count and width of HunyuanDiT's ``small`` and ``sd3-small``.
+    "pixart-small": {
+        "num_layers": 16,
+        "num_attention_heads": 4,
+        "attention_head_dim": 64,
+        "caption_channels": 32,
+        "default_size": 512,
     },
 }
 

@@ -1,0 +1,229 @@
+"""Degree-2 PipeFusion against degree 1 for every family: the whole pipeline call to latents, with each rank's split.
+
+    python benchmarks/bench_families.py [--steps 20] [--size 512] [--repeats 3] [--families small sd3-small]
+                                        [--json out.json]
+
+One preset per family, each 16 blocks of width 256 (FLUX: 4 double + 8 single blocks): HunyuanDiT ``small`` and
+PixArt-Σ ``pixart-small`` with classifier-free guidance (transformer batch 2), SD3 ``sd3-small`` with CFG, FLUX
+``flux-small`` with its embedded guidance (batch 1). Each call is the xfuse pipeline class's ``__call__`` with
+``output_type="latent"`` (text encoding, preparation and the denoising loop; no VAE), at degree 1 and at degree 2
+(M = 2, warm-up 1, the family's default placement), one torch thread per rank pinned to its own core, in worlds of
+real gloo processes set up first and then timed in turns (a round runs degree 1 then degree 2: the machine's drift
+falls on both sides of a ratio); every world's first call is in round 1. After the rounds, one traced call per world
+gives each rank's split: text encoding (rank 0) or the wait for its broadcast, the loop's compute, its waits at the
+warm-up step / the first pipelined step (fill) / the steps between / the last step (drain), and the engine's own time.
+The ideal speedup is ``bench_pipefusion.ideal_speedup`` (the warm-up step's batch parts; nothing but the blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_pipefusion import ideal_speedup, spread  # noqa: E402  (after the path insert, as run directly)
+
+PROMPT = "a red house by a lake"
+# preset -> (the call's family-specific keywords, transformer batch). T5 inputs are cut to 16 tokens for the MMDiTs,
+# as in bench_mmdit.py: patch 0 then carries 77 + 16 text tokens (SD3) or 16 (FLUX) beside its image rows.
+CALLS: dict[str, tuple[dict, int]] = {
+    "small": ({"guidance_scale": 5.0, "use_resolution_binning": False}, 2),
+    "pixart-small": ({"guidance_scale": 4.5, "use_resolution_binning": False}, 2),
+    "sd3-small": ({"guidance_scale": 7.0, "max_sequence_length": 16}, 2),
+    "flux-small": ({"guidance_scale": 3.5, "max_sequence_length": 16}, 1),
+}
+
+_PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
+
+
+def setup_rank(preset: str, degree: int, parallel: dict) -> None:
+    """On every rank: build the preset (deterministic weights) and wrap it in the family's xfuse pipeline; pin the
+    rank to its own core (as a GPU per rank); freeze the start-up heap and keep freed memory as the CLI does."""
+    import torch
+    import torch.distributed as dist
+
+    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
+
+    torch.set_num_threads(1)
+    if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {dist.get_rank()})
+    pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
+    pipe.set_progress_bar_config(disable=True)
+    _PIPE.update(pipe=pipe, preset=preset)
+    freeze_startup_heap()
+    keep_freed_heap()
+
+
+def call_rank(steps: int, size: int, trace: bool = False) -> dict:
+    """On every rank: one pipeline call between two barriers. Returns its wall time, or with ``trace`` this rank's
+    split of a traced call (``call_time`` and ``engine_time`` of ``xfuse.parallel.trace``)."""
+    import torch
+    import torch.distributed as dist
+
+    from xfuse.parallel.costs import speedup_ceiling
+    from xfuse.parallel.schedule import batch_parts
+    from xfuse.parallel.trace import COMPUTE, LOOP, call_time, engine_time
+
+    pipe, preset = _PIPE["pipe"], _PIPE["preset"]
+    pipe.enable_trace(trace)
+    dist.barrier()
+    start = time.perf_counter()
+    pipe(
+        prompt=PROMPT,
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **CALLS[preset][0],
+    )
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    if not trace:
+        return dict(seconds=seconds)
+    events = pipe.trace_events()
+    pipe.enable_trace(False)
+    (loop,) = [e for e in events if e["tid"] == LOOP]
+    patch_rows, patch_tokens = loop["args"]["patch_rows"], tuple(loop["args"]["patch_tokens"])
+    passes: dict[int, list[float]] = {}  # pipelined steps: patch -> its compute spans (seconds) on this rank
+    for e in events:
+        if e["tid"] == COMPUTE and e["args"].get("patch") is not None:
+            passes.setdefault(e["args"]["patch"], []).append(e["dur"] / 1e6)
+    ceiling = speedup_ceiling(
+        pipe.plan,
+        patch_tokens,
+        num_steps=steps,
+        warmup_steps=pipe.parallel.warmup_steps,
+        batch_parts=batch_parts(CALLS[preset][1], pipe.plan.degree),
+    )
+    return dict(
+        seconds=seconds,
+        call=call_time(events),
+        loop=engine_time(events),
+        patch_rows=patch_rows,
+        patch_tokens=patch_tokens,
+        patch_compute_s=[sum(passes[p]) / len(passes[p]) for p in sorted(passes)],
+        ceiling=ceiling,
+    )
+
+
+def parallel_config(degree: int) -> dict:
+    if degree == 1:
+        return {"pipefusion_degree": 1}
+    return {"pipefusion_degree": degree, "num_patches": 2, "warmup_steps": 1}
+
+
+def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
+    """Degree 1 and degree 2 of one preset in turns, then one traced call per world."""
+    import contextlib
+
+    from tests.support.world import World
+
+    times: dict[int, list[float]] = {1: [], 2: []}
+    splits = {}
+    with contextlib.ExitStack() as stack:
+        worlds = {}
+        for degree in (1, 2):
+            worlds[degree] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
+            worlds[degree].run_ok(setup_rank, preset, degree, parallel_config(degree), timeout=600)
+        for _ in range(repeats):
+            for degree, world in worlds.items():
+                times[degree].append(world.run_ok(call_rank, steps, size, timeout=3600)[0]["seconds"])
+        for degree, world in worlds.items():
+            splits[degree] = world.run_ok(call_rank, steps, size, True, timeout=3600)
+    rounds = [one / two for one, two in zip(times[1], times[2], strict=True)]
+    ideal = ideal_speedup(steps, 2, CALLS[preset][1])
+    speedup = statistics.median(times[1]) / statistics.median(times[2])
+    return dict(
+        degree1=spread(times[1]),
+        degree2=spread(times[2]),
+        speedup=speedup,
+        round_speedups=rounds,
+        ideal=ideal,
+        of_ideal=speedup / ideal,
+        ceiling=splits[2][0]["ceiling"],  # the schedule's, with this request's patch cuts
+        patch_rows=splits[2][0]["patch_rows"],
+        patch_tokens=splits[2][0]["patch_tokens"],
+        split={degree: per_rank for degree, per_rank in splits.items()},
+    )
+
+
+def markdown(report: dict) -> str:
+    out = [
+        f"Machine: {report['machine']}; {report['steps']} steps, {report['size']} px, M = 2, warm-up 1, "
+        f"{report['repeats']} rounds (median, min–max).",
+        "",
+        "| family (preset) | degree 1 | degree 2 | speedup (rounds min–max) | ideal | of ideal | patch rows "
+        "(tokens) | schedule's ceiling |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for preset, row in report["presets"].items():
+        d1, d2 = row["degree1"], row["degree2"]
+        cuts = " / ".join(f"{r} ({t})" for r, t in zip(row["patch_rows"], row["patch_tokens"], strict=True))
+        out.append(
+            f"| {preset} | {d1['median']:.2f} s ({d1['min']:.2f}–{d1['max']:.2f}) | {d2['median']:.2f} s "
+            f"({d2['min']:.2f}–{d2['max']:.2f}) | {row['speedup']:.2f}x ({min(row['round_speedups']):.2f}–"
+            f"{max(row['round_speedups']):.2f}) | {row['ideal']:.2f}x | **{row['of_ideal']:.2f}** | {cuts} | "
+            f"{row['ceiling']:.2f}x |"
+        )
+    out += [
+        "",
+        "| traced call | rank | call | text: encode / wait | loop | compute | waits: warm-up / fill / between / "
+        "drain | engine per task | pipelined pass per patch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for preset, row in report["presets"].items():
+        for degree, per_rank in row["split"].items():
+            for rank, split in enumerate(per_rank):
+                call, loop = split["call"], split["loop"]
+                by_step = loop["wait_s_by_step"]
+                waits = (sum(by_step[:1]), sum(by_step[1:2]), sum(by_step[2:-1]), sum(by_step[2:][-1:]))
+                text = call.get("encode", 0.0) if rank == 0 else call.get("wait for text", 0.0)
+                out.append(
+                    f"| {preset}, degree {degree} | {rank} | {call['call']:.2f} s | {text:.2f} s "
+                    f"({'encode' if rank == 0 else 'wait'}) | {loop['loop_s']:.2f} s | {loop['compute_s']:.2f} s | "
+                    f"{' / '.join(f'{w:.2f}' for w in waits)} s | {loop['engine_us_per_task'] / 1e3:.2f} ms | "
+                    f"{' / '.join(f'{1e3 * c:.0f} ms' for c in split['patch_compute_s']) or '-'} |"
+                )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--families", nargs="+", choices=list(CALLS), default=list(CALLS))
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    report = dict(
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}",
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        steps=args.steps,
+        size=args.size,
+        repeats=args.repeats,
+        presets={},
+    )
+    for preset in args.families:
+        row = measure(preset, args.steps, args.size, args.repeats)
+        report["presets"][preset] = row
+        print(f"{preset}: {row['speedup']:.2f}x of ideal {row['ideal']:.2f}x ({row['of_ideal']:.2f})", flush=True)
+        if args.json:  # after every family: a long run cut short keeps what it measured
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=2)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
