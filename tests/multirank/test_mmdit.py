@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, run_engine, tiny
+from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, run_engine, tiny, traced_patch_rows
 from tests.support.pipefusion_oracle import pipefusion_reference
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
@@ -140,13 +140,13 @@ def world4():
 _ORACLE = {}
 
 
-def oracle(preset, num_patches, warmup, cfg):
-    key = (preset, num_patches, warmup, cfg)
+def oracle(preset, num_patches, warmup, cfg, row_counts=None):
+    key = (preset, num_patches, warmup, cfg, None if row_counts is None else tuple(row_counts))
     if key not in _ORACLE:
         pipe = tiny(preset)
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=cfg)
         _ORACLE[key] = pipefusion_reference(
-            pipe, inputs, height=HEIGHT, width=WIDTH, num_patches=num_patches, warmup=warmup
+            pipe, inputs, height=HEIGHT, width=WIDTH, num_patches=num_patches, warmup=warmup, row_counts=row_counts
         )
     return _ORACLE[key]
 
@@ -172,6 +172,39 @@ def test_pipelined_equals_the_oracle(world4, preset, warmup):
             assert rel_max(out, oracle(preset, num_patches, warmup, 2.0)) <= 1e-5, (degree, num_patches)
     assert rel_max(oracle(preset, 1, warmup, 2.0), oracle(preset, 1, STEPS, 2.0)) <= 1e-6  # M = 1 is serial
     assert rel_max(oracle(preset, 2, warmup, 2.0), oracle(preset, 1, STEPS, 2.0)) > 1e-4  # stale K/V matter
+
+
+# 8 token rows of 6 tokens; the step's first patch also carries the text (SD3: 77 CLIP + 16 T5 tokens, FLUX: 16), so
+# cut by cost it gets fewer rows: SD3's text outweighs the image (one row is the least); FLUX M = 2: 3 rows + 16 =
+# 34 tokens against 30 (2 rows: 28 against 36), M = 3: 6 + 16 = 22 against 24 and 18 (2 rows: 28).
+COST_CUTS = {"sd3-tiny": {2: [1, 7]}, "flux-tiny": {2: [3, 5], 3: [1, 4, 3]}}
+
+
+@pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])
+def test_patches_cut_by_cost_equal_the_oracle_cut_the_same_way(world4, preset):
+    """Patches cut by tokens (the first one's text included) at degrees 2 and 4 equal the oracle cut the same way;
+    the cut matters (the even cut's oracle differs), exact mode does not depend on it, and the pipeline classes cut
+    so (the rows of a traced call)."""
+    text_tokens = prepare_inputs(tiny(preset), height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[
+        1
+    ]
+    for num_patches, rows in COST_CUTS[preset].items():
+        grid = grid_of(model_spec(preset), tiny(preset), HEIGHT, WIDTH, num_patches, text_tokens)
+        assert [band.num_rows for band in grid] == rows
+        expected = oracle(preset, num_patches, 1, 2.0, rows)
+        for degree in (2, 4):
+            out = world4.run_ok(run_engine, preset, degree, num_patches, 1, height=HEIGHT, width=WIDTH, steps=STEPS,
+                                cfg=2.0, lead_tokens=text_tokens)[0]  # fmt: skip
+            assert rel_max(out, expected) <= 1e-5, (num_patches, degree)
+        assert rel_max(expected, oracle(preset, num_patches, 1, 2.0)) > 1e-4  # where the patches cut matters
+    exact = world4.run_ok(run_engine, preset, 4, 2, STEPS, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0,
+                          lead_tokens=text_tokens)[0]  # fmt: skip
+    assert (exact - oracle(preset, 1, STEPS, 2.0)).abs().max().item() <= 1e-4
+    num_patches, rows = max(COST_CUTS[preset].items())
+    call = dict(prompt="a red house", height=HEIGHT, width=WIDTH, num_inference_steps=2, max_sequence_length=16,
+                output_type="latent")  # fmt: skip
+    parallel = {"pipefusion_degree": 4, "num_patches": num_patches, "warmup_steps": 1}
+    assert world4.run_ok(traced_patch_rows, preset, parallel, call) == [rows] * 4
 
 
 @pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])

@@ -97,16 +97,19 @@ def engine_latents(stage, plan, inputs, scheduler, grid, warmup, channels=None, 
     return None if out is None else unpack(out)
 
 
-def grid_of(spec, pipe, height, width, num_patches):
+def grid_of(spec, pipe, height, width, num_patches, lead_tokens=0):
     from xfuse.parallel.patch_grid import patch_grid
 
     scale = spec.latent_scale
-    return patch_grid(height // scale, width // scale, num_patches, pipe.transformer.config.patch_size)
+    return patch_grid(height // scale, width // scale, num_patches, pipe.transformer.config.patch_size, lead_tokens)
 
 
-def run_engine(preset, degree, num_patches, warmup, *, height, width, steps, cfg, placement="linear", counters=False):
+def run_engine(
+    preset, degree, num_patches, warmup, *, height, width, steps, cfg, placement="linear", counters=False, lead_tokens=0
+):
     """PipeFusion on ranks 0 … degree-1 of the world (the others idle); rank 0 returns the final latents (with
-    ``counters``: every rank of the pipeline returns ``(latents, its channels' counters)``)."""
+    ``counters``: every rank of the pipeline returns ``(latents, its channels' counters)``). ``lead_tokens``: the
+    grid cut by cost with the first patch carrying that many tokens (0: even rows)."""
     from xfuse.comm.p2p import P2PChannels
     from xfuse.config import ParallelConfig
     from xfuse.families.registry import model_spec
@@ -120,9 +123,23 @@ def run_engine(preset, degree, num_patches, warmup, *, height, width, steps, cfg
     stage = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, rank)
     channels = P2PChannels(rank=rank, timeout_s=60, max_inflight=2, device=torch.device("cpu"))
     inputs = prepare_inputs(pipe, height=height, width=width, steps=steps, cfg=cfg)
-    grid = grid_of(spec, pipe, height, width, num_patches)
+    grid = grid_of(spec, pipe, height, width, num_patches, lead_tokens)
     try:
         out = engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup, channels, rank)
         return (out, channels.counters.as_dict()) if counters else out
     finally:
         channels.close()
+
+
+def traced_patch_rows(preset, parallel, call):
+    """On every rank: the family's xfuse pipeline class on ``preset``, one traced ``__call__(**call)``; returns the
+    token rows of each patch its denoising loop ran (the loop span's ``patch_rows``)."""
+    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.parallel.trace import LOOP
+
+    pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_trace()
+    pipe(**call)
+    (loop,) = [e for e in pipe.trace_events() if e["tid"] == LOOP]
+    return loop["args"]["patch_rows"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -415,8 +416,11 @@ FAMILIES = {
 }
 
 
-def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int):
+def pipefusion_reference(
+    pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int, row_counts: list[int] | None = None
+):
     """Final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps (module docstring).
+    ``row_counts``: the token rows of each band, top first (default: ``token_row_bands``' even cut).
 
     ``pipe``: a diffusers ``HunyuanDiTPipeline``, ``PixArtSigmaPipeline``, ``StableDiffusion3Pipeline`` or
     ``FluxPipeline`` (its transformer is deep-copied, never modified; its scheduler, after ``set_timesteps``, is
@@ -444,7 +448,12 @@ def pipefusion_reference(pipe, inputs: dict, *, height: int, width: int, num_pat
     token_rows, token_cols = height // vae_scale_factor // patch_size, width // vae_scale_factor // patch_size
     buffers.num_tokens = token_rows * token_cols
     predict = family(transformer, inputs, buffers, token_rows, token_cols)
-    bands = token_row_bands(token_rows, num_patches)
+    if row_counts is None:
+        bands = token_row_bands(token_rows, num_patches)
+    else:
+        assert len(row_counts) == num_patches and sum(row_counts) == token_rows, (row_counts, token_rows)
+        stops = np.cumsum(row_counts).tolist()
+        bands = [range(stop - rows, stop) for rows, stop in zip(row_counts, stops, strict=True)]
 
     def region(band: range) -> tuple:
         """The band's part of the latents: token range of packed latents, latent rows of (B, C, H, W) ones."""

@@ -138,3 +138,22 @@ def test_a_config_without_a_request_section_plans_the_default_request():
     assert report.generation == defaults.generation and report.generation.num_inference_steps == 20
     assert format_plan_report(report) == format_plan_report(defaults)
     assert predicted_latency(report, "a100-nvlink") == predicted_latency(defaults, "a100-nvlink")
+
+
+def test_the_plan_report_shows_each_patchs_rows_and_work_share():
+    """SD3-medium at 1024 px: 64 x 64 tokens, and the first patch carries the 77 + 256 text tokens, so cut by cost
+    it gets 29 rows (1,856 + 333 = 2,189 tokens) and the second 35 (2,240); the schedule's ceiling beats the even
+    cut's; HunyuanDiT carries no text: even rows, even shares."""
+    from xfuse.parallel.costs import speedup_ceiling
+
+    report = plan_report(_plan_config("sd3-medium"))
+    text = format_plan_report(report)
+    assert (
+        "patches (token rows, share of the work): 0:[0,29) 49.4%  1:[29,64) 50.6%; patch 0 also carries the 333 "
+        in text
+    )
+    assert f"schedule's ceiling: {report.ceiling:.2f}x the loop of one rank" in text
+    steps = dict(num_steps=50, warmup_steps=1, batch_parts=2)
+    assert report.ceiling > speedup_ceiling(report.plan, (32 * 64 + 333, 32 * 64), **steps)
+    hunyuan = format_plan_report(plan_report(_plan_config("dit-g2")))
+    assert "patches (token rows, share of the work): 0:[0,32) 50.0%  1:[32,64) 50.0%\n" in hunyuan

@@ -4,11 +4,12 @@ import itertools
 from itertools import pairwise
 
 import pytest
+import torch
 
 from xfuse.config import ConfigError
 from xfuse.families.registry import HUNYUANDIT, PIXART_SIGMA
 from xfuse.parallel.costs import comm_volume, kv_buffer_bytes
-from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.patch_grid import patch_grid, row_counts
 from xfuse.parallel.stage_plan import stage_plan
 
 skip_pairs = HUNYUANDIT.skip_pairs
@@ -114,6 +115,52 @@ def test_patch_grid_uneven_bands():
     assert grid[1].latent_rows == slice(28, 56)
     assert all(a.row_stop == b.row_start for a, b in pairwise(grid.bands))
     assert [b.num_rows for b in patch_grid(16, 16, 8, 2)] == [1] * 8  # one token row per patch is allowed
+
+
+@pytest.mark.parametrize("rows", range(1, 40))
+def test_row_counts_without_lead_tokens_are_tensor_splits(rows):
+    for m in range(1, rows + 1):
+        assert row_counts(rows, 5, m) == [len(part) for part in torch.arange(rows).tensor_split(m)]
+
+
+@pytest.mark.parametrize(
+    "rows,cols,m,lead,expected",
+    [
+        (32, 32, 2, 93, [15, 17]),  # sd3-small at 512 px, 16 T5 tokens: 480 + 93 = 573 against 544
+        (32, 32, 2, 333, [11, 21]),  # the default 256 T5 tokens: 352 + 333 = 685 against 672
+        (32, 32, 2, 16, [16, 16]),  # flux-small, 16 T5 tokens: 15 rows would leave 544 for patch 1
+        (64, 64, 2, 333, [29, 35]),  # SD3-medium at 1024 px: 2,189 against 2,240 tokens
+        (8, 6, 2, 93, [1, 7]),  # more text than image: the first patch keeps one row
+        (8, 6, 3, 16, [1, 4, 3]),
+    ],
+)
+def test_row_counts_give_the_first_patch_fewer_rows_for_the_tokens_it_carries(rows, cols, m, lead, expected):
+    assert row_counts(rows, cols, m, lead) == expected
+    grid = patch_grid(rows * 2, cols * 2, m, 2, lead)
+    assert [b.num_rows for b in grid] == expected and grid[0].lead_tokens == lead
+    assert grid.cost_tokens == (expected[0] * cols + lead, *(r * cols for r in expected[1:]))
+    assert grid.bands[-1].row_stop == rows and all(a.row_stop == b.row_start for a, b in pairwise(grid.bands))
+
+
+def compositions(total, parts):
+    """Every way to write ``total`` as ``parts`` positive counts, in order."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+@pytest.mark.parametrize("lead", [0, 3, 7, 20, 45])
+def test_row_counts_reach_the_smallest_largest_patch_of_every_cut(m, lead):
+    """Against every cut of 10 rows of 4 tokens: no cut has a smaller largest patch (the lead tokens in the first)."""
+    for rows in range(m, 11):
+        best = min(max(c[0] * 4 + lead, *(r * 4 for r in c[1:])) for c in compositions(rows, m))
+        counts = row_counts(rows, 4, m, lead)
+        assert sum(counts) == rows and min(counts) >= 1
+        assert max(counts[0] * 4 + lead, *(r * 4 for r in counts[1:])) == best, (rows, counts)
 
 
 @pytest.mark.parametrize("m", [0, 9, -1, 2.0])

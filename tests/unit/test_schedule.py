@@ -185,3 +185,46 @@ def test_protocol_posts_before_waiting_on_sends():
         first_wait_send = next(i for i, (a, _) in enumerate(actions) if a == "wait_send")
         assert all(a == "post" for a, _ in actions[:2])
         assert first_wait_send > actions.index(("post", schedule.orders[rank][2]))
+
+
+def uneven_cases():
+    for degree in (2, 3, 4):
+        for placement in ("balanced", "folded", "linear"):
+            for tokens in ((605, 512), (573, 544), (300, 180, 240), (90, 100, 100, 100)):
+                yield degree, placement, tokens
+
+
+@pytest.mark.parametrize("degree,placement,tokens", list(uneven_cases()))
+def test_patches_of_unequal_cost_keep_the_protocol_and_the_stream_order(degree, placement, tokens):
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, 1, len(tokens), 2, tokens)
+    check_protocol(schedule, 2)
+    for order in schedule.orders.values():
+        for hop in {t.hop for t in order if t.hop != COLLECT}:
+            seq = [(t.step, -1 if t.patch is None else t.patch, t.part or 0) for t in order if t.hop == hop]
+            assert seq == sorted(seq)
+
+
+@pytest.mark.parametrize("tokens", [(512, 512), (605, 512), (573, 544), (544, 573)])
+def test_the_heaviest_patch_paces_two_ranks(tokens):
+    """Degree 2, M = 2: in steady state a step takes each rank's blocks on the heaviest patch twice (the other
+    patch's stage waits for it), in units of a block on a mean patch."""
+    plan = stage_plan(16, 2, "linear")
+    schedule = build_schedule(plan, 12, 1, 2, 1, tokens)
+    ends = [schedule.times[Task(s, 1, 1)][1] for s in range(1, 12)]
+    heaviest = 8 * max(tokens) / (sum(tokens) / 2)
+    assert all(b - a == pytest.approx(2 * heaviest) for a, b in pairwise(ends[3:-3])), ends
+
+
+def test_the_speedup_ceiling_is_the_schedules_own():
+    """Equal patches, degree 2, M = 2, warm-up 1 in two batch parts, 20 steps: one rank runs 20 x 16 blocks x 2
+    patches = 640 block-patches; two take the warm-up step's parts (24), the fill (8) and 19 steps of 16: 336."""
+    from xfuse.parallel.costs import speedup_ceiling
+
+    plan = stage_plan(16, 2, "linear")
+    assert speedup_ceiling(plan, (512, 512), num_steps=20, warmup_steps=1, batch_parts=2) == pytest.approx(640 / 336)
+    even, by_cost = (605, 512), (573, 544)  # sd3-small at 512 px: 93 text tokens with patch 0, cut by rows or cost
+    ceilings = [speedup_ceiling(plan, t, num_steps=20, warmup_steps=1, batch_parts=2) for t in (even, by_cost)]
+    assert ceilings[0] < ceilings[1] < 640 / 336
+    with pytest.raises(ValueError, match="one positive token count per patch"):
+        build_schedule(plan, 20, 1, 2, 2, (512,))
