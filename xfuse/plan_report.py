@@ -178,7 +178,7 @@ def format_plan_report(r: PlanReport) -> str:
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{r.generation.num_inference_steps} steps",
         "patches (token rows, share of the work): "
-        + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop}) {share:.1%}" for b, share in zip(grid, shares, strict=True))
+        + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop}) {s:.1%}" for b, s in zip(grid, shares, strict=True))
         + carried,
         f"schedule's ceiling: {r.ceiling:.2f}x the loop of one rank (blocks only: no communication, no per-pass "
         "costs; xfuse.parallel.costs.speedup_ceiling)",

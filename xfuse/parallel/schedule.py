@@ -13,13 +13,13 @@ image). Every part of a step waits for the whole previous step: guidance and ``s
 Pipelined steps stream patches continuously across steps: patch p of step s+1 enters as soon as patch p of step s
 left the output layer. Each rank's order of pipelined tasks comes from a list-scheduling simulation with segment
 costs proportional to their block counts and to the patch's tokens (``patch_tokens``: its rows', plus the text the
-step's first patch carries; equal when not given): a free rank takes, among its ready tasks, the one nearest the start of the
-route (fill before drain), and a patch enters the route no sooner than the busiest rank's blocks per patch after the
-previous one (entering faster only queues work that collides further on, on routes whose ranks have uneven outbound
-and return chunks). In steady state this keeps the busiest rank busy for every degree, placement and M >= N
-(tested), which the half-slot staggering rule of docs/design.md §3 aims for on folded routes. Every segment sees its
-patches in (step, patch) order (a step's batch parts in order), which is what the stale K/V semantics need: patch p
-of step s attends to patches < p of step s and patches > p of step s-1.
+step's first patch carries; equal when not given): a free rank takes, among its ready tasks, the one nearest the
+start of the route (fill before drain), and a patch enters the route no sooner than the busiest rank's work on the
+previous patch after that one entered (entering faster only queues work that collides further on, on routes whose
+ranks have uneven outbound and return chunks). In steady state this keeps the busiest rank busy for every degree,
+placement and M >= N (tested), which the half-slot staggering rule of docs/design.md §3 aims for on folded routes.
+Every segment sees its patches in (step, patch) order (a step's batch parts in order), which is what the stale K/V
+semantics need: patch p of step s attends to patches < p of step s and patches > p of step s-1.
 
 Linear placement ends with *collect* tasks on rank 0 (``hop=-1``): receiving the final latents from the output rank.
 

@@ -47,7 +47,7 @@ class Tracer:
             {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
         ]
-        tracks = ((COMPUTE, "compute"), (COMM, "communication waits"), (LOOP, "denoising loop"), (CALL, "pipeline call"))
+        tracks = (COMPUTE, "compute"), (COMM, "communication waits"), (LOOP, "denoising loop"), (CALL, "pipeline call")
         for tid, label in tracks:
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": label}})
         return meta

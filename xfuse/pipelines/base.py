@@ -494,7 +494,8 @@ class PipeFusionPipelineBase:
         grid = patch_grid(
             height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size, lead_tokens
         )
-        shape = (grid.token_rows, grid.token_cols, grid.cost_tokens, tuple(request.latents.shape), request.latents.dtype)
+        latents = request.latents
+        shape = (grid.token_rows, grid.token_cols, grid.cost_tokens, tuple(latents.shape), latents.dtype)
         if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
             for channels in (self.context.channels, self.context.cfg_channels):
                 if channels is not None:
