@@ -53,7 +53,10 @@ def setup_rank(preset: str, degree: int, parallel: dict) -> None:
 
     torch.set_num_threads(1)
     if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {dist.get_rank()})
+        # Every thread of the rank (gloo's I/O threads were started with the process group, before this call, and
+        # would otherwise run on the other rank's core), then the threads started later inherit it.
+        for thread in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+            os.sched_setaffinity(int(thread), {dist.get_rank()})
     pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
     pipe.set_progress_bar_config(disable=True)
     _PIPE.update(pipe=pipe, preset=preset)
