@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_pipefusion import ideal_speedup, spread  # noqa: E402  (after the path insert, as run directly)
 
 PROMPT = "a red house by a lake"
-# preset -> (the call's family-specific keywords, transformer batch). T5 inputs are cut to 16 tokens for the MMDiTs,
-# as in bench_mmdit.py: patch 0 then carries 77 + 16 text tokens (SD3) or 16 (FLUX) beside its image rows.
+# preset -> (the call's family-specific keywords, transformer batch). T5 inputs are cut to 16 tokens for the MMDiTs:
+# patch 0 then carries 77 + 16 text tokens (SD3) or 16 (FLUX) beside its image rows.
 CALLS: dict[str, tuple[dict, int]] = {
     "small": ({"guidance_scale": 5.0, "use_resolution_binning": False}, 2),
     "pixart-small": ({"guidance_scale": 4.5, "use_resolution_binning": False}, 2),
@@ -158,10 +158,32 @@ def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
     )
 
 
+def measure_all(presets, steps: int, size: int, repeats: int, json_path: str | None = None) -> dict:
+    """``measure`` for each preset in turn; with ``json_path``, the report so far is written after each."""
+    import torch
+
+    report = dict(
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}",
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        steps=steps,
+        size=size,
+        repeats=repeats,
+        presets={},
+    )
+    for preset in presets:
+        row = measure(preset, steps, size, repeats)
+        report["presets"][preset] = row
+        print(f"{preset}: {row['speedup']:.2f}x of ideal {row['ideal']:.2f}x ({row['of_ideal']:.2f})", flush=True)
+        if json_path:  # after every family: a long run cut short keeps what it measured
+            with open(json_path, "w") as fh:
+                json.dump(report, fh, indent=2)
+    return report
+
+
 def markdown(report: dict) -> str:
     out = [
-        f"Machine: {report['machine']}; {report['steps']} steps, {report['size']} px, M = 2, warm-up 1, "
-        f"{report['repeats']} rounds (median, min–max).",
+        f"Machine: {report['machine']}; {report['date']}; {report['steps']} steps, {report['size']} px, M = 2, "
+        f"warm-up 1, {report['repeats']} rounds (median, min–max).",
         "",
         "| family (preset) | degree 1 | degree 2 | speedup (rounds min–max) | ideal | of ideal | patch rows "
         "(tokens) | schedule's ceiling |",
@@ -208,24 +230,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    report = dict(
-        machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}",
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        steps=args.steps,
-        size=args.size,
-        repeats=args.repeats,
-        presets={},
-    )
-    for preset in args.families:
-        row = measure(preset, args.steps, args.size, args.repeats)
-        report["presets"][preset] = row
-        print(f"{preset}: {row['speedup']:.2f}x of ideal {row['ideal']:.2f}x ({row['of_ideal']:.2f})", flush=True)
-        if args.json:  # after every family: a long run cut short keeps what it measured
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=2)
-    print(markdown(report))
+    print(markdown(measure_all(args.families, args.steps, args.size, args.repeats, args.json)))
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ processes, the ``small`` preset (16 blocks, hidden 256) at 512 px with CFG batch
    degrees timed in turns (``interleaved_loops``: drift falls on both sides of a ratio), with degree 1 also run as
    degree 2's patches (M = 2, one process: what patch passes cost by themselves); and the engine's own time per
    task (everything in the loop but the model's compute and the waits on messages) from one traced run per rank;
-3. bytes sent per denoising step per rank, folded, balanced and linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
+3. every family's whole pipeline call to latents at degree 2 against degree 1, in turns, with each rank's traced
+   split (``benchmarks/bench_families.py``: ``small``, ``pixart-small``, ``sd3-small``, ``flux-small``);
+4. bytes sent per denoising step per rank, folded, balanced and linear, N = 2, 4, 8 (``bytes40``: 40 blocks, hidden 32,
    1024 px; scaled to hidden 1408), from the comm counters;
-4. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
+5. transformer parameter and K/V-buffer bytes per rank for the full-size ``dit-g2`` (from the plan) and the
    peak resident memory of each rank in (2);
-5. distance of pipelined output from the serial output (DDIM, M = 2 and 4, warm-up 1).
+6. distance of pipelined output from the serial output (DDIM, M = 2 and 4, warm-up 1).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_families import markdown as bench_families_markdown  # noqa: E402
 from benchmarks.bench_pipefusion import (  # noqa: E402
     WIDTH_SCALE,
     ideal_speedup,
@@ -197,9 +200,16 @@ def pipelined_distance(args) -> dict:
         return world.run_ok(distance_rank, args.steps, timeout=7200)[0]
 
 
+def families_degree2(args) -> dict:
+    from benchmarks.bench_families import CALLS, measure_all
+
+    return measure_all(list(CALLS), args.steps, SIZE, args.repeats)
+
+
 SECTIONS = {  # report key -> what measures it, in the order run
     "degree1_vs_diffusers": degree1_vs_diffusers,
     "denoising_loop": denoising_loop,
+    "families_degree2": families_degree2,
     "bytes_per_step_hidden1408": bytes_per_step,
     "dit_g2_memory_per_rank": dit_g2_memory,
     "pipelined_distance": pipelined_distance,
@@ -303,6 +313,8 @@ def markdown(r: dict) -> str:
             f"| {n} | {folded / 2**20:.0f} | {balanced / 2**20:.0f} | {linear / 2**20:.0f} | {folded / linear:.3f} | "
             f"{balanced / linear:.3f} |"
         )
+    if "families_degree2" in r:  # every family's whole call to latents (benchmarks/bench_families.py)
+        out += ["", bench_families_markdown(r["families_degree2"]).rstrip("\n")]
     out += ["", "| pipelined vs serial (DDIM) | latent relative L2 | image PSNR |", "|---|---|---|"]
     for name, row in r["pipelined_distance"].items():
         out.append(f"| {name}, warm-up 1 | {row['latent_rel_l2']:.4f} | {row['image_psnr_db']:.1f} dB |")
