@@ -117,6 +117,38 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
     )
 
 
+def distance_rank(preset: str, steps: int, size: int) -> dict:
+    """One process: the preset's pipelined latents (M = 2, warm-up 1) cut by rows and cut by cost, each against
+    the serial latents (every step whole); the engine on one rank computes what any degree computes."""
+    import copy
+
+    import torch
+
+    from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, tiny
+    from xfuse.config import ParallelConfig
+    from xfuse.families.registry import model_spec
+
+    torch.set_num_threads(1)
+    pipe, spec = tiny(preset), model_spec(preset)
+    plan = spec.plan(spec.num_blocks(pipe.transformer.config), ParallelConfig(pipefusion_degree=1))
+    stage = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, 0)
+    inputs = prepare_inputs(pipe, height=size, width=size, steps=steps, cfg=CALLS[preset][0]["guidance_scale"])
+    # (SD3's CFG as the benchmark calls it; this helper would give FLUX true CFG, so FLUX is not measured here)
+    text_tokens = inputs["prompt_embeds"].shape[1]
+
+    def latents(num_patches, warmup, lead_tokens):
+        grid = grid_of(spec, pipe, size, size, num_patches, lead_tokens)
+        out = engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup)
+        return out, [band.num_rows for band in grid]
+
+    serial, _ = latents(1, steps, 0)
+    result = {}
+    for name, lead in (("rows", 0), ("cost", text_tokens)):
+        out, rows = latents(2, 1, lead)
+        result[name] = dict(rows=rows, latent_rel_l2=float((out - serial).norm() / serial.norm()))
+    return result
+
+
 def parallel_config(degree: int) -> dict:
     if degree == 1:
         return {"pipefusion_degree": 1}
@@ -226,10 +258,18 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--families", nargs="+", choices=list(CALLS), default=list(CALLS))
+    parser.add_argument("--distance", action="store_true", help="instead: sd3-small's pipelined latents (M = 2, "
+                        "warm-up 1) cut by rows and by cost, each against serial")  # fmt: skip
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.distance:
+        from tests.support.world import World
+
+        with World(1, threads_per_rank=1, start_timeout=600) as world:
+            print(json.dumps(world.run_ok(distance_rank, "sd3-small", args.steps, args.size, timeout=3600)[0]))
+        return
     print(markdown(measure_all(args.families, args.steps, args.size, args.repeats, args.json)))
 
 
