@@ -184,7 +184,7 @@ COST_CUTS = {"sd3-tiny": {2: [1, 7]}, "flux-tiny": {2: [3, 5], 3: [1, 4, 3]}}
 def test_patches_cut_by_cost_equal_the_oracle_cut_the_same_way(world4, preset):
     """Patches cut by tokens (the first one's text included) at degrees 2 and 4 equal the oracle cut the same way;
     the cut matters (the even cut's oracle differs), exact mode does not depend on it, and the pipeline classes cut
-    so (the rows of a traced call)."""
+    so (the rows of a traced call, whose call around the loop is traced too)."""
     text_tokens = prepare_inputs(tiny(preset), height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[
         1
     ]
@@ -204,7 +204,11 @@ def test_patches_cut_by_cost_equal_the_oracle_cut_the_same_way(world4, preset):
     call = dict(prompt="a red house", height=HEIGHT, width=WIDTH, num_inference_steps=2, max_sequence_length=16,
                 output_type="latent")  # fmt: skip
     parallel = {"pipefusion_degree": 4, "num_patches": num_patches, "warmup_steps": 1}
-    assert world4.run_ok(traced_patch_rows, preset, parallel, call) == [rows] * 4
+    traced = world4.run_ok(traced_patch_rows, preset, parallel, call)
+    assert [patch_rows for patch_rows, _ in traced] == [rows] * 4
+    # The call around the loop is traced too: rank 0 encodes, broadcasts and decodes; the others wait for the text.
+    assert traced[0][1] == ["broadcast text", "call", "decode", "encode", "prepare"]
+    assert all(spans == ["call", "prepare", "wait for text"] for _, spans in traced[1:])
 
 
 @pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])

@@ -133,13 +133,15 @@ def run_engine(
 
 def traced_patch_rows(preset, parallel, call):
     """On every rank: the family's xfuse pipeline class on ``preset``, one traced ``__call__(**call)``; returns the
-    token rows of each patch its denoising loop ran (the loop span's ``patch_rows``)."""
+    token rows of each patch its denoising loop ran (the loop span's ``patch_rows``) and the names of the spans on
+    the pipeline-call track (``trace.call_time``)."""
     from xfuse.families.registry import load_pipeline, model_spec
-    from xfuse.parallel.trace import LOOP
+    from xfuse.parallel.trace import LOOP, call_time
 
     pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
     pipe.set_progress_bar_config(disable=True)
     pipe.enable_trace()
     pipe(**call)
-    (loop,) = [e for e in pipe.trace_events() if e["tid"] == LOOP]
-    return loop["args"]["patch_rows"]
+    events = pipe.trace_events()
+    (loop,) = [e for e in events if e["tid"] == LOOP]
+    return loop["args"]["patch_rows"], sorted(call_time(events))

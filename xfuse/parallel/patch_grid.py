@@ -9,7 +9,7 @@ Bands are cut by cost, not by rows, where one patch carries more than its rows: 
 streams (an MMDiT's text, ``lead_tokens`` tokens that go through every block with it), and a block's work grows with
 the tokens it runs on (projections and MLP per token, attention per query token). So the first band gets as many
 fewer rows as makes the patches' token counts, the text included, most even; otherwise a two-stage pipeline
-alternates a heavy and a light patch and the light one's stage waits (SD3 at 512 px with 93 text tokens: 17 % more
+alternates a heavy and a light patch and the light one's stage waits (SD3 at 512 px with 93 text tokens: 18 % more
 tokens in patch 0 when cut by rows). Where the patches cut changes which K/V are stale, never an exact result.
 """
 

@@ -86,7 +86,7 @@ class Schedule:
     warmup_steps: int
     num_patches: int
     orders: dict[int, tuple[Task, ...]]  # rank -> its tasks in execution order
-    times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task, in units of one block on a patch
+    times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task: units of one block on a mean patch
     batch_parts: int = 1  # parts a whole-image step's transformer batch is streamed in
     patch_tokens: tuple[int, ...] | None = None  # each patch's tokens through every block (None: equal patches)
 
