@@ -185,9 +185,8 @@ def test_patches_cut_by_cost_equal_the_oracle_cut_the_same_way(world4, preset):
     """Patches cut by tokens (the first one's text included) at degrees 2 and 4 equal the oracle cut the same way;
     the cut matters (the even cut's oracle differs), exact mode does not depend on it, and the pipeline classes cut
     so (the rows of a traced call, whose call around the loop is traced too)."""
-    text_tokens = prepare_inputs(tiny(preset), height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[
-        1
-    ]
+    inputs = prepare_inputs(tiny(preset), height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)
+    text_tokens = inputs["prompt_embeds"].shape[1]  # SD3: 77 CLIP + 16 T5 tokens; FLUX: 16 T5 tokens
     for num_patches, rows in COST_CUTS[preset].items():
         grid = grid_of(model_spec(preset), tiny(preset), HEIGHT, WIDTH, num_patches, text_tokens)
         assert [band.num_rows for band in grid] == rows
