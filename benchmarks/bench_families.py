@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import ideal_speedup, spread  # noqa: E402  (after the path insert, as run directly)
+from benchmarks.bench_pipefusion import ideal_speedup, spread, wait_phases  # noqa: E402  (after the path insert, as run directly)
 
 PROMPT = "a red house by a lake"
 # preset -> (the call's family-specific keywords, transformer batch). T5 inputs are cut to 16 tokens for the MMDiTs:
@@ -240,8 +240,7 @@ def markdown(report: dict) -> str:
         for degree, per_rank in row["split"].items():
             for rank, split in enumerate(per_rank):
                 call, loop = split["call"], split["loop"]
-                by_step = loop["wait_s_by_step"]
-                waits = (sum(by_step[:1]), sum(by_step[1:2]), sum(by_step[2:-1]), sum(by_step[2:][-1:]))
+                waits = wait_phases(loop["wait_s_by_step"])
                 text = call.get("encode", 0.0) if rank == 0 else call.get("wait for text", 0.0)
                 out.append(
                     f"| {preset}, degree {degree} | {rank} | {call['call']:.2f} s | {text:.2f} s "

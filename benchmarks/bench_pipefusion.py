@@ -41,6 +41,13 @@ def ideal_speedup(steps: int, degree: int, model_batch: int = 2) -> float:
     return steps / ((parts + degree - 1) / (parts * degree) + (steps - 1) / degree)
 
 
+def wait_phases(wait_s_by_step: list[float]) -> tuple[float, float, float, float]:
+    """A rank's waits (``trace.engine_time``'s ``wait_s_by_step``, warm-up 1) at the whole-image warm-up step, the
+    first pipelined step (the pipeline's fill), the steps between and the last step (its drain)."""
+    by_step = wait_s_by_step
+    return sum(by_step[:1]), sum(by_step[1:2]), sum(by_step[2:-1]), sum(by_step[2:][-1:])
+
+
 def speedups(rows: dict, base: str) -> dict:
     """``interleaved_loops``' rows as timings: each configuration's spread of times, its speedup (``base``'s median
     over its own) and each round's (``base``'s time in that round over its own: how far single pairs stray)."""

@@ -42,6 +42,7 @@ from benchmarks.bench_pipefusion import (  # noqa: E402
     run_world,
     speedups,
     spread,
+    wait_phases,
 )
 
 SIZE = 512
@@ -293,8 +294,7 @@ def markdown(r: dict) -> str:
             for rank, split in enumerate(row["engine_time"]):
                 if split is None:
                     continue
-                by_step = split["wait_s_by_step"]  # warm-up 1: step 0 whole-image, steps 1 … last pipelined
-                waits = (sum(by_step[:1]), sum(by_step[1:2]), sum(by_step[2:-1]), sum(by_step[2:][-1:]))
+                waits = wait_phases(split["wait_s_by_step"])
                 out.append(
                     f"| {model}, degree {key.replace('-', ', ')} | {rank} | {split['tasks']} | "
                     f"{split['engine_us_per_task'] / 1e3:.2f} ms | {100 * split['engine_fraction_of_task']:.2f} % | "
