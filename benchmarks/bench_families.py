@@ -21,13 +21,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import ideal_speedup, spread, wait_phases  # noqa: E402  (after the path insert, as run directly)
+from benchmarks.bench_pipefusion import ideal_speedup, pin_to_core, speedups, wait_phases  # noqa: E402  (after the path insert, as run directly)
 
 PROMPT = "a red house by a lake"
 # preset -> (the call's family-specific keywords, transformer batch). T5 inputs are cut to 16 tokens for the MMDiTs:
@@ -52,11 +51,7 @@ def setup_rank(preset: str, degree: int, parallel: dict) -> None:
     from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
     torch.set_num_threads(1)
-    if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
-        # Every thread of the rank (gloo's I/O threads were started with the process group, before this call, and
-        # would otherwise run on the other rank's core), then the threads started later inherit it.
-        for thread in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
-            os.sched_setaffinity(int(thread), {dist.get_rank()})
+    pin_to_core(dist.get_rank(), degree)
     pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
     pipe.set_progress_bar_config(disable=True)
     _PIPE.update(pipe=pipe, preset=preset)
@@ -173,20 +168,19 @@ def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
                 times[degree].append(world.run_ok(call_rank, steps, size, timeout=3600)[0]["seconds"])
         for degree, world in worlds.items():
             splits[degree] = world.run_ok(call_rank, steps, size, True, timeout=3600)
-    rounds = [one / two for one, two in zip(times[1], times[2], strict=True)]
+    rows = speedups({degree: {"times": runs} for degree, runs in times.items()}, 1)
     ideal = ideal_speedup(steps, 2, CALLS[preset][1])
-    speedup = statistics.median(times[1]) / statistics.median(times[2])
     return dict(
-        degree1=spread(times[1]),
-        degree2=spread(times[2]),
-        speedup=speedup,
-        round_speedups=rounds,
+        degree1=rows[1],
+        degree2=rows[2],
+        speedup=rows[2]["speedup"],
+        round_speedups=rows[2]["round_speedups"],
         ideal=ideal,
-        of_ideal=speedup / ideal,
+        of_ideal=rows[2]["speedup"] / ideal,
         ceiling=splits[2][0]["ceiling"],  # the schedule's, with this request's patch cuts
         patch_rows=splits[2][0]["patch_rows"],
         patch_tokens=splits[2][0]["patch_tokens"],
-        split={degree: per_rank for degree, per_rank in splits.items()},
+        split=splits,
     )
 
 

@@ -48,7 +48,7 @@ def wait_phases(wait_s_by_step: list[float]) -> tuple[float, float, float, float
     return sum(by_step[:1]), sum(by_step[1:2]), sum(by_step[2:-1]), sum(by_step[2:][-1:])
 
 
-def speedups(rows: dict, base: str) -> dict:
+def speedups(rows: dict, base) -> dict:
     """``interleaved_loops``' rows as timings: each configuration's spread of times, its speedup (``base``'s median
     over its own) and each round's (``base``'s time in that round over its own: how far single pairs stray)."""
     base_runs = rows[base]["times"]
@@ -60,6 +60,16 @@ def speedups(rows: dict, base: str) -> dict:
         )
         for name, row in rows.items()
     }
+
+
+def pin_to_core(rank: int, degree: int) -> None:
+    """Pin every thread of this rank's process to core ``rank`` when the machine has a core per rank (as a GPU per
+    rank): gloo's I/O threads were started with the process group, before any benchmark setup, and would otherwise
+    run on another rank's core; threads started later inherit the mask."""
+    if degree > (os.cpu_count() or 1) or not hasattr(os, "sched_setaffinity"):
+        return
+    for thread in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        os.sched_setaffinity(int(thread), {rank})
 
 
 _LOOP: dict = {}  # in a rank process: the model, engine and grid that setup_loop_rank built, kept between calls
@@ -82,8 +92,7 @@ def setup_loop_rank(preset, degree, placement, num_patches, warmup, size, layers
     from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
     rank = dist.get_rank()
-    if degree <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {rank})  # one core per rank, as a GPU per rank: no migrations between them
+    pin_to_core(rank, degree)
     pipe = build_tiny_pipeline(preset, seed=0, **({} if layers is None else {"num_layers": layers}))
     num_layers = pipe.transformer.config.num_layers
     plan = stage_plan(num_layers, degree, placement, skips=HUNYUANDIT.skip_pairs(num_layers))

@@ -88,7 +88,6 @@ class Schedule:
     orders: dict[int, tuple[Task, ...]]  # rank -> its tasks in execution order
     times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task: units of one block on a mean patch
     batch_parts: int = 1  # parts a whole-image step's transformer batch is streamed in
-    patch_tokens: tuple[int, ...] | None = None  # each patch's tokens through every block (None: equal patches)
 
     @property
     def makespan(self) -> float:
@@ -286,7 +285,6 @@ def build_schedule(
         {r: tuple(t) for r, t in orders.items()},
         times,
         batch_parts,
-        patch_tokens,
     )
 
 
