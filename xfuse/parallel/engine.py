@@ -203,8 +203,8 @@ class _Run:
         batch = self.request.model_batch if m.part is None else self.part_size
         if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it
             return (batch, *self.request.stream_shapes[m.kind][1:])
-        tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
-        return (batch, tokens, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
+        held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])  # all, or an SP chunk
+        return (batch, held.stop - held.start, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
 
     # --- communication --------------------------------------------------------------------------------------
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
@@ -315,6 +315,7 @@ class _Run:
             self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
         )
         last_hop = task.hop == len(plan.route) - 1
+        self.stage.begin_task(step, patch)
         with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop):
             cond = self._cond(step)  # the step's conditioning (timestep embedding): model work, once per step
             if task.part is not None:

@@ -46,6 +46,13 @@ class Stage(Protocol):
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request on the image ``grid`` describes: forget every K/V and per-request cache."""
 
+    def begin_task(self, step: int, patch: int | None) -> None:
+        """The engine is about to compute a task of (step, patch) (``None``: a whole-image step)."""
+
+    def hidden_tokens(self, band: PatchBand | None) -> slice:
+        """Positions in the image of the hidden states this rank holds for ``band`` (``None``: the whole image):
+        the band's tokens, or under sequence parallelism this rank's chunk of them."""
+
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         """The conditioning of ``part``'s rows of the transformer batch: ``cond`` with every batch-indexed tensor
         sliced. Passes run with it are whole-image passes on those rows only (their K/V go into those rows)."""

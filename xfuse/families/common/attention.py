@@ -16,7 +16,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0, Hu
 from diffusers.models.embeddings import apply_rotary_emb
 
 from xfuse.families.common.layers import attend, project_heads
-from xfuse.parallel.stale_kv import StaleKVCache
+from xfuse.parallel.pass_attention import PassAttention
 
 MIRRORED_PROCESSORS = (AttnProcessor2_0, HunyuanAttnProcessor2_0)
 
@@ -39,14 +39,15 @@ def _heads(attn: Attention, x: torch.Tensor, proj, norm) -> torch.Tensor:
 
 
 class StaleKVSelfAttnProcessor:
-    """Self-attention whose K/V go through a ``StaleKVCache`` (PipeFusion).
+    """Self-attention whose K/V go through the stage's ``PassAttention`` (PipeFusion's stale K/V, and sequence
+    parallelism where the stage has it).
 
     ``image_rotary_emb`` (HunyuanDiT) holds the RoPE rows of exactly the tokens being computed, so K is rotated with
     its global positions before it is stored.
     """
 
-    def __init__(self, cache: StaleKVCache, layer: int):
-        self.cache, self.layer = cache, layer
+    def __init__(self, attention: PassAttention, layer: int):
+        self.attention, self.layer = attention, layer
 
     def __call__(
         self,
@@ -65,8 +66,8 @@ class StaleKVSelfAttnProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb)
             key = apply_rotary_emb(key, image_rotary_emb)
-        key, value = self.cache.update(self.layer, key, value)
-        return attend(attn, query, key, value)
+        out, _ = self.attention.attend(self.layer, (query, key, value))  # (B, S, heads * head_dim)
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 class CachedCrossAttnProcessor:

@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention
 
 from xfuse.families.common.layers import project_heads
+from xfuse.parallel.pass_attention import PassAttention
 from xfuse.parallel.stale_kv import StaleKVCache
 
 
@@ -44,6 +44,10 @@ class JointKV:
     text: dict = field(default_factory=dict)
     reuse_text: bool = False
     text_tokens: int = 0
+    attention: PassAttention = field(init=False)  # the image buffers' attention (module xfuse.parallel.pass_attention)
+
+    def __post_init__(self) -> None:
+        self.attention = PassAttention(self.image)
 
     def text_kv(self, key, text_k: torch.Tensor, text_v: torch.Tensor):
         """(B, heads, T, head_dim) text K/V of this pass: recorded by the owner, replaced by the owner's for a
@@ -63,12 +67,6 @@ class JointKV:
         self.reuse_text, self.text_tokens = False, 0
 
 
-def _sdpa(query, key, value) -> torch.Tensor:
-    """(B, heads, S_q, d) x (B, heads, S_kv, d) -> (B, S_q, heads * d), as diffusers' processors merge heads."""
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-    return out.transpose(1, 2).flatten(2).to(query.dtype)  # (B, heads, S, d) -> (B, S, heads * d)
-
-
 def _norm(norm, x):
     return x if norm is None else norm(x)
 
@@ -84,24 +82,21 @@ class StaleJointAttnProcessor:
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
         if attention_mask is not None or kwargs:
             raise ValueError(f"StaleJointAttnProcessor: no attention mask or extra arguments (got {sorted(kwargs)})")
-        image_len = hidden_states.shape[1]
         query = _norm(attn.norm_q, project_heads(attn, hidden_states, attn.to_q))  # (B, heads, S, d)
         key = _norm(attn.norm_k, project_heads(attn, hidden_states, attn.to_k))
         value = project_heads(attn, hidden_states, attn.to_v)
-        key, value = self.state.image.update(self.key, key, value)  # the band fresh, the rest stale
+        text = None
         if encoder_hidden_states is not None:
             text_q = _norm(attn.norm_added_q, project_heads(attn, encoder_hidden_states, attn.add_q_proj))
             text_k = _norm(attn.norm_added_k, project_heads(attn, encoder_hidden_states, attn.add_k_proj))
             text_v = project_heads(attn, encoder_hidden_states, attn.add_v_proj)
-            text_k, text_v = self.state.text_kv(self.key, text_k, text_v)
-            query = torch.cat([query, text_q], dim=2)
-            key, value = torch.cat([key, text_k], dim=2), torch.cat([value, text_v], dim=2)
-        out = _sdpa(query, key, value)  # (B, image_len + text queries, D)
-        image = attn.to_out[1](attn.to_out[0](out[:, :image_len]))
-        if encoder_hidden_states is None:
+            text = (text_q, *self.state.text_kv(self.key, text_k, text_v))
+        # the band's K/V fresh, the rest stale; [image, text] order; (B, S, D) each
+        image, text_out = self.state.attention.attend(self.key, (query, key, value), text, text_first=False)
+        image = attn.to_out[1](attn.to_out[0](image))
+        if text_out is None:
             return image
-        text = out[:, image_len:]
-        return image, (text if attn.context_pre_only else attn.to_add_out(text))
+        return image, (text_out if attn.context_pre_only else attn.to_add_out(text_out))
 
 
 class StaleFluxAttnProcessor:
@@ -125,24 +120,29 @@ class StaleFluxAttnProcessor:
         query = heads(hidden_states, attn.to_q, attn.norm_q)
         key = heads(hidden_states, attn.to_k, attn.norm_k)
         value = heads(hidden_states, attn.to_v, None)
-        if encoder_hidden_states is not None:  # double-stream block: the text comes separately, and first
+        if encoder_hidden_states is not None:  # double-stream block: the text comes separately
             text_len = encoder_hidden_states.shape[1]
-            query = torch.cat([heads(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q), query], dim=1)
-            key = torch.cat([heads(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k), key], dim=1)
-            value = torch.cat([heads(encoder_hidden_states, attn.add_v_proj, None), value], dim=1)
+            text_q = heads(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q)
+            text_k = heads(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k)
+            text_v = heads(encoder_hidden_states, attn.add_v_proj, None)
         else:  # single-stream block: the block put its text in front
             text_len = self.state.text_tokens
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        query, key, value = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, d) -> (B, heads, S, d)
-        text_k, text_v = self.state.text_kv(self.key, key[:, :, :text_len], value[:, :, :text_len])
-        image_k, image_v = self.state.image.update(self.key, key[:, :, text_len:], value[:, :, text_len:])
-        out = _sdpa(query, torch.cat([text_k, image_k], dim=2), torch.cat([text_v, image_v], dim=2))
+            (text_q, query), (text_k, key), (text_v, value) = (x.split((text_len, x.shape[1] - text_len), dim=1)
+                                                               for x in (query, key, value))  # fmt: skip
+        if image_rotary_emb is not None:  # rows [text, image] of this pass's sequence
+            text_rope, image_rope = zip(*(x.split((text_len, x.shape[0] - text_len)) for x in image_rotary_emb),
+                                        strict=True)  # fmt: skip
+            query, key = (apply_rotary_emb(x, image_rope, sequence_dim=1) for x in (query, key))
+            if text_len:  # a later patch has none (diffusers' rotation cannot reshape zero tokens)
+                text_q, text_k = (apply_rotary_emb(x, text_rope, sequence_dim=1) for x in (text_q, text_k))
+        # (B, S, heads, d) -> (B, heads, S, d)
+        query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
+                                                                                 text_v))  # fmt: skip
+        text = (text_q, *self.state.text_kv(self.key, text_k, text_v))
+        image, text_out = self.state.attention.attend(self.key, (query, key, value), text, text_first=True)
         if encoder_hidden_states is None:
-            return out  # (B, text_len + band, D): the single block projects it with its MLP branch
-        text, image = out[:, :text_len], out[:, text_len:]
-        return attn.to_out[1](attn.to_out[0](image.contiguous())), attn.to_add_out(text.contiguous())
+            return torch.cat((text_out, image), dim=1)  # (B, text_len + band, D): the block's MLP branch follows
+        return attn.to_out[1](attn.to_out[0](image)), attn.to_add_out(text_out)
 
 
 def check_joint_attention(attn, expected: type) -> None:

@@ -48,7 +48,7 @@ class JointStage(ShardedStage):
     def __init__(self, transformer: nn.Module, plan: StagePlan, rank: int):
         self.joint = JointKV()
         super().__init__(transformer, plan, rank)
-        self.kv_cache = self.joint.image
+        self.kv_cache, self.attention = self.joint.image, self.joint.attention
 
     def install_processors(self, block: nn.Module, index: int) -> None:
         for name in ("attn", "attn2"):  # attn2: SD3.5's image-only self-attention in its dual-attention blocks
@@ -60,7 +60,7 @@ class JointStage(ShardedStage):
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every image and text K/V of the previous one."""
         super().begin_request(grid)  # the batch parts' slices of the previous request's text
-        self.joint.begin_request(grid.num_tokens)
+        self.joint.begin_request(self.attention.cache_tokens(grid.num_tokens))
 
     def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict[str, Any]:
         """Extra keyword arguments of every block for this pass (FLUX: its RoPE rows)."""

@@ -19,6 +19,7 @@ from torch import nn
 
 from xfuse.families.common.attention import CachedCrossAttnProcessor, StaleKVSelfAttnProcessor, check_attention
 from xfuse.families.spec import ModelSpec
+from xfuse.parallel.pass_attention import PassAttention
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import StagePlan
@@ -58,6 +59,8 @@ class ShardedStage(nn.Module):
         self.transformer = transformer
         self.blocks = tuple(blocks[local] for blocks, local in places)  # by global index (plain tuple: no copies)
         self.kv_cache = StaleKVCache()
+        self.attention = PassAttention(self.kv_cache)  # what the self-attention processors call
+        self.num_tokens = 0  # image tokens of the current request
         self._request_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see batch_part
         self._cross = []
         for index in self.block_ids:
@@ -67,13 +70,14 @@ class ShardedStage(nn.Module):
         """PipeFusion's processors for block ``index``: stale-K/V self-attention, cross-attention to static text."""
         check_attention(block.attn1, cross=False)
         check_attention(block.attn2, cross=True)
-        block.attn1.set_processor(StaleKVSelfAttnProcessor(self.kv_cache, index))
+        block.attn1.set_processor(StaleKVSelfAttnProcessor(self.attention, index))
         self._cross.append(CachedCrossAttnProcessor())
         block.attn2.set_processor(self._cross[-1])
 
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every K/V of the previous one."""
-        self.kv_cache.reset(grid.num_tokens)
+        self.num_tokens = grid.num_tokens
+        self.kv_cache.reset(self.attention.cache_tokens(grid.num_tokens))
         self._request_rows.clear()
         for cross in self._cross:
             cross.reset()
@@ -97,8 +101,17 @@ class ShardedStage(nn.Module):
         """Point the K/V buffers at this pass: the band's tokens (``None``: the whole image), the conditioning's batch
         part, and whether a whole-image pass stores its K/V (``keep_kv``)."""
         self.kv_cache.store_whole = keep_kv
-        self.kv_cache.tokens = None if band is None else band.tokens
+        self.kv_cache.tokens = None if band is None else self.attention.cache_range(band.tokens)
         self.kv_cache.part = cond.part
+
+    def hidden_tokens(self, band: PatchBand | None) -> slice:
+        """Positions in the image of the hidden states this rank holds in a pass over ``band`` (``None``: the
+        whole image): the band's tokens, or under sequence parallelism this rank's chunk of them."""
+        return self.attention.hidden_tokens(slice(0, self.num_tokens) if band is None else band.tokens)
+
+    def begin_task(self, step: int, patch: int | None) -> None:
+        """The engine is about to compute a task of (step, patch): only sequence parallelism labels its messages
+        with it (``xfuse.parallel.sequence_stage``)."""
 
     @property
     def config(self):

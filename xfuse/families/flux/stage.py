@@ -66,13 +66,15 @@ class FluxStage(JointStage):
         return JointConditioning(temb, text, rope)
 
     def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict:
-        """The RoPE rows of this pass's sequence: [text (owner only), the band's image tokens]."""
+        """The RoPE rows of this pass's sequence: [text (owner only), the image tokens of the band (or of this
+        rank's chunk of it)]."""
         cos, sin = cond.rope
         text_len = cond.text.shape[1]
         self.joint.text_tokens = text_len if owner else 0
-        if band is None:
+        tokens = self.hidden_tokens(band)  # the image tokens this pass's hidden states are
+        if tokens == slice(0, len(cos) - text_len):
             return {"image_rotary_emb": (cos, sin)}
-        rows = slice(text_len + band.tokens.start, text_len + band.tokens.stop)
+        rows = slice(text_len + tokens.start, text_len + tokens.stop)
         if not owner:
             return {"image_rotary_emb": (cos[rows], sin[rows])}
         return {"image_rotary_emb": tuple(torch.cat([x[:text_len], x[rows]]) for x in (cos, sin))}

@@ -109,7 +109,8 @@ class HunyuanDiTStage(ShardedStage):
         """
         self.begin_pass(cond, band, keep_kv)
         cos, sin = cond.rope
-        rope = (cos, sin) if band is None else (cos[band.tokens], sin[band.tokens])  # (tokens, head_dim) each
+        tokens = self.hidden_tokens(band)  # the rows of the whole-image table this pass's tokens have
+        rope = (cos, sin) if tokens == slice(0, len(cos)) else (cos[tokens], sin[tokens])  # (tokens, head_dim) each
         for index in segment.blocks:
             skip = skips.pop(self.skip_source[index]) if index in self.skip_source else None
             hidden = self.transformer.blocks[index](

@@ -1,0 +1,81 @@
+"""The attention of one pass, where every PipeFusion processor hands its queries, keys and values.
+
+A processor projects its tokens (a patch's or the whole image's, and the text where the text shares the softmax) and
+calls ``PassAttention.attend``: the image K/V go through the stage's ``StaleKVCache`` (fresh for the pass's tokens,
+stale for the rest), the text K/V join them, and the result comes back split into image and text outputs with heads
+merged. Without sequence parallelism this is one SDPA call on this rank; with it (``sequence`` set from outside by
+``xfuse.parallel.sequence_stage``) the rank holds only its chunk of the pass's tokens and
+``xfuse.parallel.sequence.SequenceParallel`` computes the same attention over its group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from xfuse.parallel.stale_kv import StaleKVCache
+
+if TYPE_CHECKING:
+    from xfuse.parallel.sequence import SequenceParallel
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each (B, heads, tokens, head_dim)
+
+
+def joint_sdpa(query, key, value, text: QKV | None, text_first: bool):
+    """SDPA of the image queries (and the text's, where ``text`` is given) over the image K/V and the text's, in the
+    family's token order; returns (image output, text output or None), each (B, heads, tokens, head_dim)."""
+    if text is None:
+        return F.scaled_dot_product_attention(query, key, value), None
+    text_q, text_k, text_v = text
+    if text_first:  # FLUX: [text, image]
+        query, key, value = (torch.cat(pair, dim=2) for pair in ((text_q, query), (text_k, key), (text_v, value)))
+    else:  # SD3: [image, text]
+        query, key, value = (torch.cat(pair, dim=2) for pair in ((query, text_q), (key, text_k), (value, text_v)))
+    out = F.scaled_dot_product_attention(query, key, value)  # (B, heads, image + text queries, head_dim)
+    text_len = text_q.shape[2]
+    if text_first:
+        return out[:, :, text_len:], out[:, :, :text_len]
+    return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]
+
+
+def merge_heads(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, heads, S, head_dim) -> (B, S, heads * head_dim), as diffusers' processors merge heads after SDPA."""
+    return out.transpose(1, 2).flatten(2).to(dtype)
+
+
+class PassAttention:
+    """The attention every PipeFusion processor of one stage calls (see the module docstring)."""
+
+    def __init__(self, cache: StaleKVCache):
+        self.cache = cache
+        self.sequence: SequenceParallel | None = None  # set by xfuse.parallel.sequence_stage
+
+    def attend(self, layer, image: QKV, text: QKV | None = None, text_first: bool = False):
+        """Attention of this pass's image queries (and text queries) over the image K/V of ``layer`` and the text
+        K/V; returns (image output (B, S, heads * head_dim), text output or None) with heads merged. ``text``: the
+        (queries, keys, values) of the text sharing the softmax (its queries may be zero tokens: a later patch)."""
+        query, key, value = image
+        if self.sequence is None:
+            key, value = self.cache.update(layer, key, value)
+            image_out, text_out = joint_sdpa(query, key, value, text, text_first)
+        else:
+            image_out, text_out = self.sequence.attend(lambda k, v: self.cache.update(layer, k, v), image, text,
+                                                       text_first)  # fmt: skip
+        dtype = query.dtype
+        return merge_heads(image_out, dtype), None if text_out is None else merge_heads(text_out, dtype)
+
+    # --- where this rank's tokens sit ------------------------------------------------------------------------
+    def hidden_tokens(self, tokens: slice) -> slice:
+        """Positions (in the image) of the hidden states this rank holds for a pass over ``tokens``."""
+        return tokens if self.sequence is None else self.sequence.local(tokens)
+
+    def cache_tokens(self, num_tokens: int) -> int:
+        """Tokens the K/V buffers hold for an image of ``num_tokens``: all of them, or under Ring this rank's ring
+        chunk."""
+        return num_tokens if self.sequence is None else self.sequence.cache_tokens(num_tokens)
+
+    def cache_range(self, tokens: slice) -> slice:
+        """The range of the K/V buffers a patch pass over ``tokens`` writes."""
+        return tokens if self.sequence is None else self.sequence.cache_range(tokens)

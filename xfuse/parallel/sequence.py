@@ -1,0 +1,265 @@
+"""Sequence parallelism inside a pipeline stage: Ulysses and Ring attention over the stage's SP group.
+
+The ``ulysses × ring`` ranks of an SP group run the same blocks on the same pass; each holds one contiguous chunk of
+the pass's tokens (``token_chunks``; SP index ``ring_index * ulysses + ulysses_index`` holds chunk number SP index).
+Everything token-wise (projections, MLPs, norms, modulation, long skips) runs on the chunk as it is; only attention
+reads other tokens:
+
+* **Ulysses** (DeepSpeed-Ulysses; xDiT's USP): an all-to-all over the Ulysses group turns (my chunk's tokens, every
+  head) into (the group's chunks' tokens, my ``heads / ulysses`` heads); attention runs whole on those heads; a
+  second all-to-all brings the output back to (my tokens, every head). The K/V buffers hold every token of the
+  image for the rank's heads, so PipeFusion's stale K/V work per patch as without SP.
+* **Ring**: each ring rank keeps the K/V of its ring chunk (the chunks of its Ulysses group); the blocks travel
+  around the ring while each rank attends to the one it holds, and the partial results merge exactly by their
+  log-sum-exp (``xfuse.parallel.lse_attention``), in ring order on every rank.
+* **Text in the same softmax** (SD3, FLUX) is replicated on every rank: its queries run on every rank, its K/V are
+  one more block; Ulysses takes the rank's heads of it and gathers the heads of the text output, so every rank
+  holds the same text afterwards.
+
+Messages go over this rank's P2P channels to its SP peers: the same bounded buffers and waits, and on a failure the
+same report (rank, peer, op, kind, step, patch) as the pipeline's hand-offs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from xfuse.comm.p2p import P2PChannels, Recv, Send
+from xfuse.parallel.lse_attention import attention_with_lse, merge_partials
+from xfuse.parallel.pass_attention import QKV, joint_sdpa
+
+
+def token_chunks(tokens: slice, parts: int) -> list[slice]:
+    """``tokens`` cut into ``parts`` contiguous chunks, the first ``len % parts`` one token longer
+    (``torch.tensor_split``'s rule)."""
+    base, extra = divmod(tokens.stop - tokens.start, parts)
+    chunks, start = [], tokens.start
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        chunks.append(slice(start, stop))
+        start = stop
+    return chunks
+
+
+class SequenceParallel:
+    """One rank's place in its SP group and the attention it computes with the group (module docstring).
+
+    Args:
+        ulysses, ring: the degrees; the group has ``ulysses * ring`` ranks.
+        index: this rank's SP index, ``ring_index * ulysses + ulysses_index``.
+        group_ranks: global rank of each SP index.
+        channels: P2P channels to the group's other ranks (``None`` only for a group of one).
+    """
+
+    def __init__(self, *, ulysses: int, ring: int, index: int, group_ranks: list[int], channels: P2PChannels | None):
+        if ulysses < 1 or ring < 1 or len(group_ranks) != ulysses * ring or not 0 <= index < ulysses * ring:
+            raise ValueError(f"SP group of {ulysses} x {ring} ranks: index {index}, group ranks {group_ranks}")
+        if ulysses * ring > 1 and channels is None:
+            raise ValueError("an SP group of more than one rank needs channels")
+        self.ulysses, self.ring, self.index = ulysses, ring, index
+        self.ring_index, self.ulysses_index = divmod(index, ulysses)
+        self.group_ranks, self.channels = list(group_ranks), channels
+        self.step: int = 0  # the task being computed: labels of the messages (set by begin_task)
+        self.patch: int | None = None
+        self._tokens = slice(0, 0)  # the current pass's token range (set by begin_pass)
+
+    @property
+    def degree(self) -> int:
+        return self.ulysses * self.ring
+
+    def begin_task(self, step: int, patch: int | None) -> None:
+        self.step, self.patch = step, patch
+
+    def begin_pass(self, tokens: slice) -> None:
+        """The pass about to run covers image tokens ``tokens`` (every rank of the group holds a chunk of them)."""
+        self._tokens = tokens
+
+    # --- layout ---------------------------------------------------------------------------------------------
+    def local(self, tokens: slice) -> slice:
+        """This rank's chunk of ``tokens``."""
+        return token_chunks(tokens, self.degree)[self.index]
+
+    def ring_chunk(self, tokens: slice, ring_index: int) -> slice:
+        """The tokens ring rank ``ring_index``'s Ulysses group holds: its ranks' chunks, contiguous."""
+        chunks = token_chunks(tokens, self.degree)
+        return slice(chunks[ring_index * self.ulysses].start, chunks[(ring_index + 1) * self.ulysses - 1].stop)
+
+    def cache_tokens(self, num_tokens: int) -> int:
+        """Tokens of the K/V buffers: the whole image (Ulysses: every token for the rank's heads), or under Ring the
+        rank's ring chunk of it (whole-image passes only; patches under Ring are refused by the config)."""
+        chunk = self.ring_chunk(slice(0, num_tokens), self.ring_index)
+        return chunk.stop - chunk.start
+
+    def cache_range(self, tokens: slice) -> slice:
+        """The K/V buffer range a patch pass over ``tokens`` writes (Ulysses: the patch's own tokens)."""
+        if self.ring > 1:
+            raise RuntimeError("PipeFusion patches under Ring attention are not supported (parallel.ring_degree)")
+        return tokens
+
+    # --- attention ------------------------------------------------------------------------------------------
+    def attend(self, update: Callable, image: QKV, text: QKV | None, text_first: bool):
+        """The attention of this rank's chunk (and of the replicated text queries) over the whole pass's K/V and the
+        text's; ``update(key, value)`` stores the K/V this rank keeps and returns those to attend to. Returns
+        (image output of my chunk, text output), each (B, heads, tokens, head_dim)."""
+        query, key, value = image  # (B, heads, my tokens, head_dim)
+        heads = query.shape[1]
+        if self.ulysses > 1:
+            query, key, value = self._to_heads(torch.stack((query, key, value)))  # (B, heads/U, ring chunk, d) each
+            if text is not None:
+                mine = self._my_heads(heads)
+                text = (text[0][:, mine], text[1][:, mine], text[2][:, mine])  # (B, heads/U, T, d) each
+        key, value = update(key, value)
+        if self.ring == 1:
+            image_out, text_out = joint_sdpa(query, key, value, text, text_first)
+        else:
+            image_out, text_out = self._ring_attention(query, key, value, text, text_first)
+        if self.ulysses > 1:
+            image_out = self._to_tokens(image_out, heads)
+            if text_out is not None and text_out.shape[2]:
+                text_out = self._gather_heads(text_out)
+        return image_out, text_out
+
+    def _my_heads(self, heads: int) -> slice:
+        size = heads // self.ulysses
+        return slice(self.ulysses_index * size, (self.ulysses_index + 1) * size)
+
+    def _ulysses_peer(self, ulysses_index: int) -> int:
+        return self.ring_index * self.ulysses + ulysses_index
+
+    def _chunk_sizes(self) -> list[int]:
+        """Token counts of my Ulysses group's chunks of the current pass, by Ulysses index."""
+        chunks = token_chunks(self._tokens, self.degree)
+        return [chunks[self._ulysses_peer(u)].stop - chunks[self._ulysses_peer(u)].start for u in range(self.ulysses)]
+
+    def _to_heads(self, packed: torch.Tensor) -> torch.Tensor:
+        """Ulysses all-to-all: (n, B, heads, my tokens, d) -> (n, B, heads/U, ring chunk tokens, d)."""
+        n, batch, heads, _, head_dim = packed.shape
+        size, sizes = heads // self.ulysses, self._chunk_sizes()
+        sends = {
+            self._ulysses_peer(u): packed[:, :, u * size : (u + 1) * size].contiguous()
+            for u in range(self.ulysses)
+            if u != self.ulysses_index
+        }
+        recvs = {
+            self._ulysses_peer(u): (n, batch, size, sizes[u], head_dim)
+            for u in range(self.ulysses)
+            if u != self.ulysses_index
+        }
+        mine = packed[:, :, self._my_heads(heads)]
+
+        def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
+            pieces = [mine if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in range(self.ulysses)]
+            return torch.cat(pieces, dim=3)  # chunks in token order -> (n, B, heads/U, ring chunk, d)
+
+        return self._exchange("ulysses qkv", sends, recvs, packed.dtype, join)
+
+    def _to_tokens(self, out: torch.Tensor, heads: int) -> torch.Tensor:
+        """Ulysses all-to-all back: (B, heads/U, ring chunk tokens, d) -> (B, heads, my tokens, d)."""
+        batch, size, _, head_dim = out.shape
+        sizes = self._chunk_sizes()
+        pieces = out.split(sizes, dim=2)  # by Ulysses index, each (B, heads/U, that rank's tokens, d)
+        sends = {self._ulysses_peer(u): pieces[u].contiguous() for u in range(self.ulysses) if u != self.ulysses_index}
+        mine_tokens = sizes[self.ulysses_index]
+        recvs = {
+            self._ulysses_peer(u): (batch, size, mine_tokens, head_dim)
+            for u in range(self.ulysses)
+            if u != self.ulysses_index
+        }
+
+        def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
+            by_heads = [
+                pieces[u] if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in range(self.ulysses)
+            ]
+            return torch.cat(by_heads, dim=1)  # head groups in order -> (B, heads, my tokens, d)
+
+        return self._exchange("ulysses out", sends, recvs, out.dtype, join)
+
+    def _gather_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """The replicated text's output: (B, heads/U, T, d) of my heads -> (B, heads, T, d) from the Ulysses group."""
+        out = out.contiguous()
+        peers = [self._ulysses_peer(u) for u in range(self.ulysses) if u != self.ulysses_index]
+
+        def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
+            peers = range(self.ulysses)
+            return torch.cat([out if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in peers], 1)
+
+        return self._exchange("ulysses text", dict.fromkeys(peers, out), dict.fromkeys(peers, tuple(out.shape)),
+                              out.dtype, join)  # fmt: skip
+
+    def _ring_attention(self, query, key, value, text: QKV | None, text_first: bool):
+        """Ring: my queries (and the text's) over every ring rank's K/V block, passed around the ring; the partial
+        results merged by log-sum-exp in a fixed order (text, then ring rank 0, 1, …) so every rank computes the
+        replicated text's output bit for bit alike."""
+        text_len = 0 if text is None else text[0].shape[2]
+        if text_len:
+            query = torch.cat((text[0], query) if text_first else (query, text[0]), dim=2)  # type: ignore[index]
+        partials: list = [None] * self.ring
+        text_partial = attention_with_lse(query, text[1], text[2]) if text is not None and text[1].shape[2] else None
+        block = torch.stack((key, value))  # (2, B, heads, ring chunk tokens, d)
+        batch, heads, _, head_dim = key.shape
+        after, before = (self.ring_index + 1) % self.ring, (self.ring_index - 1) % self.ring
+        for hop in range(self.ring):
+            holder = (self.ring_index - hop) % self.ring  # whose block this rank holds at this hop
+            if hop == self.ring - 1:
+                partials[holder] = attention_with_lse(query, block[0], block[1])
+                break
+            source = (holder - 1) % self.ring  # the block arriving next: the one the previous rank holds now
+            chunk = self.ring_chunk(self._tokens, source)
+            shape = (2, batch, heads, chunk.stop - chunk.start, head_dim)
+            peer_after = after * self.ulysses + self.ulysses_index
+            peer_before = before * self.ulysses + self.ulysses_index
+            # The next block travels while this one is attended to.
+            pending = self._post("ring kv", {peer_after: block.contiguous()}, {peer_before: shape}, block.dtype)
+            partials[holder] = attention_with_lse(query, block[0], block[1])
+            block = self._finish(pending, lambda received, peer=peer_before: received[peer].clone())
+        ordered = ([text_partial] if text_partial is not None else []) + partials
+        out = merge_partials(ordered)  # (B, heads, [text +] my queries, d)
+        if not text_len:
+            return out, (None if text is None else out[:, :, :0])
+        if text_first:
+            return out[:, :, text_len:], out[:, :, :text_len]
+        return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]
+
+    # --- messages -------------------------------------------------------------------------------------------
+    def _post(self, kind: str, sends: dict[int, torch.Tensor], recvs: dict[int, tuple], dtype: torch.dtype):
+        assert self.channels is not None
+        ranks = self.group_ranks
+        send_handles, recv_handles = self.channels.exchange(
+            [Send(ranks[i], kind, tensor, self.step, self.patch) for i, tensor in sends.items()],
+            [Recv(ranks[i], kind, shape, dtype, self.step, self.patch) for i, shape in recvs.items()],
+        )
+        return list(recvs), send_handles, recv_handles
+
+    @staticmethod
+    def _finish(pending, use: Callable[[dict[int, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """Wait for a posted exchange, ``use`` the received tensors (SP index -> tensor) before their buffers go back
+        to the pool, and wait for the sends (their tensors may be reused after)."""
+        sources, send_handles, recv_handles = pending
+        received = {source: handle.wait() for source, handle in zip(sources, recv_handles, strict=True)}
+        try:
+            result = use(received)
+        finally:
+            for handle in recv_handles:
+                handle.release()
+        for handle in send_handles:
+            handle.wait()
+        return result
+
+    def _exchange(self, kind, sends, recvs, dtype, use) -> torch.Tensor:
+        return self._finish(self._post(kind, sends, recvs, dtype), use)
+
+    def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, my tokens, D) -> (B, the pass's tokens, D): every rank's chunk, in token order (the output layer and
+        unpatchify need whole rows)."""
+        hidden = hidden.contiguous()
+        batch, _, width = hidden.shape
+        chunks = token_chunks(self._tokens, self.degree)
+        peers = [i for i in range(self.degree) if i != self.index]
+        recvs = {i: (batch, chunks[i].stop - chunks[i].start, width) for i in peers}
+
+        def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
+            return torch.cat([hidden if i == self.index else received[i] for i in range(self.degree)], dim=1)
+
+        return self._exchange("sp gather", dict.fromkeys(peers, hidden), recvs, hidden.dtype, join)

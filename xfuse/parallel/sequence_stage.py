@@ -1,0 +1,73 @@
+"""A family's stage run by one rank of a sequence-parallel group (Ulysses and/or Ring), applied from outside.
+
+The engine drives it like any ``Stage``; the ranks of an SP group run the same program on the same tasks, each on its
+chunk of every pass's tokens (``xfuse.parallel.sequence``), and hand their chunks to the same SP index of the next
+pipeline rank. This wrapper adds the three places where a chunk meets the whole:
+
+* ``embed``: the family embeds the band's whole rows (positions are the rows' own), the rank keeps its chunk;
+* the attention: the stage's ``PassAttention`` gets the group (every processor goes through it);
+* ``head``: the chunks are gathered in token order, and every rank of the group runs the output layer on the whole
+  band, so each holds the same model output and steps the same latents (no rank waits for another's scheduler).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+from xfuse.parallel.sequence import SequenceParallel
+from xfuse.parallel.stage import BatchPart
+from xfuse.parallel.stage_plan import Segment
+
+
+class SequenceParallelStage:
+    """``stage`` (a family's ``Stage``, built for this rank's pipeline rank) on this rank's token chunks."""
+
+    def __init__(self, stage, sequence: SequenceParallel):
+        self.inner, self.sequence = stage, sequence
+        stage.attention.sequence = sequence
+        self.hidden_size = stage.hidden_size
+        self._num_tokens = 0
+
+    def _tokens(self, band: PatchBand | None) -> slice:
+        return slice(0, self._num_tokens) if band is None else band.tokens
+
+    def begin_request(self, grid: PatchGrid) -> None:
+        self._num_tokens = grid.num_tokens
+        self.inner.begin_request(grid)
+
+    def begin_task(self, step: int, patch: int | None) -> None:
+        self.sequence.begin_task(step, patch)
+        self.inner.begin_task(step, patch)
+
+    def hidden_tokens(self, band: PatchBand | None) -> slice:
+        return self.inner.hidden_tokens(band)
+
+    def batch_part(self, cond: Any, part: BatchPart) -> Any:
+        return self.inner.batch_part(cond, part)
+
+    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
+        """(B, C, rows, W) -> (B, my chunk's tokens, hidden): the band embedded whole, this rank's chunk kept."""
+        whole = self.inner.embed(latent_rows, band)  # (B, band tokens, hidden)
+        tokens = self._tokens(band)
+        mine = self.sequence.local(tokens)
+        return whole[:, mine.start - tokens.start : mine.stop - tokens.start]
+
+    def run_segment(
+        self,
+        hidden: torch.Tensor,
+        segment: Segment,
+        cond: Any,
+        band: PatchBand | None,
+        skips: dict[int, torch.Tensor],
+        keep_kv: bool = True,
+        streams: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        self.sequence.begin_pass(self._tokens(band))
+        return self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+
+    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int) -> torch.Tensor:
+        """(B, my chunk's tokens, hidden) -> the model output of the whole band, on every rank of the group."""
+        return self.inner.head(self.sequence.gather_tokens(hidden), cond, token_cols)
