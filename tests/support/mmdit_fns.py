@@ -57,11 +57,9 @@ def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, s
                     true_cfg_scale=cfg, extra_step_kwargs={}, generator=generator)  # fmt: skip
 
 
-def engine_latents(stage, plan, inputs, scheduler, grid, warmup, channels=None, rank=0):
-    """Run PipeFusion's engine for ``stage`` on the oracle's ``inputs``; the final latents on the embedding rank, in
-    the diffusers pipeline's layout (FLUX: packed)."""
-    from xfuse.parallel.engine import PipeFusionEngine
-
+def request_of(stage, inputs, scheduler, grid):
+    """The engine's ``DenoiseRequest`` for ``stage`` on the oracle's ``inputs``, and how its final latents become the
+    diffusers pipeline's layout (FLUX: packed)."""
     if stage.spec.name == "flux":
         from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
 
@@ -81,15 +79,20 @@ def engine_latents(stage, plan, inputs, scheduler, grid, warmup, channels=None, 
             generator=inputs["generator"],
             **text,
         )
-        unpack = grid_to_packed
-    else:
-        from xfuse.families.sd3.stage import denoise_request
+        return request, grid_to_packed
+    from xfuse.families.sd3.stage import denoise_request
 
-        keys = ("prompt_embeds", "pooled_prompt_embeds", "guidance_scale", "generator", "latents")
-        request = denoise_request(
-            stage, timesteps=inputs["timesteps"], scheduler=scheduler, **{k: inputs[k] for k in keys}
-        )
-        unpack = lambda x: x  # noqa: E731
+    keys = ("prompt_embeds", "pooled_prompt_embeds", "guidance_scale", "generator", "latents")
+    request = denoise_request(stage, timesteps=inputs["timesteps"], scheduler=scheduler, **{k: inputs[k] for k in keys})
+    return request, lambda x: x
+
+
+def engine_latents(stage, plan, inputs, scheduler, grid, warmup, channels=None, rank=0):
+    """Run PipeFusion's engine for ``stage`` on the oracle's ``inputs``; the final latents on the embedding rank, in
+    the diffusers pipeline's layout (FLUX: packed)."""
+    from xfuse.parallel.engine import PipeFusionEngine
+
+    request, unpack = request_of(stage, inputs, scheduler, grid)
     engine = PipeFusionEngine(
         stage, plan, channels, pipe_rank=rank, group_ranks=list(range(plan.degree)), warmup_steps=warmup
     )

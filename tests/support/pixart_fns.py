@@ -40,15 +40,19 @@ def prepare_inputs(pipe, *, prompt="a red house by a lake", height=128, width=96
     )
 
 
-def engine_latents(stages, plan, inputs, scheduler, grid, warmup, channels=None, rank=0):
-    """Run PipeFusion's engine for ``stages[rank]`` on ``inputs``; the final latents on the embedding rank."""
+def request_of(stage, inputs, scheduler):
+    """The engine's ``DenoiseRequest`` for ``stage`` on ``inputs``."""
     from xfuse.families.pixart.stage import denoise_request
-    from xfuse.parallel.engine import PipeFusionEngine
 
     keys = ("prompt_embeds", "prompt_attention_mask", "guidance_scale", "extra_step_kwargs", "generator", "latents")
-    request = denoise_request(
-        stages[rank], timesteps=inputs["timesteps"], scheduler=scheduler, **{k: inputs[k] for k in keys}
-    )
+    return denoise_request(stage, timesteps=inputs["timesteps"], scheduler=scheduler, **{k: inputs[k] for k in keys})
+
+
+def engine_latents(stages, plan, inputs, scheduler, grid, warmup, channels=None, rank=0):
+    """Run PipeFusion's engine for ``stages[rank]`` on ``inputs``; the final latents on the embedding rank."""
+    from xfuse.parallel.engine import PipeFusionEngine
+
+    request = request_of(stages[rank], inputs, scheduler)
     engine = PipeFusionEngine(
         stages[rank], plan, channels, pipe_rank=rank, group_ranks=list(range(plan.degree)), warmup_steps=warmup
     )

@@ -117,8 +117,8 @@ class SequenceParallel:
             image_out, text_out = self._ring_attention(query, key, value, text, text_first)
         if self.ulysses > 1:
             image_out = self._to_tokens(image_out, heads)
-            if text_out is not None and text_out.shape[2]:
-                text_out = self._gather_heads(text_out)
+            if text_out is not None:  # a later patch's text has no queries: nothing to gather
+                text_out = self._gather_heads(text_out) if text_out.shape[2] else text_out.repeat(1, self.ulysses, 1, 1)
         return image_out, text_out
 
     def _my_heads(self, heads: int) -> slice:
