@@ -48,6 +48,7 @@ from xfuse.errors import ConfigError
 from xfuse.types import Backend, Device, DtypeName, Placement, Wait
 
 MAX_PIPEFUSION_DEGREE = 8
+MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 
@@ -277,8 +278,29 @@ class ParallelConfig(_Section):
     ] = 1
     placement: Placement | None = None
     stage_split: StageSplit = None
+    ulysses_degree: Annotated[
+        int,
+        Field(ge=1, le=MAX_SEQUENCE_DEGREE),
+        Allowed(
+            f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage splitting heads by all-to-all; must divide "
+            "the model's attention heads)"
+        ),  # fmt: skip
+    ] = 1
+    ring_degree: Annotated[
+        int,
+        Field(ge=1, le=MAX_SEQUENCE_DEGREE),
+        Allowed(f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage passing K/V blocks around a ring)"),
+    ] = 1
 
     def __post_init__(self) -> None:
+        if self.ring_degree > 1 and self.resolved_num_patches > 1:
+            raise ConfigError(
+                "parallel.ring_degree",
+                f"Ring attention runs whole-image passes only: with parallel.ring_degree {self.ring_degree} set "
+                "parallel.num_patches: 1 (PipeFusion then pipelines layers, one patch per step), or use "
+                f"parallel.ulysses_degree for sequence parallelism with patches (got num_patches "
+                f"{self.resolved_num_patches})",
+            )
         if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:
             raise ConfigError(
                 "parallel.stage_split",
@@ -286,6 +308,11 @@ class ParallelConfig(_Section):
                 f"{self.pipefusion_degree} entries), or null; it has {len(self.stage_split)} entries "
                 f"(got {list(self.stage_split)!r})",
             )
+
+    @property
+    def sequence_degree(self) -> int:
+        """Ranks of one sequence-parallel group: ``ulysses_degree * ring_degree``."""
+        return self.ulysses_degree * self.ring_degree
 
     @property
     def resolved_num_patches(self) -> int:
@@ -476,8 +503,9 @@ class XfuseConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks this config needs: ``pipefusion_degree * cfg_degree``."""
-        return self.parallel.pipefusion_degree * self.parallel.cfg_degree
+        """Ranks this config needs: ``cfg_degree * pipefusion_degree * ulysses_degree * ring_degree``."""
+        par = self.parallel
+        return par.cfg_degree * par.pipefusion_degree * par.sequence_degree
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, no tuples); round-trips through :func:`config_from_dict` and YAML."""
@@ -629,6 +657,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
 
 __all__ = [
     "MAX_PIPEFUSION_DEGREE",
+    "MAX_SEQUENCE_DEGREE",
     "TOP_LEVEL_KEYS",
     "CommConfig",
     "ConfigError",

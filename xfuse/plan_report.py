@@ -72,7 +72,8 @@ def plan_report(config: XfuseConfig) -> PlanReport:
     # A config built in Python without a request section plans the default request, as a YAML file without one does.
     generation = config.generation if config.generation is not None else GenerationConfig()
     height, width = generation.height or default, generation.width or default
-    spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width)
+    spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
+                      num_heads=model["num_attention_heads"])  # fmt: skip
     par = config.parallel
     plan = spec.plan(num_blocks, par)
     stream_tokens = {stream: sum(spec.text_lengths) for stream in plan.streams}  # the text the first patch carries

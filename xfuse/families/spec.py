@@ -18,6 +18,7 @@ from typing import Any
 
 from xfuse.errors import ConfigError
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.sequence import check_sequence_chunks
 from xfuse.parallel.stage_plan import StagePlan, stage_plan
 
 
@@ -114,9 +115,12 @@ class ModelSpec:
             streams=self.streams,
         )
 
-    def check_layout(self, parallel, *, num_blocks: int, patch_size: int, height: int, width: int) -> None:
-        """Check that this family runs ``parallel`` (a ParallelConfig) on a ``num_blocks``-block model for a
-        ``height`` x ``width`` px image; raise :class:`ConfigError` naming the key otherwise.
+    def check_layout(
+        self, parallel, *, num_blocks: int, patch_size: int, height: int, width: int, num_heads: int | None = None
+    ) -> None:
+        """Check that this family runs ``parallel`` (a ParallelConfig) on a ``num_blocks``-block model with
+        ``num_heads`` attention heads for a ``height`` x ``width`` px image; raise :class:`ConfigError` naming the key
+        otherwise.
 
         Run before any communication, the same on every rank (the world size is ``xfuse.runtime.world``'s check).
         The block placement and the patch grid are validated by the pure planners themselves.
@@ -133,7 +137,18 @@ class ModelSpec:
                     f"x patch size {patch_size}), e.g. {lower} or {lower + multiple} (got {value!r})",
                 )
         self.plan(num_blocks, parallel)
-        patch_grid(height // self.latent_scale, width // self.latent_scale, parallel.resolved_num_patches, patch_size)
+        grid = patch_grid(
+            height // self.latent_scale, width // self.latent_scale, parallel.resolved_num_patches, patch_size
+        )
+        ulysses = parallel.ulysses_degree
+        if num_heads is not None and num_heads % ulysses:
+            fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ConfigError(
+                "parallel.ulysses_degree",
+                f"must divide the model's {num_heads} attention heads (each Ulysses rank attends with an equal share "
+                f"of them): one of {fits}, or use parallel.ring_degree (got {ulysses})",
+            )
+        check_sequence_chunks(grid, ulysses, parallel.ring_degree)
 
     def preset_transformer_config(self, preset: str) -> dict:
         return self.preset_builders().preset_transformer_config(preset)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
-from xfuse.parallel.sequence import SequenceParallel
+from xfuse.parallel.sequence import SequenceParallel, check_sequence_chunks
 from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment
 
@@ -35,6 +35,8 @@ class SequenceParallelStage:
         return slice(0, self._num_tokens) if band is None else band.tokens
 
     def begin_request(self, grid: PatchGrid) -> None:
+        """Start a request; refuses a grid whose smallest patch (cut by cost) has fewer tokens than the group."""
+        check_sequence_chunks(grid, self.sequence.ulysses, self.sequence.ring)
         self._num_tokens = grid.num_tokens
         self.inner.begin_request(grid)
 

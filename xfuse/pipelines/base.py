@@ -26,6 +26,8 @@ from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, XfuseConfig,
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.sequence import SequenceParallel
+from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext, init_parallel
@@ -157,8 +159,18 @@ class PipeFusionPipelineBase:
                 module = getattr(pipeline, name, None)
                 if isinstance(module, torch.nn.Module):
                     module.to(context.device)
+        engine_stage = self.stage
+        if self.parallel.sequence_degree > 1:  # applied from outside: the family's stage on this rank's chunks
+            sequence = SequenceParallel(
+                ulysses=self.parallel.ulysses_degree,
+                ring=self.parallel.ring_degree,
+                index=context.sp_rank,
+                group_ranks=context.sp_ranks,
+                channels=context.sp_channels,
+            )
+            engine_stage = SequenceParallelStage(self.stage, sequence)
         self.engine = PipeFusionEngine(
-            self.stage,
+            engine_stage,
             self.plan,
             context.channels,
             pipe_rank=context.pipe_rank,
@@ -287,10 +299,9 @@ class PipeFusionPipelineBase:
         """This rank's bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and its peak
         memory (``peak_rss_mib``: the process's peak resident memory; ``peak_cuda_mib``: the peak CUDA allocation)."""
         sent: dict[str, int] = {}
-        for channels in (self.context.channels, self.context.cfg_channels):
-            if channels is not None:
-                for kind, nbytes in channels.counters.sent_bytes.items():
-                    sent[kind] = sent.get(kind, 0) + nbytes
+        for channels in self.context.all_channels:
+            for kind, nbytes in channels.counters.sent_bytes.items():
+                sent[kind] = sent.get(kind, 0) + nbytes
         return dict(
             sent=sent,
             peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -406,6 +417,7 @@ class PipeFusionPipelineBase:
             patch_size=self.stage.config.patch_size,
             height=recipe.height,
             width=recipe.width,
+            num_heads=self.stage.config.num_attention_heads,
         )
         if recipe.latents is not None:
             shape = self._latents_shape(recipe.batch_size * recipe.num_images_per_prompt, recipe.height, recipe.width)
@@ -466,9 +478,8 @@ class PipeFusionPipelineBase:
     # ------------------------------------------------------------------------------- the driver's steps, in order
     def _begin_call(self) -> None:
         self._interrupt, self._callback_error = False, None
-        for channels in (self.context.channels, self.context.cfg_channels):
-            if channels is not None:
-                channels.counters.reset()  # rank_stats() reports the last call
+        for channels in self.context.all_channels:
+            channels.counters.reset()  # rank_stats() reports the last call
 
     def _shared_generator(self, generator):
         """Without a generator every rank (and both CFG groups) must still draw the same scheduler noise: rank 0
@@ -497,9 +508,8 @@ class PipeFusionPipelineBase:
         latents = request.latents
         shape = (grid.token_rows, grid.token_cols, grid.cost_tokens, tuple(latents.shape), latents.dtype)
         if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
-            for channels in (self.context.channels, self.context.cfg_channels):
-                if channels is not None:
-                    channels.reset_buffers()
+            for channels in self.context.all_channels:
+                channels.reset_buffers()
             self._buffer_shape = shape
         # One update per step the engine runs (a second-order scheduler's steps are its timesteps).
         progress = self.pipeline.progress_bar(total=len(request.timesteps)) if self.context.is_output else None
@@ -522,7 +532,8 @@ class PipeFusionPipelineBase:
 
     def _observer(self) -> bool:
         """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""
-        return self.context.cfg_rank == 0 and self.context.pipe_rank == self.plan.output_rank
+        context = self.context
+        return context.cfg_rank == 0 and context.pipe_rank == self.plan.output_rank and context.sp_rank == 0
 
     def _step_end_callback(self, callback, tensor_inputs, timesteps, named: dict, latents_view=None):
         """The engine's ``on_step_end`` for diffusers' ``callback_on_step_end`` (``None`` when there is none or this

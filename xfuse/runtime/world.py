@@ -1,8 +1,13 @@
-"""Process groups and topology: world = cfg_degree x pipefusion_degree, launched by torchrun (or a test world).
+"""Process groups and topology: world = cfg_degree x pipefusion_degree x ulysses_degree x ring_degree, launched by
+torchrun (or a test world).
 
-Global rank g belongs to CFG group ``g // pipefusion_degree`` (0: the unconditional half, 1: the conditional half
-when ``cfg_degree == 2``) at pipeline rank ``g % pipefusion_degree``. Global rank 0 is pipeline rank 0 of CFG group
-0: it owns the text encoders, the VAE and the output. Everything here is created once per process.
+With ``sp = ulysses_degree * ring_degree`` ranks per sequence-parallel (SP) group, global rank g is
+``(cfg_rank * pipefusion_degree + pipe_rank) * sp + sp_rank``: CFG group ``cfg_rank`` (0: the unconditional half, 1:
+the conditional half when ``cfg_degree == 2``), pipeline rank ``pipe_rank``, SP index ``sp_rank`` (``ring_index *
+ulysses_degree + ulysses_index``). An SP group's ranks are neighbours, so its all-to-alls stay on the fastest links
+(xDiT's order too); a pipeline group is the ranks of one CFG group with the same SP index. Global rank 0 is pipeline
+rank 0, SP index 0 of CFG group 0: it owns the text encoders, the VAE and the output. Everything here is created once
+per process.
 
 Teardown (``shutdown``, the one place that tears down what xfuse started in a process) goes in this order:
 
@@ -26,7 +31,7 @@ import atexit
 import os
 import socket
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -69,6 +74,14 @@ class ParallelContext:
     cfg_channels: P2PChannels | None  # the CFG peer
     control_group: dist.ProcessGroup | None  # gloo group for object collectives (None: the default group)
     monitor: FailureMonitor  # first-failure propagation across ranks
+    sp_rank: int = 0  # index in this rank's sequence-parallel group
+    sp_ranks: list[int] = field(default_factory=list)  # global ranks of that group, by SP index (empty: no SP)
+    sp_channels: P2PChannels | None = None  # the SP group's other ranks
+
+    @property
+    def all_channels(self) -> list[P2PChannels]:
+        """Every channel set this rank talks through (pipeline, CFG peer, SP group)."""
+        return [c for c in (self.channels, self.cfg_channels, self.sp_channels) if c is not None]
 
     @property
     def is_output(self) -> bool:
@@ -78,16 +91,22 @@ class ParallelContext:
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
     """The world must have exactly the ranks the parallel degrees multiply to (the one home of this rule)."""
-    need = parallel.pipefusion_degree * parallel.cfg_degree
+    others = parallel.cfg_degree * parallel.sequence_degree  # ranks per PipeFusion rank
+    need = parallel.pipefusion_degree * others
     if need == world_size:
         return
     hint = f"launch with torchrun --nproc_per_node={need}"
-    if world_size % parallel.cfg_degree == 0 and 1 <= world_size // parallel.cfg_degree <= MAX_PIPEFUSION_DEGREE:
-        hint += f", or set parallel.pipefusion_degree={world_size // parallel.cfg_degree} for {world_size} ranks"
+    if world_size % others == 0 and 1 <= world_size // others <= MAX_PIPEFUSION_DEGREE:
+        hint += f", or set parallel.pipefusion_degree={world_size // others} for {world_size} ranks"
+    sequence = ""
+    if parallel.sequence_degree > 1:
+        sequence = (
+            f" x parallel.ulysses_degree ({parallel.ulysses_degree}) x parallel.ring_degree ({parallel.ring_degree})"
+        )
     raise ConfigError(
         "parallel.pipefusion_degree",
-        f"parallel.pipefusion_degree ({parallel.pipefusion_degree}) x parallel.cfg_degree ({parallel.cfg_degree}) "
-        f"= {need} ranks must equal the world size ({world_size}); {hint} "
+        f"parallel.pipefusion_degree ({parallel.pipefusion_degree}) x parallel.cfg_degree ({parallel.cfg_degree})"
+        f"{sequence} = {need} ranks must equal the world size ({world_size}); {hint} "
         f"(got pipefusion_degree={parallel.pipefusion_degree}, cfg_degree={parallel.cfg_degree})",
     )
 
@@ -209,16 +228,25 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     )
     check_world_size(parallel, world)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    cfg_rank, pipe_rank = divmod(rank, pp)
-    all_pipes = [list(range(c * pp, (c + 1) * pp)) for c in range(cfg)]
-    channels = cfg_channels = None
+    sp = parallel.sequence_degree
+    cfg_rank, pipe_rank, sp_rank = rank // (pp * sp), rank // sp % pp, rank % sp
+    all_pipes = [[(c * pp + p) * sp + s for p in range(pp)] for c in range(cfg) for s in range(sp)]
+    all_sp = [[(c * pp + p) * sp + s for s in range(sp)] for c in range(cfg) for p in range(pp)]
+    channels = cfg_channels = sp_channels = None
     if world > 1:
         separate = backend != "gloo"
-        groups = DirectionGroups()
-        for ranks in all_pipes:  # collective: every rank creates every group, in the same order
-            made = make_direction_groups(ranks, separate=separate, device_id=device if backend == "nccl" else None)
-            if rank in ranks:
-                groups = made
+        device_id = device if backend == "nccl" else None
+
+        def groups_of(all_groups: list[list[int]], size: int) -> DirectionGroups:
+            mine = DirectionGroups()
+            if size > 1:
+                for ranks in all_groups:  # collective: every rank creates every group, in the same order
+                    made = make_direction_groups(ranks, separate=separate, device_id=device_id)
+                    if rank in ranks:
+                        mine = made
+            return mine
+
+        pipe_groups, sp_groups = groups_of(all_pipes, pp), groups_of(all_sp, sp)
         kw = dict(
             rank=rank,
             timeout_s=comm.timeout_s,
@@ -226,14 +254,16 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
             device=device,
             stream_ordered=comm.stream_ordered(device.type),
         )
-        channels = P2PChannels(groups=groups, **kw) if pp > 1 else None
+        channels = P2PChannels(groups=pipe_groups, **kw) if pp > 1 else None
         cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
-        _RESOURCES.channels.update(c for c in (channels, cfg_channels) if c is not None)
+        sp_channels = P2PChannels(groups=sp_groups, **kw) if sp > 1 else None
+        _RESOURCES.channels.update(c for c in (channels, cfg_channels, sp_channels) if c is not None)
     monitor = _process_monitor(rank, world)
-    monitor.op_logs = [c.format_op_log for c in (channels, cfg_channels) if c is not None]
-    monitor.state_sources = [c.wait_state for c in (channels, cfg_channels) if c is not None]
-    for c in (channels, cfg_channels):
-        if c is not None and c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
+    every = [c for c in (channels, cfg_channels, sp_channels) if c is not None]
+    monitor.op_logs = [c.format_op_log for c in every]
+    monitor.state_sources = [c.wait_state for c in every]
+    for c in every:
+        if c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
             c.watchdog.on_stuck = monitor.fail_from_thread
     return ParallelContext(
         config=config,
@@ -241,12 +271,15 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
         world_size=world,
         pipe_rank=pipe_rank,
         cfg_rank=cfg_rank,
-        pipe_ranks=all_pipes[cfg_rank],
-        cfg_peer=None if cfg == 1 else (rank + pp) % (2 * pp),
+        pipe_ranks=all_pipes[cfg_rank * sp + sp_rank],
+        cfg_peer=None if cfg == 1 else (rank + pp * sp) % (2 * pp * sp),
         device=device,
         backend=backend,
         channels=channels,
         cfg_channels=cfg_channels,
         control_group=control,
         monitor=monitor,
+        sp_rank=sp_rank,
+        sp_ranks=all_sp[cfg_rank * pp + pipe_rank] if sp > 1 else [],
+        sp_channels=sp_channels,
     )

@@ -91,7 +91,12 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
 
     def check_size(width: int, height: int) -> None:
         pipe.spec.check_layout(
-            pipe.parallel, num_blocks=pipe.num_blocks, patch_size=stage.patch_size, height=height, width=width
+            pipe.parallel,
+            num_blocks=pipe.num_blocks,
+            patch_size=stage.patch_size,
+            height=height,
+            width=width,
+            num_heads=stage.num_attention_heads,
         )
 
     width, height = default_size(config)
