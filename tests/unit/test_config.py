@@ -463,14 +463,15 @@ def test_direct_construction_validates():
 # check_world
 # ------------------------------------------------------------------------------------------------------------------
 
-HUNYUAN = dict(spec=HUNYUANDIT, num_blocks=40, patch_size=2, height=1024, width=1024)
+HUNYUAN = dict(spec=HUNYUANDIT, num_blocks=40, patch_size=2, height=1024, width=1024, num_heads=16)
 
 
-def check_world(config: XfuseConfig, *, world_size, spec, num_blocks, patch_size, height, width) -> None:
+def check_world(config: XfuseConfig, *, world_size, spec, num_blocks, patch_size, height, width, num_heads) -> None:
     """The checks a launch makes before any communication: the world size (``xfuse.runtime.world``), then the
     family's checks of the model and the image (``ModelSpec.check_layout``)."""
     check_world_size(config.parallel, world_size)
-    spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width)
+    spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
+                      num_heads=num_heads)  # fmt: skip
 
 
 def _cfg(**parallel) -> XfuseConfig:
@@ -489,6 +490,10 @@ def test_check_world_ok():
     check_world(_cfg(pipefusion_degree=3, placement="balanced", stage_split=[12, 14, 14]), world_size=3, **HUNYUAN)
     check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_blocks": 6})
     check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
+    # sequence parallelism: world = cfg x pipefusion x ulysses x ring, uneven token chunks allowed
+    check_world(_cfg(pipefusion_degree=2, ulysses_degree=2, ring_degree=2, num_patches=1), world_size=8, **HUNYUAN)
+    check_world(_cfg(cfg_degree=2, ring_degree=3), world_size=6, **HUNYUAN)
+    check_world(_cfg(ulysses_degree=16), world_size=16, **{**HUNYUAN, "height": 80, "width": 64})  # 20 tokens: 2 or 1
 
 
 CHECK_WORLD_BAD = [
@@ -570,6 +575,34 @@ CHECK_WORLD_BAD = [
         dict(world_size=2),
         "parallel.stage_split",
         ["2 block counts of at least 2", "a chunk each way"],
+    ),
+    (
+        "ulysses_not_dividing_heads",
+        dict(ulysses_degree=3),
+        dict(world_size=3),
+        "parallel.ulysses_degree",
+        ["16 attention heads", "[1, 2, 4, 8, 16]", "parallel.ring_degree", "(got 3)"],
+    ),
+    (
+        "ring_with_patches",
+        dict(pipefusion_degree=2, ring_degree=2),
+        dict(world_size=4),
+        "parallel.ring_degree",
+        ["whole-image passes", "parallel.num_patches: 1", "parallel.ulysses_degree", "(got num_patches 2)"],
+    ),
+    (
+        "sequence_world_mismatch",
+        dict(ulysses_degree=2, ring_degree=2),
+        dict(world_size=2),
+        "parallel.pipefusion_degree",
+        ["parallel.ulysses_degree (2) x parallel.ring_degree (2) = 4 ranks", "world size (2)", "--nproc_per_node=4"],
+    ),
+    (
+        "sequence_chunks_too_small",
+        dict(ulysses_degree=16),
+        dict(world_size=16, height=64, width=32),
+        "parallel.ulysses_degree",
+        ["= 16 ranks share", "4x2-token image has 8", "fewer sequence-parallel ranks"],
     ),
     (
         "stage_split_bad_sum_linear",
