@@ -652,6 +652,7 @@ def test_config_file_loads(path):
             patch_size=2,
             height=c.generation.height,
             width=c.generation.width,
+            num_heads=16,
         )
 
 
