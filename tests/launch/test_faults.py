@@ -90,6 +90,42 @@ def test_stalled_rank_gives_comm_timeout_with_rank_peer_op_step_patch(tmp_path, 
     assert end_t - fault_t < timeout_s + 10
 
 
+# Sequence parallelism at degree 2 (one pipeline rank): the victim stops before its first block of step 2, so its
+# peer waits inside the attention's all-to-all (Ulysses) or ring exchange (Ring) of that step.
+SEQUENCE = {
+    "ulysses2": (
+        "ulysses qkv",
+        ["parallel.pipefusion_degree=1", "parallel.num_patches=1", "parallel.ulysses_degree=2"],
+    ),
+    "ring2": ("ring kv", ["parallel.pipefusion_degree=1", "parallel.num_patches=1", "parallel.ring_degree=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", SEQUENCE)
+def test_killed_rank_inside_sequence_parallel_attention_is_named(tmp_path, layout):
+    timeout_s = 30
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "kill:1:2", timeout_s, settings=SEQUENCE[layout][1])
+    assert rc != 0
+    assert end_t - fault_t < timeout_s + 5
+    when, text = reports[0]
+    assert when - fault_t < 5 and "rank 1" in text, stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", SEQUENCE)
+def test_stalled_rank_inside_sequence_parallel_attention_times_out_naming_the_op(tmp_path, layout):
+    timeout_s = 3
+    kind, settings = SEQUENCE[layout]
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "stall:1:2", timeout_s, settings=settings)
+    assert rc != 0
+    when, text = reports[0]
+    assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
+    assert re.search(rf"rank 0: recv of {kind} \(.*\) float32, \d+ bytes, from rank 1 timed out after 3.0 s at step 2",
+                     text), text  # fmt: skip
+    assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
+    assert when - fault_t < timeout_s + 2
+    assert end_t - fault_t < timeout_s + 10
+
+
 def test_stalled_rank_with_stream_ordered_waits_is_named_by_the_watchdog(tmp_path):
     # comm.wait=stream on CPU: gloo's wait blocks the main thread as a device synchronisation behind a lost message
     # would on CUDA; the comm watchdog times the wait out, waits its 2 s grace for the main thread, then reports
