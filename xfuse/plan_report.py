@@ -146,6 +146,8 @@ def predicted_latency(r: PlanReport, link: str) -> str:
         )
     if par.cfg_degree != 1:
         return f"predicted latency ({link}): the model does not cover cfg_degree 2"
+    if par.sequence_degree != 1:
+        return f"predicted latency ({link}): the model does not cover sequence parallelism (ulysses, ring)"
     profile = A100 if link == "a100-nvlink" else l40_profile(A100)
     seconds = predict(
         profile,
@@ -175,7 +177,9 @@ def format_plan_report(r: PlanReport) -> str:
         f"patch size {r.patch_size}",
         f"image {r.height}x{r.width} px -> latent {grid.latent_height}x{grid.latent_width} -> "
         f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r.batch}; {config.runtime.dtype}",
-        f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}; placement "
+        f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}"
+        + (f" x ulysses {par.ulysses_degree} x ring {par.ring_degree}" if par.sequence_degree > 1 else "")
+        + "; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{r.generation.num_inference_steps} steps",
         "patches (token rows, share of the work): "
