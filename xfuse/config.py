@@ -293,14 +293,6 @@ class ParallelConfig(_Section):
     ] = 1
 
     def __post_init__(self) -> None:
-        if self.ring_degree > 1 and self.resolved_num_patches > 1:
-            raise ConfigError(
-                "parallel.ring_degree",
-                f"Ring attention runs whole-image passes only: with parallel.ring_degree {self.ring_degree} set "
-                "parallel.num_patches: 1 (PipeFusion then pipelines layers, one patch per step), or use "
-                f"parallel.ulysses_degree for sequence parallelism with patches (got num_patches "
-                f"{self.resolved_num_patches})",
-            )
         if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:
             raise ConfigError(
                 "parallel.stage_split",

@@ -48,7 +48,7 @@ EXACT_LAYOUTS = {
     "ring2": dict(ring=2),
     "ulysses2xring2": dict(ulysses=2, ring=2),
     "pp2xulysses2": dict(pp=2, ulysses=2, num_patches=2),
-    "pp2xring2": dict(pp=2, ring=2),
+    "pp2xring2": dict(pp=2, ring=2, num_patches=2),
 }
 
 
@@ -66,23 +66,32 @@ def test_exact_sequence_parallel_equals_serial(world4, preset, layout):
         assert other.equal(results[0])
 
 
-PIPELINED = {"pp1xulysses2 M2": dict(ulysses=2, num_patches=2), "pp2xulysses2 M3": dict(pp=2, ulysses=2, num_patches=3)}
+PIPELINED = {  # (layout, warm-up)
+    "pp1xulysses2 M2": (dict(ulysses=2, num_patches=2), 1),
+    "pp2xulysses2 M3": (dict(pp=2, ulysses=2, num_patches=3), 1),
+    "pp1xring2 M2": (dict(ring=2, num_patches=2), 1),
+    "pp2xring2 M2": (dict(pp=2, ring=2, num_patches=2), 1),
+    "ulysses2xring2 M3 W0": (dict(ulysses=2, ring=2, num_patches=3), 0),
+}
 
 
 @pytest.mark.parametrize("layout", PIPELINED)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_pipelined_ulysses_equals_the_oracle(world4, preset, layout):
-    """PipeFusion × Ulysses with stale K/V (warm-up 1): each rank keeps every token's K/V for its heads, so the
-    result is PipeFusion's with the same patches (the oracle, ≤ 1e-5 relative), not serial's."""
-    num_patches = PIPELINED[layout]["num_patches"]
-    out = run(world4, preset, 1, **PIPELINED[layout])[0]
-    assert rel_max(out, oracle(preset, num_patches, 1)) <= 1e-5
-    assert rel_max(oracle(preset, num_patches, 1), oracle(preset, 1, STEPS)) > 1e-4  # stale K/V matter here
+def test_pipelined_sequence_parallel_equals_the_oracle(world4, preset, layout):
+    """PipeFusion × Ulysses / Ring with stale K/V: every token's K/V are kept somewhere in the group (Ulysses: all of
+    them for the rank's heads; Ring: each patch's ring chunk, the warm-up's handed to their keepers), so the result
+    is PipeFusion's with the same patches (the oracle, ≤ 1e-5 relative), not serial's. Warm-up 0: the first step's
+    patches see only what was written before them, on every ring rank alike."""
+    parallel, warmup = PIPELINED[layout]
+    out = run(world4, preset, warmup, **parallel)[0]
+    assert rel_max(out, oracle(preset, parallel["num_patches"], warmup)) <= 1e-5
+    assert rel_max(oracle(preset, parallel["num_patches"], warmup), oracle(preset, 1, STEPS)) > 1e-4  # stale K/V
 
 
-def test_oracle_catches_misplaced_shard_kv(world4):
+@pytest.mark.parametrize("layout", [dict(ulysses=2), dict(ring=2)], ids=["ulysses2", "ring2"])
+def test_oracle_catches_misplaced_shard_kv(world4, layout):
     """A patch's K/V written to the wrong range of the buffers (shard bookkeeping) fails the oracle comparison."""
-    out = world4.run_ok(run_sequence, "sd3-tiny", ulysses=2, num_patches=2, warmup=1, height=HEIGHT, width=WIDTH,
+    out = world4.run_ok(run_sequence, "sd3-tiny", **layout, num_patches=2, warmup=1, height=HEIGHT, width=WIDTH,
                         steps=STEPS, cfg=CFG["sd3-tiny"], fault="misplaced_kv")[0]  # fmt: skip
     assert rel_max(out, oracle("sd3-tiny", 2, 1)) > 1e-3
 
@@ -93,6 +102,7 @@ PIPELINE_LAYOUTS = {
     "cfg2xring2": dict(cfg_degree=2, ring_degree=2),
     "ulysses2xring2": dict(ulysses_degree=2, ring_degree=2),
     "pp2xulysses2": dict(pipefusion_degree=2, ulysses_degree=2),
+    "pp2xring2": dict(pipefusion_degree=2, ring_degree=2),
 }
 
 

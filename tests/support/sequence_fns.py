@@ -68,8 +68,14 @@ def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, heig
     plan = spec.plan(spec.num_blocks(pipe.transformer.config), ParallelConfig(pipefusion_degree=pp))
     stage = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, pipe_rank)
     channels = P2PChannels(rank=rank, timeout_s=60, max_inflight=2, device=torch.device("cpu"))
-    if fault == "misplaced_kv":
-        SequenceParallel.cache_range = lambda self, tokens: slice(0, tokens.stop - tokens.start)
+    if fault == "misplaced_kv":  # every patch's K/V at the start of the buffers (its length unchanged)
+        right = SequenceParallel.cache_range
+
+        def misplaced(self, tokens):
+            place = right(self, tokens)
+            return slice(0, place.stop - place.start)
+
+        SequenceParallel.cache_range = misplaced
     try:
         engine_stage = stage
         if sp > 1:

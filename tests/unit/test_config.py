@@ -491,7 +491,7 @@ def test_check_world_ok():
     check_world(_cfg(pipefusion_degree=3, placement="balanced"), world_size=3, **{**HUNYUAN, "num_blocks": 6})
     check_world(_cfg(pipefusion_degree=2, num_patches=64), world_size=2, **HUNYUAN)
     # sequence parallelism: world = cfg x pipefusion x ulysses x ring, uneven token chunks allowed
-    check_world(_cfg(pipefusion_degree=2, ulysses_degree=2, ring_degree=2, num_patches=1), world_size=8, **HUNYUAN)
+    check_world(_cfg(pipefusion_degree=2, ulysses_degree=2, ring_degree=2), world_size=8, **HUNYUAN)
     check_world(_cfg(cfg_degree=2, ring_degree=3), world_size=6, **HUNYUAN)
     check_world(_cfg(ulysses_degree=16), world_size=16, **{**HUNYUAN, "height": 80, "width": 64})  # 20 tokens: 2 or 1
 
@@ -582,13 +582,6 @@ CHECK_WORLD_BAD = [
         dict(world_size=3),
         "parallel.ulysses_degree",
         ["16 attention heads", "[1, 2, 4, 8, 16]", "parallel.ring_degree", "(got 3)"],
-    ),
-    (
-        "ring_with_patches",
-        dict(pipefusion_degree=2, ring_degree=2),
-        dict(world_size=4),
-        "parallel.ring_degree",
-        ["whole-image passes", "parallel.num_patches: 1", "parallel.ulysses_degree", "(got num_patches 2)"],
     ),
     (
         "sequence_world_mismatch",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.stale_kv import StaleKVCache
 
 if TYPE_CHECKING:
@@ -61,8 +62,7 @@ class PassAttention:
             key, value = self.cache.update(layer, key, value)
             image_out, text_out = joint_sdpa(query, key, value, text, text_first)
         else:
-            image_out, text_out = self.sequence.attend(lambda k, v: self.cache.update(layer, k, v), image, text,
-                                                       text_first)  # fmt: skip
+            image_out, text_out = self.sequence.attend(self.cache, layer, image, text, text_first)
         dtype = query.dtype
         return merge_heads(image_out, dtype), None if text_out is None else merge_heads(text_out, dtype)
 
@@ -71,10 +71,10 @@ class PassAttention:
         """Positions (in the image) of the hidden states this rank holds for a pass over ``tokens``."""
         return tokens if self.sequence is None else self.sequence.local(tokens)
 
-    def cache_tokens(self, num_tokens: int) -> int:
-        """Tokens the K/V buffers hold for an image of ``num_tokens``: all of them, or under Ring this rank's ring
-        chunk."""
-        return num_tokens if self.sequence is None else self.sequence.cache_tokens(num_tokens)
+    def begin_request(self, grid: PatchGrid) -> int:
+        """Start a request on ``grid``; returns the tokens the K/V buffers hold: every token of the image, or under
+        Ring this rank's ring chunk of every patch (``SequenceParallel.begin_request``)."""
+        return grid.num_tokens if self.sequence is None else self.sequence.begin_request(grid)
 
     def cache_range(self, tokens: slice) -> slice:
         """The range of the K/V buffers a patch pass over ``tokens`` writes."""

@@ -23,6 +23,7 @@ same report (rank, peer, op, kind, step, patch) as the pipeline's hand-offs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from xfuse.errors import ConfigError
 from xfuse.parallel.lse_attention import attention_with_lse, merge_partials
 from xfuse.parallel.pass_attention import QKV, joint_sdpa
 from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.stale_kv import StaleKVCache
 
 
 def _only_copy(received: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -86,6 +88,8 @@ class SequenceParallel:
         self.step: int = 0  # the task being computed: labels of the messages (set by begin_task)
         self.patch: int | None = None
         self._tokens = slice(0, 0)  # the current pass's token range (set by begin_pass)
+        self._bands: list[slice] = []  # the request's patches' token ranges (set by begin_request)
+        self._layout: list[list[slice]] = []  # ring rank -> where it keeps each patch's ring chunk (ring_layout)
 
     @property
     def degree(self) -> int:
@@ -108,23 +112,38 @@ class SequenceParallel:
         chunks = token_chunks(tokens, self.degree)
         return slice(chunks[ring_index * self.ulysses].start, chunks[(ring_index + 1) * self.ulysses - 1].stop)
 
-    def cache_tokens(self, num_tokens: int) -> int:
-        """Tokens of the K/V buffers: the whole image (Ulysses: every token for the rank's heads), or under Ring the
-        rank's ring chunk of it (whole-image passes only; patches under Ring are refused by the config)."""
-        chunk = self.ring_chunk(slice(0, num_tokens), self.ring_index)
-        return chunk.stop - chunk.start
+    def begin_request(self, grid: PatchGrid) -> int:
+        """Start a request on ``grid``; returns the tokens this rank's K/V buffers hold.
+
+        Ulysses alone: every token of the image (for the rank's heads), at its own position. Under Ring a rank keeps
+        its ring chunk of every patch, laid out patch after patch (``ring_layout``): a patch pass writes its ring
+        chunk in place, and a whole-image pass that must be stored for the patches that follow hands each ring rank
+        the tokens it keeps (``_store_by_patch``)."""
+        self._bands = [band.tokens for band in grid]
+        self._layout = [self.ring_layout(r) for r in range(self.ring)]
+        return self._layout[self.ring_index][-1].stop
+
+    def ring_layout(self, ring_index: int) -> list[slice]:
+        """Where ring rank ``ring_index`` keeps each patch's ring chunk in its K/V buffers (patch after patch)."""
+        ranges, start = [], 0
+        for tokens in self._bands:
+            chunk = self.ring_chunk(tokens, ring_index)
+            ranges.append(slice(start, start + chunk.stop - chunk.start))
+            start = ranges[-1].stop
+        return ranges
 
     def cache_range(self, tokens: slice) -> slice:
-        """The K/V buffer range a patch pass over ``tokens`` writes (Ulysses: the patch's own tokens)."""
-        if self.ring > 1:
-            raise RuntimeError("PipeFusion patches under Ring attention are not supported (parallel.ring_degree)")
-        return tokens
+        """The K/V buffer range a patch pass over ``tokens`` writes: the patch's own tokens (Ulysses), or where this
+        ring rank keeps the patch's ring chunk (Ring)."""
+        if self.ring == 1:
+            return tokens
+        return self._layout[self.ring_index][self._bands.index(tokens)]
 
     # --- attention ------------------------------------------------------------------------------------------
-    def attend(self, update: Callable, image: QKV, text: QKV | None, text_first: bool):
-        """The attention of this rank's chunk (and of the replicated text queries) over the whole pass's K/V and the
-        text's; ``update(key, value)`` stores the K/V this rank keeps and returns those to attend to. Returns
-        (image output of my chunk, text output), each (B, heads, tokens, head_dim)."""
+    def attend(self, cache: StaleKVCache, layer, image: QKV, text: QKV | None, text_first: bool):
+        """The attention of this rank's chunk (and of the replicated text queries) over the whole pass's K/V (fresh
+        for the pass's tokens, stale for the rest from ``cache``, where this rank keeps its share of ``layer``'s)
+        and the text's. Returns (image output of my chunk, text output), each (B, heads, tokens, head_dim)."""
         query, key, value = image  # (B, heads, my tokens, head_dim)
         heads = query.shape[1]
         if self.ulysses > 1:
@@ -132,11 +151,19 @@ class SequenceParallel:
             if text is not None:
                 mine = self._my_heads(heads)
                 text = (text[0][:, mine], text[1][:, mine], text[2][:, mine])  # (B, heads/U, T, d) each
-        key, value = update(key, value)
         if self.ring == 1:
+            key, value = cache.update(layer, key, value)
             image_out, text_out = joint_sdpa(query, key, value, text, text_first)
         else:
-            image_out, text_out = self._ring_attention(query, key, value, text, text_first)
+            if cache.tokens is None:  # a whole-image pass attends to its own K/V; the patches' layout is kept apart
+                if cache.store_whole and len(self._bands) > 1:
+                    self._store_by_patch(cache, layer, key, value)
+                sizes = [self._size(self.ring_chunk(self._tokens, r)) for r in range(self.ring)]
+            else:
+                key, value = cache.update(layer, key, value)  # every patch's ring chunk kept so far, stale or fresh
+                kept = len([r for r in self._layout[self.ring_index] if r.stop <= key.shape[2]])
+                sizes = [layout[kept - 1].stop for layout in self._layout]  # every ring rank has kept as many
+            image_out, text_out = self._ring_attention(query, key, value, sizes, text, text_first)
         if self.ulysses > 1:
             image_out = self._to_tokens(image_out, heads)
             if text_out is not None:  # a later patch's text has no queries: nothing to gather
@@ -210,10 +237,57 @@ class SequenceParallel:
         return self._exchange("ulysses text", dict.fromkeys(peers, out), dict.fromkeys(peers, tuple(out.shape)),
                               out.dtype, join)  # fmt: skip
 
-    def _ring_attention(self, query, key, value, text: QKV | None, text_first: bool):
-        """Ring: my queries (and the text's) over every ring rank's K/V block, passed around the ring; the partial
-        results merged by log-sum-exp in a fixed order (text, then ring rank 0, 1, …) so every rank computes the
-        replicated text's output bit for bit alike."""
+    @staticmethod
+    def _size(tokens: slice) -> int:
+        return tokens.stop - tokens.start
+
+    def _store_by_patch(self, cache: StaleKVCache, layer, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A whole-image pass's K/V (my ring chunk of the image, (B, heads, tokens, d)) into the ring ranks' layout by
+        patch: each ring rank gets, for every patch, the part of its ring chunk of the patch that I computed."""
+        mine = self.ring_chunk(self._tokens, self.ring_index)
+        packed = torch.stack((key, value))  # (2, B, heads, my ring chunk, d)
+
+        def pieces(holder: slice, keeper: int) -> list[tuple[slice, slice]]:
+            """(range in the holder's whole-image chunk, range in the keeper's buffers) of every patch."""
+            out = []
+            for tokens, place in zip(self._bands, self._layout[keeper], strict=True):
+                chunk = self.ring_chunk(tokens, keeper)
+                start, stop = max(chunk.start, holder.start), min(chunk.stop, holder.stop)
+                if start < stop:
+                    offset = place.start - chunk.start
+                    out.append((slice(start - holder.start, stop - holder.start), slice(start + offset, stop + offset)))
+            return out
+
+        def peer(r: int) -> int:
+            return r * self.ulysses + self.ulysses_index
+
+        sends, recvs, incoming = {}, {}, {}
+        for r in range(self.ring):
+            if r != self.ring_index:
+                out = pieces(mine, r)
+                if out:
+                    sends[peer(r)] = torch.cat([packed[:, :, :, src] for src, _ in out], dim=3).contiguous()
+                holder = self.ring_chunk(self._tokens, r)
+                incoming[peer(r)] = pieces(holder, self.ring_index)
+                if incoming[peer(r)]:
+                    tokens = sum(self._size(src) for src, _ in incoming[peer(r)])
+                    recvs[peer(r)] = (*packed.shape[:3], tokens, packed.shape[4])
+        for src, dst in pieces(mine, self.ring_index):  # what I keep of my own
+            cache.store(layer, packed[0][:, :, src], packed[1][:, :, src], dst)
+
+        def store(received: dict[int, torch.Tensor]) -> None:
+            for source, tensor in received.items():
+                pieces_in = incoming[source]
+                parts = tensor.split([self._size(src) for src, _ in pieces_in], dim=3)
+                for part, (_, dst) in zip(parts, pieces_in, strict=True):
+                    cache.store(layer, part[0], part[1], dst)
+
+        self._finish(self._post("ring store", sends, recvs, packed.dtype), store)
+
+    def _ring_attention(self, query, key, value, sizes: list[int], text: QKV | None, text_first: bool):
+        """Ring: my queries (and the text's) over every ring rank's K/V block (ring rank r's has ``sizes[r]`` tokens),
+        passed around the ring; the partial results merged by log-sum-exp in a fixed order (text, then ring rank 0,
+        1, …) so every rank computes the replicated text's output bit for bit alike."""
         text_len = 0 if text is None else text[0].shape[2]
         if text_len:
             query = torch.cat((text[0], query) if text_first else (query, text[0]), dim=2)  # type: ignore[index]
@@ -228,8 +302,7 @@ class SequenceParallel:
                 partials[holder] = attention_with_lse(query, block[0], block[1])
                 break
             source = (holder - 1) % self.ring  # the block arriving next: the one the previous rank holds now
-            chunk = self.ring_chunk(self._tokens, source)
-            shape = (2, batch, heads, chunk.stop - chunk.start, head_dim)
+            shape = (2, batch, heads, sizes[source], head_dim)
             peer_after = after * self.ulysses + self.ulysses_index
             peer_before = before * self.ulysses + self.ulysses_index
             # The next block travels while this one is attended to.
@@ -255,7 +328,7 @@ class SequenceParallel:
         return list(recvs), send_handles, recv_handles
 
     @staticmethod
-    def _finish(pending, use: Callable[[dict[int, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    def _finish(pending, use: Callable[[dict[int, torch.Tensor]], Any]) -> Any:
         """Wait for a posted exchange, ``use`` the received tensors (SP index -> tensor) before their buffers go back
         to the pool, and wait for the sends (their tensors may be reused after)."""
         sources, send_handles, recv_handles = pending

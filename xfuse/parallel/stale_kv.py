@@ -46,6 +46,17 @@ class StaleKVCache:
             self._valid[layer] = 0
         return self._k[layer], self._v[layer]
 
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, tokens: slice) -> None:
+        """Write ``key``/``value`` (B, heads, S, D) into ``tokens`` of the buffers without attending (a whole-image
+        pass whose K/V are kept in another layout: sequence parallelism's Ring); a batch part into its rows. Every
+        range of a whole-image pass is written before any patch reads the buffers."""
+        part = self.part
+        k_buf, v_buf = self._buffers(layer, key, key.shape[0] if part is None else part.model_batch)
+        rows = slice(None) if part is None else part.rows
+        k_buf[rows, :, tokens].copy_(key)
+        v_buf[rows, :, tokens].copy_(value)
+        self._valid[layer] = self.num_tokens
+
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Store this pass's ``key``/``value`` (B, heads, S, D) and return the K/V to attend to.
 

@@ -60,7 +60,7 @@ class JointStage(ShardedStage):
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every image and text K/V of the previous one."""
         super().begin_request(grid)  # the batch parts' slices of the previous request's text
-        self.joint.begin_request(self.attention.cache_tokens(grid.num_tokens))
+        self.joint.begin_request(self.attention.begin_request(grid))
 
     def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict[str, Any]:
         """Extra keyword arguments of every block for this pass (FLUX: its RoPE rows)."""

@@ -77,7 +77,7 @@ class ShardedStage(nn.Module):
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request: forget every K/V of the previous one."""
         self.num_tokens = grid.num_tokens
-        self.kv_cache.reset(self.attention.cache_tokens(grid.num_tokens))
+        self.kv_cache.reset(self.attention.begin_request(grid))
         self._request_rows.clear()
         for cross in self._cross:
             cross.reset()
