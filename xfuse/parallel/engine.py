@@ -201,8 +201,8 @@ class _Run:
         if m.kind == "latent":
             return (lat.shape[0], lat.shape[1], rows, lat.shape[3])  # (B, C, rows, W)
         batch = self.request.model_batch if m.part is None else self.part_size
-        if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it
-            return (batch, *self.request.stream_shapes[m.kind][1:])
+        if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it (an SP rank: its chunk)
+            return (batch, *self.stage.stream_shape(m.kind, self.request.stream_shapes[m.kind])[1:])
         held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])  # all, or an SP chunk
         return (batch, held.stop - held.start, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
 

@@ -10,6 +10,8 @@ merged. Without sequence parallelism this is one SDPA call on this rank; with it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +24,21 @@ if TYPE_CHECKING:
     from xfuse.parallel.sequence import SequenceParallel
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each (B, heads, tokens, head_dim)
+
+
+@dataclass
+class TextAttention:
+    """The text that shares the image's softmax in one pass (SD3, FLUX): its queries, keys and values on this rank,
+    each (B, heads, tokens, head_dim) — under sequence parallelism this rank's chunk of the text, and zero tokens for
+    a patch that reuses the text K/V its step's first patch recorded."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    tokens: int  # the text's tokens (all chunks)
+    fresh: bool  # this pass owns the text update: its K/V are recorded (else the recorded ones are reused)
+    text_first: bool  # the family's order: FLUX [text, image], SD3 [image, text]
+    record: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # record or reuse the K/V
 
 
 def joint_sdpa(query, key, value, text: QKV | None, text_first: bool):
@@ -53,16 +70,16 @@ class PassAttention:
         self.cache = cache
         self.sequence: SequenceParallel | None = None  # set by xfuse.parallel.sequence_stage
 
-    def attend(self, layer, image: QKV, text: QKV | None = None, text_first: bool = False):
+    def attend(self, layer, image: QKV, text: TextAttention | None = None):
         """Attention of this pass's image queries (and text queries) over the image K/V of ``layer`` and the text
-        K/V; returns (image output (B, S, heads * head_dim), text output or None) with heads merged. ``text``: the
-        (queries, keys, values) of the text sharing the softmax (its queries may be zero tokens: a later patch)."""
+        K/V; returns (image output (B, S, heads * head_dim), text output or None) with heads merged."""
         query, key, value = image
         if self.sequence is None:
             key, value = self.cache.update(layer, key, value)
-            image_out, text_out = joint_sdpa(query, key, value, text, text_first)
+            text_qkv = None if text is None else (text.query, *text.record(text.key, text.value))
+            image_out, text_out = joint_sdpa(query, key, value, text_qkv, text is not None and text.text_first)
         else:
-            image_out, text_out = self.sequence.attend(self.cache, layer, image, text, text_first)
+            image_out, text_out = self.sequence.attend(self.cache, layer, image, text)
         dtype = query.dtype
         return merge_heads(image_out, dtype), None if text_out is None else merge_heads(text_out, dtype)
 

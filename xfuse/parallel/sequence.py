@@ -30,7 +30,7 @@ import torch
 from xfuse.comm.p2p import P2PChannels, Recv, Send
 from xfuse.errors import ConfigError
 from xfuse.parallel.lse_attention import attention_with_lse, merge_partials
-from xfuse.parallel.pass_attention import QKV, joint_sdpa
+from xfuse.parallel.pass_attention import QKV, TextAttention, joint_sdpa
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.stale_kv import StaleKVCache
 
@@ -140,20 +140,35 @@ class SequenceParallel:
         return self._layout[self.ring_index][self._bands.index(tokens)]
 
     # --- attention ------------------------------------------------------------------------------------------
-    def attend(self, cache: StaleKVCache, layer, image: QKV, text: QKV | None, text_first: bool):
-        """The attention of this rank's chunk (and of the replicated text queries) over the whole pass's K/V (fresh
-        for the pass's tokens, stale for the rest from ``cache``, where this rank keeps its share of ``layer``'s)
-        and the text's. Returns (image output of my chunk, text output), each (B, heads, tokens, head_dim)."""
+    def attend(self, cache: StaleKVCache, layer, image: QKV, text: TextAttention | None):
+        """The attention of this rank's chunk (and of its chunk of the text's queries) over the whole pass's K/V
+        (fresh for the pass's tokens, stale for the rest from ``cache``, where this rank keeps its share of
+        ``layer``'s) and the whole text's. Returns (image output of my chunk, text output of my text chunk or
+        None), each (B, heads, tokens, head_dim)."""
         query, key, value = image  # (B, heads, my tokens, head_dim)
-        heads = query.shape[1]
-        if self.ulysses > 1:
-            query, key, value = self._to_heads(torch.stack((query, key, value)))  # (B, heads/U, ring chunk, d) each
+        heads, batch, head_dim = query.shape[1], query.shape[0], query.shape[3]
+        image_sizes = self._chunk_sizes(self._tokens)
+        fresh_text = text is not None and text.fresh
+        text_sizes = self._chunk_sizes(slice(0, text.tokens)) if fresh_text else [0] * self.ulysses  # type: ignore[union-attr]
+        text_qkv = None if text is None else (text.query, text.key, text.value)
+        if self.ulysses > 1:  # (B, heads, my tokens, d) -> (B, heads/U, my Ulysses group's tokens, d)
+            packed = torch.stack(image)
+            if text is not None and text.fresh:  # the text's chunks travel with the image's: [image, text] per rank
+                packed = torch.cat((packed, torch.stack(text_qkv)), dim=3)  # type: ignore[arg-type]
+            image_qkv, joined = self._to_heads(packed, image_sizes, text_sizes)
+            query, key, value = image_qkv[0], image_qkv[1], image_qkv[2]
             if text is not None:
-                mine = self._my_heads(heads)
-                text = (text[0][:, mine], text[1][:, mine], text[2][:, mine])  # (B, heads/U, T, d) each
+                if text.fresh:
+                    text_qkv = (joined[0], joined[1], joined[2])
+                else:  # a later patch: no text tokens to send, its K/V are the recorded ones
+                    mine = self._my_heads(heads)
+                    text_qkv = (text.query[:, mine], text.key[:, mine], text.value[:, mine])
+        if text is not None:
+            assert text_qkv is not None
+            text_qkv = (text_qkv[0], *text.record(text_qkv[1], text_qkv[2]))  # recorded by the owner, else reused
         if self.ring == 1:
             key, value = cache.update(layer, key, value)
-            image_out, text_out = joint_sdpa(query, key, value, text, text_first)
+            image_out, text_out = joint_sdpa(query, key, value, text_qkv, text is not None and text.text_first)
         else:
             if cache.tokens is None:  # a whole-image pass attends to its own K/V; the patches' layout is kept apart
                 if cache.store_whole and len(self._bands) > 1:
@@ -163,11 +178,20 @@ class SequenceParallel:
                 key, value = cache.update(layer, key, value)  # every patch's ring chunk kept so far, stale or fresh
                 kept = len([r for r in self._layout[self.ring_index] if r.stop <= key.shape[2]])
                 sizes = [layout[kept - 1].stop for layout in self._layout]  # every ring rank has kept as many
-            image_out, text_out = self._ring_attention(query, key, value, sizes, text, text_first)
-        if self.ulysses > 1:
-            image_out = self._to_tokens(image_out, heads)
-            if text_out is not None:  # a later patch's text has no queries: nothing to gather
-                text_out = self._gather_heads(text_out) if text_out.shape[2] else text_out.repeat(1, self.ulysses, 1, 1)
+            if text is not None:  # every ring rank's block leads with its ring chunk of the text
+                sizes = [n + self._size(self.ring_chunk(slice(0, text.tokens), r)) for r, n in enumerate(sizes)]
+            image_out, text_out = self._ring_attention(query, key, value, sizes, text_qkv,
+                                                       text is not None and text.text_first)  # fmt: skip
+        if self.ulysses > 1:  # back to (B, heads, my tokens, d)
+            outs = image_out.split(image_sizes, dim=2)
+            if fresh_text:  # each rank's text output travels behind its image output
+                assert text_out is not None
+                outs = [torch.cat(pair, dim=2) for pair in zip(outs, text_out.split(text_sizes, dim=2), strict=True)]
+            held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
+            image_out = self._to_tokens(list(outs), (batch, heads // self.ulysses, held, head_dim))
+            if text_out is not None:
+                n = image_sizes[self.ulysses_index]
+                image_out, text_out = image_out[:, :, :n], image_out[:, :, n:]
         return image_out, text_out
 
     def _my_heads(self, heads: int) -> slice:
@@ -177,45 +201,36 @@ class SequenceParallel:
     def _ulysses_peer(self, ulysses_index: int) -> int:
         return self.ring_index * self.ulysses + ulysses_index
 
-    def _chunk_sizes(self) -> list[int]:
-        """Token counts of my Ulysses group's chunks of the current pass, by Ulysses index."""
-        chunks = token_chunks(self._tokens, self.degree)
-        return [chunks[self._ulysses_peer(u)].stop - chunks[self._ulysses_peer(u)].start for u in range(self.ulysses)]
+    def _chunk_sizes(self, tokens: slice) -> list[int]:
+        """Token counts of my Ulysses group's chunks of ``tokens``, by Ulysses index."""
+        chunks = token_chunks(tokens, self.degree)
+        return [self._size(chunks[self._ulysses_peer(u)]) for u in range(self.ulysses)]
 
-    def _to_heads(self, packed: torch.Tensor) -> torch.Tensor:
-        """Ulysses all-to-all: (n, B, heads, my tokens, d) -> (n, B, heads/U, ring chunk tokens, d)."""
+    def _to_heads(self, packed: torch.Tensor, image_sizes: list[int], text_sizes: list[int]):
+        """Ulysses all-to-all: (n, B, heads, my tokens, d), my image chunk then my text chunk, -> my Ulysses group's
+        image tokens and text tokens for my heads, (n, B, heads/U, tokens, d) each, in token order (rank u sends
+        ``image_sizes[u]`` then ``text_sizes[u]`` tokens)."""
         n, batch, heads, _, head_dim = packed.shape
-        size, sizes = heads // self.ulysses, self._chunk_sizes()
-        sends = {
-            self._ulysses_peer(u): packed[:, :, u * size : (u + 1) * size].contiguous()
-            for u in range(self.ulysses)
-            if u != self.ulysses_index
-        }
-        recvs = {
-            self._ulysses_peer(u): (n, batch, size, sizes[u], head_dim)
-            for u in range(self.ulysses)
-            if u != self.ulysses_index
-        }
+        size = heads // self.ulysses
+        peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
+        sends = {self._ulysses_peer(u): packed[:, :, u * size : (u + 1) * size].contiguous() for u in peers}
+        recvs = {self._ulysses_peer(u): (n, batch, size, image_sizes[u] + text_sizes[u], head_dim) for u in peers}
         mine = packed[:, :, self._my_heads(heads)]
 
-        def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
+        def join(received: dict[int, torch.Tensor]):
             pieces = [mine if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in range(self.ulysses)]
-            return torch.cat(pieces, dim=3)  # chunks in token order -> (n, B, heads/U, ring chunk, d)
+            image = torch.cat([p[:, :, :, :m] for p, m in zip(pieces, image_sizes, strict=True)], dim=3)
+            text = torch.cat([p[:, :, :, m:] for p, m in zip(pieces, image_sizes, strict=True)], dim=3)
+            return image, text  # chunks in token order
 
         return self._exchange("ulysses qkv", sends, recvs, packed.dtype, join)
 
-    def _to_tokens(self, out: torch.Tensor, heads: int) -> torch.Tensor:
-        """Ulysses all-to-all back: (B, heads/U, ring chunk tokens, d) -> (B, heads, my tokens, d)."""
-        batch, size, _, head_dim = out.shape
-        sizes = self._chunk_sizes()
-        pieces = out.split(sizes, dim=2)  # by Ulysses index, each (B, heads/U, that rank's tokens, d)
-        sends = {self._ulysses_peer(u): pieces[u].contiguous() for u in range(self.ulysses) if u != self.ulysses_index}
-        mine_tokens = sizes[self.ulysses_index]
-        recvs = {
-            self._ulysses_peer(u): (batch, size, mine_tokens, head_dim)
-            for u in range(self.ulysses)
-            if u != self.ulysses_index
-        }
+    def _to_tokens(self, pieces: list[torch.Tensor], shape: tuple) -> torch.Tensor:
+        """Ulysses all-to-all back: ``pieces[u]`` (B, heads/U, rank u's tokens, d) goes to rank u; returns my tokens
+        for every head, (B, heads, my tokens, d); ``shape``: what each rank sends me."""
+        peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
+        sends = {self._ulysses_peer(u): pieces[u].contiguous() for u in peers}
+        recvs = {self._ulysses_peer(u): shape for u in peers}
 
         def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
             by_heads = [
@@ -223,19 +238,7 @@ class SequenceParallel:
             ]
             return torch.cat(by_heads, dim=1)  # head groups in order -> (B, heads, my tokens, d)
 
-        return self._exchange("ulysses out", sends, recvs, out.dtype, join)
-
-    def _gather_heads(self, out: torch.Tensor) -> torch.Tensor:
-        """The replicated text's output: (B, heads/U, T, d) of my heads -> (B, heads, T, d) from the Ulysses group."""
-        out = out.contiguous()
-        peers = [self._ulysses_peer(u) for u in range(self.ulysses) if u != self.ulysses_index]
-
-        def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
-            peers = range(self.ulysses)
-            return torch.cat([out if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in peers], 1)
-
-        return self._exchange("ulysses text", dict.fromkeys(peers, out), dict.fromkeys(peers, tuple(out.shape)),
-                              out.dtype, join)  # fmt: skip
+        return self._exchange("ulysses out", sends, recvs, pieces[0].dtype, join)
 
     @staticmethod
     def _size(tokens: slice) -> int:
@@ -285,15 +288,15 @@ class SequenceParallel:
         self._finish(self._post("ring store", sends, recvs, packed.dtype), store)
 
     def _ring_attention(self, query, key, value, sizes: list[int], text: QKV | None, text_first: bool):
-        """Ring: my queries (and the text's) over every ring rank's K/V block (ring rank r's has ``sizes[r]`` tokens),
-        passed around the ring; the partial results merged by log-sum-exp in a fixed order (text, then ring rank 0,
-        1, …) so every rank computes the replicated text's output bit for bit alike."""
+        """Ring: my queries (and my text queries) over every ring rank's K/V block (ring rank r's: its ring chunk of
+        the text, then of the image, ``sizes[r]`` tokens), passed around the ring while the block held is attended
+        to; the partial results merged by log-sum-exp in ring order."""
         text_len = 0 if text is None else text[0].shape[2]
-        if text_len:
-            query = torch.cat((text[0], query) if text_first else (query, text[0]), dim=2)  # type: ignore[index]
+        if text is not None:
+            query = torch.cat((text[0], query) if text_first else (query, text[0]), dim=2)
+            key, value = torch.cat((text[1], key), dim=2), torch.cat((text[2], value), dim=2)
         partials: list = [None] * self.ring
-        text_partial = attention_with_lse(query, text[1], text[2]) if text is not None and text[1].shape[2] else None
-        block = torch.stack((key, value))  # (2, B, heads, ring chunk tokens, d)
+        block = torch.stack((key, value))  # (2, B, heads, block tokens, d)
         batch, heads, _, head_dim = key.shape
         after, before = (self.ring_index + 1) % self.ring, (self.ring_index - 1) % self.ring
         for hop in range(self.ring):
@@ -309,10 +312,9 @@ class SequenceParallel:
             pending = self._post("ring kv", {peer_after: block.contiguous()}, {peer_before: shape}, block.dtype)
             partials[holder] = attention_with_lse(query, block[0], block[1])
             block = self._finish(pending, _only_copy)  # a copy: the pooled buffer takes the next message
-        ordered = ([text_partial] if text_partial is not None else []) + partials
-        out = merge_partials(ordered)  # (B, heads, [text +] my queries, d)
-        if not text_len:
-            return out, (None if text is None else out[:, :, :0])
+        out = merge_partials(partials)  # (B, heads, [text +] my queries, d)
+        if text is None:
+            return out, None
         if text_first:
             return out[:, :, text_len:], out[:, :, :text_len]
         return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]

@@ -47,6 +47,9 @@ class SequenceParallelStage:
     def hidden_tokens(self, band: PatchBand | None) -> slice:
         return self.inner.hidden_tokens(band)
 
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        return self.inner.stream_shape(kind, shape)
+
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         return self.inner.batch_part(cond, part)
 

@@ -53,6 +53,10 @@ class Stage(Protocol):
         """Positions in the image of the hidden states this rank holds for ``band`` (``None``: the whole image):
         the band's tokens, or under sequence parallelism this rank's chunk of them."""
 
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        """The shape this rank holds of the plan's stream ``kind`` whose whole shape is ``shape`` (B, T, ...): all of
+        it, or under sequence parallelism its chunk of the tokens."""
+
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         """The conditioning of ``part``'s rows of the transformer batch: ``cond`` with every batch-indexed tensor
         sliced. Passes run with it are whole-image passes on those rows only (their K/V go into those rows)."""

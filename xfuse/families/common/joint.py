@@ -19,6 +19,7 @@ post-RoPE, so stale rows keep their own positions); text K/V never go stale with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from diffusers.models.attention_processor import Attention
@@ -26,7 +27,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention
 
 from xfuse.families.common.layers import project_heads
-from xfuse.parallel.pass_attention import PassAttention
+from xfuse.parallel.pass_attention import PassAttention, TextAttention
 from xfuse.parallel.stale_kv import StaleKVCache
 
 
@@ -38,12 +39,14 @@ class JointKV:
     recorded by the owner of the text update. ``reuse_text``: the current pass is a later patch (its text stream
     has zero tokens; attend to the recorded text K/V). ``text_tokens``: text tokens at the front of the sequence
     a FLUX single-stream block's attention sees (its processor cannot tell text from image by itself).
+    ``text_total``: the whole text's tokens (a rank under sequence parallelism holds a chunk of them).
     """
 
     image: StaleKVCache = field(default_factory=StaleKVCache)
     text: dict = field(default_factory=dict)
     reuse_text: bool = False
     text_tokens: int = 0
+    text_total: int = 0  # the text stream's tokens over every rank (under sequence parallelism a rank holds a chunk)
     attention: PassAttention = field(init=False)  # the image buffers' attention (module xfuse.parallel.pass_attention)
 
     def __post_init__(self) -> None:
@@ -64,7 +67,13 @@ class JointKV:
     def begin_request(self, num_tokens: int) -> None:
         self.image.reset(num_tokens)
         self.text.clear()
-        self.reuse_text, self.text_tokens = False, 0
+        self.reuse_text, self.text_tokens, self.text_total = False, 0, 0
+
+    def text_attention(self, key, query, text_k, text_v, text_first: bool) -> TextAttention:
+        """The text part of attention module ``key``'s pass: this rank's text queries, keys and values
+        (B, heads, T, head_dim), recorded as the owner's or replaced by them (``text_kv``)."""
+        return TextAttention(query, text_k, text_v, self.text_total, not self.reuse_text, text_first,
+                             partial(self.text_kv, key))  # fmt: skip
 
 
 def _norm(norm, x):
@@ -90,9 +99,9 @@ class StaleJointAttnProcessor:
             text_q = _norm(attn.norm_added_q, project_heads(attn, encoder_hidden_states, attn.add_q_proj))
             text_k = _norm(attn.norm_added_k, project_heads(attn, encoder_hidden_states, attn.add_k_proj))
             text_v = project_heads(attn, encoder_hidden_states, attn.add_v_proj)
-            text = (text_q, *self.state.text_kv(self.key, text_k, text_v))
+            text = self.state.text_attention(self.key, text_q, text_k, text_v, text_first=False)
         # the band's K/V fresh, the rest stale; [image, text] order; (B, S, D) each
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text, text_first=False)
+        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
         image = attn.to_out[1](attn.to_out[0](image))
         if text_out is None:
             return image
@@ -138,8 +147,8 @@ class StaleFluxAttnProcessor:
         # (B, S, heads, d) -> (B, heads, S, d)
         query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
                                                                                  text_v))  # fmt: skip
-        text = (text_q, *self.state.text_kv(self.key, text_k, text_v))
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text, text_first=True)
+        text = self.state.text_attention(self.key, text_q, text_k, text_v, text_first=True)
+        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
         if encoder_hidden_states is None:
             return torch.cat((text_out, image), dim=1)  # (B, text_len + band, D): the block's MLP branch follows
         return attn.to_out[1](attn.to_out[0](image)), attn.to_add_out(text_out)

@@ -62,6 +62,16 @@ class JointStage(ShardedStage):
         super().begin_request(grid)  # the batch parts' slices of the previous request's text
         self.joint.begin_request(self.attention.begin_request(grid))
 
+    def text_tokens(self) -> slice:
+        """The text tokens this rank holds of the current request's text (all of them, or its SP chunk)."""
+        return self.attention.hidden_tokens(slice(0, self.joint.text_total))
+
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        """The shape this rank holds of the plan's stream ``kind`` (the text, (B, T, hidden)): under sequence
+        parallelism its chunk of the tokens."""
+        tokens = self.attention.hidden_tokens(slice(0, shape[1]))
+        return (shape[0], tokens.stop - tokens.start, *shape[2:])
+
     def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict[str, Any]:
         """Extra keyword arguments of every block for this pass (FLUX: its RoPE rows)."""
         return {}
@@ -81,11 +91,11 @@ class JointStage(ShardedStage):
         updated text there; other patches carry zero text tokens and reuse the owner's text K/V."""
         owner = band is None or band.index == 0
         self.begin_pass(cond, band, keep_kv)  # self.kv_cache is self.joint.image
-        self.joint.reuse_text = not owner
+        self.joint.reuse_text, self.joint.text_total = not owner, cond.text.shape[1]
         if not owner:
             text = cond.text[:, :0]  # (B, 0, hidden): the block's text path costs nothing
         elif segment.blocks[0] == 0:
-            text = cond.text
+            text = cond.text[:, self.text_tokens()]  # the text, or under sequence parallelism this rank's chunk
         elif streams is not None and TEXT in streams:
             text = streams[TEXT]
         else:

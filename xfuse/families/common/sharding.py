@@ -109,6 +109,10 @@ class ShardedStage(nn.Module):
         whole image): the band's tokens, or under sequence parallelism this rank's chunk of them."""
         return self.attention.hidden_tokens(slice(0, self.num_tokens) if band is None else band.tokens)
 
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        """The shape this rank holds of stream ``kind`` (families with streams shard them: ``JointStage``)."""
+        return shape
+
     def begin_task(self, step: int, patch: int | None) -> None:
         """The engine is about to compute a task of (step, patch): only sequence parallelism labels its messages
         with it (``xfuse.parallel.sequence_stage``)."""

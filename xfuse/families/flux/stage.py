@@ -70,14 +70,15 @@ class FluxStage(JointStage):
         rank's chunk of it)]."""
         cos, sin = cond.rope
         text_len = cond.text.shape[1]
-        self.joint.text_tokens = text_len if owner else 0
+        text = self.text_tokens()  # the text tokens this rank holds (all, or its SP chunk)
+        self.joint.text_tokens = text.stop - text.start if owner else 0
         tokens = self.hidden_tokens(band)  # the image tokens this pass's hidden states are
-        if tokens == slice(0, len(cos) - text_len):
+        if tokens == slice(0, len(cos) - text_len) and text == slice(0, text_len):
             return {"image_rotary_emb": (cos, sin)}
         rows = slice(text_len + tokens.start, text_len + tokens.stop)
         if not owner:
             return {"image_rotary_emb": (cos[rows], sin[rows])}
-        return {"image_rotary_emb": tuple(torch.cat([x[:text_len], x[rows]]) for x in (cos, sin))}
+        return {"image_rotary_emb": tuple(torch.cat([x[text], x[rows]]) for x in (cos, sin))}
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
         """(B, C4, rows, cols) packed latent rows -> (B, rows * cols, hidden): ``x_embedder`` on the packed tokens."""
