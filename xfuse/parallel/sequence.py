@@ -152,10 +152,9 @@ class SequenceParallel:
         text_sizes = self._chunk_sizes(slice(0, text.tokens)) if fresh_text else [0] * self.ulysses  # type: ignore[union-attr]
         text_qkv = None if text is None else (text.query, text.key, text.value)
         if self.ulysses > 1:  # (B, heads, my tokens, d) -> (B, heads/U, my Ulysses group's tokens, d)
-            packed = torch.stack(image)
-            if text is not None and text.fresh:  # the text's chunks travel with the image's: [image, text] per rank
-                packed = torch.cat((packed, torch.stack(text_qkv)), dim=3)  # type: ignore[arg-type]
-            image_qkv, joined = self._to_heads(packed, image_sizes, text_sizes)
+            # the text's chunks travel behind the image's: [image, text] per rank
+            parts = (image, text_qkv) if fresh_text else (image,)
+            image_qkv, joined = self._to_heads(parts, image_sizes, text_sizes)  # type: ignore[arg-type]
             query, key, value = image_qkv[0], image_qkv[1], image_qkv[2]
             if text is not None:
                 if text.fresh:
@@ -206,37 +205,62 @@ class SequenceParallel:
         chunks = token_chunks(tokens, self.degree)
         return [self._size(chunks[self._ulysses_peer(u)]) for u in range(self.ulysses)]
 
-    def _to_heads(self, packed: torch.Tensor, image_sizes: list[int], text_sizes: list[int]):
-        """Ulysses all-to-all: (n, B, heads, my tokens, d), my image chunk then my text chunk, -> my Ulysses group's
-        image tokens and text tokens for my heads, (n, B, heads/U, tokens, d) each, in token order (rank u sends
-        ``image_sizes[u]`` then ``text_sizes[u]`` tokens)."""
-        n, batch, heads, _, head_dim = packed.shape
+    def _to_heads(self, parts: tuple[QKV, ...], image_sizes: list[int], text_sizes: list[int]):
+        """Ulysses all-to-all: my (image, then text) q/k/v chunks, (B, heads, my tokens, d) each, -> my Ulysses
+        group's image tokens and text tokens for my heads, (3, B, heads/U, tokens, d) each, in token order (rank u
+        sends ``image_sizes[u]`` then ``text_sizes[u]`` tokens)."""
+        batch, heads, _, head_dim = parts[0][0].shape
         size = heads // self.ulysses
         peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
-        sends = {self._ulysses_peer(u): packed[:, :, u * size : (u + 1) * size].contiguous() for u in peers}
-        recvs = {self._ulysses_peer(u): (n, batch, size, image_sizes[u] + text_sizes[u], head_dim) for u in peers}
-        mine = packed[:, :, self._my_heads(heads)]
+        held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
+
+        def pack(u: int) -> torch.Tensor:  # one copy of what rank u gets: (3, B, heads/U, my tokens, d)
+            out = parts[0][0].new_empty((3, batch, size, held, head_dim))
+            start = 0
+            for qkv in parts:
+                stop = start + qkv[0].shape[2]
+                for i, tensor in enumerate(qkv):
+                    out[i, :, :, start:stop].copy_(tensor[:, u * size : (u + 1) * size])
+                start = stop
+            return out
+
+        sends = {self._ulysses_peer(u): pack(u) for u in peers}
+        recvs = {self._ulysses_peer(u): (3, batch, size, image_sizes[u] + text_sizes[u], head_dim) for u in peers}
 
         def join(received: dict[int, torch.Tensor]):
-            pieces = [mine if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in range(self.ulysses)]
-            image = torch.cat([p[:, :, :, :m] for p, m in zip(pieces, image_sizes, strict=True)], dim=3)
-            text = torch.cat([p[:, :, :, m:] for p, m in zip(pieces, image_sizes, strict=True)], dim=3)
-            return image, text  # chunks in token order
+            def gather(which: int, sizes: list[int]) -> torch.Tensor:  # (3, B, heads/U, the group's tokens, d)
+                out = parts[0][0].new_empty((3, batch, size, sum(sizes), head_dim))
+                start = 0
+                for u, count in enumerate(sizes):
+                    slot = out[:, :, :, start : start + count]
+                    if u == self.ulysses_index:  # my own chunk: my heads of it, no message
+                        for i, tensor in enumerate(parts[which]):
+                            slot[i].copy_(tensor[:, u * size : (u + 1) * size])
+                    else:  # rank u's message: [image, text] tokens
+                        first = 0 if which == 0 else image_sizes[u]
+                        slot.copy_(received[self._ulysses_peer(u)][:, :, :, first : first + count])
+                    start += count
+                return out
 
-        return self._exchange("ulysses qkv", sends, recvs, packed.dtype, join)
+            return gather(0, image_sizes), (gather(1, text_sizes) if len(parts) > 1 else None)
+
+        return self._exchange("ulysses qkv", sends, recvs, parts[0][0].dtype, join)
 
     def _to_tokens(self, pieces: list[torch.Tensor], shape: tuple) -> torch.Tensor:
         """Ulysses all-to-all back: ``pieces[u]`` (B, heads/U, rank u's tokens, d) goes to rank u; returns my tokens
-        for every head, (B, heads, my tokens, d); ``shape``: what each rank sends me."""
+        for every head, (B, heads, my tokens, d), as a view of a (B, my tokens, heads, d) tensor (merging heads is
+        then free); ``shape``: what each rank sends me."""
         peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
         sends = {self._ulysses_peer(u): pieces[u].contiguous() for u in peers}
         recvs = {self._ulysses_peer(u): shape for u in peers}
+        batch, size, tokens, head_dim = shape
 
         def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
-            by_heads = [
-                pieces[u] if u == self.ulysses_index else received[self._ulysses_peer(u)] for u in range(self.ulysses)
-            ]
-            return torch.cat(by_heads, dim=1)  # head groups in order -> (B, heads, my tokens, d)
+            out = pieces[0].new_empty((batch, tokens, size * self.ulysses, head_dim))  # (B, my tokens, heads, d)
+            for u in range(self.ulysses):
+                piece = pieces[u] if u == self.ulysses_index else received[self._ulysses_peer(u)]
+                out[:, :, u * size : (u + 1) * size].copy_(piece.transpose(1, 2))  # head group u
+            return out.transpose(1, 2)  # -> (B, heads, my tokens, d)
 
         return self._exchange("ulysses out", sends, recvs, pieces[0].dtype, join)
 
