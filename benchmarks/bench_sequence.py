@@ -34,6 +34,7 @@ PRESET, PROMPT = "flux-small", "a red house by a lake"
 CONFIGS: dict[str, tuple[int, str | dict]] = {
     "diffusers serial": (1, "diffusers"),
     "diffusers ulysses 2": (2, "diffusers"),
+    "xfuse 1 rank": (1, {}),  # the same pipeline class on one rank: what xfuse's own code costs
     "xfuse ulysses 2": (2, {"ulysses_degree": 2}),  # one patch: every step a whole-image pass
     "xfuse ring 2": (2, {"ring_degree": 2}),
     "xfuse pipefusion 2": (2, {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1}),
