@@ -12,9 +12,10 @@ reads other tokens:
 * **Ring**: each ring rank keeps the K/V of its ring chunk (the chunks of its Ulysses group); the blocks travel
   around the ring while each rank attends to the one it holds, and the partial results merge exactly by their
   log-sum-exp (``xfuse.parallel.lse_attention``), in ring order on every rank.
-* **Text in the same softmax** (SD3, FLUX) is replicated on every rank: its queries run on every rank, its K/V are
-  one more block; Ulysses takes the rank's heads of it and gathers the heads of the text output, so every rank
-  holds the same text afterwards.
+* **Text in the same softmax** (SD3, FLUX) is chunked like the image: each rank runs its chunk of the text stream
+  through the blocks; Ulysses sends the text chunks behind the image's (and the output back the same way), Ring
+  puts each rank's text chunk at the head of its K/V block. The text K/V a step's first patch recorded are the
+  exchanged ones, so later patches reuse them without messages.
 
 Messages go over this rank's P2P channels to its SP peers: the same bounded buffers and waits, and on a failure the
 same report (rank, peer, op, kind, step, patch) as the pipeline's hand-offs.
