@@ -208,4 +208,12 @@ def format_plan_report(r: PlanReport) -> str:
         )
     total = sum(sum(v.values()) for v in r.volume.values())
     lines.append(f"total sent per denoising step (one pipeline group): {_mib(total)}")
+    if par.sequence_degree > 1:
+        sp = par.sequence_degree
+        lines.append(
+            f"sequence parallelism: each rank above is a group of {sp} ranks (ulysses {par.ulysses_degree} x ring "
+            f"{par.ring_degree}); each holds about 1/{sp} of its K/V buffers and sends about 1/{sp} of its "
+            "hand-offs (its chunk of the tokens); the attention's own messages (Ulysses all-to-all, Ring K/V "
+            "blocks) are not counted here"
+        )
     return "\n".join(lines)

@@ -88,6 +88,42 @@ def test_generate_degree_1_with_plain_python(tmp_path):
     assert image.shape == (256, 256, 3) and image.std() > 0
 
 
+def test_plan_with_sequence_parallelism_names_the_degrees_and_refuses_heads_it_cannot_split():
+    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.ulysses_degree=2",
+                "--set", "parallel.ring_degree=2")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "world 8 = pipefusion 2 x cfg 1 x ulysses 2 x ring 2;" in out.stdout
+    assert "sequence parallelism: each rank above is a group of 4 ranks (ulysses 2 x ring 2)" in out.stdout
+    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.ulysses_degree=4")
+    assert out.returncode == 2
+    assert "parallel.ulysses_degree: must divide the model's 2 attention heads" in out.stderr and "[1, 2]" in out.stderr
+
+
+def test_generate_with_ulysses_under_torchrun_draws_the_degree_1_image(tmp_path):
+    """``parallel.ulysses_degree: 2`` from the command line, exact (warm-up = all steps): the PNG of degree 1, up to
+    one level of rounding in a pixel."""
+    common = [
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "generation.num_inference_steps=3",
+        "--set",
+        "parallel.pipefusion_degree=1",
+        "--set",
+        "parallel.warmup_steps=3",  # whole-image steps: degree 1 exact too (the config has 2 patches)
+        "--prompt",
+        "a red house",
+    ]
+    one = xfuse("generate", *common, "--output", str(tmp_path / "1.png"))
+    assert one.returncode == 0, one.stderr
+    sp = torchrun("-m", "xfuse", "generate", *common, "--set", "parallel.ulysses_degree=2",
+                  "--output", str(tmp_path / "sp.png"))  # fmt: skip
+    assert sp.returncode == 0, sp.stderr[-3000:]
+    assert "ulysses qkv" in sp.stdout  # the summary's bytes sent, by kind
+    a, b = (np.asarray(Image.open(tmp_path / name)).astype(int) for name in ("1.png", "sp.png"))
+    assert a.shape == b.shape and np.abs(a - b).max() <= 1
+
+
 def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     target = tmp_path / "pp2.png"
     out = torchrun(
