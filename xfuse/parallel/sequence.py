@@ -149,8 +149,10 @@ class SequenceParallel:
         query, key, value = image  # (B, heads, my tokens, head_dim)
         heads, batch, head_dim = query.shape[1], query.shape[0], query.shape[3]
         image_sizes = self._chunk_sizes(self._tokens)
-        fresh_text = text is not None and text.fresh
-        text_sizes = self._chunk_sizes(slice(0, text.tokens)) if fresh_text else [0] * self.ulysses  # type: ignore[union-attr]
+        fresh_text = text is not None and text.fresh  # this pass's text tokens travel (else: recorded K/V only)
+        text_sizes = [0] * self.ulysses
+        if text is not None and text.fresh:
+            text_sizes = self._chunk_sizes(slice(0, text.tokens))
         text_qkv = None if text is None else (text.query, text.key, text.value)
         if self.ulysses > 1:  # (B, heads, my tokens, d) -> (B, heads/U, my Ulysses group's tokens, d)
             # the text's chunks travel behind the image's: [image, text] per rank
