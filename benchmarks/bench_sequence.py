@@ -112,9 +112,10 @@ def measure(steps: int, size: int, repeats: int) -> dict:
     serial = latents["diffusers serial"]
     for name, row in rows.items():
         row["max_abs_vs_serial"] = (latents[name] - serial).abs().max().item()
-    ours, theirs = rows["xfuse ulysses 2"], rows["diffusers ulysses 2"]
-    ours["over_diffusers_ulysses"] = theirs["median"] / ours["median"]
-    ours["round_over_diffusers_ulysses"] = [t / o for t, o in zip(theirs["runs"], ours["runs"], strict=True)]
+    against_ulysses = speedups({name: {"times": runs} for name, runs in times.items()}, "diffusers ulysses 2")
+    ours = rows["xfuse ulysses 2"]
+    ours["over_diffusers_ulysses"] = against_ulysses["xfuse ulysses 2"]["speedup"]
+    ours["round_over_diffusers_ulysses"] = against_ulysses["xfuse ulysses 2"]["round_speedups"]
     return rows
 
 

@@ -68,8 +68,8 @@ def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, heig
     plan = spec.plan(spec.num_blocks(pipe.transformer.config), ParallelConfig(pipefusion_degree=pp))
     stage = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, pipe_rank)
     channels = P2PChannels(rank=rank, timeout_s=60, max_inflight=2, device=torch.device("cpu"))
+    right = SequenceParallel.cache_range
     if fault == "misplaced_kv":  # every patch's K/V at the start of the buffers (its length unchanged)
-        right = SequenceParallel.cache_range
 
         def misplaced(self, tokens):
             place = right(self, tokens)
@@ -98,6 +98,7 @@ def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, heig
         out = engine.denoise(request, grid)
         return None if out is None else unpack(out)
     finally:
+        SequenceParallel.cache_range = right  # the world's next test runs in these processes
         channels.close()
 
 

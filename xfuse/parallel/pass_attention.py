@@ -41,21 +41,28 @@ class TextAttention:
     record: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # record or reuse the K/V
 
 
+def join_text(image: torch.Tensor, text: torch.Tensor, text_first: bool) -> torch.Tensor:
+    """(B, heads, tokens, head_dim) image and text tokens in the family's order: FLUX [text, image], SD3 [image,
+    text]."""
+    return torch.cat((text, image) if text_first else (image, text), dim=2)
+
+
+def split_text(out: torch.Tensor, text_len: int, text_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of ``join_text``'s queries back into (image, text), each (B, heads, tokens, head_dim)."""
+    if text_first:
+        return out[:, :, text_len:], out[:, :, :text_len]
+    return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]
+
+
 def joint_sdpa(query, key, value, text: QKV | None, text_first: bool):
     """SDPA of the image queries (and the text's, where ``text`` is given) over the image K/V and the text's, in the
     family's token order; returns (image output, text output or None), each (B, heads, tokens, head_dim)."""
     if text is None:
         return F.scaled_dot_product_attention(query, key, value), None
     text_q, text_k, text_v = text
-    if text_first:  # FLUX: [text, image]
-        query, key, value = (torch.cat(pair, dim=2) for pair in ((text_q, query), (text_k, key), (text_v, value)))
-    else:  # SD3: [image, text]
-        query, key, value = (torch.cat(pair, dim=2) for pair in ((query, text_q), (key, text_k), (value, text_v)))
+    query, key, value = (join_text(*pair, text_first) for pair in ((query, text_q), (key, text_k), (value, text_v)))
     out = F.scaled_dot_product_attention(query, key, value)  # (B, heads, image + text queries, head_dim)
-    text_len = text_q.shape[2]
-    if text_first:
-        return out[:, :, text_len:], out[:, :, :text_len]
-    return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]
+    return split_text(out, text_q.shape[2], text_first)
 
 
 def merge_heads(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

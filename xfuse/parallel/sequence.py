@@ -23,6 +23,7 @@ same report (rank, peer, op, kind, step, patch) as the pipeline's hand-offs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 from xfuse.comm.p2p import P2PChannels, Recv, Send
 from xfuse.errors import ConfigError
 from xfuse.parallel.lse_attention import attention_with_lse, merge_partials
-from xfuse.parallel.pass_attention import QKV, TextAttention, joint_sdpa
+from xfuse.parallel.pass_attention import QKV, TextAttention, join_text, joint_sdpa, split_text
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.stale_kv import StaleKVCache
 
@@ -56,16 +57,20 @@ def check_sequence_chunks(grid: PatchGrid, ulysses: int, ring: int) -> None:
         )
 
 
-def token_chunks(tokens: slice, parts: int) -> list[slice]:
+def token_chunks(tokens: slice, parts: int) -> tuple[slice, ...]:
     """``tokens`` cut into ``parts`` contiguous chunks, the first ``len % parts`` one token longer
     (``torch.tensor_split``'s rule)."""
-    base, extra = divmod(tokens.stop - tokens.start, parts)
-    chunks, start = [], tokens.start
+    return _chunks(tokens.start, tokens.stop, parts)
+
+
+@functools.lru_cache(maxsize=256)  # asked per layer and per message of every pass: a request has few distinct ranges
+def _chunks(start: int, stop: int, parts: int) -> tuple[slice, ...]:
+    base, extra = divmod(stop - start, parts)
+    chunks = []
     for index in range(parts):
-        stop = start + base + (1 if index < extra else 0)
-        chunks.append(slice(start, stop))
-        start = stop
-    return chunks
+        chunks.append(slice(start, start + base + (1 if index < extra else 0)))
+        start = chunks[-1].stop
+    return tuple(chunks)
 
 
 class SequenceParallel:
@@ -128,8 +133,7 @@ class SequenceParallel:
         """Where ring rank ``ring_index`` keeps each patch's ring chunk in its K/V buffers (patch after patch)."""
         ranges, start = [], 0
         for tokens in self._bands:
-            chunk = self.ring_chunk(tokens, ring_index)
-            ranges.append(slice(start, start + chunk.stop - chunk.start))
+            ranges.append(slice(start, start + self._size(self.ring_chunk(tokens, ring_index))))
             start = ranges[-1].stop
         return ranges
 
@@ -201,7 +205,12 @@ class SequenceParallel:
         return slice(self.ulysses_index * size, (self.ulysses_index + 1) * size)
 
     def _ulysses_peer(self, ulysses_index: int) -> int:
+        """SP index of my Ulysses group's rank ``ulysses_index``."""
         return self.ring_index * self.ulysses + ulysses_index
+
+    def _ring_peer(self, ring_index: int) -> int:
+        """SP index of my ring's rank ``ring_index`` (the ranks with my Ulysses index)."""
+        return ring_index * self.ulysses + self.ulysses_index
 
     def _chunk_sizes(self, tokens: slice) -> list[int]:
         """Token counts of my Ulysses group's chunks of ``tokens``, by Ulysses index."""
@@ -288,20 +297,16 @@ class SequenceParallel:
                     out.append((slice(start - holder.start, stop - holder.start), slice(start + offset, stop + offset)))
             return out
 
-        def peer(r: int) -> int:
-            return r * self.ulysses + self.ulysses_index
-
         sends, recvs, incoming = {}, {}, {}
         for r in range(self.ring):
             if r != self.ring_index:
-                out = pieces(mine, r)
+                peer, out = self._ring_peer(r), pieces(mine, r)
                 if out:
-                    sends[peer(r)] = torch.cat([packed[:, :, :, src] for src, _ in out], dim=3).contiguous()
-                holder = self.ring_chunk(self._tokens, r)
-                incoming[peer(r)] = pieces(holder, self.ring_index)
-                if incoming[peer(r)]:
-                    tokens = sum(self._size(src) for src, _ in incoming[peer(r)])
-                    recvs[peer(r)] = (*packed.shape[:3], tokens, packed.shape[4])
+                    sends[peer] = torch.cat([packed[:, :, :, src] for src, _ in out], dim=3)  # cat: contiguous
+                incoming[peer] = pieces(self.ring_chunk(self._tokens, r), self.ring_index)
+                if incoming[peer]:
+                    tokens = sum(self._size(src) for src, _ in incoming[peer])
+                    recvs[peer] = (*packed.shape[:3], tokens, packed.shape[4])
         for src, dst in pieces(mine, self.ring_index):  # what I keep of my own
             cache.store(layer, packed[0][:, :, src], packed[1][:, :, src], dst)
 
@@ -318,14 +323,14 @@ class SequenceParallel:
         """Ring: my queries (and my text queries) over every ring rank's K/V block (ring rank r's: its ring chunk of
         the text, then of the image, ``sizes[r]`` tokens), passed around the ring while the block held is attended
         to; the partial results merged by log-sum-exp in ring order."""
-        text_len = 0 if text is None else text[0].shape[2]
         if text is not None:
-            query = torch.cat((text[0], query) if text_first else (query, text[0]), dim=2)
+            query = join_text(query, text[0], text_first)
             key, value = torch.cat((text[1], key), dim=2), torch.cat((text[2], value), dim=2)
         partials: list = [None] * self.ring
         block = torch.stack((key, value))  # (2, B, heads, block tokens, d)
         batch, heads, _, head_dim = key.shape
-        after, before = (self.ring_index + 1) % self.ring, (self.ring_index - 1) % self.ring
+        peer_after = self._ring_peer((self.ring_index + 1) % self.ring)
+        peer_before = self._ring_peer((self.ring_index - 1) % self.ring)
         for hop in range(self.ring):
             holder = (self.ring_index - hop) % self.ring  # whose block this rank holds at this hop
             if hop == self.ring - 1:
@@ -333,18 +338,12 @@ class SequenceParallel:
                 break
             source = (holder - 1) % self.ring  # the block arriving next: the one the previous rank holds now
             shape = (2, batch, heads, sizes[source], head_dim)
-            peer_after = after * self.ulysses + self.ulysses_index
-            peer_before = before * self.ulysses + self.ulysses_index
             # The next block travels while this one is attended to.
             pending = self._post("ring kv", {peer_after: block.contiguous()}, {peer_before: shape}, block.dtype)
             partials[holder] = attention_with_lse(query, block[0], block[1])
             block = self._finish(pending, _only_copy)  # a copy: the pooled buffer takes the next message
         out = merge_partials(partials)  # (B, heads, [text +] my queries, d)
-        if text is None:
-            return out, None
-        if text_first:
-            return out[:, :, text_len:], out[:, :, :text_len]
-        return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]
+        return (out, None) if text is None else split_text(out, text[0].shape[2], text_first)
 
     # --- messages -------------------------------------------------------------------------------------------
     def _post(self, kind: str, sends: dict[int, torch.Tensor], recvs: dict[int, tuple], dtype: torch.dtype):
@@ -381,7 +380,7 @@ class SequenceParallel:
         batch, _, width = hidden.shape
         chunks = token_chunks(self._tokens, self.degree)
         peers = [i for i in range(self.degree) if i != self.index]
-        recvs = {i: (batch, chunks[i].stop - chunks[i].start, width) for i in peers}
+        recvs = {i: (batch, self._size(chunks[i]), width) for i in peers}
 
         def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
             return torch.cat([hidden if i == self.index else received[i] for i in range(self.degree)], dim=1)

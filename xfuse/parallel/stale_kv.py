@@ -76,11 +76,7 @@ class StaleKVCache:
         part = self.part
         if self.tokens is None:
             # Every part of a step is stored before any patch reads the buffer: the next step needs all of them.
-            k_buf, v_buf = self._buffers(layer, key, key.shape[0] if part is None else part.model_batch)
-            rows = slice(None) if part is None else part.rows
-            k_buf[rows].copy_(key)
-            v_buf[rows].copy_(value)
-            self._valid[layer] = num_tokens
+            self.store(layer, key, value, slice(None))
             return key, value
         if part is not None:
             raise RuntimeError(f"stale K/V of layer {layer}: a patch pass runs on the whole batch, not {part}")
