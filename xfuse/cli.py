@@ -24,10 +24,63 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _auto_args(parser: argparse.ArgumentParser, *, plan: bool) -> None:
+    """The options that pick the layout by the performance model (``xfuse.perf.planner``)."""
+    from xfuse.perf.hardware import DEVICES, LINK_KINDS
+
+    what = "rank every layout of --gpus devices" if plan else "run the layout the performance model ranks first"
+    parser.add_argument("--auto", action="store_true", help=f"{what} (replaces the config's parallel degrees)")
+    parser.add_argument("--link", choices=LINK_KINDS, help="between the devices of a node (default: gloo on a CPU, "
+                        "nvlink for A100/H100, pcie for L40)")  # fmt: skip
+    parser.add_argument("--device", choices=sorted(DEVICES), help="the device kind (default: this machine's)")
+    if plan:
+        parser.add_argument("--gpus", type=int, help="devices (ranks) of the world to plan for, with --auto")
+        parser.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (100 GbE between)")
+
+
+def _auto_machine(args, gpus: int, nodes: int):
+    """The machine ``--auto`` plans for: ``--device`` / ``--link``, or this machine's device and its usual link."""
+    from xfuse.perf.model import machine
+    from xfuse.perf.planner import local_device
+
+    device = args.device or local_device()
+    link = args.link or {"cpu": "gloo", "l40": "pcie"}.get(device, "nvlink")
+    return machine(device, link, gpus, nodes)
+
+
+def _auto_layout(args, config):
+    """``--auto`` on generate/serve: the config with the top-ranked layout for this world (``WORLD_SIZE`` ranks,
+    ``LOCAL_WORLD_SIZE`` per node), chosen the same on every rank from the same inputs; rank 0 says which."""
+    if not args.auto:
+        return config
+    from xfuse.perf.planner import choose, layout_name
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    where = _auto_machine(args, world, max(world // per_node, 1))
+    chosen, best = choose(config, world, where)
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"--auto: {best.name} for {world} x {where.device.name} ({where.link.name}), "
+            f"{best.prediction.seconds:.2f} s predicted; the config's was {layout_name(config.parallel)}",
+            flush=True,
+        )
+    return chosen
+
+
 def cmd_plan(args) -> int:
     from xfuse.plan_report import format_plan_report, plan_report, predicted_latency
 
-    report = plan_report(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    if args.auto:
+        from xfuse.perf.planner import format_ranking
+
+        gpus = args.gpus if args.gpus is not None else config.world_size
+        if gpus < 1:
+            raise ConfigError("--gpus", f"must be a positive number of devices (got {gpus})")
+        print(format_ranking(config, gpus, _auto_machine(args, gpus, args.nodes)))
+        return 0
+    report = plan_report(config)
     print(format_plan_report(report))
     for link in args.predict:
         print(predicted_latency(report, link))
@@ -39,7 +92,7 @@ def cmd_generate(args) -> int:
     from xfuse.build import build_pipeline, default_size, image_call_kwargs
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
-    config = load_config(args.config, overrides)
+    config = _auto_layout(args, load_config(args.config, overrides))
     gen, par = config.generation, config.parallel
     pipe = build_pipeline(config)
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
@@ -108,7 +161,7 @@ def cmd_serve(args) -> int:
     overrides = list(args.overrides)
     overrides += [f"serve.host={args.host!r}"] if args.host is not None else []
     overrides += [f"serve.port={args.port}"] if args.port is not None else []
-    config = load_config(args.config, overrides)
+    config = _auto_layout(args, load_config(args.config, overrides))
     return serve(config, api_key=args.api_key or os.environ.get("XFUSE_API_KEY") or None)
 
 
@@ -132,14 +185,17 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="LINK",
-        help="also print the modelled latency on a100-nvlink or l40-pcie (repeatable)",
+        help="also print the modelled latency on DEVICE-LINK, e.g. a100-nvlink, h100-nvlink, l40-pcie, cpu-gloo "
+        "(repeatable)",
     )
+    _auto_args(plan, plan=True)
     plan.set_defaults(func=cmd_plan)
     gen = sub.add_parser("generate", help="generate an image with the configured model and plan")
     _add_config_args(gen)
     gen.add_argument("--prompt", help="overrides generation.prompt")
     gen.add_argument("--output", "-o", help="PNG path (default outputs/xfuse_<model>_<seed>.png)")
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
+    _auto_args(gen, plan=False)
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI Images API (rank 0) with the configured model and plan")
     _add_config_args(srv)
@@ -148,6 +204,7 @@ def main(argv=None) -> int:
     srv.add_argument(
         "--api-key", help="require 'Authorization: Bearer KEY' (default: $XFUSE_API_KEY; none: no key needed)"
     )
+    _auto_args(srv, plan=False)
     srv.set_defaults(func=cmd_serve)
     doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
     doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait / connect")

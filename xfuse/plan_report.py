@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
-from xfuse.families.registry import HUNYUANDIT, model_spec, transformer_config
+from xfuse.families.registry import model_spec, transformer_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
@@ -130,39 +130,23 @@ def _mib(n: int) -> str:
 
 
 def predicted_latency(r: PlanReport, link: str) -> str:
-    """The performance model's latency for this plan (HunyuanDiT-g/2 shape, 1024 or 2048 px, CFG batch 2)."""
-    from xfuse.perf_model import A100, LINKS, l40_profile, predict
+    """The performance model's latency for this plan on ``link`` (``<device>-<link>``, e.g. ``a100-nvlink``), on one
+    node: ``xfuse plan --predict``."""
+    from xfuse.perf.calibration import FITTED
+    from xfuse.perf.hardware import DEVICES, LINKS
+    from xfuse.perf.model import machine, predict
+    from xfuse.perf.planner import workload
 
-    if link not in LINKS:
-        raise ConfigError("--predict", f"must be one of {', '.join(LINKS)} (got {link!r})")
-    config = r.config
-    par = config.parallel
-    size = r.height
-    shape = (r.spec, r.num_blocks, r.hidden_size)
-    if shape != (HUNYUANDIT, 40, 1408) or r.width != size or size not in A100.outside_loop:
-        return (
-            f"predicted latency ({link}): only for the HunyuanDiT-g/2 shape (40 blocks, hidden 1408) at "
-            f"square {sorted(A100.outside_loop)} px"
-        )
-    if par.cfg_degree != 1:
-        return f"predicted latency ({link}): the model does not cover cfg_degree 2"
-    if par.sequence_degree != 1:
-        return f"predicted latency ({link}): the model does not cover sequence parallelism (ulysses, ring)"
-    profile = A100 if link == "a100-nvlink" else l40_profile(A100)
-    seconds = predict(
-        profile,
-        LINKS[link],
-        degree=par.pipefusion_degree,
-        placement=r.plan.placement,
-        size=size,
-        steps=r.generation.num_inference_steps,
-        warmup=par.warmup_steps,
-        num_patches=par.resolved_num_patches,
-        split=par.stage_split,
-    )
+    known = [k for k in LINKS if k.split("-")[0] in DEVICES]
+    if link not in known:
+        raise ConfigError("--predict", f"must be one of {', '.join(known)} (got {link!r})")
+    device, kind = link.split("-")
+    where = machine(device, kind, r.config.world_size)
+    p = predict(workload(r.config), r.config.parallel, where, FITTED)
+    outside = f" + {p.outside:.2f} s outside it" if where.device.gpu else " (the loop only on a CPU)"
     return (
-        f"predicted latency ({LINKS[link].name}): {seconds:.1f} s per image "
-        f"(xfuse.perf_model, fitted to xDiT's A100 numbers; see docs/performance.md)"
+        f"predicted latency ({where.device.name}, {where.link.name}): {p.seconds:.2f} s per image: loop "
+        f"{p.loop:.2f} s{outside} (xfuse.perf; its error on published points: docs/performance.md)"
     )
 
 

@@ -62,6 +62,10 @@ class ModelSpec:
         resolution_binning: the diffusers pipeline takes ``use_resolution_binning`` (the CLI and serve turn it off).
         attentions_of_block: ``(transformer config, block) -> `` the attention modules in that block that mix
             image tokens, each holding a whole-image K/V buffer (SD3.5's dual-attention blocks have 2).
+        block_flops: ``(transformer config, block, queries, keys, text, text_queries) -> `` FLOPs of that block for
+            one batch element on a pass of ``queries`` image tokens attending to ``keys`` image tokens and the
+            prompt's ``text`` tokens (``text_queries``: an MMDiT's text stream is computed in this pass; the step's
+            first patch), as ``xfuse.families.common.flops`` counts them. The performance model costs tasks by it.
     """
 
     name: str
@@ -76,6 +80,7 @@ class ModelSpec:
     skip_pairs: Callable[[int], tuple[tuple[int, int], ...]]
     default_placement: str
     crosses_per_patch: str
+    block_flops: Callable[[dict, int, int, int, int, bool], float]
     num_blocks: Callable[[dict], int] = lambda config: config["num_layers"]
     packing: int = 1
     streams: tuple[str, ...] = ()

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
 from xfuse.families.spec import ModelSpec, no_skips
 
 
 def _flux_blocks(config: dict) -> int:
     """FLUX's double-stream blocks (``num_layers``) then its single-stream blocks, indexed as one chain."""
     return config["num_layers"] + config["num_single_layers"]
+
+
+def flux_block_flops(config: dict, block: int, queries: int, keys: int, text: int, text_queries: bool) -> float:
+    """FLOPs of FLUX block ``block`` of the chain (``_flux_blocks``) for one batch element (``ModelSpec.block_flops``):
+    a double-stream ``FluxTransformerBlock`` (an MMDiT joint block), then single-stream ``FluxSingleTransformerBlock``s
+    over [text, image] tokens: 3-chunk modulation, q/k/v and the 4x MLP input side by side, one output projection
+    of both (5 x width -> width)."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    if block < config["num_layers"]:
+        return mmdit_joint_flops(d, queries, keys, text, text_queries, context_out=True, modulations=6)
+    tokens = queries + (text if text_queries else 0)
+    flops = linear_flops(1, d, 3 * d) + linear_flops(tokens, d, 3 * d) + linear_flops(tokens, d, 4 * d)
+    return flops + attention_flops(tokens, keys + text, d) + linear_flops(tokens, 5 * d, d)
 
 
 def _pipeline_class() -> type:
@@ -45,6 +59,7 @@ FLUX = ModelSpec(
     crosses_per_patch="hidden states at each hand-off, plus the text stream (B, T5 tokens, hidden) with the step's "
     "first patch only (it owns the text update; later patches reuse its text K/V); with linear placement the "
     "stepped packed latent rows back to rank 0",
+    block_flops=flux_block_flops,
     num_blocks=_flux_blocks,
     packing=2,
     streams=("text",),

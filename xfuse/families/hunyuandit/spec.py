@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from xfuse.errors import ConfigError
+from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.families.spec import ModelSpec
 
 
@@ -19,6 +20,22 @@ def hunyuandit_skip_pairs(num_blocks: int) -> tuple[tuple[int, int], ...]:
         )
     half = num_blocks // 2
     return tuple((k, num_blocks - 1 - k) for k in range(half - 1))
+
+
+def hunyuandit_block_flops(config: dict, block: int, queries: int, keys: int, text: int, text_queries: bool) -> float:
+    """FLOPs of ``HunyuanDiTBlock`` ``block`` for one batch element (``ModelSpec.block_flops``): AdaLayerNormShift,
+    self-attention, cross-attention over the text (BERT and projected mT5, ``cross_attention_dim`` wide), the MLP
+    (``int(width * mlp_ratio)`` inner, as ``HunyuanDiT2DModel.__init__`` builds it) and, in the blocks past the
+    middle, the long skip's ``skip_linear`` (2 x width -> width)."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    inner, cross = int(d * config["mlp_ratio"]), config["cross_attention_dim"]
+    flops = linear_flops(1, d, d)  # norm1's shift, once per sample
+    flops += linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
+    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, cross, 2 * d) + attention_flops(queries, text, d)
+    flops += linear_flops(queries, d, inner) + linear_flops(queries, inner, d)
+    if block > config["num_layers"] // 2:
+        flops += linear_flops(queries, 2 * d, d)
+    return flops
 
 
 def _pipeline_class() -> type:
@@ -52,6 +69,7 @@ HUNYUANDIT = ModelSpec(
     skip_pairs=hunyuandit_skip_pairs,
     default_placement="balanced",
     resolution_binning=True,
+    block_flops=hunyuandit_block_flops,
     crosses_per_patch="hidden states at each hand-off; with linear placement also the long skips that cross ranks "
     "and the stepped latent rows back to rank 0; with balanced placement the few long skips its even split cannot "
     "keep on one rank (at most one per pair of neighbouring ranks, with the return hand-off)",

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.families.spec import ModelSpec, no_skips
+
+
+def pixart_block_flops(config: dict, block: int, queries: int, keys: int, text: int, text_queries: bool) -> float:
+    """FLOPs of PixArt's ``BasicTransformerBlock`` (``ada_norm_single``: its modulation is a table, not a linear) for
+    one batch element (``ModelSpec.block_flops``): self-attention, cross-attention over the projected T5 text
+    (``cross_attention_dim`` wide) and the 4x MLP."""
+    d, cross = config["num_attention_heads"] * config["attention_head_dim"], config["cross_attention_dim"]
+    flops = linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
+    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, cross, 2 * d) + attention_flops(queries, text, d)
+    return flops + 2 * linear_flops(queries, d, 4 * d)
 
 
 def _pipeline_class() -> type:
@@ -38,6 +49,7 @@ PIXART_SIGMA = ModelSpec(
     skip_pairs=no_skips,
     default_placement="linear",
     resolution_binning=True,
+    block_flops=pixart_block_flops,
     crosses_per_patch="hidden states at each hand-off; with linear placement the stepped latent rows back to rank 0 "
     "(the T5 text is static: projected once per request on every rank)",
 )

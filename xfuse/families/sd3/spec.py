@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
 from xfuse.families.spec import ModelSpec, no_skips
+
+
+def sd3_block_flops(config: dict, block: int, queries: int, keys: int, text: int, text_queries: bool) -> float:
+    """FLOPs of ``JointTransformerBlock`` ``block`` for one batch element (``ModelSpec.block_flops``): the joint
+    attention of the MMDiT (the last block is ``context_pre_only``: no text output projection or MLP) and, in SD3.5's
+    ``dual_attention_layers``, the second image-only self-attention with its 9-chunk modulation."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    dual = block in (config.get("dual_attention_layers") or ())
+    last = block == config["num_layers"] - 1
+    flops = mmdit_joint_flops(d, queries, keys, text, text_queries, context_out=not last, modulations=9 if dual else 6)
+    if dual:
+        flops += linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)
+    return flops
 
 
 def _pipeline_class() -> type:
@@ -40,6 +54,7 @@ STABLE_DIFFUSION_3 = ModelSpec(
     crosses_per_patch="hidden states at each hand-off, plus the text stream (B, 77 + T5 tokens, hidden) with the "
     "step's first patch only (it owns the text update; later patches reuse its text K/V); with linear placement "
     "the stepped latent rows back to rank 0",
+    block_flops=sd3_block_flops,
     streams=("text",),
     # SD3.5-medium's blocks listed in dual_attention_layers add an image-only self-attention (attn2)
     attentions_of_block=lambda config, block: 2 if block in (config.get("dual_attention_layers") or ()) else 1,

@@ -1,0 +1,288 @@
+"""Predicted latency of any family under any layout (cfg x pipefusion x ulysses x ring) on a machine.
+
+The engine's own schedule (``xfuse.parallel.schedule``: per-rank task orders and messages) is replayed with
+durations instead of run, one pipeline stage at a time (every rank of a stage's sequence-parallel group runs the
+same timeline on its share of the tokens):
+
+- a task costs, per block of its segment, the block's FLOPs on its patch (``ModelSpec.block_flops``) over the
+  device's fitted throughput for the family, plus the memory traffic of the block's elementwise work (norms,
+  activations, residuals: ``traffic`` bytes per token and width element, over the memory bandwidth), plus a fixed
+  cost per block launch; all of it divided by the sequence-parallel degree;
+- sequence parallelism adds, per attention module that mixes image tokens: Ulysses' two all-to-alls (q/k/v
+  in, the output back; not overlapped), and Ring's K/V blocks passed ``ring - 1`` times, overlapped with that
+  module's attention (only what exceeds it counts);
+- a hand-off arrives ``bytes / bandwidth + latency`` after its producer finished (messages between the same two
+  ranks queue on their link); classifier-free-guidance parallelism swaps the noise prediction once per step;
+- outside the loop, text encoding and VAE decoding take a fitted time per megapixel, scaled by the device's peak.
+
+Links that cross nodes (the world is ``cfg x pipefusion x ulysses x ring`` with sequence parallelism innermost, as
+``xfuse.runtime.world`` lays it out) use the network's profile. Not modelled: contention between different pairs on
+NVSwitch, NCCL kernels taking SMs, compile/CUDA graphs (the published points compared with are eager PyTorch).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from xfuse.config import ParallelConfig
+from xfuse.errors import ConfigError
+from xfuse.families.common.flops import attention_flops
+from xfuse.families.spec import ModelSpec
+from xfuse.parallel.patch_grid import PatchGrid, patch_grid
+from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
+from xfuse.perf.hardware import DEVICES, LINKS, Device, Link, machine_link
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The fitted constants (``xfuse.perf.calibration`` fits them to published points)."""
+
+    efficiency: dict[str, float]  # device key -> fraction of its peak reached by FLUX's blocks
+    family: dict[str, float]  # family name -> throughput relative to FLUX on the same device
+    traffic: float  # bytes of memory traffic per token and width element in one block (elementwise work)
+    launch: float  # seconds per block per task (kernel launches, small-kernel tails)
+    outside: float  # seconds per megapixel outside the loop on a 312-TFLOPS GPU (text encoders, VAE decode)
+    latency: dict[str, float]  # link key -> fitted seconds per message, where the spec's figure is not the cost
+
+    def link(self, key: str, link: Link) -> Link:
+        return replace(link, latency=self.latency[key]) if key in self.latency else link
+
+    def throughput(self, device_key: str, device: Device, family: str) -> float:
+        return device.peak_flops * self.efficiency[device_key] * self.family.get(family, 1.0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request of one model: what is computed, whatever the layout."""
+
+    spec: ModelSpec
+    config: dict  # diffusers transformer config
+    height: int  # pixels
+    width: int
+    steps: int
+    cfg_batch: int  # 2: classifier-free guidance batches [uncond, cond]; 1: FLUX's distilled guidance, or none
+    text: int | None = None  # prompt tokens; None: the family's default lengths
+
+    @property
+    def text_tokens(self) -> int:
+        return sum(self.spec.text_lengths) if self.text is None else self.text
+
+    @property
+    def joint(self) -> bool:
+        """An MMDiT: the text is a stream of the blocks (chunked by sequence parallelism, carried by patch 0)."""
+        return bool(self.spec.streams)
+
+    @property
+    def hidden(self) -> int:
+        return self.config["num_attention_heads"] * self.config["attention_head_dim"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.spec.num_blocks(self.config)
+
+    def grid(self, num_patches: int) -> PatchGrid:
+        scale, patch = self.spec.latent_scale, self.config["patch_size"]
+        lead = self.text_tokens if self.joint else 0
+        return patch_grid(self.height // scale, self.width // scale, num_patches, patch, lead)
+
+    @property
+    def latent_bytes_per_element(self) -> int:  # elements of the stepped latent of one image
+        scale = self.spec.latent_scale
+        return self.config["in_channels"] * (self.height // scale) * (self.width // scale)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where a layout runs: ``gpus_per_node`` devices per node, ``link`` inside a node, ``network`` between."""
+
+    device_key: str
+    device: Device
+    link_key: str
+    link: Link
+    gpus_per_node: int = 8
+    network: Link | None = None
+
+    def between(self, a: int, b: int) -> Link:
+        """The link between world ranks ``a`` and ``b``."""
+        same = a // self.gpus_per_node == b // self.gpus_per_node
+        return self.link if same or self.network is None else self.network
+
+
+def machine(device: str, link: str, gpus: int, nodes: int = 1) -> Machine:
+    """``gpus`` devices of kind ``device`` over ``nodes`` nodes (evenly), ``link`` inside a node, 100 GbE between."""
+    if device not in DEVICES:
+        raise ConfigError("--device", f"must be one of {sorted(DEVICES)} (got {device!r})")
+    if nodes < 1 or gpus < 1 or gpus % nodes:
+        raise ConfigError("--nodes", f"must divide --gpus ({gpus}) into equal nodes (got {nodes})")
+    return Machine(
+        device,
+        DEVICES[device],
+        f"{device}-{link}",
+        machine_link(device, link),
+        gpus_per_node=gpus // nodes,
+        network=LINKS["ethernet"] if nodes > 1 else None,
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds of one request, and where they go (per rank of the busiest stage)."""
+
+    seconds: float
+    loop: float  # the denoising loop's makespan
+    outside: float  # text encoding, VAE decode (0 on a CPU: not modelled there)
+    compute: float  # the busiest stage's compute inside the loop
+    sequence_comm: float  # its exposed sequence-parallel communication (all-to-alls, ring steps beyond overlap)
+    cfg_comm: float  # the noise-prediction swaps of CFG parallelism
+
+    @property
+    def waiting(self) -> float:
+        """What the loop spends beyond the busiest stage's work: fill, drain, waits for hand-offs."""
+        return max(self.loop - self.compute - self.sequence_comm - self.cfg_comm, 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(
+    spec: ModelSpec, num_blocks: int, parallel: ParallelConfig, steps: int, batch: int, costs, split_warmup: bool
+) -> Schedule:
+    plan = spec.plan(num_blocks, parallel)
+    parts = batch_parts(batch, parallel.pipefusion_degree) if split_warmup else 1
+    warmup = min(parallel.warmup_steps, steps)
+    return build_schedule(plan, steps, warmup, parallel.resolved_num_patches, parts, costs)
+
+
+def replay(schedule: Schedule, duration: Callable[[Task], float], transfer: Callable[[Message], float]) -> dict:
+    """Run every rank's task order with the given durations; return each rank's finish time in seconds."""
+    orders = {rank: list(order) for rank, order in schedule.orders.items()}
+    position = dict.fromkeys(orders, 0)
+    free = dict.fromkeys(orders, 0.0)
+    arrival: dict[Message, float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progressed = False
+        for rank, order in orders.items():
+            while position[rank] < len(order):
+                task = order[position[rank]]
+                needs = schedule.recvs(task)
+                if any(m not in arrival for m in needs):
+                    break
+                start = max([free[rank], *(arrival[m] for m in needs)])
+                free[rank] = start + duration(task)
+                for m in schedule.sends(task):  # messages between one pair of ranks share its link: one at a time
+                    pair = (m.src, m.dst)
+                    begin = max(free[rank], link_free.get(pair, 0.0))
+                    link_free[pair] = arrival[m] = begin + transfer(m)
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule cannot be replayed: a rank waits for a message nobody sends")
+    return free
+
+
+class _Costs:
+    """Durations of one workload's tasks and messages under one layout on one machine."""
+
+    def __init__(self, work: Workload, parallel: ParallelConfig, machine: Machine, calibration: Calibration):
+        self.work, self.par, self.machine = work, parallel, machine
+        self.sp = parallel.sequence_degree
+        self.flops = calibration.throughput(machine.device_key, machine.device, work.spec.name)
+        self.traffic, self.launch = calibration.traffic, calibration.launch
+        self.batch = work.cfg_batch // parallel.cfg_degree
+        self.element = machine.device.dtype_bytes
+        self.grid = work.grid(parallel.resolved_num_patches)
+        self.stage_ranks = self.sp  # world ranks per pipeline stage: the SP group is innermost
+        self.sp_link = calibration.link(machine.link_key, machine.between(0, self.sp - 1))
+        self._durations: dict[tuple, tuple[float, float]] = {}
+
+    def _block_costs(self, block: int, queries: int, text_queries: bool, batch: float) -> tuple[float, float]:
+        """(compute, exposed SP communication) seconds of one block on one SP rank."""
+        work, d, sp = self.work, self.work.hidden, self.sp
+        text = work.text_tokens
+        tq = text if (work.joint and text_queries) else 0
+        flops = batch * work.spec.block_flops(work.config, block, queries, self.grid.num_tokens, text, text_queries)
+        traffic = self.traffic * batch * (queries + tq) * d / self.machine.device.memory_bandwidth
+        compute = (flops / self.flops + traffic) / sp + self.launch
+        comm = 0.0
+        modules = work.spec.attentions_of_block(work.config, block)
+        passing = (queries + tq) / sp  # tokens of this pass on one SP rank (an MMDiT's text is chunked too)
+        u, r = self.par.ulysses_degree, self.par.ring_degree
+        if u > 1:  # q, k, v out and the output back, (u-1)/u of each rank's chunk
+            nbytes = batch * passing * d * self.element * 4 * (u - 1) / u
+            exchange = nbytes / self.sp_link.group_bandwidth(u) + 2 * (u - 1) * self.sp_link.latency
+            comm += modules * (exchange + 2 * self.launch)  # and the two exchanges' own kernels
+        if r > 1:  # K/V blocks of every token (stale ones included) around the ring, hidden behind the attention
+            keys = self.grid.num_tokens + (text if work.joint else 0)
+            hop = 2 * batch * (keys / r) * (d / u) * self.element
+            ring = (r - 1) * (hop / self.sp_link.group_bandwidth(r) + self.sp_link.latency)
+            attention = batch * attention_flops(queries + tq, keys, d) / sp / self.flops
+            exposed = max(ring - attention, 0.0) if self.sp_link.overlap else ring
+            comm += modules * (exposed + (r - 1) * self.launch)  # each ring step: its own attention call and merge
+        return compute, comm
+
+    def task_costs(self, schedule: Schedule, task: Task) -> tuple[float, float]:
+        """(compute, exposed SP communication) seconds of ``task`` on one rank of its stage."""
+        if task.hop == COLLECT:
+            return 0.0, 0.0
+        queries = self.grid.num_tokens if task.patch is None else self.grid[task.patch].num_tokens
+        batch = self.batch if task.part is None else self.batch / schedule.batch_parts
+        first = task.patch in (None, 0)  # the step's first patch (or the whole image) computes the text stream
+        key = (task.hop, queries, first, batch)
+        if key not in self._durations:
+            costs = [self._block_costs(b, queries, first, batch) for b in schedule.plan.route[task.hop].blocks]
+            self._durations[key] = (sum(c for c, _ in costs), sum(s for _, s in costs))
+        return self._durations[key]
+
+    def duration(self, schedule: Schedule) -> Callable[[Task], float]:
+        def duration(task: Task) -> float:
+            return sum(self.task_costs(schedule, task))
+
+        return duration
+
+    def transfer(self, schedule: Schedule) -> Callable[[Message], float]:
+        work, element = self.work, self.element
+        hidden = work.hidden
+
+        def transfer(m: Message) -> float:
+            link = self.machine.between(m.src * self.stage_ranks, m.dst * self.stage_ranks)
+            tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
+            if m.kind == "latent":  # the stepped latent rows of one image
+                nbytes = work.latent_bytes_per_element * tokens / self.grid.num_tokens * element
+            else:  # (B, tokens, hidden) of a batch part, each SP rank its chunk (in parallel over SP pairs)
+                batch = self.batch if m.part is None else self.batch / schedule.batch_parts
+                rows = work.text_tokens if m.kind in schedule.plan.streams else tokens
+                nbytes = batch * rows * hidden * element / self.sp
+            return nbytes / link.bandwidth + link.latency
+
+        return transfer
+
+    def busiest(self, schedule: Schedule) -> tuple[float, float]:
+        """(compute, exposed SP communication) seconds of the busiest stage over the whole loop."""
+        per_rank = [[self.task_costs(schedule, t) for t in order] for order in schedule.orders.values()]
+        totals = [(sum(c for c, _ in costs), sum(s for _, s in costs)) for costs in per_rank]
+        return max(totals, key=sum)
+
+
+def predict(
+    work: Workload, parallel: ParallelConfig, machine: Machine, calibration: Calibration, *, split_warmup: bool = True
+) -> Prediction:
+    """Seconds of one request of ``work`` under ``parallel`` on ``machine`` (layouts are assumed valid:
+    ``ModelSpec.check_layout`` and the world rule are the planner's first filter). ``split_warmup``: warm-up steps
+    streamed in batch parts as xfuse runs them (``False``: whole, as xDiT does)."""
+    costs = _Costs(work, parallel, machine, calibration)
+    costs_key = tuple(costs.grid.cost_tokens)
+    schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, costs.batch, costs_key, split_warmup)
+    finish = replay(schedule, costs.duration(schedule), costs.transfer(schedule))
+    compute, sequence = costs.busiest(schedule)
+    cfg = 0.0
+    if parallel.cfg_degree > 1:  # the two groups swap their noise prediction once per step
+        link = machine.between(0, parallel.pipefusion_degree * costs.sp)
+        cfg = work.steps * (work.latent_bytes_per_element * costs.element / link.bandwidth + link.latency)
+    loop = max(finish.values()) + cfg
+    megapixels = work.height * work.width / 1e6
+    device = machine.device
+    outside = calibration.outside * megapixels * 312e12 / device.peak_flops if device.gpu else 0.0
+    return Prediction(loop + outside, loop, outside, compute, sequence, cfg)

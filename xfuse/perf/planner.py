@@ -1,0 +1,180 @@
+"""Every valid layout of a world for one request, ranked by the performance model: ``xfuse plan --auto`` and
+``--auto`` on ``generate`` / ``serve``.
+
+A layout is ``cfg x pipefusion x ulysses x ring`` multiplying to the world (CFG only when the request batches
+[uncond, cond]), with the engine's defaults otherwise (M = pipefusion degree, the family's placement, the config's
+warm-up). Each candidate is first checked the way a run is (``ModelSpec.check_layout``: heads the Ulysses degree must
+divide, tokens per sequence chunk, rows per patch); a refused one is listed with the reason the run would give.
+Choosing needs no communication: every rank of a world computes the same ranking from the same inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xfuse.config import ConfigError, GenerationConfig, ParallelConfig, XfuseConfig, config_from_dict, parallel_config
+from xfuse.families.registry import model_spec, transformer_config
+from xfuse.perf.calibration import FITTED
+from xfuse.perf.hardware import DEVICES
+from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
+
+
+@dataclass(frozen=True)
+class Ranked:
+    parallel: ParallelConfig
+    prediction: Prediction
+
+    @property
+    def name(self) -> str:
+        return layout_name(self.parallel)
+
+
+def layout_name(p: ParallelConfig) -> str:
+    parts = [f"{k} {v}" for k, v in (("cfg", p.cfg_degree), ("pipefusion", p.pipefusion_degree),
+                                       ("ulysses", p.ulysses_degree), ("ring", p.ring_degree)) if v > 1]  # fmt: skip
+    return " x ".join(parts) or "1 rank"
+
+
+def local_device() -> str:
+    """This machine's device kind for the model: the CUDA device's name (A100, H100, L40), else ``cpu``;
+    ``ConfigError`` naming ``--device`` for a GPU the model has no profile of."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    for key in ("a100", "h100", "l40"):
+        if key in name.lower().replace(" ", ""):
+            return key
+    raise ConfigError("--device", f"this machine's {name!r} has no profile; give one of {sorted(DEVICES)}")
+
+
+def workload(config: XfuseConfig) -> Workload:
+    """The request ``config`` describes (its generation section, or the defaults), at the model's shape."""
+    spec, model = model_spec(config.model), transformer_config(config.model)
+    gen = config.generation if config.generation is not None else GenerationConfig()
+    side = spec.default_side(model)
+    cfg_batch = 2 if gen.guidance_scale > 1 and not spec.distilled_guidance else 1
+    return Workload(spec, model, gen.height or side, gen.width or side, gen.num_inference_steps, cfg_batch)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config: XfuseConfig, world: int) -> tuple[list[ParallelConfig], list[str]]:
+    """(valid layouts, refused layouts with the reason) of ``world`` ranks for ``config``'s request."""
+    work = workload(config)
+    base = config.parallel
+    valid: list[ParallelConfig] = []
+    refused: list[str] = []
+    for cfg in (1, 2) if work.cfg_batch == 2 else (1,):
+        if world % cfg:
+            continue
+        for pp in _divisors(world // cfg):
+            for ulysses in _divisors(world // cfg // pp):
+                ring = world // cfg // pp // ulysses
+                name = f"cfg {cfg} x pipefusion {pp} x ulysses {ulysses} x ring {ring}"
+                try:
+                    parallel = parallel_config(
+                        {"pipefusion_degree": pp, "cfg_degree": cfg, "ulysses_degree": ulysses,
+                         "ring_degree": ring, "warmup_steps": base.warmup_steps}
+                    )  # fmt: skip
+                    work.spec.check_layout(
+                        parallel,
+                        num_blocks=work.num_blocks,
+                        patch_size=work.config["patch_size"],
+                        height=work.height,
+                        width=work.width,
+                        num_heads=work.config["num_attention_heads"],
+                    )
+                except ConfigError as err:
+                    refused.append(f"{name}: {err}")
+                    continue
+                valid.append(parallel)
+    return valid, refused
+
+
+def rank_layouts(
+    config: XfuseConfig, world: int, where: Machine, calibration: Calibration = FITTED
+) -> tuple[list[Ranked], list[str]]:
+    """Valid layouts of ``world`` ranks on ``where``, fastest first, and why the others were refused."""
+    work = workload(config)
+    valid, refused = candidates(config, world)
+    ranked = sorted(
+        (Ranked(p, predict(work, p, where, calibration)) for p in valid), key=lambda r: r.prediction.seconds
+    )
+    return ranked, refused
+
+
+def choose(config: XfuseConfig, world: int, where: Machine) -> tuple[XfuseConfig, Ranked]:
+    """``config`` with the fastest layout of ``world`` ranks on ``where`` (degrees, M and placement back to their
+    defaults; warm-up and everything else kept), and that layout's ranking entry."""
+    ranked, refused = rank_layouts(config, world, where)
+    if not ranked:
+        raise ConfigError("parallel", f"no layout of {world} ranks runs this request: " + "; ".join(refused))
+    best = ranked[0].parallel
+    data = config.to_dict()
+    data["parallel"] = {
+        **data.get("parallel", {}),
+        "pipefusion_degree": best.pipefusion_degree,
+        "cfg_degree": best.cfg_degree,
+        "ulysses_degree": best.ulysses_degree,
+        "ring_degree": best.ring_degree,
+        "num_patches": None,
+        "placement": None,
+        "stage_split": None,
+    }
+    return config_from_dict(data), ranked[0]
+
+
+def format_ranking(config: XfuseConfig, world: int, where: Machine, top: int = 10) -> str:
+    """What ``xfuse plan --auto`` prints: the ranking, the breakdown of each layout's time, and the choice."""
+    work = workload(config)
+    ranked, refused = rank_layouts(config, world, where)
+    nodes = world // where.gpus_per_node if world > where.gpus_per_node else 1
+    lines = [
+        f"{config.model} ({work.spec.name}), {work.height}x{work.width} px, {work.steps} steps, transformer batch "
+        f"{work.cfg_batch}; {world} x {where.device.name}"
+        + (f" on {nodes} nodes" if nodes > 1 else "")
+        + f", {where.link.name}",
+        "",
+        f"{'layout':<38} {'predicted':>9} {'loop':>8} {'compute':>8} {'SP comm':>8} {'waiting':>8}  (seconds; "
+        "compute and SP comm: the busiest rank's)",
+    ]
+    for r in ranked[:top]:
+        p = r.prediction
+        lines.append(
+            f"{r.name:<38} {p.seconds:>9.2f} {p.loop:>8.2f} {p.compute:>8.2f} {p.sequence_comm:>8.2f} {p.waiting:>8.2f}"
+        )
+    if len(ranked) > top:
+        lines.append(f"... {len(ranked) - top} more")
+    for reason in refused:
+        lines.append(f"refused: {reason}")
+    if ranked:
+        best = ranked[0]
+        why = _why(best, ranked[1] if len(ranked) > 1 else None)
+        lines += ["", f"choice: {best.name} ({best.prediction.seconds:.2f} s predicted). {why}"]
+    lines.append(
+        "model: xfuse.perf (the schedule replayed with FLOPs from the shapes, link bandwidths and fitted "
+        "efficiencies; its error on published points: docs/performance.md#performance-model-predicted)"
+    )
+    return "\n".join(lines)
+
+
+def _why(best: Ranked, runner_up: Ranked | None) -> str:
+    p = best.prediction
+    parts = []
+    if runner_up is not None:
+        q = runner_up.prediction
+        gap = q.seconds / p.seconds - 1
+        parts.append(f"Next: {runner_up.name}, {gap:.0%} slower")
+        if q.sequence_comm > p.sequence_comm + 0.05 * q.loop:
+            parts.append(f"its sequence-parallel exchanges cost {q.sequence_comm:.2f} s on this link")
+        elif q.waiting > p.waiting + 0.05 * q.loop:
+            parts.append(f"it waits {q.waiting:.2f} s for pipeline fill, drain and hand-offs")
+        elif q.compute > p.compute:
+            parts.append(f"its busiest rank computes {q.compute:.2f} s against {p.compute:.2f} s")
+    if p.sequence_comm == 0 and best.parallel.pipefusion_degree > 1:
+        parts.append("PipeFusion's hand-offs are one patch per stage boundary, no per-layer exchange")
+    return "; ".join(parts) + "."
