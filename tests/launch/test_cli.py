@@ -99,6 +99,46 @@ def test_plan_with_sequence_parallelism_names_the_degrees_and_refuses_heads_it_c
     assert "parallel.ulysses_degree: must divide the model's 2 attention heads" in out.stderr and "[1, 2]" in out.stderr
 
 
+def test_plan_auto_ranks_every_layout_of_a_world_and_refuses_bad_options_by_name():
+    request = ["--set", "model=flux-small", "--set", "generation.height=512", "--set", "generation.width=512",
+               "--set", "generation.num_inference_steps=20"]  # fmt: skip
+    out = xfuse("plan", "--auto", "--gpus", "2", *request)  # this machine: CPU ranks over gloo
+    assert out.returncode == 0, out.stderr
+    rows = [line.split()[0:2] for line in out.stdout.splitlines() if line.split()[-1:] and "." in line.split()[-1]]
+    assert [" ".join(r) for r in rows[:3]] == ["pipefusion 2", "ring 2", "ulysses 2"]
+    assert "\nchoice: pipefusion 2 (" in out.stdout and "2 x CPU rank (1 thread, fp32), gloo on loopback" in out.stdout
+    for options, says in (
+        (["--gpus", "8", "--device", "h100", "--link", "pcie"], "--link: no 'pcie' link is known for 'h100'"),
+        (["--gpus", "0"], "--gpus: must be a positive number of devices (got 0)"),
+        (["--gpus", "8", "--nodes", "3", "--device", "a100"], "--nodes: must divide --gpus (8) into equal nodes"),
+    ):
+        bad = xfuse("plan", "--auto", *options, *request)
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr
+
+
+def test_generate_auto_runs_the_top_ranked_layout_of_its_world(tmp_path):
+    """``--auto`` under torchrun: every rank picks the same layout from the model (rank 0 says which, and what the
+    config had), the run uses it (the summary's degrees), and with warm-up = all steps it draws the degree-1 PNG."""
+    from xfuse.config import load_config
+    from xfuse.perf.model import machine
+    from xfuse.perf.planner import rank_layouts
+
+    common = ["--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=3",
+              "--set", "parallel.warmup_steps=3", "--prompt", "a red house"]  # fmt: skip
+    auto = torchrun("-m", "xfuse", "generate", *common, "--auto", "--output", str(tmp_path / "auto.png"))
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    config = load_config("configs/tiny/pp2.yaml", ["generation.num_inference_steps=3", "parallel.warmup_steps=3"])
+    best = rank_layouts(config, 2, machine("cpu", "gloo", 2))[0][0]
+    assert f"--auto: {best.name} for 2 x CPU rank (1 thread, fp32) (gloo on loopback (2 cores))" in auto.stdout
+    assert "the config's was pipefusion 2" in auto.stdout
+    par = best.parallel
+    assert f"on 2 rank(s) (pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}," in auto.stdout
+    one = xfuse("generate", *common, "--set", "parallel.pipefusion_degree=1", "--output", str(tmp_path / "1.png"))
+    assert one.returncode == 0, one.stderr
+    a, b = (np.asarray(Image.open(tmp_path / name)).astype(int) for name in ("1.png", "auto.png"))
+    assert a.shape == b.shape and np.abs(a - b).max() <= 1
+
+
 def test_generate_with_ulysses_under_torchrun_draws_the_degree_1_image(tmp_path):
     """``parallel.ulysses_degree: 2`` from the command line, exact (warm-up = all steps): the PNG of degree 1, up to
     one level of rounding in a pixel."""
