@@ -96,6 +96,15 @@ class SequenceParallel:
         self._tokens = slice(0, 0)  # the current pass's token range (set by begin_pass)
         self._bands: list[slice] = []  # the request's patches' token ranges (set by begin_request)
         self._layout: list[list[slice]] = []  # ring rank -> where it keeps each patch's ring chunk (ring_layout)
+        # Ulysses posts a message's receives before the peers send it where it knows the shapes early: the output's
+        # before the attention, and the next attention's q/k/v after this one, from the shapes an earlier pass of the
+        # same segment, tokens and first exchange made (SD3.5's dual-attention blocks alternate two). A send then
+        # lands in a posted buffer instead of waiting in the socket for the peer to post it (gloo), which is what
+        # kept the ranks waiting in each other's exchanges.
+        self._pass: tuple = ()  # (segment, tokens) of the current pass
+        self._qkv_shapes: list[tuple] = []  # its q/k/v exchanges' receive shapes so far, by SP index
+        self._passes: dict[tuple, list[tuple]] = {}  # (segment, tokens, first exchange) -> every exchange's shapes
+        self._next_qkv: tuple[tuple, Any] | None = None  # the next q/k/v exchange's posted receives (shapes, ops)
 
     @property
     def degree(self) -> int:
@@ -104,9 +113,19 @@ class SequenceParallel:
     def begin_task(self, step: int, patch: int | None) -> None:
         self.step, self.patch = step, patch
 
-    def begin_pass(self, tokens: slice) -> None:
-        """The pass about to run covers image tokens ``tokens`` (every rank of the group holds a chunk of them)."""
-        self._tokens = tokens
+    def begin_pass(self, tokens: slice, segment: int = 0) -> None:
+        """The pass about to run covers image tokens ``tokens`` (every rank of the group holds a chunk of them) through
+        route segment ``segment``."""
+        if self._next_qkv is not None:
+            raise RuntimeError("SequenceParallel: q/k/v receives posted for an attention the last pass did not make")
+        self._tokens, self._pass, self._qkv_shapes = tokens, (segment, tokens.start, tokens.stop), []
+
+    def end_pass(self) -> None:
+        """Remember the pass's q/k/v exchanges for the next pass of the same segment, tokens and first exchange."""
+        if self._next_qkv is not None:
+            raise RuntimeError("SequenceParallel: q/k/v receives posted for an attention the pass did not make")
+        if self._qkv_shapes:
+            self._passes[self._pass + (self._qkv_shapes[0],)] = self._qkv_shapes
 
     # --- layout ---------------------------------------------------------------------------------------------
     def local(self, tokens: slice) -> slice:
@@ -172,6 +191,11 @@ class SequenceParallel:
         if text is not None:
             assert text_qkv is not None
             text_qkv = (text_qkv[0], *text.record(text_qkv[1], text_qkv[2]))  # recorded by the owner, else reused
+        out_recvs = None
+        if self.ulysses > 1:  # the output's receives, posted before the attention (see __init__)
+            held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
+            shapes = dict.fromkeys(self._ulysses_peers(), (batch, heads // self.ulysses, held, head_dim))
+            out_recvs = self._post("ulysses out", {}, shapes, query.dtype)
         if self.ring == 1:
             key, value = cache.update(layer, key, value)
             image_out, text_out = joint_sdpa(query, key, value, text_qkv, text is not None and text.text_first)
@@ -194,15 +218,24 @@ class SequenceParallel:
                 assert text_out is not None
                 outs = [torch.cat(pair, dim=2) for pair in zip(outs, text_out.split(text_sizes, dim=2), strict=True)]
             held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
-            image_out = self._to_tokens(list(outs), (batch, heads // self.ulysses, held, head_dim))
+            assert out_recvs is not None
+            image_out = self._to_tokens(list(outs), (batch, heads // self.ulysses, held, head_dim), out_recvs)
             if text_out is not None:
                 n = image_sizes[self.ulysses_index]
                 image_out, text_out = image_out[:, :, :n], image_out[:, :, n:]
+            known = self._passes.get(self._pass + (self._qkv_shapes[0],), [])
+            if len(known) > len(self._qkv_shapes):  # the pass's next attention, as an earlier pass made it
+                upcoming = known[len(self._qkv_shapes)]
+                self._next_qkv = (upcoming, self._post("ulysses qkv", {}, dict(upcoming), query.dtype))
         return image_out, text_out
 
     def _my_heads(self, heads: int) -> slice:
         size = heads // self.ulysses
         return slice(self.ulysses_index * size, (self.ulysses_index + 1) * size)
+
+    def _ulysses_peers(self) -> list[int]:
+        """SP indices of my Ulysses group's other ranks."""
+        return [self._ulysses_peer(u) for u in range(self.ulysses) if u != self.ulysses_index]
 
     def _ulysses_peer(self, ulysses_index: int) -> int:
         """SP index of my Ulysses group's rank ``ulysses_index``."""
@@ -256,15 +289,20 @@ class SequenceParallel:
 
             return gather(0, image_sizes), (gather(1, text_sizes) if len(parts) > 1 else None)
 
-        return self._exchange("ulysses qkv", sends, recvs, parts[0][0].dtype, join)
+        self._qkv_shapes.append(tuple(sorted(recvs.items())))
+        if self._next_qkv is None:
+            return self._exchange("ulysses qkv", sends, recvs, parts[0][0].dtype, join)
+        (posted_shapes, posted), self._next_qkv = self._next_qkv, None
+        if posted_shapes != self._qkv_shapes[-1]:  # a pass unlike the one it was taken for: a bug, not a retry
+            raise RuntimeError(f"SequenceParallel: q/k/v receives posted as {posted_shapes}, the exchange is {recvs}")
+        return self._send_after(posted, "ulysses qkv", sends, parts[0][0].dtype, join)
 
-    def _to_tokens(self, pieces: list[torch.Tensor], shape: tuple) -> torch.Tensor:
+    def _to_tokens(self, pieces: list[torch.Tensor], shape: tuple, posted) -> torch.Tensor:
         """Ulysses all-to-all back: ``pieces[u]`` (B, heads/U, rank u's tokens, d) goes to rank u; returns my tokens
         for every head, (B, heads, my tokens, d), as a view of a (B, my tokens, heads, d) tensor (merging heads is
-        then free); ``shape``: what each rank sends me."""
+        then free); ``shape``: what each rank sends me, whose receives are ``posted`` already."""
         peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
         sends = {self._ulysses_peer(u): pieces[u].contiguous() for u in peers}
-        recvs = {self._ulysses_peer(u): shape for u in peers}
         batch, size, tokens, head_dim = shape
 
         def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -274,7 +312,7 @@ class SequenceParallel:
                 out[:, :, u * size : (u + 1) * size].copy_(piece.transpose(1, 2))  # head group u
             return out.transpose(1, 2)  # -> (B, heads, my tokens, d)
 
-        return self._exchange("ulysses out", sends, recvs, pieces[0].dtype, join)
+        return self._send_after(posted, "ulysses out", sends, pieces[0].dtype, join)
 
     @staticmethod
     def _size(tokens: slice) -> int:
@@ -372,6 +410,12 @@ class SequenceParallel:
 
     def _exchange(self, kind, sends, recvs, dtype, use) -> torch.Tensor:
         return self._finish(self._post(kind, sends, recvs, dtype), use)
+
+    def _send_after(self, posted, kind, sends, dtype, use) -> torch.Tensor:
+        """An exchange whose receives were ``posted`` earlier (``_post`` with no sends): send, then finish both."""
+        sources, _, recv_handles = posted
+        _, send_handles, _ = self._post(kind, sends, {}, dtype)
+        return self._finish((sources, send_handles, recv_handles), use)
 
     def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, my tokens, D) -> (B, the pass's tokens, D): every rank's chunk, in token order (the output layer and

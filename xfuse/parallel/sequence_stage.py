@@ -70,8 +70,10 @@ class SequenceParallelStage:
         keep_kv: bool = True,
         streams: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        self.sequence.begin_pass(self._tokens(band))
-        return self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+        self.sequence.begin_pass(self._tokens(band), segment.hop)
+        out = self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+        self.sequence.end_pass()
+        return out
 
     def head(self, hidden: torch.Tensor, cond: Any, token_cols: int) -> torch.Tensor:
         """(B, my chunk's tokens, hidden) -> the model output of the whole band, on every rank of the group."""
