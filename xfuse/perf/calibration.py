@@ -24,12 +24,12 @@ from xfuse.perf.published import CPU_POINTS, POINTS, Point
 
 # Result of ``fit()`` (python -m xfuse.perf.calibration --fit), kept so that predictions are instant.
 FITTED = Calibration(
-    efficiency={"a100": 0.5731, "h100": 0.4390, "l40": 0.7470, "cpu": 0.8170},
-    family={"hunyuandit": 0.5050, "sd3": 0.8790},
-    traffic=120.42,
-    launch=5.584e-4,
-    outside=0.02843,
-    latency={"cpu-gloo": 3.535e-3},
+    efficiency={"a100": 0.5940, "h100": 0.4563, "l40": 0.7861, "cpu": 0.8817},
+    family={"hunyuandit": 0.4952, "sd3": 0.9669},
+    traffic=144.95,
+    launch=0.0005375,
+    outside=0.1456,
+    latency={"cpu-gloo": 0.002905},
 )
 
 

@@ -55,7 +55,7 @@ _FLUX_A100 = "xDiT flux.md, Flux-A100-crop.png (labels)"
 _FLUX_H100 = "xDiT flux.md, 4xH100 table"
 _FLUX_L40 = "xDiT flux.md, Flux-16L40-crop.png"
 _SD3 = "xDiT sd3.md"
-_HERE = "benchmarks/bench_sequence.py on this machine (sequence.json)"
+_HERE = "benchmarks/bench_sequence.py on this machine (sequence.json, 2026-11-25 03:33 UTC)"
 
 POINTS: tuple[Point, ...] = (
     # HunyuanDiT-v1.2, 8 x A100 NVLink, 50 steps (one chart: every method at 1, 2, 4, 8 GPUs)
@@ -123,8 +123,8 @@ POINTS: tuple[Point, ...] = (
 # Measured here (xfuse, flux-small, fp32, one thread per rank, the call to latents, medians of 3 in turns): what
 # ``xfuse plan --auto --gpus 2 --link gloo`` must order as the benchmark does.
 CPU_POINTS: tuple[Point, ...] = (
-    Point("flux-small", "cpu", "gloo", 512, 20, 14.90, source=_HERE, decoded=False, fitted=True),
-    Point("flux-small", "cpu", "gloo", 512, 20, 9.63, ulysses=2, source=_HERE, decoded=False, fitted=True),
-    Point("flux-small", "cpu", "gloo", 512, 20, 9.00, ring=2, source=_HERE, decoded=False, fitted=False),
-    Point("flux-small", "cpu", "gloo", 512, 20, 7.96, pipefusion=2, source=_HERE, decoded=False, fitted=False),
+    Point("flux-small", "cpu", "gloo", 512, 20, 13.97, source=_HERE, decoded=False, fitted=True),
+    Point("flux-small", "cpu", "gloo", 512, 20, 8.85, ulysses=2, source=_HERE, decoded=False, fitted=True),
+    Point("flux-small", "cpu", "gloo", 512, 20, 8.40, ring=2, source=_HERE, decoded=False, fitted=False),
+    Point("flux-small", "cpu", "gloo", 512, 20, 7.88, pipefusion=2, source=_HERE, decoded=False, fitted=False),
 )
