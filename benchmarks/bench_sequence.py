@@ -1,14 +1,16 @@
-"""Sequence parallelism side by side: serial diffusers, diffusers' own Ulysses, and xfuse's Ulysses, Ring and
-PipeFusion at degree 2, on FLUX (the family diffusers has a context-parallel plan for).
+"""Sequence parallelism side by side: serial diffusers, diffusers' own Ulysses (FLUX: the family diffusers has a
+context-parallel plan for), and xfuse's Ulysses, Ring, PipeFusion (and, for the families that batch classifier-free
+guidance, CFG) at degree 2, on any family's preset.
 
-    python benchmarks/bench_sequence.py [--steps 8 20] [--size 512] [--repeats 3] [--json out.json]
+    python benchmarks/bench_sequence.py [--preset flux-small] [--steps 8 20] [--size 512] [--repeats 3] [--json out]
 
 Each configuration is a world of real gloo processes (one torch thread per rank, pinned to its own core), set up
 first and then timed in turns (a round calls each configuration once, so the machine's drift falls on every ratio
 alike). A call is the whole pipeline call to latents (``output_type="latent"``: text encoding, preparation, the
-denoising loop; no VAE) on the ``flux-small`` preset (4 double + 8 single blocks of width 256, fp32), its default 512
-T5 tokens, guidance 3.5, seed 0. Every parallel configuration's latents are compared with serial diffusers' (max
-abs; all five are exact except PipeFusion, whose stale K/V make it an approximation).
+denoising loop; no VAE) on the preset (``flux-small``: 4 double + 8 single blocks of width 256, fp32, its default
+512 T5 tokens, guidance 3.5; the other families' ``*-small`` presets: 16 blocks of width 256, guidance 5, batched
+[uncond, cond]), seed 0. Every parallel configuration's latents are compared with serial diffusers' (max abs; all
+are exact except PipeFusion, whose stale K/V make it an approximation).
 
 diffusers' Ulysses: ``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``. diffusers
 picks its device as ``rank % torch.accelerator.device_count()``, which is 0 on a CPU-only torch build
@@ -29,32 +31,54 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import pin_to_core, speedups  # noqa: E402  (after the path insert, as run directly)
 
-PRESET, PROMPT = "flux-small", "a red house by a lake"
+PROMPT = "a red house by a lake"
 # name -> (ranks, how the pipeline is built: "diffusers" or xfuse's ParallelConfig keywords)
 CONFIGS: dict[str, tuple[int, str | dict]] = {
     "diffusers serial": (1, "diffusers"),
-    "diffusers ulysses 2": (2, "diffusers"),
+    "diffusers ulysses 2": (2, "diffusers"),  # FLUX only (diffusers' context-parallel plans)
     "xfuse 1 rank": (1, {}),  # the same pipeline class on one rank: what xfuse's own code costs
     "xfuse ulysses 2": (2, {"ulysses_degree": 2}),  # one patch: every step a whole-image pass
     "xfuse ring 2": (2, {"ring_degree": 2}),
     "xfuse pipefusion 2": (2, {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1}),
+    "xfuse cfg 2": (2, {"cfg_degree": 2}),  # the families that batch [uncond, cond]
 }
+
+
+def configs(preset: str) -> dict[str, tuple[int, str | dict]]:
+    """The configurations that apply to ``preset``'s family."""
+    from xfuse.families.registry import model_spec
+
+    spec = model_spec(preset)
+    drop = {"xfuse cfg 2"} if spec.distilled_guidance else {"diffusers ulysses 2"}
+    return {name: how for name, how in CONFIGS.items() if name not in drop}
+
+
+def call_kwargs(preset: str) -> dict:
+    """The call's family-specific arguments: FLUX's distilled guidance, the others' batched CFG (and no binning)."""
+    from xfuse.families.registry import model_spec
+
+    spec = model_spec(preset)
+    kwargs: dict = {"guidance_scale": 3.5 if spec.distilled_guidance else 5.0}
+    if spec.resolution_binning:
+        kwargs["use_resolution_binning"] = False
+    return kwargs
+
 
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built
 
 
-def setup_rank(how) -> None:
+def setup_rank(preset: str, how) -> None:
     """On every rank: the preset's diffusers pipeline, made parallel by diffusers (``how == "diffusers"`` on more
-    than one rank) or wrapped in xfuse's FLUX pipeline with ``how`` as its parallel config."""
+    than one rank) or wrapped in xfuse's pipeline of its family with ``how`` as its parallel config."""
     import torch
     import torch.distributed as dist
 
-    from xfuse.families.registry import load_pipeline
+    from xfuse.families.registry import load_pipeline, model_spec
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
     pin_to_core(dist.get_rank(), world)
-    pipe = load_pipeline(PRESET)
+    pipe = load_pipeline(preset)
     if how == "diffusers":
         if world > 1:
             from diffusers import ContextParallelConfig
@@ -62,14 +86,12 @@ def setup_rank(how) -> None:
             torch.accelerator.device_count = lambda: 1  # see the module docstring
             pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     else:
-        from xfuse import PipeFusionFluxPipeline
-
-        pipe = PipeFusionFluxPipeline.from_pipe(pipe, parallel=how)
+        pipe = model_spec(preset).pipeline_class().from_pipe(pipe, parallel=how)
     pipe.set_progress_bar_config(disable=True)
     _PIPE["pipe"] = pipe
 
 
-def call_rank(steps: int, size: int) -> dict:
+def call_rank(preset: str, steps: int, size: int) -> dict:
     """On every rank: one call between two barriers; its wall time and (rank 0) the latents."""
     import torch
     import torch.distributed as dist
@@ -81,41 +103,43 @@ def call_rank(steps: int, size: int) -> dict:
         height=size,
         width=size,
         num_inference_steps=steps,
-        guidance_scale=3.5,
         generator=torch.Generator().manual_seed(0),
         output_type="latent",
+        **call_kwargs(preset),
     )
     seconds = time.perf_counter() - start
     dist.barrier()
     return dict(seconds=seconds, latents=None if out is None or dist.get_rank() else out.images)
 
 
-def measure(steps: int, size: int, repeats: int) -> dict:
+def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
     """Every configuration in turns; each one's times and distance from serial diffusers."""
     import contextlib
 
     from tests.support.world import World
 
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    chosen = configs(preset)
+    times: dict[str, list[float]] = {name: [] for name in chosen}
     latents = {}
     with contextlib.ExitStack() as stack:
         worlds = {}
-        for name, (ranks, how) in CONFIGS.items():
+        for name, (ranks, how) in chosen.items():
             worlds[name] = stack.enter_context(World(ranks, threads_per_rank=1, start_timeout=600))
-            worlds[name].run_ok(setup_rank, how, timeout=600)
+            worlds[name].run_ok(setup_rank, preset, how, timeout=600)
         for _ in range(repeats):
             for name, world in worlds.items():
-                result = world.run_ok(call_rank, steps, size, timeout=3600)[0]
+                result = world.run_ok(call_rank, preset, steps, size, timeout=3600)[0]
                 times[name].append(result["seconds"])
                 latents[name] = result["latents"]
     rows = speedups({name: {"times": runs} for name, runs in times.items()}, "diffusers serial")
     serial = latents["diffusers serial"]
     for name, row in rows.items():
         row["max_abs_vs_serial"] = (latents[name] - serial).abs().max().item()
-    against_ulysses = speedups({name: {"times": runs} for name, runs in times.items()}, "diffusers ulysses 2")
-    ours = rows["xfuse ulysses 2"]
-    ours["over_diffusers_ulysses"] = against_ulysses["xfuse ulysses 2"]["speedup"]
-    ours["round_over_diffusers_ulysses"] = against_ulysses["xfuse ulysses 2"]["round_speedups"]
+    if "diffusers ulysses 2" in times:
+        against_ulysses = speedups({name: {"times": runs} for name, runs in times.items()}, "diffusers ulysses 2")
+        ours = rows["xfuse ulysses 2"]
+        ours["over_diffusers_ulysses"] = against_ulysses["xfuse ulysses 2"]["speedup"]
+        ours["round_over_diffusers_ulysses"] = against_ulysses["xfuse ulysses 2"]["round_speedups"]
     return rows
 
 
@@ -135,6 +159,8 @@ def markdown(report: dict) -> str:
             )
     for steps, rows in report["steps"].items():
         ours = rows["xfuse ulysses 2"]
+        if "round_over_diffusers_ulysses" not in ours:
+            continue
         rounds = ours["round_over_diffusers_ulysses"]
         out.append(
             f"\n{steps} steps: diffusers' Ulysses 2 over xfuse's Ulysses 2: {ours['over_diffusers_ulysses']:.2f}x "
@@ -145,6 +171,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="flux-small", help="any family's preset (the *-small ones: CPU speed)")
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 20])
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
@@ -155,13 +182,13 @@ def main() -> None:
     report = dict(
         machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU only, torch {torch.__version__}",
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        preset=PRESET,
+        preset=args.preset,
         size=args.size,
         repeats=args.repeats,
         steps={},
     )
     for steps in args.steps:
-        report["steps"][steps] = measure(steps, args.size, args.repeats)
+        report["steps"][steps] = measure(args.preset, steps, args.size, args.repeats)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=2)
