@@ -166,16 +166,25 @@ def test_the_fit_is_a_minimum_of_its_loss():
             assert calibration._loss(train, trial) >= base * (1 - 1e-3), (i, step)
 
 
-def test_plan_auto_picks_on_this_cpu_the_layout_the_benchmark_measured_fastest():
-    """benchmarks/results/sequence.json (bench_sequence.py, in turns): xfuse's 2-rank layouts on FLUX-small, 512 px,
-    20 steps. The model's ranking of the same request on 2 CPU ranks over gloo names the fastest one first."""
-    with open(os.path.join(REPO, "benchmarks", "results", "sequence.json")) as f:
-        measured = json.load(f)["steps"]["20"]
-    names = {"xfuse pipefusion 2": "pipefusion 2", "xfuse ring 2": "ring 2", "xfuse ulysses 2": "ulysses 2"}
-    fastest = names[min(names, key=lambda k: measured[k]["median"])]
-    ranked, refused = rank_layouts(_config("flux-small", 512, 20), 2, machine("cpu", "gloo", 2))
-    assert [r.name for r in ranked][0] == fastest and refused == []
-    assert {r.name for r in ranked} == set(names.values())  # FLUX: no CFG batch to split
+@pytest.mark.parametrize(
+    "result,steps",
+    [("sequence.json", "20"), ("sequence_flux-small_1024.json", "8"),
+     ("sequence_sd3-small.json", "20"), ("sequence_small.json", "20"), ("sequence_pixart-small.json", "20")],
+)  # fmt: skip
+def test_plan_auto_picks_on_this_cpu_the_layout_the_benchmark_measured_fastest(result, steps):
+    """benchmarks/results/sequence*.json (bench_sequence.py, in turns): xfuse's 2-rank layouts of one request. The
+    model's first choice for the same request on 2 CPU ranks over gloo is the fastest measured, or within 1 % of it
+    (FLUX at 1024 px: Ring 18.50 s, Ulysses 18.48 s). Not FLUX at 512 px and 8 steps: there Ring and PipeFusion
+    swap places between runs (01:40 UTC: 3.58 against 3.66 s; 03:33 UTC: 3.71 against 3.62 s), so the benchmark
+    cannot decide what the model should say (it says Ring)."""
+    with open(os.path.join(REPO, "benchmarks", "results", result)) as f:
+        report = json.load(f)
+    measured = {k.removeprefix("xfuse "): v["median"] for k, v in report["steps"][steps].items()
+                if k.startswith("xfuse") and k != "xfuse 1 rank"}  # fmt: skip
+    config = _config(report["preset"], report["size"], int(steps))
+    ranked, refused = rank_layouts(config, 2, machine("cpu", "gloo", 2))
+    assert refused == [] and {r.name for r in ranked} == set(measured)  # every layout of 2 ranks was measured
+    assert measured[ranked[0].name] <= 1.01 * min(measured.values())
 
 
 def test_the_ranking_refuses_what_a_run_would_refuse_and_says_why():

@@ -146,6 +146,7 @@ class SequenceParallel:
         the tokens it keeps (``_store_by_patch``)."""
         self._bands = [band.tokens for band in grid]
         self._layout = [self.ring_layout(r) for r in range(self.ring)]
+        self._passes.clear()  # shapes are learnt per request (a server's requests come in many sizes)
         return self._layout[self.ring_index][-1].stop
 
     def ring_layout(self, ring_index: int) -> list[slice]:
