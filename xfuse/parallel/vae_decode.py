@@ -1,0 +1,285 @@
+"""Exact patch-parallel VAE decode: diffusers' ``AutoencoderKL`` decoder run on row bands of the latent, one per rank.
+
+The latent's rows are cut into one contiguous band per rank (``torch.tensor_split``'s rule: uneven bands are fine);
+each rank runs diffusers' own decoder modules on its band, and only the layers that read other rows talk to the other
+ranks. They are changed from outside, for the duration of one decode, and nothing else is:
+
+* **3×3 convolutions** (every ``Conv2d`` whose kernel is taller than one row): a forward pre-hook puts the ``p`` rows
+  above and below the band around it (the neighbours' edge rows, zeros at the image's edges, as the convolution's own
+  zero padding would be) and the convolution runs with no vertical padding, so each output row is computed from the
+  rows the whole-image convolution reads.
+* **GroupNorm**: the mean and variance of each (image, group) are merged from every band's (Chan et al.'s parallel
+  variance: count, mean and squared deviations in float64), not taken per band. This is what tiling and early DistVAE
+  approximate; here it is the whole image's statistic.
+* **Mid-block self-attention**: forward hooks on ``to_k`` and ``to_v`` gather every band's keys and values in row
+  order, so each band's queries attend to the whole image (diffusers' own processor computes the softmax).
+* **Up-sampling** (nearest, ×2) is per pixel: a band of r rows becomes 2r rows, so the bands stay aligned.
+
+Rank 0 (the world's output rank) sends each rank its band of the latent and receives the decoded bands back; the
+decoded image exists whole only there (the pipeline's post-processing and PNG need it). Messages go over P2P channels
+(the same bounded buffers, waits and failure reports as the rest: kinds ``vae latent``, ``vae halo``, ``vae norm``,
+``vae kv``, ``vae image``); in a decode's reports "step" counts the decoder's communicating layers and "patch" is the
+band of the sending rank.
+
+A decoder with any module this does not know is refused by name (:func:`check_decoder`) rather than decoded
+approximately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from xfuse.comm.p2p import P2PChannels, Recv, Send
+from xfuse.parallel.sequence import token_chunks
+
+# The decoder's modules the bands are proven exact for (by class name: diffusers' import paths move); any other
+# module is refused. Convolutions, norms and attention get the treatment above; the rest is per pixel.
+_PER_PIXEL = {"SiLU", "Dropout", "Linear", "ModuleList", "Decoder", "UNetMidBlock2D", "UpDecoderBlock2D"}
+_ATTENTION_PROCESSORS = {"AttnProcessor2_0", "AttnProcessor"}  # softmax over the keys they are given
+
+
+def band_rows(latent_rows: int, parts: int) -> list[slice]:
+    """The latent rows of each rank's band: ``parts`` contiguous bands, the first ``latent_rows % parts`` one row
+    taller."""
+    return list(token_chunks(slice(0, latent_rows), parts))
+
+
+def check_decoder(vae) -> None:
+    """Raise ValueError naming the first module of ``vae.decoder`` that the band decode cannot run exactly."""
+
+    def refuse(name: str, why: str) -> None:
+        raise ValueError(f"the parallel VAE decode cannot run vae.decoder.{name} exactly: {why}")
+
+    for name, module in vae.decoder.named_modules():
+        kind = type(module).__name__
+        if kind == "Conv2d":
+            (kh, kw), (ph, pw) = module.kernel_size, module.padding
+            if module.stride != (1, 1) or module.dilation != (1, 1) or module.padding_mode != "zeros":
+                refuse(name, "a convolution with stride, dilation or non-zero padding")
+            if kh % 2 == 0 or ph != kh // 2 or pw != kw // 2:
+                refuse(name, f"a {kh}x{kw} convolution with padding {module.padding} does not keep the size")
+        elif kind == "ResnetBlock2D":
+            if module.upsample is not None or module.downsample is not None or module.time_emb_proj is not None:
+                refuse(name, "a resnet block that resamples or takes a time embedding")
+        elif kind == "Upsample2D":
+            if module.use_conv_transpose or not module.interpolate or module.norm is not None:
+                refuse(name, "an up-sampler other than nearest x2 interpolation and a convolution")
+        elif kind == "Attention":
+            processor = type(module.processor).__name__
+            if processor not in _ATTENTION_PROCESSORS or module.spatial_norm is not None:
+                refuse(name, f"attention with processor {processor} or a spatial norm")
+            if not name.startswith("mid_block."):
+                refuse(name, "self-attention outside the mid block")
+        elif kind not in _PER_PIXEL and kind != "GroupNorm":
+            refuse(name, f"{kind} is not a module the band decode knows")
+
+
+def _merged_moments(stats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (biased) variance of the union of the bands from each band's (count, mean, squared deviations), each
+    (B, G, 3) float64: Chan, Golub and LeVeque's pairwise update, written for all bands at once."""
+    parts = torch.stack(stats)  # (bands, B, G, 3)
+    count, mean, m2 = parts.unbind(-1)  # (bands, B, G) each
+    total = count.sum(0)  # (B, G)
+    merged_mean = (count * mean).sum(0) / total
+    merged_m2 = (m2 + count * (mean - merged_mean) ** 2).sum(0)
+    return merged_mean, merged_m2 / total
+
+
+class ParallelVAEDecode:
+    """One rank's share of the band decode (module docstring).
+
+    Args:
+        vae: the pipeline's ``AutoencoderKL`` (every rank holds the same weights); checked by :func:`check_decoder`.
+        ranks: global ranks of the world, by band (``ranks[0]`` holds the latent and gets the image).
+        rank: this rank's global rank.
+        channels: this rank's P2P channels to every other rank of ``ranks`` (``None`` with a single rank).
+    """
+
+    def __init__(self, vae, *, ranks: list[int], rank: int, channels: P2PChannels | None):
+        check_decoder(vae)
+        if len(ranks) > 1 and channels is None:
+            raise ValueError("a parallel VAE decode over several ranks needs their P2P channels")
+        self.vae, self.ranks, self.channels = vae, list(ranks), channels
+        self.index = self.ranks.index(rank)
+        self._rows: list[int] = []  # latent rows of every band in the current decode
+        self._layer = 0  # communicating layers so far in the current decode (the "step" of its messages)
+
+    @property
+    def degree(self) -> int:
+        return len(self.ranks)
+
+    # ------------------------------------------------------------------------------------------------ the decode
+    def decode(self, latents: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """``vae.decode(latents)``'s sample, exactly, with the work split over the ranks.
+
+        Collective over ``ranks``: the first rank passes the scaled latents (``shape``: (B, C, h, w)), the others
+        ``None`` and the same ``shape``. Returns the decoded (B, 3, 8h, 8w) image on the first rank, ``None``
+        elsewhere."""
+        bands = band_rows(shape[2], self.degree)
+        if min(band.stop - band.start for band in bands) < 1:
+            raise ValueError(f"a parallel VAE decode over {self.degree} ranks needs >= {self.degree} latent rows")
+        self._rows, self._layer = [band.stop - band.start for band in bands], 0
+        dtype = self.vae.dtype
+        band = self._scatter(latents, bands, shape, dtype)
+        try:
+            with torch.no_grad(), self._installed():
+                # Mirrors diffusers.AutoencoderKL._decode (tiling off: the bands are the exact alternative).
+                if self.vae.post_quant_conv is not None:
+                    band = self.vae.post_quant_conv(band)
+                image = self.vae.decoder(band)
+            return self._gather_image(image)
+        finally:
+            if self.channels is not None:
+                self.channels.reset_buffers()  # the K/V and image buffers are the size of the request: not kept
+
+    def _scatter(self, latents, bands: list[slice], shape, dtype) -> torch.Tensor:
+        """This rank's band of the latent: the first rank cuts and sends the others theirs."""
+        mine = bands[self.index]
+        if self.index == 0:
+            latents = latents.to(dtype)
+            sends = [
+                Send(self.ranks[j], "vae latent", latents[:, :, bands[j]].contiguous(), self._layer, j)
+                for j in range(1, self.degree)
+            ]
+            handles = self.channels.exchange(sends)[0] if sends else []
+            for handle in handles:
+                handle.wait()
+            return latents[:, :, mine]
+        band_shape = (shape[0], shape[1], mine.stop - mine.start, shape[3])
+        (recv,) = self.channels.exchange([], [Recv(self.ranks[0], "vae latent", band_shape, dtype, 0, self.index)])[1]
+        with recv as received:
+            return received.clone()
+
+    def _gather_image(self, image: torch.Tensor) -> torch.Tensor | None:
+        """The decoded bands on the first rank, in row order; every other rank sends its own."""
+        scale = image.shape[2] // self._rows[self.index]  # pixel rows per latent row
+        self._layer += 1
+        if self.index != 0:
+            (send,) = self.channels.exchange(
+                [Send(self.ranks[0], "vae image", image.contiguous(), self._layer, self.index)]
+            )[0]
+            send.wait()
+            return None
+        batch, channels, _, width = image.shape
+        recvs = [
+            Recv(
+                self.ranks[j], "vae image", (batch, channels, self._rows[j] * scale, width), image.dtype, self._layer, j
+            )
+            for j in range(1, self.degree)
+        ]
+        handles = self.channels.exchange([], recvs)[1] if recvs else []
+        parts = [image] + [handle.wait() for handle in handles]
+        whole = torch.cat(parts, dim=2)  # (B, 3, H, W)
+        for handle in handles:
+            handle.release()
+        return whole
+
+    # ------------------------------------------------------------------------------------- the layers' messages
+    @contextlib.contextmanager
+    def _installed(self) -> Iterator[None]:
+        """The decoder's convolutions, norms and attention made band-aware for the duration of one decode."""
+        hooks, paddings, norms = [], [], []
+        try:
+            for module in self.vae.decoder.modules():
+                kind = type(module).__name__
+                if kind == "Conv2d" and module.kernel_size[0] > 1:
+                    paddings.append((module, module.padding))
+                    module.padding = (0, module.padding[1])  # the rows come from the halo instead
+                    hooks.append(module.register_forward_pre_hook(self._with_halo))
+                elif kind == "GroupNorm":
+                    norms.append(module)
+                    module.forward = self._group_norm_of(module)  # the instance's own, removed below
+                elif kind == "Attention":
+                    hooks.append(module.to_k.register_forward_hook(self._all_tokens))
+                    hooks.append(module.to_v.register_forward_hook(self._all_tokens))
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for module, padding in paddings:
+                module.padding = padding
+            for module in norms:
+                del module.forward
+
+    def _with_halo(self, conv: torch.nn.Conv2d, args: tuple) -> tuple:
+        """Forward pre-hook of a k×k convolution: (B, C, r, W) -> (B, C, p + r + p, W), the neighbours' edge rows
+        around the band (zeros beyond the image's edges)."""
+        (x,) = args
+        halo = conv.kernel_size[0] // 2
+        batch, channels, rows, width = x.shape
+        if rows < halo:
+            raise ValueError(f"a band of {rows} rows cannot lend a {halo}-row halo to its neighbours")
+        i, self._layer = self.index, self._layer + 1
+        above, below = (i > 0), (i < self.degree - 1)
+        sends, recvs = [], []
+        if above:
+            sends.append(Send(self.ranks[i - 1], "vae halo", x[:, :, :halo].contiguous(), self._layer, i))
+            recvs.append(
+                Recv(self.ranks[i - 1], "vae halo", (batch, channels, halo, width), x.dtype, self._layer, i - 1)
+            )
+        if below:
+            sends.append(Send(self.ranks[i + 1], "vae halo", x[:, :, -halo:].contiguous(), self._layer, i))
+            recvs.append(
+                Recv(self.ranks[i + 1], "vae halo", (batch, channels, halo, width), x.dtype, self._layer, i + 1)
+            )
+        send_handles, recv_handles = self.channels.exchange(sends, recvs) if sends else ([], [])
+        received = iter(handle.wait() for handle in recv_handles)
+        zeros = x.new_zeros(batch, channels, halo, width)
+        padded = torch.cat([next(received) if above else zeros, x, next(received) if below else zeros], dim=2)
+        for handle in recv_handles:
+            handle.release()
+        for handle in send_handles:
+            handle.wait()
+        return (padded,)
+
+    def _group_norm_of(self, norm: torch.nn.GroupNorm):
+        """``norm``'s forward with the statistics of the whole image."""
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            # Mirrors torch.nn.functional.group_norm, the moments merged over every band.
+            batch, channels = x.shape[:2]
+            groups = x.reshape(batch, norm.num_groups, -1).float()  # (B, G, C/G * spatial)
+            var, mean = torch.var_mean(groups, dim=-1, correction=0)  # (B, G) each
+            count = torch.full_like(mean, groups.shape[-1])
+            local = torch.stack([count, mean, var * count], dim=-1).double()  # (B, G, 3)
+            mean, var = self._all_gather("vae norm", local, [local.shape] * self.degree, _merged_moments)
+            scale = torch.rsqrt(var + norm.eps).float()
+            normed = (groups - mean.float()[..., None]) * scale[..., None]
+            out = normed.reshape(x.shape)
+            if norm.affine:
+                shape = (1, channels) + (1,) * (x.dim() - 2)
+                out = out * norm.weight.float().view(shape) + norm.bias.float().view(shape)
+            return out.to(x.dtype)
+
+        return forward
+
+    def _all_tokens(self, linear: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """Forward hook of the mid-block attention's ``to_k``/``to_v``: (B, my tokens, C) -> (B, the image's
+        tokens, C), every band's in row order."""
+        mine = self._rows[self.index]
+        shapes = [(out.shape[0], out.shape[1] * rows // mine, out.shape[2]) for rows in self._rows]
+        return self._all_gather("vae kv", out.contiguous(), shapes, lambda parts: torch.cat(parts, dim=1))
+
+    def _all_gather(self, kind: str, tensor: torch.Tensor, shapes: list, join: Callable[[list], Any]) -> Any:
+        """``join`` of every band's ``tensor`` (band j's of ``shapes[j]``) in band order, called before the received
+        buffers go back to the pool."""
+        self._layer += 1
+        if self.degree == 1:
+            return join([tensor])
+        peers = [j for j in range(self.degree) if j != self.index]
+        send_handles, recv_handles = self.channels.exchange(
+            [Send(self.ranks[j], kind, tensor, self._layer, self.index) for j in peers],
+            [Recv(self.ranks[j], kind, shapes[j], tensor.dtype, self._layer, j) for j in peers],
+        )
+        received = dict(zip(peers, (handle.wait() for handle in recv_handles), strict=True))
+        try:
+            return join([tensor if j == self.index else received[j] for j in range(self.degree)])
+        finally:
+            for handle in recv_handles:
+                handle.release()
+            for handle in send_handles:
+                handle.wait()
