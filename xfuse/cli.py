@@ -100,7 +100,7 @@ def cmd_generate(args) -> int:
     if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/runtime/faults.py
         from xfuse.runtime.faults import install
 
-        install(pipe.stage, pipe.context.rank)
+        install(pipe.stage, pipe.context.rank, vae=pipe.pipeline.vae)
     if args.trace:
         pipe.enable_trace()
     start = time.perf_counter()
@@ -128,7 +128,7 @@ def cmd_generate(args) -> int:
             f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
             f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
             f"{par.cfg_degree}, {pipe.plan.placement}, {par.resolved_num_patches} patches, warm-up "
-            f"{par.warmup_steps})"
+            f"{par.warmup_steps}; VAE decode on {pipe.decode_ranks} rank(s))"
         )
         for rank, stat in enumerate(stats):
             sent = stat["sent"]

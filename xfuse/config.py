@@ -12,7 +12,8 @@ YAML layout (every key optional)::
 
     model: tiny                      # local diffusers folder, a preset (xfuse.families.registry), or shapes
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
-               placement: null, stage_split: null}   # placement null: the model family's default
+               placement: null, stage_split: null, ulysses_degree: 1, ring_degree: 1,
+               vae_parallel: auto}   # placement null: the model family's default
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
@@ -45,10 +46,13 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 from xfuse.errors import ConfigError
-from xfuse.types import Backend, Device, DtypeName, Placement, Wait
+from xfuse.types import Backend, Device, DtypeName, Placement, VaeParallel, Wait
 
 MAX_PIPEFUSION_DEGREE = 8
 MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
+# vae_parallel: auto decodes over the world from this many image pixels on (benchmarks/bench_vae.py: below it the
+# messages per layer cost more than the split saves).
+VAE_PARALLEL_MIN_PIXELS = 512 * 512
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 
@@ -266,6 +270,9 @@ class ParallelConfig(_Section):
     first half of the blocks (the mirrored chunks of the second half are equal), for ``linear`` and ``balanced`` the
     blocks per rank (``balanced``: at least 2 each; the planner splits each rank's blocks between the way out and
     the way back). Whether the split fits the model's block count is checked by ``ModelSpec.check_layout``.
+    ``vae_parallel``: the VAE decode split in row bands over every rank of the world (``xfuse.parallel.vae_decode``,
+    exact); ``auto`` does so when the world has more than one rank and the image has at least
+    ``VAE_PARALLEL_MIN_PIXELS`` pixels, where it was measured to gain.
     """
 
     pipefusion_degree: Annotated[int, Field(ge=1, le=MAX_PIPEFUSION_DEGREE)] = 1
@@ -291,6 +298,7 @@ class ParallelConfig(_Section):
         Field(ge=1, le=MAX_SEQUENCE_DEGREE),
         Allowed(f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage passing K/V blocks around a ring)"),
     ] = 1
+    vae_parallel: VaeParallel = "auto"
 
     def __post_init__(self) -> None:
         if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:
@@ -310,6 +318,22 @@ class ParallelConfig(_Section):
     def resolved_num_patches(self) -> int:
         """Number of patches M the engine uses: ``num_patches`` if set, else ``pipefusion_degree``."""
         return self.pipefusion_degree if self.num_patches is None else self.num_patches
+
+    def decodes_in_parallel(self, world_size: int, height: int, width: int, latent_rows: int) -> bool:
+        """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent) is decoded over every rank
+        (``vae_parallel``). ``on`` with fewer latent rows than ranks is refused (:class:`ConfigError`): a band needs
+        at least one row."""
+        if self.vae_parallel == "off" or world_size == 1:
+            return False
+        if latent_rows < world_size:
+            if self.vae_parallel == "on":
+                raise ConfigError(
+                    "parallel.vae_parallel",
+                    f"is on, but the latent has {latent_rows} rows for {world_size} ranks (one band of rows each): "
+                    "use auto or off, or a taller image",
+                )
+            return False
+        return self.vae_parallel == "on" or height * width >= VAE_PARALLEL_MIN_PIXELS
 
 
 @section("comm")

@@ -9,6 +9,7 @@ Backend = Literal["auto", "nccl", "gloo"]  # auto: NCCL on CUDA, gloo on CPU
 Wait = Literal["auto", "stream", "host"]  # how a rank waits for a message: xfuse.comm.p2p
 Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA when available
 DtypeName = Literal["float32", "bfloat16", "float16"]  # torch's names (``getattr(torch, name)``)
+VaeParallel = Literal["auto", "on", "off"]  # the VAE decode over every rank: xfuse.parallel.vae_decode
 
 PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
 DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)

@@ -112,6 +112,10 @@ class ParallelVAEDecode:
     def degree(self) -> int:
         return len(self.ranks)
 
+    def _exchange(self, sends: list[Send], recvs: list[Recv] | None = None):
+        assert self.channels is not None  # __init__: more than one rank has channels, and one rank sends nothing
+        return self.channels.exchange(sends, recvs or [])
+
     # ------------------------------------------------------------------------------------------------ the decode
     def decode(self, latents: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
         """``vae.decode(latents)``'s sample, exactly, with the work split over the ranks.
@@ -145,12 +149,12 @@ class ParallelVAEDecode:
                 Send(self.ranks[j], "vae latent", latents[:, :, bands[j]].contiguous(), self._layer, j)
                 for j in range(1, self.degree)
             ]
-            handles = self.channels.exchange(sends)[0] if sends else []
+            handles = self._exchange(sends)[0] if sends else []
             for handle in handles:
                 handle.wait()
             return latents[:, :, mine]
         band_shape = (shape[0], shape[1], mine.stop - mine.start, shape[3])
-        (recv,) = self.channels.exchange([], [Recv(self.ranks[0], "vae latent", band_shape, dtype, 0, self.index)])[1]
+        (recv,) = self._exchange([], [Recv(self.ranks[0], "vae latent", band_shape, dtype, 0, self.index)])[1]
         with recv as received:
             return received.clone()
 
@@ -159,9 +163,7 @@ class ParallelVAEDecode:
         scale = image.shape[2] // self._rows[self.index]  # pixel rows per latent row
         self._layer += 1
         if self.index != 0:
-            (send,) = self.channels.exchange(
-                [Send(self.ranks[0], "vae image", image.contiguous(), self._layer, self.index)]
-            )[0]
+            (send,) = self._exchange([Send(self.ranks[0], "vae image", image.contiguous(), self._layer, self.index)])[0]
             send.wait()
             return None
         batch, channels, _, width = image.shape
@@ -171,7 +173,7 @@ class ParallelVAEDecode:
             )
             for j in range(1, self.degree)
         ]
-        handles = self.channels.exchange([], recvs)[1] if recvs else []
+        handles = self._exchange([], recvs)[1] if recvs else []
         parts = [image] + [handle.wait() for handle in handles]
         whole = torch.cat(parts, dim=2)  # (B, 3, H, W)
         for handle in handles:
@@ -226,7 +228,7 @@ class ParallelVAEDecode:
             recvs.append(
                 Recv(self.ranks[i + 1], "vae halo", (batch, channels, halo, width), x.dtype, self._layer, i + 1)
             )
-        send_handles, recv_handles = self.channels.exchange(sends, recvs) if sends else ([], [])
+        send_handles, recv_handles = self._exchange(sends, recvs) if sends else ([], [])
         received = iter(handle.wait() for handle in recv_handles)
         zeros = x.new_zeros(batch, channels, halo, width)
         padded = torch.cat([next(received) if above else zeros, x, next(received) if below else zeros], dim=2)
@@ -271,7 +273,7 @@ class ParallelVAEDecode:
         if self.degree == 1:
             return join([tensor])
         peers = [j for j in range(self.degree) if j != self.index]
-        send_handles, recv_handles = self.channels.exchange(
+        send_handles, recv_handles = self._exchange(
             [Send(self.ranks[j], kind, tensor, self._layer, self.index) for j in peers],
             [Recv(self.ranks[j], kind, shapes[j], tensor.dtype, self._layer, j) for j in peers],
         )

@@ -23,12 +23,14 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from xfuse.comm.p2p import Recv, Send
 from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, XfuseConfig, comm_config, parallel_config
+from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
+from xfuse.parallel.vae_decode import ParallelVAEDecode
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext, init_parallel
 from xfuse.types import DTYPES
@@ -151,14 +153,16 @@ class PipeFusionPipelineBase:
         pipeline.transformer = None  # the stage owns what is left of it
         # What diffusers derives from the transformer (FluxPipeline: a constant; the spec knows which).
         self.default_sample_size = self.spec.default_side(config) // self.spec.vae_scale_factor
+        self.band_decode = self._band_decode(pipeline, context)
         if not context.is_output:
-            for name in self.rank0_components:
+            for name in self._rank0_only(context.config.parallel, context.world_size):
                 setattr(pipeline, name, None)
-        else:
-            for name in self.rank0_components:
-                module = getattr(pipeline, name, None)
-                if isinstance(module, torch.nn.Module):
-                    module.to(context.device)
+            if self.band_decode is None:
+                pipeline.vae = None
+        for name in self.rank0_components:
+            module = getattr(pipeline, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.to(context.device)
         engine_stage = self.stage
         if self.parallel.sequence_degree > 1:  # applied from outside: the family's stage on this rank's chunks
             sequence = SequenceParallel(
@@ -181,6 +185,29 @@ class PipeFusionPipelineBase:
         self._interrupt, self._callback_error = False, None
         self._tracer: Tracer | None = None
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
+        self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
+
+    @classmethod
+    def _rank0_only(cls, parallel: ParallelConfig, world_size: int) -> tuple[str, ...]:
+        """The components ranks other than 0 do not load: ``rank0_components``, less the VAE when every rank may
+        decode a band of the image (``parallel.vae_parallel`` not ``off``)."""
+        if parallel.vae_parallel == "off" or world_size == 1:
+            return cls.rank0_components
+        return tuple(name for name in cls.rank0_components if name != "vae")
+
+    def _band_decode(self, pipeline, context: ParallelContext) -> ParallelVAEDecode | None:
+        """This rank's share of the band-parallel VAE decode, or ``None`` where rank 0 decodes alone (one rank,
+        ``vae_parallel: off``, or ``auto`` with a decoder the bands cannot run exactly)."""
+        if self.parallel.vae_parallel == "off" or context.world_size == 1:
+            return None
+        try:
+            return ParallelVAEDecode(
+                pipeline.vae, ranks=list(range(context.world_size)), rank=context.rank, channels=context.world_channels
+            )
+        except ValueError as exc:
+            if self.parallel.vae_parallel == "on":
+                raise ConfigError("parallel.vae_parallel", f"is on, but {exc}; use auto or off") from exc
+            return None
 
     # ---------------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -223,7 +250,7 @@ class PipeFusionPipelineBase:
         )
         torch_dtype = config.runtime.torch_dtype()
         context = init_parallel(config)
-        skip = {} if context.is_output else {name: None for name in cls.rank0_components}
+        skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
         diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
         model_class = getattr(diffusers, cls.spec.diffusers_transformer)
         transformer = model_class.load_config(
@@ -313,6 +340,11 @@ class PipeFusionPipelineBase:
         rank, the others ``None``."""
         return self._gather(self.local_stats())
 
+    @property
+    def decode_ranks(self) -> int:
+        """The ranks the last call's VAE decode ran on (1: rank 0 alone; see ``parallel.vae_parallel``)."""
+        return 1 if self._decode_shape is None else self.context.world_size
+
     # ------------------------------------------------------------------------------------------ collectives
     def _gather(self, value) -> list | None:
         """Every rank's ``value``, indexed by rank, on global rank 0 (``None`` elsewhere)."""
@@ -379,7 +411,8 @@ class PipeFusionPipelineBase:
            are broadcast;
         6. every rank builds the engine's request, without communication;
         7. the denoising loop (the engine: point-to-point messages only);
-        8. rank 0 decodes and returns diffusers' output; every other rank returns ``None``.
+        8. rank 0 decodes and returns diffusers' output (every rank decoding a band of the latent with it when the
+           call decodes in parallel, see ``parallel.vae_parallel``); every other rank returns ``None``.
         """
         self._check_call(recipe)
         self._begin_call()
@@ -396,7 +429,10 @@ class PipeFusionPipelineBase:
             final = self._denoise(request, recipe.height, recipe.width)
             if self.context.is_output:
                 with span("decode", CALL):
-                    result = recipe.decode(final)
+                    result = recipe.decode(final)  # the family's decode calls _decode_latents
+            elif self._decode_shape is not None:
+                with span("decode", CALL):
+                    self.band_decode.decode(None, self._decode_shape)
         if self._callback_error is not None:  # a refused callback change: raised once every peer is done
             raise self._callback_error
         return result
@@ -431,6 +467,7 @@ class PipeFusionPipelineBase:
                 f"guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the "
                 f"classifier-free-guidance batch (got {recipe.guidance_scale})"
             )
+        self._decode_shape = self._band_decode_shape(recipe)
         generator = recipe.generator
         if isinstance(generator, list) and par.warmup_steps < recipe.num_inference_steps:
             raise ValueError(
@@ -469,6 +506,30 @@ class PipeFusionPipelineBase:
         for name, (value, default, why) in unsupported.items():
             if value is not default and value != default:
                 raise ValueError(f"{name} is not supported by PipeFusion ({why}); leave it at {default!r}")
+
+    def _band_decode_shape(self, recipe: CallRecipe) -> tuple[int, ...] | None:
+        """The (B, C, h, w) latents every rank decodes a band of in this call, or ``None`` where rank 0 decodes
+        alone; the same on every rank, without communication (``ConfigError`` for ``vae_parallel: on`` with fewer
+        latent rows than ranks)."""
+        if self.band_decode is None or recipe.output_type == "latent":
+            return None
+        factor = self.spec.vae_scale_factor
+        rows, cols = recipe.height // factor, recipe.width // factor
+        if not self.parallel.decodes_in_parallel(self.context.world_size, recipe.height, recipe.width, rows):
+            return None
+        batch = recipe.batch_size * recipe.num_images_per_prompt
+        return (batch, self.band_decode.vae.config.latent_channels, rows, cols)
+
+    def _decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Rank 0: diffusers' ``vae.decode(latents, return_dict=False)[0]`` — over every rank's band of the latent
+        when this call decodes in parallel (exact: ``xfuse.parallel.vae_decode``)."""
+        if self._decode_shape is None:
+            return self.pipeline.vae.decode(latents, return_dict=False)[0]
+        if tuple(latents.shape) != self._decode_shape:
+            raise RuntimeError(
+                f"the latents to decode are {tuple(latents.shape)}, the ranks expect {self._decode_shape}"
+            )
+        return self.band_decode.decode(latents, self._decode_shape)
 
     def _latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         """The shape of the ``latents`` argument diffusers' pipeline takes for this request."""

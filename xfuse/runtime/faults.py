@@ -2,8 +2,9 @@
 
 ``kind`` is ``kill`` (the rank SIGKILLs itself), ``stall`` (it sleeps for an hour) or ``raise`` (a RuntimeError
 inside its forward). The fault fires when global rank ``rank`` starts its first block on the first pass of diffusion
-step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in parts). ``xfuse
-generate`` installs it when the variable is set.
+step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in parts). With ``step``
+``decode`` it fires when the rank starts its band of a band-parallel VAE decode (the decoder's first convolution).
+``xfuse generate`` installs it when the variable is set.
 """
 
 from __future__ import annotations
@@ -18,18 +19,34 @@ from xfuse.runtime.stderr import clock, write_stderr
 KINDS = ("kill", "stall", "raise")
 
 
-def parse(spec: str) -> tuple[str, int, int]:
+DECODE = "decode"  # the step of a fault in the VAE decode
+
+
+def parse(spec: str) -> tuple[str, int, int | str]:
     try:
         kind, rank, step = spec.split(":")
         if kind not in KINDS:
             raise ValueError
-        return kind, int(rank), int(step)
+        return kind, int(rank), step if step == DECODE else int(step)
     except ValueError:
-        raise ValueError(f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} (got {spec!r})") from None
+        raise ValueError(
+            f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} and STEP a step or {DECODE!r} (got {spec!r})"
+        ) from None
 
 
-def install(stage, rank: int, spec: str | None = None) -> bool:
-    """Arm the fault of ``spec`` (default: ``$XFUSE_FAULT``) on ``stage`` if it targets ``rank``.
+def _fire(kind: str, rank: int, place: str) -> None:
+    write_stderr(f"[xfuse-fault {clock()}] rank {rank}: {kind} at {place}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stall":
+        time.sleep(3600)
+    else:
+        raise RuntimeError(f"injected fault: rank {rank} raised in its forward at {place}")
+
+
+def install(stage, rank: int, spec: str | None = None, vae=None) -> bool:
+    """Arm the fault of ``spec`` (default: ``$XFUSE_FAULT``) on ``stage`` (or, for a ``decode`` fault, on ``vae``,
+    this rank's VAE) if it targets ``rank``.
 
     The step is counted from what the engine hands the stage for each pass (``run_segment``'s band and the
     conditioning's batch part), not from a number of passes per step: a whole-image step takes one pass per batch
@@ -40,6 +57,11 @@ def install(stage, rank: int, spec: str | None = None) -> bool:
     kind, target, step = parse(spec)
     if target != rank:
         return False
+    if step == DECODE:
+        if vae is None:
+            raise ValueError(f"XFUSE_FAULT={spec!r}: rank {rank} holds no VAE (parallel.vae_parallel is off)")
+        vae.decoder.conv_in.register_forward_pre_hook(lambda module, args: _fire(kind, rank, "the VAE decode"))
+        return True
     now = {"step": -1, "pass": (None, None)}  # the step of the first block's last pass; this run_segment's pass
     begin, run_segment = stage.begin_request, stage.run_segment
 
@@ -59,14 +81,7 @@ def install(stage, rank: int, spec: str | None = None) -> bool:
         now["step"] += 1
         if now["step"] != step:
             return
-        place = describe_place(step, None if band is None else band.index, getattr(part, "index", None))
-        write_stderr(f"[xfuse-fault {clock()}] rank {rank}: {kind} at {place}")
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "stall":
-            time.sleep(3600)
-        else:
-            raise RuntimeError(f"injected fault: rank {rank} raised in its forward at {place}")
+        _fire(kind, rank, describe_place(step, None if band is None else band.index, getattr(part, "index", None)))
 
     stage.begin_request = begin_request
     stage.run_segment = run_segment_noting_the_pass

@@ -77,11 +77,13 @@ class ParallelContext:
     sp_rank: int = 0  # index in this rank's sequence-parallel group
     sp_ranks: list[int] = field(default_factory=list)  # global ranks of that group, by SP index (empty: no SP)
     sp_channels: P2PChannels | None = None  # the SP group's other ranks
+    world_channels: P2PChannels | None = None  # every other rank of the world (the band-parallel VAE decode)
 
     @property
     def all_channels(self) -> list[P2PChannels]:
-        """Every channel set this rank talks through (pipeline, CFG peer, SP group)."""
-        return [c for c in (self.channels, self.cfg_channels, self.sp_channels) if c is not None]
+        """Every channel set this rank talks through (pipeline, CFG peer, SP group, the whole world)."""
+        candidates = (self.channels, self.cfg_channels, self.sp_channels, self.world_channels)
+        return [c for c in candidates if c is not None]
 
     @property
     def is_output(self) -> bool:
@@ -232,7 +234,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     cfg_rank, pipe_rank, sp_rank = rank // (pp * sp), rank // sp % pp, rank % sp
     all_pipes = [[(c * pp + p) * sp + s for p in range(pp)] for c in range(cfg) for s in range(sp)]
     all_sp = [[(c * pp + p) * sp + s for s in range(sp)] for c in range(cfg) for p in range(pp)]
-    channels = cfg_channels = sp_channels = None
+    channels = cfg_channels = sp_channels = world_channels = None
     if world > 1:
         separate = backend != "gloo"
         device_id = device if backend == "nccl" else None
@@ -257,9 +259,11 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
         channels = P2PChannels(groups=pipe_groups, **kw) if pp > 1 else None
         cfg_channels = P2PChannels(groups=DirectionGroups(), **kw) if cfg > 1 else None
         sp_channels = P2PChannels(groups=sp_groups, **kw) if sp > 1 else None
-        _RESOURCES.channels.update(c for c in (channels, cfg_channels, sp_channels) if c is not None)
+        # The default group, like the CFG peer's: the decode runs after the loop, when no other message is in flight.
+        world_channels = P2PChannels(groups=DirectionGroups(), **kw)
+    every = [c for c in (channels, cfg_channels, sp_channels, world_channels) if c is not None]
+    _RESOURCES.channels.update(every)
     monitor = _process_monitor(rank, world)
-    every = [c for c in (channels, cfg_channels, sp_channels) if c is not None]
     monitor.op_logs = [c.format_op_log for c in every]
     monitor.state_sources = [c.wait_state for c in every]
     for c in every:
@@ -282,4 +286,5 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
         sp_rank=sp_rank,
         sp_ranks=all_sp[cfg_rank * pp + pipe_rank] if sp > 1 else [],
         sp_channels=sp_channels,
+        world_channels=world_channels,
     )

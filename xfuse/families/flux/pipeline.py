@@ -221,7 +221,7 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
         else:
             latents = pipe._unpack_latents(packed, height, width, pipe.vae_scale_factor)
             latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
-            image = pipe.vae.decode(latents, return_dict=False)[0]
+            image = self._decode_latents(latents)
             image = pipe.image_processor.postprocess(image, output_type=output_type)
         pipe.maybe_free_model_hooks()
         if not return_dict:

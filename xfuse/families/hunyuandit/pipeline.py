@@ -259,7 +259,7 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
         """Rank 0: VAE decode, safety checker and post-processing, as ``diffusers.HunyuanDiTPipeline.__call__`` does."""
         pipe, device = self.pipeline, self.context.device
         if output_type != "latent":
-            image = pipe.vae.decode(final / pipe.vae.config.scaling_factor, return_dict=False)[0]
+            image = self._decode_latents(final / pipe.vae.config.scaling_factor)
             image, has_nsfw_concept = pipe.run_safety_checker(image, device, self.dtype)
         else:
             image, has_nsfw_concept = final, None

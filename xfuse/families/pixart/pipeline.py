@@ -165,7 +165,7 @@ class PipeFusionPixArtSigmaPipeline(PipeFusionPipelineBase):
         """Rank 0: VAE decode and post-processing, as ``diffusers.PixArtSigmaPipeline.__call__`` does."""
         pipe = self.pipeline
         if output_type != "latent":
-            image = pipe.vae.decode(final.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
+            image = self._decode_latents(final.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor)
             if binned:
                 image = pipe.image_processor.resize_and_crop_tensor(image, orig_width, orig_height)
             image = pipe.image_processor.postprocess(image, output_type=output_type)

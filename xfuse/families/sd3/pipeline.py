@@ -197,7 +197,7 @@ class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
             image = final
         else:
             final = (final / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
-            image = pipe.vae.decode(final, return_dict=False)[0]
+            image = self._decode_latents(final)
             image = pipe.image_processor.postprocess(image, output_type=output_type)
         pipe.maybe_free_model_hooks()
         if not return_dict:
