@@ -56,6 +56,12 @@ VAE_PARALLEL_MIN_PIXELS = 512 * 512
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 
+def _yaml_switch(value: Any) -> Any:
+    """``on`` / ``off`` as written: YAML 1.1 (PyYAML) reads the bare words as booleans, so ``vae_parallel: on`` in a
+    file arrives as ``True``. Only real booleans are mapped; every other value is validated as given."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Field shapes: pydantic enforces the constraints, and _allowed() words an error from the same constraints
 # ----------------------------------------------------------------------------------------------------------------
@@ -298,7 +304,7 @@ class ParallelConfig(_Section):
         Field(ge=1, le=MAX_SEQUENCE_DEGREE),
         Allowed(f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage passing K/V blocks around a ring)"),
     ] = 1
-    vae_parallel: VaeParallel = "auto"
+    vae_parallel: Annotated[VaeParallel, BeforeValidator(_yaml_switch)] = "auto"
 
     def __post_init__(self) -> None:
         if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:

@@ -21,7 +21,7 @@ from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 from xfuse.runtime.monitor import LEFT, TERMINATED_KEY, FailureMonitor
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
-FAULT = re.compile(r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at step (\d+)")
+FAULT = re.compile(r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at (step \d+|the VAE decode)")
 
 
 def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
@@ -121,6 +121,33 @@ def test_stalled_rank_inside_sequence_parallel_attention_times_out_naming_the_op
     assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
     assert re.search(rf"rank 0: recv of {kind} \(.*\) float32, \d+ bytes, from rank 1 timed out after 3.0 s at step 2",
                      text), text  # fmt: skip
+    assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
+    assert when - fault_t < timeout_s + 2
+    assert end_t - fault_t < timeout_s + 10
+
+
+# The band-parallel VAE decode (after the loop): the victim stops as it starts its band, so rank 0, which scattered
+# the latent, waits for the victim's halo rows of the decoder's first convolution.
+DECODE = ["parallel.vae_parallel=on"]
+
+
+def test_killed_rank_inside_the_vae_decode_is_named(tmp_path):
+    timeout_s = 30
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "kill:1:decode", timeout_s, steps=2, settings=DECODE)
+    assert rc != 0
+    assert end_t - fault_t < timeout_s + 5
+    when, text = reports[0]
+    assert when - fault_t < 5 and "rank 1" in text, stderr[-3000:]
+
+
+def test_stalled_rank_inside_the_vae_decode_times_out_naming_the_op(tmp_path):
+    timeout_s = 3
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "stall:1:decode", timeout_s, steps=2, settings=DECODE)
+    assert rc != 0
+    when, text = reports[0]
+    assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
+    halo = r"recv of vae halo \(1, \d+, 1, 32\) float32, \d+ bytes, from rank 1 timed out after 3.0 s"
+    assert re.search(rf"rank 0: {halo}", text), text
     assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
     assert when - fault_t < timeout_s + 2
     assert end_t - fault_t < timeout_s + 10

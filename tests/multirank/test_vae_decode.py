@@ -8,12 +8,14 @@ HunyuanDiT's and PixArt-Σ's are the SDXL layout (4 latent channels, quant convs
 no quant convs and a shift; ``shapes`` is the shipped model's trained VAE.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 from tests.support.pipeline_fns import run_calls
-from tests.support.vae_fns import band_decode
+from tests.support.vae_fns import band_decode, family_vae, latents_for
 from tests.support.world import World
 from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 
@@ -41,6 +43,13 @@ def to_levels(unit: np.ndarray) -> np.ndarray:
     return (unit * 255).round().astype("uint8")  # diffusers' numpy_to_pil
 
 
+def float64_decode(preset: str, batch: int, height: int, width: int) -> torch.Tensor:
+    """diffusers' ``vae.decode`` of the test's latents in float64: the exact image both float32 decodes round."""
+    vae = copy.deepcopy(family_vae(preset)).double()
+    with torch.no_grad():
+        return vae.decode(latents_for(vae, batch, height, width).double(), return_dict=False)[0]
+
+
 # (VAE preset, ranks, height, width, batch): every family at 1024 px on 2, 3 and 4 ranks; non-square with 125 latent
 # rows (uneven bands for 2, 3 and 4 ranks); 2048 px for both VAE layouts; a batch of two images.
 CASES = [
@@ -55,14 +64,20 @@ CASES = [
 
 @pytest.mark.parametrize("preset,ranks,height,width,batch", CASES)
 def test_band_decode_equals_diffusers_decode(world4, preset, ranks, height, width, batch):
-    """max abs <= 1e-4 on the decoded float32 tensor, and the same PIL pixels."""
+    """max abs <= 1e-4 on the decoded float32 tensor, and the same PIL pixels. Where diffusers' float32 decode is
+    itself further than 1e-4 from the float64 decode (its CPU GroupNorm accumulates a large group's moments in float32;
+    the bands merge theirs in float64), the band decode must be within 1e-4 of the float64 image instead."""
     results = world4.run_ok(
         band_decode, preset, ranks=tuple(range(ranks)), height=height, width=width, batch=batch, timeout=600
     )
     image, expected = results[0]
     assert all(r is None for r in results[1:])
     assert image.shape == expected.shape == (batch, 3, height, width)
-    assert (image - expected).abs().max().item() <= 1e-4
+    error = (image - expected).abs().max().item()
+    if error > 1e-4:  # diffusers' own float32 decode may be further than that from the exact image: measure it
+        exact = float64_decode(preset, batch, height, width)
+        own_error = (expected.double() - exact).abs().max().item()
+        assert (image.double() - exact).abs().max().item() <= 1e-4 and error <= own_error + 1e-4, (error, own_error)
     assert_same_pixels(to_levels(to_unit(image)), to_levels(to_unit(expected)), to_unit(expected))
 
 

@@ -129,16 +129,15 @@ class ParallelVAEDecode:
         self._rows, self._layer = [band.stop - band.start for band in bands], 0
         dtype = self.vae.dtype
         band = self._scatter(latents, bands, shape, dtype)
-        try:
-            with torch.no_grad(), self._installed():
-                # Mirrors diffusers.AutoencoderKL._decode (tiling off: the bands are the exact alternative).
-                if self.vae.post_quant_conv is not None:
-                    band = self.vae.post_quant_conv(band)
-                image = self.vae.decoder(band)
-            return self._gather_image(image)
-        finally:
-            if self.channels is not None:
-                self.channels.reset_buffers()  # the K/V and image buffers are the size of the request: not kept
+        with torch.no_grad(), self._installed():
+            # Mirrors diffusers.AutoencoderKL._decode (tiling off: the bands are the exact alternative).
+            if self.vae.post_quant_conv is not None:
+                band = self.vae.post_quant_conv(band)
+            image = self.vae.decoder(band)
+        image = self._gather_image(image)
+        if self.channels is not None:  # (after a failure the buffers stay: the channels are dead anyway)
+            self.channels.reset_buffers()  # the K/V and image buffers are the size of the request: not kept
+        return image
 
     def _scatter(self, latents, bands: list[slice], shape, dtype) -> torch.Tensor:
         """This rank's band of the latent: the first rank cuts and sends the others theirs."""
@@ -242,20 +241,21 @@ class ParallelVAEDecode:
         """``norm``'s forward with the statistics of the whole image."""
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            # Mirrors torch.nn.functional.group_norm, the moments merged over every band.
+            # Mirrors torch's CPU group_norm kernel (moments, then one scale and shift per channel: y = x * a + b),
+            # the moments merged over every band.
             batch, channels = x.shape[:2]
-            groups = x.reshape(batch, norm.num_groups, -1).float()  # (B, G, C/G * spatial)
-            var, mean = torch.var_mean(groups, dim=-1, correction=0)  # (B, G) each
+            groups = x.reshape(batch, norm.num_groups, -1)  # (B, G, C/G * spatial)
+            var, mean = torch.var_mean(groups.float(), dim=-1, correction=0)  # (B, G) each
             count = torch.full_like(mean, groups.shape[-1])
             local = torch.stack([count, mean, var * count], dim=-1).double()  # (B, G, 3)
             mean, var = self._all_gather("vae norm", local, [local.shape] * self.degree, _merged_moments)
-            scale = torch.rsqrt(var + norm.eps).float()
-            normed = (groups - mean.float()[..., None]) * scale[..., None]
-            out = normed.reshape(x.shape)
-            if norm.affine:
-                shape = (1, channels) + (1,) * (x.dim() - 2)
-                out = out * norm.weight.float().view(shape) + norm.bias.float().view(shape)
-            return out.to(x.dtype)
+            per_group = channels // norm.num_groups
+            rstd = torch.rsqrt(var + norm.eps).float().repeat_interleave(per_group, dim=1)  # (B, C)
+            mean = mean.float().repeat_interleave(per_group, dim=1)  # (B, C)
+            scale = rstd if not norm.affine else rstd * norm.weight.float()  # (B, C)
+            shift = -scale * mean if not norm.affine else norm.bias.float() - scale * mean  # (B, C)
+            shape = (batch, channels) + (1,) * (x.dim() - 2)
+            return (x * scale.view(shape).to(x.dtype)).add_(shift.view(shape).to(x.dtype))
 
         return forward
 
