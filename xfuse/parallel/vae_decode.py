@@ -4,10 +4,11 @@ The latent's rows are cut into one contiguous band per rank (``torch.tensor_spli
 each rank runs diffusers' own decoder modules on its band, and only the layers that read other rows talk to the other
 ranks. They are changed from outside, for the duration of one decode, and nothing else is:
 
-* **3×3 convolutions** (every ``Conv2d`` whose kernel is taller than one row): a forward pre-hook puts the ``p`` rows
-  above and below the band around it (the neighbours' edge rows, zeros at the image's edges, as the convolution's own
-  zero padding would be) and the convolution runs with no vertical padding, so each output row is computed from the
-  rows the whole-image convolution reads.
+* **3×3 convolutions** (every ``Conv2d`` whose kernel is taller than one row, halo ``p = k // 2``): a forward pre-hook
+  posts the exchange of the band's first and last ``p`` rows with its neighbours; the band's convolution runs as
+  diffusers calls it (its zero padding is right at the image's edges) while they travel; a forward hook then
+  recomputes the ``p`` output rows at each inner edge from the neighbour's rows and the band's own, so every output row
+  is computed from the rows the whole-image convolution reads. No band-sized copy is made.
 * **GroupNorm**: the mean and variance of each (image, group) are merged from every band's (Chan et al.'s parallel
   variance: count, mean and squared deviations in float64), not taken per band. This is what tiling and early DistVAE
   approximate; here it is the whole image's statistic.
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from xfuse.comm.p2p import P2PChannels, Recv, Send
 from xfuse.parallel.sequence import token_chunks
@@ -107,6 +109,7 @@ class ParallelVAEDecode:
         self.index = self.ranks.index(rank)
         self._rows: list[int] = []  # latent rows of every band in the current decode
         self._layer = 0  # communicating layers so far in the current decode (the "step" of its messages)
+        self._halo = None  # the posted halo exchange of the convolution running now (send and receive handles)
 
     @property
     def degree(self) -> int:
@@ -183,14 +186,13 @@ class ParallelVAEDecode:
     @contextlib.contextmanager
     def _installed(self) -> Iterator[None]:
         """The decoder's convolutions, norms and attention made band-aware for the duration of one decode."""
-        hooks, paddings, norms = [], [], []
+        hooks, norms = [], []
         try:
             for module in self.vae.decoder.modules():
                 kind = type(module).__name__
                 if kind == "Conv2d" and module.kernel_size[0] > 1:
-                    paddings.append((module, module.padding))
-                    module.padding = (0, module.padding[1])  # the rows come from the halo instead
-                    hooks.append(module.register_forward_pre_hook(self._with_halo))
+                    hooks.append(module.register_forward_pre_hook(self._post_halo))
+                    hooks.append(module.register_forward_hook(self._edge_rows))
                 elif kind == "GroupNorm":
                     norms.append(module)
                     module.forward = self._group_norm_of(module)  # the instance's own, removed below
@@ -201,41 +203,60 @@ class ParallelVAEDecode:
         finally:
             for hook in hooks:
                 hook.remove()
-            for module, padding in paddings:
-                module.padding = padding
             for module in norms:
                 del module.forward
 
-    def _with_halo(self, conv: torch.nn.Conv2d, args: tuple) -> tuple:
-        """Forward pre-hook of a k×k convolution: (B, C, r, W) -> (B, C, p + r + p, W), the neighbours' edge rows
-        around the band (zeros beyond the image's edges)."""
+    def _post_halo(self, conv: torch.nn.Conv2d, args: tuple) -> None:
+        """Forward pre-hook of a k×k convolution (halo p = k // 2 rows): post the exchange of the band's first and
+        last p rows with the neighbours; they travel while the band's own convolution runs."""
         (x,) = args
-        halo = conv.kernel_size[0] // 2
-        batch, channels, rows, width = x.shape
+        halo, (batch, channels, rows, width) = conv.kernel_size[0] // 2, x.shape
         if rows < halo:
             raise ValueError(f"a band of {rows} rows cannot lend a {halo}-row halo to its neighbours")
         i, self._layer = self.index, self._layer + 1
-        above, below = (i > 0), (i < self.degree - 1)
+        shape = (batch, channels, halo, width)
         sends, recvs = [], []
-        if above:
-            sends.append(Send(self.ranks[i - 1], "vae halo", x[:, :, :halo].contiguous(), self._layer, i))
-            recvs.append(
-                Recv(self.ranks[i - 1], "vae halo", (batch, channels, halo, width), x.dtype, self._layer, i - 1)
-            )
-        if below:
-            sends.append(Send(self.ranks[i + 1], "vae halo", x[:, :, -halo:].contiguous(), self._layer, i))
-            recvs.append(
-                Recv(self.ranks[i + 1], "vae halo", (batch, channels, halo, width), x.dtype, self._layer, i + 1)
-            )
-        send_handles, recv_handles = self._exchange(sends, recvs) if sends else ([], [])
-        received = iter(handle.wait() for handle in recv_handles)
-        zeros = x.new_zeros(batch, channels, halo, width)
-        padded = torch.cat([next(received) if above else zeros, x, next(received) if below else zeros], dim=2)
+        for peer, rows_sent in ((i - 1, slice(0, halo)), (i + 1, slice(rows - halo, rows))):
+            if 0 <= peer < self.degree:
+                sends.append(Send(self.ranks[peer], "vae halo", x[:, :, rows_sent].contiguous(), self._layer, i))
+                recvs.append(Recv(self.ranks[peer], "vae halo", shape, x.dtype, self._layer, peer))
+        self._halo = self._exchange(sends, recvs) if sends else None
+
+    def _edge_rows(self, conv: torch.nn.Conv2d, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """Forward hook of a k×k convolution: the band's convolution read zeros beyond its first and last rows (its
+        own padding); where a neighbour's rows lie there instead, recompute those p output rows from the received
+        halo and the band's first (last) 2p rows — what the whole-image convolution computes for them."""
+        (x,) = args
+        halo, rows = conv.kernel_size[0] // 2, x.shape[2]
+        if self._halo is None:
+            return out
+        send_handles, recv_handles = self._halo
+        self._halo = None
+        received = iter(recv_handles)
+        width_only = (0, conv.padding[1])  # the rows are all given; the columns keep the zero padding
+
+        def rows_from(stacked: torch.Tensor) -> torch.Tensor:  # (B, C, r + 2p, W) -> (B, C_out, r, W)
+            return F.conv2d(stacked, conv.weight, conv.bias, conv.stride, width_only, conv.dilation, conv.groups)
+
+        above = next(received) if self.index > 0 else None
+        below = next(received) if self.index < self.degree - 1 else None
+        if rows < 2 * halo:  # a band thinner than two halos: every row reads a neighbour's, so recompute it whole
+            zeros = x.new_zeros(x.shape[0], x.shape[1], halo, x.shape[3])  # beyond the image's edges
+
+            def rows_of(handle):
+                return zeros if handle is None else handle.wait()
+
+            out = rows_from(torch.cat([rows_of(above), x, rows_of(below)], dim=2))  # (B, C_out, rows, W)
+        else:
+            if above is not None:
+                out[:, :, :halo] = rows_from(torch.cat([above.wait(), x[:, :, : 2 * halo]], dim=2))
+            if below is not None:
+                out[:, :, rows - halo :] = rows_from(torch.cat([x[:, :, rows - 2 * halo :], below.wait()], dim=2))
         for handle in recv_handles:
             handle.release()
         for handle in send_handles:
             handle.wait()
-        return (padded,)
+        return out
 
     def _group_norm_of(self, norm: torch.nn.GroupNorm):
         """``norm``'s forward with the statistics of the whole image."""
