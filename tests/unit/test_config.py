@@ -380,6 +380,18 @@ BAD_DICTS = [
         "serve.heartbeat_interval_s",
         ["below comm.timeout_s (0.5 s)"],
     ),
+    (
+        "vae_parallel_unknown",
+        {"parallel": {"vae_parallel": "always"}},
+        "parallel.vae_parallel",
+        ["'auto', 'on', 'off'", "(got 'always')"],
+    ),
+    (
+        "vae_parallel_int",
+        {"parallel": {"vae_parallel": 1}},
+        "parallel.vae_parallel",
+        ["'auto', 'on', 'off'", "(got 1)"],
+    ),
     ("serve_timeout_zero", {"serve": {"request_timeout_s": 0}}, "serve.request_timeout_s", ["> 0.0"]),
     ("serve_model_name_int", {"serve": {"model_name": 3}}, "serve.model_name", ["string or null"]),
     ("model_empty", {"model": ""}, "model", ["non-empty string"]),
@@ -674,3 +686,36 @@ def test_hunyuandit_sweep_configs():
 )
 def test_comm_wait_resolves_per_device(wait, device, stream_ordered):
     assert CommConfig(wait=wait).stream_ordered(device) is stream_ordered
+
+
+# parallel.vae_parallel: (mode, world size, height, width, latent rows) -> decoded over the world
+VAE_PARALLEL = [
+    ("auto", 2, 512, 512, 64, True),  # from VAE_PARALLEL_MIN_PIXELS on
+    ("auto", 2, 512, 504, 64, False),  # below it: the messages cost more than the split saves
+    ("auto", 1, 2048, 2048, 256, False),  # one rank: nothing to split
+    ("auto", 8, 2048, 48, 6, False),  # fewer latent rows than ranks: rank 0 alone
+    ("on", 2, 64, 64, 8, True),
+    ("on", 1, 64, 64, 8, False),
+    ("off", 8, 4096, 4096, 512, False),
+]
+
+
+@pytest.mark.parametrize("mode,world,height,width,rows,parallel", VAE_PARALLEL)
+def test_which_calls_decode_over_the_world(mode, world, height, width, rows, parallel):
+    assert ParallelConfig(vae_parallel=mode).decodes_in_parallel(world, height, width, rows) is parallel
+
+
+def test_vae_parallel_on_needs_a_latent_row_per_rank():
+    with pytest.raises(ConfigError) as e:
+        ParallelConfig(vae_parallel="on").decodes_in_parallel(8, 48, 2048, 6)
+    assert e.value.key == "parallel.vae_parallel"
+    assert "6 rows for 8 ranks" in str(e.value) and "use auto or off" in str(e.value)
+
+
+@pytest.mark.parametrize("written,read", [("on", "on"), ("off", "off"), ("auto", "auto")])
+def test_vae_parallel_as_yaml_reads_it(tmp_path, written, read):
+    """YAML 1.1 reads a bare on / off as a boolean; the key takes them as written."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"parallel:\n  vae_parallel: {written}\n")
+    assert load_config(str(path)).parallel.vae_parallel == read
+    assert load_config(None, [f"parallel.vae_parallel={written}"]).parallel.vae_parallel == read
