@@ -265,12 +265,24 @@ class ParallelVAEDecode:
             # Mirrors torch's CPU group_norm kernel (moments, then one scale and shift per channel: y = x * a + b),
             # the moments merged over every band.
             batch, channels = x.shape[:2]
-            groups = x.reshape(batch, norm.num_groups, -1)  # (B, G, C/G * spatial)
-            var, mean = torch.var_mean(groups.float(), dim=-1, correction=0)  # (B, G) each
-            count = torch.full_like(mean, groups.shape[-1])
-            local = torch.stack([count, mean, var * count], dim=-1).double()  # (B, G, 3)
-            mean, var = self._all_gather("vae norm", local, [local.shape] * self.degree, _merged_moments)
             per_group = channels // norm.num_groups
+            # Channel-major rows: diffusers' mid-block attention hands on a channels-last view, whose reductions over
+            # the pixels are strided (4x slower here); one copy at the latent's resolution makes every later layer
+            # contiguous (the convolutions are faster so too).
+            x = x.contiguous()
+            rows = (x if x.dtype == torch.float32 else x.float()).view(batch, channels, -1)  # (B, C, pixels)
+            mean = rows.sum(dim=-1) / rows.shape[-1]  # (B, C); torch sums pairwise
+            # Squared deviations summed pairwise (torch.sum; vector_norm accumulates straight and loses 1e-4 over a
+            # 2048 px band's pixels), squared in place: one band-sized temporary, as torch's own kernel has.
+            var = (rows - mean[..., None]).square_().sum(dim=-1) / rows.shape[-1]  # (B, C)
+            pixels = rows.shape[-1]
+            mean = mean.double().view(batch, norm.num_groups, per_group)  # (B, G, C/G)
+            squares = var.double().view(batch, norm.num_groups, per_group) * pixels  # (B, G, C/G)
+            group_mean = mean.mean(dim=-1)  # (B, G)
+            group_m2 = squares.sum(dim=-1) + pixels * ((mean - group_mean[..., None]) ** 2).sum(dim=-1)  # (B, G)
+            count = torch.full_like(group_mean, pixels * per_group)
+            local = torch.stack([count, group_mean, group_m2], dim=-1)  # (B, G, 3)
+            mean, var = self._all_gather("vae norm", local, [local.shape] * self.degree, _merged_moments)
             rstd = torch.rsqrt(var + norm.eps).float().repeat_interleave(per_group, dim=1)  # (B, C)
             mean = mean.float().repeat_interleave(per_group, dim=1)  # (B, C)
             scale = rstd if not norm.affine else rstd * norm.weight.float()  # (B, C)
