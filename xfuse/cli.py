@@ -39,13 +39,11 @@ def _auto_args(parser: argparse.ArgumentParser, *, plan: bool) -> None:
 
 
 def _auto_machine(args, gpus: int, nodes: int):
-    """The machine ``--auto`` plans for: ``--device`` / ``--link``, or this machine's device and its usual link."""
-    from xfuse.perf.model import machine
-    from xfuse.perf.planner import local_device
+    """The machine ``--auto`` (and ``plan``'s VAE decode) plans for: ``--device`` / ``--link``, or this machine's
+    device and its usual link."""
+    from xfuse.plan_report import local_machine
 
-    device = args.device or local_device()
-    link = args.link or {"cpu": "gloo", "l40": "pcie"}.get(device, "nvlink")
-    return machine(device, link, gpus, nodes)
+    return local_machine(gpus, nodes, args.device, args.link)
 
 
 def _auto_layout(args, config):
@@ -80,7 +78,8 @@ def cmd_plan(args) -> int:
             raise ConfigError("--gpus", f"must be a positive number of devices (got {gpus})")
         print(format_ranking(config, gpus, _auto_machine(args, gpus, args.nodes)))
         return 0
-    report = plan_report(config)
+    chosen = args.device or args.link or args.nodes != 1  # else this machine's device, if it has a profile
+    report = plan_report(config, _auto_machine(args, config.world_size, args.nodes) if chosen else None)
     print(format_plan_report(report))
     for link in args.predict:
         print(predicted_latency(report, link))

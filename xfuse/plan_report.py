@@ -6,13 +6,24 @@ from dataclasses import dataclass
 
 import torch
 
-from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
-from xfuse.families.registry import model_spec, transformer_config
+from xfuse.config import VAE_PARALLEL_MIN_PIXELS, ConfigError, GenerationConfig, XfuseConfig
+from xfuse.families.registry import model_spec, transformer_config, vae_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
+from xfuse.perf.model import Machine
+from xfuse.perf.vae import (
+    DecodeTime,
+    RankDecode,
+    VaeShape,
+    WholeTensor,
+    band_rows,
+    decode_ranks,
+    predict_decode,
+    whole_image_tensors,
+)
 
 
 def _ranges(blocks) -> str:
@@ -42,6 +53,88 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
     return result
 
 
+def local_machine(gpus: int, nodes: int = 1, device: str | None = None, link: str | None = None) -> Machine:
+    """The machine a plan is costed on: ``device`` (default: this machine's, ``xfuse.perf.planner.local_device``)
+    with ``link`` between the devices of a node (default: gloo on a CPU, PCIe for L40, NVLink otherwise)."""
+    from xfuse.perf.model import machine
+    from xfuse.perf.planner import local_device
+
+    device = device or local_device()
+    return machine(device, link or {"cpu": "gloo", "l40": "pcie"}.get(device, "nvlink"), gpus, nodes)
+
+
+@dataclass(frozen=True)
+class VaePlan:
+    """The request's VAE decode (``xfuse.perf.vae``): rank 0 alone and in row bands over every rank of the world
+    (``xfuse.parallel.vae_decode``); times on ``where``, memory in the config's dtype."""
+
+    shape: VaeShape
+    batch: int  # images decoded per request
+    element: int  # bytes per element of the config's dtype
+    world: int  # ranks of the world: the band decode's
+    parallel: bool  # this config decodes this request over the world (``parallel.vae_parallel``)
+    why: str  # the rule that decided it, in words
+    holders: tuple[int, ...]  # ranks that load the VAE's weights
+    where: Machine | None  # None: this machine's GPU has no profile (no times)
+    serial: RankDecode  # rank 0 decoding alone
+    bands: list[RankDecode]  # each rank's share over the world; empty with one rank or too few latent rows
+    serial_time: DecodeTime | None
+    band_time: DecodeTime | None
+    whole: list[WholeTensor]  # the whole-image tensors on rank 0, however the decode is split
+
+    @property
+    def weight_bytes(self) -> int:
+        """The VAE's parameters (encoder and decoder) on each rank that loads it."""
+        return self.shape.parameters() * self.element
+
+
+def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None) -> VaePlan | str:
+    """The decode of a ``height`` x ``width`` px request of ``config`` on ``where`` (None: no times, the memory as on
+    a GPU), or why it is not modelled."""
+    from xfuse.perf.calibration import FITTED
+
+    raw = vae_config(config.model)
+    if raw is None:
+        return "not modelled: the model's folder has no vae/config.json"
+    try:
+        shape = VaeShape.from_config(raw)
+    except ValueError as err:
+        return f"not modelled: {err}"
+    par, world, batch = config.parallel, config.world_size, 1  # one image per request (generate; serve's n = 1)
+    element = torch.empty((), dtype=config.runtime.torch_dtype()).element_size()
+    rows = height // shape.scale_factor
+    parallel = par.decodes_in_parallel(world, height, width, rows)  # ConfigError where a run would refuse it
+    if world == 1:
+        why = "one rank"
+    elif par.vae_parallel == "off":
+        why = "parallel.vae_parallel off"
+    elif rows < world:
+        why = f"auto, and the latent's {rows} rows are fewer than the {world} ranks"
+    elif par.vae_parallel == "on":
+        why = "parallel.vae_parallel on"
+    else:
+        side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
+        why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
+    holders = tuple(range(world)) if world > 1 and par.vae_parallel != "off" else (0,)
+    cpu = where is not None and not where.device.gpu  # oneDNN's working copies count on a CPU
+
+    def seconds(ranks: int) -> DecodeTime | None:  # as the performance model costs the device: in its dtype
+        if where is None:
+            return None
+        return predict_decode(shape, height=height, width=width, batch=batch, ranks=ranks, machine=where,
+                              calibration=FITTED, element=where.device.dtype_bytes)  # fmt: skip
+
+    # Memory in the config's dtype.
+    (serial,) = decode_ranks(shape, height=height, width=width, batch=batch, element=element, conv_copy=cpu)
+    bands: list[RankDecode] = []
+    if 1 < world <= rows:
+        bands = decode_ranks(shape, height=height, width=width, batch=batch, ranks=world, element=element,
+                             conv_copy=cpu)  # fmt: skip
+    whole = whole_image_tensors(shape, height=height, width=width, batch=batch, element=element)
+    return VaePlan(shape, batch, element, world, parallel, why, holders, where, serial, bands, seconds(1),
+                   seconds(world) if bands else None, whole)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """What ``config`` will do on its world, computed without one (``xfuse plan`` prints it)."""
@@ -61,10 +154,18 @@ class PlanReport:
     kv_bytes: dict[int, int]  # rank -> stale K/V buffer bytes
     param_bytes: dict[int, int]  # rank -> transformer parameter bytes it keeps
     ceiling: float  # the schedule's speedup over one rank when only the blocks cost (``speedup_ceiling``)
+    vae: VaePlan | str = "not modelled"  # the decode, or why it is not modelled
 
 
-def plan_report(config: XfuseConfig) -> PlanReport:
-    """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first)."""
+def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport:
+    """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first), and its VAE
+    decode costed on ``where`` (default: this machine's device, :func:`local_machine`; a GPU without a profile
+    leaves the decode's times out)."""
+    if where is None:
+        try:
+            where = local_machine(config.world_size)
+        except ConfigError:  # this machine's GPU has no profile in xfuse.perf.hardware
+            where = None
     spec, model = model_spec(config.model), transformer_config(config.model)
     patch_size, num_blocks, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
@@ -122,6 +223,7 @@ def plan_report(config: XfuseConfig) -> PlanReport:
             warmup_steps=par.warmup_steps,
             batch_parts=batch_parts(batch, par.pipefusion_degree),
         ),
+        vae=vae_plan(config, height, width, where),
     )
 
 
@@ -200,4 +302,62 @@ def format_plan_report(r: PlanReport) -> str:
             "hand-offs (its chunk of the tokens); the attention's own messages (Ulysses all-to-all, Ring K/V "
             "blocks) are not counted here"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *_vae_lines(r.vae)])
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms"
+
+
+def _tensor(t: WholeTensor) -> str:
+    return f"{t.name} {tuple(t.shape)} {_mib(t.nbytes)}"
+
+
+def _vae_lines(v: VaePlan | str) -> list[str]:
+    """The plan's VAE decode section."""
+    if isinstance(v, str):
+        return [f"VAE decode: {v}"]
+    shape, world, where = v.shape, v.world, v.where
+    lines = [
+        f"VAE decode: AutoencoderKL {list(shape.block_out_channels)}, layers_per_block {shape.layers_per_block}, "
+        f"{shape.latent_channels} latent channels, x{shape.scale_factor}; {v.serial.flops / 1e9:.2f} GFLOP per image; "
+        f"weights {_mib(v.weight_bytes)} on rank(s) {_ranges(v.holders)}",
+        f"this request decodes {f'in row bands over the {world} ranks' if v.parallel else 'on rank 0 alone'} "
+        f"({v.why}; xfuse.parallel.vae_decode)",
+    ]
+    if where is None or v.serial_time is None:
+        lines.append("predicted decode: none (this machine's GPU has no profile in xfuse.perf.hardware; give --device)")
+    else:
+        timing = f"predicted decode ({where.device.name}, {where.link.name}): rank 0 alone "
+        timing += _seconds(v.serial_time.seconds)
+        t = v.band_time
+        if t is not None:
+            timing += (
+                f"; over {world} ranks {_seconds(t.seconds)} = compute {_seconds(t.compute)} + {t.layers} exchanges "
+                f"{_seconds(t.exchange)} ({_mib(t.sent)} sent by the busiest rank)"
+            )
+        elif world > 1:
+            timing += f"; not over {world} ranks: a band needs a latent row"
+        lines.append(timing + " (xfuse.perf.vae: not fitted to decodes)")
+    lines.append(f"{'rank':>4}  {'latent rows':<12} {'weights':>12} {'alone':>12} {'in bands':>12}   "
+                 "(activation peak of the decode; alone: rank 0 decoding the whole image)")  # fmt: skip
+    bands = band_rows(v.whole[0].shape[2], world) if v.bands else []
+    start = 0
+    for rank in range(world):
+        rows = "-"
+        if bands:
+            rows, start = f"[{start},{start + bands[rank]})", start + bands[rank]
+        weights = _mib(v.weight_bytes) if rank in v.holders else "-"
+        alone = _mib(v.serial.peak) if rank == 0 else "-"
+        banded = _mib(v.bands[rank].peak) if v.bands else "-"
+        lines.append(f"{rank:>4}  {rows:<12} {weights:>12} {alone:>12} {banded:>12}")
+    peaks = [f"alone at {v.serial.peak_at}"] + ([f"in bands at {v.bands[0].peak_at}"] if v.bands else [])
+    cpu = where is not None and not where.device.gpu
+    lines.append(f"largest live tensors: {'; '.join(peaks)}" + ("; oneDNN's working copies counted (a CPU)"
+                 if cpu else "; convolution workspaces not counted"))  # fmt: skip
+    joined = " (twice while rank 0 joins the bands)" if v.bands else ""
+    lines.append(
+        "whole-image tensors, on rank 0 only however the decode is split: "
+        + "; ".join(_tensor(t) + (joined if t.name == "decoded image" else "") for t in v.whole)
+    )
+    return lines

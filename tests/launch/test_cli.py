@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from itertools import pairwise
@@ -292,3 +293,31 @@ def test_plan_and_generate_detect_the_mmdit_families_from_the_folder(tmp_path, p
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert f"wrote {output}: 96x128, 3 steps" in generated.stdout
     assert np.asarray(Image.open(output)).shape == (128, 96, 3)
+
+
+def test_plan_prints_the_vae_decode_where_it_runs_its_memory_and_the_whole_image_tensors():
+    """The plan's VAE decode (xfuse.perf.vae): the shipped model's VAE at 256 px stays on rank 0 under auto, and is
+    costed over both ranks all the same; on, it decodes in bands; --device costs it on that device."""
+    out = xfuse("plan", "--config", "configs/shapes/pp2.yaml", "--device", "cpu", "--link", "gloo")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert (
+        "VAE decode: AutoencoderKL [16, 32, 64, 64], layers_per_block 1, 4 latent channels, x8; 8.05 GFLOP per image; "
+        "weights 3.73 MiB on rank(s) 0-1\nthis request decodes on rank 0 alone (auto: 256x256 px is below 512x512;"
+    ) in text
+    assert "predicted decode (CPU rank (1 thread, fp32), gloo on loopback (2 cores)): rank 0 alone " in text
+    assert "; over 2 ranks " in text and " + 51 exchanges " in text
+    rows = re.findall(r"^ +(\d) +\[(\d+),(\d+)\) +3\.73 MiB +([\d.]+ MiB|-) +([\d.]+) MiB$", text, re.MULTILINE)
+    assert [row[:3] for row in rows] == [("0", "0", "16"), ("1", "16", "32")], text
+    alone, bands = float(rows[0][3].split()[0]), [float(row[4]) for row in rows]
+    assert rows[1][3] == "-" and all(band < alone / 1.5 for band in bands)  # a band holds well under the whole
+    assert (
+        "whole-image tensors, on rank 0 only however the decode is split: final latents (1, 4, 32, 32) 0.02 MiB; "
+        "decoded image (1, 3, 256, 256) 0.75 MiB (twice while rank 0 joins the bands); post-processed (float32, "
+        "NHWC) (1, 256, 256, 3) 0.75 MiB; uint8 pixels (PIL, PNG) (1, 256, 256, 3) 0.19 MiB"
+    ) in text
+    on = xfuse("plan", "--config", "configs/shapes/pp2.yaml", "--set", "parallel.vae_parallel=on", "--device", "a100")
+    assert on.returncode == 0, on.stderr
+    assert "this request decodes in row bands over the 2 ranks (parallel.vae_parallel on;" in on.stdout
+    assert "predicted decode (A100 SXM 80GB, A100 NVLink 3 / NVSwitch): rank 0 alone " in on.stdout
+    assert "convolution workspaces not counted" in on.stdout

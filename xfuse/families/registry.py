@@ -11,6 +11,7 @@ import json
 import os
 
 from xfuse.errors import ConfigError
+from xfuse.families.common.presets import tiny_vae_config
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
@@ -88,6 +89,34 @@ def transformer_config(model: str) -> dict:
     path = os.path.join(model, "transformer", "config.json")
     if not os.path.isfile(path):
         raise ConfigError("model", f"{model!r} has no transformer/config.json (not found: {path!r})")
+    with open(path) as f:
+        return json.load(f)
+
+
+# The presets' tiny VAEs follow their family's released layout (``xfuse.families.common.presets.tiny_vae``): the SDXL
+# VAE's quant convs for HunyuanDiT and PixArt-Σ, none for SD3 and FLUX.
+_PRESET_VAE_QUANT_CONVS = {
+    HUNYUANDIT.name: True,
+    PIXART_SIGMA.name: True,
+    STABLE_DIFFUSION_3.name: False,
+    FLUX.name: False,
+}
+
+
+def vae_config(model: str) -> dict | None:
+    """The VAE config of ``model`` without loading weights: a folder's ``vae/config.json`` (``None`` when it has
+    none), or a preset's tiny VAE (``xfuse.families.common.presets.tiny_vae_config``; its latent scale left out)."""
+    spec = model_spec(model)
+    if model in PRESET_MODELS:
+        transformer = spec.preset_transformer_config(model)
+        return tiny_vae_config(
+            spec.default_side(transformer),
+            latent_channels=transformer["in_channels"] // spec.packing**2,  # FLUX packs 2x2 latent pixels per token
+            quant_convs=_PRESET_VAE_QUANT_CONVS[spec.name],
+        )
+    path = os.path.join(resolve_model(model), "vae", "config.json")
+    if not os.path.isfile(path):
+        return None
     with open(path) as f:
         return json.load(f)
 

@@ -270,11 +270,14 @@ class ParallelVAEDecode:
             # the pixels are strided (4x slower here); one copy at the latent's resolution makes every later layer
             # contiguous (the convolutions are faster so too).
             x = x.contiguous()
-            rows = (x if x.dtype == torch.float32 else x.float()).view(batch, channels, -1)  # (B, C, pixels)
-            mean = rows.sum(dim=-1) / rows.shape[-1]  # (B, C); torch sums pairwise
+            rows = x.view(batch, channels, -1)  # (B, C, pixels)
+            mean = rows.sum(dim=-1, dtype=torch.float32) / rows.shape[-1]  # (B, C) float32; torch sums pairwise
             # Squared deviations summed pairwise (torch.sum; vector_norm accumulates straight and loses 1e-4 over a
-            # 2048 px band's pixels), squared in place: one band-sized temporary, as torch's own kernel has.
-            var = (rows - mean[..., None]).square_().sum(dim=-1) / rows.shape[-1]  # (B, C)
+            # 2048 px band's pixels), in place on one band-sized float32 copy (torch's own kernel needs none, and
+            # the output is made after it is freed).
+            deviations = rows.to(torch.float32, copy=True).sub_(mean[..., None]).square_()  # (B, C, pixels)
+            var = deviations.sum(dim=-1) / rows.shape[-1]  # (B, C)
+            del deviations  # freed before the output is made
             pixels = rows.shape[-1]
             mean = mean.double().view(batch, norm.num_groups, per_group)  # (B, G, C/G)
             squares = var.double().view(batch, norm.num_groups, per_group) * pixels  # (B, G, C/G)

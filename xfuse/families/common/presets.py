@@ -91,6 +91,34 @@ def t5_encoder(width: int, vocab_size: int, seed: int, component: str):
         return T5EncoderModel(config).eval()
 
 
+def tiny_vae_config(
+    sample_size: int,
+    *,
+    latent_channels: int = 4,
+    scaling_factor: float | None = None,
+    shift_factor: float | None = None,
+    quant_convs: bool = True,
+) -> dict:
+    """The ``AutoencoderKL`` arguments of :func:`tiny_vae` (no torch: ``xfuse plan`` costs the decode from them;
+    a ``scaling_factor`` or ``shift_factor`` of None leaves diffusers' default: the costs do not depend on them)."""
+    config = {
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ("DownEncoderBlock2D",) * 4,
+        "up_block_types": ("UpDecoderBlock2D",) * 4,
+        "block_out_channels": (8, 8, 16, 16),
+        "layers_per_block": 1,
+        "latent_channels": latent_channels,
+        "norm_num_groups": 4,
+        "sample_size": sample_size,
+        "use_quant_conv": quant_convs,
+        "use_post_quant_conv": quant_convs,
+        "force_upcast": False,
+    }
+    factors = {"scaling_factor": scaling_factor, "shift_factor": shift_factor}
+    return config | {key: value for key, value in factors.items() if value is not None}
+
+
 def tiny_vae(
     sample_size: int,
     seed: int,
@@ -109,23 +137,15 @@ def tiny_vae(
     ``shift_factor``)."""
     from diffusers import AutoencoderKL
 
+    config = tiny_vae_config(
+        sample_size,
+        latent_channels=latent_channels,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        quant_convs=quant_convs,
+    )
     with seeded(seed, "vae"):
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=latent_channels,
-            norm_num_groups=4,
-            sample_size=sample_size,
-            scaling_factor=scaling_factor,
-            shift_factor=shift_factor,
-            use_quant_conv=quant_convs,
-            use_post_quant_conv=quant_convs,
-            force_upcast=False,
-        )
+        vae = AutoencoderKL(**config)
     return vae.eval()
 
 
