@@ -50,9 +50,10 @@ from xfuse.types import Backend, Device, DtypeName, Placement, VaeParallel, Wait
 
 MAX_PIPEFUSION_DEGREE = 8
 MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
-# vae_parallel: auto decodes over the world from this many image pixels on (benchmarks/bench_vae.py: below it the
-# messages per layer cost more than the split saves).
-VAE_PARALLEL_MIN_PIXELS = 512 * 512
+# vae_parallel: auto decodes over the world from this many image pixels on. Measured (benchmarks/bench_vae.py, the
+# shipped VAE, 2 ranks over gloo, docs/performance.md): 0.70x of rank 0 alone at 256 x 256 px (the messages of ~50
+# layers cost more than half a small decode), 1.08x at 384 x 384, 1.55x at 512 x 512. A wider VAE gains sooner.
+VAE_PARALLEL_MIN_PIXELS = 384 * 384
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 

@@ -303,7 +303,7 @@ def test_plan_prints_the_vae_decode_where_it_runs_its_memory_and_the_whole_image
     text = out.stdout
     assert (
         "VAE decode: AutoencoderKL [16, 32, 64, 64], layers_per_block 1, 4 latent channels, x8; 8.05 GFLOP per image; "
-        "weights 3.73 MiB on rank(s) 0-1\nthis request decodes on rank 0 alone (auto: 256x256 px is below 512x512;"
+        "weights 3.73 MiB on rank(s) 0-1\nthis request decodes on rank 0 alone (auto: 256x256 px is below 384x384;"
     ) in text
     assert "predicted decode (CPU rank (1 thread, fp32), gloo on loopback (2 cores)): rank 0 alone " in text
     assert "; over 2 ranks " in text and " + 51 exchanges " in text
@@ -321,3 +321,23 @@ def test_plan_prints_the_vae_decode_where_it_runs_its_memory_and_the_whole_image
     assert "this request decodes in row bands over the 2 ranks (parallel.vae_parallel on;" in on.stdout
     assert "predicted decode (A100 SXM 80GB, A100 NVLink 3 / NVSwitch): rank 0 alone " in on.stdout
     assert "convolution workspaces not counted" in on.stdout
+
+
+def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_memory(tmp_path):
+    """``vae_parallel: auto`` at 512 x 512 px on 2 ranks: the summary says the decode ran on both, each rank sent its
+    share of the decode's messages and reports its peak memory; the PNG is the one rank 0 decodes alone (``off``),
+    up to one level of rounding in a pixel."""
+    common = ["--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=2",
+              "--set", "generation.height=512", "--set", "generation.width=512"]  # fmt: skip
+    bands = torchrun("-m", "xfuse", "generate", *common, "--output", str(tmp_path / "bands.png"))
+    assert bands.returncode == 0, bands.stderr[-3000:]
+    assert "; VAE decode on 2 rank(s))" in bands.stdout
+    for rank in (0, 1):
+        line = next(line for line in bands.stdout.splitlines() if line.startswith(f"  rank {rank} sent"))
+        assert "vae halo" in line and "vae kv" in line and re.search(r"peak RSS \d+ MiB", line), line
+    alone = torchrun("-m", "xfuse", "generate", *common, "--set", "parallel.vae_parallel=off",
+                     "--output", str(tmp_path / "alone.png"))  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "; VAE decode on 1 rank(s))" in alone.stdout and "vae halo" not in alone.stdout
+    a, b = (np.asarray(Image.open(tmp_path / name)).astype(int) for name in ("bands.png", "alone.png"))
+    assert a.shape == b.shape == (512, 512, 3) and np.abs(a - b).max() <= 1

@@ -51,12 +51,14 @@ def float64_decode(preset: str, batch: int, height: int, width: int) -> torch.Te
 
 
 # (VAE preset, ranks, height, width, batch): every family at 1024 px on 2, 3 and 4 ranks; non-square with 125 latent
-# rows (uneven bands for 2, 3 and 4 ranks); 2048 px for both VAE layouts; a batch of two images; one-row bands.
+# rows (uneven bands for 2, 3 and 4 ranks); 2048 px for every family; a batch of two images; one-row bands.
 CASES = [
     *[(preset, n, 1024, 1024, 1) for preset in ("tiny", "pixart-tiny", "sd3-tiny", "flux-tiny") for n in (2, 3, 4)],
     *[(preset, n, 1000, 768, 1) for preset, n in (("tiny", 3), ("sd3-tiny", 4), ("flux-tiny", 2), ("shapes", 3))],
     ("shapes", 4, 1024, 1024, 1),
     ("tiny", 2, 2048, 2048, 1),
+    ("pixart-tiny", 3, 1536, 2048, 1),
+    ("sd3-tiny", 4, 2048, 2048, 1),
     ("flux-tiny", 4, 2048, 1536, 1),
     ("sd3-tiny", 3, 520, 392, 2),
     ("tiny", 4, 40, 64, 1),  # 5 latent rows: bands of 2, 1, 1, 1 rows, thinner than two halos

@@ -690,8 +690,8 @@ def test_comm_wait_resolves_per_device(wait, device, stream_ordered):
 
 # parallel.vae_parallel: (mode, world size, height, width, latent rows) -> decoded over the world
 VAE_PARALLEL = [
-    ("auto", 2, 512, 512, 64, True),  # from VAE_PARALLEL_MIN_PIXELS on
-    ("auto", 2, 512, 504, 64, False),  # below it: the messages cost more than the split saves
+    ("auto", 2, 384, 384, 48, True),  # from VAE_PARALLEL_MIN_PIXELS on
+    ("auto", 2, 384, 376, 48, False),  # below it: the messages cost more than the split saves
     ("auto", 1, 2048, 2048, 256, False),  # one rank: nothing to split
     ("auto", 8, 2048, 48, 6, False),  # fewer latent rows than ranks: rank 0 alone
     ("on", 2, 64, 64, 8, True),
