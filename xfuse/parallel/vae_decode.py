@@ -13,7 +13,8 @@ ranks. They are changed from outside, for the duration of one decode, and nothin
   variance: count, mean and squared deviations in float64), not taken per band. This is what tiling and early DistVAE
   approximate; here it is the whole image's statistic.
 * **Mid-block self-attention**: forward hooks on ``to_k`` and ``to_v`` gather every band's keys and values in row
-  order, so each band's queries attend to the whole image (diffusers' own processor computes the softmax).
+  order, so each band's queries attend to the whole image (diffusers' own processor computes the softmax:
+  ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` projects the keys and values once each).
 * **Up-sampling** (nearest, ×2) is per pixel: a band of r rows becomes 2r rows, so the bands stay aligned.
 
 Rank 0 (the world's output rank) sends each rank its band of the latent and receives the decoded bands back; the
@@ -133,7 +134,7 @@ class ParallelVAEDecode:
         dtype = self.vae.dtype
         band = self._scatter(latents, bands, shape, dtype)
         with torch.no_grad(), self._installed():
-            # Mirrors diffusers.AutoencoderKL._decode (tiling off: the bands are the exact alternative).
+            # Mirrors ``diffusers.AutoencoderKL._decode`` (tiling off: the bands are the exact alternative).
             if self.vae.post_quant_conv is not None:
                 band = self.vae.post_quant_conv(band)
             image = self.vae.decoder(band)
