@@ -71,22 +71,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import pin_to_core, spread  # noqa: E402  (after the path insert, as run directly)
+from xfuse.families.common.presets import SDXL_VAE_SCALING, tiny_vae_config  # noqa: E402
 
 SERIAL, PARALLEL, TILED = "diffusers serial", "xfuse parallel 2", "diffusers tiled"
 RANKS = {SERIAL: 1, PARALLEL: 2, TILED: 1}  # the order of a round
 WARMUP_PX = 64
-RELEASED_VAE = dict(  # the released SDXL VAE's architecture (its config.json), random weights
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2,
-    act_fn="silu",
-    latent_channels=4,
-    norm_num_groups=32,
-    sample_size=1024,
-    scaling_factor=0.13025,
+# The released SDXL VAE's architecture (its config.json; random weights): the presets' four-level layout
+# (xfuse.families.common.presets.tiny_vae_config) at the released widths.
+RELEASED_VAE = tiny_vae_config(1024, scaling_factor=SDXL_VAE_SCALING) | dict(
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32
 )
 QUIET = {  # the ranks' stderr: no loading bars or advisories (load_pipeline builds the whole shapes pipeline)
     "DIFFUSERS_VERBOSITY": "error",

@@ -326,11 +326,16 @@ class ParallelConfig(_Section):
         """Number of patches M the engine uses: ``num_patches`` if set, else ``pipefusion_degree``."""
         return self.pipefusion_degree if self.num_patches is None else self.num_patches
 
+    def vae_on_every_rank(self, world_size: int) -> bool:
+        """Whether every rank loads the VAE (to decode its band when a call decodes in parallel): unless
+        ``vae_parallel`` is ``off`` or the world has one rank, where rank 0 alone holds it."""
+        return self.vae_parallel != "off" and world_size > 1
+
     def decodes_in_parallel(self, world_size: int, height: int, width: int, latent_rows: int) -> bool:
         """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent) is decoded over every rank
         (``vae_parallel``). ``on`` with fewer latent rows than ranks is refused (:class:`ConfigError`): a band needs
         at least one row."""
-        if self.vae_parallel == "off" or world_size == 1:
+        if not self.vae_on_every_rank(world_size):
             return False
         if latent_rows < world_size:
             if self.vae_parallel == "on":

@@ -115,7 +115,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
     else:
         side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
         why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
-    holders = tuple(range(world)) if world > 1 and par.vae_parallel != "off" else (0,)
+    holders = tuple(range(world)) if par.vae_on_every_rank(world) else (0,)
     cpu = where is not None and not where.device.gpu  # oneDNN's working copies count on a CPU
 
     def seconds(ranks: int) -> DecodeTime | None:  # as the performance model costs the device: in its dtype

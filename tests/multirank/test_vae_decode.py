@@ -100,8 +100,8 @@ def folder(tmp_path_factory):
 
 
 def test_pipeline_decoding_over_the_world_equals_rank_0_alone(world4, folder):
-    """cfg 2 x pp 2 (pipelined steps): ``vae_parallel: on`` gives the image of ``off`` (float images within 1e-4,
-    PIL pixels the same up to float rounding)."""
+    """cfg 2 x pp 2 (pipelined steps): ``vae_parallel: on`` decodes in bands on all 4 ranks and gives the image of
+    ``off``, where rank 0 decodes alone (float images within 1e-4, PIL pixels the same up to float rounding)."""
     parallel = dict(pipefusion_degree=2, cfg_degree=2, warmup_steps=1)
     calls = [{**BASE, "output_type": "np"}, {**BASE, "output_type": "pil"}]
     images = {}
@@ -109,6 +109,10 @@ def test_pipeline_decoding_over_the_world_equals_rank_0_alone(world4, folder):
         results = world4.run_ok(run_calls, folder, {**parallel, "vae_parallel": mode}, calls, timeout=600)
         assert [r["kind"] for r in results[0]] == ["ok", "ok"], results[0]
         assert all(r["kind"] == "none" for rank in results[1:] for r in rank)
+        # on: every rank decoded its band (and sent its halo rows); off: rank 0 alone, no decode message anywhere
+        bands = mode == "on"
+        assert all(r["decode_ranks"] == (4 if bands else 1) for rank in results for r in rank)
+        assert all(("vae halo" in r["sent"]) is bands for rank in results for r in rank)
         images[mode] = [r["images"] for r in results[0]]
     (unit_on, pil_on), (unit_off, pil_off) = images["on"], images["off"]
     assert np.abs(unit_on - unit_off).max() <= 1e-4

@@ -61,10 +61,12 @@ def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=No
         except Exception as err:  # noqa: BLE001 - the test inspects every error
             results.append(dict(kind="error", type=type(err).__name__, message=str(err)))
             continue
+        sent = {kind for kind, nbytes in pipe.local_stats()["sent"].items() if nbytes}
         if out is None:
-            results.append(dict(kind="none", log=list(CALLBACK_LOG)))
+            results.append(dict(kind="none", log=list(CALLBACK_LOG), decode_ranks=pipe.decode_ranks, sent=sent))
         else:
-            results.append(dict(kind="ok", images=as_array(out), log=list(CALLBACK_LOG), type=type(out).__name__))
+            results.append(dict(kind="ok", images=as_array(out), log=list(CALLBACK_LOG), type=type(out).__name__,
+                                decode_ranks=pipe.decode_ranks, sent=sent))  # fmt: skip
     return results
 
 

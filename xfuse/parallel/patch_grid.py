@@ -129,8 +129,9 @@ def patch_grid(
     return PatchGrid(latent_height, latent_width, patch_size, tuple(bands))
 
 
-def _even(rows: int, parts: int) -> list[int]:
-    """``rows`` split into ``parts`` counts, the first ``rows % parts`` one larger (``torch.tensor_split``)."""
+def even_split(rows: int, parts: int) -> list[int]:
+    """``rows`` split into ``parts`` counts, the first ``rows % parts`` one larger (``torch.tensor_split``'s rule: the
+    one home of it for patches, sequence-parallel chunks and the VAE decode's bands)."""
     base, extra = divmod(rows, parts)
     return [base + (1 if index < extra else 0) for index in range(parts)]
 
@@ -143,7 +144,7 @@ def row_counts(token_rows: int, token_cols: int, num_patches: int, lead_tokens: 
         return [token_rows]
 
     def largest(first: int) -> int:
-        return max(first * token_cols + lead_tokens, max(_even(token_rows - first, num_patches - 1)) * token_cols)
+        return max(first * token_cols + lead_tokens, max(even_split(token_rows - first, num_patches - 1)) * token_cols)
 
     first = min(range(token_rows - num_patches + 1, 0, -1), key=largest)  # min keeps the first (most rows) of ties
-    return [first, *_even(token_rows - first, num_patches - 1)]
+    return [first, *even_split(token_rows - first, num_patches - 1)]

@@ -33,7 +33,7 @@ from xfuse.comm.p2p import P2PChannels, Recv, Send
 from xfuse.errors import ConfigError
 from xfuse.parallel.lse_attention import attention_with_lse, merge_partials
 from xfuse.parallel.pass_attention import QKV, TextAttention, join_text, joint_sdpa, split_text
-from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.patch_grid import PatchGrid, even_split
 from xfuse.parallel.stale_kv import StaleKVCache
 
 
@@ -65,11 +65,10 @@ def token_chunks(tokens: slice, parts: int) -> tuple[slice, ...]:
 
 @functools.lru_cache(maxsize=256)  # asked per layer and per message of every pass: a request has few distinct ranges
 def _chunks(start: int, stop: int, parts: int) -> tuple[slice, ...]:
-    base, extra = divmod(stop - start, parts)
     chunks = []
-    for index in range(parts):
-        chunks.append(slice(start, start + base + (1 if index < extra else 0)))
-        start = chunks[-1].stop
+    for size in even_split(stop - start, parts):
+        chunks.append(slice(start, start + size))
+        start += size
     return tuple(chunks)
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.parallel.patch_grid import even_split
 from xfuse.perf.hardware import Link
 from xfuse.perf.model import Calibration, Machine
 
@@ -125,8 +126,7 @@ class VaeShape:
 def band_rows(latent_rows: int, parts: int) -> list[int]:
     """Latent rows of each rank's band (``xfuse.parallel.vae_decode.band_rows``: the first ``rows % parts`` one
     row taller)."""
-    base, extra = divmod(latent_rows, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    return even_split(latent_rows, parts)
 
 
 @dataclass(frozen=True)

@@ -191,14 +191,14 @@ class PipeFusionPipelineBase:
     def _rank0_only(cls, parallel: ParallelConfig, world_size: int) -> tuple[str, ...]:
         """The components ranks other than 0 do not load: ``rank0_components``, less the VAE when every rank may
         decode a band of the image (``parallel.vae_parallel`` not ``off``)."""
-        if parallel.vae_parallel == "off" or world_size == 1:
+        if not parallel.vae_on_every_rank(world_size):
             return cls.rank0_components
         return tuple(name for name in cls.rank0_components if name != "vae")
 
     def _band_decode(self, pipeline, context: ParallelContext) -> ParallelVAEDecode | None:
         """This rank's share of the band-parallel VAE decode, or ``None`` where rank 0 decodes alone (one rank,
         ``vae_parallel: off``, or ``auto`` with a decoder the bands cannot run exactly)."""
-        if self.parallel.vae_parallel == "off" or context.world_size == 1:
+        if not self.parallel.vae_on_every_rank(context.world_size):
             return None
         try:
             return ParallelVAEDecode(
