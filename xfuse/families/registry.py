@@ -1,8 +1,8 @@
 """The families xfuse runs, collected from their folders, and the lookups from a ``model`` value to its family.
 
 Each family is one folder under ``xfuse/families/`` whose ``spec.py`` describes it (``xfuse.families.spec``);
-adding a family is one more folder and one more line in ``FAMILIES`` below. Reading the registry imports neither
-torch nor diffusers.
+adding a family is one more folder and one more line in ``FAMILIES`` below. Reading the registry does not import
+diffusers (torch comes in with the specs' sequence-parallel checks).
 """
 
 from __future__ import annotations
