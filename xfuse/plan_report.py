@@ -252,6 +252,12 @@ def predicted_latency(r: PlanReport, link: str) -> str:
     )
 
 
+def _row(token: int, token_cols: int) -> str:
+    """A token's place in rows: ``14`` at a row's start, ``14.56`` inside row 14 (a patch cut by cost)."""
+    rows, cols = divmod(token, token_cols)
+    return str(rows) if not cols else f"{token / token_cols:.2f}"
+
+
 def format_plan_report(r: PlanReport) -> str:
     """The report as the text ``xfuse plan`` prints."""
     config, plan, grid = r.config, r.plan, r.grid
@@ -268,8 +274,12 @@ def format_plan_report(r: PlanReport) -> str:
         + "; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{r.generation.num_inference_steps} steps",
-        "patches (token rows, share of the work): "
-        + "  ".join(f"{b.index}:[{b.row_start},{b.row_stop}) {s:.1%}" for b, s in zip(grid, shares, strict=True))
+        "patches (token rows, tokens, share of the work): "
+        + "  ".join(
+            f"{b.index}:[{_row(b.token_start, grid.token_cols)},{_row(b.token_stop, grid.token_cols)}) "
+            f"{b.num_tokens} {s:.1%}"
+            for b, s in zip(grid, shares, strict=True)
+        )
         + carried,
         f"schedule's ceiling: {r.ceiling:.2f}x the loop of one rank (blocks only: no communication, no per-pass "
         "costs; xfuse.parallel.costs.speedup_ceiling)",

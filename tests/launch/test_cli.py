@@ -56,8 +56,8 @@ def test_plan_folded_has_no_cross_rank_skips_and_uneven_patches():
     assert out.returncode == 0, out.stderr
     assert "cross-rank skips: none" in out.stdout
     assert (
-        "patches (token rows, share of the work): 0:[0,4) 25.0%  1:[4,7) 18.8%  2:[7,10) 18.8%  3:[10,13) 18.8%  "
-        "4:[13,16) 18.8%\n" in out.stdout
+        "patches (token rows, tokens, share of the work): 0:[0,4) 64 25.0%  1:[4,7) 48 18.8%  2:[7,10) 48 18.8%  "
+        "3:[10,13) 48 18.8%  4:[13,16) 48 18.8%\n" in out.stdout
     )
     assert "r0[0-2] -> r1[3-5] -> r2[6-7] -> r2[8-9] -> r1[10-12] -> r0[13-15]" in out.stdout
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, run_engine, tiny, traced_patch_rows
+from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, run_engine, tiny, traced_patch_tokens
 from tests.support.pipefusion_oracle import pipefusion_reference
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
@@ -140,13 +140,13 @@ def world4():
 _ORACLE = {}
 
 
-def oracle(preset, num_patches, warmup, cfg, row_counts=None):
-    key = (preset, num_patches, warmup, cfg, None if row_counts is None else tuple(row_counts))
+def oracle(preset, num_patches, warmup, cfg, token_counts=None):
+    key = (preset, num_patches, warmup, cfg, None if token_counts is None else tuple(token_counts))
     if key not in _ORACLE:
         pipe = tiny(preset)
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=cfg)
         _ORACLE[key] = pipefusion_reference(
-            pipe, inputs, height=HEIGHT, width=WIDTH, num_patches=num_patches, warmup=warmup, row_counts=row_counts
+            pipe, inputs, height=HEIGHT, width=WIDTH, num_patches=num_patches, warmup=warmup, token_counts=token_counts
         )
     return _ORACLE[key]
 
@@ -175,22 +175,23 @@ def test_pipelined_equals_the_oracle(world4, preset, warmup):
 
 
 # 8 token rows of 6 tokens; the step's first patch also carries the text (SD3: 77 CLIP + 16 T5 tokens, FLUX: 16), so
-# cut by cost it gets fewer rows: SD3's text outweighs the image (one row is the least); FLUX M = 2: 3 rows + 16 =
-# 34 tokens against 30 (2 rows: 28 against 36), M = 3: 6 + 16 = 22 against 24 and 18 (2 rows: 28).
-COST_CUTS = {"sd3-tiny": {2: [1, 7]}, "flux-tiny": {2: [3, 5], 3: [1, 4, 3]}}
+# cut by cost it gets fewer tokens: SD3's text outweighs the image (one row is the least), and the other patches
+# split the rest, M = 3 inside a row (21 tokens: 3.5 rows); FLUX M = 2: 16 + 16 = 32 against 32 (16 tokens: 2.67
+# rows), M = 3: 6 + 16 = 22 against 21 and 21. Cuts inside rows: every one but SD3's M = 2.
+COST_CUTS = {"sd3-tiny": {2: [6, 42], 3: [6, 21, 21]}, "flux-tiny": {2: [16, 32], 3: [6, 21, 21]}}
 
 
 @pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])
 def test_patches_cut_by_cost_equal_the_oracle_cut_the_same_way(world4, preset):
-    """Patches cut by tokens (the first one's text included) at degrees 2 and 4 equal the oracle cut the same way;
-    the cut matters (the even cut's oracle differs), exact mode does not depend on it, and the pipeline classes cut
-    so (the rows of a traced call, whose call around the loop is traced too)."""
+    """Patches cut by tokens (the first one's text included), inside token rows too, at degrees 2 and 4 equal the
+    oracle cut the same way; the cut matters (the even cut's oracle differs), exact mode does not depend on it, and
+    the pipeline classes cut so (the patches' tokens of a traced call, whose call around the loop is traced too)."""
     inputs = prepare_inputs(tiny(preset), height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)
     text_tokens = inputs["prompt_embeds"].shape[1]  # SD3: 77 CLIP + 16 T5 tokens; FLUX: 16 T5 tokens
-    for num_patches, rows in COST_CUTS[preset].items():
+    for num_patches, tokens in COST_CUTS[preset].items():
         grid = grid_of(model_spec(preset), tiny(preset), HEIGHT, WIDTH, num_patches, text_tokens)
-        assert [band.num_rows for band in grid] == rows
-        expected = oracle(preset, num_patches, 1, 2.0, rows)
+        assert [band.num_tokens for band in grid] == tokens
+        expected = oracle(preset, num_patches, 1, 2.0, tokens)
         for degree in (2, 4):
             out = world4.run_ok(run_engine, preset, degree, num_patches, 1, height=HEIGHT, width=WIDTH, steps=STEPS,
                                 cfg=2.0, lead_tokens=text_tokens)[0]  # fmt: skip
@@ -199,12 +200,12 @@ def test_patches_cut_by_cost_equal_the_oracle_cut_the_same_way(world4, preset):
     exact = world4.run_ok(run_engine, preset, 4, 2, STEPS, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0,
                           lead_tokens=text_tokens)[0]  # fmt: skip
     assert (exact - oracle(preset, 1, STEPS, 2.0)).abs().max().item() <= 1e-4
-    num_patches, rows = max(COST_CUTS[preset].items())
+    num_patches, tokens = max(COST_CUTS[preset].items())
     call = dict(prompt="a red house", height=HEIGHT, width=WIDTH, num_inference_steps=2, max_sequence_length=16,
                 output_type="latent")  # fmt: skip
     parallel = {"pipefusion_degree": 4, "num_patches": num_patches, "warmup_steps": 1}
-    traced = world4.run_ok(traced_patch_rows, preset, parallel, call)
-    assert [patch_rows for patch_rows, _ in traced] == [rows] * 4
+    traced = world4.run_ok(traced_patch_tokens, preset, parallel, call)
+    assert [patch_tokens for patch_tokens, _ in traced] == [[tokens[0] + text_tokens, *tokens[1:]]] * 4
     # The call around the loop is traced too: rank 0 encodes, broadcasts and decodes; the others wait for the text.
     assert traced[0][1] == ["broadcast text", "call", "decode", "encode", "prepare"]
     assert all(spans == ["call", "prepare", "wait for text"] for _, spans in traced[1:])
@@ -246,7 +247,7 @@ def test_oracle_catches_text_recomputed_per_patch(monkeypatch, preset):
     run_segment = JointStage.run_segment
 
     def every_patch_owns_text(self, hidden, segment, cond, band, skips, keep_kv=True, streams=None):
-        whole = None if band is None else type(band)(0, band.row_start, band.row_stop, band.token_cols,
+        whole = None if band is None else type(band)(0, band.token_start, band.token_stop, band.token_cols,
                                                      band.patch_size)  # fmt: skip
         return run_segment(self, hidden, segment, cond, whole, skips, keep_kv, streams)
 

@@ -134,10 +134,10 @@ def run_engine(
         channels.close()
 
 
-def traced_patch_rows(preset, parallel, call):
+def traced_patch_tokens(preset, parallel, call):
     """On every rank: the family's xfuse pipeline class on ``preset``, one traced ``__call__(**call)``; returns the
-    token rows of each patch its denoising loop ran (the loop span's ``patch_rows``) and the names of the spans on
-    the pipeline-call track (``trace.call_time``)."""
+    tokens of each patch its denoising loop ran, the text the first carries included (the loop span's
+    ``patch_tokens``), and the names of the spans on the pipeline-call track (``trace.call_time``)."""
     from xfuse.families.registry import load_pipeline, model_spec
     from xfuse.parallel.trace import LOOP, call_time
 
@@ -147,4 +147,4 @@ def traced_patch_rows(preset, parallel, call):
     pipe(**call)
     events = pipe.trace_events()
     (loop,) = [e for e in events if e["tid"] == LOOP]
-    return loop["args"]["patch_rows"], sorted(call_time(events))
+    return list(loop["args"]["patch_tokens"]), sorted(call_time(events))

@@ -7,10 +7,13 @@ independently of the engine's schedule, stages, channels, K/V cache and per-patc
 
 * Warm-up steps ``0 … W-1`` run the whole image, like the diffusers pipeline's ``__call__``; each attention module
   that mixes image tokens keeps the whole image's image-token K/V of the last one.
-* Every later step runs the patches (bands of whole token rows; the first ``rows % M`` bands one row taller) in
-  order. Patch ``p``'s attention writes its own image K/V into the module's whole-image buffer and attends to all of
-  it: patches ``< p`` hold this step's K/V, patches ``> p`` the previous step's. Before anything was written in the
-  request (``W = 0``), a patch attends only to the tokens written so far (patches ``0 … p`` of the first step).
+* Every later step runs the patches in order: bands of whole token rows (the first ``rows % M`` bands one row
+  taller), or given token counts (a cut may fall inside a row: the patch's pass then runs diffusers' forward on the
+  rows that cover it, only its own tokens write K/V, and only its own pixels are stepped; FLUX's packed latents are
+  cut at the tokens themselves). Patch ``p``'s attention writes its own image K/V into the module's whole-image
+  buffer and attends to all of it: patches ``< p`` hold this step's K/V, patches ``> p`` the previous step's. Before
+  anything was written in the request (``W = 0``), a patch attends only to the tokens written so far (patches
+  ``0 … p`` of the first step).
 * Joint text-image attention (SD3, FLUX): the text K/V are never buffered, they come from the block's text input of
   this call. Patch 0 owns the text stream: at patch 0 every block runs normally (its text input is the previous
   block's text output at patch 0, the first block's ``context_embedder(prompt_embeds)``) and its text input is
@@ -53,7 +56,8 @@ class KVBuffers:
         self.k: dict = {}
         self.v: dict = {}
         self.written: dict = {}  # tokens [0, written) hold K/V of this request
-        self.tokens: slice | None = None  # None: a whole-image pass
+        self.tokens: slice | None = None  # the pass's tokens; None: a whole-image pass
+        self.own: slice | None = None  # the patch's own tokens among them (a patch cut inside a row), None: all
         self.patch: int | None = None  # index of the patch in its step; None: a whole-image pass
         self.num_tokens = 0  # tokens of the whole image
         self.text_len = 0  # text tokens of the joint attention (FLUX single blocks see [text, image] as one)
@@ -63,7 +67,10 @@ class KVBuffers:
         if self.tokens is None:  # whole image: attend to itself, keep a copy for the patches
             self.k[layer], self.v[layer], self.written[layer] = key.clone(), value.clone(), key.shape[dim]
             return key, value
-        start, stop = self.tokens.start, self.tokens.stop
+        own = self.tokens if self.own is None else self.own  # only the patch's own tokens are written
+        key = key.narrow(dim, own.start - self.tokens.start, own.stop - own.start)
+        value = value.narrow(dim, own.start - self.tokens.start, own.stop - own.start)
+        start, stop = own.start, own.stop
         if layer not in self.k:  # W = 0: nothing written yet in this request
             shape = list(key.shape)
             shape[dim] = self.num_tokens
@@ -417,10 +424,10 @@ FAMILIES = {
 
 
 def pipefusion_reference(
-    pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int, row_counts: list[int] | None = None
+    pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int, token_counts: list[int] | None = None
 ):
     """Final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps (module docstring).
-    ``row_counts``: the token rows of each band, top first (default: ``token_row_bands``' even cut).
+    ``token_counts``: the tokens of each band, top first (default: ``token_row_bands``' even cut of whole rows).
 
     ``pipe``: a diffusers ``HunyuanDiTPipeline``, ``PixArtSigmaPipeline``, ``StableDiffusion3Pipeline`` or
     ``FluxPipeline`` (its transformer is deep-copied, never modified; its scheduler, after ``set_timesteps``, is
@@ -448,23 +455,45 @@ def pipefusion_reference(
     token_rows, token_cols = height // vae_scale_factor // patch_size, width // vae_scale_factor // patch_size
     buffers.num_tokens = token_rows * token_cols
     predict = family(transformer, inputs, buffers, token_rows, token_cols)
-    if row_counts is None:
-        bands = token_row_bands(token_rows, num_patches)
-    else:
-        assert len(row_counts) == num_patches and sum(row_counts) == token_rows, (row_counts, token_rows)
-        stops = np.cumsum(row_counts).tolist()
-        bands = [range(stop - rows, stop) for rows, stop in zip(row_counts, stops, strict=True)]
+    if token_counts is None:
+        token_counts = [len(band) * token_cols for band in token_row_bands(token_rows, num_patches)]
+    assert len(token_counts) == num_patches and sum(token_counts) == token_rows * token_cols, token_counts
+    stops = np.cumsum(token_counts).tolist()
+    bands = [range(stop - tokens, stop) for tokens, stop in zip(token_counts, stops, strict=True)]  # token ranges
+
+    def covering(band: range) -> range:
+        """The token range of the rows that hold the band's tokens (packed latents: the band itself)."""
+        if packed:
+            return band
+        return range(band.start // token_cols * token_cols, -(-band.stop // token_cols) * token_cols)
 
     def region(band: range) -> tuple:
-        """The band's part of the latents: token range of packed latents, latent rows of (B, C, H, W) ones."""
+        """The part of the latents a band's pass reads: token range of packed latents, the latent rows of the
+        covering token rows of (B, C, H, W) ones."""
+        rows = covering(band)
         if packed:
-            return (slice(None), slice(band.start * token_cols, band.stop * token_cols))
-        return (slice(None), slice(None), slice(band.start * patch_size, band.stop * patch_size))
+            return (slice(None), slice(rows.start, rows.stop))
+        latent_rows = slice(rows.start // token_cols * patch_size, rows.stop // token_cols * patch_size)
+        return (slice(None), slice(None), latent_rows)
 
-    def noise_prediction(latents, t, scheduler, tokens: slice | None, patch: int | None):
-        """The pipeline's loop body up to the scheduler step, on ``latents`` (whole image or one band)."""
-        buffers.tokens, buffers.patch = tokens, patch
-        return predict(latents, t, scheduler, tokens)
+    def own_pixels(band: range) -> torch.Tensor:
+        """Bool mask over ``latents[region(band)]`` of the band's own elements (per pixel: its token's index)."""
+        rows = covering(band)
+        if packed:
+            return torch.ones(1, len(rows), 1, dtype=torch.bool)
+        token_of = torch.arange(rows.start, rows.stop).reshape(-1, token_cols)  # (covering rows, cols)
+        token_of = token_of.repeat_interleave(patch_size, 0).repeat_interleave(patch_size, 1)  # per latent pixel
+        return ((token_of >= band.start) & (token_of < band.stop))[None, None]  # (1, 1, rows * p, W)
+
+    def noise_prediction(latents, t, scheduler, band: range | None, patch: int | None):
+        """The pipeline's loop body up to the scheduler step, on ``latents`` (whole image or a band's region)."""
+        if band is None:
+            buffers.tokens = buffers.own = None
+        else:
+            rows = covering(band)
+            buffers.tokens, buffers.own = slice(rows.start, rows.stop), slice(band.start, band.stop)
+        buffers.patch = patch
+        return predict(latents, t, scheduler, buffers.tokens)
 
     scheduler = copy.deepcopy(pipe.scheduler)
     latents = inputs["latents"].clone()
@@ -494,7 +523,7 @@ def pipefusion_reference(
             for p, (band, r, patch_scheduler, kwargs) in enumerate(
                 zip(bands, regions, patch_schedulers, patch_kwargs, strict=True)
             ):
-                tokens = slice(band.start * token_cols, band.stop * token_cols)
-                noise = noise_prediction(latents[r], t, patch_scheduler, tokens, p)
-                latents[r] = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]
+                noise = noise_prediction(latents[r], t, patch_scheduler, band, p)
+                stepped = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]
+                latents[r] = torch.where(own_pixels(band), stepped, latents[r])
     return latents

@@ -236,3 +236,15 @@ def test_every_published_point_is_a_layout_a_run_accepts():
         spec.check_layout(calibration.layout(p), num_blocks=spec.num_blocks(config), patch_size=config["patch_size"],
                           height=p.size, width=p.size, num_heads=config["num_attention_heads"])  # fmt: skip
         assert seconds(p) > 0
+
+
+def test_plan_shows_each_patchs_rows_tokens_and_an_even_share_when_the_cut_falls_inside_rows():
+    """SD3-medium at 1024 px, 4 patches: patch 0 carries the 333 text tokens, so the cut gives it 775 image tokens
+    (12.11 rows) and the others 1,107 each (cuts inside rows), and every patch is a quarter of the work."""
+    from xfuse.plan_report import format_plan_report
+
+    text = format_plan_report(plan_report(_config("sd3-medium", pipefusion_degree=2, num_patches=4)))
+    assert (
+        "patches (token rows, tokens, share of the work): 0:[0,12.11) 775 25.0%  1:[12.11,29.41) 1107 25.0%  "
+        "2:[29.41,46.70) 1107 25.0%  3:[46.70,64) 1107 25.0%; patch 0 also carries the 333 text tokens\n" in text
+    )

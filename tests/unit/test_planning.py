@@ -9,7 +9,7 @@ import torch
 from xfuse.config import ConfigError
 from xfuse.families.registry import HUNYUANDIT, PIXART_SIGMA
 from xfuse.parallel.costs import comm_volume, kv_buffer_bytes
-from xfuse.parallel.patch_grid import patch_grid, row_counts
+from xfuse.parallel.patch_grid import patch_grid, token_counts
 from xfuse.parallel.stage_plan import stage_plan
 
 skip_pairs = HUNYUANDIT.skip_pairs
@@ -118,49 +118,92 @@ def test_patch_grid_uneven_bands():
 
 
 @pytest.mark.parametrize("rows", range(1, 40))
-def test_row_counts_without_lead_tokens_are_tensor_splits(rows):
+def test_token_counts_without_lead_tokens_are_tensor_splits_of_rows(rows):
     for m in range(1, rows + 1):
-        assert row_counts(rows, 5, m) == [len(part) for part in torch.arange(rows).tensor_split(m)]
+        assert token_counts(rows, 5, m) == [5 * len(part) for part in torch.arange(rows).tensor_split(m)]
+        assert all(band.whole_rows for band in patch_grid(rows * 2, 10, m, 2))
 
 
 @pytest.mark.parametrize(
     "rows,cols,m,lead,expected",
     [
-        (32, 32, 2, 93, [15, 17]),  # sd3-small at 512 px, 16 T5 tokens: 480 + 93 = 573 against 544
-        (32, 32, 2, 333, [11, 21]),  # the default 256 T5 tokens: 352 + 333 = 685 against 672
-        (32, 32, 2, 16, [16, 16]),  # flux-small, 16 T5 tokens: 15 rows would leave 544 for patch 1
-        (64, 64, 2, 333, [29, 35]),  # SD3-medium at 1024 px: 2,189 against 2,240 tokens
-        (8, 6, 2, 93, [1, 7]),  # more text than image: the first patch keeps one row
-        (8, 6, 3, 16, [1, 4, 3]),
+        (32, 32, 2, 93, [466, 558]),  # sd3-small at 512 px, 16 T5 tokens: 559 / 558 (by rows: 573 / 544)
+        (32, 32, 2, 333, [346, 678]),  # the default 256 T5 tokens: 679 / 678
+        (32, 32, 2, 16, [504, 520]),  # flux-small, 16 T5 tokens: half a row (by rows: 528 / 512)
+        (64, 64, 2, 333, [1882, 2214]),  # SD3-medium at 1024 px: 2,215 / 2,214 (by rows: 2,189 / 2,240)
+        (64, 64, 2, 512, [1792, 2304]),  # FLUX at 1024 px, 512 T5 tokens: whole rows (28 / 36)
+        (8, 6, 2, 93, [6, 42]),  # more text than image: the first patch keeps one row
+        (8, 6, 3, 16, [6, 21, 21]),
     ],
 )
-def test_row_counts_give_the_first_patch_fewer_rows_for_the_tokens_it_carries(rows, cols, m, lead, expected):
-    assert row_counts(rows, cols, m, lead) == expected
+def test_token_counts_give_the_first_patch_fewer_tokens_for_those_it_carries(rows, cols, m, lead, expected):
+    assert token_counts(rows, cols, m, lead) == expected
     grid = patch_grid(rows * 2, cols * 2, m, 2, lead)
-    assert [b.num_rows for b in grid] == expected and grid[0].lead_tokens == lead
-    assert grid.cost_tokens == (expected[0] * cols + lead, *(r * cols for r in expected[1:]))
-    assert grid.bands[-1].row_stop == rows and all(a.row_stop == b.row_start for a, b in pairwise(grid.bands))
+    assert [b.num_tokens for b in grid] == expected and grid[0].lead_tokens == lead
+    assert grid.cost_tokens == (expected[0] + lead, *expected[1:])
+    assert grid[0].token_start == 0 and grid.bands[-1].token_stop == rows * cols
+    assert all(a.token_stop == b.token_start for a, b in pairwise(grid.bands))
+    for band in grid:  # the covering rows: the rows holding the band's first and last token
+        assert band.row_start == band.token_start // cols and band.row_stop == (band.token_stop - 1) // cols + 1
+        assert band.whole_rows == (band.token_start % cols == 0 == band.token_stop % cols)
 
 
-def compositions(total, parts):
-    """Every way to write ``total`` as ``parts`` positive counts, in order."""
+def compositions(total, parts, first_at_least=1):
+    """Every way to write ``total`` as ``parts`` positive counts, in order (the first at least ``first_at_least``)."""
     if parts == 1:
-        yield (total,)
+        if total >= first_at_least:
+            yield (total,)
         return
-    for first in range(1, total - parts + 2):
+    for first in range(first_at_least, total - parts + 2):
         for rest in compositions(total - first, parts - 1):
             yield (first, *rest)
 
 
 @pytest.mark.parametrize("m", [2, 3, 4])
-@pytest.mark.parametrize("lead", [0, 3, 7, 20, 45])
-def test_row_counts_reach_the_smallest_largest_patch_of_every_cut(m, lead):
-    """Against every cut of 10 rows of 4 tokens: no cut has a smaller largest patch (the lead tokens in the first)."""
+@pytest.mark.parametrize("lead", [3, 7, 20, 45])
+def test_token_counts_reach_the_smallest_largest_patch_of_every_cut(m, lead):
+    """Against every cut of 10 rows of 4 tokens (the first patch keeping at least a row): no cut has a smaller
+    largest patch, the lead tokens counted in the first."""
     for rows in range(m, 11):
-        best = min(max(c[0] * 4 + lead, *(r * 4 for r in c[1:])) for c in compositions(rows, m))
-        counts = row_counts(rows, 4, m, lead)
-        assert sum(counts) == rows and min(counts) >= 1
-        assert max(counts[0] * 4 + lead, *(r * 4 for r in counts[1:])) == best, (rows, counts)
+        tokens = rows * 4
+        best = min(max(c[0] + lead, *c[1:]) for c in compositions(tokens, m, first_at_least=4))
+        counts = token_counts(rows, 4, m, lead)
+        assert sum(counts) == tokens and counts[0] >= 4 and min(counts) >= 1
+        assert max(counts[0] + lead, *counts[1:]) == best, (rows, counts)
+
+
+def band_mask(band, rows, cols, patch_size):
+    """(rows * p, cols * p) bool: the latent pixels of ``band``'s tokens, from each pixel's token index."""
+    token_of_pixel = torch.arange(rows * cols).reshape(rows, cols)
+    token_of_pixel = token_of_pixel.repeat_interleave(patch_size, 0).repeat_interleave(patch_size, 1)
+    return (token_of_pixel >= band.token_start) & (token_of_pixel < band.token_stop)
+
+
+@pytest.mark.parametrize("m,lead", [(2, 16), (3, 16), (2, 5), (4, 9), (3, 0)])
+def test_bands_inside_rows_trim_pad_and_copy_only_their_tokens(m, lead):
+    """A band cut inside a row: ``trim`` keeps its tokens of the covering rows, ``pad`` puts them back among zeros,
+    ``copy_pixels`` writes exactly its latent pixels (checked against a per-pixel token map)."""
+    rows, cols, p = 8, 6, 2
+    grid = patch_grid(rows * p, cols * p, m, p, lead)
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, 3, rows * p, cols * p, generator=gen)  # (B, C, H, W)
+    stepped = torch.randn(2, 3, rows * p, cols * p, generator=gen)
+    tokens = torch.randn(2, rows * cols, 5, generator=gen)  # (B, tokens, D) of the whole image
+    for band in grid:
+        covering = tokens[:, band.row_tokens]
+        assert torch.equal(band.trim(covering), tokens[:, band.tokens])
+        padded = band.pad(tokens[:, band.tokens])
+        assert padded.shape == covering.shape and torch.equal(band.trim(padded), tokens[:, band.tokens])
+        band.trim(padded).zero_()
+        assert not padded.any()  # zeros at the other bands' tokens
+        expected = torch.where(band_mask(band, rows, cols, p), stepped, latents)[:, :, band.latent_rows]
+        dest = latents.clone()
+        band.copy_pixels(dest[:, :, band.latent_rows], stepped[:, :, band.latent_rows])
+        assert torch.equal(dest[:, :, band.latent_rows], expected)
+        outside = torch.ones(rows * p, dtype=torch.bool)
+        outside[band.latent_rows] = False
+        assert torch.equal(dest[:, :, outside], latents[:, :, outside])
+    assert any(not band.whole_rows for band in grid) == (lead > 0)
 
 
 @pytest.mark.parametrize("m", [0, 9, -1, 2.0])

@@ -1,7 +1,8 @@
 """Bytes a plan moves and holds and the speedup its schedule allows, from shapes alone (no torch, no processes).
 
 ``comm_volume`` is the contract the communication counters are tested against: per denoising step, the whole image
-passes every hand-off once whatever the number of patches (warm-up and pipelined steps move the same bytes).
+passes every hand-off once whatever the number of patches (warm-up and pipelined steps move the same bytes; only the
+stepped latent of a linear placement moves one token row more per cut inside a row, with both patches it splits).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def comm_volume(
     for skip in plan.cross_rank_skips:
         volume[skip.src_rank]["skip"] += activation
     if plan.output_rank != plan.embed_rank:  # linear: the stepped latent goes back to the embedding rank
-        latent = latent_batch * in_channels * grid.latent_height * grid.latent_width * dtype_bytes
+        # each patch's covering rows (a cut inside a token row sends that row with both of its patches)
+        rows = sum(band.num_rows for band in grid) * grid.patch_size
+        latent = latent_batch * in_channels * rows * grid.latent_width * dtype_bytes
         volume[plan.output_rank]["latent"] += latent
     return volume
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
-from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
 from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
 from xfuse.parallel.stage import BatchPart, Stage
@@ -192,6 +192,15 @@ class _Run:
     def _rows(self, patch) -> slice:
         return slice(None) if patch is None else self.grid[patch].latent_rows
 
+    def _write_rows(self, patch, rows: torch.Tensor) -> None:
+        """Store (B, C, h, W) latent rows of ``patch`` (``None``: the whole latent) in this rank's latents: only the
+        patch's own pixels where a patch cut by cost shares a token row with its neighbour."""
+        dest = self.own_latents[:, :, self._rows(patch)]  # (B, C, h, W), a view
+        if patch is None:
+            dest.copy_(rows)
+        else:
+            self.grid[patch].copy_pixels(dest, rows)
+
     def _part(self, part: int) -> BatchPart:
         return BatchPart(part, self.schedule.batch_parts, self.part_size)
 
@@ -290,7 +299,7 @@ class _Run:
             by_kind.setdefault(m.kind, []).append((m, tensor))
         if task.hop == COLLECT:  # linear: the final latents arrive from the output rank
             ((_, tensor),) = by_kind["latent"]
-            self.own_latents[:, :, self._rows(patch)] = tensor
+            self._write_rows(patch, tensor)
             return
         key = (step, patch, task.part)
         skips = self.skips.setdefault(key, {})
@@ -324,7 +333,7 @@ class _Run:
                 hidden = self.stage.embed(self._transformer_input(task, rows), band)
             assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
             hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
-            stepped = self._step_model(task, hidden, cond) if last_hop else None
+            stepped = self._step_model(task, hidden, cond, band) if last_hop else None
         outgoing = {}
         for m in self.send_msgs[task]:
             if m.kind == "hidden":
@@ -376,15 +385,16 @@ class _Run:
             self.part_input = None
         return part_rows
 
-    def _step_model(self, task: Task, hidden: torch.Tensor, cond) -> torch.Tensor | None:
-        """Output rank: output layer, guidance and ``scheduler.step`` on (step, patch); returns the stepped rows.
+    def _step_model(self, task: Task, hidden: torch.Tensor, cond, band: PatchBand | None) -> torch.Tensor | None:
+        """Output rank: output layer, guidance and ``scheduler.step`` on (step, patch); returns the stepped rows (the
+        rows covering the patch: the scheduler is elementwise, and only the patch's own pixels are kept).
 
         A batch part of a whole-image step runs the output layer only; the last part joins the parts' outputs in
         batch order (the [uncond, cond] halves guidance combines) and steps the whole latent. ``None`` until then.
         """
         step, patch = task.step, task.patch
         req, rows = self.request, self._rows(patch)
-        output = self.stage.head(hidden, cond, self.token_cols)  # (B_model or a part's rows, C_out, h, W)
+        output = self.stage.head(hidden, cond, self.token_cols, band)  # (B_model or a part's rows, C_out, h, W)
         if task.part is not None:
             self.head_parts.append(output)
             if not self.schedule.is_last_part(task):
@@ -416,7 +426,7 @@ class _Run:
         """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final
         latent rows)."""
         req, rows, latents = self.request, self._rows(patch), self.own_latents
-        latents[:, :, rows] = stepped
+        self._write_rows(patch, stepped)
         if req.on_step_end is not None and patch in (None, self.grid.num_patches - 1):
             req.on_step_end(step, latents)
         if step + 1 == len(req.timesteps):

@@ -75,6 +75,6 @@ class SequenceParallelStage:
         self.sequence.end_pass()
         return out
 
-    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
         """(B, my chunk's tokens, hidden) -> the model output of the whole band, on every rank of the group."""
-        return self.inner.head(self.sequence.gather_tokens(hidden), cond, token_cols)
+        return self.inner.head(self.sequence.gather_tokens(hidden), cond, token_cols, band)

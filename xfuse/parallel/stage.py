@@ -62,7 +62,8 @@ class Stage(Protocol):
         sliced. Passes run with it are whole-image passes on those rows only (their K/V go into those rows)."""
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C, rows, W) model-input latent rows of ``band`` (``None``: the whole image) -> (B, tokens, hidden).
+        """(B, C, rows, W) model-input latent rows covering ``band`` (``None``: the whole image) -> (B, band tokens,
+        hidden): the covering rows embedded, the band's own tokens kept (``PatchBand.trim``).
 
         Position information is that of the band's rows in the whole image, never recomputed for the band's size.
         """
@@ -83,5 +84,6 @@ class Stage(Protocol):
         pass carry: the segment reads its inputs from it (none at the first segment) and replaces them with its
         outputs; empty for the other patches, which reuse what the first patch left (its text K/V)."""
 
-    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int) -> torch.Tensor:
-        """(B, tokens, hidden) -> the transformer's output (B, C_out, rows, W) for the same rows."""
+    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
+        """(B, band tokens, hidden) -> the transformer's output (B, C_out, rows, W) for the rows covering ``band``
+        (``None``: whole rows), zeros at the other bands' tokens of a partial row (``PatchBand.pad``)."""

@@ -249,8 +249,9 @@ class _Costs:
         def transfer(m: Message) -> float:
             link = self.machine.between(m.src * self.stage_ranks, m.dst * self.stage_ranks)
             tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
-            if m.kind == "latent":  # the stepped latent rows of one image
-                nbytes = work.latent_bytes_per_element * tokens / self.grid.num_tokens * element
+            if m.kind == "latent":  # the stepped latent rows of one image (the rows covering the patch)
+                rows = self.grid.token_rows if m.patch is None else self.grid[m.patch].num_rows
+                nbytes = work.latent_bytes_per_element * rows / self.grid.token_rows * element
             else:  # (B, tokens, hidden) of a batch part, each SP rank its chunk (in parallel over SP pairs)
                 batch = self.batch if m.part is None else self.batch / schedule.batch_parts
                 rows = work.text_tokens if m.kind in schedule.plan.streams else tokens

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
+from xfuse.parallel.patch_grid import PatchBand
+
 
 def project_heads(attn: Attention, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
     """``proj(x)`` split into heads, as ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` does before
@@ -23,10 +25,13 @@ def attend(attn: Attention, query, key, value, mask: torch.Tensor | None = None)
     return attn.to_out[1](attn.to_out[0](out))
 
 
-def unpatchify(out: torch.Tensor, token_cols: int, patch_size: int, channels: int) -> torch.Tensor:
-    """(B, tokens, p*p*C) of whole token rows -> (B, C, rows*p, cols*p); mirrors the unpatchify at the end of
-    ``diffusers.HunyuanDiT2DModel.forward`` and ``diffusers.PixArtTransformer2DModel.forward``, for a band of rows as
-    for the image."""
+def unpatchify(
+    out: torch.Tensor, token_cols: int, patch_size: int, channels: int, band: PatchBand | None = None
+) -> torch.Tensor:
+    """(B, tokens, p*p*C) of ``band`` (``None``: whole token rows) -> (B, C, rows*p, cols*p) of the rows covering it;
+    mirrors the unpatchify at the end of ``diffusers.HunyuanDiT2DModel.forward`` and
+    ``diffusers.PixArtTransformer2DModel.forward``, for a band as for the image."""
+    out = out if band is None else band.pad(out)  # (B, band tokens, p*p*C) -> (B, covering rows' tokens, p*p*C)
     p = patch_size
     batch, tokens = out.shape[:2]
     rows = tokens // token_cols

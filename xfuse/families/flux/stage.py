@@ -81,14 +81,18 @@ class FluxStage(JointStage):
         return {"image_rotary_emb": tuple(torch.cat([x[text], x[rows]]) for x in (cos, sin))}
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C4, rows, cols) packed latent rows -> (B, rows * cols, hidden): ``x_embedder`` on the packed tokens."""
-        return self.transformer.x_embedder(grid_to_packed(latent_rows))
+        """(B, C4, rows, cols) packed latent rows -> (B, band tokens, hidden): ``x_embedder`` on the packed tokens."""
+        tokens = grid_to_packed(latent_rows)  # (B, rows * cols, C4)
+        return self.transformer.x_embedder(tokens if band is None else band.trim(tokens))  # (B, band tokens, hidden)
 
-    def head(self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int) -> torch.Tensor:
-        """(B, tokens, hidden) -> (B, C4, rows, token_cols): mirrors the end of
+    def head(
+        self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int, band: PatchBand | None = None
+    ) -> torch.Tensor:
+        """(B, band tokens, hidden) -> (B, C4, rows, token_cols) of the rows covering the band: mirrors the end of
         ``diffusers.FluxTransformer2DModel.forward`` (packed output), as engine grid rows."""
         model = self.transformer
-        out = model.proj_out(model.norm_out(hidden, cond.temb))  # (B, tokens, C4)
+        out = model.proj_out(model.norm_out(hidden, cond.temb))  # (B, band tokens, C4)
+        out = out if band is None else band.pad(out)  # -> (B, covering rows' tokens, C4)
         return packed_to_grid(out, out.shape[1] // token_cols)
 
 

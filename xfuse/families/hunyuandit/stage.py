@@ -88,9 +88,10 @@ class HunyuanDiTStage(ShardedStage):
         return Conditioning(temb, text, rope)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C, rows, W) latent band -> (B, tokens, hidden). HunyuanDiT's positions are RoPE, applied in the
+        """(B, C, rows, W) latent rows -> (B, band tokens, hidden). HunyuanDiT's positions are RoPE, applied in the
         attention with the band's rows of the whole-image table: the patch embedding itself has none."""
-        return self.transformer.pos_embed(latent_rows)
+        hidden = self.transformer.pos_embed(latent_rows)  # (B, rows * cols, D)
+        return hidden if band is None else band.trim(hidden)
 
     def run_segment(
         self,
@@ -120,12 +121,14 @@ class HunyuanDiTStage(ShardedStage):
                 skips[index] = hidden
         return hidden
 
-    def head(self, hidden: torch.Tensor, cond: Conditioning, token_cols: int) -> torch.Tensor:
+    def head(
+        self, hidden: torch.Tensor, cond: Conditioning, token_cols: int, band: PatchBand | None = None
+    ) -> torch.Tensor:
         """(B, tokens, hidden) -> model output (B, out_channels, rows * p, token_cols * p) of the same band; mirrors
         the output layer of ``diffusers.HunyuanDiT2DModel.forward``."""
         model = self.transformer
         out = model.proj_out(model.norm_out(hidden, cond.temb.to(torch.float32)))  # (B, tokens, p*p*C)
-        return unpatchify(out, token_cols, model.config.patch_size, model.out_channels)
+        return unpatchify(out, token_cols, model.config.patch_size, model.out_channels, band)
 
 
 def denoise_request(

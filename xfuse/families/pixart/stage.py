@@ -91,16 +91,17 @@ class PixArtStage(ShardedStage):
         return PixArtConditioning(modulation, embedded, text, text_bias)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C, rows, W) -> (B, tokens, hidden): mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` with the
-        band's rows of the whole image's position table."""
+        """(B, C, rows, W) -> (B, band tokens, hidden): mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` with
+        the band's rows of the whole image's position table."""
         embed = self.transformer.pos_embed
         hidden = embed.proj(latent_rows).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
         if embed.layer_norm:
             hidden = embed.norm(hidden)
-        positions = self._positions if band is None else self._positions[:, band.tokens]  # (1, tokens, D)
+        positions = self._positions if band is None else self._positions[:, band.row_tokens]  # (1, tokens, D)
         if positions.shape[1] != hidden.shape[1]:
             raise RuntimeError("PixArtStage.embed: begin_request() was not called for this request's grid")
-        return (hidden + positions).to(hidden.dtype)
+        hidden = (hidden + positions).to(hidden.dtype)
+        return hidden if band is None else band.trim(hidden)  # -> (B, band tokens, D)
 
     def run_segment(
         self,
@@ -123,14 +124,16 @@ class PixArtStage(ShardedStage):
             )
         return hidden
 
-    def head(self, hidden: torch.Tensor, cond: PixArtConditioning, token_cols: int) -> torch.Tensor:
+    def head(
+        self, hidden: torch.Tensor, cond: PixArtConditioning, token_cols: int, band: PatchBand | None = None
+    ) -> torch.Tensor:
         """(B, tokens, hidden) -> (B, out_channels, rows * p, token_cols * p): mirrors the output layer of
         ``diffusers.PixArtTransformer2DModel.forward``."""
         model = self.transformer
         table = model.scale_shift_table[None]  # (1, 2, hidden)
         shift, scale = (table + cond.embedded_timestep[:, None].to(table.device)).chunk(2, dim=1)  # (B, 1, D) each
         out = model.proj_out(model.norm_out(hidden) * (1 + scale) + shift)  # (B, tokens, p*p*C)
-        return unpatchify(out, token_cols, model.config.patch_size, model.out_channels)
+        return unpatchify(out, token_cols, model.config.patch_size, model.out_channels, band)
 
 
 def denoise_request(

@@ -54,23 +54,26 @@ class SD3Stage(JointStage):
         return JointConditioning(self.transformer.time_text_embed(timestep, pooled), text)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C, rows, W) -> (B, tokens, hidden): mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` with the
-        band's rows of the whole image's cropped position window."""
+        """(B, C, rows, W) -> (B, band tokens, hidden): mirrors ``diffusers.models.embeddings.PatchEmbed.forward`` with
+        the band's rows of the whole image's cropped position window."""
         embed = self.transformer.pos_embed
         hidden = embed.proj(latent_rows).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, h*w, D)
         if embed.layer_norm:
             hidden = embed.norm(hidden)
-        positions = self._positions if band is None else self._positions[:, band.tokens]  # (1, tokens, D)
+        positions = self._positions if band is None else self._positions[:, band.row_tokens]  # (1, tokens, D)
         if positions.shape[1] != hidden.shape[1]:
             raise RuntimeError("SD3Stage.embed: begin_request() was not called for this request's grid")
-        return (hidden + positions).to(hidden.dtype).contiguous()  # as SD3Transformer2DModel.forward
+        hidden = (hidden + positions).to(hidden.dtype)  # as SD3Transformer2DModel.forward
+        return (hidden if band is None else band.trim(hidden)).contiguous()  # -> (B, band tokens, D)
 
-    def head(self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int) -> torch.Tensor:
+    def head(
+        self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int, band: PatchBand | None = None
+    ) -> torch.Tensor:
         """(B, tokens, hidden) -> (B, out_channels, rows * p, token_cols * p): mirrors the end of
         ``diffusers.SD3Transformer2DModel.forward``."""
         model = self.transformer
         out = model.proj_out(model.norm_out(hidden, cond.temb))  # (B, tokens, p*p*C)
-        return unpatchify(out, token_cols, model.config.patch_size, model.out_channels)
+        return unpatchify(out, token_cols, model.config.patch_size, model.out_channels, band)
 
 
 def denoise_request(
