@@ -134,13 +134,13 @@ def distance_rank(preset: str, steps: int, size: int) -> dict:
     def latents(num_patches, warmup, lead_tokens):
         grid = grid_of(spec, pipe, size, size, num_patches, lead_tokens)
         out = engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, warmup)
-        return out, [band.num_rows for band in grid]
+        return out, [band.num_tokens for band in grid]
 
     serial, _ = latents(1, steps, 0)
     result = {}
     for name, lead in (("rows", 0), ("cost", text_tokens)):
-        out, rows = latents(2, 1, lead)
-        result[name] = dict(rows=rows, latent_rel_l2=float((out - serial).norm() / serial.norm()))
+        out, tokens = latents(2, 1, lead)
+        result[name] = dict(tokens=tokens, latent_rel_l2=float((out - serial).norm() / serial.norm()))
     return result
 
 
@@ -211,13 +211,13 @@ def markdown(report: dict) -> str:
         f"Machine: {report['machine']}; {report['date']}; {report['steps']} steps, {report['size']} px, M = 2, "
         f"warm-up 1, {report['repeats']} rounds (median, min–max).",
         "",
-        "| family (preset) | degree 1 | degree 2 | speedup (rounds min–max) | ideal | of ideal | patch rows "
-        "(tokens) | schedule's ceiling |",
+        "| family (preset) | degree 1 | degree 2 | speedup (rounds min–max) | ideal | of ideal | patch tokens "
+        "(text included) | schedule's ceiling |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for preset, row in report["presets"].items():
         d1, d2 = row["degree1"], row["degree2"]
-        cuts = " / ".join(f"{r} ({t})" for r, t in zip(row["patch_rows"], row["patch_tokens"], strict=True))
+        cuts = " / ".join(str(tokens) for tokens in row["patch_tokens"])
         out.append(
             f"| {preset} | {d1['median']:.2f} s ({d1['min']:.2f}–{d1['max']:.2f}) | {d2['median']:.2f} s "
             f"({d2['min']:.2f}–{d2['max']:.2f}) | {row['speedup']:.2f}x ({min(row['round_speedups']):.2f}–"
