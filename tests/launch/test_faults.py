@@ -269,7 +269,6 @@ BAD_CALLS = [  # __call__ overrides -> (error type, text naming the field)
     (dict(callback_on_step_end_tensor_inputs=["noise"]), "ValueError", "callback_on_step_end_tensor_inputs"),
     (dict(num_inference_steps=0), "ValueError", "num_inference_steps must be a positive integer"),
     (dict(seed="rank"), "ValueError", "generator must be the same on every rank"),
-    (dict(prompt=["a", "b"], seeds=[0, 1]), "ValueError", "generator: a list of generators"),
     (dict(prompt=None), "ValueError", "Provide either `prompt` or `prompt_embeds`"),
     (dict(prompt=None, prompt_embeds=torch.zeros(1, 77, 32)), "ValueError", "prompt_embeds_2"),
 ]

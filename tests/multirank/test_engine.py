@@ -11,6 +11,7 @@ import torch
 import xfuse.parallel.engine as engine_module
 from tests.support.engine_fns import inject_unrefreshed_kv, run_engine, tiny_pipe
 from tests.support.pipefusion_oracle import pipefusion_reference
+from tests.support.schedulers import PerPatchNoiseDDPM
 from tests.support.world import World
 from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs, serial_latents
 from xfuse.families.hunyuandit.stage import HunyuanDiTStage
@@ -18,6 +19,7 @@ from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.scheduler_state import SerialNoise
 from xfuse.parallel.stage_plan import stage_plan
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3  # non-square: 8 x 6 tokens
@@ -184,7 +186,7 @@ def test_kv_buffers_reset_between_requests(world):
 
 @pytest.mark.parametrize("scheduler", ["DDPMScheduler", "DPMSolverMultistepScheduler"])
 def test_pipelined_stateful_and_stochastic_schedulers(world, scheduler):
-    """Multistep history is sliced per patch; DDPM noise comes from per-patch generators derived from the seed."""
+    """Multistep history is sliced per patch; DDPM noise is serial's, each patch stepping with its rows."""
     out = run(world, 2, "linear", 4, 1, height=256, width=192, steps=5, scheduler=scheduler)[0]["latents"]
     again = run(world, 2, "linear", 4, 1, height=256, width=192, steps=5, scheduler=scheduler)[0]["latents"]
     assert torch.equal(out, again) and torch.isfinite(out).all()
@@ -264,13 +266,39 @@ def test_oracle_catches_a_buffer_never_refreshed_after_warmup(monkeypatch):
 
 
 def test_oracle_catches_every_patch_drawing_the_same_noise(monkeypatch):
-    def same_seed_everywhere(generator, count, device):  # draws as many seeds, uses the first for every patch
-        seeds = torch.randint(0, 2**62, (count,), generator=generator).tolist()
-        return [torch.Generator(device=device).manual_seed(seeds[0]) for _ in seeds]
+    """Injected bug: every patch steps with the first rows of the step's noise, not its own."""
+    rows_of = SerialNoise.rows_of
+
+    def first_rows(self, step, rows):
+        return rows_of(self, step, slice(0, rows.stop - rows.start))
 
     assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) <= 1e-5
-    monkeypatch.setattr(engine_module, "patch_generators", same_seed_everywhere)
+    monkeypatch.setattr(SerialNoise, "rows_of", first_rows)
     assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) > 0.01
+
+
+def test_oracle_catches_noise_drawn_per_patch(monkeypatch):
+    """Injected bug: pipelined steps draw their noise per patch from derived generators (before serial's draws)."""
+    assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) <= 1e-5
+    monkeypatch.setattr(engine_module, "draws_serial_noise", lambda scheduler: False)
+    assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) > 0.01
+
+
+def test_a_scheduler_drawing_otherwise_keeps_per_patch_generators():
+    """A scheduler whose noise xfuse cannot draw as serial's (its module has no ``randn_tensor``) keeps per-patch
+    generators derived from the user's; the oracle does the same, and the realisation differs from serial's draws."""
+    engine = engine_degree1(2, 1, PerPatchNoiseDDPM, HEIGHT, WIDTH, STEPS)
+    assert rel_max(engine, oracle(2, 1, PerPatchNoiseDDPM)) <= 1e-5
+    assert rel_max(engine, oracle(2, 1)) > 0.01
+
+
+@pytest.mark.parametrize("placement", ["folded", "linear"])
+def test_one_patch_pipelined_ddpm_equals_serial(world, placement):
+    """Stale K/V replaced by fresh ones (M = 1 after warm-up): pipelined DDPM is serial diffusers' loop, its noise
+    included, at every degree."""
+    for degree in (2, 3, 4):
+        out = run(world, degree, placement, 1, 1)[0]["latents"]
+        assert rel_max(out, serial()) <= 1e-5, degree
 
 
 def test_engine_time_splits_a_loop_into_compute_waits_per_step_and_engine():

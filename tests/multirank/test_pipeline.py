@@ -10,6 +10,7 @@ from diffusers import HunyuanDiTPipeline
 
 from tests.support.heap_child import SETTLE
 from tests.support.pipeline_fns import (
+    as_array,
     changing_callback,
     heap_after_build_pipeline,
     interrupting_callback,
@@ -17,6 +18,7 @@ from tests.support.pipeline_fns import (
     reference_runner,
     run_calls,
 )
+from tests.support.schedulers import PerPatchNoiseDDPM
 from tests.support.world import World
 from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 from xfuse.families.hunyuandit.reference import swap_scheduler
@@ -183,6 +185,50 @@ def test_pipelined_mode_runs_and_is_deterministic(world4, folder, reference):
     finally:
         swap_scheduler(reference.pipe, "DDPMScheduler")
     assert 0 < np.abs(first - expected).mean() < 0.05  # stale K/V: close to, not equal to, serial
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pipefusion_degree": 4, "placement": "linear"},
+        {"pipefusion_degree": 4, "placement": "folded"},
+        {"pipefusion_degree": 2, "cfg_degree": 2},
+    ],
+)
+def test_one_patch_pipelined_ddpm_draws_diffusers_noise(world4, folder, reference, parallel):
+    """Pipelined steps (warm-up 1) with one patch: no K/V is stale, and DDPM (the model's own scheduler) draws each
+    step's noise as diffusers does, so the images equal diffusers' for batches, several images per prompt and a list
+    of generators; and a generator used for two calls in a row ends each call where diffusers' does on every rank
+    (the stepping rank is not rank 0 with linear placement), the second call equal to diffusers' second call."""
+    calls = {
+        "base": {},
+        "batch_and_images": dict(prompt=["a red house", "a cat"], num_images_per_prompt=2),
+        "generator_list": dict(prompt=["a red house", "a cat"], seeds=[3, 4]),
+    }
+    pipelined = {**parallel, "num_patches": 1, "warmup_steps": 1}
+    results = world4.run_ok(run_calls, folder, pipelined, [{**BASE, **c} for c in calls.values()], timeout=600)
+    check_against_diffusers(results, calls, reference)
+    twice = world4.run_ok(run_calls, folder, pipelined, [BASE, BASE], one_generator=5, timeout=600)
+    generator = torch.Generator().manual_seed(5)
+    for index in range(2):
+        expected = as_array(reference.pipe(**BASE, generator=generator))
+        assert np.abs(twice[0][index]["images"] - expected).max() <= 1e-4, index
+        assert all(torch.equal(r[index]["generator_state"], generator.get_state()) for r in twice), index
+
+
+def test_a_generator_list_is_refused_where_noise_is_drawn_per_patch(world2, folder):
+    """Pipelined steps of a scheduler that draws its noise otherwise than through ``randn_tensor`` take one generator
+    (per-patch generators derive from it): a list is refused on every rank, naming the scheduler and the way out."""
+    call = {**BASE, "prompt": ["a red house", "a cat"], "seeds": [3, 4]}
+    results = world2.run_ok(
+        run_calls, folder, {"pipefusion_degree": 2, "warmup_steps": 1}, [call], scheduler=PerPatchNoiseDDPM
+    )
+    for rank_results in results:
+        assert rank_results[0]["kind"] == "error" and rank_results[0]["type"] == "ValueError"
+        assert rank_results[0]["message"].startswith(
+            "generator: a list of generators works with PerPatchNoiseDDPM only with parallel.warmup_steps >= "
+            "num_inference_steps"
+        )
 
 
 CALLBACK_REFUSED = [

@@ -5,8 +5,9 @@ import copy
 import torch
 import torch.distributed as dist
 
+from tests.support.schedulers import use_scheduler
 from xfuse.comm.p2p import P2PChannels
-from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs, swap_scheduler
+from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs
 from xfuse.families.hunyuandit.stage import HunyuanDiTStage
 from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel.engine import PipeFusionEngine
@@ -24,7 +25,7 @@ def tiny_pipe(scheduler="DDPMScheduler", dtype=torch.float32, preset="tiny"):
     if key not in _PIPES:
         from xfuse.families.hunyuandit.presets import build_tiny_pipeline
 
-        pipe = swap_scheduler(build_tiny_pipeline(preset, seed=0), scheduler)
+        pipe = use_scheduler(build_tiny_pipeline(preset, seed=0), scheduler)
         pipe.set_progress_bar_config(disable=True)
         _PIPES[key] = pipe.to(dtype=dtype) if dtype != torch.float32 else pipe
     return _PIPES[key]

@@ -23,7 +23,9 @@ independently of the engine's schedule, stages, channels, K/V cache and per-patc
   ``attn2`` (image-only self-attention) has a buffer of its own. K is buffered after the per-head q/k RMSNorm and,
   for FLUX, after RoPE (stale rows keep their own positions).
 * From the first pipelined step on, each patch has its own copy of the scheduler, with whole-latent state cut to
-  its rows, and (for schedulers that draw noise) its own generator seeded by ``M`` draws of
+  its rows. A scheduler that draws noise through diffusers' ``randn_tensor`` draws it as serial diffusers does: at
+  each step, the first request draws the whole latent's noise from the user's generator and every patch steps with
+  its region of it. Any other stochastic scheduler gives each patch its own generator seeded by ``M`` draws of
   ``torch.randint(0, 2**62)`` from the user's generator (when there is one), made before the first patch is stepped.
 * Positions of a patch are the rows of the whole image's table (never recomputed for a band): HunyuanDiT's RoPE
   table, PixArt's sin-cos table, SD3's centred crop ``cropped_pos_embed`` of the whole latent, FLUX's RoPE of the
@@ -39,7 +41,9 @@ independently of the engine's schedule, stages, channels, K/V cache and per-patc
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 
 import numpy as np
 import torch
@@ -514,16 +518,48 @@ def pipefusion_reference(
                     for name, value in vars(scheduler).items():
                         setattr(patch_scheduler, name, _rows_of_state(copy.deepcopy(value), latents.shape, r))
                     patch_schedulers.append(patch_scheduler)
-                generator = inputs.get("generator")
                 patch_kwargs = [step_kwargs] * num_patches
-                if generator is not None:
+                module = sys.modules[type(scheduler).__module__]
+                serial_noise = hasattr(module, "randn_tensor")
+                generator = inputs.get("generator")
+                if not serial_noise and generator is not None:
                     seeds = torch.randint(0, 2**62, (num_patches,), generator=generator).tolist()
                     if "generator" in step_kwargs:
                         patch_kwargs = [step_kwargs | {"generator": torch.Generator().manual_seed(s)} for s in seeds]
+            step_noise = StepNoise(module, latents.shape) if serial_noise else None
             for p, (band, r, patch_scheduler, kwargs) in enumerate(
                 zip(bands, regions, patch_schedulers, patch_kwargs, strict=True)
             ):
                 noise = noise_prediction(latents[r], t, patch_scheduler, band, p)
-                stepped = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]
+                with step_noise.region(r) if step_noise is not None else contextlib.nullcontext():
+                    stepped = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]
                 latents[r] = torch.where(own_pixels(band), stepped, latents[r])
     return latents
+
+
+class StepNoise:
+    """One pipelined step's scheduler noise as serial diffusers draws it: the first patch that asks draws the whole
+    latent's (``latent_shape``) from the step's own arguments (the user's generator), and every patch gets its
+    region of each draw, in the order it asks. Installed as the scheduler module's ``randn_tensor`` for the length of
+    one patch's ``step``."""
+
+    def __init__(self, module, latent_shape) -> None:
+        self.module, self.latent_shape, self.draws = module, tuple(latent_shape), []
+
+    @contextlib.contextmanager
+    def region(self, region: tuple):
+        diffusers_randn, asked = self.module.randn_tensor, [0]
+
+        def randn(shape, generator=None, device=None, dtype=None, layout=None):
+            if asked[0] == len(self.draws):
+                whole = (shape[0], *self.latent_shape[1:])  # the batch of the call, the whole latent otherwise
+                drawn = diffusers_randn(whole, generator=generator, device=device, dtype=dtype, layout=layout)
+                self.draws.append(drawn)
+            asked[0] += 1
+            return self.draws[asked[0] - 1][region]
+
+        self.module.randn_tensor = randn
+        try:
+            yield
+        finally:
+            self.module.randn_tensor = diffusers_randn

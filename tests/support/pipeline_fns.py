@@ -34,10 +34,14 @@ def as_array(out):
     return images.float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
 
 
-def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None, family="hunyuandit"):
+def run_calls(
+    folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None, family="hunyuandit", one_generator=None
+):
     """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
 
-    Other ranks return their list of None / errors, so a test can check that every rank agrees.
+    Other ranks return their list of None / errors, so a test can check that every rank agrees. ``one_generator``
+    (a seed): every call uses the same generator, made once, instead of its own; each result then has the
+    generator's state after the call (``generator_state``).
     """
     from xfuse.families.registry import MODEL_SPECS
 
@@ -48,25 +52,29 @@ def run_calls(folder, parallel, calls, comm=None, torch_dtype=None, scheduler=No
     )
     pipe.set_progress_bar_config(disable=True)
     if scheduler is not None:
-        from xfuse.families.hunyuandit.reference import swap_scheduler
+        from tests.support.schedulers import use_scheduler
 
-        swap_scheduler(pipe.pipeline, scheduler)
+        use_scheduler(pipe.pipeline, scheduler)
     results = []
+    shared = None if one_generator is None else torch.Generator().manual_seed(one_generator)
     for call in calls:
         call = dict(call)
         CALLBACK_LOG.clear()
         try:
             generator = generators(call)  # pops seed/seeds from call
+            generator = generator if shared is None else shared
             out = pipe(**call, generator=generator)
         except Exception as err:  # noqa: BLE001 - the test inspects every error
             results.append(dict(kind="error", type=type(err).__name__, message=str(err)))
             continue
         sent = {kind for kind, nbytes in pipe.local_stats()["sent"].items() if nbytes}
+        state = None if shared is None else shared.get_state()
         if out is None:
-            results.append(dict(kind="none", log=list(CALLBACK_LOG), decode_ranks=pipe.decode_ranks, sent=sent))
+            results.append(dict(kind="none", log=list(CALLBACK_LOG), decode_ranks=pipe.decode_ranks, sent=sent,
+                                generator_state=state))  # fmt: skip
         else:
             results.append(dict(kind="ok", images=as_array(out), log=list(CALLBACK_LOG), type=type(out).__name__,
-                                decode_ranks=pipe.decode_ranks, sent=sent))  # fmt: skip
+                                decode_ranks=pipe.decode_ranks, sent=sent, generator_state=state))  # fmt: skip
     return results
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
-from xfuse.parallel.scheduler_state import patch_generators, patch_schedulers
+from xfuse.parallel.scheduler_state import SerialNoise, draws_serial_noise, patch_generators, patch_schedulers
 from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
@@ -44,7 +45,8 @@ class DenoiseRequest:
         guide: ``guide(output_rows, step, patch)`` -> noise prediction rows (B, C, h, W) (drops learned sigma,
             applies CFG; ``patch`` is None for a whole-image step).
         extra_step_kwargs: keyword arguments of ``scheduler.step`` (``eta``, ``generator``).
-        generator: the user's generator, from which per-patch generators are derived.
+        generator: the user's generator (the one in ``extra_step_kwargs``); per-patch generators are derived from
+            it only for a scheduler whose noise cannot be drawn as serial's (``scheduler_state.draws_serial_noise``).
         model_batch: batch of the transformer input.
         on_step_end: called on the output rank as ``on_step_end(step, latents)`` once every patch of ``step`` has
             been stepped (``latents`` is then exactly the latent after that step; no patch is further yet).
@@ -170,7 +172,8 @@ class _Run:
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
         self.patch_schedulers: list | None = None  # output rank, from the first pipelined step: one per patch
-        self.patch_kwargs: list[dict] = []  # output rank: each patch's scheduler.step keywords (its own generator)
+        self.patch_kwargs: list[dict] = []  # output rank: each patch's scheduler.step keywords
+        self.serial_noise: SerialNoise | None = None  # output rank: the step's noise as serial draws it, per patch
         if self.pipe_rank == self.plan.output_rank:
             # scheduler.step gets host timesteps and the scheduler keeps its own on the host too: schedulers compare
             # and index them (DDPM's previous_timestep, alphas_cumprod[t]), and on a device every such lookup is a
@@ -402,25 +405,38 @@ class _Run:
             output = torch.cat(self.head_parts)  # parts in batch order -> (B_model, C_out, H, W)
             self.head_parts = []
         noise = req.guide(output, step, patch)  # (B, C, h, W)
+        drawing: AbstractContextManager[None] = nullcontext()
         if patch is None:
             scheduler, kwargs = req.scheduler, req.extra_step_kwargs
         else:
             if self.patch_schedulers is None:  # first pipelined step: split the scheduler state per patch
-                self.patch_schedulers = patch_schedulers(
-                    req.scheduler, self.own_latents.shape, [band.latent_rows for band in self.grid]
-                )
-                gens = patch_generators(req.generator, self.grid.num_patches, self.own_latents.device)
-                self.patch_kwargs = [
-                    {**req.extra_step_kwargs, "generator": g}
-                    if "generator" in req.extra_step_kwargs
-                    else req.extra_step_kwargs
-                    for g in gens
-                ]
+                self.patch_schedulers = self._split_scheduler()
             scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
+            if self.serial_noise is not None:  # the step's noise drawn as serial draws it; this patch's rows
+                drawing = self.serial_noise.rows_of(step, rows)
         # The host copy of the timestep: schedulers index their host-side tables with it (a device timestep would
         # make every step copy it to the host: a device synchronisation per patch).
         t = self.host_timesteps[step]
-        return scheduler.step(noise, t, self.own_latents[:, :, rows], **kwargs, return_dict=False)[0]
+        with drawing:
+            return scheduler.step(noise, t, self.own_latents[:, :, rows], **kwargs, return_dict=False)[0]
+
+    def _split_scheduler(self) -> list:
+        """Output rank, first pipelined step: one scheduler per patch (its state cut to the patch's rows), and the
+        noise of stochastic schedulers drawn as serial diffusers draws it (``SerialNoise``: the user's generator,
+        one whole-latent draw per step, each patch its rows), or for a scheduler that draws otherwise from per-patch
+        generators derived from the user's."""
+        req = self.request
+        rows = [band.latent_rows for band in self.grid]
+        if draws_serial_noise(req.scheduler):
+            self.serial_noise = SerialNoise(req.scheduler, self.own_latents.shape[2])
+            self.patch_kwargs = [req.extra_step_kwargs] * self.grid.num_patches
+            return patch_schedulers(req.scheduler, self.own_latents.shape, rows)
+        gens = patch_generators(req.generator, self.grid.num_patches, self.own_latents.device)
+        self.patch_kwargs = [
+            {**req.extra_step_kwargs, "generator": g} if "generator" in req.extra_step_kwargs else req.extra_step_kwargs
+            for g in gens
+        ]
+        return patch_schedulers(req.scheduler, self.own_latents.shape, rows)
 
     def _route_stepped(self, step: int, patch, stepped: torch.Tensor) -> torch.Tensor:
         """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final

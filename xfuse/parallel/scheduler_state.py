@@ -1,14 +1,24 @@
-"""Per-patch scheduler state for pipelined steps.
+"""Per-patch scheduler state and noise for pipelined steps.
 
 Pipelined steps call ``scheduler.step`` once per patch, at different times. Schedulers keep state between steps: a
 step counter (all) and, for multistep solvers such as ``DPMSolverMultistepScheduler``, the previous model outputs,
 which are whole-latent tensors. Each patch therefore gets its own copy of the scheduler whose whole-latent tensors
 are cut to the patch's rows; the counters advance independently and identically.
+
+Stochastic schedulers (DDPM, Euler ancestral, LCM, DDIM with ``eta > 0``, the SDE variants of DPM-Solver++, …) draw
+their noise inside ``step`` through diffusers' ``randn_tensor``, once per step with the model output's shape. Serial
+diffusers draws it for the whole latent from the user's generator; ``SerialNoise`` makes the patches' steps draw
+exactly that (the step's first patch draws the whole latent's noise, every patch steps with its rows of it), so the
+noise realisation, and the generator's state after the call, are serial's. A scheduler whose module draws otherwise
+(``DPMSolverSDEScheduler``'s Brownian tree, seeded per call) keeps per-patch generators (``patch_generators``).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -44,3 +54,51 @@ def patch_generators(generator: torch.Generator | None, count: int, device) -> l
         return [None] * count
     seeds = torch.randint(0, 2**62, (count,), generator=generator, device=generator.device).tolist()
     return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+
+def draws_serial_noise(scheduler) -> bool:
+    """Whether ``scheduler``'s noise can be drawn as serial diffusers draws it and cut per patch (``SerialNoise``):
+    its module draws through diffusers' ``randn_tensor``."""
+    module = sys.modules.get(type(scheduler).__module__)
+    return module is not None and callable(getattr(module, "randn_tensor", None))
+
+
+class SerialNoise:
+    """The noise of pipelined ``scheduler.step`` calls as serial diffusers draws it, cut per patch.
+
+    While a patch of step ``s`` steps (``rows_of``), the scheduler module's ``randn_tensor`` is replaced: the step's
+    first draw request draws the whole latent's noise (the patch's shape with the latent's height), from the same
+    generator (or list of generators) with the same device and dtype, as serial diffusers' step would; every patch
+    of ``s`` gets its rows of it. Patches of a step are stepped in order and each draws as many tensors as serial's
+    step, so the draws happen once per step, in step order, and the generator ends where serial's does.
+    """
+
+    def __init__(self, scheduler, latent_height: int):
+        self._module = sys.modules[type(scheduler).__module__]
+        self._randn = self._module.randn_tensor  # diffusers' own, restored after every patch's step
+        self._height = latent_height
+        self._step: int | None = None
+        self._draws: list[torch.Tensor] = []  # the step's whole-latent draws, in the order the scheduler asked
+
+    @contextmanager
+    def rows_of(self, step: int, rows: slice) -> Iterator[None]:
+        """For one patch's ``scheduler.step`` of ``step``: noise draws give ``rows`` (latent rows) of the step's
+        whole-latent draws."""
+        if step != self._step:
+            self._step, self._draws = step, []
+        index = 0
+
+        def randn_rows(shape, generator=None, device=None, dtype=None, layout=None) -> torch.Tensor:
+            nonlocal index
+            if index == len(self._draws):  # the step's first patch: the whole latent's noise, as serial draws it
+                whole = (shape[0], shape[1], self._height, *shape[3:])  # (B, C, h, W) -> (B, C, H, W)
+                self._draws.append(self._randn(whole, generator=generator, device=device, dtype=dtype, layout=layout))
+            noise = self._draws[index][:, :, rows]  # (B, C, H, W) -> (B, C, h, W): the patch's rows
+            index += 1
+            return noise
+
+        setattr(self._module, "randn_tensor", randn_rows)  # noqa: B010  (a module's global, replaced for one call)
+        try:
+            yield
+        finally:
+            setattr(self._module, "randn_tensor", self._randn)  # noqa: B010

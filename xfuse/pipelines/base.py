@@ -27,6 +27,7 @@ from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.scheduler_state import draws_serial_noise
 from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
@@ -427,6 +428,7 @@ class PipeFusionPipelineBase:
                 latents = self._shared_latents(lambda: recipe.prepare_latents(generator))
                 request = recipe.request(text, latents, timesteps, generator)
             final = self._denoise(request, recipe.height, recipe.width)
+            self._sync_generator(recipe.generator)
             if self.context.is_output:
                 with span("decode", CALL):
                     result = recipe.decode(final)  # the family's decode calls _decode_latents
@@ -469,10 +471,12 @@ class PipeFusionPipelineBase:
             )
         self._decode_shape = self._band_decode_shape(recipe)
         generator = recipe.generator
-        if isinstance(generator, list) and par.warmup_steps < recipe.num_inference_steps:
+        pipelined = par.warmup_steps < recipe.num_inference_steps
+        if isinstance(generator, list) and pipelined and not draws_serial_noise(self.scheduler):
             raise ValueError(
-                "generator: a list of generators works only with parallel.warmup_steps >= "
-                "num_inference_steps; pipelined steps derive per-patch generators from one generator"
+                f"generator: a list of generators works with {type(self.scheduler).__name__} only with "
+                "parallel.warmup_steps >= num_inference_steps: its noise is not drawn through diffusers' randn_tensor, "
+                "so pipelined steps derive per-patch generators from one generator"
             )
         gens = generator if isinstance(generator, list) else [generator]
         self._same_everywhere(
@@ -549,6 +553,21 @@ class PipeFusionPipelineBase:
             return generator
         seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if self.context.is_output else None)
         return torch.Generator().manual_seed(seed)
+
+    def _sync_generator(self, generator) -> None:
+        """After the loop, every rank's generator(s) take the state of those of the rank that stepped the scheduler
+        (``_observer``): it alone drew the scheduler's noise, as serial diffusers draws it, so every rank ends where
+        serial diffusers' generator ends and a second call with the same generator starts alike everywhere (the call's
+        first check compares the ranks' states)."""
+        if generator is None or self.context.world_size == 1:
+            return
+        generators = generator if isinstance(generator, list) else [generator]
+        mine = [g.get_state() for g in generators] if self._observer() else None
+        states: list = [None] * self.context.world_size
+        dist.all_gather_object(states, mine, group=self.context.control_group)
+        (observed,) = [s for s in states if s is not None]
+        for g, state in zip(generators, observed, strict=True):
+            g.set_state(state)
 
     def _shared_latents(self, prepare) -> torch.Tensor:
         """The initial latents: rank 0's ``prepare()`` (the diffusers pipeline's ``prepare_latents``), broadcast.
