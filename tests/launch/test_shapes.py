@@ -104,7 +104,10 @@ def test_pipelined_default_keeps_the_prompt_adherence(serial_images, pipelined_i
         np.abs(a.astype(float) - b.astype(float)).mean()
         for a, b in zip(pipelined_images[model], serial_images[model], strict=True)
     ]
-    assert max(diffs) < 20, diffs  # mean absolute difference in 0-255 levels per image
+    # mean absolute difference in 0-255 levels per image: measured at most 3.9 (shapes) and 4.3 (shapes-pixart) since
+    # pipelined steps draw serial diffusers' scheduler noise; with each patch's own DDPM noise (before) shapes reached
+    # 11.2, which this bound fails
+    assert max(diffs) < 8, diffs
 
 
 def test_the_demo_config_generates_under_torchrun(tmp_path):
