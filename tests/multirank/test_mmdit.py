@@ -230,6 +230,20 @@ def test_counted_bytes_equal_comm_volume_text_included(world4, preset):
         sent = results[rank][1]["sent_bytes"]
         assert {k: v for k, v in sent.items() if v} == {k: v * STEPS for k, v in volume[rank].items() if v}, rank
     assert volume[0]["text"] == 2 * text_tokens * config.num_attention_heads * config.attention_head_dim * 4
+    # Cut by cost inside rows (M = 3: 6 / 21 / 21 tokens of 6-token rows) and every step pipelined (W = 0): the
+    # stepped latent each patch sends back carries its covering rows, 1 + 4 + 4 of 8 rows, as comm_volume counts.
+    whole_latent = volume[3]["latent"]  # the even cut's: every row once
+    cut = grid_of(spec, pipe, HEIGHT, WIDTH, 3, text_tokens)
+    assert [band.num_rows for band in cut] == [1, 4, 4]
+    results = world4.run_ok(run_engine, preset, 4, 3, 0, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0,
+                            counters=True, lead_tokens=text_tokens)  # fmt: skip
+    volume = comm_volume(plan_of(preset, 4), cut, hidden_size=config.num_attention_heads * config.attention_head_dim,
+                         batch=2, latent_batch=1, in_channels=config.in_channels,
+                         stream_tokens={"text": text_tokens})  # fmt: skip
+    assert whole_latent > 0 and volume[3]["latent"] == whole_latent * 9 // 8
+    for rank in range(4):
+        sent = results[rank][1]["sent_bytes"]
+        assert {k: v for k, v in sent.items() if v} == {k: v * STEPS for k, v in volume[rank].items() if v}, rank
 
 
 @pytest.mark.parametrize("preset", ["sd3-tiny", "flux-tiny"])

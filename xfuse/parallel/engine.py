@@ -410,7 +410,8 @@ class _Run:
             scheduler, kwargs = req.scheduler, req.extra_step_kwargs
         else:
             if self.patch_schedulers is None:  # first pipelined step: split the scheduler state per patch
-                self.patch_schedulers = self._split_scheduler()
+                self._split_scheduler()
+            assert self.patch_schedulers is not None
             scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
             if self.serial_noise is not None:  # the step's noise drawn as serial draws it; this patch's rows
                 drawing = self.serial_noise.rows_of(step, rows)
@@ -420,23 +421,23 @@ class _Run:
         with drawing:
             return scheduler.step(noise, t, self.own_latents[:, :, rows], **kwargs, return_dict=False)[0]
 
-    def _split_scheduler(self) -> list:
+    def _split_scheduler(self) -> None:
         """Output rank, first pipelined step: one scheduler per patch (its state cut to the patch's rows), and the
         noise of stochastic schedulers drawn as serial diffusers draws it (``SerialNoise``: the user's generator,
         one whole-latent draw per step, each patch its rows), or for a scheduler that draws otherwise from per-patch
         generators derived from the user's."""
-        req = self.request
-        rows = [band.latent_rows for band in self.grid]
+        req, count = self.request, self.grid.num_patches
         if draws_serial_noise(req.scheduler):
             self.serial_noise = SerialNoise(req.scheduler, self.own_latents.shape[2])
-            self.patch_kwargs = [req.extra_step_kwargs] * self.grid.num_patches
-            return patch_schedulers(req.scheduler, self.own_latents.shape, rows)
-        gens = patch_generators(req.generator, self.grid.num_patches, self.own_latents.device)
-        self.patch_kwargs = [
-            {**req.extra_step_kwargs, "generator": g} if "generator" in req.extra_step_kwargs else req.extra_step_kwargs
-            for g in gens
-        ]
-        return patch_schedulers(req.scheduler, self.own_latents.shape, rows)
+            self.patch_kwargs = [req.extra_step_kwargs] * count
+        else:  # the seeds are drawn from the user's generator first, before any patch steps
+            gens = patch_generators(req.generator, count, self.own_latents.device)
+            step_kwargs = req.extra_step_kwargs
+            self.patch_kwargs = [
+                {**step_kwargs, "generator": g} if "generator" in step_kwargs else step_kwargs for g in gens
+            ]
+        rows = [band.latent_rows for band in self.grid]
+        self.patch_schedulers = patch_schedulers(req.scheduler, self.own_latents.shape, rows)
 
     def _route_stepped(self, step: int, patch, stepped: torch.Tensor) -> torch.Tensor:
         """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final

@@ -250,8 +250,8 @@ class _Costs:
             link = self.machine.between(m.src * self.stage_ranks, m.dst * self.stage_ranks)
             tokens = self.grid.num_tokens if m.patch is None else self.grid[m.patch].num_tokens
             if m.kind == "latent":  # the stepped latent rows of one image (the rows covering the patch)
-                rows = self.grid.token_rows if m.patch is None else self.grid[m.patch].num_rows
-                nbytes = work.latent_bytes_per_element * rows / self.grid.token_rows * element
+                covering = self.grid.token_rows if m.patch is None else self.grid[m.patch].num_rows
+                nbytes = work.latent_bytes_per_element * covering / self.grid.token_rows * element
             else:  # (B, tokens, hidden) of a batch part, each SP rank its chunk (in parallel over SP pairs)
                 batch = self.batch if m.part is None else self.batch / schedule.batch_parts
                 rows = work.text_tokens if m.kind in schedule.plan.streams else tokens
