@@ -46,7 +46,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 from xfuse.errors import ConfigError
-from xfuse.types import Backend, Device, DtypeName, Placement, VaeParallel, Wait
+from xfuse.types import Backend, Device, DtypeName, Placement, VaeParallel, VideoPatches, Wait
 
 MAX_PIPEFUSION_DEGREE = 8
 MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
@@ -280,6 +280,8 @@ class ParallelConfig(_Section):
     ``vae_parallel``: the VAE decode split in row bands over every rank of the world (``xfuse.parallel.vae_decode``,
     exact); ``auto`` does so when the world has more than one rank and the image has at least
     ``VAE_PARALLEL_MIN_PIXELS`` pixels, where it was measured to gain.
+    ``video_patches``: how a video family's patches cut the clip (``xfuse.parallel.video_layout``): ``temporal``,
+    runs of consecutive frames (the model's own token order), or ``spatial``, strips of rows across every frame.
     """
 
     pipefusion_degree: Annotated[int, Field(ge=1, le=MAX_PIPEFUSION_DEGREE)] = 1
@@ -306,6 +308,7 @@ class ParallelConfig(_Section):
         Allowed(f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage passing K/V blocks around a ring)"),
     ] = 1
     vae_parallel: Annotated[VaeParallel, BeforeValidator(_yaml_switch)] = "auto"
+    video_patches: VideoPatches = "temporal"
 
     def __post_init__(self) -> None:
         if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:

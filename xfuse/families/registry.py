@@ -17,8 +17,9 @@ from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.spec import ModelSpec
+from xfuse.families.wan.spec import WAN
 
-FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX)
+FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX, WAN)
 
 
 def _by_name(kind: str, entries) -> dict[str, ModelSpec]:

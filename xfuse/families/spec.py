@@ -66,6 +66,9 @@ class ModelSpec:
             one batch element on a pass of ``queries`` image tokens attending to ``keys`` image tokens and the
             prompt's ``text`` tokens (``text_queries``: an MMDiT's text stream is computed in this pass; the step's
             first patch), as ``xfuse.families.common.flops`` counts them. The performance model costs tasks by it.
+        vae_temporal_factor: video frames per latent frame (1: an image family; Wan: 4, and its pipeline takes
+            ``num_frames`` = 4k + 1). The engine sees a video's latent frames stacked as one tall image
+            (``xfuse.parallel.video_layout``).
     """
 
     name: str
@@ -88,6 +91,7 @@ class ModelSpec:
     native_side: Callable[[dict], int] | None = None
     attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
     resolution_binning: bool = False
+    vae_temporal_factor: int = 1
 
     @property
     def pipeline_name(self) -> str:
@@ -120,12 +124,25 @@ class ModelSpec:
             streams=self.streams,
         )
 
+    @property
+    def video(self) -> bool:
+        """Whether the family generates video (its pipeline takes ``num_frames`` and returns ``frames``)."""
+        return self.vae_temporal_factor > 1
+
     def check_layout(
-        self, parallel, *, num_blocks: int, patch_size: int, height: int, width: int, num_heads: int | None = None
+        self,
+        parallel,
+        *,
+        num_blocks: int,
+        patch_size: int,
+        height: int,
+        width: int,
+        num_heads: int | None = None,
+        latent_frames: int = 1,
     ) -> None:
         """Check that this family runs ``parallel`` (a ParallelConfig) on a ``num_blocks``-block model with
-        ``num_heads`` attention heads for a ``height`` x ``width`` px image; raise :class:`ConfigError` naming the key
-        otherwise.
+        ``num_heads`` attention heads for a ``height`` x ``width`` px image (a video: ``latent_frames`` of them, which
+        the engine stacks into one image); raise :class:`ConfigError` naming the key otherwise.
 
         Run before any communication, the same on every rank (the world size is ``xfuse.runtime.world``'s check).
         The block placement and the patch grid are validated by the pure planners themselves.
@@ -143,7 +160,10 @@ class ModelSpec:
                 )
         self.plan(num_blocks, parallel)
         grid = patch_grid(
-            height // self.latent_scale, width // self.latent_scale, parallel.resolved_num_patches, patch_size
+            latent_frames * (height // self.latent_scale),
+            width // self.latent_scale,
+            parallel.resolved_num_patches,
+            patch_size,
         )
         ulysses = parallel.ulysses_degree
         if num_heads is not None and num_heads % ulysses:

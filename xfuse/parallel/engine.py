@@ -55,6 +55,8 @@ class DenoiseRequest:
         stream_shapes: the shape of each of the plan's streams (the hand-off tensors a step's first patch carries
             besides the hidden state, e.g. an MMDiT's text ``(B_model, T, hidden)``), taken from this request's
             tensors by the family's adapter.
+        hidden_dtype: dtype of the hidden states (and streams) handed between ranks, where it is not the latents'
+            (Wan steps float32 latents with a bfloat16 transformer); ``None``: the latents' dtype.
     """
 
     latents: torch.Tensor
@@ -69,6 +71,7 @@ class DenoiseRequest:
     on_step_end: Callable[[int, torch.Tensor], None] | None = None
     on_progress: Callable[[int], None] | None = None
     stream_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    hidden_dtype: torch.dtype | None = None
 
 
 def _scale_model_input(scheduler, sample: torch.Tensor, t) -> torch.Tensor:
@@ -220,7 +223,8 @@ class _Run:
 
     # --- communication --------------------------------------------------------------------------------------
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
-        group, dtype = self.engine.group_ranks, self.request.latents.dtype
+        group, latent_dtype = self.engine.group_ranks, self.request.latents.dtype
+        hidden_dtype = self.request.hidden_dtype or latent_dtype
         sends: list[Send] = []
         send_owner: list[Task] = []
         for task in send_tasks:
@@ -231,6 +235,7 @@ class _Run:
         posted: list[Message] = []
         for task in post_tasks:
             for m in self.recv_msgs[task]:
+                dtype = latent_dtype if m.kind == "latent" else hidden_dtype
                 recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch, m.part))
                 posted.append(m)
         if not sends and not recvs:

@@ -93,6 +93,7 @@ class CallRecipe:
         request: ``(text, latents, timesteps, generator) -> DenoiseRequest``, every rank, no communication: the
             engine's request (conditioning, guidance, this CFG group's half, step callbacks).
         decode: ``final latents -> output``, rank 0 only: the VAE decode and diffusers' output object.
+        latent_frames: a video's latent frames (``num_frames`` through the VAE's temporal factor); 1 for an image.
     """
 
     height: int
@@ -109,6 +110,7 @@ class CallRecipe:
     prepare_latents: Callable[[torch.Generator], torch.Tensor]
     request: Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Generator], DenoiseRequest]
     decode: Callable[[torch.Tensor], Any]
+    latent_frames: int = 1
 
 
 class PipeFusionPipelineBase:
@@ -427,7 +429,7 @@ class PipeFusionPipelineBase:
                 generator = self._shared_generator(recipe.generator)
                 latents = self._shared_latents(lambda: recipe.prepare_latents(generator))
                 request = recipe.request(text, latents, timesteps, generator)
-            final = self._denoise(request, recipe.height, recipe.width)
+            final = self._denoise(request)
             self._sync_generator(recipe.generator)
             if self.context.is_output:
                 with span("decode", CALL):
@@ -452,13 +454,14 @@ class PipeFusionPipelineBase:
         self.spec.check_layout(
             par,
             num_blocks=self.num_blocks,
-            patch_size=self.stage.config.patch_size,
+            patch_size=self.stage.patch_size,
             height=recipe.height,
             width=recipe.width,
             num_heads=self.stage.config.num_attention_heads,
+            latent_frames=recipe.latent_frames,
         )
         if recipe.latents is not None:
-            shape = self._latents_shape(recipe.batch_size * recipe.num_images_per_prompt, recipe.height, recipe.width)
+            shape = self._latents_shape(recipe)
             if not isinstance(recipe.latents, torch.Tensor) or tuple(recipe.latents.shape) != shape:
                 raise ValueError(
                     f"latents must be a tensor of shape {shape} for this request "
@@ -535,10 +538,10 @@ class PipeFusionPipelineBase:
             )
         return self.band_decode.decode(latents, self._decode_shape)
 
-    def _latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+    def _latents_shape(self, recipe: CallRecipe) -> tuple[int, ...]:
         """The shape of the ``latents`` argument diffusers' pipeline takes for this request."""
-        vae = self.spec.vae_scale_factor
-        return (batch, self.stage.config.in_channels, height // vae, width // vae)
+        vae, batch = self.spec.vae_scale_factor, recipe.batch_size * recipe.num_images_per_prompt
+        return (batch, self.stage.config.in_channels, recipe.height // vae, recipe.width // vae)
 
     # ------------------------------------------------------------------------------- the driver's steps, in order
     def _begin_call(self) -> None:
@@ -577,15 +580,13 @@ class PipeFusionPipelineBase:
         latents = prepare()
         return self._broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)
 
-    def _denoise(self, request: DenoiseRequest, height: int, width: int):
+    def _denoise(self, request: DenoiseRequest):
         """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
-        vae = self.spec.latent_scale
+        latents = request.latents  # (B, C, H, W) as the engine sees them (FLUX's packed tokens, a video's frames)
         # The step's first patch carries the plan's streams (an MMDiT's text) through every block: cut by cost.
         lead_tokens = sum(shape[1] for shape in request.stream_shapes.values())  # (B, T, hidden) each
-        grid = patch_grid(
-            height // vae, width // vae, self.parallel.resolved_num_patches, self.stage.config.patch_size, lead_tokens
-        )
-        latents = request.latents
+        height, width = latents.shape[-2:]
+        grid = patch_grid(height, width, self.parallel.resolved_num_patches, self.stage.patch_size, lead_tokens)
         shape = (grid.token_rows, grid.token_cols, grid.cost_tokens, tuple(latents.shape), latents.dtype)
         if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
             for channels in self.context.all_channels:

@@ -88,6 +88,14 @@ class CachedCrossAttnProcessor:
     def reset(self) -> None:
         self._kv.clear()
 
+    def text_kv(self, attn: Attention, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text's keys and values, each (B, heads, S_text, head_dim) (diffusers' ``Attention``: per-head norm)."""
+        return _heads(attn, text, attn.to_k, attn.norm_k), _heads(attn, text, attn.to_v, None)
+
+    def queries(self, attn: Attention, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The image tokens' queries, (B, heads, S, head_dim)."""
+        return _heads(attn, hidden_states, attn.to_q, attn.norm_q)
+
     def __call__(
         self,
         attn: Attention,
@@ -99,13 +107,14 @@ class CachedCrossAttnProcessor:
     ):
         entry = self._kv.get(id(encoder_hidden_states))
         if entry is None:
-            key = _heads(attn, encoder_hidden_states, attn.to_k, attn.norm_k)
-            value = _heads(attn, encoder_hidden_states, attn.to_v, None)
-            entry = self._kv[id(encoder_hidden_states)] = (encoder_hidden_states, (key, value))
+            entry = self._kv[id(encoder_hidden_states)] = (
+                encoder_hidden_states,
+                self.text_kv(attn, encoder_hidden_states),
+            )
             if len(self._kv) > self.MAX_TEXTS:
                 self._kv.popitem(last=False)
         text_kv = entry[1]
-        query = _heads(attn, hidden_states, attn.to_q, attn.norm_q)
+        query = self.queries(attn, hidden_states)
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb)
         mask = None

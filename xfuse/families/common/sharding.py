@@ -122,6 +122,11 @@ class ShardedStage(nn.Module):
         return self.transformer.config
 
     @property
+    def patch_size(self) -> int:
+        """Latent rows (and columns) per token: the engine's ``patch_size``."""
+        return self.transformer.config.patch_size
+
+    @property
     def hidden_size(self) -> int:
         return self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
 

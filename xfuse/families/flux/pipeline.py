@@ -35,10 +35,10 @@ class PipeFusionFluxPipeline(PipeFusionPipelineBase):
     spec = FLUX
     rank0_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae")
 
-    def _latents_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+    def _latents_shape(self, recipe: CallRecipe) -> tuple[int, ...]:
         """FluxPipeline's packed latents: (B, (H/16) * (W/16), 4 * latent channels)."""
-        scale = self.spec.latent_scale
-        return (batch, (height // scale) * (width // scale), self.stage.config.in_channels)
+        scale, batch = self.spec.latent_scale, recipe.batch_size * recipe.num_images_per_prompt
+        return (batch, (recipe.height // scale) * (recipe.width // scale), self.stage.config.in_channels)
 
     @torch.no_grad()
     def __call__(

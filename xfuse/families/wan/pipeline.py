@@ -1,0 +1,206 @@
+"""``PipeFusionWanPipeline``: diffusers' ``WanPipeline`` (text-to-video) with PipeFusion inside, under torchrun.
+
+What every family shares, and the order of every call, is ``PipeFusionPipelineBase``'s. This file is
+``WanPipeline.__call__``'s signature and checks, and its recipe (``encode_prompt``, ``set_timesteps``,
+``prepare_latents`` of the (B, C, frames, H, W) latents, the engine's request on the frames stacked in the layout
+``parallel.video_patches`` picks, the VAE decode with Wan's latent normalisation and ``postprocess_video``), run by the
+diffusers pipeline object itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+
+from xfuse.families.common.guidance import do_classifier_free_guidance
+from xfuse.families.wan.spec import WAN
+from xfuse.families.wan.stage import denoise_request
+from xfuse.parallel.video_layout import VideoLayout
+from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+
+
+class PipeFusionWanPipeline(PipeFusionPipelineBase):
+    r"""
+    Text-to-video with Wan 2.1 on ``cfg_degree x pipefusion_degree`` ranks (each stage optionally a Ulysses/Ring
+    group), called with the arguments of diffusers' [`~diffusers.WanPipeline.__call__`]; global rank 0 returns what
+    diffusers returns (`WanPipelineOutput(frames=...)`), the others `None`. Rules:
+    [`~xfuse.pipelines.base.PipeFusionPipelineBase`].
+
+    A patch is a run of latent frames (`parallel.video_patches: temporal`, the default) or a strip of rows across every
+    frame (`spatial`). Classifier-free guidance runs the negative and the positive prompt as one transformer batch
+    [negative, positive] (diffusers makes two calls: per sample the same computation), which `parallel.cfg_degree: 2`
+    splits. diffusers rounds a `num_frames` that is not 4k + 1 and a size that is not a multiple of 16 with a warning;
+    xfuse refuses them. Refused by name: `attention_kwargs`; Wan 2.2's second expert (`transformer_2`,
+    `boundary_ratio`) and `expand_timesteps` folders.
+    """
+
+    spec = WAN
+    rank0_components = ("tokenizer", "text_encoder", "vae")
+
+    def __init__(self, pipeline, context, dtype, stage=None):
+        config = pipeline.config
+        if getattr(pipeline, "transformer_2", None) is not None or config.get("boundary_ratio") is not None:
+            raise ValueError(
+                "xfuse runs Wan with one transformer: a two-expert folder (transformer_2, boundary_ratio; "
+                "Wan 2.2 A14B) is not supported yet"
+            )
+        if config.get("expand_timesteps"):
+            raise ValueError("xfuse does not run Wan pipelines with expand_timesteps (Wan 2.2 TI2V) yet")
+        super().__init__(pipeline, context, dtype, stage)
+
+    def _latents_shape(self, recipe: CallRecipe) -> tuple[int, ...]:
+        """WanPipeline's latents: (B, C, latent frames, H/8, W/8)."""
+        vae, batch = self.spec.vae_scale_factor, recipe.batch_size * recipe.num_images_per_prompt
+        shape = (batch, self.stage.config.in_channels, recipe.latent_frames, recipe.height // vae, recipe.width // vae)
+        return shape
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] = None,
+        negative_prompt: str | list[str] = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        guidance_scale_2: float | None = None,
+        num_videos_per_prompt: int | None = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str | None = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
+        max_sequence_length: int = WAN.text_lengths[0],
+    ):
+        pipe, device = self.pipeline, self.context.device
+        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+            callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
+        self._refuse(attention_kwargs=(attention_kwargs, None, "its processors take no extra arguments"))
+        pipe.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            prompt_embeds,
+            negative_prompt_embeds,
+            callback_on_step_end_tensor_inputs,
+            guidance_scale_2,
+        )
+        temporal = pipe.vae_scale_factor_temporal
+        if (
+            isinstance(num_frames, bool)
+            or not isinstance(num_frames, int)
+            or num_frames < 1
+            or num_frames % temporal != 1
+        ):
+            below = max(1, (num_frames - 1) // temporal * temporal + 1) if isinstance(num_frames, int) else 1
+            raise ValueError(
+                f"num_frames must be {temporal}k + 1 (the VAE keeps the first frame and compresses every {temporal} "
+                f"after it into one latent frame), e.g. {below} or {below + temporal} (got {num_frames!r})"
+            )
+        batch_size = self._batch_size(prompt, prompt_embeds)
+        do_cfg = do_classifier_free_guidance(guidance_scale)
+        layout = VideoLayout(
+            self.parallel.video_patches,
+            (num_frames - 1) // temporal + 1,
+            height // self.spec.vae_scale_factor,
+            width // self.spec.vae_scale_factor,
+            self.stage.patch_size,
+        )
+
+        def encode() -> dict[str, torch.Tensor]:  # rank 0: the prompt and, with CFG, the negative prompt
+            positive, negative = pipe.encode_prompt(
+                prompt=prompt,
+                negative_prompt=negative_prompt,
+                do_classifier_free_guidance=do_cfg,
+                num_videos_per_prompt=num_videos_per_prompt,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                max_sequence_length=max_sequence_length,
+                device=device,
+            )
+            text = {"prompt_embeds": positive} | ({"negative_prompt_embeds": negative} if do_cfg else {})
+            return {k: v.to(self.dtype) for k, v in text.items()}
+
+        def set_timesteps() -> torch.Tensor:
+            pipe.scheduler.set_timesteps(num_inference_steps, device=device)
+            pipe.scheduler.set_begin_index(0)
+            return pipe.scheduler.timesteps
+
+        def prepare_latents(generator) -> torch.Tensor:
+            batch = batch_size * num_videos_per_prompt
+            channels = self.stage.config.in_channels
+            # WanPipeline keeps its latents in float32 whatever the transformer's dtype.
+            return pipe.prepare_latents(
+                batch, channels, height, width, num_frames, torch.float32, device, generator, latents
+            )
+
+        def request(text, video_latents, timesteps, generator):
+            keys = ("negative_prompt_embeds", "prompt_embeds") if do_cfg else ("prompt_embeds",)
+            batched = {"prompt_embeds": torch.cat([text[k] for k in keys])}  # [negative, positive]
+            model_text, cfg_half = self._cfg_split(batched, video_latents.shape[0])
+            named = {k: text[k] for k in ("prompt_embeds", "negative_prompt_embeds") if k in text}
+            on_step_end = self._step_end_callback(
+                callback_on_step_end,
+                callback_on_step_end_tensor_inputs,
+                timesteps,
+                named,
+                latents_view=lambda grid: layout.from_grid(grid).clone(),
+            )
+            return denoise_request(
+                self.stage,
+                latents=video_latents,
+                layout=layout,
+                timesteps=timesteps,
+                scheduler=pipe.scheduler,
+                prompt_embeds=model_text["prompt_embeds"],
+                guidance_scale=guidance_scale,
+                cfg_half=cfg_half,
+                generator=generator,
+                on_step_end=on_step_end,
+            )
+
+        return self._run(
+            CallRecipe(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                batch_size=batch_size,
+                num_images_per_prompt=num_videos_per_prompt,
+                guidance_scale=guidance_scale,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                encode=encode,
+                timesteps=set_timesteps,
+                prepare_latents=prepare_latents,
+                request=request,
+                decode=lambda final: self._decode(layout.from_grid(final), output_type, return_dict),
+                latent_frames=layout.frames,
+            )
+        )
+
+    def _decode(self, latents, output_type, return_dict):
+        """Rank 0: Wan's latent normalisation, VAE decode and ``postprocess_video``, as
+        ``diffusers.WanPipeline.__call__`` does."""
+        pipe = self.pipeline
+        if output_type == "latent":
+            video = latents
+        else:
+            vae = pipe.vae
+            latents = latents.to(vae.dtype)
+            shape = (1, vae.config.z_dim, 1, 1, 1)
+            mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+            inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+            video = self._decode_latents(latents / inverse_std + mean)
+            video = pipe.video_processor.postprocess_video(video, output_type=output_type)
+        pipe.maybe_free_model_hooks()
+        if not return_dict:
+            return (video,)
+        return WanPipelineOutput(frames=video)

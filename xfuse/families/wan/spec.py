@@ -1,0 +1,56 @@
+"""Wan's ``ModelSpec``: the facts xfuse's planner, checks and CLI read, written beside the family's code."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.families.spec import ModelSpec, no_skips
+
+
+def wan_block_flops(config: dict, block: int, queries: int, keys: int, text: int, text_queries: bool) -> float:
+    """FLOPs of Wan's ``WanTransformerBlock`` for one batch element (``ModelSpec.block_flops``): self-attention over
+    the video's tokens, cross-attention over the projected UMT5 text (already ``width`` wide) and the MLP
+    (``ffn_dim``); its modulation is a table plus the step's projected timestep, not a linear per block."""
+    d, ffn = config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"]
+    flops = linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
+    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, d, 2 * d) + attention_flops(queries, text, d)
+    return flops + linear_flops(queries, d, ffn) + linear_flops(queries, ffn, d)
+
+
+def _pipeline_class() -> type:
+    from xfuse.families.wan.pipeline import PipeFusionWanPipeline
+
+    return PipeFusionWanPipeline
+
+
+def _stage_class() -> type:
+    from xfuse.families.wan.stage import WanStage
+
+    return WanStage
+
+
+def _preset_builders() -> ModuleType:
+    from xfuse.families.wan import presets
+
+    return presets
+
+
+WAN = ModelSpec(
+    name="wan",
+    diffusers_pipeline="WanPipeline",
+    diffusers_transformer="WanTransformer3DModel",
+    pipeline_class=_pipeline_class,
+    stage_class=_stage_class,
+    preset_builders=_preset_builders,
+    presets=("wan-tiny", "wan-small", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b"),
+    vae_scale_factor=8,  # AutoencoderKLWan (Wan 2.1): 8 px per latent row and column, 4 frames per latent frame
+    vae_temporal_factor=4,
+    text_lengths=(512,),  # UMT5 (WanPipeline's max_sequence_length)
+    skip_pairs=no_skips,
+    default_placement="linear",
+    block_flops=wan_block_flops,
+    native_side=lambda config: 480,  # WanPipeline's default height (its default width is 832)
+    crosses_per_patch="hidden states at each hand-off; with linear placement the stepped latent rows (of every frame "
+    "the patch covers) back to rank 0 (the UMT5 text is static: projected once per request on every rank)",
+)

@@ -1,0 +1,247 @@
+"""Wan adapter: one rank's share of a diffusers ``WanTransformer3DModel``, run on the whole clip or patch by patch.
+
+The engine sees a video's latent frames stacked into one tall image (``xfuse.parallel.video_layout``), in the order
+``parallel.video_patches`` picks, so a patch is a run of frames or a strip of rows across every frame. Every layer of
+Wan's blocks but self-attention is per token; self-attention goes through PipeFusion's stale-K/V buffers with each
+token's 3-D RoPE from the whole clip's table, reordered to the layout's token order once per request. The diffusers
+blocks (``WanTransformerBlock``: AdaLN from a table plus the step's projected timestep, self-attention with q/k
+RMSNorm across heads and 3-D RoPE, cross-attention to the projected UMT5 text, MLP) run as they are; only their two
+attention processors are PipeFusion's, mirroring
+``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanTransformer3DModel
+
+from xfuse.families.common.attention import CachedCrossAttnProcessor
+from xfuse.families.common.guidance import cfg_batch, guidance
+from xfuse.families.common.layers import unpatchify
+from xfuse.families.common.sharding import ShardedStage
+from xfuse.families.wan.spec import WAN
+from xfuse.parallel.pass_attention import PassAttention
+from xfuse.parallel.patch_grid import PatchBand
+from xfuse.parallel.stage import BatchPart
+from xfuse.parallel.stage_plan import Segment, StagePlan
+from xfuse.parallel.video_layout import VideoLayout
+
+RoPE = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (1, tokens, 1, head_dim), in the layout's token order
+
+
+@dataclass
+class WanConditioning:
+    """What every block of one denoising step needs besides the hidden states."""
+
+    timestep_proj: torch.Tensor  # (B, 6, hidden): the step's AdaLN input of every block
+    temb: torch.Tensor  # (B, hidden): the output layer's
+    text: torch.Tensor  # (B, S_text, hidden): projected UMT5 states, constant for the request
+    rope: RoPE  # the whole clip's table in the layout's token order
+    part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
+
+    STEP_FIELDS: ClassVar = ("timestep_proj", "temb")  # batch-indexed tensors (see batch_part)
+    REQUEST_FIELDS: ClassVar = ("text",)
+
+
+def _heads(attn: WanAttention, x: torch.Tensor, proj, norm) -> torch.Tensor:
+    """``norm(proj(x))`` split into heads: Wan's q/k RMSNorm spans every head (before the split), unlike diffusers'
+    ``Attention``'s per-head norm. (B, S, D) -> (B, heads, S, head_dim)."""
+    out = proj(x)
+    out = out if norm is None else norm(out)
+    return out.unflatten(2, (attn.heads, -1)).transpose(1, 2)  # (B, S, heads, hd) -> (B, heads, S, hd)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, heads, S, head_dim) with a (1, S, 1, head_dim) table; mirrors the ``apply_rotary_emb`` inside
+    ``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__`` (interleaved pairs), heads first."""
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (1, S, 1, hd) -> (1, 1, S, hd)
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., hd) -> 2 x (..., hd/2)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def check_wan_attention(attn: WanAttention, cross: bool) -> None:
+    """The assumptions the processors below make about ``attn`` (diffusers 0.42's ``WanAttention``)."""
+    if type(attn.processor) is not WanAttnProcessor:
+        raise TypeError(f"expected WanAttnProcessor, found {type(attn.processor)}")
+    if getattr(attn, "fused_projections", False):
+        raise ValueError("fused Wan q/k/v projections are not supported: call unfuse_qkv_projections() first")
+    if attn.add_k_proj is not None:
+        raise ValueError("Wan image-to-video attention (an image context beside the text) is not supported")
+    if attn.is_cross_attention != cross:
+        raise ValueError(f"expected {'cross' if cross else 'self'}-attention")
+
+
+class WanStaleKVSelfAttnProcessor:
+    """Wan's self-attention through the stage's ``PassAttention`` (stale K/V, and sequence parallelism where the
+    stage has it). Mirrors ``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__`` without an
+    image context: q/k/v projections, RMSNorm of q
+    and k across heads, RoPE of this pass's tokens (K rotated before it is stored), SDPA, output projection."""
+
+    def __init__(self, attention: PassAttention, layer: int):
+        self.attention, self.layer = attention, layer
+
+    def __call__(
+        self, attn: WanAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None
+    ):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("WanStaleKVSelfAttnProcessor is for unmasked self-attention only")
+        query = _heads(attn, hidden_states, attn.to_q, attn.norm_q)
+        key = _heads(attn, hidden_states, attn.to_k, attn.norm_k)
+        value = _heads(attn, hidden_states, attn.to_v, None)
+        if rotary_emb is not None:
+            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
+        out, _ = self.attention.attend(self.layer, (query, key, value))  # (B, S, heads * head_dim)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class WanCachedCrossAttnProcessor(CachedCrossAttnProcessor):
+    """Cross-attention to the text with its K/V computed once per request, Wan's q/k norms across heads."""
+
+    def text_kv(self, attn, text):
+        return _heads(attn, text, attn.to_k, attn.norm_k), _heads(attn, text, attn.to_v, None)
+
+    def queries(self, attn, hidden_states):
+        return _heads(attn, hidden_states, attn.to_q, attn.norm_q)
+
+
+class WanStage(ShardedStage):
+    """The part of a ``WanTransformer3DModel`` that one pipeline rank runs (the ``Stage`` the engine calls)."""
+
+    spec = WAN
+    blocks_attrs = ("blocks",)
+    embed_modules = ("patch_embedding",)
+    output_modules = ("norm_out", "proj_out", "scale_shift_table")
+
+    def __init__(self, transformer: WanTransformer3DModel, plan: StagePlan, rank: int):
+        config = transformer.config
+        if tuple(config.patch_size)[0] != 1 or config.patch_size[1] != config.patch_size[2]:
+            raise ValueError(f"xfuse runs Wan with patch_size (1, p, p) (got {tuple(config.patch_size)})")
+        if config.image_dim is not None or config.added_kv_proj_dim is not None:
+            raise ValueError("xfuse runs Wan's text-to-video transformers (no image_dim / added_kv_proj_dim)")
+        super().__init__(transformer, plan, rank)
+        if plan.skips:
+            raise ValueError("Wan's blocks are a plain chain: its stage plan cannot have long skips")
+
+    def install_processors(self, block, index: int) -> None:
+        check_wan_attention(block.attn1, cross=False)
+        check_wan_attention(block.attn2, cross=True)
+        block.attn1.set_processor(WanStaleKVSelfAttnProcessor(self.attention, index))
+        self._cross.append(WanCachedCrossAttnProcessor())
+        block.attn2.set_processor(self._cross[-1])
+
+    @property
+    def patch_size(self) -> int:
+        """Latent rows (and columns) per token: the engine's ``patch_size`` (Wan's temporal patch is 1)."""
+        return self.config.patch_size[1]
+
+    def rotary_embedding(self, latents: torch.Tensor, layout: VideoLayout) -> RoPE:
+        """The whole clip's RoPE table for (B, C, F, H, W) ``latents``, in ``layout``'s token order: what
+        ``diffusers.WanTransformer3DModel.forward`` computes with ``self.rope`` (from the shape alone)."""
+        cos, sin = self.transformer.rope(latents)  # (1, F*h*w, 1, head_dim) each, frame-major
+        order = layout.token_order(cos.device)
+        return cos[:, order], sin[:, order]
+
+    def text_states(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        """(B, S_text, D_umt5) -> (B, S_text, hidden): the text projection of
+        ``diffusers.models.transformers.transformer_wan.WanTimeTextImageEmbedding.forward``."""
+        return self.transformer.condition_embedder.text_embedder(prompt_embeds)
+
+    def conditioning(self, timestep: torch.Tensor, text: torch.Tensor, rope: RoPE) -> WanConditioning:
+        """Per-step conditioning from the (B,) timestep; mirrors the timestep half of
+        ``diffusers.models.transformers.transformer_wan.WanTimeTextImageEmbedding.forward`` and the
+        ``timestep_proj.unflatten`` of ``WanTransformer3DModel.forward``."""
+        embedder = self.transformer.condition_embedder
+        freqs = embedder.timesteps_proj(timestep)  # (B, freq_dim)
+        dtype = next(iter(embedder.time_embedder.parameters())).dtype
+        if freqs.dtype != dtype and dtype != torch.int8:
+            freqs = freqs.to(dtype)
+        temb = embedder.time_embedder(freqs).type_as(text)  # (B, hidden)
+        timestep_proj = embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))  # (B, 6*D) -> (B, 6, D)
+        return WanConditioning(timestep_proj, temb, text, rope)
+
+    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
+        """(B, C, rows, W) rows of the stacked frames -> (B, band tokens, hidden): Wan's ``patch_embedding`` (a Conv3d
+        of one frame by p x p) on the rows, as one frame of them (a token row never spans two frames)."""
+        hidden = self.transformer.patch_embedding(latent_rows.unsqueeze(2))  # (B, C, 1, rows, W) -> (B, D, 1, h, w)
+        hidden = hidden.flatten(2).transpose(1, 2)  # -> (B, h*w, D)
+        return hidden if band is None else band.trim(hidden)
+
+    def run_segment(
+        self,
+        hidden: torch.Tensor,
+        segment: Segment,
+        cond: WanConditioning,
+        band: PatchBand | None,
+        skips: dict[int, torch.Tensor],
+        keep_kv: bool = True,
+        streams: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run ``segment``'s blocks on (B, tokens, hidden): the band's tokens, or the whole clip."""
+        self.begin_pass(cond, band, keep_kv)
+        cos, sin = cond.rope
+        tokens = self.hidden_tokens(band)  # the entries of the whole clip's table this pass's tokens have
+        rope = (cos, sin) if tokens == slice(0, cos.shape[1]) else (cos[:, tokens], sin[:, tokens])
+        for index in segment.blocks:
+            hidden = self.blocks[index](hidden, cond.text, cond.timestep_proj, rope)
+        return hidden
+
+    def head(
+        self, hidden: torch.Tensor, cond: WanConditioning, token_cols: int, band: PatchBand | None = None
+    ) -> torch.Tensor:
+        """(B, tokens, hidden) -> (B, out_channels, rows * p, token_cols * p) rows of the stacked frames: mirrors the
+        output layer of ``diffusers.WanTransformer3DModel.forward`` (its unpatchify with a temporal patch of 1)."""
+        model = self.transformer
+        table = model.scale_shift_table.to(cond.temb.device)  # (1, 2, D)
+        shift, scale = (table + cond.temb.unsqueeze(1)).chunk(2, dim=1)  # (B, 1, D) each
+        out = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        out = model.proj_out(out)  # (B, tokens, p*p*C)
+        return unpatchify(out, token_cols, self.patch_size, model.config.out_channels, band)
+
+
+def denoise_request(
+    stage: WanStage,
+    *,
+    latents: torch.Tensor,
+    layout: VideoLayout,
+    timesteps,
+    scheduler,
+    prompt_embeds: torch.Tensor,
+    guidance_scale: float,
+    cfg_half=None,
+    generator=None,
+    on_step_end=None,
+):
+    """The engine's ``DenoiseRequest`` for Wan, from what ``WanPipeline`` prepares: ``latents`` (B, C, F, H, W) are
+    handed to the engine in ``layout`` (one tall image), ``prompt_embeds`` batched [negative, positive] when
+    ``guidance_scale > 1`` (diffusers runs them as two calls: per sample the same computation), or this CFG group's
+    half with ``cfg_half``. The projected text and the RoPE table are computed once here."""
+    from xfuse.parallel.engine import DenoiseRequest
+
+    grid_latents = layout.to_grid(latents).contiguous()  # (B, C, F, H, W) -> (B, C, F*H, W)
+    model_batch, model_input = cfg_batch(grid_latents, guidance_scale, cfg_half)
+    dtype = prompt_embeds.dtype  # the transformer's (WanPipeline keeps its latents in float32)
+    text = stage.text_states(prompt_embeds)
+    rope = stage.rotary_embedding(latents, layout)
+
+    def conditioning(step: int, t: torch.Tensor) -> WanConditioning:
+        return stage.conditioning(t.reshape(1).to(latents.device).expand(model_batch), text, rope)  # as diffusers
+
+    return DenoiseRequest(
+        latents=grid_latents,
+        timesteps=timesteps,
+        scheduler=scheduler,
+        conditioning=conditioning,
+        model_input=lambda rows: model_input(rows).to(dtype),  # WanPipeline: latents.to(transformer_dtype)
+        guide=guidance(guidance_scale, cfg_half, learned_sigma=False),
+        model_batch=model_batch,
+        generator=generator,
+        on_step_end=on_step_end,
+        hidden_dtype=dtype,
+    )
