@@ -531,8 +531,9 @@ def pipefusion_reference(
                 zip(bands, regions, patch_schedulers, patch_kwargs, strict=True)
             ):
                 noise = noise_prediction(latents[r], t, patch_scheduler, band, p)
+                sample = latents[r].clone()  # the scheduler may keep it (UniPC's last_sample); latents change below
                 with step_noise.region(r) if step_noise is not None else contextlib.nullcontext():
-                    stepped = patch_scheduler.step(noise, t, latents[r], **kwargs, return_dict=False)[0]
+                    stepped = patch_scheduler.step(noise, t, sample, **kwargs, return_dict=False)[0]
                 latents[r] = torch.where(own_pixels(band), stepped, latents[r])
     return latents
 
@@ -563,3 +564,160 @@ class StepNoise:
             yield
         finally:
             self.module.randn_tensor = diffusers_randn
+
+
+# --- video (Wan) ------------------------------------------------------------------------------------------------
+
+
+class StaleWanSelfAttention:
+    """diffusers' ``WanAttnProcessor`` for self-attention (q/k RMSNorm across heads, Wan's interleaved RoPE, no image
+    context), except that the K/V of the pass's own tokens are written into a whole-video buffer at their tokens'
+    indices (frame-major, the model's order) and the queries attend to every token written so far."""
+
+    def __init__(self, video: VideoBuffers, layer) -> None:
+        self.video, self.layer = video, layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        assert encoder_hidden_states is None and attention_mask is None
+        query, key = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(hidden_states))
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, attn.to_v(hidden_states)))
+
+        def rope(x, cos, sin):  # (B, S, heads, D) with (1, S, 1, D) tables, pairs interleaved
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
+            out[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]
+            return out
+
+        query, key = rope(query, *rotary_emb), rope(key, *rotary_emb)
+        key, value = self.video.update(self.layer, key, value)
+        out = dispatch_attention_fn(query, key, value)  # (B, S, heads, D), as the processor calls it
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
+
+
+class VideoBuffers:
+    """Whole-video K/V per layer, in the model's token order; ``tokens``: the model indices of the pass's tokens
+    (None: the whole video), ``own``: which of them the pass writes."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens, self.k, self.v, self.written = num_tokens, {}, {}, {}
+        self.tokens: torch.Tensor | None = None
+        self.own: torch.Tensor | None = None
+
+    def update(self, layer, key, value):
+        if self.tokens is None:
+            self.k[layer], self.v[layer] = key.clone(), value.clone()
+            self.written[layer] = torch.ones(self.num_tokens, dtype=torch.bool)
+            return key, value
+        if layer not in self.k:  # W = 0: nothing written yet in this request
+            shape = (key.shape[0], self.num_tokens, *key.shape[2:])
+            self.k[layer], self.v[layer] = torch.zeros(shape), torch.zeros(shape)
+            self.written[layer] = torch.zeros(self.num_tokens, dtype=torch.bool)
+        index = self.tokens[self.own]
+        self.k[layer][:, index], self.v[layer][:, index] = key[:, self.own], value[:, self.own]
+        self.written[layer][index] = True
+        return self.k[layer][:, self.written[layer]], self.v[layer][:, self.written[layer]]
+
+
+class BoxRoPE(torch.nn.Module):
+    """``WanRotaryPosEmbed`` of the whole video, answering a forward on a box of it with the box's tokens' entries."""
+
+    def __init__(self, rope, whole_shape) -> None:
+        super().__init__()
+        self.cos, self.sin = rope(torch.empty(whole_shape))  # (1, tokens, 1, D) each, frame-major
+        self.tokens: torch.Tensor | None = None
+
+    def forward(self, hidden_states):
+        if self.tokens is None:
+            return self.cos, self.sin
+        return self.cos[:, self.tokens], self.sin[:, self.tokens]
+
+
+def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patches: int, warmup: int):
+    """Final (B, C, F, H, W) latents of PipeFusion on a ``WanPipeline`` (text-to-video; CFG batched [negative,
+    positive], as one call per band), with the semantics of the module docstring and these video ones:
+
+    * Stack the clip's token rows in ``direction``'s order: ``temporal`` frame by frame (the model's own token order),
+      ``spatial`` token row by token row, each row of every frame in turn. Patches are ``num_patches`` bands of these
+      stacked rows, the first ``rows % M`` one row taller; a band is the set of tokens of its rows.
+    * A band's pass runs ``WanTransformer3DModel.forward`` on the smallest box of the latent holding its tokens (whole
+      frames for ``temporal``, whole rows of every frame for ``spatial``), with each token's RoPE entry of the whole
+      video's table; only the band's own tokens write K/V, and only their pixels are stepped.
+
+    ``inputs``: ``latents`` (B, C, F, H, W) float32, ``timesteps``, ``prompt_embeds`` batched [negative, positive]
+    when ``guidance_scale > 1``, ``guidance_scale``.
+    """
+    transformer = copy.deepcopy(pipe.transformer)
+    latents = inputs["latents"].clone()
+    batch, _, frames, height, width = latents.shape
+    p = transformer.config.patch_size[1]
+    rows, cols = height // p, width // p
+    video = VideoBuffers(frames * rows * cols)
+    for layer, block in enumerate(transformer.blocks):
+        block.attn1.set_processor(StaleWanSelfAttention(video, layer))
+    transformer.rope = BoxRoPE(transformer.rope, latents.shape)
+    model_index = torch.arange(frames * rows * cols).reshape(frames, rows, cols)  # (F, h, w)
+    stacked = model_index if direction == "temporal" else model_index.transpose(0, 1)  # (F, h, w) or (h, F, w)
+    stacked = stacked.reshape(-1, cols)  # (stacked rows, w)
+    bands = [stacked[list(band)].reshape(-1) for band in token_row_bands(stacked.shape[0], num_patches)]
+
+    def box(band: torch.Tensor) -> tuple:
+        """The (frames, token rows) box of ``band``'s tokens, as slices of the latent's frame and row axes."""
+        f, r = band // (rows * cols), band // cols % rows
+        if direction == "temporal":
+            return slice(int(f.min()), int(f.max()) + 1), slice(0, rows)
+        return slice(0, frames), slice(int(r.min()), int(r.max()) + 1)
+
+    def region(band: torch.Tensor) -> tuple:
+        f, r = box(band)
+        return (slice(None), slice(None), f, slice(r.start * p, r.stop * p))
+
+    def box_tokens(band: torch.Tensor) -> torch.Tensor:
+        f, r = box(band)
+        return model_index[f, r].reshape(-1)  # frame-major, as the forward flattens the box
+
+    guidance_scale = inputs["guidance_scale"]
+    dtype = inputs["prompt_embeds"].dtype
+
+    def predict(box_latents, t, band):
+        if band is None:
+            video.tokens = video.own = transformer.rope.tokens = None
+        else:
+            tokens = box_tokens(band)
+            video.tokens = transformer.rope.tokens = tokens
+            video.own = torch.isin(tokens, band)
+        model_input = torch.cat([box_latents] * 2) if guidance_scale > 1 else box_latents
+        timestep = t.expand(model_input.shape[0])
+        noise = transformer(model_input.to(dtype), timestep, inputs["prompt_embeds"], return_dict=False)[0]
+        if guidance_scale > 1:
+            uncond, cond = noise.chunk(2)
+            noise = uncond + guidance_scale * (cond - uncond)
+        return noise
+
+    def own_pixels(band):
+        f, r = box(band)
+        token_of = model_index[f, r]  # (frames, rows, cols) of the box
+        token_of = token_of.repeat_interleave(p, 1).repeat_interleave(p, 2)  # per latent pixel
+        return torch.isin(token_of, band)[None, None]  # (1, 1, frames, rows * p, W)
+
+    scheduler = copy.deepcopy(pipe.scheduler)
+    patch_schedulers = None
+    with torch.no_grad():
+        for step, t in enumerate(inputs["timesteps"]):
+            if step < warmup:
+                latents = scheduler.step(predict(latents, t, None), t, latents, return_dict=False)[0]
+                continue
+            if patch_schedulers is None:  # first pipelined step: each patch's scheduler, its state cut to its box
+                patch_schedulers = []
+                for band in bands:
+                    patch_scheduler = copy.copy(scheduler)
+                    for name, value in vars(scheduler).items():
+                        cut = _rows_of_state(copy.deepcopy(value), latents.shape, region(band))
+                        setattr(patch_scheduler, name, cut)
+                    patch_schedulers.append(patch_scheduler)
+            for band, patch_scheduler in zip(bands, patch_schedulers, strict=True):
+                r = region(band)
+                sample = latents[r].clone()  # the scheduler may keep it (UniPC's last_sample); latents change below
+                stepped = patch_scheduler.step(predict(sample, t, band), t, sample, return_dict=False)[0]
+                latents[r] = torch.where(own_pixels(band), stepped, latents[r])
+    return latents

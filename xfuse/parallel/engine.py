@@ -423,8 +423,11 @@ class _Run:
         # The host copy of the timestep: schedulers index their host-side tables with it (a device timestep would
         # make every step copy it to the host: a device synchronisation per patch).
         t = self.host_timesteps[step]
+        # A copy, not a view of the latents this rank updates in place: a scheduler may keep the sample it steps
+        # (UniPC's corrector reads ``last_sample`` at the next step), as diffusers' loop leaves it untouched.
+        sample = self.own_latents[:, :, rows].clone()
         with drawing:
-            return scheduler.step(noise, t, self.own_latents[:, :, rows], **kwargs, return_dict=False)[0]
+            return scheduler.step(noise, t, sample, **kwargs, return_dict=False)[0]
 
     def _split_scheduler(self) -> None:
         """Output rank, first pipelined step: one scheduler per patch (its state cut to the patch's rows), and the
