@@ -27,8 +27,10 @@ def interrupting_callback(pipe, step, t, kwargs):
 
 
 def as_array(out):
-    """Images of a pipeline output (dataclass or tuple) as one numpy array."""
-    images = out.images if hasattr(out, "images") else out[0]
+    """Images (a video pipeline's frames) of a pipeline output (dataclass or tuple) as one numpy array."""
+    images = out.images if hasattr(out, "images") else out.frames if hasattr(out, "frames") else out[0]
+    if isinstance(images, list) and images and isinstance(images[0], list):  # PIL frames of each video
+        return np.stack([np.stack([np.asarray(im) for im in video]) for video in images])
     if isinstance(images, list):  # PIL images
         return np.stack([np.asarray(im) for im in images])
     return images.float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)

@@ -106,8 +106,11 @@ _PRESET_VAE_QUANT_CONVS = {
 
 def vae_config(model: str) -> dict | None:
     """The VAE config of ``model`` without loading weights: a folder's ``vae/config.json`` (``None`` when it has
-    none), or a preset's tiny VAE (``xfuse.families.common.presets.tiny_vae_config``; its latent scale left out)."""
+    none), or a preset's tiny VAE (``xfuse.families.common.presets.tiny_vae_config``; its latent scale left out; a
+    video family's presets: their own)."""
     spec = model_spec(model)
+    if model in PRESET_MODELS and spec.video:  # a video VAE (AutoencoderKLWan), described by its family
+        return spec.preset_builders().preset_vae_config(model)
     if model in PRESET_MODELS:
         transformer = spec.preset_transformer_config(model)
         return tiny_vae_config(

@@ -1,0 +1,192 @@
+"""Wan, the fifth family and the first video one: ``PipeFusionWanPipeline`` against diffusers' own ``WanPipeline``
+from the same folder (exact mode, both patch directions, degrees 2-4, CFG batched and parallel, sequence parallel),
+and the pipelined engine against the independent oracle (``tests.support.pipefusion_oracle``'s video reference).
+
+Clips are 9 frames (3 latent frames) of 64 x 96 px (4 x 6 token rows per frame: 12 stacked token rows), so M = N + 1
+bands never fall on frame boundaries alike in both directions and the bands are uneven.
+"""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from tests.support.pipefusion_oracle import pipefusion_video_reference
+from tests.support.pipeline_fns import check_against_diffusers as check
+from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
+from tests.support.wan_fns import prepare_inputs, run_engine, tiny_wan
+from tests.support.world import World
+from xfuse.families.registry import model_spec
+from xfuse.families.wan.presets import save_preset_pipeline
+from xfuse.families.wan.spec import WAN
+
+HEIGHT, WIDTH, FRAMES, STEPS = 64, 96, 9, 3
+DIRECTIONS = ("temporal", "spatial")
+BASE = dict(
+    prompt="a red ball rolls across a table",
+    height=HEIGHT,
+    width=WIDTH,
+    num_frames=FRAMES,
+    num_inference_steps=STEPS,
+    output_type="np",
+)
+EXACT = {"warmup_steps": 100}
+
+
+def rel_max(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_preset_pipeline(tmp_path_factory.mktemp("wan") / "Wan2.1-T2V-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return reference_runner(WanPipeline.from_pretrained(folder, local_files_only=True))
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4, start_timeout=240) as w:
+        yield w
+
+
+def test_the_family_is_detected_from_model_index(folder):
+    assert model_spec(folder) is WAN and model_spec("wan-tiny") is WAN
+
+
+def honoured_calls(reference):
+    """Every ``WanPipeline.__call__`` argument, each in a call diffusers runs too."""
+    with torch.no_grad():
+        emb, neg = reference.pipe.encode_prompt("a red ball", negative_prompt="blurry", device="cpu")
+    return {
+        "base": {},
+        "no_guidance": dict(guidance_scale=1.0),
+        "batch_and_videos": dict(prompt=["a red ball", "a cat"], num_videos_per_prompt=2, negative_prompt="dark"),
+        "size_frames_steps": dict(height=96, width=64, num_frames=13, num_inference_steps=2, guidance_scale=3.0),
+        "latents": dict(latents=torch.randn(1, 4, 3, 8, 12, generator=torch.Generator().manual_seed(7))),
+        "prompt_embeds": dict(prompt=None, prompt_embeds=emb, negative_prompt_embeds=neg),
+        "max_sequence_length": dict(max_sequence_length=20),
+        "callback": dict(callback_on_step_end=log_callback),
+        "output_pil": dict(output_type="pil"),
+        "output_latent": dict(output_type="latent"),
+        "return_tuple": dict(return_dict=False),
+        "seed": dict(seed=3),
+    }
+
+
+def check_against_diffusers(per_rank, calls, reference):
+    check(per_rank, calls, reference, BASE, output_class="WanPipelineOutput", callback_steps=list(range(STEPS)))
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_every_argument_honoured_at_pp4(world4, folder, reference, direction):
+    calls = honoured_calls(reference)
+    parallel = {"pipefusion_degree": 4, "num_patches": 5, "video_patches": direction, **EXACT}
+    results = world4.run_ok(
+        run_calls, folder, parallel, [{**BASE, **c} for c in calls.values()], family="wan", timeout=600
+    )
+    check_against_diffusers(results, calls, reference)
+
+
+LAYOUTS = {
+    "cfg2_pp2": {"cfg_degree": 2, "pipefusion_degree": 2, "num_patches": 3},
+    "pp2_ulysses2": {"pipefusion_degree": 2, "ulysses_degree": 2, "num_patches": 3},
+    "pp2_ring2": {"pipefusion_degree": 2, "ring_degree": 2, "num_patches": 2},
+    "ulysses2_ring2": {"ulysses_degree": 2, "ring_degree": 2},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hybrid_layouts_equal_diffusers(world4, folder, reference, layout):
+    """CFG parallel, and sequence parallel (Ulysses, Ring, both) inside each PipeFusion stage; spatial patches."""
+    calls = {k: v for k, v in honoured_calls(reference).items() if k in ("base", "batch_and_videos", "callback")}
+    parallel = {**LAYOUTS[layout], "video_patches": "spatial", **EXACT}
+    results = world4.run_ok(
+        run_calls, folder, parallel, [{**BASE, **c} for c in calls.values()], family="wan", timeout=600
+    )
+    check_against_diffusers(results, calls, reference)
+
+
+def test_refusals_name_the_argument_on_every_rank(world4, folder):
+    calls = [
+        {**BASE, "num_frames": 10},  # diffusers rounds it to 9 with a warning
+        {**BASE, "height": 72},  # diffusers' check_inputs refuses it too
+        {**BASE, "attention_kwargs": {"scale": 0.5}},
+        {**BASE, "guidance_scale_2": 3.0},  # a second expert's scale, without one
+        {**BASE, "latents": torch.zeros(1, 4, 2, 8, 12)},  # 2 latent frames for 9 frames (3)
+    ]
+    results = world4.run_ok(run_calls, folder, {"pipefusion_degree": 4, **EXACT}, calls, family="wan", timeout=300)
+    for rank_results in results:  # the same error on every rank, before any communication
+        kinds = [(r["kind"], r.get("message", "")) for r in rank_results]
+        assert all(kind == "error" for kind, _ in kinds), kinds
+        assert kinds == [(k, m) for k, m in [(r["kind"], r.get("message", "")) for r in results[0]]]
+    messages = [r["message"] for r in results[0]]
+    assert messages[0].startswith("num_frames must be 4k + 1") and "e.g. 9 or 13 (got 10)" in messages[0]
+    assert messages[1] == "`height` and `width` have to be divisible by 16 but are 72 and 96."
+    assert messages[2].startswith("attention_kwargs is not supported by PipeFusion")
+    assert "guidance_scale_2" in messages[3]
+    assert messages[4].startswith("latents must be a tensor of shape (1, 4, 3, 8, 12)")
+
+
+# --- the engine on real ranks against the oracle -----------------------------------------------------------------
+
+
+_ORACLE = {}
+
+
+def oracle(direction, num_patches, warmup):
+    key = (direction, num_patches, warmup)
+    if key not in _ORACLE:
+        pipe = tiny_wan()
+        inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, num_frames=FRAMES, steps=STEPS, guidance_scale=5.0)
+        _ORACLE[key] = pipefusion_video_reference(
+            pipe, inputs, direction=direction, num_patches=num_patches, warmup=warmup
+        )
+    return _ORACLE[key]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_pipelined_equals_the_oracle(world4, degree, direction):
+    """UniPC (multistep state kept per patch) with M = 2 and N + 1 (uneven bands), warm-up 0 and 1."""
+    size = dict(height=HEIGHT, width=WIDTH, num_frames=FRAMES, steps=STEPS, guidance_scale=5.0)
+    for num_patches in sorted({2, degree + 1}):
+        for warmup in (0, 1):
+            out = world4.run_ok(run_engine, degree, direction, num_patches, warmup, **size)[0]
+            assert rel_max(out, oracle(direction, num_patches, warmup)) <= 1e-5, (num_patches, warmup)
+    assert rel_max(oracle(direction, 2, 1), oracle(direction, 1, STEPS)) > 1e-4  # stale K/V matter here
+
+
+def test_the_oracle_tells_the_directions_apart():
+    """Temporal and spatial bands are different patches (different K/V stale at each pass): the oracle gives
+    different latents, so each direction's engine result above is checked against its own semantics."""
+    assert rel_max(oracle("temporal", 3, 1), oracle("spatial", 3, 1)) > 1e-4
+
+
+def test_pipelined_calls_are_deterministic_and_close_to_serial(world4, folder, reference):
+    piped = world4.run_ok(
+        run_calls, folder, {"pipefusion_degree": 4, "warmup_steps": 1}, [BASE, BASE], family="wan", timeout=300
+    )[0]
+    assert np.array_equal(piped[0]["images"], piped[1]["images"])
+    assert 0 < np.abs(piped[0]["images"] - reference(BASE)[0]).mean() < 0.05  # stale K/V: close to serial
+
+
+@pytest.fixture(scope="module")
+def world3():
+    with World(3, start_timeout=240) as w:
+        yield w
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_pp3_from_the_folder(world3, folder, reference, direction):
+    """An odd degree: 4 blocks as 2 + 1 + 1; M = 4 bands of the 12 stacked rows (and of 16 for 13 frames)."""
+    keep = ("base", "no_guidance", "size_frames_steps")
+    calls = {k: v for k, v in honoured_calls(reference).items() if k in keep}
+    parallel = {"pipefusion_degree": 3, "num_patches": 4, "video_patches": direction, **EXACT}
+    results = world3.run_ok(
+        run_calls, folder, parallel, [{**BASE, **c} for c in calls.values()], family="wan", timeout=600
+    )
+    check_against_diffusers(results, calls, reference)

@@ -1,0 +1,214 @@
+"""Randomly initialised Wan 2.1 text-to-video pipelines built offline (the ``wan-*`` / ``wan2.1-t2v-*`` presets).
+
+The released Wan2.1-T2V-1.3B / -14B (a 1.3 B / 14 B-parameter transformer, the 5.7 B-parameter UMT5-XXL encoder and a
+127 M-parameter causal video VAE) cannot be downloaded here. The presets keep their structure:
+
+- ``WanTransformer3DModel``: (1, 2, 2) patches of the latent video (one token per latent frame x 2x2 latent pixels),
+  blocks of self-attention over all the video's tokens with 3-axis RoPE (each head split into frame / row / column
+  parts) and q/k RMSNorm across heads, cross-attention to the projected UMT5 text (``cross_attn_norm``: LayerNorm on
+  its queries) and a GELU MLP, modulated by a per-block table plus the timestep's projection;
+- the pipeline's text wiring: a ``UMT5EncoderModel`` whose last hidden states, cut at each prompt's length and
+  zero-padded to ``max_sequence_length`` (512) tokens, are the text every block cross-attends to, with an in-memory
+  ``T5Tokenizer`` (``xfuse.families.common.presets``' vocabulary; the release uses UMT5's 256 k-piece one);
+- an ``AutoencoderKLWan`` with the release's factors: 8 px per latent row / column and causal 4x time compression
+  (``1 + 4k`` frames -> ``1 + k`` latent frames), its per-channel ``latents_mean`` / ``latents_std`` being the
+  release's first ``z_dim`` values;
+- the released ``UniPCMultistepScheduler`` configuration (flow prediction on flow sigmas, ``flow_shift`` 3.0 as
+  diffusers' conversion script writes it for the Wan2.1-T2V folders, Wan's setting for 480p; for 720p Wan uses 5.0:
+  ``UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=5.0)``).
+
+``wan-tiny`` is for tests, ``wan-small`` for CPU speed measurements, ``wan2.1-t2v-1.3b`` / ``wan2.1-t2v-14b`` have the
+released transformer shapes (random weights; diffusers' ``scripts/convert_wan_to_diffusers.py`` configs) for
+``xfuse plan`` and GPU timings; their text encoder is 2 layers deep at the released width 4096 and their VAE is tiny
+with the released 16 latent channels, so the pipeline runs end to end. Weights depend only on the seed (see
+``xfuse.families.common.presets``).
+
+``WanTransformer3DModel`` has no ``sample_size`` and ``WanPipeline`` always defaults to 480 x 832 px and 81 frames, so a
+preset's default video size is only recorded here (``DEFAULT_SIZE``): callers pass ``height`` / ``width`` /
+``num_frames`` explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from xfuse.errors import ConfigError
+from xfuse.families.common.presets import divisor_heads, seeded, t5_vocab
+
+# WanPipeline's default max_sequence_length: prompts are cut to, and their states zero-padded to, 512 tokens.
+_T5_MAX_LENGTH = 512
+# The released Wan 2.1 VAE's per-channel latent statistics (AutoencoderKLWan's defaults): the pipeline decodes
+# latents / (1 / std) + mean. A VAE with fewer latent channels takes the first ones.
+_WAN_LATENTS_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)  # fmt: skip
+_WAN_LATENTS_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)  # fmt: skip
+
+# Keys of a preset that are not ``WanTransformer3DModel`` arguments.
+_NON_TRANSFORMER_KEYS = frozenset({"default_size"})
+
+# Every Wan 2.1 text-to-video transformer shares these (diffusers' conversion configs for T2V-1.3B and T2V-14B; an
+# image-to-video transformer would add ``image_dim`` / ``added_kv_proj_dim``).
+_COMMON: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "freq_dim": 256,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+
+# Rules the pipeline relies on: the RoPE splits each head into h = w = 2 * (attention_head_dim // 6) channels for rows
+# and columns and the rest for frames, all even and positive (16 -> 8 + 4 + 4, 64 -> 24 + 20 + 20, 128 -> 44 + 42 +
+# 42); text_dim == the UMT5 width; in_channels == the VAE's z_dim. Videos: height and width multiples of 16 px (VAE
+# factor 8 x patch 2), 1 + 4k frames. ``default_size`` is (height, width, num_frames).
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: 4 blocks of 2 heads x 16, 4 latent channels; a 128 x 224 px, 9-frame video (the release's aspect ratio)
+    # is 3 latent frames of 8 x 14 tokens.
+    "wan-tiny": {
+        "num_layers": 4,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "in_channels": 4,
+        "text_dim": 32,
+        "ffn_dim": 64,
+        "default_size": (128, 224, 9),
+    },
+    # CPU speed: 16 blocks of width 256 (4 heads of 64), the block count and width of ``sd3-small`` and
+    # ``pixart-small``, with an MLP 4x as wide and the release's 16 latent channels; a 192 x 336 px, 17-frame video
+    # is 5 latent frames of 12 x 21 tokens (1260 tokens).
+    "wan-small": {
+        "num_layers": 16,
+        "num_attention_heads": 4,
+        "attention_head_dim": 64,
+        "in_channels": 16,
+        "text_dim": 32,
+        "ffn_dim": 1024,
+        "default_size": (192, 336, 17),
+    },
+    # The released transformers: 30 blocks of 12 heads x 128 (width 1536) and 40 blocks of 40 heads x 128 (width 5120).
+    "wan2.1-t2v-1.3b": {
+        "num_layers": 30,
+        "num_attention_heads": 12,
+        "attention_head_dim": 128,
+        "in_channels": 16,
+        "text_dim": 4096,
+        "ffn_dim": 8960,
+        "default_size": (480, 832, 81),
+    },
+    "wan2.1-t2v-14b": {
+        "num_layers": 40,
+        "num_attention_heads": 40,
+        "attention_head_dim": 128,
+        "in_channels": 16,
+        "text_dim": 4096,
+        "ffn_dim": 13824,
+        "default_size": (480, 832, 81),
+    },
+}
+
+# Default video size of each preset: (height, width, num_frames) (not in the transformer config: Wan has no
+# sample_size).
+DEFAULT_SIZE: dict[str, tuple[int, int, int]] = {name: preset["default_size"] for name, preset in PRESETS.items()}
+
+
+def preset_transformer_config(preset: str = "wan-tiny") -> dict[str, Any]:
+    """The ``WanTransformer3DModel`` constructor arguments of a preset."""
+    if preset not in PRESETS:
+        raise ConfigError("model", f"unknown Wan preset {preset!r}; allowed presets: {', '.join(PRESETS)}")
+    config = {k: v for k, v in PRESETS[preset].items() if k not in _NON_TRANSFORMER_KEYS} | _COMMON
+    config["out_channels"] = config["in_channels"]
+    return config
+
+
+def preset_vae_config(preset: str = "wan-tiny") -> dict[str, Any]:
+    """The ``AutoencoderKLWan`` config of a preset's VAE (``_class_name`` included, as its ``config.json`` has it)."""
+    return {"_class_name": "AutoencoderKLWan", **_vae_config(preset_transformer_config(preset)["in_channels"])}
+
+
+def _vae_config(z_dim: int) -> dict[str, Any]:
+    # The release's layout (four levels: 8x spatial, 4x temporal compression; no attention outside the mid blocks) at
+    # a 24th of its width (base_dim 4 instead of 96) and one residual block per level instead of two. Wan's VAE
+    # decodes latent frame by frame through full-resolution causal 3D convolutions, so even this one costs seconds on
+    # CPU at wan-small's default size (base_dim 8 would double it).
+    return {
+        "base_dim": 4,
+        "z_dim": z_dim,
+        "dim_mult": [1, 2, 4, 4],
+        "num_res_blocks": 1,
+        "attn_scales": [],
+        "temperal_downsample": [False, True, True],
+        "dropout": 0.0,
+        "latents_mean": list(_WAN_LATENTS_MEAN[:z_dim]),
+        "latents_std": list(_WAN_LATENTS_STD[:z_dim]),
+        "scale_factor_temporal": 4,
+        "scale_factor_spatial": 8,
+    }
+
+
+def _umt5_encoder(width: int, vocab_size: int, seed: int, component: str):
+    """A 2-layer UMT5 encoder (gated GELU, a relative position bias in every layer) of ``width``, seeded per component;
+    the other sizes as ``xfuse.families.common.presets.t5_encoder``'s."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=width,
+        d_kv=8,
+        num_heads=divisor_heads(width, 8),
+        d_ff=2 * width,
+        num_layers=2,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        dropout_rate=0.0,
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    with seeded(seed, component):
+        return UMT5EncoderModel(config).eval()
+
+
+def _build_scheduler():
+    from diffusers import UniPCMultistepScheduler
+
+    # The Wan2.1-T2V diffusers folders' scheduler (480p's shift; see the module docstring for 720p's); every other
+    # setting is UniPC's default, as diffusers' conversion script leaves it (order 2, bh2, linspace, final sigma 0).
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+
+
+def build_preset_pipeline(preset: str = "wan-tiny", seed: int = 0):
+    """A complete, randomly initialised ``diffusers.WanPipeline`` (CPU, float32, eval mode)."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import T5Tokenizer
+
+    config = preset_transformer_config(preset)
+    with seeded(seed, "transformer"):
+        transformer = WanTransformer3DModel(**config).eval()
+    vocab = t5_vocab()
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
+    text_encoder = _umt5_encoder(config["text_dim"], len(vocab), seed, "text_encoder")
+    with seeded(seed, "vae"):
+        vae = AutoencoderKLWan(**_vae_config(config["in_channels"])).eval()
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=_build_scheduler(),
+        transformer=transformer,
+    )
+
+
+def save_preset_pipeline(path: str | os.PathLike, preset: str = "wan-tiny", seed: int = 0) -> str:
+    """``save_pretrained`` the preset into ``path`` (loads with ``WanPipeline.from_pretrained``)."""
+    path = os.fspath(path)
+    build_preset_pipeline(preset, seed).save_pretrained(path, safe_serialization=True)
+    return path
