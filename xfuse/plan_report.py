@@ -147,6 +147,7 @@ class PlanReport:
     patch_size: int
     height: int  # pixels
     width: int
+    frames: int  # a video's latent frames (stacked into the grid's rows); 1 for an image
     grid: PatchGrid
     plan: StagePlan
     batch: int  # transformer batch of one CFG group
@@ -167,18 +168,19 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
         except ConfigError:  # this machine's GPU has no profile in xfuse.perf.hardware
             where = None
     spec, model = model_spec(config.model), transformer_config(config.model)
-    patch_size, num_blocks, vae = model["patch_size"], spec.num_blocks(model), spec.latent_scale
+    patch_size, num_blocks, vae = spec.token_patch(model), spec.num_blocks(model), spec.latent_scale
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
-    default = spec.default_side(model)
     # A config built in Python without a request section plans the default request, as a YAML file without one does.
     generation = config.generation if config.generation is not None else GenerationConfig()
-    height, width = generation.height or default, generation.width or default
+    height, width = generation.height or spec.default_side(model), generation.width or spec.default_width(model)
+    frames = spec.latent_frames(getattr(generation, "num_frames", None))  # a video's latent frames, stacked
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
-                      num_heads=model["num_attention_heads"])  # fmt: skip
+                      num_heads=model["num_attention_heads"], latent_frames=frames)  # fmt: skip
     par = config.parallel
     plan = spec.plan(num_blocks, par)
     stream_tokens = {stream: sum(spec.text_lengths) for stream in plan.streams}  # the text the first patch carries
-    grid = patch_grid(height // vae, width // vae, par.resolved_num_patches, patch_size, sum(stream_tokens.values()))
+    lead = sum(stream_tokens.values())
+    grid = patch_grid(frames * (height // vae), width // vae, par.resolved_num_patches, patch_size, lead)
     dtype = config.runtime.torch_dtype()
     element = torch.empty((), dtype=dtype).element_size()
     # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
@@ -203,6 +205,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
         patch_size=patch_size,
         height=height,
         width=width,
+        frames=frames,
         grid=grid,
         plan=plan,
         batch=batch,
@@ -247,7 +250,8 @@ def predicted_latency(r: PlanReport, link: str) -> str:
     p = predict(workload(r.config), r.config.parallel, where, FITTED)
     outside = f" + {p.outside:.2f} s outside it" if where.device.gpu else " (the loop only on a CPU)"
     return (
-        f"predicted latency ({where.device.name}, {where.link.name}): {p.seconds:.2f} s per image: loop "
+        f"predicted latency ({where.device.name}, {where.link.name}): {p.seconds:.2f} s per "
+        f"{'clip' if r.spec.video else 'image'}: loop "
         f"{p.loop:.2f} s{outside} (xfuse.perf; its error on published points: docs/performance.md)"
     )
 
@@ -256,6 +260,23 @@ def _row(token: int, token_cols: int) -> str:
     """A token's place in rows: ``14`` at a row's start, ``14.56`` inside row 14 (a patch cut by cost)."""
     rows, cols = divmod(token, token_cols)
     return str(rows) if not cols else f"{token / token_cols:.2f}"
+
+
+def _geometry(r: PlanReport) -> str:
+    """The request's pixels, latent and tokens; a video's latent frames stacked into the patch grid's rows."""
+    grid = r.grid
+    if not r.spec.video:
+        return (
+            f"image {r.height}x{r.width} px -> latent {grid.latent_height}x{grid.latent_width} -> "
+            f"{grid.token_rows}x{grid.token_cols} tokens"
+        )
+    frames, rows = r.frames, grid.latent_height // r.frames
+    num_frames = (frames - 1) * r.spec.vae_temporal_factor + 1
+    return (
+        f"video {num_frames} frames of {r.height}x{r.width} px -> latent {frames}x{rows}x{grid.latent_width} -> "
+        f"{frames}x{rows // r.patch_size}x{grid.token_cols} = {grid.num_tokens} tokens, patches "
+        f"{r.config.parallel.video_patches} ({grid.token_rows} stacked token rows)"
+    )
 
 
 def format_plan_report(r: PlanReport) -> str:
@@ -267,8 +288,7 @@ def format_plan_report(r: PlanReport) -> str:
     lines = [
         f"model {config.model} ({r.spec.name}): {r.num_blocks} blocks, hidden {r.hidden_size}, "
         f"patch size {r.patch_size}",
-        f"image {r.height}x{r.width} px -> latent {grid.latent_height}x{grid.latent_width} -> "
-        f"{grid.token_rows}x{grid.token_cols} tokens; transformer batch {r.batch}; {config.runtime.dtype}",
+        _geometry(r) + f"; transformer batch {r.batch}; {config.runtime.dtype}",
         f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}"
         + (f" x ulysses {par.ulysses_degree} x ring {par.ring_degree}" if par.sequence_degree > 1 else "")
         + "; placement "

@@ -69,6 +69,10 @@ class ModelSpec:
         vae_temporal_factor: video frames per latent frame (1: an image family; Wan: 4, and its pipeline takes
             ``num_frames`` = 4k + 1). The engine sees a video's latent frames stacked as one tall image
             (``xfuse.parallel.video_layout``).
+        native_frames: frames of the diffusers pipeline's default clip (``num_frames``; 1 for an image family).
+        native_width: pixels of the pipeline's default width where it is not its default height (Wan: 832).
+        token_patch: ``transformer config -> `` latent rows (and columns) per token, the engine's patch size
+            (Wan's ``patch_size`` is (1, p, p): p).
     """
 
     name: str
@@ -92,6 +96,9 @@ class ModelSpec:
     attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
     resolution_binning: bool = False
     vae_temporal_factor: int = 1
+    native_frames: int = 1
+    native_width: int | None = None
+    token_patch: Callable[[dict], int] = lambda config: config["patch_size"]
 
     @property
     def pipeline_name(self) -> str:
@@ -109,6 +116,10 @@ class ModelSpec:
             return self.native_side(config)
         return config["sample_size"] * self.vae_scale_factor
 
+    def default_width(self, config: dict) -> int:
+        """Pixels of the default image width: the default side, or a video pipeline's own (Wan: 832 x 480)."""
+        return self.native_width if self.native_width is not None else self.default_side(config)
+
     def placement(self, parallel) -> str:
         """``parallel.placement``, or this family's default when it is not set."""
         return parallel.placement or self.default_placement
@@ -123,6 +134,12 @@ class ModelSpec:
             skips=self.skip_pairs(num_blocks),
             streams=self.streams,
         )
+
+    def latent_frames(self, num_frames: int | None) -> int:
+        """Latent frames of a ``num_frames`` clip (``None``: the pipeline's default; an image family: 1): the VAE keeps
+        the first frame and folds every ``vae_temporal_factor`` after it into one."""
+        frames = self.native_frames if num_frames is None else num_frames
+        return (frames - 1) // self.vae_temporal_factor + 1
 
     @property
     def video(self) -> bool:

@@ -64,6 +64,7 @@ class Workload:
     steps: int
     cfg_batch: int  # 2: classifier-free guidance batches [uncond, cond]; 1: FLUX's distilled guidance, or none
     text: int | None = None  # prompt tokens; None: the family's default lengths
+    frames: int = 1  # latent frames of a video (stacked into one tall image: xfuse.parallel.video_layout)
 
     @property
     def text_tokens(self) -> int:
@@ -83,14 +84,14 @@ class Workload:
         return self.spec.num_blocks(self.config)
 
     def grid(self, num_patches: int) -> PatchGrid:
-        scale, patch = self.spec.latent_scale, self.config["patch_size"]
+        scale, patch = self.spec.latent_scale, self.spec.token_patch(self.config)
         lead = self.text_tokens if self.joint else 0
-        return patch_grid(self.height // scale, self.width // scale, num_patches, patch, lead)
+        return patch_grid(self.frames * (self.height // scale), self.width // scale, num_patches, patch, lead)
 
     @property
-    def latent_bytes_per_element(self) -> int:  # elements of the stepped latent of one image
+    def latent_bytes_per_element(self) -> int:  # elements of the stepped latent of one image (or clip)
         scale = self.spec.latent_scale
-        return self.config["in_channels"] * (self.height // scale) * (self.width // scale)
+        return self.config["in_channels"] * self.frames * (self.height // scale) * (self.width // scale)
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ def predict(
         link = machine.between(0, parallel.pipefusion_degree * costs.sp)
         cfg = work.steps * (work.latent_bytes_per_element * costs.element / link.bandwidth + link.latency)
     loop = max(finish.values()) + cfg
-    megapixels = work.height * work.width / 1e6
+    megapixels = work.frames * work.height * work.width / 1e6  # a clip's latent frames, each a picture to decode
     device = machine.device
     outside = calibration.outside * megapixels * 312e12 / device.peak_flops if device.gpu else 0.0
     return Prediction(loop + outside, loop, outside, compute, sequence, cfg)

@@ -55,7 +55,9 @@ def workload(config: XfuseConfig) -> Workload:
     gen = config.generation if config.generation is not None else GenerationConfig()
     side = spec.default_side(model)
     cfg_batch = 2 if gen.guidance_scale > 1 and not spec.distilled_guidance else 1
-    return Workload(spec, model, gen.height or side, gen.width or side, gen.num_inference_steps, cfg_batch)
+    frames = spec.latent_frames(getattr(gen, "num_frames", None))
+    height, width = gen.height or side, gen.width or spec.default_width(model)
+    return Workload(spec, model, height, width, gen.num_inference_steps, cfg_batch, frames=frames)
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,10 +85,11 @@ def candidates(config: XfuseConfig, world: int) -> tuple[list[ParallelConfig], l
                     work.spec.check_layout(
                         parallel,
                         num_blocks=work.num_blocks,
-                        patch_size=work.config["patch_size"],
+                        patch_size=work.spec.token_patch(work.config),
                         height=work.height,
                         width=work.width,
                         num_heads=work.config["num_attention_heads"],
+                        latent_frames=work.frames,
                     )
                 except ConfigError as err:
                     refused.append(f"{name}: {err}")

@@ -64,6 +64,8 @@ class VaeShape:
     def from_config(cls, config: Mapping[str, Any]) -> VaeShape:
         """From a diffusers ``vae/config.json`` dict; ``ValueError`` for a VAE this model does not describe."""
         name = config.get("_class_name", "AutoencoderKL")
+        if name != "AutoencoderKL":  # e.g. Wan's causal 3-D AutoencoderKLWan
+            raise ValueError(f"the VAE model covers diffusers' AutoencoderKL only (got {name})")
         levels = len(config.get("block_out_channels", (64,)))
         for key, kind in (("up_block_types", "UpDecoderBlock2D"), ("down_block_types", "DownEncoderBlock2D")):
             blocks = tuple(config.get(key, (kind,) * levels))

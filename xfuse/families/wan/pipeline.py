@@ -29,8 +29,8 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
     A patch is a run of latent frames (`parallel.video_patches: temporal`, the default) or a strip of rows across every
     frame (`spatial`). Classifier-free guidance runs the negative and the positive prompt as one transformer batch
     [negative, positive] (diffusers makes two calls: per sample the same computation), which `parallel.cfg_degree: 2`
-    splits. diffusers rounds a `num_frames` that is not 4k + 1 with a warning; xfuse refuses it. Refused by name: `attention_kwargs`; Wan 2.2's second expert (`transformer_2`,
-    `boundary_ratio`) and `expand_timesteps` folders.
+    splits. diffusers rounds a `num_frames` that is not 4k + 1 with a warning; xfuse refuses it. Refused by name:
+    `attention_kwargs`; Wan 2.2's second expert (`transformer_2`, `boundary_ratio`) and `expand_timesteps` folders.
     """
 
     spec = WAN

@@ -46,11 +46,14 @@ WAN = ModelSpec(
     presets=("wan-tiny", "wan-small", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b"),
     vae_scale_factor=8,  # AutoencoderKLWan (Wan 2.1): 8 px per latent row and column, 4 frames per latent frame
     vae_temporal_factor=4,
+    native_frames=81,  # WanPipeline's default num_frames
+    token_patch=lambda config: config["patch_size"][1],  # (1, p, p): one latent frame by p x p
     text_lengths=(512,),  # UMT5 (WanPipeline's max_sequence_length)
     skip_pairs=no_skips,
     default_placement="linear",
     block_flops=wan_block_flops,
-    native_side=lambda config: 480,  # WanPipeline's default height (its default width is 832)
+    native_side=lambda config: 480,  # WanPipeline's default height
+    native_width=832,  # and width
     crosses_per_patch="hidden states at each hand-off; with linear placement the stepped latent rows (of every frame "
     "the patch covers) back to rank 0 (the UMT5 text is static: projected once per request on every rank)",
 )
