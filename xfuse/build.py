@@ -1,14 +1,16 @@
-"""The configured pipeline on this rank, and the keyword arguments of one image request.
+"""The configured pipeline on this rank, and the keyword arguments of one image (or video) request.
 
 ``xfuse generate`` and ``xfuse serve`` both build their pipeline and call it through here, so a served request and a
-``generate`` run with the same prompt, size, steps, guidance and seed make the same call and the same image.
+``generate`` run with the same prompt, size, steps, guidance and seed make the same call and the same image. A video
+family's call (``ModelSpec.video``: Wan) is :func:`video_call_kwargs`, its default clip :func:`default_video_size`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from xfuse.config import XfuseConfig
+from xfuse.errors import ConfigError
 from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
 if TYPE_CHECKING:
@@ -40,6 +42,54 @@ def default_size(config: XfuseConfig) -> tuple[int, int]:
     return config.generation.width or native, config.generation.height or native
 
 
+def default_video_size(config: XfuseConfig) -> tuple[int, int, int]:
+    """(width, height, num_frames) of a video model's clip when a request names none: ``generation.width/height/
+    num_frames``, else a preset's own size (its presets module's ``DEFAULT_SIZE``, (height, width, frames)), else the
+    diffusers pipeline's defaults (a folder; Wan: 832 x 480 px, 81 frames). A ``num_frames`` the video VAE cannot
+    take (Wan: 4k + 1) is refused here, naming ``generation.num_frames``, before any weights load."""
+    from xfuse.families.registry import model_is_preset, model_spec, transformer_config
+
+    spec, gen = model_spec(config.model), config.generation
+    if not spec.video:
+        raise ValueError(f"{config.model} is an image model ({spec.diffusers_pipeline}): use default_size")
+    if model_is_preset(config.model):
+        height, width, frames = spec.preset_builders().DEFAULT_SIZE[config.model]
+    else:
+        model = transformer_config(config.model)
+        height, width, frames = spec.default_side(model), spec.default_width(model), spec.native_frames
+    if gen is not None:
+        height, width, frames = gen.height or height, gen.width or width, gen.num_frames or frames
+    step = spec.vae_temporal_factor
+    if frames % step != 1:
+        below = max(1, (frames - 1) // step * step + 1)
+        raise ConfigError(
+            "generation.num_frames",
+            f"must be {step}k + 1 for {config.model} ({spec.diffusers_pipeline}: the VAE keeps the first frame and "
+            f"folds every {step} after it into one latent frame), e.g. {below} or {below + step} (got {frames})",
+        )
+    return width, height, frames
+
+
+def _common_call_kwargs(
+    *, prompt: str, negative_prompt: str | None, width: int, height: int, num_inference_steps: int,
+    guidance_scale: float, seed: int, spec: ModelSpec,
+) -> dict[str, Any]:  # fmt: skip
+    import torch
+
+    return dict(
+        prompt=prompt,
+        # None: the family's own default (HunyuanDiT's None, PixArt's "": PixArt cannot take None)
+        **({} if negative_prompt is None else {"negative_prompt": negative_prompt}),
+        height=height,
+        width=width,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        generator=torch.Generator().manual_seed(seed),
+        # the size asked for, not the nearest of the model's trained sizes
+        **({"use_resolution_binning": False} if spec.resolution_binning else {}),
+    )
+
+
 def image_call_kwargs(
     *,
     prompt: str,
@@ -52,20 +102,37 @@ def image_call_kwargs(
     num_images: int = 1,
     spec: ModelSpec,
 ) -> dict[str, Any]:
-    """The pipeline call for one request: the diffusers arguments every family takes (and, for a ``spec`` whose
+    """The pipeline call for one image request: the diffusers arguments every family takes (and, for a ``spec`` whose
     pipeline bins sizes, binning off)."""
-    import torch
+    common = _common_call_kwargs(
+        prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
+        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed, spec=spec,
+    )  # fmt: skip
+    return dict(common, num_images_per_prompt=num_images)
 
-    return dict(
-        prompt=prompt,
-        # None: the family's own default (HunyuanDiT's None, PixArt's "": PixArt cannot take None)
-        **({} if negative_prompt is None else {"negative_prompt": negative_prompt}),
-        height=height,
-        width=width,
-        num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale,
-        num_images_per_prompt=num_images,
-        generator=torch.Generator().manual_seed(seed),
-        # the size asked for, not the nearest of the model's trained sizes
-        **({"use_resolution_binning": False} if spec.resolution_binning else {}),
-    )
+
+def video_call_kwargs(
+    *,
+    prompt: str,
+    negative_prompt: str | None,
+    width: int,
+    height: int,
+    num_frames: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    seed: int,
+    num_videos: int = 1,
+    output_type: Literal["np", "pil"] = "pil",
+    spec: ModelSpec,
+) -> dict[str, Any]:
+    """The pipeline call for one video request (a ``spec`` with ``video``: ``WanPipeline.__call__``'s arguments): the
+    image call's, with ``num_frames`` and ``num_videos_per_prompt`` for ``num_images_per_prompt``. ``output_type``
+    ``pil``: one list of PIL frames per video (diffusers rounds to 8 bits); ``np``: (videos, frames, H, W, 3) floats
+    in [0, 1], WanPipeline's default."""
+    if not spec.video:
+        raise ValueError(f"{spec.diffusers_pipeline} makes images: use image_call_kwargs")
+    common = _common_call_kwargs(
+        prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
+        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed, spec=spec,
+    )  # fmt: skip
+    return dict(common, num_frames=num_frames, num_videos_per_prompt=num_videos, output_type=output_type)

@@ -86,13 +86,50 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def write_clip(frames, output: str, fps: int) -> tuple[str, str | None]:
+    """Write a clip (a list of PIL frames) at ``fps``: an MP4 (or what ``output``'s suffix names) with diffusers'
+    ``export_to_video`` when ``imageio`` and ``imageio-ffmpeg`` are installed (``xfuse[video]``), else an animated GIF
+    with PIL next to ``output`` (its suffix ``.gif``); a ``.gif`` output is always PIL's. Returns the path written and,
+    for the fallback, the line that says why it is a GIF."""
+    stem, suffix = os.path.splitext(output)
+    missing = None
+    if suffix.lower() != ".gif":
+        for module in ("imageio", "imageio_ffmpeg"):  # export_to_video needs both (imageio's ffmpeg plugin)
+            try:
+                __import__(module)
+            except ImportError:
+                missing = module.replace("_", "-")
+                break
+        else:
+            from diffusers.utils import export_to_video
+
+            return export_to_video(frames, output, fps=fps), None
+        output = stem + ".gif"
+    # GIF frame times are whole centiseconds: 1000 / 16 = 62.5 ms is stored as 60 ms
+    frames[0].save(output, save_all=True, append_images=list(frames[1:]), duration=1000 / fps, loop=0)
+    note = (
+        f"xfuse generate: {missing} is not installed, so {output} is an animated GIF, not an MP4 "
+        "(pip install 'xfuse[video]' writes MP4)"
+        if missing
+        else None
+    )
+    return output, note
+
+
 def cmd_generate(args) -> int:
-    """Generate one image. Under torchrun every rank runs this; rank 0 writes the PNG and reports."""
-    from xfuse.build import build_pipeline, default_size, image_call_kwargs
+    """Generate one image (or, with a video model, one clip). Under torchrun every rank runs this; rank 0 writes the
+    PNG (MP4) and reports."""
+    from xfuse.build import build_pipeline, default_size, default_video_size, image_call_kwargs, video_call_kwargs
+    from xfuse.families.registry import model_spec
 
     overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
     config = _auto_layout(args, load_config(args.config, overrides))
     gen, par = config.generation, config.parallel
+    video = model_spec(config.model).video
+    if video:  # before any weights load: a num_frames the VAE cannot take is refused naming its key
+        width, height, num_frames = default_video_size(config)
+    else:
+        width, height = default_size(config)
     pipe = build_pipeline(config)
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
@@ -102,29 +139,39 @@ def cmd_generate(args) -> int:
         install(pipe.stage, pipe.context.rank, vae=pipe.pipeline.vae)
     if args.trace:
         pipe.enable_trace()
-    start = time.perf_counter()
-    width, height = default_size(config)
-    out = pipe(
-        **image_call_kwargs(
-            prompt=gen.prompt,
-            negative_prompt=gen.negative_prompt,
-            width=width,
-            height=height,
-            num_inference_steps=gen.num_inference_steps,
-            guidance_scale=gen.guidance_scale,
-            seed=gen.seed,
-            spec=pipe.spec,
-        )
+    request = dict(
+        prompt=gen.prompt,
+        negative_prompt=gen.negative_prompt,
+        width=width,
+        height=height,
+        num_inference_steps=gen.num_inference_steps,
+        guidance_scale=gen.guidance_scale,
+        seed=gen.seed,
+        spec=pipe.spec,
     )
+    start = time.perf_counter()
+    out = pipe(**(video_call_kwargs(**request, num_frames=num_frames) if video else image_call_kwargs(**request)))
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()
     events = pipe.write_trace(args.trace) if args.trace else None
     if out is not None:
-        output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}.png")
+        suffix = ".mp4" if video else ".png"
+        output = args.output or os.path.join("outputs", f"xfuse_{config.model.replace('/', '_')}_{gen.seed}{suffix}")
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        out.images[0].save(output)
+        if video:
+            frames = out.frames[0]
+            output, note = write_clip(frames, output, gen.fps)
+            if note is not None:
+                write_stderr(note)
+            what = (
+                f"{len(frames)} frames of {frames[0].width}x{frames[0].height} at {gen.fps} fps "
+                f"({len(frames) / gen.fps:.2f} s)"
+            )
+        else:
+            out.images[0].save(output)
+            what = f"{out.images[0].width}x{out.images[0].height}"
         print(
-            f"wrote {output}: {out.images[0].width}x{out.images[0].height}, {gen.num_inference_steps} steps in "
+            f"wrote {output}: {what}, {gen.num_inference_steps} steps in "
             f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
             f"{par.cfg_degree}, {pipe.plan.placement}, {par.resolved_num_patches} patches, warm-up "
             f"{par.warmup_steps}; VAE decode on {pipe.decode_ranks} rank(s))"
@@ -189,10 +236,16 @@ def main(argv=None) -> int:
     )
     _auto_args(plan, plan=True)
     plan.set_defaults(func=cmd_plan)
-    gen = sub.add_parser("generate", help="generate an image with the configured model and plan")
+    gen = sub.add_parser("generate", help="generate an image or a video clip with the configured model and plan")
     _add_config_args(gen)
     gen.add_argument("--prompt", help="overrides generation.prompt")
-    gen.add_argument("--output", "-o", help="PNG path (default outputs/xfuse_<model>_<seed>.png)")
+    gen.add_argument(
+        "--output",
+        "-o",
+        help="PNG path (default outputs/xfuse_<model>_<seed>.png); a video model's MP4 (default "
+        "outputs/xfuse_<model>_<seed>.mp4; .gif: an animated GIF; an MP4 needs pip install 'xfuse[video]', "
+        "else a GIF is written beside it)",
+    )
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     _auto_args(gen, plan=False)
     gen.set_defaults(func=cmd_generate)

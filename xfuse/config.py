@@ -17,7 +17,8 @@ YAML layout (every key optional)::
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
-                 num_inference_steps: 20, guidance_scale: 5.0, seed: 0}
+                 num_inference_steps: 20, guidance_scale: 5.0, seed: 0,
+                 num_frames: null, fps: 16}   # num_frames, fps: video models only (Wan)
     serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_images_per_request: 4,
                max_side: 2048, max_pixels: 4194304, max_steps: 100, max_prompt_chars: 4000,
                max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
@@ -395,7 +396,12 @@ class RuntimeConfig(_Section):
 
 @section("generation")
 class GenerationConfig(_Section):
-    """One request's parameters. ``height``/``width`` ``None`` means the model's default size."""
+    """One request's parameters. ``height``/``width`` ``None`` means the model's default size.
+
+    Video models only (``ModelSpec.video``; image models ignore them): ``num_frames`` ``None`` means the model's default
+    clip (a preset's own, else the diffusers pipeline's: Wan 81); whether the VAE takes it (Wan: 4k + 1) needs the
+    model and is checked by ``xfuse.build.default_video_size``. ``fps``: the frame rate ``xfuse generate`` writes.
+    """
 
     prompt: str = "A cat sitting on a windowsill at sunset, watercolor"
     negative_prompt: str | None = None
@@ -404,6 +410,10 @@ class GenerationConfig(_Section):
     num_inference_steps: PositiveInt = 20
     guidance_scale: Annotated[float, Field(ge=0.0)] = 5.0
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
+    num_frames: PositiveInt | None = None
+    # 16, not diffusers' export_to_video default of 10: Wan 2.1's released examples export at fps=16 (diffusers'
+    # WanPipeline example, the Wan2.1 repository's sample_fps), its 81-frame default being a 5 s clip.
+    fps: PositiveInt = 16
 
 
 @section("serve")

@@ -67,6 +67,7 @@ def test_defaults():
         0,
     )
     assert c.world_size == 1
+    assert (g.num_frames, g.fps) == (None, 16)  # video models only: the model's clip, Wan 2.1's frame rate
 
 
 def test_import_has_no_side_effects():
@@ -364,6 +365,11 @@ BAD_DICTS = [
     ("steps_zero", {"generation": {"num_inference_steps": 0}}, "generation.num_inference_steps", [">= 1"]),
     ("guidance_negative", {"generation": {"guidance_scale": -1}}, "generation.guidance_scale", [">= 0.0"]),
     ("seed_negative", {"generation": {"seed": -1}}, "generation.seed", ["from 0 to", "(got -1)"]),
+    ("num_frames_zero", {"generation": {"num_frames": 0}}, "generation.num_frames", [">= 1 or null", "(got 0)"]),
+    ("num_frames_string", {"generation": {"num_frames": "9"}}, "generation.num_frames", ["integer", "string"]),
+    ("fps_zero", {"generation": {"fps": 0}}, "generation.fps", [">= 1", "(got 0)"]),
+    ("fps_null", {"generation": {"fps": None}}, "generation.fps", ["not null"]),
+    ("fps_float", {"generation": {"fps": 23.976}}, "generation.fps", ["integer", "(got 23.976)"]),
     ("serve_port_too_big", {"serve": {"port": 70000}}, "serve.port", ["from 0 to 65535", "(got 70000)"]),
     ("serve_host_empty", {"serve": {"host": ""}}, "serve.host", ["non-empty string"]),
     ("serve_max_queue_zero", {"serve": {"max_queue": 0}}, "serve.max_queue", [">= 1", "(got 0)"]),
@@ -669,6 +675,48 @@ def test_tiny_demo_config():
     g = c.generation
     assert (g.height, g.width, g.num_inference_steps, g.seed) == (256, 256, 8, 0)
     assert g.prompt
+
+
+def test_wan_demo_config():
+    c = load_config(str(REPO / "configs/wan/pp2.yaml"))
+    assert c.model == "wan-tiny" and c.world_size == 2
+    p, g = c.parallel, c.generation
+    assert (p.pipefusion_degree, p.num_patches, p.warmup_steps, p.video_patches) == (2, 2, 1, "temporal")
+    assert (g.height, g.width, g.num_frames, g.fps, g.num_inference_steps) == (128, 224, 9, 16, 8)
+
+
+def test_default_video_size_and_the_video_call(tmp_path):
+    """A video model's clip: the preset's own size (height, width, frames in its presets module), the request's keys
+    over it, WanPipeline's defaults for a folder's model; num_frames the VAE cannot take is refused naming its key."""
+    from xfuse.build import default_video_size, image_call_kwargs, video_call_kwargs
+    from xfuse.families.registry import model_spec
+    from xfuse.families.wan.presets import DEFAULT_SIZE
+
+    assert DEFAULT_SIZE["wan-tiny"] == (128, 224, 9)
+    assert default_video_size(XfuseConfig(model="wan-tiny")) == (224, 128, 9)  # (width, height, num_frames)
+    asked = config_from_dict({"model": "wan-tiny", "generation": {"width": 96, "num_frames": 17}})
+    assert default_video_size(asked) == (96, 128, 17)
+    assert default_video_size(XfuseConfig(model="wan2.1-t2v-1.3b")) == (832, 480, 81)
+    folder = model_spec("wan-tiny").save_preset_pipeline(tmp_path / "wan", "wan-tiny")
+    assert default_video_size(XfuseConfig(model=str(folder))) == (832, 480, 81)  # WanPipeline.__call__'s defaults
+    assert default_video_size(XfuseConfig(model="wan-tiny", generation=None)) == (224, 128, 9)
+    with pytest.raises(ConfigError) as e:
+        default_video_size(config_from_dict({"model": "wan-tiny", "generation": {"num_frames": 8}}))
+    assert e.value.key == "generation.num_frames" and "4k + 1" in str(e.value) and "e.g. 5 or 9 (got 8)" in str(e.value)
+    with pytest.raises(ValueError, match="image model"):
+        default_video_size(XfuseConfig(model="tiny"))
+    request = dict(prompt="p", negative_prompt=None, width=96, height=64, num_inference_steps=2, guidance_scale=5.0,
+                   seed=3)  # fmt: skip
+    wan, tiny = model_spec("wan-tiny"), model_spec("tiny")
+    call = video_call_kwargs(**request, num_frames=9, spec=wan)
+    assert (call["num_frames"], call["num_videos_per_prompt"], call["output_type"]) == (9, 1, "pil")
+    assert "num_images_per_prompt" not in call and "negative_prompt" not in call
+    assert call["generator"].initial_seed() == 3
+    image = image_call_kwargs(**request, spec=tiny)
+    assert image["num_images_per_prompt"] == 1 and "num_frames" not in image and "output_type" not in image
+    assert image["use_resolution_binning"] is False  # HunyuanDiT bins sizes: off, as before
+    with pytest.raises(ValueError, match="image_call_kwargs"):
+        video_call_kwargs(**request, num_frames=9, spec=tiny)
 
 
 def test_hunyuandit_sweep_configs():

@@ -23,7 +23,7 @@ from typing import NoReturn
 from xfuse.build import build_pipeline, default_size
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
-from xfuse.families.registry import model_is_preset
+from xfuse.families.registry import model_is_preset, model_spec
 from xfuse.runtime.stderr import clock, write_stderr
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
@@ -187,8 +187,21 @@ def _fail_worker(pipe, err: BaseException) -> NoReturn:
     _exit_now(monitor, 1)
 
 
+def refuse_video_model(config: XfuseConfig) -> None:
+    """A video model (``ModelSpec.video``: Wan) has no place in the Images API: refused by name (``ConfigError``,
+    exit 2) on every rank before any port is bound or weights load."""
+    spec = model_spec(config.model)
+    if spec.video:
+        raise ConfigError(
+            "model",
+            f"{config.model} is a video model ({spec.diffusers_pipeline}); xfuse serve answers the OpenAI Images API "
+            f"only: use xfuse generate for clips (got {config.model!r})",
+        )
+
+
 def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     """Run this rank's part of the service until it is drained (returns 0) or fails (exits non-zero)."""
+    refuse_video_model(config)
     rank = int(os.environ.get("RANK", "0"))
     drain = DrainSignal()
     drain.install()

@@ -1,0 +1,133 @@
+"""``xfuse generate`` / ``xfuse serve`` on a video model (Wan 2.1, the ``wan-tiny`` preset), run as real processes.
+
+The generate runs go through a small launcher (:data:`CHILD`, written to the test's folder) that is ``xfuse.cli.main``
+with one addition: the frames handed to the CLI's clip writer are also saved as ``.npy``, so the file written can be
+compared with the pipeline's own frames. With ``HIDE_IMAGEIO_FFMPEG=1`` it first makes ``import imageio_ffmpeg`` fail
+(``sys.modules[name] = None``), as if ``xfuse[video]`` were not installed: the CLI's GIF fallback.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+from PIL import Image, ImageSequence
+
+from tests.support import REPO
+
+ENV = dict(os.environ)  # offline: tests/conftest.py
+
+CHILD = """\
+import os
+import sys
+
+import numpy as np
+
+if os.environ.get("HIDE_IMAGEIO_FFMPEG"):
+    sys.modules["imageio_ffmpeg"] = None  # `import imageio_ffmpeg` raises ImportError: as if not installed
+
+import xfuse.cli as cli
+
+write_clip = cli.write_clip
+
+
+def recorded(frames, output, fps):
+    np.save(os.environ["FRAMES_NPY"], np.stack([np.asarray(frame) for frame in frames]))
+    return write_clip(frames, output, fps)
+
+
+cli.write_clip = recorded
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+# wan-tiny at 96 x 64 px (multiples of 16: no resize by export_to_video's macro_block_size), 9 frames = 3 latent
+# frames, 3 steps; the rest from configs/wan/pp2.yaml (pipefusion 2, 2 patches, warm-up 1, fps 16).
+SETTINGS = ("generation.height=64", "generation.width=96", "generation.num_frames=9",
+            "generation.num_inference_steps=3")  # fmt: skip
+SETS = [arg for value in SETTINGS for arg in ("--set", value)]
+CONFIG = str(REPO / "configs/wan/pp2.yaml")
+
+
+def _child(tmp_path):
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return str(path)
+
+
+def _run(cmd, env, timeout=180):
+    return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **env}, timeout=timeout, cwd=REPO)
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(10 * np.log10(255**2 / np.mean((a.astype(float) - b.astype(float)) ** 2)))
+
+
+def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(tmp_path):
+    """torchrun, 2 ranks: rank 0 writes an H.264 MP4 at 16 fps that decodes back (imageio's ffmpeg reader) into the
+    9 frames of 96 x 64 px, the first close to the pipeline's own first frame. Observed (imageio-ffmpeg 0.8.1's
+    ffmpeg, quality 5, yuv420p): frame 0 at 28.1 dB PSNR, mean |diff| 7.5 of 255 over RGB (the random model's frames
+    are noise-like, the hardest case for the codec; chroma is subsampled), every frame above 21 dB, and the other
+    frames 14.7-17.4 dB from frame 0."""
+    import imageio
+
+    target, npy = tmp_path / "clip.mp4", tmp_path / "frames.npy"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", _child(tmp_path),
+           "generate", "--config", CONFIG, *SETS, "--output", str(target)]  # fmt: skip
+    out = _run(cmd, {"FRAMES_NPY": str(npy)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"wrote {target}: 9 frames of 96x64 at 16 fps (0.56 s), 3 steps in " in out.stdout, out.stdout
+    assert " s on 2 rank(s) (pipefusion 2 x cfg 1, linear, 2 patches, warm-up 1;" in out.stdout
+    assert "  rank 0 sent " in out.stdout and "  rank 1 sent " in out.stdout
+    assert "not installed" not in out.stderr and not (tmp_path / "clip.gif").exists()
+    reader = imageio.get_reader(str(target), "ffmpeg")
+    meta = reader.get_meta_data()
+    assert (meta["codec"], meta["fps"], meta["size"]) == ("h264", 16.0, (96, 64))
+    decoded = np.stack([frame for frame in reader.iter_data()])  # not list(reader): its len() is inf
+    reader.close()
+    own = np.load(npy)
+    assert decoded.shape == own.shape == (9, 64, 96, 3) and own.dtype == np.uint8
+    assert _psnr(decoded[0], own[0]) > 25 and np.abs(decoded[0].astype(int) - own[0]).mean() < 12
+    assert min(_psnr(decoded[k], own[k]) for k in range(9)) > 19
+    assert max(_psnr(decoded[0], own[k]) for k in range(1, 9)) < 21  # it is frame 0, not any frame
+
+
+def test_generate_without_imageio_ffmpeg_writes_a_gif_and_says_so(tmp_path):
+    """Plain python, one rank, imageio-ffmpeg hidden: an animated GIF beside the MP4 asked for (9 frames of 96 x 64,
+    60 ms each: 1000 / 16 fps in whole centiseconds, looping), one stderr line naming the missing package and the
+    install command. GIF's 256-colour palette (dithered) costs a mean |diff| of about 4.7 of 255 here."""
+    asked, npy = tmp_path / "clip.mp4", tmp_path / "frames.npy"
+    gif = tmp_path / "clip.gif"
+    cmd = [sys.executable, _child(tmp_path), "generate", "--config", CONFIG, *SETS,
+           "--set", "parallel.pipefusion_degree=1", "--output", str(asked)]  # fmt: skip
+    out = _run(cmd, {"FRAMES_NPY": str(npy), "HIDE_IMAGEIO_FFMPEG": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = (
+        f"xfuse generate: imageio-ffmpeg is not installed, so {gif} is an animated GIF, not an MP4 "
+        "(pip install 'xfuse[video]' writes MP4)\n"
+    )
+    assert line in out.stderr, out.stderr[-2000:]
+    assert f"wrote {gif}: 9 frames of 96x64 at 16 fps (0.56 s), 3 steps in " in out.stdout, out.stdout
+    assert " s on 1 rank(s) (pipefusion 1 x cfg 1," in out.stdout
+    assert gif.exists() and not asked.exists()
+    with Image.open(gif) as image:
+        assert (image.format, image.n_frames, image.size, image.info["loop"]) == ("GIF", 9, (96, 64), 0)
+        frames = [frame.convert("RGB") for frame in ImageSequence.Iterator(image)]
+        durations = [frame.info["duration"] for frame in ImageSequence.Iterator(image)]
+    assert durations == [60] * 9
+    own = np.load(npy)
+    assert own.shape == (9, 64, 96, 3)
+    assert np.abs(np.stack([np.asarray(f) for f in frames]).astype(int) - own).mean() < 8
+
+
+def test_serve_refuses_a_video_model_before_loading_it():
+    """xfuse serve answers the OpenAI Images API: a video model is refused at start-up, by name, exit 2, before the
+    port is bound or any weights load."""
+    cmd = [sys.executable, "-m", "xfuse", "serve", "--config", CONFIG, "--set", "parallel.pipefusion_degree=1",
+           "--port", "0"]  # fmt: skip
+    out = _run(cmd, {}, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert (
+        "xfuse serve: rank 0: error: model: wan-tiny is a video model (WanPipeline); xfuse serve answers the OpenAI "
+        "Images API only: use xfuse generate for clips (got 'wan-tiny')"
+    ) in out.stderr
+    assert "listening" not in out.stdout
