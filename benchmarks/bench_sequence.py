@@ -1,8 +1,9 @@
 """Sequence parallelism side by side: serial diffusers, diffusers' own Ulysses (FLUX: the family diffusers has a
 context-parallel plan for), and xfuse's Ulysses, Ring, PipeFusion (and, for the families that batch classifier-free
-guidance, CFG) at degree 2, on any family's preset.
+guidance, CFG) at degree 2, on any family's preset; for a video family (Wan) both PipeFusion patch directions.
 
     python benchmarks/bench_sequence.py [--preset flux-small] [--steps 8 20] [--size 512] [--repeats 3] [--json out]
+    python benchmarks/bench_sequence.py --preset wan-small --size 256 --frames 17 --steps 20
 
 Each configuration is a world of real gloo processes (one torch thread per rank, pinned to its own core), set up
 first and then timed in turns (a round calls each configuration once, so the machine's drift falls on every ratio
@@ -10,7 +11,8 @@ alike). A call is the whole pipeline call to latents (``output_type="latent"``: 
 denoising loop; no VAE) on the preset (``flux-small``: 4 double + 8 single blocks of width 256, fp32, its default
 512 T5 tokens, guidance 3.5; the other families' ``*-small`` presets: 16 blocks of width 256, guidance 5, batched
 [uncond, cond]), seed 0. Every parallel configuration's latents are compared with serial diffusers' (max abs; all
-are exact except PipeFusion, whose stale K/V make it an approximation).
+are exact except PipeFusion, whose stale K/V make it an approximation). For PipeFusion, each rank's bytes sent in the
+last call are printed beside ``xfuse.parallel.costs.comm_volume``'s count (``xfuse plan``'s table) times the steps.
 
 diffusers' Ulysses: ``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``. diffusers
 picks its device as ``rank % torch.accelerator.device_count()``, which is 0 on a CPU-only torch build
@@ -40,27 +42,41 @@ CONFIGS: dict[str, tuple[int, str | dict]] = {
     "xfuse ulysses 2": (2, {"ulysses_degree": 2}),  # one patch: every step a whole-image pass
     "xfuse ring 2": (2, {"ring_degree": 2}),
     "xfuse pipefusion 2": (2, {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1}),
+    # a video family's other patch direction (the line above: its default, temporal)
+    "xfuse pipefusion 2 spatial": (
+        2,
+        {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1, "video_patches": "spatial"},
+    ),  # fmt: skip
     "xfuse cfg 2": (2, {"cfg_degree": 2}),  # the families that batch [uncond, cond]
 }
 
 
 def configs(preset: str) -> dict[str, tuple[int, str | dict]]:
     """The configurations that apply to ``preset``'s family."""
+    import diffusers
+
     from xfuse.families.registry import model_spec
 
     spec = model_spec(preset)
-    drop = {"xfuse cfg 2"} if spec.distilled_guidance else {"diffusers ulysses 2"}
+    drop = {"xfuse cfg 2"} if spec.distilled_guidance else set()
+    if not getattr(getattr(diffusers, spec.diffusers_transformer), "_cp_plan", None):  # no context-parallel plan
+        drop.add("diffusers ulysses 2")
+    if not spec.video:
+        drop.add("xfuse pipefusion 2 spatial")
     return {name: how for name, how in CONFIGS.items() if name not in drop}
 
 
-def call_kwargs(preset: str) -> dict:
-    """The call's family-specific arguments: FLUX's distilled guidance, the others' batched CFG (and no binning)."""
+def call_kwargs(preset: str, frames: int) -> dict:
+    """The call's family-specific arguments: FLUX's distilled guidance, the others' batched CFG (and no binning), a
+    video family's ``frames``."""
     from xfuse.families.registry import model_spec
 
     spec = model_spec(preset)
     kwargs: dict = {"guidance_scale": 3.5 if spec.distilled_guidance else 5.0}
     if spec.resolution_binning:
         kwargs["use_resolution_binning"] = False
+    if spec.video:
+        kwargs["num_frames"] = frames
     return kwargs
 
 
@@ -91,8 +107,9 @@ def setup_rank(preset: str, how) -> None:
     _PIPE["pipe"] = pipe
 
 
-def call_rank(preset: str, steps: int, size: int) -> dict:
-    """On every rank: one call between two barriers; its wall time and (rank 0) the latents."""
+def call_rank(preset: str, steps: int, size: int, frames: int = 1) -> dict:
+    """On every rank: one call between two barriers; its wall time, (rank 0) the latents, and (xfuse) the bytes each
+    rank sent by kind."""
     import torch
     import torch.distributed as dist
 
@@ -105,14 +122,30 @@ def call_rank(preset: str, steps: int, size: int) -> dict:
         num_inference_steps=steps,
         generator=torch.Generator().manual_seed(0),
         output_type="latent",
-        **call_kwargs(preset),
+        **call_kwargs(preset, frames),
     )
     seconds = time.perf_counter() - start
     dist.barrier()
-    return dict(seconds=seconds, latents=None if out is None or dist.get_rank() else out.images)
+    pipe = _PIPE["pipe"]
+    sent = pipe.rank_stats() if hasattr(pipe, "rank_stats") else None  # collective: every rank of an xfuse world
+    latents = None if out is None or dist.get_rank() else getattr(out, "images", getattr(out, "frames", None))
+    return dict(seconds=seconds, latents=latents, sent=None if sent is None else [s["sent"] for s in sent])
 
 
-def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
+def predicted_bytes(preset: str, how: dict, steps: int, size: int, frames: int) -> list[dict[str, int]]:
+    """The bytes each pipeline rank sends in one call as ``xfuse.parallel.costs.comm_volume`` counts them (per step,
+    times the steps): PipeFusion's hand-offs and stepped latent; sequence parallelism's own messages are not in it."""
+    from xfuse.config import config_from_dict
+    from xfuse.plan_report import plan_report
+
+    generation = {"height": size, "width": size, "num_inference_steps": steps}
+    if frames > 1:
+        generation["num_frames"] = frames
+    report = plan_report(config_from_dict({"model": preset, "parallel": how, "generation": generation}))
+    return [{k: v * steps for k, v in report.volume[r].items() if v} for r in sorted(report.volume)]
+
+
+def measure(preset: str, steps: int, size: int, repeats: int, frames: int = 1) -> dict:
     """Every configuration in turns; each one's times and distance from serial diffusers."""
     import contextlib
 
@@ -120,7 +153,7 @@ def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
 
     chosen = configs(preset)
     times: dict[str, list[float]] = {name: [] for name in chosen}
-    latents = {}
+    latents, sent = {}, {}
     with contextlib.ExitStack() as stack:
         worlds = {}
         for name, (ranks, how) in chosen.items():
@@ -128,10 +161,15 @@ def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
             worlds[name].run_ok(setup_rank, preset, how, timeout=600)
         for _ in range(repeats):
             for name, world in worlds.items():
-                result = world.run_ok(call_rank, preset, steps, size, timeout=3600)[0]
+                result = world.run_ok(call_rank, preset, steps, size, frames, timeout=3600)[0]
                 times[name].append(result["seconds"])
-                latents[name] = result["latents"]
+                latents[name], sent[name] = result["latents"], result["sent"]
     rows = speedups({name: {"times": runs} for name, runs in times.items()}, "diffusers serial")
+    for name, (_, how) in chosen.items():
+        if sent[name] is not None:
+            rows[name]["sent_bytes"] = sent[name]  # the last call's, per rank and kind
+            if "pipefusion_degree" in how:
+                rows[name]["predicted_bytes"] = predicted_bytes(preset, how, steps, size, frames)
     serial = latents["diffusers serial"]
     for name, row in rows.items():
         row["max_abs_vs_serial"] = (latents[name] - serial).abs().max().item()
@@ -145,8 +183,9 @@ def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
 
 def markdown(report: dict) -> str:
     out = [
-        f"Machine: {report['machine']}; {report['date']}; {report['preset']} {report['size']} px, "
-        f"{report['repeats']} rounds in turns, whole call to latents.",
+        f"Machine: {report['machine']}; {report['date']}; {report['preset']} {report['size']} px"
+        + (f", {report['frames']} frames" if report.get("frames", 1) > 1 else "")
+        + f", {report['repeats']} rounds in turns, whole call to latents.",
         "",
         "| steps | configuration | median s (min–max) | speedup over serial | max abs vs serial |",
         "|---|---|---|---|---|",
@@ -166,6 +205,15 @@ def markdown(report: dict) -> str:
             f"\n{steps} steps: diffusers' Ulysses 2 over xfuse's Ulysses 2: {ours['over_diffusers_ulysses']:.2f}x "
             f"(rounds {min(rounds):.2f}–{max(rounds):.2f}; above 1: xfuse is faster)."
         )
+    for steps, rows in report["steps"].items():
+        for name, row in rows.items():
+            if "predicted_bytes" not in row:
+                continue
+            ranks = "; ".join(
+                f"rank {r}: sent {sum(got.values()) / 2**20:.2f} MiB, predicted {sum(want.values()) / 2**20:.2f} MiB"
+                for r, (got, want) in enumerate(zip(row["sent_bytes"], row["predicted_bytes"], strict=False))
+            )
+            out.append(f"\n{steps} steps, {name}: {ranks} (xfuse.parallel.costs.comm_volume x steps).")
     return "\n".join(out)
 
 
@@ -174,6 +222,7 @@ def main() -> None:
     parser.add_argument("--preset", default="flux-small", help="any family's preset (the *-small ones: CPU speed)")
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 20])
     parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--frames", type=int, default=17, help="a video family's num_frames (4k + 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -184,11 +233,12 @@ def main() -> None:
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         preset=args.preset,
         size=args.size,
+        frames=args.frames,
         repeats=args.repeats,
         steps={},
     )
     for steps in args.steps:
-        report["steps"][steps] = measure(args.preset, steps, args.size, args.repeats)
+        report["steps"][steps] = measure(args.preset, steps, args.size, args.repeats, args.frames)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=2)

@@ -55,9 +55,14 @@ def workload(config: XfuseConfig) -> Workload:
     gen = config.generation if config.generation is not None else GenerationConfig()
     side = spec.default_side(model)
     cfg_batch = 2 if gen.guidance_scale > 1 and not spec.distilled_guidance else 1
-    frames = spec.latent_frames(getattr(gen, "num_frames", None))
-    height, width = gen.height or side, gen.width or spec.default_width(model)
-    return Workload(spec, model, height, width, gen.num_inference_steps, cfg_batch, frames=frames)
+    height, width, num_frames = gen.height or side, gen.width or side, 1
+    if spec.video:  # the clip xfuse generate would make
+        from xfuse.build import default_video_size
+
+        width, height, num_frames = default_video_size(config)
+    return Workload(
+        spec, model, height, width, gen.num_inference_steps, cfg_batch, frames=spec.latent_frames(num_frames)
+    )
 
 
 def _divisors(n: int) -> list[int]:
