@@ -24,7 +24,13 @@ import torch
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
-from xfuse.parallel.scheduler_state import SerialNoise, draws_serial_noise, patch_generators, patch_schedulers
+from xfuse.parallel.scheduler_state import (
+    SerialNoise,
+    draws_serial_noise,
+    merge_patch_schedulers,
+    patch_generators,
+    patch_schedulers,
+)
 from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
@@ -282,6 +288,8 @@ class _Run:
                     self.request.on_progress(task.step)
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
+        if self.patch_schedulers is not None:  # the request's scheduler ends where serial diffusers' does
+            merge_patch_schedulers(self.request.scheduler, self.patch_schedulers, list(self.grid))
         return self.latents if self.pipe_rank == self.plan.embed_rank else None
 
     def _label(self, task: Task) -> str:

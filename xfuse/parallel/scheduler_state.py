@@ -44,6 +44,40 @@ def patch_schedulers(scheduler, full_shape: torch.Size, row_slices: list[slice])
     return copies
 
 
+def _merge(whole, parts: list, bands: list):
+    """``whole``'s value rebuilt from the patches' values of it: a tensor that each patch holds for its covering rows
+    (B, C, rows, W) from every patch's own pixels (``PatchBand.copy_pixels``: a token row two patches share keeps each
+    one's own part); lists and tuples item by item; anything else (counters, timestep lists, tables) is the same in
+    every patch: the first patch's."""
+
+    def rows_of(value, band) -> bool:
+        rows = band.latent_rows.stop - band.latent_rows.start
+        return isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[2] == rows
+
+    if all(rows_of(part, band) for part, band in zip(parts, bands, strict=True)):
+        shape = (*parts[0].shape[:2], bands[-1].latent_rows.stop, *parts[0].shape[3:])  # the whole latent's
+        like = isinstance(whole, torch.Tensor) and tuple(whole.shape) == shape
+        merged = whole.clone() if like else parts[0].new_zeros(shape)
+        for band, part in zip(bands, parts, strict=True):
+            band.copy_pixels(merged[:, :, band.latent_rows], part)
+        return merged
+    if isinstance(parts[0], list | tuple) and all(len(p) == len(parts[0]) for p in parts):
+        olds = (
+            list(whole) if isinstance(whole, list | tuple) and len(whole) == len(parts[0]) else [None] * len(parts[0])
+        )
+        return type(parts[0])(_merge(old, [p[i] for p in parts], bands) for i, old in enumerate(olds))
+    return copy.deepcopy(parts[0])
+
+
+def merge_patch_schedulers(scheduler, patches: list, bands: list) -> None:
+    """The inverse of ``patch_schedulers``: ``scheduler`` takes the state its per-patch copies reached, each
+    whole-latent tensor assembled from every patch's own pixels (``bands``: the grid's ``PatchBand``s, in order). After
+    a pipelined run the scheduler is then where serial diffusers' is (its step index, a multistep solver's history),
+    so a later run on the same latents (the next expert of a two-expert model) continues from it."""
+    for name, value in vars(scheduler).items():
+        setattr(scheduler, name, _merge(value, [vars(p)[name] for p in patches], bands))
+
+
 def patch_generators(generator: torch.Generator | None, count: int, device) -> list[torch.Generator | None]:
     """Generators for per-patch scheduler noise, derived deterministically from the user's ``generator``.
 
