@@ -8,7 +8,7 @@ import torch
 
 from xfuse.build import default_video_size
 from xfuse.config import VAE_PARALLEL_MIN_PIXELS, ConfigError, GenerationConfig, XfuseConfig
-from xfuse.families.registry import model_spec, transformer_config, vae_config
+from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
@@ -156,6 +156,7 @@ class PlanReport:
     kv_bytes: dict[int, int]  # rank -> stale K/V buffer bytes
     param_bytes: dict[int, int]  # rank -> transformer parameter bytes it keeps
     ceiling: float  # the schedule's speedup over one rank when only the blocks cost (``speedup_ceiling``)
+    experts: int = 1  # transformers each rank keeps its blocks of (Wan 2.2's two experts: 2)
     vae: VaePlan | str = "not modelled"  # the decode, or why it is not modelled
 
 
@@ -183,6 +184,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
                       num_heads=model["num_attention_heads"], latent_frames=frames)  # fmt: skip
     par = config.parallel
     plan = spec.plan(num_blocks, par)
+    experts = transformer_count(config.model)
     stream_tokens = {stream: sum(spec.text_lengths) for stream in plan.streams}  # the text the first patch carries
     lead = sum(stream_tokens.values())
     grid = patch_grid(frames * (height // vae), width // vae, par.resolved_num_patches, patch_size, lead)
@@ -223,7 +225,9 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
             dtype_bytes=element,
             attentions=lambda block: spec.attentions_of_block(model, block),
         ),
-        param_bytes=stage_parameter_bytes(spec, model, plan, dtype),
+        # a two-expert pipeline (Wan 2.2): every rank keeps its blocks of both
+        param_bytes={rank: n * experts for rank, n in stage_parameter_bytes(spec, model, plan, dtype).items()},
+        experts=experts,
         ceiling=speedup_ceiling(
             plan,
             grid.cost_tokens,
@@ -292,7 +296,10 @@ def format_plan_report(r: PlanReport) -> str:
     carried = f"; patch 0 also carries the {grid[0].lead_tokens} text tokens" if grid[0].lead_tokens else ""
     lines = [
         f"model {config.model} ({r.spec.name}): {r.num_blocks} blocks, hidden {r.hidden_size}, "
-        f"patch size {r.patch_size}",
+        f"patch size {r.patch_size}"
+        + (
+            f"; {r.experts} experts (each rank keeps its blocks of every one; a step runs one)" if r.experts > 1 else ""
+        ),
         _geometry(r) + f"; transformer batch {r.batch}; {config.runtime.dtype}",
         f"world {config.world_size} = pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}"
         + (f" x ulysses {par.ulysses_degree} x ring {par.ring_degree}" if par.sequence_degree > 1 else "")

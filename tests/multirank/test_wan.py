@@ -14,7 +14,7 @@ from diffusers import WanPipeline
 from tests.support.pipefusion_oracle import pipefusion_video_reference
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
-from tests.support.wan_fns import prepare_inputs, run_engine, tiny_wan
+from tests.support.wan_fns import calls_without_scheduler_merge, prepare_inputs, run_engine, tiny_wan
 from tests.support.world import World
 from xfuse.families.registry import model_spec
 from xfuse.families.wan.presets import save_preset_pipeline
@@ -190,3 +190,64 @@ def test_pp3_from_the_folder(world3, folder, reference, direction):
         run_calls, folder, parallel, [{**BASE, **c} for c in calls.values()], family="wan", timeout=600
     )
     check_against_diffusers(results, calls, reference)
+
+
+# --- Wan 2.2: two experts -----------------------------------------------------------------------------------------
+
+# 6 steps of the release's shift 12: timesteps 999, 983, 960, 923 are the high-noise expert's (>= 875), 857 and 707
+# the low-noise one's; with warm-up 1 each expert has a whole step and pipelined ones.
+EXPERTS = dict(BASE, num_inference_steps=6, guidance_scale=4.0, guidance_scale_2=3.0)
+
+
+@pytest.fixture(scope="module")
+def folder22(tmp_path_factory):
+    return save_preset_pipeline(tmp_path_factory.mktemp("wan22") / "Wan2.2-T2V-tiny", "wan2.2-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference22(folder22):
+    return reference_runner(WanPipeline.from_pretrained(folder22, local_files_only=True))
+
+
+@pytest.mark.parametrize("layout", ["pp4", "cfg2_pp2"])
+def test_two_experts_exact_mode_equals_diffusers(world4, folder22, reference22, layout):
+    """Each rank holds its blocks of both experts (read from transformer/ and transformer_2/); the switch at the
+    boundary, guidance_scale_2, callbacks numbered through both, no guidance."""
+    calls = {
+        "base": {},
+        "callback": dict(callback_on_step_end=log_callback),
+        "no_guidance": dict(guidance_scale=1.0, guidance_scale_2=None),
+        "output_latent": dict(output_type="latent"),
+    }
+    parallel = {"pipefusion_degree": 4, "num_patches": 5} if layout == "pp4" else LAYOUTS["cfg2_pp2"]
+    if layout == "cfg2_pp2":  # CFG parallelism needs guidance
+        calls.pop("no_guidance")
+    results = world4.run_ok(
+        run_calls, folder22, {**parallel, **EXACT}, [{**EXPERTS, **c} for c in calls.values()], family="wan"
+    )
+    check(results, calls, reference22, EXPERTS, output_class="WanPipelineOutput", callback_steps=list(range(6)))
+
+
+def two_expert_oracle(folder22, direction, num_patches):
+    pipe = WanPipeline.from_pretrained(folder22, local_files_only=True)
+    inputs = prepare_inputs(
+        pipe, height=HEIGHT, width=WIDTH, num_frames=FRAMES, steps=6, guidance_scale=4.0, prompt=BASE["prompt"]
+    )
+    return pipefusion_video_reference(
+        pipe, {**inputs, "guidance_scale_2": 3.0}, direction=direction, num_patches=num_patches, warmup=1
+    )
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_two_experts_pipelined_equals_the_oracle(world4, folder22, reference22, direction):
+    """Pipelined (warm-up 1 per expert, M = 5 at pp4): the pipeline class equals the oracle's two-expert semantics;
+    with the scheduler's state not handed from the first expert's patches to the second (an injected bug) it does
+    not."""
+    call = dict(EXPERTS, output_type="latent")
+    parallel = {"pipefusion_degree": 4, "num_patches": 5, "warmup_steps": 1, "video_patches": direction}
+    out = world4.run_ok(run_calls, folder22, parallel, [call], family="wan")[0][0]
+    oracle_latents = two_expert_oracle(folder22, direction, 5)
+    assert rel_max(torch.from_numpy(out["images"]), oracle_latents) <= 1e-5
+    assert rel_max(oracle_latents, torch.from_numpy(reference22(call)[0])) > 1e-4  # stale K/V matter here
+    broken = world4.run_ok(calls_without_scheduler_merge, folder22, parallel, [call])[0][0]
+    assert rel_max(torch.from_numpy(broken["images"]), oracle_latents) > 1e-3

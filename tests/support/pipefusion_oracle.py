@@ -643,19 +643,22 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
     * A band's pass runs ``WanTransformer3DModel.forward`` on the smallest box of the latent holding its tokens (whole
       frames for ``temporal``, whole rows of every frame for ``spatial``), with each token's RoPE entry of the whole
       video's table; only the band's own tokens write K/V, and only their pixels are stepped.
+    * Two experts (Wan 2.2: ``transformer_2`` and ``boundary_ratio``): the steps whose timestep is at least
+      ``boundary_ratio * num_train_timesteps`` are the first transformer's, the rest the second's (with
+      ``guidance_scale_2``). Each expert's steps run as a request of their own: fresh K/V buffers, their first
+      ``warmup`` steps whole, per-patch schedulers cut from the scheduler as the expert starts pipelining and put
+      back together (each patch's own pixels) when it ends.
 
     ``inputs``: ``latents`` (B, C, F, H, W) float32, ``timesteps``, ``prompt_embeds`` batched [negative, positive]
-    when ``guidance_scale > 1``, ``guidance_scale``.
+    when ``guidance_scale > 1``, ``guidance_scale`` (and ``guidance_scale_2`` for two experts; default: the same).
     """
-    transformer = copy.deepcopy(pipe.transformer)
+    experts = [copy.deepcopy(pipe.transformer)]
+    if getattr(pipe, "transformer_2", None) is not None:
+        experts.append(copy.deepcopy(pipe.transformer_2))
     latents = inputs["latents"].clone()
     batch, _, frames, height, width = latents.shape
-    p = transformer.config.patch_size[1]
+    p = experts[0].config.patch_size[1]
     rows, cols = height // p, width // p
-    video = VideoBuffers(frames * rows * cols)
-    for layer, block in enumerate(transformer.blocks):
-        block.attn1.set_processor(StaleWanSelfAttention(video, layer))
-    transformer.rope = BoxRoPE(transformer.rope, latents.shape)
     model_index = torch.arange(frames * rows * cols).reshape(frames, rows, cols)  # (F, h, w)
     stacked = model_index if direction == "temporal" else model_index.transpose(0, 1)  # (F, h, w) or (h, F, w)
     stacked = stacked.reshape(-1, cols)  # (stacked rows, w)
@@ -676,48 +679,82 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
         f, r = box(band)
         return model_index[f, r].reshape(-1)  # frame-major, as the forward flattens the box
 
-    guidance_scale = inputs["guidance_scale"]
-    dtype = inputs["prompt_embeds"].dtype
-
-    def predict(box_latents, t, band):
-        if band is None:
-            video.tokens = video.own = transformer.rope.tokens = None
-        else:
-            tokens = box_tokens(band)
-            video.tokens = transformer.rope.tokens = tokens
-            video.own = torch.isin(tokens, band)
-        model_input = torch.cat([box_latents] * 2) if guidance_scale > 1 else box_latents
-        timestep = t.expand(model_input.shape[0])
-        noise = transformer(model_input.to(dtype), timestep, inputs["prompt_embeds"], return_dict=False)[0]
-        if guidance_scale > 1:
-            uncond, cond = noise.chunk(2)
-            noise = uncond + guidance_scale * (cond - uncond)
-        return noise
-
     def own_pixels(band):
         f, r = box(band)
         token_of = model_index[f, r]  # (frames, rows, cols) of the box
         token_of = token_of.repeat_interleave(p, 1).repeat_interleave(p, 2)  # per latent pixel
         return torch.isin(token_of, band)[None, None]  # (1, 1, frames, rows * p, W)
 
+    guidance_scale = inputs["guidance_scale"]
+    dtype = inputs["prompt_embeds"].dtype
     scheduler = copy.deepcopy(pipe.scheduler)
-    patch_schedulers = None
-    with torch.no_grad():
-        for step, t in enumerate(inputs["timesteps"]):
-            if step < warmup:
-                latents = scheduler.step(predict(latents, t, None), t, latents, return_dict=False)[0]
-                continue
-            if patch_schedulers is None:  # first pipelined step: each patch's scheduler, its state cut to its box
-                patch_schedulers = []
-                for band in bands:
-                    patch_scheduler = copy.copy(scheduler)
-                    for name, value in vars(scheduler).items():
-                        cut = _rows_of_state(copy.deepcopy(value), latents.shape, region(band))
-                        setattr(patch_scheduler, name, cut)
-                    patch_schedulers.append(patch_scheduler)
-            for band, patch_scheduler in zip(bands, patch_schedulers, strict=True):
+    timesteps = inputs["timesteps"]
+    if len(experts) == 2:
+        boundary = pipe.config.boundary_ratio * scheduler.config.num_train_timesteps
+        switch = int((timesteps >= boundary).sum())
+        runs = [(experts[0], 0, switch, guidance_scale), (experts[1], switch, len(timesteps), inputs.get(
+            "guidance_scale_2", guidance_scale))]  # fmt: skip
+    else:
+        runs = [(experts[0], 0, len(timesteps), guidance_scale)]
+
+    def merge(whole, parts):
+        """The patches' values of one scheduler attribute put back together: each patch's own pixels."""
+        if all(isinstance(v, torch.Tensor) and v.dim() == 5 for v in parts):
+            merged = whole.clone() if isinstance(whole, torch.Tensor) and whole.shape == latents.shape else None
+            merged = torch.zeros_like(latents) if merged is None else merged
+            for band, part in zip(bands, parts, strict=True):
                 r = region(band)
-                sample = latents[r].clone()  # the scheduler may keep it (UniPC's last_sample); latents change below
-                stepped = patch_scheduler.step(predict(sample, t, band), t, sample, return_dict=False)[0]
-                latents[r] = torch.where(own_pixels(band), stepped, latents[r])
+                merged[r] = torch.where(own_pixels(band), part, merged[r])
+            return merged
+        if isinstance(parts[0], list | tuple):
+            olds = whole if isinstance(whole, list | tuple) and len(whole) == len(parts[0]) else [None] * len(parts[0])
+            return type(parts[0])(merge(o, [v[i] for v in parts]) for i, o in enumerate(olds))
+        return copy.deepcopy(parts[0])
+
+    with torch.no_grad():
+        for transformer, first, last, scale in runs:
+            if first == last:
+                continue
+            video = VideoBuffers(frames * rows * cols)
+            for layer, block in enumerate(transformer.blocks):
+                block.attn1.set_processor(StaleWanSelfAttention(video, layer))
+            transformer.rope = BoxRoPE(transformer.rope, latents.shape)
+
+            def predict(box_latents, t, band, transformer=transformer, video=video, scale=scale):
+                if band is None:
+                    video.tokens = video.own = transformer.rope.tokens = None
+                else:
+                    tokens = box_tokens(band)
+                    video.tokens = transformer.rope.tokens = tokens
+                    video.own = torch.isin(tokens, band)
+                model_input = torch.cat([box_latents] * 2) if guidance_scale > 1 else box_latents
+                timestep = t.expand(model_input.shape[0])
+                noise = transformer(model_input.to(dtype), timestep, inputs["prompt_embeds"], return_dict=False)[0]
+                if guidance_scale > 1:  # the first expert's scale batches; each expert combines with its own
+                    uncond, cond = noise.chunk(2)
+                    noise = uncond + scale * (cond - uncond)
+                return noise
+
+            patch_schedulers = None
+            for step in range(first, last):
+                t = timesteps[step]
+                if step - first < warmup:
+                    latents = scheduler.step(predict(latents, t, None), t, latents, return_dict=False)[0]
+                    continue
+                if patch_schedulers is None:  # first pipelined step: each patch's scheduler, its state cut to its box
+                    patch_schedulers = []
+                    for band in bands:
+                        patch_scheduler = copy.copy(scheduler)
+                        for name, value in vars(scheduler).items():
+                            cut = _rows_of_state(copy.deepcopy(value), latents.shape, region(band))
+                            setattr(patch_scheduler, name, cut)
+                        patch_schedulers.append(patch_scheduler)
+                for band, patch_scheduler in zip(bands, patch_schedulers, strict=True):
+                    r = region(band)
+                    sample = latents[r].clone()  # the scheduler may keep it (UniPC's last_sample); latents change below
+                    stepped = patch_scheduler.step(predict(sample, t, band), t, sample, return_dict=False)[0]
+                    latents[r] = torch.where(own_pixels(band), stepped, latents[r])
+            if patch_schedulers is not None:  # the expert's end: the scheduler takes the patches' state back
+                for name, value in vars(scheduler).items():
+                    setattr(scheduler, name, merge(value, [vars(ps)[name] for ps in patch_schedulers]))
     return latents

@@ -23,7 +23,7 @@ def prepare_inputs(pipe, *, height, width, num_frames, steps, guidance_scale, pr
     ``__call__``): text batched [negative, positive], float32 latents (B, C, F, H, W), timesteps."""
     do_cfg = guidance_scale > 1
     with torch.no_grad():
-        emb, neg = pipe.encode_prompt(prompt, do_classifier_free_guidance=do_cfg, device="cpu")
+        emb, neg = pipe.encode_prompt(prompt, do_classifier_free_guidance=do_cfg, device="cpu", max_sequence_length=512)
     pipe.scheduler.set_timesteps(steps, device="cpu")
     generator = torch.Generator().manual_seed(seed)
     channels = pipe.transformer.config.in_channels
@@ -77,3 +77,14 @@ def run_engine(degree, direction, num_patches, warmup, *, height, width, num_fra
     finally:
         channels.close()
     return None if out is None else layout.from_grid(out)
+
+
+def calls_without_scheduler_merge(folder, parallel, calls):
+    """``run_calls`` with the engine's hand-back of per-patch scheduler state disabled (an injected bug: a second
+    expert then continues from the scheduler as the first left it before pipelining)."""
+    from unittest import mock
+
+    from tests.support.pipeline_fns import run_calls
+
+    with mock.patch("xfuse.parallel.engine.merge_patch_schedulers", lambda *args: None):
+        return run_calls(folder, parallel, calls, family="wan")

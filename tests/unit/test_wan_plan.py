@@ -63,3 +63,17 @@ def test_the_performance_model_counts_every_frame():
     assert (one.frames, many.frames) == (1, 21)
     assert many.grid(2).num_tokens == 21 * one.grid(2).num_tokens == 21 * 30 * 52
     assert many.latent_bytes_per_element == 21 * one.latent_bytes_per_element
+
+
+def test_two_experts_double_every_ranks_parameters_not_its_buffers():
+    """Wan 2.2 A14B keeps both experts' blocks on every rank (a step runs one of them): twice the 14B's parameters,
+    the same K/V buffers and bytes sent."""
+    reports = {
+        model: plan_report(config_from_dict({"model": model, "parallel": {"pipefusion_degree": 4}}))
+        for model in ("wan2.1-t2v-14b", "wan2.2-t2v-a14b")
+    }
+    one, two = reports["wan2.1-t2v-14b"], reports["wan2.2-t2v-a14b"]
+    assert (one.experts, two.experts) == (1, 2)
+    assert {r: 2 * n for r, n in one.param_bytes.items()} == two.param_bytes
+    assert one.kv_bytes == two.kv_bytes and one.volume == two.volume
+    assert "2 experts (each rank keeps its blocks of every one; a step runs one)" in format_plan_report(two)

@@ -125,6 +125,18 @@ def vae_config(model: str) -> dict | None:
         return json.load(f)
 
 
+def transformer_count(model: str) -> int:
+    """Transformers of ``model``'s pipeline that every rank keeps its blocks of: 2 for a two-expert pipeline (a
+    ``transformer_2`` in its folder's ``model_index.json``, or a preset built with one: Wan 2.2 A14B), else 1."""
+    spec = model_spec(model)
+    if model in PRESET_MODELS:
+        preset = getattr(spec.preset_builders(), "PRESETS", {}).get(model, {})
+        return 2 if preset.get("boundary_ratio") is not None else 1
+    with open(os.path.join(resolve_model(model), "model_index.json")) as f:
+        second = json.load(f).get("transformer_2")
+    return 2 if second and second[0] is not None else 1
+
+
 def model_is_preset(model: str) -> bool:
     """True if ``model`` names a built-in random-weight preset rather than a folder (or a shipped model)."""
     return model in PRESET_MODELS

@@ -131,8 +131,10 @@ class PipeFusionPipelineBase:
     spec: ClassVar[ModelSpec]
     rank0_components: ClassVar[tuple[str, ...]]
 
-    def __init__(self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None):
+    def __init__(self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None):
         self.pipeline, self.context, self.dtype = pipeline, context, dtype
+        # this rank's shares of a pipeline's other transformers, loaded by ``from_pretrained`` (``_sharded_components``)
+        self.extra_stages: dict = dict(extra_stages or {})
         self.config: XfuseConfig = context.config
         self.parallel: ParallelConfig = self.config.parallel
         self.comm: CommConfig = self.config.comm
@@ -166,8 +168,18 @@ class PipeFusionPipelineBase:
             module = getattr(pipeline, name, None)
             if isinstance(module, torch.nn.Module):
                 module.to(context.device)
-        engine_stage = self.stage
-        if self.parallel.sequence_degree > 1:  # applied from outside: the family's stage on this rank's chunks
+        self.engine = self._engine(self.stage)
+        self._interrupt, self._callback_error = False, None
+        self._tracer: Tracer | None = None
+        self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
+        self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
+
+    def _engine(self, stage) -> PipeFusionEngine:
+        """The engine that runs ``stage`` (this rank's share of a transformer) over the world's pipeline group, inside
+        this rank's sequence-parallel group where the config has one (applied from outside the family's stage)."""
+        context = self.context
+        engine_stage = stage
+        if self.parallel.sequence_degree > 1:
             sequence = SequenceParallel(
                 ulysses=self.parallel.ulysses_degree,
                 ring=self.parallel.ring_degree,
@@ -175,8 +187,8 @@ class PipeFusionPipelineBase:
                 group_ranks=context.sp_ranks,
                 channels=context.sp_channels,
             )
-            engine_stage = SequenceParallelStage(self.stage, sequence)
-        self.engine = PipeFusionEngine(
+            engine_stage = SequenceParallelStage(stage, sequence)
+        return PipeFusionEngine(
             engine_stage,
             self.plan,
             context.channels,
@@ -185,10 +197,6 @@ class PipeFusionPipelineBase:
             warmup_steps=self.parallel.warmup_steps,
             lookahead=self.comm.max_inflight,
         )
-        self._interrupt, self._callback_error = False, None
-        self._tracer: Tracer | None = None
-        self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
-        self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
 
     @classmethod
     def _rank0_only(cls, parallel: ParallelConfig, world_size: int) -> tuple[str, ...]:
@@ -261,18 +269,27 @@ class PipeFusionPipelineBase:
         )
         plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel)
         # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
-        stage = cls.spec.stage_class().from_pretrained(
-            pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype
-        )
+        stages = {
+            name: cls.spec.stage_class().from_pretrained(
+                pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype, subfolder=name
+            )
+            for name in cls._sharded_components(pretrained_model_name_or_path)
+        }
         pipeline = diffusers_class.from_pretrained(
             pretrained_model_name_or_path,
             torch_dtype=torch_dtype,
             local_files_only=True,
-            transformer=None,
+            **dict.fromkeys(stages),  # transformer=None (and a second expert's)
             **skip,
             **kwargs,
         )
-        return cls(pipeline, context, torch_dtype, stage)
+        stage = stages.pop("transformer")
+        return cls(pipeline, context, torch_dtype, stage, stages)
+
+    @classmethod
+    def _sharded_components(cls, folder: str) -> tuple[str, ...]:
+        """The pipeline's transformers that every rank loads its blocks of from ``folder`` (Wan 2.2: two experts)."""
+        return ("transformer",)
 
     @classmethod
     def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None):
@@ -580,8 +597,9 @@ class PipeFusionPipelineBase:
         latents = prepare()
         return self._broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)
 
-    def _denoise(self, request: DenoiseRequest):
-        """The engine's denoising loop with a progress bar on rank 0; the final latents on rank 0, else ``None``."""
+    def _denoise(self, request: DenoiseRequest, engine: PipeFusionEngine | None = None):
+        """The engine's (``self.engine``'s unless given) denoising loop with a progress bar on rank 0; the final
+        latents on rank 0, else ``None``."""
         latents = request.latents  # (B, C, H, W) as the engine sees them (FLUX's packed tokens, a video's frames)
         # The step's first patch carries the plan's streams (an MMDiT's text) through every block: cut by cost.
         lead_tokens = sum(shape[1] for shape in request.stream_shapes.values())  # (B, T, hidden) each
@@ -597,7 +615,7 @@ class PipeFusionPipelineBase:
         if progress is not None:
             request.on_progress = lambda step: progress.update()
         try:
-            return self.engine.denoise(request, grid, self._tracer)
+            return (engine or self.engine).denoise(request, grid, self._tracer)
         finally:
             if progress is not None:
                 progress.close()

@@ -29,6 +29,7 @@ def guidance(
     *,
     learned_sigma: bool,
     guidance_rescale: float = 0.0,
+    batched: bool | None = None,
 ) -> Callable[[torch.Tensor, int, int | None], torch.Tensor]:
     """The request's ``guide(output, step, patch)``: transformer output rows -> the noise the scheduler steps with.
 
@@ -36,9 +37,11 @@ def guidance(
     (guidance is elementwise, so splitting before or after it, as HunyuanDiT and PixArt do, gives the same numbers).
     With CFG batched, the output is [uncond | cond]. With CFG parallelism (``cfg_half=(cfg_rank, exchange)``) it
     is this rank's half (0: uncond, 1: cond) and ``exchange(noise, step, patch)`` returns the other half's rows.
-    ``guidance_rescale`` needs whole-image statistics: pipelines allow it in whole-image steps only.
+    ``guidance_rescale`` needs whole-image statistics: pipelines allow it in whole-image steps only. ``batched``:
+    whether the output is [uncond | cond] when that is not ``guidance_scale > 1`` (Wan 2.2's second expert combines
+    with its own ``guidance_scale_2`` the batch the first expert's scale decided).
     """
-    do_cfg = do_classifier_free_guidance(guidance_scale)
+    do_cfg = do_classifier_free_guidance(guidance_scale) if batched is None else batched
     if guidance_rescale > 0.0:
         from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import rescale_noise_cfg
 

@@ -131,8 +131,9 @@ class ShardedStage(nn.Module):
         return self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
 
     @classmethod
-    def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None):
-        """Load only what ``rank`` runs from a diffusers folder's ``transformer/*.safetensors``.
+    def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None, subfolder: str = "transformer"):
+        """Load only what ``rank`` runs from a diffusers folder's ``<subfolder>/*.safetensors`` (``transformer``, or
+        a second expert's ``transformer_2``).
 
         The model is built without memory (accelerate's ``init_empty_weights``), sharded, and only the remaining
         tensors are read from the checkpoint, so a rank's peak memory is its share, not the whole transformer.
@@ -143,14 +144,14 @@ class ShardedStage(nn.Module):
         from safetensors import safe_open
 
         model_class = getattr(diffusers, cls.spec.diffusers_transformer)
-        config = model_class.load_config(folder, subfolder="transformer", local_files_only=True)
+        config = model_class.load_config(folder, subfolder=subfolder, local_files_only=True)
         with init_empty_weights():
             model = model_class.from_config(config)
         stage = cls(model, plan, rank)
         wanted = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        files = sorted(glob.glob(os.path.join(folder, "transformer", "*.safetensors")))
+        files = sorted(glob.glob(os.path.join(folder, subfolder, "*.safetensors")))
         if not files:
-            raise ValueError(f"{folder!r}: no transformer/*.safetensors (xfuse loads safetensors checkpoints)")
+            raise ValueError(f"{folder!r}: no {subfolder}/*.safetensors (xfuse loads safetensors checkpoints)")
         loaded = set()
         for file in files:
             with safe_open(file, framework="pt") as checkpoint:

@@ -9,14 +9,29 @@ diffusers pipeline object itself.
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
 from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.wan.spec import WAN
-from xfuse.families.wan.stage import denoise_request
+from xfuse.families.wan.stage import WanStage, denoise_request
+from xfuse.parallel.engine import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+
+
+@dataclass(frozen=True)
+class ExpertRuns:
+    """A Wan 2.2 request of two experts: the high-noise transformer's run on the steps whose timestep is at least the
+    boundary, then the low-noise one's on the rest, from the latents and scheduler state the first left."""
+
+    high: DenoiseRequest | None  # None: no step is above the boundary
+    low: Callable[[torch.Tensor | None], DenoiseRequest] | None  # from the (B, C, F, H, W) latents; None: no step
 
 
 class PipeFusionWanPipeline(PipeFusionPipelineBase):
@@ -30,22 +45,42 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
     frame (`spatial`). Classifier-free guidance runs the negative and the positive prompt as one transformer batch
     [negative, positive] (diffusers makes two calls: per sample the same computation), which `parallel.cfg_degree: 2`
     splits. diffusers rounds a `num_frames` that is not 4k + 1 with a warning; xfuse refuses it. Refused by name:
-    `attention_kwargs`; Wan 2.2's second expert (`transformer_2`, `boundary_ratio`) and `expand_timesteps` folders.
+    `attention_kwargs`, and `expand_timesteps` folders (Wan 2.2 TI2V).
+
+    Wan 2.2's two experts (`transformer_2` with the pipeline's `boundary_ratio`, A14B): every rank holds its blocks of
+    both (the same split), the high-noise expert denoises the steps whose timestep is at least the boundary and the
+    low-noise one the rest, with `guidance_scale_2`. Each expert's steps are a PipeFusion run of their own: its first
+    `warmup_steps` whole (its stale K/V are its own blocks'), then pipelined; the scheduler's state carries over whole
+    (`xfuse.parallel.scheduler_state.merge_patch_schedulers`).
     """
 
     spec = WAN
     rank0_components = ("tokenizer", "text_encoder", "vae")
 
-    def __init__(self, pipeline, context, dtype, stage=None):
+    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None):
         config = pipeline.config
-        if getattr(pipeline, "transformer_2", None) is not None or config.get("boundary_ratio") is not None:
-            raise ValueError(
-                "xfuse runs Wan with one transformer: a two-expert folder (transformer_2, boundary_ratio; "
-                "Wan 2.2 A14B) is not supported yet"
-            )
         if config.get("expand_timesteps"):
             raise ValueError("xfuse does not run Wan pipelines with expand_timesteps (Wan 2.2 TI2V) yet")
-        super().__init__(pipeline, context, dtype, stage)
+        second = (extra_stages or {}).get("transformer_2") or getattr(pipeline, "transformer_2", None)
+        if (second is None) != (config.get("boundary_ratio") is None):
+            raise ValueError("a two-expert Wan pipeline needs both transformer_2 and boundary_ratio (got one of them)")
+        if second is not None and dict(second.config) != dict((stage or pipeline.transformer).config):
+            raise ValueError("xfuse splits Wan's two experts alike: transformer_2 must have transformer's config")
+        super().__init__(pipeline, context, dtype, stage, extra_stages)
+        self.stage_2, self.engine_2 = None, None
+        if second is not None:  # the low-noise expert: the same plan, its own blocks and K/V buffers
+            if not isinstance(second, WanStage):  # from_pipe: the diffusers model, sharded here
+                second = WanStage(second, self.plan, context.pipe_rank)
+            self.stage_2 = second.to(context.device)
+            self.engine_2 = self._engine(self.stage_2)
+            pipeline.transformer_2 = None  # the stage owns what is left of it
+
+    @classmethod
+    def _sharded_components(cls, folder: str) -> tuple[str, ...]:
+        """``transformer``, and ``transformer_2`` where the folder's ``model_index.json`` names one (Wan 2.2)."""
+        with open(os.path.join(folder, "model_index.json")) as f:
+            second = json.load(f).get("transformer_2")
+        return ("transformer", "transformer_2") if second and second[0] is not None else ("transformer",)
 
     def _latents_shape(self, recipe: CallRecipe) -> tuple[int, ...]:
         """WanPipeline's latents: (B, C, latent frames, H/8, W/8)."""
@@ -152,17 +187,45 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 named,
                 latents_view=lambda grid: layout.from_grid(grid).clone(),
             )
-            return denoise_request(
-                self.stage,
-                latents=video_latents,
-                layout=layout,
-                timesteps=timesteps,
-                scheduler=pipe.scheduler,
-                prompt_embeds=model_text["prompt_embeds"],
-                guidance_scale=guidance_scale,
-                cfg_half=cfg_half,
-                generator=generator,
-                on_step_end=on_step_end,
+
+            def run(stage, latents, first: int, last: int, scale: float | None) -> DenoiseRequest:
+                """The request of ``stage``'s expert on steps ``first … last - 1`` (step callbacks numbered as in
+                the whole loop)."""
+                callback = on_step_end
+                if on_step_end is not None and first:
+                    callback = lambda step, current: on_step_end(step + first, current)  # noqa: E731
+                return denoise_request(
+                    stage,
+                    latents=latents,
+                    layout=layout,
+                    timesteps=timesteps[first:last],
+                    scheduler=pipe.scheduler,
+                    prompt_embeds=model_text["prompt_embeds"],
+                    guidance_scale=guidance_scale,
+                    expert_guidance_scale=scale,
+                    cfg_half=cfg_half,
+                    generator=generator,
+                    on_step_end=callback,
+                )
+
+            steps = len(timesteps)
+            if self.stage_2 is None:
+                return run(self.stage, video_latents, 0, steps, None)
+            # Mirrors ``diffusers.WanPipeline.__call__``: the high-noise expert while t >= the boundary.
+            boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+            switch = int((timesteps >= boundary).sum())
+            scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+            return ExpertRuns(
+                high=run(self.stage, video_latents, 0, switch, None) if switch else None,
+                low=None
+                if switch == steps
+                else lambda grid: run(
+                    self.stage_2,
+                    video_latents if grid is None else layout.from_grid(grid.to(device)),
+                    switch,
+                    steps,
+                    scale_2,
+                ),
             )
 
         return self._run(
@@ -184,6 +247,20 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 latent_frames=layout.frames,
             )
         )
+
+    def _denoise(self, request, engine=None):
+        """One run, or a two-expert request's two: the high-noise expert's, then (from the latents it left, which rank 0
+        broadcasts, and the scheduler's state) the low-noise expert's on its own engine."""
+        if not isinstance(request, ExpertRuns):
+            return super()._denoise(request, engine)
+        final = None
+        if request.high is not None:
+            final = super()._denoise(request.high, self.engine)
+            if request.low is None:
+                return final
+            final = self._broadcast(final.cpu() if self.context.is_output else None)  # (B, C, F*H, W), grid layout
+        assert request.low is not None and self.engine_2 is not None
+        return super()._denoise(request.low(final), self.engine_2)
 
     def _decode(self, latents, output_type, return_dict):
         """Rank 0: Wan's latent normalisation, VAE decode and ``postprocess_video``, as

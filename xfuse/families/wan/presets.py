@@ -50,7 +50,7 @@ _WAN_LATENTS_STD = (
 )  # fmt: skip
 
 # Keys of a preset that are not ``WanTransformer3DModel`` arguments.
-_NON_TRANSFORMER_KEYS = frozenset({"default_size"})
+_NON_TRANSFORMER_KEYS = frozenset({"default_size", "boundary_ratio", "flow_shift"})
 
 # Every Wan 2.1 text-to-video transformer shares these (diffusers' conversion configs for T2V-1.3B and T2V-14B; an
 # image-to-video transformer would add ``image_dim`` / ``added_kv_proj_dim``).
@@ -109,6 +109,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         "text_dim": 4096,
         "ffn_dim": 13824,
         "default_size": (480, 832, 81),
+    },
+    # Wan 2.2's two experts (Wan2.2-T2V-A14B): a high-noise and a low-noise transformer of the 14B's shape, the first
+    # for timesteps >= boundary_ratio x 1000 (0.875), its UniPC shift 12 (the release's T2V config: sample_shift 12.0,
+    # boundary 0.875, guidance 4.0 high / 3.0 low); the release's Wan 2.1 VAE.
+    "wan2.2-t2v-a14b": {
+        "num_layers": 40,
+        "num_attention_heads": 40,
+        "attention_head_dim": 128,
+        "in_channels": 16,
+        "text_dim": 4096,
+        "ffn_dim": 13824,
+        "default_size": (480, 832, 81),
+        "boundary_ratio": 0.875,
+        "flow_shift": 12.0,
+    },
+    # Tests of the two experts: wan-tiny's shape twice (each its own seed), the release's boundary.
+    "wan2.2-tiny": {
+        "num_layers": 4,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "in_channels": 4,
+        "text_dim": 32,
+        "ffn_dim": 64,
+        "default_size": (128, 224, 9),
+        "boundary_ratio": 0.875,
+        "flow_shift": 12.0,
     },
 }
 
@@ -175,13 +201,13 @@ def _umt5_encoder(width: int, vocab_size: int, seed: int, component: str):
         return UMT5EncoderModel(config).eval()
 
 
-def _build_scheduler():
+def _build_scheduler(flow_shift: float = 3.0):
     from diffusers import UniPCMultistepScheduler
 
     # The Wan2.1-T2V diffusers folders' scheduler (480p's shift; see the module docstring for 720p's); every other
     # setting is UniPC's default, as diffusers' conversion script leaves it (order 2, bh2, linspace, final sigma 0).
     return UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift
     )
 
 
@@ -190,9 +216,13 @@ def build_preset_pipeline(preset: str = "wan-tiny", seed: int = 0):
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from transformers import T5Tokenizer
 
-    config = preset_transformer_config(preset)
+    config, boundary = preset_transformer_config(preset), PRESETS[preset].get("boundary_ratio")
     with seeded(seed, "transformer"):
         transformer = WanTransformer3DModel(**config).eval()
+    experts = {}
+    if boundary is not None:  # Wan 2.2: the low-noise expert, same shape, its own weights
+        with seeded(seed, "transformer_2"):
+            experts = {"transformer_2": WanTransformer3DModel(**config).eval(), "boundary_ratio": boundary}
     vocab = t5_vocab()
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
     text_encoder = _umt5_encoder(config["text_dim"], len(vocab), seed, "text_encoder")
@@ -202,8 +232,9 @@ def build_preset_pipeline(preset: str = "wan-tiny", seed: int = 0):
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
-        scheduler=_build_scheduler(),
+        scheduler=_build_scheduler(PRESETS[preset].get("flow_shift", 3.0)),
         transformer=transformer,
+        **experts,
     )
 
 

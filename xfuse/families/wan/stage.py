@@ -214,6 +214,7 @@ def denoise_request(
     scheduler,
     prompt_embeds: torch.Tensor,
     guidance_scale: float,
+    expert_guidance_scale: float | None = None,
     cfg_half=None,
     generator=None,
     on_step_end=None,
@@ -221,7 +222,9 @@ def denoise_request(
     """The engine's ``DenoiseRequest`` for Wan, from what ``WanPipeline`` prepares: ``latents`` (B, C, F, H, W) are
     handed to the engine in ``layout`` (one tall image), ``prompt_embeds`` batched [negative, positive] when
     ``guidance_scale > 1`` (diffusers runs them as two calls: per sample the same computation), or this CFG group's
-    half with ``cfg_half``. The projected text and the RoPE table are computed once here."""
+    half with ``cfg_half``. ``expert_guidance_scale``: the scale this ``stage``'s expert combines the two with where it
+    is not ``guidance_scale`` (Wan 2.2's ``guidance_scale_2``). The projected text and the RoPE table are computed
+    once here, with this expert's own text projection."""
     from xfuse.parallel.engine import DenoiseRequest
 
     grid_latents = layout.to_grid(latents).contiguous()  # (B, C, F, H, W) -> (B, C, F*H, W)
@@ -239,7 +242,12 @@ def denoise_request(
         scheduler=scheduler,
         conditioning=conditioning,
         model_input=lambda rows: model_input(rows).to(dtype),  # WanPipeline: latents.to(transformer_dtype)
-        guide=guidance(guidance_scale, cfg_half, learned_sigma=False),
+        guide=guidance(
+            guidance_scale if expert_guidance_scale is None else expert_guidance_scale,
+            cfg_half,
+            learned_sigma=False,
+            batched=guidance_scale > 1,
+        ),
         model_batch=model_batch,
         generator=generator,
         on_step_end=on_step_end,
