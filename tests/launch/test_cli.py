@@ -232,6 +232,14 @@ def test_examples_run_under_torchrun(tmp_path, script, args):
     assert len(list(tmp_path.glob("*.png"))) == 1
 
 
+def test_the_video_example_writes_a_clip_under_torchrun(tmp_path):
+    args = ["--model", "wan-tiny", "--steps", "2", "--height", "64", "--width", "96", "--frames", "9"]
+    out = torchrun(os.path.abspath("examples/wan_pipefusion.py"), *args, "--output", str(tmp_path / "c.mp4"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"wrote {tmp_path / 'c.mp4'}: 9 frames at 16 fps (temporal patches)" in out.stdout
+    assert (tmp_path / "c.mp4").stat().st_size > 1000
+
+
 def test_doctor_reports_and_passes_its_self_test():
     out = xfuse("doctor")
     assert out.returncode == 0, out.stderr[-2000:]
