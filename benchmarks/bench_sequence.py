@@ -145,13 +145,19 @@ def predicted_bytes(preset: str, how: dict, steps: int, size: int, frames: int) 
     return [{k: v * steps for k, v in report.volume[r].items() if v} for r in sorted(report.volume)]
 
 
-def measure(preset: str, steps: int, size: int, repeats: int, frames: int = 1) -> dict:
-    """Every configuration in turns; each one's times and distance from serial diffusers."""
+def measure(preset: str, steps: int, size: int, repeats: int, frames: int = 1, only=None) -> dict:
+    """Every configuration (``only``: these and serial diffusers) in turns; each one's times and distance from serial
+    diffusers."""
     import contextlib
 
     from tests.support.world import World
 
     chosen = configs(preset)
+    if only:
+        unknown = set(only) - set(chosen)
+        if unknown:
+            raise SystemExit(f"--only: unknown configurations {sorted(unknown)}; known: {sorted(chosen)}")
+        chosen = {name: how for name, how in chosen.items() if name in only or name == "diffusers serial"}
     times: dict[str, list[float]] = {name: [] for name in chosen}
     latents, sent = {}, {}
     with contextlib.ExitStack() as stack:
@@ -197,7 +203,7 @@ def markdown(report: dict) -> str:
                 f"{row['speedup']:.2f}x | {row['max_abs_vs_serial']:.1e} |"
             )
     for steps, rows in report["steps"].items():
-        ours = rows["xfuse ulysses 2"]
+        ours = rows.get("xfuse ulysses 2", {})
         if "round_over_diffusers_ulysses" not in ours:
             continue
         rounds = ours["round_over_diffusers_ulysses"]
@@ -223,6 +229,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 20])
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--frames", type=int, default=17, help="a video family's num_frames (4k + 1)")
+    parser.add_argument("--only", nargs="+", default=None, help="only these configurations (diffusers serial always)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -238,7 +245,7 @@ def main() -> None:
         steps={},
     )
     for steps in args.steps:
-        report["steps"][steps] = measure(args.preset, steps, args.size, args.repeats, args.frames)
+        report["steps"][steps] = measure(args.preset, steps, args.size, args.repeats, args.frames, args.only)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=2)
