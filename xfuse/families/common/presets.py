@@ -68,11 +68,13 @@ def divisor_heads(width: int, head_dim: int) -> int:
     return max(1, width // head_dim) if width % head_dim == 0 else 1
 
 
-def t5_encoder(width: int, vocab_size: int, seed: int, component: str):
-    """A 2-layer T5 v1.1 / mT5-style encoder (gated GELU, untied embeddings) of ``width``, seeded per component."""
-    from transformers import T5Config, T5EncoderModel
+def t5_encoder(width: int, vocab_size: int, seed: int, component: str, *, umt5: bool = False):
+    """A 2-layer T5 v1.1 / mT5-style encoder (gated GELU, untied embeddings) of ``width``, seeded per component;
+    ``umt5``: a UMT5 encoder of the same sizes (Wan's: a relative position bias in every layer)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    config = T5Config(
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = config_class(
         vocab_size=vocab_size,
         d_model=width,
         d_kv=8,
@@ -88,7 +90,7 @@ def t5_encoder(width: int, vocab_size: int, seed: int, component: str):
         eos_token_id=1,
     )
     with seeded(seed, component):
-        return T5EncoderModel(config).eval()
+        return model_class(config).eval()
 
 
 def tiny_vae_config(

@@ -34,7 +34,7 @@ import os
 from typing import Any
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import divisor_heads, seeded, t5_vocab
+from xfuse.families.common.presets import seeded, t5_encoder, t5_vocab
 
 # WanPipeline's default max_sequence_length: prompts are cut to, and their states zero-padded to, 512 tokens.
 _T5_MAX_LENGTH = 512
@@ -177,30 +177,6 @@ def _vae_config(z_dim: int) -> dict[str, Any]:
     }
 
 
-def _umt5_encoder(width: int, vocab_size: int, seed: int, component: str):
-    """A 2-layer UMT5 encoder (gated GELU, a relative position bias in every layer) of ``width``, seeded per component;
-    the other sizes as ``xfuse.families.common.presets.t5_encoder``'s."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    config = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=width,
-        d_kv=8,
-        num_heads=divisor_heads(width, 8),
-        d_ff=2 * width,
-        num_layers=2,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        dropout_rate=0.0,
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    with seeded(seed, component):
-        return UMT5EncoderModel(config).eval()
-
-
 def _build_scheduler(flow_shift: float = 3.0):
     from diffusers import UniPCMultistepScheduler
 
@@ -225,7 +201,7 @@ def build_preset_pipeline(preset: str = "wan-tiny", seed: int = 0):
             experts = {"transformer_2": WanTransformer3DModel(**config).eval(), "boundary_ratio": boundary}
     vocab = t5_vocab()
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
-    text_encoder = _umt5_encoder(config["text_dim"], len(vocab), seed, "text_encoder")
+    text_encoder = t5_encoder(config["text_dim"], len(vocab), seed, "text_encoder", umt5=True)
     with seeded(seed, "vae"):
         vae = AutoencoderKLWan(**_vae_config(config["in_channels"])).eval()
     return WanPipeline(
