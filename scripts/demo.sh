@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The demo: the shipped `shapes` model (trained here on CPU, see scripts/train_tiny.py) draws the prompt with
-# 2-rank PipeFusion under torchrun on the CPU. Shows the plan first; prints where it wrote the PNG.
+# 2-rank PipeFusion on the CPU (`xfuse generate` starts both ranks itself: the config's world is 2). Shows the plan
+# first; prints where it wrote the PNG.
 # Another prompt: bash scripts/demo.sh "a blue triangle at the top on a black background"
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 CONFIG=configs/shapes/pp2.yaml
 PROMPT="${1:-a red circle on the left on a white background}"
 xfuse plan --config "$CONFIG"
 echo
-torchrun --standalone --nproc_per_node=2 -m xfuse generate --config "$CONFIG" --prompt "$PROMPT" \
-    --output outputs/demo.png
+xfuse generate --config "$CONFIG" --prompt "$PROMPT" --output outputs/demo.png

@@ -24,6 +24,64 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start the N ranks of this node from this command (default: the world size the config's parallel "
+        "degrees make; under torchrun: the ranks torchrun started). SIGTERM/SIGINT drain them; exit 0 once all did",
+    )
+
+
+def _ranks_to_start(args, argv: list[str]) -> int:
+    """How many ranks this command starts itself (``xfuse.runtime.launcher``): 0 when it is a rank already (under
+    torchrun or this launcher) or the world is one rank; refuses a ``--nproc-per-node`` the config cannot run."""
+    if "RANK" in os.environ:  # a rank of a launched world: run it
+        if args.nproc_per_node is not None:
+            raise ConfigError(
+                "--nproc-per-node", "starts the ranks itself: give it to xfuse, not to a rank that torchrun started"
+            )
+        return 0
+    config = load_config(args.config, _command_overrides(args))
+    if args.nproc_per_node is None:
+        return config.world_size if config.world_size > 1 and not args.auto else 0
+    if args.nproc_per_node < 1 or (args.nproc_per_node != config.world_size and not args.auto):
+        raise ConfigError(
+            "--nproc-per-node",
+            f"must be the world size the config's parallel degrees make, {config.world_size} (cfg "
+            f"{config.parallel.cfg_degree} x pipefusion {config.parallel.pipefusion_degree} x ulysses "
+            f"{config.parallel.ulysses_degree} x ring {config.parallel.ring_degree}), or use --auto to choose a "
+            f"layout for it (got {args.nproc_per_node})",
+        )
+    return args.nproc_per_node if args.nproc_per_node > 1 else 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc-per-node N`` / ``--nproc-per-node=N``: what each started rank runs."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def _command_overrides(args) -> list[str]:
+    """The ``--set`` overrides and the subcommand's shortcuts (``--prompt``, ``--host``, ``--port``)."""
+    overrides = list(args.overrides)
+    if getattr(args, "prompt", None):
+        overrides.append(f"generation.prompt={args.prompt!r}")
+    if getattr(args, "host", None) is not None:
+        overrides.append(f"serve.host={args.host!r}")
+    if getattr(args, "port", None) is not None:
+        overrides.append(f"serve.port={args.port}")
+    return overrides
+
+
 def _auto_args(parser: argparse.ArgumentParser, *, plan: bool) -> None:
     """The options that pick the layout by the performance model (``xfuse.perf.planner``)."""
     from xfuse.perf.hardware import DEVICES, LINK_KINDS
@@ -122,7 +180,7 @@ def cmd_generate(args) -> int:
     from xfuse.build import build_pipeline, default_size, default_video_size, image_call_kwargs, video_call_kwargs
     from xfuse.families.registry import model_spec
 
-    overrides = list(args.overrides) + ([f"generation.prompt={args.prompt!r}"] if args.prompt else [])
+    overrides = _command_overrides(args)
     config = _auto_layout(args, load_config(args.config, overrides))
     gen, par = config.generation, config.parallel
     video = model_spec(config.model).video
@@ -204,10 +262,7 @@ def cmd_serve(args) -> int:
     """Serve the OpenAI Images API on rank 0 until stopped (every rank runs this under torchrun)."""
     from xfuse.serve.server import serve
 
-    overrides = list(args.overrides)
-    overrides += [f"serve.host={args.host!r}"] if args.host is not None else []
-    overrides += [f"serve.port={args.port}"] if args.port is not None else []
-    config = _auto_layout(args, load_config(args.config, overrides))
+    config = _auto_layout(args, load_config(args.config, _command_overrides(args)))
     return serve(config, api_key=args.api_key or os.environ.get("XFUSE_API_KEY") or None)
 
 
@@ -248,6 +303,7 @@ def main(argv=None) -> int:
     )
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     _auto_args(gen, plan=False)
+    _launch_args(gen)
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI Images API (rank 0) with the configured model and plan")
     _add_config_args(srv)
@@ -257,6 +313,7 @@ def main(argv=None) -> int:
         "--api-key", help="require 'Authorization: Bearer KEY' (default: $XFUSE_API_KEY; none: no key needed)"
     )
     _auto_args(srv, plan=False)
+    _launch_args(srv)
     srv.set_defaults(func=cmd_serve)
     doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
     doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait / connect")
@@ -270,11 +327,17 @@ def main(argv=None) -> int:
         help="which local interfaces reach HOST:PORT and, if it runs `xfuse doctor --listen`, which it reaches back",
     )
     doctor.set_defaults(func=cmd_doctor)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # xfuse loads local folders only
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     rank = os.environ.get("RANK", "0")
     try:
+        nproc = _ranks_to_start(args, argv) if args.command in ("generate", "serve") else 0
+        if nproc:  # this command starts the node's ranks and waits for them (xfuse.runtime.launcher)
+            from xfuse.runtime.launcher import launch
+
+            return launch(args.command, _without_nproc(argv), nproc)
         code = args.func(args)
     except ConfigError as err:  # a bad value: the same on every rank
         if not err.reported:

@@ -206,9 +206,12 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
 
 
 def test_generate_refuses_a_world_that_does_not_match():
-    out = xfuse("generate", "--config", "configs/tiny/pp2.yaml")  # pp2 without torchrun: world size 1
-    assert out.returncode == 2
-    assert "must equal the world size (1)" in out.stderr and "torchrun --nproc_per_node=2" in out.stderr
+    """A launcher that started fewer ranks than the config needs (torchrun with 1 for pp2); without a launcher,
+    ``xfuse generate`` starts the 2 ranks itself (tests/launch/test_launcher.py)."""
+    out = torchrun("-m", "xfuse", "generate", "--config", os.path.abspath("configs/tiny/pp2.yaml"), nproc=1)
+    assert out.returncode != 0
+    assert "must equal the world size (1); start 2 ranks (xfuse ... --nproc-per-node 2, or " in out.stderr
+    assert "torchrun --nproc_per_node=2)" in out.stderr
 
 
 @pytest.mark.parametrize(

@@ -32,24 +32,35 @@ BASE_SETTINGS = (
 
 
 class ServedWorld:
-    """``torchrun --nproc_per_node=N -m xfuse serve`` (``nproc=1``: plain ``python -m xfuse serve``)."""
+    """``torchrun --nproc_per_node=N -m xfuse serve`` (``nproc=1``: plain ``python -m xfuse serve``; ``launcher=
+    "xfuse"``: ``python -m xfuse serve --nproc-per-node N``, the one command that starts its ranks itself)."""
 
-    def __init__(self, tmp_path, *, nproc: int = 2, settings=(), api_key: str | None = None, start_timeout=120):
+    def __init__(
+        self,
+        tmp_path,
+        *,
+        nproc: int = 2,
+        settings=(),
+        api_key: str | None = None,
+        start_timeout=120,
+        launcher: str = "torchrun",
+    ):
         self.log_out, self.log_err = tmp_path / "serve.out", tmp_path / "serve.err"
         sets = [
             arg for kv in (*BASE_SETTINGS, f"parallel.pipefusion_degree={nproc}", *settings) for arg in ("--set", kv)
         ]
-        if nproc == 1:
-            launcher = [sys.executable, "-m", "xfuse"]
+        own = ["--nproc-per-node", str(nproc)] if launcher == "xfuse" else []
+        if nproc == 1 or launcher == "xfuse":
+            start = [sys.executable, "-m", "xfuse"]
         else:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            launcher += ["-m", "xfuse"]
-        cmd = [*launcher, "serve", *sets, "--port", "0"] + (["--api-key", api_key] if api_key else [])
+            start = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            start += ["-m", "xfuse"]
+        cmd = [*start, "serve", *sets, "--port", "0", *own] + (["--api-key", api_key] if api_key else [])
         self.api_key = api_key
         with open(self.log_out, "w") as out, open(self.log_err, "w") as err:
             # Its own session: the whole tree (launcher and ranks) can be signalled and reaped as one group.
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=ENV, start_new_session=True)
-        self.nproc = nproc
+        self.nproc, self.launcher = nproc, launcher
         self.url = self._wait_ready(start_timeout)
         self.pids = self.rank_pids()  # torchrun starts every rank in a session of its own: track them by pid
 
@@ -80,7 +91,7 @@ class ServedWorld:
 
     def rank_pids(self) -> dict[int, int]:
         """Rank -> pid of every live rank process (from /proc: the ranks' RANK environment variable)."""
-        if self.nproc == 1:
+        if self.nproc == 1 and self.launcher != "xfuse":
             return {0: self.proc.pid}
         ranks = {}
         for pid in _children(self.proc.pid):

@@ -153,5 +153,7 @@ def load_pipeline(model: str, torch_dtype=None):
     import diffusers
 
     return getattr(diffusers, spec.diffusers_pipeline).from_pretrained(
-        resolve_model(model), torch_dtype=torch_dtype, local_files_only=True
+        resolve_model(model),
+        dtype=torch_dtype,
+        local_files_only=True,  # torch_dtype= is deprecated there
     )

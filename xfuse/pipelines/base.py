@@ -231,6 +231,7 @@ class PipeFusionPipelineBase:
         device=None,
         *,
         config: XfuseConfig | None = None,
+        dtype=None,
         **kwargs,
     ):
         r"""
@@ -241,7 +242,8 @@ class PipeFusionPipelineBase:
                 components, as `save_pretrained` writes it.
             parallel ([`~xfuse.config.ParallelConfig`] or `dict`): parallel degrees, patches, warm-up, placement.
             comm ([`~xfuse.config.CommConfig`] or `dict`): backend, timeout, in-flight bound, interface.
-            torch_dtype (`torch.dtype`, *optional*): float32 (default), bfloat16 or float16.
+            torch_dtype (`torch.dtype`, *optional*): float32 (default), bfloat16 or float16; `dtype=` is the same
+                (the name diffusers now prefers; give one of them).
             device (`str` or `torch.device`, *optional*): `cpu` or `cuda` (default: CUDA when available; each
                 rank uses `cuda:LOCAL_RANK`).
             config ([`~xfuse.config.XfuseConfig`], *optional*): the whole config instead of the four arguments
@@ -254,6 +256,10 @@ class PipeFusionPipelineBase:
         """
         import diffusers
 
+        if dtype is not None:
+            if torch_dtype is not None:
+                raise ValueError("pass either dtype= or torch_dtype= (the same setting), not both")
+            torch_dtype = dtype
         if config is not None and (torch_dtype is not None or device is not None):
             raise ValueError("pass either config= or torch_dtype= / device=, not both")
         config = _one_config(
@@ -261,6 +267,11 @@ class PipeFusionPipelineBase:
         )
         torch_dtype = config.runtime.torch_dtype()
         context = init_parallel(config)
+        if not context.is_output:  # the loading progress bars once, on rank 0, not once per rank
+            import transformers
+
+            diffusers.utils.logging.disable_progress_bar()
+            transformers.utils.logging.disable_progress_bar()
         skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
         diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
         model_class = getattr(diffusers, cls.spec.diffusers_transformer)
@@ -277,7 +288,7 @@ class PipeFusionPipelineBase:
         }
         pipeline = diffusers_class.from_pretrained(
             pretrained_model_name_or_path,
-            torch_dtype=torch_dtype,
+            dtype=torch_dtype,  # the pinned diffusers' name (its torch_dtype= warns that it is deprecated)
             local_files_only=True,
             **dict.fromkeys(stages),  # transformer=None (and a second expert's)
             **skip,

@@ -97,7 +97,7 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
     need = parallel.pipefusion_degree * others
     if need == world_size:
         return
-    hint = f"launch with torchrun --nproc_per_node={need}"
+    hint = f"start {need} ranks (xfuse ... --nproc-per-node {need}, or torchrun --nproc_per_node={need})"
     if world_size % others == 0 and 1 <= world_size // others <= MAX_PIPEFUSION_DEGREE:
         hint += f", or set parallel.pipefusion_degree={world_size // others} for {world_size} ranks"
     sequence = ""

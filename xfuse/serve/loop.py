@@ -30,7 +30,7 @@ _LAUNCHER_PID = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 def check_launcher() -> None:
     if _LAUNCHER_PID is not None and os.getppid() != _LAUNCHER_PID:
-        raise RuntimeError(f"the launcher (torchrun agent, pid {_LAUNCHER_PID}) is gone; nothing would restart us")
+        raise RuntimeError(f"the launcher (pid {_LAUNCHER_PID}: torchrun or xfuse) is gone; nothing would restart us")
 
 
 class DrainSignal:

@@ -1,0 +1,161 @@
+"""One command starts the world (``xfuse serve|generate --nproc-per-node N``, ``xfuse.runtime.launcher``), and its
+signals and exit code mean what they say: real processes on loopback, signalled as a supervisor or a terminal does."""
+
+import concurrent.futures
+import fcntl
+import os
+import pty
+import signal
+import subprocess
+import sys
+import termios
+import threading
+import time
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from tests.support.serve_fns import BASE_SETTINGS, ENV, READY, ServedWorld, alive, left_behind
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SLOW = {"prompt": "long", "num_inference_steps": 60, "size": "512x512"}  # still running 1 s after it started
+
+
+def _generate(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+
+
+def _xfuse(*args, cwd, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "xfuse", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout
+    )
+
+
+def test_generate_starts_its_ranks_and_writes_the_png_torchrun_writes(tmp_path):
+    """``--nproc-per-node 2`` and the config's own world size (no option) against the torchrun launch: equal pixels,
+    exit 0, no traceback and no deprecation warning in the output."""
+    config = os.path.join(REPO, "configs/tiny/pp2.yaml")
+    ours = _xfuse("generate", "--config", config, "--nproc-per-node", "2", "--output", "ours.png", cwd=tmp_path)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    implied = _xfuse("generate", "--config", config, "--output", "implied.png", cwd=tmp_path)  # the YAML's world: 2
+    assert implied.returncode == 0, implied.stderr[-3000:]
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse",
+         "generate", "--config", config, "--output", "torchrun.png"],
+        capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    pixels = [np.asarray(Image.open(tmp_path / name)) for name in ("ours.png", "implied.png", "torchrun.png")]
+    assert np.array_equal(pixels[0], pixels[2]) and np.array_equal(pixels[1], pixels[2])
+    for out in (ours, implied):
+        assert "on 2 rank(s)" in out.stdout
+        assert "Traceback" not in out.stderr and "deprecated" not in (out.stdout + out.stderr).lower()
+
+
+def test_a_world_size_the_config_cannot_run_is_refused_naming_the_option(tmp_path):
+    out = _xfuse("generate", "--config", os.path.join(REPO, "configs/tiny/pp2.yaml"), "--nproc-per-node", "3",
+                 cwd=tmp_path, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert "--nproc-per-node: must be the world size the config's parallel degrees make, 2" in out.stderr
+    assert "(got 3)" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigterm_to_the_command_drains_and_it_exits_0(tmp_path):
+    """As systemd and Kubernetes stop a service: SIGTERM to the process they started (the launcher)."""
+    world = ServedWorld(tmp_path, launcher="xfuse", settings=("serve.max_side=512",))
+    try:
+        ranks = list(world.rank_pids().values())
+        assert len(ranks) == 2
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_generate, world.url, SLOW)
+            time.sleep(1.0)
+            os.kill(world.proc.pid, signal.SIGTERM)
+            late = None
+            for _ in range(100):  # readiness turns 503 while the running request goes on
+                late = _generate(world.url, {"prompt": "after"})
+                if late.status_code == 503:
+                    break
+                time.sleep(0.02)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "service_draining"
+            assert running.result().status_code == 200  # answered, not cut off
+        assert world.wait(timeout=60) == 0, world.stderr()[-3000:]
+        assert "xfuse serve: stopped by SIGTERM: every rank of 2 exited 0" in world.stderr()
+        assert "Traceback" not in world.stderr() + world.stdout()
+        assert alive(ranks) == [] and left_behind(world) == []
+    finally:
+        world.close()
+
+
+def test_ctrl_c_in_a_terminal_drains_and_it_exits_0():
+    """Ctrl-C typed into the terminal the command runs in (a pty): SIGINT reaches the launcher's process group only,
+    the ranks drain, the command exits 0 with one line and no traceback."""
+    sets = [arg for kv in (*BASE_SETTINGS, "serve.max_side=512") for arg in ("--set", kv)]
+    cmd = [sys.executable, "-m", "xfuse", "serve", *sets, "--port", "0", "--nproc-per-node", "2"]
+    master, slave = pty.openpty()
+
+    def controlling_terminal():  # the child's own session, with the pty as its terminal
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=ENV, start_new_session=True,
+                            preexec_fn=controlling_terminal)  # fmt: skip
+    os.close(slave)
+    output: list[bytes] = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            output.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        url = None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            found = READY.search(b"".join(output).decode(errors="replace"))
+            url = found.group(1) if found else None
+            time.sleep(0.1)
+        assert url is not None, b"".join(output).decode(errors="replace")[-3000:]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_generate, url, SLOW)
+            time.sleep(1.0)
+            os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
+            assert running.result().status_code == 200
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.2)
+        text = b"".join(output).decode(errors="replace")
+        assert "xfuse serve: stopped by SIGINT: every rank of 2 exited 0" in text
+        assert "Traceback" not in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def test_a_killed_rank_stops_the_command_non_zero_naming_it(tmp_path):
+    world = ServedWorld(tmp_path, launcher="xfuse")
+    try:
+        ranks = world.rank_pids()
+        os.kill(ranks[1], signal.SIGKILL)
+        code = world.wait(timeout=60)
+        assert code == 1, world.stderr()[-3000:]
+        assert f"xfuse serve: rank 1 (pid {ranks[1]}) was killed by SIGKILL" in world.stderr()
+        assert "the world stopped (exit 1)" in world.stderr()
+        assert alive(ranks.values()) == [] and left_behind(world) == []
+    finally:
+        world.close()
+
+
+def test_demo_start_up_has_no_deprecation_warning():
+    """``bash scripts/demo.sh``: the plan, then the one-command 2-rank generate of the shipped model."""
+    out = subprocess.run(["bash", "scripts/demo.sh"], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "wrote outputs/demo.png" in out.stdout and "on 2 rank(s)" in out.stdout
+    assert "deprecat" not in (out.stdout + out.stderr).lower(), (out.stdout + out.stderr)[-3000:]
