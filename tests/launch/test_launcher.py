@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from tests.support.serve_fns import BASE_SETTINGS, ENV, READY, ServedWorld, alive, left_behind
+from tests.support.serve_fns import BASE_SETTINGS, ENV, READY, ServedWorld, alive, child_pids, left_behind
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLOW = {"prompt": "long", "num_inference_steps": 60, "size": "512x512"}  # still running 1 s after it started
@@ -122,12 +122,22 @@ def test_ctrl_c_in_a_terminal_drains_and_it_exits_0():
             url = found.group(1) if found else None
             time.sleep(0.1)
         assert url is not None, b"".join(output).decode(errors="replace")[-3000:]
+        ranks = child_pids(proc.pid)
+        assert len(ranks) == 2
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(_generate, url, SLOW)
             time.sleep(1.0)
             os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
+            late = None
+            for _ in range(100):  # new requests are refused while the running one goes on
+                late = _generate(url, {"prompt": "after"})
+                if late.status_code == 503:
+                    break
+                time.sleep(0.02)
+            assert late.status_code == 503
             assert running.result().status_code == 200
         assert proc.wait(timeout=60) == 0
+        assert alive(ranks) == []
         time.sleep(0.2)
         text = b"".join(output).decode(errors="replace")
         assert "xfuse serve: stopped by SIGINT: every rank of 2 exited 0" in text

@@ -94,7 +94,7 @@ class ServedWorld:
         if self.nproc == 1 and self.launcher != "xfuse":
             return {0: self.proc.pid}
         ranks = {}
-        for pid in _children(self.proc.pid):
+        for pid in child_pids(self.proc.pid):
             try:
                 environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             except OSError:
@@ -128,7 +128,7 @@ class ServedWorld:
         self.close()
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
