@@ -17,8 +17,9 @@ The released Wan2.1-T2V-1.3B / -14B (a 1.3 B / 14 B-parameter transformer, the 5
   diffusers' conversion script writes it for the Wan2.1-T2V folders, Wan's setting for 480p; for 720p Wan uses 5.0:
   ``UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=5.0)``).
 
-``wan-tiny`` is for tests, ``wan-small`` for CPU speed measurements, ``wan2.1-t2v-1.3b`` / ``wan2.1-t2v-14b`` have the
-released transformer shapes (random weights; diffusers' ``scripts/convert_wan_to_diffusers.py`` configs) for
+``wan-tiny`` (and ``wan2.2-tiny``, two experts) is for tests, ``wan-small`` for CPU speed measurements,
+``wan2.1-t2v-1.3b`` / ``wan2.1-t2v-14b`` / ``wan2.2-t2v-a14b`` (two experts of the 14B's shape) have the released
+transformer shapes (random weights; diffusers' ``scripts/convert_wan_to_diffusers.py`` configs) for
 ``xfuse plan`` and GPU timings; their text encoder is 2 layers deep at the released width 4096 and their VAE is tiny
 with the released 16 latent channels, so the pipeline runs end to end. Weights depend only on the seed (see
 ``xfuse.families.common.presets``).
@@ -110,33 +111,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ffn_dim": 13824,
         "default_size": (480, 832, 81),
     },
-    # Wan 2.2's two experts (Wan2.2-T2V-A14B): a high-noise and a low-noise transformer of the 14B's shape, the first
-    # for timesteps >= boundary_ratio x 1000 (0.875), its UniPC shift 12 (the release's T2V config: sample_shift 12.0,
-    # boundary 0.875, guidance 4.0 high / 3.0 low); the release's Wan 2.1 VAE.
-    "wan2.2-t2v-a14b": {
-        "num_layers": 40,
-        "num_attention_heads": 40,
-        "attention_head_dim": 128,
-        "in_channels": 16,
-        "text_dim": 4096,
-        "ffn_dim": 13824,
-        "default_size": (480, 832, 81),
-        "boundary_ratio": 0.875,
-        "flow_shift": 12.0,
-    },
-    # Tests of the two experts: wan-tiny's shape twice (each its own seed), the release's boundary.
-    "wan2.2-tiny": {
-        "num_layers": 4,
-        "num_attention_heads": 2,
-        "attention_head_dim": 16,
-        "in_channels": 4,
-        "text_dim": 32,
-        "ffn_dim": 64,
-        "default_size": (128, 224, 9),
-        "boundary_ratio": 0.875,
-        "flow_shift": 12.0,
-    },
 }
+
+# Wan 2.2's two experts (Wan2.2-T2V-A14B): a high-noise and a low-noise transformer of the 14B's shape, the first for
+# timesteps >= boundary_ratio x 1000 (0.875), its UniPC shift 12 (the release's T2V config: sample_shift 12.0, boundary
+# 0.875, guidance 4.0 high / 3.0 low); the release's Wan 2.1 VAE. Tests of the two experts: wan-tiny's shape twice
+# (each expert its own seed), the release's boundary and shift.
+_TWO_EXPERTS = {"boundary_ratio": 0.875, "flow_shift": 12.0}
+PRESETS["wan2.2-t2v-a14b"] = {**PRESETS["wan2.1-t2v-14b"], **_TWO_EXPERTS}
+PRESETS["wan2.2-tiny"] = {**PRESETS["wan-tiny"], **_TWO_EXPERTS}
 
 # Default video size of each preset: (height, width, num_frames) (not in the transformer config: Wan has no
 # sample_size).
