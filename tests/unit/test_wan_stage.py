@@ -95,7 +95,9 @@ def test_positions_off_by_a_few_tokens_change_the_output(model):
         expected = model(latents, t, text, return_dict=False)[0]
         stage = WanStage(copy.deepcopy(model), plan, 0)
         whole_table = stage.rotary_embedding
-        stage.rotary_embedding = lambda lat, lay: tuple(x.roll(7, dims=1) for x in whole_table(lat, lay))
+        stage.rotary_embedding = lambda lat, lay: tuple(
+            x.roll(7, dims=2) for x in whole_table(lat, lay)
+        )  # the token axis
         out = staged({0: stage}, plan, layout, latents, text, t, patch_grid(FRAMES * HEIGHT, WIDTH, 3, 2))
     assert rel_diff(out, expected) > 1e-2
 

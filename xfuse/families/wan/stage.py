@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 
 from xfuse.families.common.attention import CachedCrossAttnProcessor
 from xfuse.families.common.guidance import cfg_batch, guidance
-from xfuse.families.common.layers import unpatchify
+from xfuse.families.common.layers import project_heads, unpatchify
 from xfuse.families.common.sharding import ShardedStage
 from xfuse.families.wan.spec import WAN
 from xfuse.parallel.pass_attention import PassAttention
@@ -29,7 +29,8 @@ from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment, StagePlan
 from xfuse.parallel.video_layout import VideoLayout
 
-RoPE = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (1, tokens, 1, head_dim), in the layout's token order
+# (cos, sin) halves, each (1, 1, tokens, head_dim / 2), in the layout's token order (``rope_pairs``)
+RoPE = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -47,19 +48,23 @@ class WanConditioning:
 
 
 def _heads(attn: WanAttention, x: torch.Tensor, proj, norm) -> torch.Tensor:
-    """``norm(proj(x))`` split into heads: Wan's q/k RMSNorm spans every head (before the split), unlike diffusers'
-    ``Attention``'s per-head norm. (B, S, D) -> (B, heads, S, head_dim)."""
-    out = proj(x)
-    out = out if norm is None else norm(out)
-    return out.unflatten(2, (attn.heads, -1)).transpose(1, 2)  # (B, S, heads, hd) -> (B, heads, S, hd)
+    """``norm(proj(x))`` split into heads (``project_heads``): Wan's q/k RMSNorm spans every head, before the split,
+    unlike diffusers' ``Attention``'s per-head norm. (B, S, D) -> (B, heads, S, head_dim)."""
+    return project_heads(attn, x, proj if norm is None else lambda t: norm(proj(t)))
+
+
+def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> RoPE:
+    """Wan's (1, S, 1, head_dim) RoPE table -> the (1, 1, S, head_dim / 2) halves ``rotate`` multiplies by: the
+    ``freqs_cos[..., 0::2]`` and ``freqs_sin[..., 1::2]`` that ``WanAttnProcessor`` takes in every block, heads first,
+    taken once per request here."""
+    return cos.transpose(1, 2)[..., 0::2].contiguous(), sin.transpose(1, 2)[..., 1::2].contiguous()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, heads, S, head_dim) with a (1, S, 1, head_dim) table; mirrors the ``apply_rotary_emb`` inside
-    ``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__`` (interleaved pairs), heads first."""
-    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (1, S, 1, hd) -> (1, 1, S, hd)
+    """RoPE on (B, heads, S, head_dim) with ``rope_pairs``' (1, 1, S, head_dim / 2) halves; mirrors the
+    ``apply_rotary_emb`` inside ``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__``
+    (interleaved pairs)."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., hd) -> 2 x (..., hd/2)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
     out = torch.empty_like(x)
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
@@ -136,17 +141,12 @@ class WanStage(ShardedStage):
         self._cross.append(WanCachedCrossAttnProcessor())
         block.attn2.set_processor(self._cross[-1])
 
-    @property
-    def patch_size(self) -> int:
-        """Latent rows (and columns) per token: the engine's ``patch_size`` (Wan's temporal patch is 1)."""
-        return self.config.patch_size[1]
-
     def rotary_embedding(self, latents: torch.Tensor, layout: VideoLayout) -> RoPE:
         """The whole clip's RoPE table for (B, C, F, H, W) ``latents``, in ``layout``'s token order: what
         ``diffusers.WanTransformer3DModel.forward`` computes with ``self.rope`` (from the shape alone)."""
         cos, sin = self.transformer.rope(latents)  # (1, F*h*w, 1, head_dim) each, frame-major
         order = layout.token_order(cos.device)
-        return cos[:, order], sin[:, order]
+        return rope_pairs(cos[:, order], sin[:, order])  # -> (1, 1, tokens, head_dim / 2) each
 
     def text_states(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
         """(B, S_text, D_umt5) -> (B, S_text, hidden): the text projection of
@@ -187,7 +187,7 @@ class WanStage(ShardedStage):
         self.begin_pass(cond, band, keep_kv)
         cos, sin = cond.rope
         tokens = self.hidden_tokens(band)  # the entries of the whole clip's table this pass's tokens have
-        rope = (cos, sin) if tokens == slice(0, cos.shape[1]) else (cos[:, tokens], sin[:, tokens])
+        rope = (cos, sin) if tokens == slice(0, cos.shape[2]) else (cos[:, :, tokens], sin[:, :, tokens])
         for index in segment.blocks:
             hidden = self.blocks[index](hidden, cond.text, cond.timestep_proj, rope)
         return hidden
