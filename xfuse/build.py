@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from xfuse.config import XfuseConfig
-from xfuse.errors import ConfigError
 from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
 if TYPE_CHECKING:
@@ -36,10 +35,12 @@ def build_pipeline(config: XfuseConfig):
 
 def default_size(config: XfuseConfig) -> tuple[int, int]:
     """(width, height) in pixels when a request names none: ``generation.width/height``, else the model's own."""
+    from xfuse.config import GenerationConfig
     from xfuse.families.registry import model_spec, transformer_config
 
     native = model_spec(config.model).default_side(transformer_config(config.model))
-    return config.generation.width or native, config.generation.height or native
+    gen = config.generation or GenerationConfig()  # a config without the section plans the default request
+    return gen.width or native, gen.height or native
 
 
 def default_video_size(config: XfuseConfig) -> tuple[int, int, int]:
@@ -59,15 +60,19 @@ def default_video_size(config: XfuseConfig) -> tuple[int, int, int]:
         height, width, frames = spec.default_side(model), spec.default_width(model), spec.native_frames
     if gen is not None:
         height, width, frames = gen.height or height, gen.width or width, gen.num_frames or frames
-    step = spec.vae_temporal_factor
-    if frames % step != 1:
-        below = max(1, (frames - 1) // step * step + 1)
-        raise ConfigError(
-            "generation.num_frames",
-            f"must be {step}k + 1 for {config.model} ({spec.diffusers_pipeline}: the VAE keeps the first frame and "
-            f"folds every {step} after it into one latent frame), e.g. {below} or {below + step} (got {frames})",
-        )
+    spec.check_num_frames(frames, "generation.num_frames")
     return width, height, frames
+
+
+def request_size(config: XfuseConfig) -> tuple[int, int, int]:
+    """(width, height, num_frames) of the request ``config`` describes, as ``xfuse generate`` makes it: an image's
+    size (``default_size``; 1 frame) or a clip's (``default_video_size``); a config without a ``generation`` section
+    plans the defaults."""
+    from xfuse.families.registry import model_spec
+
+    if model_spec(config.model).video:
+        return default_video_size(config)
+    return (*default_size(config), 1)
 
 
 def _common_call_kwargs(

@@ -34,7 +34,7 @@ def _launch_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ranks_to_start(args, argv: list[str]) -> int:
+def _ranks_to_start(args) -> int:
     """How many ranks this command starts itself (``xfuse.runtime.launcher``): 0 when it is a rank already (under
     torchrun or this launcher) or the world is one rank; refuses a ``--nproc-per-node`` the config cannot run."""
     if "RANK" in os.environ:  # a rank of a launched world: run it
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     rank = os.environ.get("RANK", "0")
     try:
-        nproc = _ranks_to_start(args, argv) if args.command in ("generate", "serve") else 0
+        nproc = _ranks_to_start(args) if args.command in ("generate", "serve") else 0
         if nproc:  # this command starts the node's ranks and waits for them (xfuse.runtime.launcher)
             from xfuse.runtime.launcher import launch
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xfuse.build import default_video_size
+from xfuse.build import request_size
 from xfuse.config import VAE_PARALLEL_MIN_PIXELS, ConfigError, GenerationConfig, XfuseConfig
 from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
@@ -174,11 +174,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
     hidden = model["num_attention_heads"] * model["attention_head_dim"]
     # A config built in Python without a request section plans the default request, as a YAML file without one does.
     generation = config.generation if config.generation is not None else GenerationConfig()
-    if spec.video:  # the clip xfuse generate would make: the request's size, else the preset's or the pipeline's
-        width, height, num_frames = default_video_size(config)
-    else:
-        side, num_frames = spec.default_side(model), 1
-        height, width = generation.height or side, generation.width or side
+    width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
     frames = spec.latent_frames(num_frames)  # a video's latent frames, stacked into the grid's rows
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
                       num_heads=model["num_attention_heads"], latent_frames=frames)  # fmt: skip

@@ -124,7 +124,8 @@ def test_refusals_name_the_argument_on_every_rank(world4, folder):
         assert all(kind == "error" for kind, _ in kinds), kinds
         assert kinds == [(k, m) for k, m in [(r["kind"], r.get("message", "")) for r in results[0]]]
     messages = [r["message"] for r in results[0]]
-    assert messages[0].startswith("num_frames must be 4k + 1") and "e.g. 9 or 13 (got 10)" in messages[0]
+    assert messages[0].startswith("num_frames: must be 4k + 1 (WanPipeline's VAE keeps the first frame")
+    assert messages[0].endswith("e.g. 9 or 13 (got 10)")
     assert messages[1] == "`height` and `width` have to be divisible by 16 but are 72 and 96."
     assert messages[2].startswith("attention_kwargs is not supported by PipeFusion")
     assert "guidance_scale_2" in messages[3]

@@ -46,7 +46,7 @@ def _parses_as_serve(argv: list[str], monkeypatch) -> None:
 
     seen = []
     monkeypatch.setattr(xfuse.cli, "cmd_serve", lambda args: seen.append(args) or 0)
-    monkeypatch.setattr(xfuse.cli, "_ranks_to_start", lambda args, argv: 0)
+    monkeypatch.setattr(xfuse.cli, "_ranks_to_start", lambda args: 0)
     assert main(argv) == 0 and len(seen) == 1 and seen[0].port == 8000 and seen[0].host == "0.0.0.0"
 
 

@@ -125,16 +125,22 @@ def vae_config(model: str) -> dict | None:
         return json.load(f)
 
 
+def pipeline_transformers(folder: str) -> tuple[str, ...]:
+    """The transformer components of a diffusers folder's pipeline, as its ``model_index.json`` lists them:
+    ``transformer``, and ``transformer_2`` where it names one (Wan 2.2's second expert). Every rank loads its blocks of
+    each."""
+    with open(os.path.join(folder, "model_index.json")) as f:
+        second = json.load(f).get("transformer_2")
+    return ("transformer", "transformer_2") if second and second[0] is not None else ("transformer",)
+
+
 def transformer_count(model: str) -> int:
     """Transformers of ``model``'s pipeline that every rank keeps its blocks of: 2 for a two-expert pipeline (a
-    ``transformer_2`` in its folder's ``model_index.json``, or a preset built with one: Wan 2.2 A14B), else 1."""
-    spec = model_spec(model)
+    folder's ``pipeline_transformers``, or a preset built with one: Wan 2.2 A14B), else 1."""
     if model in PRESET_MODELS:
-        preset = getattr(spec.preset_builders(), "PRESETS", {}).get(model, {})
+        preset = getattr(model_spec(model).preset_builders(), "PRESETS", {}).get(model, {})
         return 2 if preset.get("boundary_ratio") is not None else 1
-    with open(os.path.join(resolve_model(model), "model_index.json")) as f:
-        second = json.load(f).get("transformer_2")
-    return 2 if second and second[0] is not None else 1
+    return len(pipeline_transformers(resolve_model(model)))
 
 
 def model_is_preset(model: str) -> bool:

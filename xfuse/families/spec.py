@@ -141,6 +141,18 @@ class ModelSpec:
         frames = self.native_frames if num_frames is None else num_frames
         return (frames - 1) // self.vae_temporal_factor + 1
 
+    def check_num_frames(self, num_frames, key: str = "num_frames") -> None:
+        """Raise :class:`ConfigError` naming ``key`` for a ``num_frames`` this family's VAE cannot take (Wan: 4k + 1;
+        diffusers rounds it with a warning instead)."""
+        step = self.vae_temporal_factor
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1 or num_frames % step != 1:
+            below = max(1, (num_frames - 1) // step * step + 1) if isinstance(num_frames, int) else 1
+            raise ConfigError(
+                key,
+                f"must be {step}k + 1 ({self.diffusers_pipeline}'s VAE keeps the first frame and folds every {step} "
+                f"after it into one latent frame), e.g. {below} or {below + step} (got {num_frames!r})",
+            )
+
     @property
     def video(self) -> bool:
         """Whether the family generates video (its pipeline takes ``num_frames`` and returns ``frames``)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, ParallelConfig, XfuseConfig, config_from_dict, parallel_config
 from xfuse.families.registry import model_spec, transformer_config
 from xfuse.perf.calibration import FITTED
@@ -53,13 +54,8 @@ def workload(config: XfuseConfig) -> Workload:
     """The request ``config`` describes (its generation section, or the defaults), at the model's shape."""
     spec, model = model_spec(config.model), transformer_config(config.model)
     gen = config.generation if config.generation is not None else GenerationConfig()
-    side = spec.default_side(model)
     cfg_batch = 2 if gen.guidance_scale > 1 and not spec.distilled_guidance else 1
-    height, width, num_frames = gen.height or side, gen.width or side, 1
-    if spec.video:  # the clip xfuse generate would make
-        from xfuse.build import default_video_size
-
-        width, height, num_frames = default_video_size(config)
+    width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
     return Workload(
         spec, model, height, width, gen.num_inference_steps, cfg_batch, frames=spec.latent_frames(num_frames)
     )

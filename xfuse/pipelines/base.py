@@ -133,8 +133,8 @@ class PipeFusionPipelineBase:
 
     def __init__(self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None):
         self.pipeline, self.context, self.dtype = pipeline, context, dtype
-        # this rank's shares of a pipeline's other transformers, loaded by ``from_pretrained`` (``_sharded_components``)
-        self.extra_stages: dict = dict(extra_stages or {})
+        if extra_stages:  # a family with several transformers (Wan 2.2's experts) takes its own before calling here
+            raise ValueError(f"{type(self).__name__} runs one transformer; the folder also has {sorted(extra_stages)}")
         self.config: XfuseConfig = context.config
         self.parallel: ParallelConfig = self.config.parallel
         self.comm: CommConfig = self.config.comm
@@ -256,6 +256,8 @@ class PipeFusionPipelineBase:
         """
         import diffusers
 
+        from xfuse.families.registry import pipeline_transformers
+
         if dtype is not None:
             if torch_dtype is not None:
                 raise ValueError("pass either dtype= or torch_dtype= (the same setting), not both")
@@ -284,7 +286,7 @@ class PipeFusionPipelineBase:
             name: cls.spec.stage_class().from_pretrained(
                 pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype, subfolder=name
             )
-            for name in cls._sharded_components(pretrained_model_name_or_path)
+            for name in pipeline_transformers(pretrained_model_name_or_path)
         }
         pipeline = diffusers_class.from_pretrained(
             pretrained_model_name_or_path,
@@ -296,11 +298,6 @@ class PipeFusionPipelineBase:
         )
         stage = stages.pop("transformer")
         return cls(pipeline, context, torch_dtype, stage, stages)
-
-    @classmethod
-    def _sharded_components(cls, folder: str) -> tuple[str, ...]:
-        """The pipeline's transformers that every rank loads its blocks of from ``folder`` (Wan 2.2: two experts)."""
-        return ("transformer",)
 
     @classmethod
     def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None):

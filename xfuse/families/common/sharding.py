@@ -123,8 +123,8 @@ class ShardedStage(nn.Module):
 
     @property
     def patch_size(self) -> int:
-        """Latent rows (and columns) per token: the engine's ``patch_size``."""
-        return self.transformer.config.patch_size
+        """Latent rows (and columns) per token: the engine's ``patch_size`` (``ModelSpec.token_patch``)."""
+        return self.spec.token_patch(self.transformer.config)
 
     @property
     def hidden_size(self) -> int:

@@ -9,8 +9,6 @@ diffusers pipeline object itself.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,12 +59,13 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         config = pipeline.config
         if config.get("expand_timesteps"):
             raise ValueError("xfuse does not run Wan pipelines with expand_timesteps (Wan 2.2 TI2V) yet")
-        second = (extra_stages or {}).get("transformer_2") or getattr(pipeline, "transformer_2", None)
+        extra_stages = dict(extra_stages or {})
+        second = extra_stages.pop("transformer_2", None) or getattr(pipeline, "transformer_2", None)
         if (second is None) != (config.get("boundary_ratio") is None):
             raise ValueError("a two-expert Wan pipeline needs both transformer_2 and boundary_ratio (got one of them)")
         if second is not None and dict(second.config) != dict((stage or pipeline.transformer).config):
             raise ValueError("xfuse splits Wan's two experts alike: transformer_2 must have transformer's config")
-        super().__init__(pipeline, context, dtype, stage, extra_stages)
+        super().__init__(pipeline, context, dtype, stage, extra_stages)  # anything left is refused there
         self.stage_2, self.engine_2 = None, None
         if second is not None:  # the low-noise expert: the same plan, its own blocks and K/V buffers
             if not isinstance(second, WanStage):  # from_pipe: the diffusers model, sharded here
@@ -74,13 +73,6 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
             self.stage_2 = second.to(context.device)
             self.engine_2 = self._engine(self.stage_2)
             pipeline.transformer_2 = None  # the stage owns what is left of it
-
-    @classmethod
-    def _sharded_components(cls, folder: str) -> tuple[str, ...]:
-        """``transformer``, and ``transformer_2`` where the folder's ``model_index.json`` names one (Wan 2.2)."""
-        with open(os.path.join(folder, "model_index.json")) as f:
-            second = json.load(f).get("transformer_2")
-        return ("transformer", "transformer_2") if second and second[0] is not None else ("transformer",)
 
     def _latents_shape(self, recipe: CallRecipe) -> tuple[int, ...]:
         """WanPipeline's latents: (B, C, latent frames, H/8, W/8)."""
@@ -126,23 +118,12 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
             callback_on_step_end_tensor_inputs,
             guidance_scale_2,
         )
-        temporal = pipe.vae_scale_factor_temporal
-        if (
-            isinstance(num_frames, bool)
-            or not isinstance(num_frames, int)
-            or num_frames < 1
-            or num_frames % temporal != 1
-        ):
-            below = max(1, (num_frames - 1) // temporal * temporal + 1) if isinstance(num_frames, int) else 1
-            raise ValueError(
-                f"num_frames must be {temporal}k + 1 (the VAE keeps the first frame and compresses every {temporal} "
-                f"after it into one latent frame), e.g. {below} or {below + temporal} (got {num_frames!r})"
-            )
+        self.spec.check_num_frames(num_frames)  # diffusers rounds it with a warning
         batch_size = self._batch_size(prompt, prompt_embeds)
         do_cfg = do_classifier_free_guidance(guidance_scale)
         layout = VideoLayout(
             self.parallel.video_patches,
-            (num_frames - 1) // temporal + 1,
+            self.spec.latent_frames(num_frames),
             height // self.spec.vae_scale_factor,
             width // self.spec.vae_scale_factor,
             self.stage.patch_size,
