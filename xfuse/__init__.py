@@ -13,5 +13,5 @@ def __getattr__(name: str):
     if name == "__all__":
         return [*PIPELINE_SPECS, "__version__"]
     if name in PIPELINE_SPECS:
-        return PIPELINE_SPECS[name].pipeline_class()
+        return PIPELINE_SPECS[name].pipeline_class_named(name)
     raise AttributeError(f"module 'xfuse' has no attribute {name!r}")

@@ -35,15 +35,19 @@ def test_mirrored_signature_is_unchanged(name):
     )
 
 
-@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
-def test_each_pipeline_takes_exactly_its_diffusers_pipelines_arguments(spec):
+# Every xfuse pipeline class: (its family, its diffusers pipeline's name), the family's own and its other tasks'.
+PIPELINES = [(spec, name) for spec in FAMILIES for name in (spec.diffusers_pipeline, *spec.other_pipelines)]
+
+
+@pytest.mark.parametrize("spec,name", PIPELINES, ids=[name for _, name in PIPELINES])
+def test_each_pipeline_takes_exactly_its_diffusers_pipelines_arguments(spec, name):
     """Same names, order and defaults as diffusers' ``__call__``: a diffusers script runs unchanged (what xfuse cannot
     honour it refuses by name at call time)."""
     import diffusers
 
-    ours = spec.pipeline_class().__call__
-    theirs = getattr(diffusers, spec.diffusers_pipeline).__call__
-    assert mirrors.parameters(ours) == mirrors.parameters(theirs)
+    ours = spec.pipeline_class_named(f"PipeFusion{name}")
+    assert ours.diffusers_name() == name
+    assert mirrors.parameters(ours.__call__) == mirrors.parameters(getattr(diffusers, name).__call__)
 
 
 @pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
@@ -55,8 +59,11 @@ def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
 
     cls = spec.pipeline_class()
     assert cls.__name__ == spec.pipeline_name == f"PipeFusion{spec.diffusers_pipeline}"
-    assert getattr(xfuse, spec.pipeline_name) is cls and getattr(xfuse.pipelines, spec.pipeline_name) is cls
-    assert spec.pipeline_name in xfuse.__all__ and spec.pipeline_name in xfuse.pipelines.__all__
+    for name in spec.pipeline_names:  # the family's own pipeline, then its other tasks' (Wan: image-to-video)
+        cls = spec.pipeline_class_named(name)
+        assert cls.__name__ == name
+        assert getattr(xfuse, name) is cls and getattr(xfuse.pipelines, name) is cls
+        assert name in xfuse.__all__ and name in xfuse.pipelines.__all__
 
 
 @pytest.mark.parametrize(

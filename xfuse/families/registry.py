@@ -39,8 +39,11 @@ def _lookups(families: tuple[ModelSpec, ...]) -> tuple[dict[str, ModelSpec], ...
     return (
         _by_name("family name", ((spec.name, spec) for spec in families)),
         _by_name("preset", ((preset, spec) for spec in families for preset in spec.presets)),
-        _by_name("diffusers pipeline", ((spec.diffusers_pipeline, spec) for spec in families)),
-        _by_name("xfuse pipeline", ((spec.pipeline_name, spec) for spec in families)),
+        _by_name(
+            "diffusers pipeline",
+            ((name, spec) for spec in families for name in (spec.diffusers_pipeline, *spec.other_pipelines)),
+        ),
+        _by_name("xfuse pipeline", ((name, spec) for spec in families for name in spec.pipeline_names)),
     )
 
 
@@ -58,6 +61,13 @@ def resolve_model(model: str) -> str:
 
 
 def model_spec(model: str) -> ModelSpec:
+    """The spec of ``model``: its family's, with its own VAE's spatial factor where the family reads it from the VAE
+    (Wan 2.2 TI2V-5B's VAE: 16 px, see ``ModelSpec.for_vae``)."""
+    family = _family(model)
+    return family if family.vae_factor_key is None else family.for_vae(vae_config(model))
+
+
+def _family(model: str) -> ModelSpec:
     """The family of ``model``: a preset name, or a local diffusers folder (from its ``model_index.json``)."""
     if model in PRESET_MODELS:
         return PRESET_MODELS[model]
@@ -83,7 +93,7 @@ def model_spec(model: str) -> ModelSpec:
 
 def transformer_config(model: str) -> dict:
     """The transformer config of ``model`` without loading weights (a preset name or a local folder)."""
-    spec = model_spec(model)
+    spec = _family(model)
     if model in PRESET_MODELS:
         return spec.preset_transformer_config(model)
     model = resolve_model(model)
@@ -108,7 +118,7 @@ def vae_config(model: str) -> dict | None:
     """The VAE config of ``model`` without loading weights: a folder's ``vae/config.json`` (``None`` when it has
     none), or a preset's tiny VAE (``xfuse.families.common.presets.tiny_vae_config``; its latent scale left out; a
     video family's presets: their own)."""
-    spec = model_spec(model)
+    spec = _family(model)
     if model in PRESET_MODELS and spec.video:  # a video VAE (AutoencoderKLWan), described by its family
         return spec.preset_builders().preset_vae_config(model)
     if model in PRESET_MODELS:
@@ -138,7 +148,7 @@ def transformer_count(model: str) -> int:
     """Transformers of ``model``'s pipeline that every rank keeps its blocks of: 2 for a two-expert pipeline (a
     folder's ``pipeline_transformers``, or a preset built with one: Wan 2.2 A14B), else 1."""
     if model in PRESET_MODELS:
-        preset = getattr(model_spec(model).preset_builders(), "PRESETS", {}).get(model, {})
+        preset = getattr(_family(model).preset_builders(), "PRESETS", {}).get(model, {})
         return 2 if preset.get("boundary_ratio") is not None else 1
     return len(pipeline_transformers(resolve_model(model)))
 
@@ -150,7 +160,7 @@ def model_is_preset(model: str) -> bool:
 
 def load_pipeline(model: str, torch_dtype=None):
     """The family's diffusers pipeline on CPU: built from a preset, or loaded from a local folder."""
-    spec = model_spec(model)
+    spec = _family(model)
     if model in PRESET_MODELS:
         import torch
 

@@ -11,8 +11,9 @@ layer never see a spec.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -73,6 +74,13 @@ class ModelSpec:
         native_width: pixels of the pipeline's default width where it is not its default height (Wan: 832).
         token_patch: ``transformer config -> `` latent rows (and columns) per token, the engine's patch size
             (Wan's ``patch_size`` is (1, p, p): p).
+        other_pipelines: diffusers pipelines of the family's other tasks on the same transformers, which xfuse also
+            runs (Wan: ``WanImageToVideoPipeline``); their xfuse classes (``PipeFusion`` + the name) are in the module
+            of ``pipeline_class``'s class.
+        vae_factor_key: the VAE config's field holding its spatial factor, for a family whose releases use VAEs of
+            different factors (``AutoencoderKLWan``'s ``scale_factor_spatial``: 8 for Wan 2.1's VAE, 16 for Wan
+            2.2's, as ``WanPipeline`` reads it); ``vae_scale_factor`` is then the factor of a pipeline without a VAE.
+            ``for_vae`` gives the spec of one model.
     """
 
     name: str
@@ -99,11 +107,31 @@ class ModelSpec:
     native_frames: int = 1
     native_width: int | None = None
     token_patch: Callable[[dict], int] = lambda config: config["patch_size"]
+    vae_factor_key: str | None = None
+    other_pipelines: tuple[str, ...] = ()
 
     @property
     def pipeline_name(self) -> str:
         """The xfuse class's name: ``PipeFusion`` + diffusers' pipeline name (``from xfuse import <it>``)."""
         return f"PipeFusion{self.diffusers_pipeline}"
+
+    @property
+    def pipeline_names(self) -> tuple[str, ...]:
+        """The xfuse classes of this family (``from xfuse import <name>``): its pipeline's, then the others'."""
+        return (self.pipeline_name, *(f"PipeFusion{name}" for name in self.other_pipelines))
+
+    def pipeline_class_named(self, name: str) -> type:
+        """The xfuse class ``name`` (one of ``pipeline_names``), importing the family's pipeline module."""
+        main = self.pipeline_class()
+        return main if name == self.pipeline_name else getattr(sys.modules[main.__module__], name)
+
+    def for_vae(self, vae_config: dict | None) -> ModelSpec:
+        """This spec for a model whose VAE has ``vae_config`` (``None``: no VAE): the same spec, or one with the
+        VAE's own spatial factor where the family reads it from the VAE (``vae_factor_key``)."""
+        factor = None if vae_config is None or self.vae_factor_key is None else vae_config.get(self.vae_factor_key)
+        if factor is None or factor == self.vae_scale_factor:
+            return self
+        return replace(self, vae_scale_factor=int(factor))
 
     @property
     def latent_scale(self) -> int:

@@ -47,7 +47,8 @@ class DenoiseRequest:
         timesteps: the scheduler's timesteps after ``set_timesteps``.
         scheduler: this rank's scheduler (a diffusers ``SchedulerMixin``), after ``set_timesteps``.
         conditioning: ``conditioning(step_index, t) -> cond`` for this rank's stage.
-        model_input: latent rows (B, C, h, W) -> transformer input rows (e.g. doubled for CFG).
+        model_input: ``model_input(rows, where)``: latent rows (B, C, h, W), the rows ``where`` of the latent ->
+            transformer input rows (e.g. doubled for CFG; an image-to-video's conditioning frame put in).
         guide: ``guide(output_rows, step, patch)`` -> noise prediction rows (B, C, h, W) (drops learned sigma,
             applies CFG; ``patch`` is None for a whole-image step).
         extra_step_kwargs: keyword arguments of ``scheduler.step`` (``eta``, ``generator``).
@@ -69,7 +70,7 @@ class DenoiseRequest:
     timesteps: torch.Tensor
     scheduler: Any
     conditioning: Callable[[int, torch.Tensor], Any]
-    model_input: Callable[[torch.Tensor], torch.Tensor]
+    model_input: Callable[[torch.Tensor, slice], torch.Tensor]
     guide: Callable[[torch.Tensor, int, int | None], torch.Tensor]
     model_batch: int
     extra_step_kwargs: dict = field(default_factory=dict)
@@ -391,10 +392,10 @@ class _Run:
         after the first: ``None``, it takes its rows of the input the first part built)."""
         if task.part is None:
             assert rows is not None
-            return self.request.model_input(rows)  # (B, C, h, W) -> (B_model, C, h, W)
+            return self.request.model_input(rows, self._rows(task.patch))  # (B, C, h, W) -> (B_model, C, h, W)
         if task.part == 0:
             assert rows is not None
-            self.part_input = self.request.model_input(rows)
+            self.part_input = self.request.model_input(rows, self._rows(task.patch))
         assert self.part_input is not None  # built by part 0, which runs first
         part_rows = self.part_input[self._part(task.part).rows]  # (B_model, ...) -> (part rows, ...)
         if self.schedule.is_last_part(task):

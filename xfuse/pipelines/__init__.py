@@ -18,5 +18,5 @@ def __getattr__(name: str):
     if name == "__all__":
         return sorted([*PIPELINE_SPECS, "PipeFusionPipelineBase"])
     if name in PIPELINE_SPECS:
-        return PIPELINE_SPECS[name].pipeline_class()
+        return PIPELINE_SPECS[name].pipeline_class_named(name)
     raise AttributeError(f"module 'xfuse.pipelines' has no attribute {name!r}")

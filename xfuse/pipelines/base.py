@@ -128,11 +128,24 @@ class PipeFusionPipelineBase:
         parallel, comm: its sections. context: this rank's place in the world. dtype: the transformer's dtype.
     """
 
-    spec: ClassVar[ModelSpec]
+    spec: ModelSpec  # the family's (a class attribute), made the model's own in __init__ (``ModelSpec.for_vae``)
     rank0_components: ClassVar[tuple[str, ...]]
+    diffusers_pipeline: ClassVar[str | None] = None  # see diffusers_name
 
-    def __init__(self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None):
+    @classmethod
+    def diffusers_name(cls) -> str:
+        """The diffusers pipeline class whose arguments this one takes: the family's (``spec.diffusers_pipeline``),
+        or another of its pipelines on the same transformer (``WanImageToVideoPipeline``)."""
+        return cls.diffusers_pipeline or cls.spec.diffusers_pipeline
+
+    def __init__(
+        self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None, vae_config=None
+    ):
         self.pipeline, self.context, self.dtype = pipeline, context, dtype
+        # The model's own VAE factor where the family reads it from the VAE (Wan 2.2's 16 px). Ranks that did not
+        # load the VAE have its config from the folder (``vae_config``).
+        vae = getattr(pipeline, "vae", None)
+        self.spec = self.spec.for_vae(dict(vae.config) if vae is not None else vae_config)
         if extra_stages:  # a family with several transformers (Wan 2.2's experts) takes its own before calling here
             raise ValueError(f"{type(self).__name__} runs one transformer; the folder also has {sorted(extra_stages)}")
         self.config: XfuseConfig = context.config
@@ -147,6 +160,7 @@ class PipeFusionPipelineBase:
                 "model.family": self.spec.name,
                 "model.config_hash": config_hash(dict(config)),
                 "model.dtype": str(dtype),
+                "model.vae_scale_factor": str(self.spec.vae_scale_factor),
                 "model.scheduler": type(pipeline.scheduler).__name__,
                 "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route),
             },
@@ -256,7 +270,7 @@ class PipeFusionPipelineBase:
         """
         import diffusers
 
-        from xfuse.families.registry import pipeline_transformers
+        from xfuse.families.registry import pipeline_transformers, vae_config
 
         if dtype is not None:
             if torch_dtype is not None:
@@ -275,7 +289,7 @@ class PipeFusionPipelineBase:
             diffusers.utils.logging.disable_progress_bar()
             transformers.utils.logging.disable_progress_bar()
         skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
-        diffusers_class = getattr(diffusers, cls.spec.diffusers_pipeline)
+        diffusers_class = getattr(diffusers, cls.diffusers_name())
         model_class = getattr(diffusers, cls.spec.diffusers_transformer)
         transformer = model_class.load_config(
             pretrained_model_name_or_path, subfolder="transformer", local_files_only=True
@@ -297,7 +311,7 @@ class PipeFusionPipelineBase:
             **kwargs,
         )
         stage = stages.pop("transformer")
-        return cls(pipeline, context, torch_dtype, stage, stages)
+        return cls(pipeline, context, torch_dtype, stage, stages, vae_config(pretrained_model_name_or_path))
 
     @classmethod
     def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None):
@@ -307,13 +321,13 @@ class PipeFusionPipelineBase:
         be the pipeline's). The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and
         ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline`` itself afterwards.
         """
-        if type(pipeline).__name__ != cls.spec.diffusers_pipeline:
-            raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.spec.diffusers_pipeline} (got {type(pipeline)})")
+        if type(pipeline).__name__ != cls.diffusers_name():
+            raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.diffusers_name()} (got {type(pipeline)})")
         dtype = pipeline.transformer.dtype
         if config is not None and device is not None:
             raise ValueError("pass either config= or device=, not both")
         # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
-        source = pipeline.config.get("_name_or_path") or cls.spec.diffusers_pipeline
+        source = pipeline.config.get("_name_or_path") or cls.diffusers_name()
         config = _one_config(config, source, parallel, comm, lambda: _runtime(dtype, device))
         if config.runtime.torch_dtype() != dtype:
             raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")

@@ -17,7 +17,7 @@ def cfg_batch(latents: torch.Tensor, guidance_scale: float, cfg_half=None):
     runs batched on this rank, once without CFG or with CFG parallelism (each group runs its half)."""
     copies = 2 if do_classifier_free_guidance(guidance_scale) and cfg_half is None else 1
 
-    def model_input(rows: torch.Tensor) -> torch.Tensor:
+    def model_input(rows: torch.Tensor, where: slice = slice(None)) -> torch.Tensor:
         return torch.cat([rows] * copies) if copies > 1 else rows  # (B, C, h, W) -> (copies*B, C, h, W)
 
     return latents.shape[0] * copies, model_input

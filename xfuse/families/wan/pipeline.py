@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
 from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.wan.spec import WAN
-from xfuse.families.wan.stage import WanStage, denoise_request
+from xfuse.families.wan.stage import FirstFrame, WanStage, denoise_request
 from xfuse.parallel.engine import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
@@ -43,7 +44,11 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
     frame (`spatial`). Classifier-free guidance runs the negative and the positive prompt as one transformer batch
     [negative, positive] (diffusers makes two calls: per sample the same computation), which `parallel.cfg_degree: 2`
     splits. diffusers rounds a `num_frames` that is not 4k + 1 with a warning; xfuse refuses it. Refused by name:
-    `attention_kwargs`, and `expand_timesteps` folders (Wan 2.2 TI2V).
+    `attention_kwargs`.
+
+    Wan 2.2 TI2V-5B (`expand_timesteps`, its VAE 16 px per latent pixel with 48 channels): diffusers gives every token
+    the step's timestep (its mask is all ones in text-to-video), which is per sample the same modulation as one
+    timestep, so the engine embeds it once per step.
 
     Wan 2.2's two experts (`transformer_2` with the pipeline's `boundary_ratio`, A14B): every rank holds its blocks of
     both (the same split), the high-noise expert denoises the steps whose timestep is at least the boundary and the
@@ -55,17 +60,17 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
     spec = WAN
     rank0_components = ("tokenizer", "text_encoder", "vae")
 
-    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None):
+    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
         config = pipeline.config
-        if config.get("expand_timesteps"):
-            raise ValueError("xfuse does not run Wan pipelines with expand_timesteps (Wan 2.2 TI2V) yet")
         extra_stages = dict(extra_stages or {})
         second = extra_stages.pop("transformer_2", None) or getattr(pipeline, "transformer_2", None)
         if (second is None) != (config.get("boundary_ratio") is None):
             raise ValueError("a two-expert Wan pipeline needs both transformer_2 and boundary_ratio (got one of them)")
         if second is not None and dict(second.config) != dict((stage or pipeline.transformer).config):
             raise ValueError("xfuse splits Wan's two experts alike: transformer_2 must have transformer's config")
-        super().__init__(pipeline, context, dtype, stage, extra_stages)  # anything left is refused there
+        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)  # anything left is refused there
+        # diffusers takes 8 where the pipeline has no VAE (ranks other than 0): every rank draws the model's latents.
+        pipeline.vae_scale_factor_spatial = self.spec.vae_scale_factor
         self.stage_2, self.engine_2 = None, None
         if second is not None:  # the low-noise expert: the same plan, its own blocks and K/V buffers
             if not isinstance(second, WanStage):  # from_pipe: the diffusers model, sharded here
@@ -75,7 +80,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
             pipeline.transformer_2 = None  # the stage owns what is left of it
 
     def _latents_shape(self, recipe: CallRecipe) -> tuple[int, ...]:
-        """WanPipeline's latents: (B, C, latent frames, H/8, W/8)."""
+        """WanPipeline's latents: (B, C, latent frames, H / VAE factor, W / VAE factor)."""
         vae, batch = self.spec.vae_scale_factor, recipe.batch_size * recipe.num_images_per_prompt
         shape = (batch, self.stage.config.in_channels, recipe.latent_frames, recipe.height // vae, recipe.width // vae)
         return shape
@@ -103,12 +108,11 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
         max_sequence_length: int = WAN.text_lengths[0],
     ):
-        pipe, device = self.pipeline, self.context.device
         callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
         )
         self._refuse(attention_kwargs=(attention_kwargs, None, "its processors take no extra arguments"))
-        pipe.check_inputs(
+        self.pipeline.check_inputs(
             prompt,
             negative_prompt,
             height,
@@ -118,6 +122,53 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
             callback_on_step_end_tensor_inputs,
             guidance_scale_2,
         )
+        return self._generate(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            num_videos_per_prompt=num_videos_per_prompt,
+            generator=generator,
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            output_type=output_type,
+            return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            max_sequence_length=max_sequence_length,
+        )
+
+    def _generate(
+        self,
+        *,
+        prompt,
+        negative_prompt,
+        height: int,
+        width: int,
+        num_frames: int,
+        num_inference_steps: int,
+        guidance_scale: float,
+        guidance_scale_2: float | None,
+        num_videos_per_prompt: int,
+        generator,
+        latents: torch.Tensor | None,
+        prompt_embeds: torch.Tensor | None,
+        negative_prompt_embeds: torch.Tensor | None,
+        output_type: str,
+        return_dict: bool,
+        callback_on_step_end,
+        callback_on_step_end_tensor_inputs: list[str],
+        max_sequence_length: int,
+        image=None,
+    ):
+        """Steps 2-7 of ``WanPipeline.__call__`` (and of ``WanImageToVideoPipeline.__call__`` with ``image``), after
+        the call's own checks."""
+        pipe, device = self.pipeline, self.context.device
         self.spec.check_num_frames(num_frames)  # diffusers rounds it with a warning
         batch_size = self._batch_size(prompt, prompt_embeds)
         do_cfg = do_classifier_free_guidance(guidance_scale)
@@ -141,7 +192,11 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 device=device,
             )
             text = {"prompt_embeds": positive} | ({"negative_prompt_embeds": negative} if do_cfg else {})
-            return {k: v.to(self.dtype) for k, v in text.items()}
+            text = {k: v.to(self.dtype) for k, v in text.items()}
+            if image is not None:  # float32, as WanImageToVideoPipeline keeps them
+                batch = batch_size * num_videos_per_prompt
+                text["image_latents"] = self._image_latents(image, batch, height, width, num_frames, generator)
+            return text
 
         def set_timesteps() -> torch.Tensor:
             pipe.scheduler.set_timesteps(num_inference_steps, device=device)
@@ -151,12 +206,17 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         def prepare_latents(generator) -> torch.Tensor:
             batch = batch_size * num_videos_per_prompt
             channels = self.stage.config.in_channels
-            # WanPipeline keeps its latents in float32 whatever the transformer's dtype.
-            return pipe.prepare_latents(
-                batch, channels, height, width, num_frames, torch.float32, device, generator, latents
+            # WanPipeline keeps its latents in float32 whatever the transformer's dtype. WanImageToVideoPipeline's
+            # prepare_latents draws them alike before it encodes the image (the image is encoded on rank 0 only).
+            return WanPipeline.prepare_latents(
+                pipe, batch, channels, height, width, num_frames, torch.float32, device, generator, latents
             )
 
+        first_frame: list[FirstFrame] = []  # image-to-video: the image's latents in the engine's layout
+
         def request(text, video_latents, timesteps, generator):
+            if image is not None:
+                first_frame.append(FirstFrame(text["image_latents"], video_latents, layout, self.stage.patch_size))
             keys = ("negative_prompt_embeds", "prompt_embeds") if do_cfg else ("prompt_embeds",)
             batched = {"prompt_embeds": torch.cat([text[k] for k in keys])}  # [negative, positive]
             model_text, cfg_half = self._cfg_split(batched, video_latents.shape[0])
@@ -187,6 +247,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                     cfg_half=cfg_half,
                     generator=generator,
                     on_step_end=callback,
+                    first_frame=first_frame[0] if first_frame else None,
                 )
 
             steps = len(timesteps)
@@ -224,7 +285,9 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 timesteps=set_timesteps,
                 prepare_latents=prepare_latents,
                 request=request,
-                decode=lambda final: self._decode(layout.from_grid(final), output_type, return_dict),
+                decode=lambda final: self._decode(
+                    layout.from_grid(first_frame[0].final(final) if first_frame else final), output_type, return_dict
+                ),
                 latent_frames=layout.frames,
             )
         )
@@ -261,3 +324,112 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         if not return_dict:
             return (video,)
         return WanPipelineOutput(frames=video)
+
+
+class PipeFusionWanImageToVideoPipeline(PipeFusionWanPipeline):
+    r"""
+    Image-to-video with Wan 2.2 TI2V-5B on ``cfg_degree x pipefusion_degree`` ranks (each stage optionally a
+    Ulysses/Ring group), called with the arguments of diffusers' [`~diffusers.WanImageToVideoPipeline.__call__`] and
+    loaded from the same folder as text-to-video (one transformer serves both); global rank 0 returns
+    `WanPipelineOutput(frames=...)`, the others `None`. Rules: [`~xfuse.pipelines.base.PipeFusionPipelineBase`] and
+    [`PipeFusionWanPipeline`].
+
+    The image is encoded by the VAE on rank 0 and broadcast with the prompt. As in diffusers (`expand_timesteps`), its
+    latents are the first latent frame of every transformer input and that frame's tokens have timestep 0: a patch
+    whose tokens have both timesteps gets per-token modulation, the others one per sample; the clip returned starts
+    with the image's frame. Refused by name: `image_embeds` and `last_image` (Wan 2.1's image-to-video transformers,
+    with an image context, are not supported; diffusers ignores `last_image` for TI2V), and folders without
+    `expand_timesteps`.
+    """
+
+    diffusers_pipeline = "WanImageToVideoPipeline"
+    rank0_components = ("tokenizer", "text_encoder", "vae", "image_encoder", "image_processor")
+
+    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
+        if not pipeline.config.get("expand_timesteps"):
+            raise ValueError(
+                "xfuse runs image-to-video with Wan 2.2 TI2V folders (expand_timesteps: the image is the first latent "
+                "frame); Wan 2.1 and A14B image-to-video transformers (an image context, or the image concatenated "
+                "to the latents) are not supported"
+            )
+        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        image,
+        prompt: str | list[str] = None,
+        negative_prompt: str | list[str] = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        guidance_scale_2: float | None = None,
+        num_videos_per_prompt: int | None = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        last_image: torch.Tensor | None = None,
+        output_type: str | None = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
+        max_sequence_length: int = WAN.text_lengths[0],
+    ):
+        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+            callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
+        self._refuse(
+            attention_kwargs=(attention_kwargs, None, "its processors take no extra arguments"),
+            image_embeds=(image_embeds, None, "it is the image context of Wan 2.1's image-to-video transformers"),
+            last_image=(last_image, None, "Wan 2.2 TI2V conditions on the first frame only (diffusers ignores it)"),
+        )
+        self.pipeline.check_inputs(
+            prompt,
+            negative_prompt,
+            image,
+            height,
+            width,
+            prompt_embeds,
+            negative_prompt_embeds,
+            image_embeds,
+            callback_on_step_end_tensor_inputs,
+            guidance_scale_2,
+        )
+        return self._generate(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            num_videos_per_prompt=num_videos_per_prompt,
+            generator=generator,
+            latents=latents,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            output_type=output_type,
+            return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            max_sequence_length=max_sequence_length,
+            image=image,
+        )
+
+    def _image_latents(self, image, batch: int, height: int, width: int, num_frames: int, generator) -> torch.Tensor:
+        """Rank 0: the image's normalised latents (batch, C, 1, H, W), by ``WanImageToVideoPipeline``'s own
+        ``video_processor.preprocess`` and ``prepare_latents`` (given latents, it draws none: every rank draws them
+        in ``prepare_latents``, as diffusers does before it encodes the image)."""
+        pipe, device = self.pipeline, self.context.device
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, dtype=torch.float32)
+        shape = (batch, self.stage.config.in_channels, self.spec.latent_frames(num_frames), 1, 1)  # any: unused
+        _, image_latents, _ = pipe.prepare_latents(
+            pixels, batch, shape[1], height, width, num_frames, torch.float32, device, generator, torch.empty(shape)
+        )
+        return image_latents

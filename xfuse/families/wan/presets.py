@@ -50,8 +50,22 @@ _WAN_LATENTS_STD = (
     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
 )  # fmt: skip
 
+# The released Wan 2.2 VAE's (TI2V-5B's: 48 latent channels) statistics, as diffusers' conversion script writes them.
+_WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+    0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+    -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)  # fmt: skip
+_WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)  # fmt: skip
+
 # Keys of a preset that are not ``WanTransformer3DModel`` arguments.
-_NON_TRANSFORMER_KEYS = frozenset({"default_size", "boundary_ratio", "flow_shift"})
+_NON_TRANSFORMER_KEYS = frozenset({"default_size", "boundary_ratio", "flow_shift", "expand_timesteps"})
 
 # Every Wan 2.1 text-to-video transformer shares these (diffusers' conversion configs for T2V-1.3B and T2V-14B; an
 # image-to-video transformer would add ``image_dim`` / ``added_kv_proj_dim``).
@@ -121,6 +135,24 @@ _TWO_EXPERTS = {"boundary_ratio": 0.875, "flow_shift": 12.0}
 PRESETS["wan2.2-t2v-a14b"] = {**PRESETS["wan2.1-t2v-14b"], **_TWO_EXPERTS}
 PRESETS["wan2.2-tiny"] = {**PRESETS["wan-tiny"], **_TWO_EXPERTS}
 
+# Wan 2.2 TI2V-5B: one transformer of 30 blocks of 24 heads x 128 (width 3072) on the Wan 2.2 VAE's 48 latent
+# channels (16 px per latent pixel, so a token is 32 x 32 px), every token with its own timestep
+# (``expand_timesteps``; image-to-video gives the first latent frame's tokens timestep 0); the release's shift 5 and
+# 1280 x 704 px, 121 frames (24 fps). Tests: wan-tiny's blocks on 8 latent channels, a 128 x 224 px, 9-frame clip (3
+# latent frames of 4 x 7 tokens).
+_TI2V = {"expand_timesteps": True, "flow_shift": 5.0}
+PRESETS["wan2.2-ti2v-5b"] = {
+    "num_layers": 30,
+    "num_attention_heads": 24,
+    "attention_head_dim": 128,
+    "in_channels": 48,
+    "text_dim": 4096,
+    "ffn_dim": 14336,
+    "default_size": (704, 1280, 121),
+    **_TI2V,
+}
+PRESETS["wan2.2-ti2v-tiny"] = {**PRESETS["wan-tiny"], "in_channels": 8, **_TI2V}
+
 # Default video size of each preset: (height, width, num_frames) (not in the transformer config: Wan has no
 # sample_size).
 DEFAULT_SIZE: dict[str, tuple[int, int, int]] = {name: preset["default_size"] for name, preset in PRESETS.items()}
@@ -137,15 +169,19 @@ def preset_transformer_config(preset: str = "wan-tiny") -> dict[str, Any]:
 
 def preset_vae_config(preset: str = "wan-tiny") -> dict[str, Any]:
     """The ``AutoencoderKLWan`` config of a preset's VAE (``_class_name`` included, as its ``config.json`` has it)."""
-    return {"_class_name": "AutoencoderKLWan", **_vae_config(preset_transformer_config(preset)["in_channels"])}
+    return {"_class_name": "AutoencoderKLWan", **_vae_config(preset)}
 
 
-def _vae_config(z_dim: int) -> dict[str, Any]:
+def _vae_config(preset: str) -> dict[str, Any]:
     # The release's layout (four levels: 8x spatial, 4x temporal compression; no attention outside the mid blocks) at
     # a 24th of its width (base_dim 4 instead of 96) and one residual block per level instead of two. Wan's VAE
     # decodes latent frame by frame through full-resolution causal 3D convolutions, so even this one costs seconds on
-    # CPU at wan-small's default size (base_dim 8 would double it).
-    return {
+    # CPU at wan-small's default size (base_dim 8 would double it). Wan 2.2's (the TI2V presets'): the same levels
+    # with residual shortcuts on 2 x 2 patches of the frames (12 channels in and out), so 16 px per latent pixel.
+    z_dim = preset_transformer_config(preset)["in_channels"]
+    wan22 = PRESETS[preset].get("expand_timesteps", False)
+    mean, std = (_WAN22_LATENTS_MEAN, _WAN22_LATENTS_STD) if wan22 else (_WAN_LATENTS_MEAN, _WAN_LATENTS_STD)
+    config = {
         "base_dim": 4,
         "z_dim": z_dim,
         "dim_mult": [1, 2, 4, 4],
@@ -153,11 +189,15 @@ def _vae_config(z_dim: int) -> dict[str, Any]:
         "attn_scales": [],
         "temperal_downsample": [False, True, True],
         "dropout": 0.0,
-        "latents_mean": list(_WAN_LATENTS_MEAN[:z_dim]),
-        "latents_std": list(_WAN_LATENTS_STD[:z_dim]),
+        "latents_mean": list(mean[:z_dim]),
+        "latents_std": list(std[:z_dim]),
         "scale_factor_temporal": 4,
         "scale_factor_spatial": 8,
     }
+    if wan22:
+        config |= {"is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2}
+        config |= {"scale_factor_spatial": 16}
+    return config
 
 
 def _build_scheduler(flow_shift: float = 3.0):
@@ -186,13 +226,14 @@ def build_preset_pipeline(preset: str = "wan-tiny", seed: int = 0):
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
     text_encoder = t5_encoder(config["text_dim"], len(vocab), seed, "text_encoder", umt5=True)
     with seeded(seed, "vae"):
-        vae = AutoencoderKLWan(**_vae_config(config["in_channels"])).eval()
+        vae = AutoencoderKLWan(**_vae_config(preset)).eval()
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
         scheduler=_build_scheduler(PRESETS[preset].get("flow_shift", 3.0)),
         transformer=transformer,
+        expand_timesteps=PRESETS[preset].get("expand_timesteps", False),
         **experts,
     )
 

@@ -43,8 +43,19 @@ WAN = ModelSpec(
     pipeline_class=_pipeline_class,
     stage_class=_stage_class,
     preset_builders=_preset_builders,
-    presets=("wan-tiny", "wan-small", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-tiny", "wan2.2-t2v-a14b"),
+    presets=(
+        "wan-tiny",
+        "wan-small",
+        "wan2.1-t2v-1.3b",
+        "wan2.1-t2v-14b",
+        "wan2.2-tiny",
+        "wan2.2-t2v-a14b",
+        "wan2.2-ti2v-tiny",
+        "wan2.2-ti2v-5b",
+    ),
     vae_scale_factor=8,  # AutoencoderKLWan (Wan 2.1): 8 px per latent row and column, 4 frames per latent frame
+    other_pipelines=("WanImageToVideoPipeline",),  # Wan 2.2 TI2V-5B: one transformer for both
+    vae_factor_key="scale_factor_spatial",  # Wan 2.2's VAE (TI2V-5B): 16 px; WanPipeline reads it from the VAE
     vae_temporal_factor=4,
     native_frames=81,  # WanPipeline's default num_frames
     token_patch=lambda config: config["patch_size"][1],  # (1, p, p): one latent frame by p x p

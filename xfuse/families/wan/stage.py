@@ -35,16 +35,32 @@ RoPE = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class WanConditioning:
-    """What every block of one denoising step needs besides the hidden states."""
+    """What every block of one denoising step needs besides the hidden states.
 
-    timestep_proj: torch.Tensor  # (B, 6, hidden): the step's AdaLN input of every block
-    temb: torch.Tensor  # (B, hidden): the output layer's
+    With per-token timesteps (Wan 2.2 TI2V's image-to-video: the conditioning frame's tokens at timestep 0), the
+    step's U distinct timesteps are embedded once each and ``token_timesteps`` says which one each token has; a pass
+    gets per-token modulation only where its tokens differ (``modulation``)."""
+
+    timestep_proj: torch.Tensor  # (B, 6, hidden): the step's AdaLN input of every block; (B, U, 6, hidden) per token
+    temb: torch.Tensor  # (B, hidden): the output layer's; (B, U, hidden) per token
     text: torch.Tensor  # (B, S_text, hidden): projected UMT5 states, constant for the request
     rope: RoPE  # the whole clip's table in the layout's token order
+    token_timesteps: torch.Tensor | None = None  # (tokens,) index into U, in the layout's token order; None: one
     part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
 
     STEP_FIELDS: ClassVar = ("timestep_proj", "temb")  # batch-indexed tensors (see batch_part)
     REQUEST_FIELDS: ClassVar = ("text",)
+
+    def modulation(self, tokens: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(timestep_proj, temb)`` for the clip's tokens ``tokens``: (B, 6, D) and (B, D) where they share one
+        timestep, else per token, (B, n, 6, D) and (B, n, D), the shapes ``WanTransformerBlock`` and the output layer
+        take for Wan 2.2 TI2V (elementwise the same numbers either way)."""
+        if self.token_timesteps is None:
+            return self.timestep_proj, self.temb
+        index = self.token_timesteps[tokens]  # (n,)
+        if bool((index == index[0]).all()):
+            return self.timestep_proj[:, index[0]], self.temb[:, index[0]]
+        return self.timestep_proj[:, index], self.temb[:, index]
 
 
 def _heads(attn: WanAttention, x: torch.Tensor, proj, norm) -> torch.Tensor:
@@ -153,18 +169,23 @@ class WanStage(ShardedStage):
         ``diffusers.models.transformers.transformer_wan.WanTimeTextImageEmbedding.forward``."""
         return self.transformer.condition_embedder.text_embedder(prompt_embeds)
 
-    def conditioning(self, timestep: torch.Tensor, text: torch.Tensor, rope: RoPE) -> WanConditioning:
-        """Per-step conditioning from the (B,) timestep; mirrors the timestep half of
-        ``diffusers.models.transformers.transformer_wan.WanTimeTextImageEmbedding.forward`` and the
-        ``timestep_proj.unflatten`` of ``WanTransformer3DModel.forward``."""
+    def conditioning(
+        self, timestep: torch.Tensor, text: torch.Tensor, rope: RoPE, token_timesteps: torch.Tensor | None = None
+    ) -> WanConditioning:
+        """Per-step conditioning from the (B,) timestep, or (B, U) distinct timesteps that ``token_timesteps``
+        (tokens,) index; mirrors the timestep half of
+        ``diffusers.models.transformers.transformer_wan.WanTimeTextImageEmbedding.forward`` (with
+        ``timestep_seq_len``) and the ``timestep_proj.unflatten`` of ``WanTransformer3DModel.forward``."""
         embedder = self.transformer.condition_embedder
-        freqs = embedder.timesteps_proj(timestep)  # (B, freq_dim)
+        freqs = embedder.timesteps_proj(timestep.flatten())  # (B * U, freq_dim)
         dtype = next(iter(embedder.time_embedder.parameters())).dtype
         if freqs.dtype != dtype and dtype != torch.int8:
             freqs = freqs.to(dtype)
-        temb = embedder.time_embedder(freqs).type_as(text)  # (B, hidden)
-        timestep_proj = embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))  # (B, 6*D) -> (B, 6, D)
-        return WanConditioning(timestep_proj, temb, text, rope)
+        temb = embedder.time_embedder(freqs).type_as(text)  # (B * U, hidden)
+        timestep_proj = embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))  # (B*U, 6*D) -> (B*U, 6, D)
+        if timestep.ndim == 2:  # (B * U, ...) -> (B, U, ...)
+            temb, timestep_proj = temb.unflatten(0, timestep.shape), timestep_proj.unflatten(0, timestep.shape)
+        return WanConditioning(timestep_proj, temb, text, rope, token_timesteps)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
         """(B, C, rows, W) rows of the stacked frames -> (B, band tokens, hidden): Wan's ``patch_embedding`` (a Conv3d
@@ -188,8 +209,9 @@ class WanStage(ShardedStage):
         cos, sin = cond.rope
         tokens = self.hidden_tokens(band)  # the entries of the whole clip's table this pass's tokens have
         rope = (cos, sin) if tokens == slice(0, cos.shape[2]) else (cos[:, :, tokens], sin[:, :, tokens])
+        timestep_proj, _ = cond.modulation(tokens)
         for index in segment.blocks:
-            hidden = self.blocks[index](hidden, cond.text, cond.timestep_proj, rope)
+            hidden = self.blocks[index](hidden, cond.text, timestep_proj, rope)
         return hidden
 
     def head(
@@ -198,8 +220,13 @@ class WanStage(ShardedStage):
         """(B, tokens, hidden) -> (B, out_channels, rows * p, token_cols * p) rows of the stacked frames: mirrors the
         output layer of ``diffusers.WanTransformer3DModel.forward`` (its unpatchify with a temporal patch of 1)."""
         model = self.transformer
-        table = model.scale_shift_table.to(cond.temb.device)  # (1, 2, D)
-        shift, scale = (table + cond.temb.unsqueeze(1)).chunk(2, dim=1)  # (B, 1, D) each
+        _, temb = cond.modulation(slice(0, self.num_tokens) if band is None else band.tokens)
+        table = model.scale_shift_table.to(temb.device)  # (1, 2, D)
+        if temb.ndim == 3:  # per token: (B, n, D) -> (B, n, 2, D) -> (B, n, D) each
+            shift, scale = (table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (table + temb.unsqueeze(1)).chunk(2, dim=1)  # (B, 1, D) each
         out = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         out = model.proj_out(out)  # (B, tokens, p*p*C)
         return unpatchify(out, token_cols, self.patch_size, model.config.out_channels, band)
@@ -218,13 +245,17 @@ def denoise_request(
     cfg_half=None,
     generator=None,
     on_step_end=None,
+    first_frame: FirstFrame | None = None,
 ):
     """The engine's ``DenoiseRequest`` for Wan, from what ``WanPipeline`` prepares: ``latents`` (B, C, F, H, W) are
     handed to the engine in ``layout`` (one tall image), ``prompt_embeds`` batched [negative, positive] when
     ``guidance_scale > 1`` (diffusers runs them as two calls: per sample the same computation), or this CFG group's
     half with ``cfg_half``. ``expert_guidance_scale``: the scale this ``stage``'s expert combines the two with where it
     is not ``guidance_scale`` (Wan 2.2's ``guidance_scale_2``). The projected text and the RoPE table are computed
-    once here, with this expert's own text projection."""
+    once here, with this expert's own text projection.
+
+    ``first_frame``: Wan 2.2 TI2V's image-to-video (``FirstFrame``): every transformer input has the image's latents as
+    its first latent frame, whose tokens have timestep 0."""
     from xfuse.parallel.engine import DenoiseRequest
 
     grid_latents = layout.to_grid(latents).contiguous()  # (B, C, F, H, W) -> (B, C, F*H, W)
@@ -234,14 +265,21 @@ def denoise_request(
     rope = stage.rotary_embedding(latents, layout)
 
     def conditioning(step: int, t: torch.Tensor) -> WanConditioning:
-        return stage.conditioning(t.reshape(1).to(latents.device).expand(model_batch), text, rope)  # as diffusers
+        if first_frame is None:
+            return stage.conditioning(t.reshape(1).to(latents.device).expand(model_batch), text, rope)  # as diffusers
+        values, token_timesteps = first_frame.timesteps(t)  # (U,), (tokens,)
+        return stage.conditioning(values.expand(model_batch, -1), text, rope, token_timesteps)
+
+    def transformer_input(rows: torch.Tensor, where: slice) -> torch.Tensor:
+        rows = rows if first_frame is None else first_frame.put_in(rows, where)
+        return model_input(rows).to(dtype)  # WanPipeline: latents.to(transformer_dtype)
 
     return DenoiseRequest(
         latents=grid_latents,
         timesteps=timesteps,
         scheduler=scheduler,
         conditioning=conditioning,
-        model_input=lambda rows: model_input(rows).to(dtype),  # WanPipeline: latents.to(transformer_dtype)
+        model_input=transformer_input,
         guide=guidance(
             guidance_scale if expert_guidance_scale is None else expert_guidance_scale,
             cfg_half,
@@ -253,3 +291,37 @@ def denoise_request(
         on_step_end=on_step_end,
         hidden_dtype=dtype,
     )
+
+
+class FirstFrame:
+    """Wan 2.2 TI2V's image-to-video conditioning in the engine's layout. Mirrors the ``expand_timesteps`` branch of
+    ``diffusers.WanImageToVideoPipeline.__call__``: its ``first_frame_mask`` (0 on the first latent frame, 1 elsewhere)
+    puts the image's latents in as the first frame of every transformer input (``put_in``) and gives each token the
+    step's timestep times the mask (``timesteps``: 0 on the first frame's tokens)."""
+
+    def __init__(self, image_latents: torch.Tensor, latents: torch.Tensor, layout: VideoLayout, patch_size: int):
+        """``image_latents`` (B, C, 1, H, W): diffusers' ``latent_condition`` (normalised); ``latents`` (B, C, F, H, W)
+        the initial ones (their shape and dtype)."""
+        mask = torch.ones_like(latents[:1, :1])  # (1, 1, F, H, W)
+        mask[:, :, 0] = 0
+        self.mask = layout.to_grid(mask)  # -> (1, 1, F*H, W) rows in the layout's order
+        frames = latents.shape[2]
+        image = image_latents.to(latents.dtype).expand(-1, -1, frames, -1, -1)  # (B, C, 1, H, W) -> (B, C, F, H, W)
+        self.image = layout.to_grid(image).contiguous()  # -> (B, C, F*H, W)
+        token_mask = mask[0, 0, :, ::patch_size, ::patch_size].flatten()  # (F*h*w,) frame-major, as diffusers takes it
+        self.token_mask = token_mask[layout.token_order(latents.device)]  # -> the layout's token order
+
+    def put_in(self, rows: torch.Tensor, where: slice) -> torch.Tensor:
+        """(B, C, h, W) latent rows ``where`` of the grid -> the transformer's input rows (the first frame's are the
+        image's), as diffusers' ``(1 - first_frame_mask) * condition + first_frame_mask * latents``."""
+        mask = self.mask[:, :, where]
+        return (1 - mask) * self.image[:, :, where] + mask * rows
+
+    def timesteps(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's distinct per-token timesteps (U,) and each token's index into them (tokens,): diffusers'
+        ``first_frame_mask[0][0][:, ::2, ::2] * t``, whose values are 0 and t."""
+        return torch.unique(self.token_mask * t.to(self.token_mask.device), return_inverse=True)
+
+    def final(self, latents: torch.Tensor) -> torch.Tensor:
+        """The (B, C, F*H, W) latents the loop ends with -> the ones diffusers decodes (its first frame the image's)."""
+        return self.put_in(latents, slice(None))
