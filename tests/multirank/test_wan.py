@@ -9,12 +9,21 @@ bands never fall on frame boundaries alike in both directions and the bands are 
 import numpy as np
 import pytest
 import torch
-from diffusers import WanPipeline
+from diffusers import WanImageToVideoPipeline, WanPipeline
+from PIL import Image
 
 from tests.support.pipefusion_oracle import pipefusion_video_reference
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
-from tests.support.wan_fns import calls_without_scheduler_merge, prepare_inputs, run_engine, tiny_wan
+from tests.support.wan_fns import (
+    calls_with_one_timestep,
+    calls_without_scheduler_merge,
+    load_error,
+    prepare_image_inputs,
+    prepare_inputs,
+    run_engine,
+    tiny_wan,
+)
 from tests.support.world import World
 from xfuse.families.registry import model_spec
 from xfuse.families.wan.presets import save_preset_pipeline
@@ -252,3 +261,108 @@ def test_two_experts_pipelined_equals_the_oracle(world4, folder22, reference22, 
     assert rel_max(oracle_latents, torch.from_numpy(reference22(call)[0])) > 1e-4  # stale K/V matter here
     broken = world4.run_ok(calls_without_scheduler_merge, folder22, parallel, [call])[0][0]
     assert rel_max(torch.from_numpy(broken["images"]), oracle_latents) > 1e-3
+
+
+# --- Wan 2.2 TI2V-5B: the 16 px VAE, text-to-video and image-to-video on one transformer ---------------------------
+
+# 128 x 224 px at 32 px per token (VAE 16 x patch 2): 4 x 7 tokens per latent frame, 3 latent frames.
+TI2V = dict(BASE, height=128, width=224)
+IMAGE = Image.fromarray((np.random.RandomState(0).rand(128, 224, 3) * 255).astype(np.uint8))
+I2V = "PipeFusionWanImageToVideoPipeline"
+
+
+@pytest.fixture(scope="module")
+def folder_ti2v(tmp_path_factory):
+    return save_preset_pipeline(tmp_path_factory.mktemp("ti2v") / "Wan2.2-TI2V-tiny", "wan2.2-ti2v-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference_i2v(folder_ti2v):
+    return reference_runner(WanImageToVideoPipeline.from_pretrained(folder_ti2v, local_files_only=True))
+
+
+def test_ti2v_folders_have_the_vae_factor_of_their_vae(folder_ti2v):
+    """The 5B's VAE is 16 px per latent pixel (AutoencoderKLWan's scale_factor_spatial); a Wan 2.1 folder's is 8."""
+    assert model_spec(folder_ti2v).vae_scale_factor == model_spec("wan2.2-ti2v-5b").vae_scale_factor == 16
+    assert model_spec(folder_ti2v).latent_scale * 2 == 32 and model_spec("wan-tiny") is WAN
+
+
+def test_ti2v_text_to_video_equals_diffusers(world4, folder_ti2v):
+    """WanPipeline with expand_timesteps: every token at the step's timestep, 48-channel-style latents at 16 px."""
+    reference = reference_runner(WanPipeline.from_pretrained(folder_ti2v, local_files_only=True))
+    calls = {"base": {}, "no_guidance": dict(guidance_scale=1.0), "callback": dict(callback_on_step_end=log_callback)}
+    parallel = {"pipefusion_degree": 4, "num_patches": 5, "video_patches": "spatial", **EXACT}
+    results = world4.run_ok(run_calls, folder_ti2v, parallel, [{**TI2V, **c} for c in calls.values()], family="wan")
+    check(results, calls, reference, TI2V, output_class="WanPipelineOutput", callback_steps=list(range(STEPS)))
+
+
+I2V_LAYOUTS = {
+    "pp4_temporal": {"pipefusion_degree": 4, "num_patches": 5, "video_patches": "temporal"},
+    "pp4_spatial": {"pipefusion_degree": 4, "num_patches": 5, "video_patches": "spatial"},
+    "cfg2_pp2": {**LAYOUTS["cfg2_pp2"], "video_patches": "spatial"},
+    "pp2_ulysses2": {**LAYOUTS["pp2_ulysses2"], "video_patches": "spatial"},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(I2V_LAYOUTS))
+def test_image_to_video_equals_diffusers(world4, folder_ti2v, reference_i2v, layout):
+    """WanImageToVideoPipeline on the TI2V folder: the image's latents as the first frame of every input, its tokens
+    at timestep 0 (bands with both timesteps: per-token modulation), the clip's first frame the image's."""
+    calls = {
+        "base": {},
+        "batch_and_videos": dict(prompt=["a red ball", "a cat"], num_videos_per_prompt=2, negative_prompt="dark"),
+        "callback": dict(callback_on_step_end=log_callback),
+        "output_latent": dict(output_type="latent"),
+    }
+    if layout == "pp4_temporal":
+        calls |= {"no_guidance": dict(guidance_scale=1.0), "frames_steps": dict(num_frames=13, num_inference_steps=2)}
+    base = dict(TI2V, image=IMAGE)
+    results = world4.run_ok(
+        run_calls, folder_ti2v, {**I2V_LAYOUTS[layout], **EXACT}, [{**base, **c} for c in calls.values()],
+        family="wan", pipeline=I2V, timeout=600,
+    )  # fmt: skip
+    check(results, calls, reference_i2v, base, output_class="WanPipelineOutput", callback_steps=list(range(STEPS)))
+
+
+def image_oracle(reference_i2v, direction):
+    inputs = prepare_image_inputs(reference_i2v.pipe, IMAGE, height=128, width=224, num_frames=FRAMES, steps=STEPS,
+                                  guidance_scale=5.0, prompt=BASE["prompt"])  # fmt: skip
+    return pipefusion_video_reference(reference_i2v.pipe, inputs, direction=direction, num_patches=5, warmup=1)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_image_to_video_pipelined_equals_the_oracle(world4, folder_ti2v, reference_i2v, direction):
+    """Pipelined (warm-up 1, M = 5 at pp4) equals the oracle, which runs diffusers' forward with a 2-D timestep per
+    box; with every token at the step's timestep (the per-token timesteps dropped: an injected bug) it does not."""
+    call = dict(TI2V, image=IMAGE, output_type="latent")
+    parallel = {"pipefusion_degree": 4, "num_patches": 5, "warmup_steps": 1, "video_patches": direction}
+    out = world4.run_ok(run_calls, folder_ti2v, parallel, [call], family="wan", pipeline=I2V)[0][0]
+    expected = image_oracle(reference_i2v, direction)
+    assert rel_max(torch.from_numpy(out["images"]), expected) <= 1e-5
+    assert rel_max(expected, torch.from_numpy(reference_i2v(call)[0])) > 1e-4  # stale K/V matter here
+    broken = world4.run_ok(calls_with_one_timestep, folder_ti2v, parallel, [call])[0][0]
+    assert rel_max(torch.from_numpy(broken["images"]), expected) > 1e-3
+
+
+def test_image_to_video_refusals_name_the_argument_on_every_rank(world4, folder_ti2v, folder):
+    base = dict(TI2V, image=IMAGE)
+    calls = [
+        {**base, "image_embeds": torch.zeros(1, 257, 32)},
+        {**base, "last_image": IMAGE},
+        {**base, "height": 112},  # a multiple of diffusers' 16, not of 32 px per token (diffusers rounds it down)
+        {**base, "image": None},
+    ]
+    results = world4.run_ok(run_calls, folder_ti2v, {"pipefusion_degree": 4, **EXACT}, calls, family="wan",
+                            pipeline=I2V)  # fmt: skip
+    for rank_results in results:  # the same error on every rank, before any communication
+        assert [r["kind"] for r in rank_results] == ["error"] * len(calls)
+        assert [r["message"] for r in rank_results] == [r["message"] for r in results[0]]
+    messages = [r["message"] for r in results[0]]
+    assert messages[0].startswith("image_embeds is not supported by PipeFusion"), messages[0]
+    assert messages[1].startswith("last_image is not supported by PipeFusion"), messages[1]
+    assert messages[2].startswith("generation.height: must be a positive multiple of 32 pixels (VAE factor 16")
+    assert messages[3].startswith("Provide either `image` or `prompt_embeds`. Cannot leave both `image` and")
+    # A Wan 2.1 folder (no expand_timesteps) is refused by the image-to-video class on every rank, at load.
+    refused = world4.run_ok(load_error, folder, I2V)
+    assert all(message == refused[0] for message in refused)
+    assert refused[0].startswith("xfuse runs image-to-video with Wan 2.2 TI2V folders (expand_timesteps")

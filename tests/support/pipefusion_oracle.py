@@ -649,8 +649,14 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
       ``warmup`` steps whole, per-patch schedulers cut from the scheduler as the expert starts pipelining and put
       back together (each patch's own pixels) when it ends.
 
+    * Image-to-video (``inputs["image_latents"]``, Wan 2.2 TI2V: ``WanImageToVideoPipeline`` with
+      ``expand_timesteps``): every pass's input has the image's latents as its first latent frame, and the forward is
+      given one timestep per token of its box (0 on the first frame's tokens, as a 2-D timestep); the final latents'
+      first frame is the image's.
+
     ``inputs``: ``latents`` (B, C, F, H, W) float32, ``timesteps``, ``prompt_embeds`` batched [negative, positive]
-    when ``guidance_scale > 1``, ``guidance_scale`` (and ``guidance_scale_2`` for two experts; default: the same).
+    when ``guidance_scale > 1``, ``guidance_scale`` (and ``guidance_scale_2`` for two experts; default: the same),
+    ``image_latents`` (B, C, 1, H, W) for image-to-video.
     """
     experts = [copy.deepcopy(pipe.transformer)]
     if getattr(pipe, "transformer_2", None) is not None:
@@ -687,6 +693,10 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
 
     guidance_scale = inputs["guidance_scale"]
     dtype = inputs["prompt_embeds"].dtype
+    image = inputs.get("image_latents")
+    frame_mask = torch.ones(1, 1, frames, height, width)  # 0: the image's frame
+    frame_mask[:, :, 0] = 0
+    token_mask = frame_mask[0, 0, :, ::p, ::p].reshape(-1)  # (F*h*w,) frame-major
     scheduler = copy.deepcopy(pipe.scheduler)
     timesteps = inputs["timesteps"]
     if len(experts) == 2:
@@ -727,8 +737,16 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
                     tokens = box_tokens(band)
                     video.tokens = transformer.rope.tokens = tokens
                     video.own = torch.isin(tokens, band)
+                box_tokens_ = torch.arange(frames * rows * cols) if band is None else box_tokens(band)
+                if image is not None:  # the image is the first frame of the input; its tokens at timestep 0
+                    r = (slice(None),) * 4 if band is None else region(band)  # (:, :, frames, pixel rows)
+                    box_mask, box_image = frame_mask[r], image[:, :, :, r[3]]
+                    box_latents = (1 - box_mask) * box_image + box_mask * box_latents
                 model_input = torch.cat([box_latents] * 2) if guidance_scale > 1 else box_latents
-                timestep = t.expand(model_input.shape[0])
+                if image is None:
+                    timestep = t.expand(model_input.shape[0])
+                else:
+                    timestep = (token_mask[box_tokens_] * t).expand(model_input.shape[0], -1)  # (B, box tokens)
                 noise = transformer(model_input.to(dtype), timestep, inputs["prompt_embeds"], return_dict=False)[0]
                 if guidance_scale > 1:  # the first expert's scale batches; each expert combines with its own
                     uncond, cond = noise.chunk(2)
@@ -757,4 +775,6 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
             if patch_schedulers is not None:  # the expert's end: the scheduler takes the patches' state back
                 for name, value in vars(scheduler).items():
                     setattr(scheduler, name, merge(value, [vars(ps)[name] for ps in patch_schedulers]))
+    if image is not None:
+        latents = (1 - frame_mask) * image + frame_mask * latents
     return latents

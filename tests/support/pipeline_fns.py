@@ -37,9 +37,20 @@ def as_array(out):
 
 
 def run_calls(
-    folder, parallel, calls, comm=None, torch_dtype=None, scheduler=None, family="hunyuandit", one_generator=None
+    folder,
+    parallel,
+    calls,
+    comm=None,
+    torch_dtype=None,
+    scheduler=None,
+    family="hunyuandit",
+    one_generator=None,
+    pipeline=None,
 ):
     """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
+
+    ``pipeline``: the xfuse class to load it with, where it is not the family's own pipeline (one of the family's
+    ``pipeline_names``, e.g. ``PipeFusionWanImageToVideoPipeline``).
 
     Other ranks return their list of None / errors, so a test can check that every rank agrees. ``one_generator``
     (a seed): every call uses the same generator, made once, instead of its own; each result then has the
@@ -47,10 +58,10 @@ def run_calls(
     """
     from xfuse.families.registry import MODEL_SPECS
 
-    pipe = (
-        MODEL_SPECS[family]
-        .pipeline_class()
-        .from_pretrained(folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype)
+    spec = MODEL_SPECS[family]
+    pipeline_class = spec.pipeline_class() if pipeline is None else spec.pipeline_class_named(pipeline)
+    pipe = pipeline_class.from_pretrained(
+        folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype
     )
     pipe.set_progress_bar_config(disable=True)
     if scheduler is not None:

@@ -88,3 +88,50 @@ def calls_without_scheduler_merge(folder, parallel, calls):
 
     with mock.patch("xfuse.parallel.engine.merge_patch_schedulers", lambda *args: None):
         return run_calls(folder, parallel, calls, family="wan")
+
+
+def prepare_image_inputs(pipe, image, *, height, width, num_frames, steps, guidance_scale, prompt="a red ball rolls"):
+    """``prepare_inputs`` for image-to-video, by a ``WanImageToVideoPipeline`` of a Wan 2.2 TI2V folder (its own
+    ``video_processor`` and ``prepare_latents``): also the image's normalised latents (B, C, 1, H, W)."""
+    do_cfg = guidance_scale > 1
+    with torch.no_grad():
+        emb, neg = pipe.encode_prompt(prompt, do_classifier_free_guidance=do_cfg, device="cpu", max_sequence_length=512)
+        pipe.scheduler.set_timesteps(steps, device="cpu")
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to("cpu", dtype=torch.float32)
+        channels = pipe.transformer.config.in_channels
+        latents, image_latents, _ = pipe.prepare_latents(
+            pixels, 1, channels, height, width, num_frames, torch.float32, "cpu", torch.Generator().manual_seed(0)
+        )
+    return dict(
+        prompt_embeds=torch.cat([neg, emb]) if do_cfg else emb,
+        latents=latents,
+        image_latents=image_latents,
+        timesteps=pipe.scheduler.timesteps,
+        guidance_scale=guidance_scale,
+    )
+
+
+def calls_with_one_timestep(folder, parallel, calls):
+    """``run_calls`` of the image-to-video pipeline with every token at the step's timestep (an injected bug: the
+    conditioning frame's tokens should have timestep 0)."""
+    from unittest import mock
+
+    from tests.support.pipeline_fns import run_calls
+    from xfuse.families.wan.stage import FirstFrame
+
+    def one_timestep(self, t):
+        return t.reshape(1).float(), torch.zeros_like(self.token_mask, dtype=torch.long)
+
+    with mock.patch.object(FirstFrame, "timesteps", one_timestep):
+        return run_calls(folder, parallel, calls, family="wan", pipeline="PipeFusionWanImageToVideoPipeline")
+
+
+def load_error(folder, pipeline):
+    """The message of the error loading ``folder`` with the Wan family's class ``pipeline`` raises on this rank."""
+    from xfuse.families.wan.spec import WAN
+
+    try:
+        WAN.pipeline_class_named(pipeline).from_pretrained(folder, parallel={"pipefusion_degree": 4})
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"{pipeline} loaded {folder}")

@@ -9,6 +9,7 @@ diffusers pipeline object itself.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,13 +173,16 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         self.spec.check_num_frames(num_frames)  # diffusers rounds it with a warning
         batch_size = self._batch_size(prompt, prompt_embeds)
         do_cfg = do_classifier_free_guidance(guidance_scale)
-        layout = VideoLayout(
-            self.parallel.video_patches,
-            self.spec.latent_frames(num_frames),
-            height // self.spec.vae_scale_factor,
-            width // self.spec.vae_scale_factor,
-            self.stage.patch_size,
-        )
+
+        @functools.cache
+        def layout() -> VideoLayout:  # first used after the base class's checks, which refuse a size by name
+            return VideoLayout(
+                self.parallel.video_patches,
+                self.spec.latent_frames(num_frames),
+                height // self.spec.vae_scale_factor,
+                width // self.spec.vae_scale_factor,
+                self.stage.patch_size,
+            )
 
         def encode() -> dict[str, torch.Tensor]:  # rank 0: the prompt and, with CFG, the negative prompt
             positive, negative = pipe.encode_prompt(
@@ -216,7 +220,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
 
         def request(text, video_latents, timesteps, generator):
             if image is not None:
-                first_frame.append(FirstFrame(text["image_latents"], video_latents, layout, self.stage.patch_size))
+                first_frame.append(FirstFrame(text["image_latents"], video_latents, layout(), self.stage.patch_size))
             keys = ("negative_prompt_embeds", "prompt_embeds") if do_cfg else ("prompt_embeds",)
             batched = {"prompt_embeds": torch.cat([text[k] for k in keys])}  # [negative, positive]
             model_text, cfg_half = self._cfg_split(batched, video_latents.shape[0])
@@ -226,7 +230,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 callback_on_step_end_tensor_inputs,
                 timesteps,
                 named,
-                latents_view=lambda grid: layout.from_grid(grid).clone(),
+                latents_view=lambda grid: layout().from_grid(grid).clone(),
             )
 
             def run(stage, latents, first: int, last: int, scale: float | None) -> DenoiseRequest:
@@ -238,7 +242,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 return denoise_request(
                     stage,
                     latents=latents,
-                    layout=layout,
+                    layout=layout(),
                     timesteps=timesteps[first:last],
                     scheduler=pipe.scheduler,
                     prompt_embeds=model_text["prompt_embeds"],
@@ -263,7 +267,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 if switch == steps
                 else lambda grid: run(
                     self.stage_2,
-                    video_latents if grid is None else layout.from_grid(grid.to(device)),
+                    video_latents if grid is None else layout().from_grid(grid.to(device)),
                     switch,
                     steps,
                     scale_2,
@@ -286,9 +290,9 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
                 prepare_latents=prepare_latents,
                 request=request,
                 decode=lambda final: self._decode(
-                    layout.from_grid(first_frame[0].final(final) if first_frame else final), output_type, return_dict
+                    layout().from_grid(first_frame[0].final(final) if first_frame else final), output_type, return_dict
                 ),
-                latent_frames=layout.frames,
+                latent_frames=self.spec.latent_frames(num_frames),
             )
         )
 
