@@ -21,16 +21,36 @@ def build_pipeline(config: XfuseConfig):
 
     Every rank must hold the same ``config``: it is compared at start-up (``xfuse.runtime.handshake``).
     """
-    from xfuse.families.registry import load_pipeline, model_is_preset, model_spec, resolve_model
+    from xfuse.families.registry import load_pipeline, model_is_preset, resolve_model
 
-    pipeline_class = model_spec(config.model).pipeline_class()  # the family, from the preset or model_index.json
+    pipeline_class = _pipeline_class(config)
     if model_is_preset(config.model):  # built-in random-weight model: every rank builds the same one from its seed
-        pipe = pipeline_class.from_pipe(load_pipeline(config.model, config.runtime.torch_dtype()), config=config)
+        diffusers_pipe = load_pipeline(config.model, config.runtime.torch_dtype(), pipeline_class.diffusers_name())
+        pipe = pipeline_class.from_pipe(diffusers_pipe, config=config)
     else:
         pipe = pipeline_class.from_pretrained(resolve_model(config.model), config=config)
     freeze_startup_heap()
     keep_freed_heap()
     return pipe
+
+
+def _pipeline_class(config: XfuseConfig) -> type:
+    """The xfuse class ``config`` runs: its family's (from the preset or ``model_index.json``), or the family's
+    image-to-video pipeline when ``generation.image`` names a first frame."""
+    from xfuse.errors import ConfigError
+    from xfuse.families.registry import model_spec
+
+    spec = model_spec(config.model)
+    image = config.generation.image if config.generation is not None else None
+    if image is None:
+        return spec.pipeline_class()
+    if spec.image_to_video is None:
+        raise ConfigError(
+            "generation.image",
+            f"image-to-video needs a model whose family has an image-to-video pipeline on the same transformer (Wan "
+            f"2.2 TI2V: WanImageToVideoPipeline); {config.model} is a {spec.diffusers_pipeline} model (got {image!r})",
+        )
+    return spec.pipeline_class_named(f"PipeFusion{spec.image_to_video}")
 
 
 def default_size(config: XfuseConfig) -> tuple[int, int]:
@@ -128,16 +148,19 @@ def video_call_kwargs(
     seed: int,
     num_videos: int = 1,
     output_type: Literal["np", "pil"] = "pil",
+    image=None,
     spec: ModelSpec,
 ) -> dict[str, Any]:
     """The pipeline call for one video request (a ``spec`` with ``video``: ``WanPipeline.__call__``'s arguments): the
     image call's, with ``num_frames`` and ``num_videos_per_prompt`` for ``num_images_per_prompt``. ``output_type``
     ``pil``: one list of PIL frames per video (diffusers rounds to 8 bits); ``np``: (videos, frames, H, W, 3) floats
-    in [0, 1], WanPipeline's default."""
+    in [0, 1], WanPipeline's default. ``image``: the first frame of an image-to-video clip (a PIL image; the pipeline
+    is then the family's image-to-video one, ``WanImageToVideoPipeline.__call__``)."""
     if not spec.video:
         raise ValueError(f"{spec.diffusers_pipeline} makes images: use image_call_kwargs")
     common = _common_call_kwargs(
         prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed, spec=spec,
     )  # fmt: skip
-    return dict(common, num_frames=num_frames, num_videos_per_prompt=num_videos, output_type=output_type)
+    first = {} if image is None else {"image": image}
+    return dict(first, **common, num_frames=num_frames, num_videos_per_prompt=num_videos, output_type=output_type)

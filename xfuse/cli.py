@@ -75,6 +75,8 @@ def _command_overrides(args) -> list[str]:
     overrides = list(args.overrides)
     if getattr(args, "prompt", None):
         overrides.append(f"generation.prompt={args.prompt!r}")
+    if getattr(args, "image", None):
+        overrides.append(f"generation.image={args.image!r}")
     if getattr(args, "host", None) is not None:
         overrides.append(f"serve.host={args.host!r}")
     if getattr(args, "port", None) is not None:
@@ -208,7 +210,14 @@ def cmd_generate(args) -> int:
         spec=pipe.spec,
     )
     start = time.perf_counter()
-    out = pipe(**(video_call_kwargs(**request, num_frames=num_frames) if video else image_call_kwargs(**request)))
+    if video:  # image-to-video: every rank reads the first frame (diffusers checks it on every rank)
+        from PIL import Image
+
+        image = Image.open(gen.image).convert("RGB") if gen.image else None
+        call = video_call_kwargs(**request, num_frames=num_frames, image=image)
+    else:
+        call = image_call_kwargs(**request)
+    out = pipe(**call)
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()
     events = pipe.write_trace(args.trace) if args.trace else None
@@ -300,6 +309,10 @@ def main(argv=None) -> int:
         help="PNG path (default outputs/xfuse_<model>_<seed>.png); a video model's MP4 (default "
         "outputs/xfuse_<model>_<seed>.mp4; .gif: an animated GIF; an MP4 needs pip install 'xfuse[video]', "
         "else a GIF is written beside it)",
+    )
+    gen.add_argument(
+        "--image",
+        help="overrides generation.image: image-to-video from this first frame (a Wan 2.2 TI2V model)",
     )
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     _auto_args(gen, plan=False)

@@ -401,6 +401,8 @@ class GenerationConfig(_Section):
     Video models only (``ModelSpec.video``; image models ignore them): ``num_frames`` ``None`` means the model's default
     clip (a preset's own, else the diffusers pipeline's: Wan 81); whether the VAE takes it (Wan: 4k + 1) needs the
     model and is checked by ``xfuse.build.default_video_size``. ``fps``: the frame rate ``xfuse generate`` writes.
+    ``image``: image-to-video, the path of the clip's first frame (a family with an image-to-video pipeline on the same
+    transformer: Wan 2.2 TI2V; ``xfuse.build.pipeline_class`` checks the model).
     """
 
     prompt: str = "A cat sitting on a windowsill at sunset, watercolor"
@@ -414,6 +416,14 @@ class GenerationConfig(_Section):
     # 16, not diffusers' export_to_video default of 10: Wan 2.1's released examples export at fps=16 (diffusers'
     # WanPipeline example, the Wan2.1 repository's sample_fps), its 81-frame default being a 5 s clip.
     fps: PositiveInt = 16
+    image: NonEmptyStr | None = None
+
+    def __post_init__(self) -> None:
+        if self.image is not None and not os.path.isfile(self.image):
+            raise ConfigError(
+                "generation.image",
+                f"must be an image file, the first frame of an image-to-video clip (not found: {self.image!r})",
+            )
 
 
 @section("serve")

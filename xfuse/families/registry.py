@@ -7,6 +7,7 @@ diffusers (torch comes in with the specs' sequence-parallel checks).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -41,7 +42,7 @@ def _lookups(families: tuple[ModelSpec, ...]) -> tuple[dict[str, ModelSpec], ...
         _by_name("preset", ((preset, spec) for spec in families for preset in spec.presets)),
         _by_name(
             "diffusers pipeline",
-            ((name, spec) for spec in families for name in (spec.diffusers_pipeline, *spec.other_pipelines)),
+            ((name, spec) for spec in families for name in (spec.diffusers_pipeline, spec.image_to_video) if name),
         ),
         _by_name("xfuse pipeline", ((name, spec) for spec in families for name in spec.pipeline_names)),
     )
@@ -158,17 +159,27 @@ def model_is_preset(model: str) -> bool:
     return model in PRESET_MODELS
 
 
-def load_pipeline(model: str, torch_dtype=None):
-    """The family's diffusers pipeline on CPU: built from a preset, or loaded from a local folder."""
+def load_pipeline(model: str, torch_dtype=None, diffusers_pipeline: str | None = None):
+    """The family's diffusers pipeline on CPU: built from a preset, or loaded from a local folder. As
+    ``diffusers_pipeline`` where it is another of the family's pipelines on the same components (a preset as
+    ``WanImageToVideoPipeline``: the preset's components and settings given to that class; diffusers' ``from_pipe``
+    would also cast every component to one dtype)."""
+    import diffusers
+
     spec = _family(model)
+    name = diffusers_pipeline or spec.diffusers_pipeline
     if model in PRESET_MODELS:
         import torch
 
         pipe = spec.build_preset_pipeline(model)  # built in float32
-        return pipe if torch_dtype in (None, torch.float32) else pipe.to(dtype=torch_dtype)
-    import diffusers
-
-    return getattr(diffusers, spec.diffusers_pipeline).from_pretrained(
+        pipe = pipe if torch_dtype in (None, torch.float32) else pipe.to(dtype=torch_dtype)
+        if type(pipe).__name__ == name:
+            return pipe
+        other = getattr(diffusers, name)
+        accepted = inspect.signature(other.__init__).parameters
+        given = {**dict(pipe.config), **pipe.components}  # settings (boundary_ratio, expand_timesteps), then modules
+        return other(**{key: value for key, value in given.items() if key in accepted})
+    return getattr(diffusers, name).from_pretrained(
         resolve_model(model),
         dtype=torch_dtype,
         local_files_only=True,  # torch_dtype= is deprecated there

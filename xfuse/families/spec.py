@@ -74,9 +74,9 @@ class ModelSpec:
         native_width: pixels of the pipeline's default width where it is not its default height (Wan: 832).
         token_patch: ``transformer config -> `` latent rows (and columns) per token, the engine's patch size
             (Wan's ``patch_size`` is (1, p, p): p).
-        other_pipelines: diffusers pipelines of the family's other tasks on the same transformers, which xfuse also
-            runs (Wan: ``WanImageToVideoPipeline``); their xfuse classes (``PipeFusion`` + the name) are in the module
-            of ``pipeline_class``'s class.
+        image_to_video: the diffusers pipeline of the family's image-to-video on the same transformers, which xfuse
+            also runs (Wan: ``WanImageToVideoPipeline``, for Wan 2.2 TI2V); its xfuse class (``PipeFusion`` + the
+            name) is in the module of ``pipeline_class``'s class.
         vae_factor_key: the VAE config's field holding its spatial factor, for a family whose releases use VAEs of
             different factors (``AutoencoderKLWan``'s ``scale_factor_spatial``: 8 for Wan 2.1's VAE, 16 for Wan
             2.2's, as ``WanPipeline`` reads it); ``vae_scale_factor`` is then the factor of a pipeline without a VAE.
@@ -108,7 +108,7 @@ class ModelSpec:
     native_width: int | None = None
     token_patch: Callable[[dict], int] = lambda config: config["patch_size"]
     vae_factor_key: str | None = None
-    other_pipelines: tuple[str, ...] = ()
+    image_to_video: str | None = None
 
     @property
     def pipeline_name(self) -> str:
@@ -117,8 +117,8 @@ class ModelSpec:
 
     @property
     def pipeline_names(self) -> tuple[str, ...]:
-        """The xfuse classes of this family (``from xfuse import <name>``): its pipeline's, then the others'."""
-        return (self.pipeline_name, *(f"PipeFusion{name}" for name in self.other_pipelines))
+        """The xfuse classes of this family (``from xfuse import <name>``): its pipeline's, then its image-to-video."""
+        return (self.pipeline_name, *([] if self.image_to_video is None else [f"PipeFusion{self.image_to_video}"]))
 
     def pipeline_class_named(self, name: str) -> type:
         """The xfuse class ``name`` (one of ``pipeline_names``), importing the family's pipeline module."""

@@ -54,7 +54,7 @@ WAN = ModelSpec(
         "wan2.2-ti2v-5b",
     ),
     vae_scale_factor=8,  # AutoencoderKLWan (Wan 2.1): 8 px per latent row and column, 4 frames per latent frame
-    other_pipelines=("WanImageToVideoPipeline",),  # Wan 2.2 TI2V-5B: one transformer for both
+    image_to_video="WanImageToVideoPipeline",  # Wan 2.2 TI2V-5B: one transformer for both
     vae_factor_key="scale_factor_spatial",  # Wan 2.2's VAE (TI2V-5B): 16 px; WanPipeline reads it from the VAE
     vae_temporal_factor=4,
     native_frames=81,  # WanPipeline's default num_frames
