@@ -368,6 +368,8 @@ BAD_DICTS = [
     ("num_frames_zero", {"generation": {"num_frames": 0}}, "generation.num_frames", [">= 1 or null", "(got 0)"]),
     ("num_frames_string", {"generation": {"num_frames": "9"}}, "generation.num_frames", ["integer", "string"]),
     ("fps_zero", {"generation": {"fps": 0}}, "generation.fps", [">= 1", "(got 0)"]),
+    ("image_missing", {"generation": {"image": "no/such.png"}}, "generation.image", ["not found: 'no/such.png'"]),
+    ("image_empty", {"generation": {"image": ""}}, "generation.image", ["non-empty string or null", "(got '')"]),
     ("fps_null", {"generation": {"fps": None}}, "generation.fps", ["not null"]),
     ("fps_float", {"generation": {"fps": 23.976}}, "generation.fps", ["integer", "(got 23.976)"]),
     ("serve_port_too_big", {"serve": {"port": 70000}}, "serve.port", ["from 0 to 65535", "(got 70000)"]),
@@ -717,6 +719,33 @@ def test_default_video_size_and_the_video_call(tmp_path):
     assert image["use_resolution_binning"] is False  # HunyuanDiT bins sizes: off, as before
     with pytest.raises(ValueError, match="image_call_kwargs"):
         video_call_kwargs(**request, num_frames=9, spec=tiny)
+    first = object()  # image-to-video: the first frame, passed as given
+    assert video_call_kwargs(**request, num_frames=9, image=first, spec=wan)["image"] is first
+
+
+def test_the_vae_factor_is_the_models_own_where_the_family_reads_it_from_its_vae(tmp_path):
+    """Wan 2.2 TI2V's VAE is 16 px per latent pixel (AutoencoderKLWan's scale_factor_spatial), Wan 2.1's 8: a model's
+    spec carries its own (from a preset's VAE config or a folder's vae/config.json); other families keep theirs."""
+    from xfuse.build import _pipeline_class
+    from xfuse.families.registry import model_spec
+    from xfuse.families.wan.spec import WAN
+
+    assert model_spec("wan2.2-ti2v-5b").vae_scale_factor == model_spec("wan2.2-ti2v-tiny").latent_scale == 16
+    assert model_spec("wan-tiny") is WAN and model_spec("wan2.2-t2v-a14b") is WAN and WAN.vae_scale_factor == 8
+    assert WAN.for_vae(None) is WAN and WAN.for_vae({"scale_factor_spatial": 8}) is WAN
+    assert model_spec("flux-tiny").for_vae({"scale_factor_spatial": 16}).vae_scale_factor == 8  # not read there
+    folder = WAN.save_preset_pipeline(tmp_path / "ti2v", "wan2.2-ti2v-tiny")
+    assert model_spec(str(folder)).vae_scale_factor == 16
+    with pytest.raises(ConfigError, match="multiple of 32 pixels .VAE factor 16 x patch size 2.") as e:
+        model_spec(str(folder)).check_layout(
+            ParallelConfig(), num_blocks=4, patch_size=2, height=112, width=224, latent_frames=3
+        )
+    assert e.value.key == "generation.height"
+    image = tmp_path / "first.png"
+    image.write_bytes(b"")  # the file's existence is the config's check; reading it is the CLI's
+    config = config_from_dict({"model": "wan2.2-ti2v-tiny", "generation": {"image": str(image)}})
+    assert _pipeline_class(config).__name__ == "PipeFusionWanImageToVideoPipeline"
+    assert _pipeline_class(XfuseConfig(model="wan2.2-ti2v-tiny")).__name__ == "PipeFusionWanPipeline"
 
 
 def test_hunyuandit_sweep_configs():
