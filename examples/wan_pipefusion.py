@@ -1,4 +1,4 @@
-"""Text-to-video with Wan 2.1 and PipeFusion on N GPUs (or CPU processes).
+"""Text-to-video with Wan 2.1 / 2.2 and PipeFusion on N GPUs (or CPU processes); image-to-video with Wan 2.2 TI2V.
 
 Launch the same script on every rank:
 
@@ -8,6 +8,10 @@ Launch the same script on every rank:
     # CPU, built-in tiny random-weight model (no download), 2 ranks:
     torchrun --nproc_per_node=2 examples/wan_pipefusion.py --model wan-tiny --steps 4 --height 64 --width 96 \
         --frames 9 --output tiny.mp4
+
+    # Image-to-video (Wan 2.2 TI2V-5B: the same folder, 1280 x 704 px, 121 frames at 24 fps):
+    torchrun --nproc_per_node=4 examples/wan_pipefusion.py --model ./Wan2.2-TI2V-5B-Diffusers --image first.png \
+        --height 704 --width 1280 --frames 121 --fps 24 --output fox.mp4
 
 `--model` is a local diffusers Wan folder (`WanPipeline`) or a `wan-*` preset. A patch is a run of latent frames
 (`--patches temporal`, the default) or a strip of rows across every frame (`spatial`). Rank 0 writes the clip with
@@ -20,8 +24,9 @@ import os
 
 import torch
 from diffusers.utils import export_to_video
+from PIL import Image
 
-from xfuse import PipeFusionWanPipeline
+from xfuse import PipeFusionWanImageToVideoPipeline, PipeFusionWanPipeline
 from xfuse.families.registry import PRESET_MODELS, load_pipeline
 
 
@@ -40,6 +45,7 @@ def main():
     parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2))
     parser.add_argument("--fps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", help="image-to-video from this first frame (a Wan 2.2 TI2V model)")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,11 +56,16 @@ def main():
         video_patches=args.patches,
     )
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    # One transformer serves both tasks of Wan 2.2 TI2V: the class (and diffusers' pipeline) says which.
+    pipeline_class = PipeFusionWanPipeline if args.image is None else PipeFusionWanImageToVideoPipeline
     if args.model in PRESET_MODELS:
-        pipe = PipeFusionWanPipeline.from_pipe(load_pipeline(args.model, dtype), parallel=parallel)
+        diffusers_pipe = load_pipeline(args.model, dtype, pipeline_class.diffusers_name())
+        pipe = pipeline_class.from_pipe(diffusers_pipe, parallel=parallel)
     else:
-        pipe = PipeFusionWanPipeline.from_pretrained(args.model, parallel=parallel, torch_dtype=dtype)
+        pipe = pipeline_class.from_pretrained(args.model, parallel=parallel, torch_dtype=dtype)
+    first_frame = {} if args.image is None else {"image": Image.open(args.image).convert("RGB")}
     out = pipe(
+        **first_frame,
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
         height=args.height,

@@ -241,6 +241,13 @@ def test_the_video_example_writes_a_clip_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'c.mp4'}: 9 frames at 16 fps (temporal patches)" in out.stdout
     assert (tmp_path / "c.mp4").stat().st_size > 1000
+    # Image-to-video with the TI2V preset: 32 px per token.
+    Image.new("RGB", (224, 128), (200, 40, 40)).save(tmp_path / "first.png")
+    args = ["--model", "wan2.2-ti2v-tiny", "--steps", "2", "--height", "128", "--width", "224", "--frames", "9",
+            "--image", str(tmp_path / "first.png"), "--patches", "spatial"]  # fmt: skip
+    out = torchrun(os.path.abspath("examples/wan_pipefusion.py"), *args, "--output", str(tmp_path / "i.mp4"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"wrote {tmp_path / 'i.mp4'}: 9 frames at 16 fps (spatial patches)" in out.stdout
 
 
 def test_doctor_reports_and_passes_its_self_test():
