@@ -1,4 +1,4 @@
-"""Randomly initialised Wan 2.1 text-to-video pipelines built offline (the ``wan-*`` / ``wan2.1-t2v-*`` presets).
+"""Randomly initialised Wan 2.1 / 2.2 pipelines built offline (the ``wan-*`` / ``wan2.1-*`` / ``wan2.2-*`` presets).
 
 The released Wan2.1-T2V-1.3B / -14B (a 1.3 B / 14 B-parameter transformer, the 5.7 B-parameter UMT5-XXL encoder and a
 127 M-parameter causal video VAE) cannot be downloaded here. The presets keep their structure:
@@ -17,12 +17,13 @@ The released Wan2.1-T2V-1.3B / -14B (a 1.3 B / 14 B-parameter transformer, the 5
   diffusers' conversion script writes it for the Wan2.1-T2V folders, Wan's setting for 480p; for 720p Wan uses 5.0:
   ``UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=5.0)``).
 
-``wan-tiny`` (and ``wan2.2-tiny``, two experts) is for tests, ``wan-small`` for CPU speed measurements,
-``wan2.1-t2v-1.3b`` / ``wan2.1-t2v-14b`` / ``wan2.2-t2v-a14b`` (two experts of the 14B's shape) have the released
+``wan-tiny`` (and ``wan2.2-tiny``, two experts; ``wan2.2-ti2v-tiny``, TI2V on a 16 px VAE) is for tests,
+``wan-small`` for CPU speed measurements, ``wan2.1-t2v-1.3b`` / ``wan2.1-t2v-14b`` / ``wan2.2-t2v-a14b`` (two experts
+of the 14B's shape) / ``wan2.2-ti2v-5b`` (Wan 2.2's VAE, 48 latent channels) have the released
 transformer shapes (random weights; diffusers' ``scripts/convert_wan_to_diffusers.py`` configs) for
 ``xfuse plan`` and GPU timings; their text encoder is 2 layers deep at the released width 4096 and their VAE is tiny
-with the released 16 latent channels, so the pipeline runs end to end. Weights depend only on the seed (see
-``xfuse.families.common.presets``).
+with the released latent channels (16; the 5B's 48), so the pipeline runs end to end. Weights depend only on the
+seed (see ``xfuse.families.common.presets``).
 
 ``WanTransformer3DModel`` has no ``sample_size`` and ``WanPipeline`` always defaults to 480 x 832 px and 81 frames, so a
 preset's default video size is only recorded here (``DEFAULT_SIZE``): callers pass ``height`` / ``width`` /
