@@ -380,6 +380,29 @@ class CommConfig(_Section):
         return "nccl" if device_type == "cuda" else "gloo"
 
 
+@section("cache")
+class CacheConfig(_Section):
+    """Step caching (``xfuse.parallel.step_cache``): skip a step's blocks after the first where the first block's
+    residual barely changed since the last computed step, and add each skipped segment's cached residual instead.
+
+    ``method``: ``off``; ``first_block`` (First-Block Cache, as diffusers' ``FirstBlockCacheConfig``: the cached
+    residual as it was); ``taylor`` (the same decisions; the residual predicted to first order from the last two
+    computed steps, TaylorSeer's Taylor step). ``threshold``: skip when the mean absolute change of the first block's
+    residual, relative to its mean absolute value at the last computed step, is at most this (diffusers' default
+    0.05; 0 skips only an unchanged residual). ``warmup_steps``: the first steps, always computed. ``max_skips``: at
+    most this many steps skipped in a row (null: no limit, as diffusers).
+    """
+
+    method: Literal["off", "first_block", "taylor"] = "off"
+    threshold: Annotated[float, Field(ge=0.0)] = 0.05
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    max_skips: PositiveInt | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @section("runtime")
 class RuntimeConfig(_Section):
     """Device and dtype. ``device: auto`` means CUDA when available (resolved at launch, not here)."""
@@ -455,7 +478,7 @@ class ServeConfig(_Section):
 
 
 _SECTIONS: dict[str, type[_Section]] = {
-    c.SECTION: c for c in (ParallelConfig, CommConfig, RuntimeConfig, GenerationConfig, ServeConfig)
+    c.SECTION: c for c in (ParallelConfig, CommConfig, CacheConfig, RuntimeConfig, GenerationConfig, ServeConfig)
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = ("model", *_SECTIONS)
 
@@ -515,6 +538,7 @@ class XfuseConfig:
     model: NonEmptyStr = "tiny"
     parallel: Annotated[ParallelConfig, _given_section(ParallelConfig)] = Field(default_factory=ParallelConfig)
     comm: Annotated[CommConfig, _given_section(CommConfig)] = Field(default_factory=CommConfig)
+    cache: Annotated[CacheConfig, _given_section(CacheConfig)] = Field(default_factory=CacheConfig)
     runtime: Annotated[RuntimeConfig, _given_section(RuntimeConfig)] = Field(default_factory=RuntimeConfig)
     generation: Annotated[GenerationConfig | None, _given_section(GenerationConfig, none_is_none=True)] = Field(
         default_factory=GenerationConfig
@@ -544,6 +568,13 @@ class XfuseConfig:
                 "serve.heartbeat_interval_s",
                 f"must be below comm.timeout_s ({self.comm.timeout_s} s), or idle ranks waiting for the next "
                 f"heartbeat time out (got {self.serve.heartbeat_interval_s!r})",
+            )
+        if self.cache.enabled and p.sequence_degree > 1:
+            raise ConfigError(
+                "cache.method",
+                f"{self.cache.method!r} runs with PipeFusion and CFG parallelism, not yet inside a sequence-parallel "
+                f"stage (the first block's residual is split over its ranks): use method 'off', or "
+                f"parallel.ulysses_degree and ring_degree 1 (got ulysses {p.ulysses_degree}, ring {p.ring_degree})",
             )
         if self.comm.backend == "nccl" and self.runtime.device == "cpu":
             raise ConfigError(
@@ -575,6 +606,11 @@ def parallel_config(x: ParallelConfig | Mapping[str, Any] | None) -> ParallelCon
 def comm_config(x: CommConfig | Mapping[str, Any] | None) -> CommConfig:
     """Accept a :class:`CommConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
     return _section_config(CommConfig, x)
+
+
+def cache_config(x: CacheConfig | Mapping[str, Any] | None) -> CacheConfig:
+    """Accept a :class:`CacheConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
+    return _section_config(CacheConfig, x)
 
 
 def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:

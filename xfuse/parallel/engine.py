@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
+from xfuse.config import CacheConfig
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
 from xfuse.parallel.scheduler_state import (
@@ -32,7 +33,8 @@ from xfuse.parallel.scheduler_state import (
     patch_schedulers,
 )
 from xfuse.parallel.stage import BatchPart, Stage
-from xfuse.parallel.stage_plan import StagePlan
+from xfuse.parallel.stage_plan import Segment, StagePlan
+from xfuse.parallel.step_cache import StepCache
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
 
 MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts, patch costs) whose programs are kept
@@ -97,6 +99,9 @@ class PipeFusionEngine:
         channels: point-to-point channels; ``group_ranks[i]`` is the global rank of pipeline rank i.
         warmup_steps: whole-image steps (exact, no stale K/V) before patches are pipelined.
         lookahead: tasks whose receives are posted ahead (≤ ``comm.max_inflight``).
+        cache: step caching (``xfuse.parallel.step_cache``); ``None`` or method ``off``: every step computed.
+
+    After each ``denoise``, ``cache_decisions`` holds this rank's per-step caching decisions (True: computed).
     """
 
     def __init__(
@@ -109,17 +114,21 @@ class PipeFusionEngine:
         group_ranks: list[int],
         warmup_steps: int,
         lookahead: int = 2,
+        cache: CacheConfig | None = None,
     ):
         if plan.degree > 1 and channels is None:
             raise ValueError("a pipeline of more than one rank needs channels")
         self.stage, self.plan, self.channels = stage, plan, channels
         self.pipe_rank, self.group_ranks = pipe_rank, list(group_ranks)
         self.warmup_steps, self.lookahead = warmup_steps, lookahead
+        self.cache = cache if cache is not None and cache.enabled else None
+        self.cache_decisions: list[bool] = []
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
 
     def _program(self, num_steps: int, grid: PatchGrid, parts: int):
-        key = (num_steps, min(self.warmup_steps, num_steps), grid.num_patches, parts, grid.cost_tokens)
+        flags = self.cache is not None
+        key = (num_steps, min(self.warmup_steps, num_steps), grid.num_patches, parts, grid.cost_tokens, flags)
         if key in self._schedules:
             self._schedules.move_to_end(key)
         else:  # pure and cached: computed once per request shape
@@ -142,10 +151,15 @@ class PipeFusionEngine:
         span = tracer.span if tracer is not None else null_span
         rows = [band.num_rows for band in grid]
         with span("denoise", LOOP, steps=len(request.timesteps), patch_rows=rows, patch_tokens=grid.cost_tokens):
-            parts = batch_parts(request.model_batch, self.plan.degree)
+            # With caching, a whole-image step's decision is on its whole batch, as diffusers' on one call: no parts.
+            parts = 1 if self.cache is not None else batch_parts(request.model_batch, self.plan.degree)
             schedule, program, messages = self._program(len(request.timesteps), grid, parts)
             run = _Run(self, request, grid, schedule, messages, tracer)
-            return run.execute(program)
+            try:
+                return run.execute(program)
+            finally:
+                decisions = {} if run.cache is None else run.cache.decisions
+                self.cache_decisions = [decisions.get(step, True) for step in range(len(request.timesteps))]
 
 
 class _Run:
@@ -194,6 +208,8 @@ class _Run:
             if isinstance(steps_table, torch.Tensor) and steps_table.device.type != "cpu":
                 request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
+        held = self.stage.hidden_tokens(None)  # the whole image's tokens this rank holds
+        self.cache = None if engine.cache is None else StepCache(engine.cache, held.stop - held.start)
 
     @property
     def own_latents(self) -> torch.Tensor:
@@ -222,6 +238,8 @@ class _Run:
         rows = lat.shape[2] if m.patch is None else self.grid[m.patch].num_rows * self.grid.patch_size
         if m.kind == "latent":
             return (lat.shape[0], lat.shape[1], rows, lat.shape[3])  # (B, C, rows, W)
+        if m.kind == "cache":
+            return (1,)  # the step's caching decision: 1 computed, 0 skipped
         batch = self.request.model_batch if m.part is None else self.part_size
         if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it (an SP rank: its chunk)
             return (batch, *self.stage.stream_shape(m.kind, self.request.stream_shapes[m.kind])[1:])
@@ -336,9 +354,11 @@ class _Run:
         else:
             hidden, streams = self.local.pop(Task(step, patch, task.hop - 1, task.part))
         segment = plan.route[task.hop]
-        # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them.
+        # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them (with
+        # caching every computed one does, as the last may be skipped).
         keep_kv = band is not None or (
-            self.grid.num_patches > 1 and step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1
+            self.grid.num_patches > 1
+            and (step == self.schedule.warmup_steps - 1 < self.schedule.num_steps - 1 or self.cache is not None)
         )
         last_hop = task.hop == len(plan.route) - 1
         self.stage.begin_task(step, patch)
@@ -349,7 +369,10 @@ class _Run:
             if task.hop == 0:  # (B_model or a part's rows, C, h, W) -> (same, tokens, D)
                 hidden = self.stage.embed(self._transformer_input(task, rows), band)
             assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
-            hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+            if self.cache is None:
+                hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+            else:
+                hidden = self._cached_segment(task, hidden, cond, band, skips, keep_kv, streams, by_kind.get("cache"))
             stepped = self._step_model(task, hidden, cond, band) if last_hop else None
         outgoing = {}
         for m in self.send_msgs[task]:
@@ -359,6 +382,10 @@ class _Run:
                 outgoing[m] = skips.pop(m.block).contiguous()
             elif m.kind in plan.streams:
                 outgoing[m] = streams[m.kind].contiguous()
+            elif m.kind == "cache":
+                assert self.cache is not None
+                computed = self.cache.decisions[step]
+                outgoing[m] = hidden.new_full((1,), 1.0 if computed else 0.0)
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
         if stepped is not None:
@@ -370,6 +397,55 @@ class _Run:
             self.local[task] = (hidden, streams)  # picked up by this rank's next segment
         if outgoing:
             self.outgoing[task] = outgoing
+
+    def _cached_segment(self, task: Task, hidden, cond, band, skips, keep_kv, streams, flag) -> torch.Tensor:
+        """The task's segment under step caching (``xfuse.parallel.step_cache``): block 0 always runs and, on the
+        step's first task, decides; the rest of the segment runs and stores its residual, or is skipped and adds it.
+        ``flag``: the step's decision, received with its first task (ranks without block 0)."""
+        cache, step = self.cache, task.step
+        assert cache is not None
+        segment = self.plan.route[task.hop]
+        tokens = self.stage.hidden_tokens(band)
+        blocks = segment.blocks
+        if task.hop == 0:
+            before = hidden
+            hidden = self.stage.run_segment(hidden, Segment(0, segment.rank, blocks[:1]), cond, band, skips,
+                                            keep_kv, streams)  # fmt: skip
+            residual = hidden - before  # (B, n, D)
+            if step not in cache.decisions:  # the step's first task
+                cache.decide(step, residual, tokens)
+            if cache.decisions[step]:
+                cache.keep_head(residual, tokens)
+            blocks = blocks[1:]
+        elif step not in cache.decisions:  # the step's first task here: its decision came with it
+            assert flag, f"step {step}: the first task on pipeline rank {self.pipe_rank} came without its decision"
+            ((_, value),) = flag
+            cache.note(step, bool(value.item()))
+        if not blocks:
+            return hidden
+        rest = Segment(task.hop, segment.rank, blocks)
+        if cache.decisions[step]:
+            before, streams_before = hidden, dict(streams)
+            hidden = self.stage.run_segment(hidden, rest, cond, band, skips, keep_kv, streams)
+            changed = {k: streams[k] - v for k, v in streams_before.items() if k in streams}
+            cache.store(task.hop, step, tokens, hidden - before, changed)
+            return hidden
+        return self._skip_segment(task, hidden, rest, tokens, skips, streams)
+
+    def _skip_segment(self, task: Task, hidden, rest: Segment, tokens: slice, skips, streams) -> torch.Tensor:
+        """A skipped segment: its cached residual added, no block run (no K/V written); a long skip produced in it
+        passes its input on, one consumed in it is dropped (its consumer is skipped too)."""
+        assert self.cache is not None
+        residual, stream_residuals = self.cache.residual(task.hop, task.step, tokens)
+        for edge in self.plan.skips:
+            if edge.producer in rest.blocks and edge.consumer not in rest.blocks:
+                skips[edge.producer] = hidden
+            elif edge.consumer in rest.blocks and edge.producer not in rest.blocks:
+                skips.pop(edge.producer, None)
+        for kind, change in stream_residuals.items():
+            if kind in streams:
+                streams[kind] = streams[kind] + change
+        return hidden + residual
 
     def _model_input_rows(self, step: int, patch, latent_msgs) -> torch.Tensor:
         """Scaled model-input latent rows of (step, patch) on the embedding rank."""

@@ -66,7 +66,7 @@ class Task:
 class Message:
     """One tensor moving between ranks. ``channel`` names its (kind, skip edge) stream between the two ranks."""
 
-    kind: str  # "hidden" | "skip" | "latent" | a stream of the plan (e.g. "text")
+    kind: str  # "hidden" | "skip" | "latent" | "cache" (a step's caching decision) | a stream of the plan ("text")
     src: int
     dst: int
     step: int  # diffusion step of the task that produces it
@@ -88,6 +88,7 @@ class Schedule:
     orders: dict[int, tuple[Task, ...]]  # rank -> its tasks in execution order
     times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task: units of one block on a mean patch
     batch_parts: int = 1  # parts a whole-image step's transformer batch is streamed in
+    step_flags: bool = False  # a step's first task hands on a one-element ``cache`` message (step caching)
 
     @property
     def makespan(self) -> float:
@@ -140,7 +141,14 @@ class Schedule:
             src = plan.route[task.hop - 1].rank
             out.append(Message("hidden", src, rank, task.step, task.patch, part=task.part))
             out.extend(Message(s, src, rank, task.step, task.patch, part=task.part) for s in self.streams_of(task))
+            if self.carries_flag(task):
+                out.append(Message("cache", src, rank, task.step, task.patch, part=task.part))
         return out
+
+    def carries_flag(self, task: Task) -> bool:
+        """Whether ``task``'s hand-offs carry its step's caching decision: the step's first task (patch 0, or the
+        whole image), with ``step_flags``."""
+        return self.step_flags and task.patch in (None, 0) and task.part in (None, 0)
 
     def streams_of(self, task: Task) -> tuple[str, ...]:
         """The plan's streams a hand-off of ``task`` carries: only the step's first patch (or whole image, each of
@@ -164,6 +172,8 @@ class Schedule:
             dst = plan.route[task.hop + 1].rank
             out.append(Message("hidden", rank, dst, task.step, task.patch, part=task.part))
             out.extend(Message(s, rank, dst, task.step, task.patch, part=task.part) for s in self.streams_of(task))
+            if self.carries_flag(task):
+                out.append(Message("cache", rank, dst, task.step, task.patch, part=task.part))
         return out
 
 
@@ -264,11 +274,13 @@ def build_schedule(
     num_patches: int,
     batch_parts: int = 1,
     patch_tokens: tuple[int, ...] | None = None,
+    step_flags: bool = False,
 ) -> Schedule:
     """The schedule of a request: per-rank task orders for ``num_steps`` steps, the first ``warmup_steps`` whole
     (each streamed as ``batch_parts`` parts of the transformer batch, see ``batch_parts``). ``patch_tokens``: each
     patch's tokens through every block (``PatchGrid.cost_tokens``), which the simulation's costs follow; ``None``:
-    patches of equal cost."""
+    patches of equal cost. ``step_flags``: each step's first task hands its caching decision on
+    (``xfuse.parallel.step_cache``)."""
     if not 0 <= warmup_steps <= num_steps or num_steps < 1:
         raise ValueError(f"need 1 <= num_steps and 0 <= warmup_steps <= num_steps (got {num_steps}, {warmup_steps})")
     if batch_parts < 1:
@@ -285,6 +297,7 @@ def build_schedule(
         {r: tuple(t) for r, t in orders.items()},
         times,
         batch_parts,
+        step_flags,
     )
 
 

@@ -22,7 +22,15 @@ import torch.distributed as dist
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from xfuse.comm.p2p import Recv, Send
-from xfuse.config import CommConfig, ParallelConfig, RuntimeConfig, XfuseConfig, comm_config, parallel_config
+from xfuse.config import (
+    CommConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    XfuseConfig,
+    cache_config,
+    comm_config,
+    parallel_config,
+)
 from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
@@ -30,6 +38,7 @@ from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.scheduler_state import draws_serial_noise
 from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage
+from xfuse.parallel.step_cache import check_decisions
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.parallel.vae_decode import ParallelVAEDecode
 from xfuse.runtime.handshake import config_hash, handshake
@@ -49,7 +58,9 @@ def _runtime(torch_dtype, device) -> RuntimeConfig:
     return RuntimeConfig(device=device, dtype=dtype)
 
 
-def _one_config(config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig]):
+def _one_config(
+    config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig], cache=None
+):
     """The whole config of a pipeline: ``config`` as given (the CLI and the server pass theirs), or one built from
     diffusers-style keyword arguments (the sections given, defaults elsewhere). Not both."""
     if config is None:
@@ -57,13 +68,19 @@ def _one_config(config: XfuseConfig | None, model: str, parallel, comm, runtime:
             model=model,
             parallel=parallel_config(parallel),
             comm=comm_config(comm),
+            cache=cache_config(cache),
             runtime=runtime(),
             generation=None,  # a pipeline built from Python: its calls carry their own arguments
             serve=None,
         )
-    if parallel is not None or comm is not None:
-        raise ValueError("pass either config= or the parallel= / comm= sections, not both")
+    if parallel is not None or comm is not None or cache is not None:
+        raise ValueError("pass either config= or the parallel= / comm= / cache= sections, not both")
     return config
+
+
+def _counts(decisions: list[bool]) -> tuple[int, int]:
+    """(steps computed, steps skipped) of a run's caching decisions."""
+    return sum(decisions), len(decisions) - sum(decisions)
 
 
 def _positive_int(name: str, value) -> None:
@@ -184,6 +201,7 @@ class PipeFusionPipelineBase:
                 module.to(context.device)
         self.engine = self._engine(self.stage)
         self._interrupt, self._callback_error = False, None
+        self._cache_counts: tuple[int, int] = (0, 0)
         self._tracer: Tracer | None = None
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
@@ -210,6 +228,7 @@ class PipeFusionPipelineBase:
             group_ranks=context.pipe_ranks,
             warmup_steps=self.parallel.warmup_steps,
             lookahead=self.comm.max_inflight,
+            cache=self.config.cache,
         )
 
     @classmethod
@@ -246,6 +265,7 @@ class PipeFusionPipelineBase:
         *,
         config: XfuseConfig | None = None,
         dtype=None,
+        cache=None,
         **kwargs,
     ):
         r"""
@@ -260,7 +280,9 @@ class PipeFusionPipelineBase:
                 (the name diffusers now prefers; give one of them).
             device (`str` or `torch.device`, *optional*): `cpu` or `cuda` (default: CUDA when available; each
                 rank uses `cuda:LOCAL_RANK`).
-            config ([`~xfuse.config.XfuseConfig`], *optional*): the whole config instead of the four arguments
+            cache ([`~xfuse.config.CacheConfig`] or `dict`, *optional*): step caching (`method`, `threshold`,
+                `warmup_steps`, `max_skips`; default off).
+            config ([`~xfuse.config.XfuseConfig`], *optional*): the whole config instead of the arguments
                 above (what `xfuse generate` and `xfuse serve` pass). Every rank must hold the same: it is compared
                 at start-up with the versions, model config and plan, and a difference raises on every rank.
             kwargs: passed to the diffusers pipeline's `from_pretrained` (e.g. `scheduler=`).
@@ -279,7 +301,7 @@ class PipeFusionPipelineBase:
         if config is not None and (torch_dtype is not None or device is not None):
             raise ValueError("pass either config= or torch_dtype= / device=, not both")
         config = _one_config(
-            config, pretrained_model_name_or_path, parallel, comm, lambda: _runtime(torch_dtype, device)
+            config, pretrained_model_name_or_path, parallel, comm, lambda: _runtime(torch_dtype, device), cache
         )
         torch_dtype = config.runtime.torch_dtype()
         context = init_parallel(config)
@@ -314,12 +336,15 @@ class PipeFusionPipelineBase:
         return cls(pipeline, context, torch_dtype, stage, stages, vae_config(pretrained_model_name_or_path))
 
     @classmethod
-    def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None):
+    def from_pipe(
+        cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None, cache=None
+    ):
         """Parallelise an already loaded diffusers pipeline of this family (the same object on every rank).
 
-        ``config``: the whole config instead of ``parallel``, ``comm`` and ``device`` (its ``runtime.dtype`` must
-        be the pipeline's). The pipeline's transformer is sharded in place (blocks of other ranks are dropped) and
-        ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline`` itself afterwards.
+        ``config``: the whole config instead of ``parallel``, ``comm``, ``cache`` and ``device`` (its
+        ``runtime.dtype`` must be the pipeline's). The pipeline's transformer is sharded in place (blocks of other
+        ranks are dropped) and ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline``
+        itself afterwards.
         """
         if type(pipeline).__name__ != cls.diffusers_name():
             raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.diffusers_name()} (got {type(pipeline)})")
@@ -328,7 +353,7 @@ class PipeFusionPipelineBase:
             raise ValueError("pass either config= or device=, not both")
         # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
         source = pipeline.config.get("_name_or_path") or cls.diffusers_name()
-        config = _one_config(config, source, parallel, comm, lambda: _runtime(dtype, device))
+        config = _one_config(config, source, parallel, comm, lambda: _runtime(dtype, device), cache)
         if config.runtime.torch_dtype() != dtype:
             raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
         return cls(pipeline, init_parallel(config), dtype)
@@ -365,14 +390,17 @@ class PipeFusionPipelineBase:
         return write_trace(path, gathered) if gathered is not None else None
 
     def local_stats(self) -> dict:
-        """This rank's bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``) and its peak
-        memory (``peak_rss_mib``: the process's peak resident memory; ``peak_cuda_mib``: the peak CUDA allocation)."""
+        """This rank's bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``), with step
+        caching the last call's (steps computed, steps skipped) (``cache_steps``; every patch of a step takes its
+        step's branch), and its peak memory (``peak_rss_mib``: the process's peak resident memory;
+        ``peak_cuda_mib``: the peak CUDA allocation)."""
         sent: dict[str, int] = {}
         for channels in self.context.all_channels:
             for kind, nbytes in channels.counters.sent_bytes.items():
                 sent[kind] = sent.get(kind, 0) + nbytes
         return dict(
             sent=sent,
+            cache_steps=self._cache_counts if self.engine.cache is not None else None,
             peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda" else None,
         )
@@ -585,6 +613,7 @@ class PipeFusionPipelineBase:
     # ------------------------------------------------------------------------------- the driver's steps, in order
     def _begin_call(self) -> None:
         self._interrupt, self._callback_error = False, None
+        self._cache_counts = (0, 0)  # (steps computed, skipped) by step caching in this call
         for channels in self.context.all_channels:
             channels.counters.reset()  # rank_stats() reports the last call
 
@@ -636,11 +665,21 @@ class PipeFusionPipelineBase:
         progress = self.pipeline.progress_bar(total=len(request.timesteps)) if self.context.is_output else None
         if progress is not None:
             request.on_progress = lambda step: progress.update()
+        engine = engine or self.engine
         try:
-            return (engine or self.engine).denoise(request, grid, self._tracer)
+            final = engine.denoise(request, grid, self._tracer)
         finally:
             if progress is not None:
                 progress.close()
+        if engine.cache is not None:
+            computed, skipped = _counts(engine.cache_decisions)  # two experts: two runs in one call
+            self._cache_counts = (self._cache_counts[0] + computed, self._cache_counts[1] + skipped)
+            if self.context.world_size > 1:  # every rank of a group must have taken its first task's decisions
+                decisions = [None] * self.context.world_size
+                mine = (self.context.cfg_rank, engine.cache_decisions)
+                dist.all_gather_object(decisions, mine, group=self.context.control_group)
+                check_decisions(decisions)
+        return final
 
     # ------------------------------------------------------------------- what the families' requests share
     def _cfg_split(self, tensors: dict[str, torch.Tensor], half: int):

@@ -1,0 +1,136 @@
+"""Step caching inside the PipeFusion engine: First-Block Cache, and a TaylorSeer-style prediction of the cached
+residual, with one skip-or-compute decision per step that every rank of a pipeline group takes alike.
+
+The semantics (``tests/support/pipefusion_oracle.py`` implements them independently):
+
+* **The decision.** Block 0 always runs. When the step's first task (patch 0; the whole image in a whole-image step)
+  has passed it on the embedding rank, the step is skipped if the mean absolute change of block 0's residual
+  (output - input) over that task's tokens, relative to the mean absolute value of the same tokens' residual at the
+  last computed step, is at most ``cache.threshold`` (diffusers' ``FBCHeadBlockHook``); always computed before
+  ``cache.warmup_steps``, before any step was computed, and after ``cache.max_skips`` skipped steps in a row.
+* **It travels with the step.** The first task's hand-offs carry it (a one-element ``cache`` message beside the
+  hidden state); every segment sees a step's patches in order, the first first, so every later task of the step on
+  every rank takes the same branch, with no extra round trip. The schedule (every message) is the same either way:
+  a wrong decision cannot deadlock, and the ranks' decisions are compared after the loop (``check_decisions``).
+* **A computed segment** stores its residual at its tokens (and, for the step's first patch, the residual of the
+  plan's streams, an MMDiT's text). **A skipped segment** adds the stored residual instead of running its blocks
+  (``taylor``: extrapolated to first order from the last two computed steps); the sum over a route's segments is the
+  whole tail residual diffusers adds after block 0. A skipped block that produces a long skip passes its input on,
+  as diffusers' pass-through hook does (its skipped consumer ignores it).
+* **Stale K/V.** A skipped segment writes no K/V: the other patches of later steps attend to its blocks' K/V as
+  of the last computed step (block 0's are always fresh). Whole-image steps store their K/V whenever computed, so a
+  skipped last warm-up step leaves the last computed step's.
+* With caching, whole-image steps are not split in batch parts: the decision is then on the whole transformer batch
+  ([uncond, cond] with CFG batched), as diffusers decides on one batched call. With ``cfg_degree: 2`` each CFG group
+  decides on its half, as diffusers decides per ``cache_context`` where a pipeline makes two calls (FLUX, Wan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from xfuse.config import CacheConfig
+
+
+@dataclass
+class _Residuals:
+    """A segment's residuals at its last one or two computed steps (newest last), each at every token this rank
+    holds: written patch by patch, read where a skipped step's patch needs them."""
+
+    steps: list[int] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # (B_model, tokens held, D) each
+    streams: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the step's first patch's stream residuals
+
+
+class StepCache:
+    """One request's caching state on one rank (``xfuse.parallel.engine`` drives it)."""
+
+    def __init__(self, config: CacheConfig, num_tokens: int):
+        self.config, self.num_tokens = config, num_tokens  # tokens of the whole image this rank holds
+        self.decisions: dict[int, bool] = {}  # step -> computed (True) or skipped
+        self.skipped_in_row = 0
+        self.head: torch.Tensor | None = None  # block 0's residual at the last computed step (embedding rank)
+        self.segments: dict[int, _Residuals] = {}  # hop -> its residuals
+
+    # --- the decision (embedding rank) and its arrival elsewhere -------------------------------------------------
+    def decide(self, step: int, residual: torch.Tensor, tokens: slice) -> bool:
+        """The step's decision from its first task's block-0 ``residual`` (B, n, D) at ``tokens``; True: compute.
+        Mirrors ``diffusers.hooks.first_block_cache.FBCHeadBlockHook._should_compute_remaining_blocks``."""
+        cfg = self.config
+        limited = cfg.max_skips is not None and self.skipped_in_row >= cfg.max_skips
+        if step < cfg.warmup_steps or self.head is None or limited:
+            compute = True
+        else:
+            previous = self.head[:, tokens]
+            change = ((residual - previous).abs().mean() / previous.abs().mean()).item()
+            compute = change > cfg.threshold
+        self.note(step, compute)
+        return compute
+
+    def note(self, step: int, compute: bool) -> None:
+        """Record ``step``'s decision (taken here, or received with its first task)."""
+        self.decisions[step] = compute
+        self.skipped_in_row = 0 if compute else self.skipped_in_row + 1
+
+    def keep_head(self, residual: torch.Tensor, tokens: slice) -> None:
+        """A computed step's block-0 residual at ``tokens``: what the next decision compares against."""
+        if self.head is None:
+            self.head = residual.new_zeros(residual.shape[0], self.num_tokens, residual.shape[2])
+        self.head[:, tokens] = residual
+
+    # --- segments ---------------------------------------------------------------------------------------------
+    def store(self, hop: int, step: int, tokens: slice, residual: torch.Tensor, streams: dict[str, torch.Tensor]):
+        """A computed segment's residual (B, n, D) at ``tokens`` (and its stream residuals, the first patch's)."""
+        entry = self.segments.setdefault(hop, _Residuals())
+        if not entry.steps or entry.steps[-1] != step:  # the step's first patch on this segment: a new newest
+            keep = 2 if self.config.method == "taylor" else 1
+            reuse = entry.hidden.pop(0) if len(entry.steps) == keep else None
+            if len(entry.steps) == keep:
+                entry.steps.pop(0)
+                entry.streams.pop(0)
+            buffer = reuse if reuse is not None else residual.new_zeros(residual.shape[0], self.num_tokens,
+                                                                       residual.shape[2])  # fmt: skip
+            entry.steps.append(step)
+            entry.hidden.append(buffer)
+            entry.streams.append({})
+        entry.hidden[-1][:, tokens] = residual
+        entry.streams[-1].update(streams)
+
+    def residual(self, hop: int, step: int, tokens: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """What a skipped segment adds at ``tokens`` on ``step``: its last computed residual, or (``taylor``, two
+        computed steps a > b) ``r_a + (r_a - r_b) * (step - a) / (a - b)``; and the same for its streams."""
+        entry = self.segments[hop]
+        newest, streams = entry.hidden[-1][:, tokens], entry.streams[-1]
+        if self.config.method != "taylor" or len(entry.steps) < 2:
+            return newest, streams
+        (b, a), older = entry.steps, entry.hidden[0][:, tokens]
+        ratio = (step - a) / (a - b)
+        predicted = {k: v + (v - entry.streams[0][k]) * ratio for k, v in streams.items() if k in entry.streams[0]}
+        return newest + (newest - older) * ratio, predicted
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(steps computed, steps skipped) so far."""
+        computed = sum(self.decisions.values())
+        return computed, len(self.decisions) - computed
+
+
+def check_decisions(per_rank: list[tuple[int, list[bool]]]) -> None:
+    """Raise naming the first step whose decision two ranks of one pipeline group took differently: ``per_rank`` is
+    every global rank's (its CFG group, its decisions by step). CFG groups decide on their own halves."""
+    groups: dict[int, list[tuple[int, list[bool]]]] = {}
+    for rank, (group, decisions) in enumerate(per_rank):
+        groups.setdefault(group, []).append((rank, decisions))
+    for group, members in groups.items():
+        first_rank, reference = members[0]
+        for rank, decisions in members[1:]:
+            for step, (a, b) in enumerate(zip(reference, decisions, strict=True)):
+                if a != b:
+                    what = {True: "computed", False: "skipped"}
+                    raise RuntimeError(
+                        f"step cache: the ranks of pipeline group {group} took different decisions at step {step}: "
+                        f"rank {first_rank} {what[a]} it, rank {rank} {what[b]} it; every rank of a group must "
+                        "take the decision its first task carries"
+                    )
