@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from tests.support.schedulers import use_scheduler
 from xfuse.comm.p2p import P2PChannels
+from xfuse.config import cache_config
 from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs
 from xfuse.families.hunyuandit.stage import HunyuanDiTStage
 from xfuse.families.registry import HUNYUANDIT
@@ -49,9 +50,11 @@ def run_engine(
     requests=1,
     preset="tiny",
     on_stage=None,
+    cache=None,
 ):
     """Run PipeFusion on ranks 0 … degree-1 of the world (the others idle); return rank 0's final latents of the
-    last request plus every rank's byte counters. ``on_stage(stage)``: called once the rank's stage is built."""
+    last request plus every rank's byte counters. ``on_stage(stage)``: called once the rank's stage is built.
+    ``cache``: step caching (a ``CacheConfig`` dict); every rank also returns its decisions (``cache_decisions``)."""
     rank = dist.get_rank()
     if rank >= degree:
         return None
@@ -74,6 +77,7 @@ def run_engine(
         group_ranks=list(range(degree)),
         warmup_steps=warmup,
         lookahead=max_inflight,
+        cache=None if cache is None else cache_config(cache),
     )
     grid = patch_grid(height // 8, width // 8, num_patches, pipe.transformer.config.patch_size)
     outputs = []
@@ -88,6 +92,7 @@ def run_engine(
         latents=outputs if requests != 1 else outputs[0],
         counters=channels.counters.as_dict(),
         num_buffers=channels.num_buffers,
+        cache_decisions=engine.cache_decisions,
     )
 
 
@@ -102,3 +107,40 @@ def inject_unrefreshed_kv(monkeypatch) -> None:
         return k[:, :, : cache._valid[layer]], v[:, :, : cache._valid[layer]]
 
     monkeypatch.setattr(StaleKVCache, "update", update_without_refresh)
+
+
+def run_engine_refreshing_skipped_kv(*args, **kwargs):
+    """``run_engine`` with an injected caching bug: a skipped segment runs its blocks anyway (writing their K/V for
+    the patch's tokens) before adding its cached residual as a skip does."""
+    from unittest import mock
+
+    from xfuse.parallel.engine import _Run
+
+    skip = _Run._skip_segment
+
+    def refreshing(run, task, hidden, rest, tokens, skips, streams):
+        band = None if task.patch is None or run.grid.num_patches == 1 else run.grid[task.patch]
+        run.stage.run_segment(hidden, rest, run._cond(task.step), band, dict(skips), True, dict(streams))
+        return skip(run, task, hidden, rest, tokens, skips, streams)
+
+    with mock.patch.object(_Run, "_skip_segment", refreshing):
+        return run_engine(*args, **kwargs)
+
+
+def calls_with_a_flipped_decision(folder, parallel, calls, step, cache):
+    """``run_calls`` of a HunyuanDiT folder where global rank 1 takes the opposite caching decision at ``step`` (an
+    injected bug: it ignores the decision its first task carries)."""
+    from unittest import mock
+
+    from tests.support.pipeline_fns import run_calls
+    from xfuse.parallel.step_cache import StepCache
+
+    note = StepCache.note
+
+    def flipped(cache, at, compute):
+        return note(cache, at, not compute if at == step else compute)
+
+    if dist.get_rank() != 1:
+        return run_calls(folder, parallel, calls, cache=cache)
+    with mock.patch.object(StepCache, "note", flipped):
+        return run_calls(folder, parallel, calls, cache=cache)

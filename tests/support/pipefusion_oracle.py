@@ -427,11 +427,110 @@ FAMILIES = {
 }
 
 
+class FirstBlockCache:
+    """Step caching on the oracle's passes (HunyuanDiT and PixArt-Σ: blocks that return the hidden states), written
+    from diffusers' ``FBCHeadBlockHook`` / ``FBCBlockHook`` and the engine's stated semantics, on the whole route at
+    once (the engine adds per-segment residuals instead):
+
+    * The first pass of a step (patch 0, or the whole image) decides after block 0: skip when
+      ``mean|r - r_prev| / mean|r_prev| <= threshold`` over the pass's own tokens, ``r`` block 0's residual and
+      ``r_prev`` the same tokens' at the last computed step; computed before ``warmup_steps``, before any computed
+      step and after ``max_skips`` skips in a row. Every pass of the step takes that decision.
+    * A computed pass records block 0's residual and the tail residual (last block's output - block 0's) at its own
+      tokens. A skipped pass returns block 0's output plus the tail residual (``taylor``: extrapolated to first order
+      from the last two computed steps) and runs no other block (no K/V written; a block returns its input).
+    """
+
+    def __init__(self, blocks, buffers: KVBuffers, *, method: str, threshold: float, warmup_steps: int = 0,
+                 max_skips: int | None = None) -> None:  # fmt: skip
+        self.buffers, self.method, self.threshold = buffers, method, threshold
+        self.warmup_steps, self.max_skips = warmup_steps, max_skips
+        self.decisions: dict[int, bool] = {}
+        self.in_row = 0
+        self.head = None  # (B, tokens, D): block 0's residual at the last computed step
+        self.tails: list[tuple[int, torch.Tensor]] = []  # (step, (B, tokens, D) tail residual), newest last
+        self.step, self.first = 0, True
+        self.block0_out = None
+        last = len(blocks) - 1
+        for index, block in enumerate(blocks):
+            block.forward = self._wrap(index, last, block.forward)
+
+    def begin(self, step: int, first: bool) -> None:
+        self.step, self.first = step, first
+
+    def _own(self, x):
+        """(B, covering tokens, D) -> the pass's own tokens and their positions in the image."""
+        b = self.buffers
+        if b.tokens is None:
+            return x, slice(0, x.shape[1])
+        own = b.own or b.tokens
+        return x[:, own.start - b.tokens.start : own.stop - b.tokens.start], own
+
+    def _wrap(self, index, last, forward):
+        def wrapped(hidden_states, *args, **kwargs):
+            if index == 0:
+                out = forward(hidden_states, *args, **kwargs)
+                return self._after_first(hidden_states, out)
+            if not self.decisions[self.step]:
+                return hidden_states  # skipped: diffusers' FBCBlockHook passes the input on
+            out = forward(hidden_states, *args, **kwargs)
+            if index == last:
+                self._keep_tail(out)
+            return out
+
+        return wrapped
+
+    def _after_first(self, x, out):
+        residual, own = self._own(out - x)
+        if self.step not in self.decisions:
+            limited = self.max_skips is not None and self.in_row >= self.max_skips
+            compute = self.step < self.warmup_steps or self.head is None or limited
+            if not compute:
+                previous = self.head[:, own]
+                compute = ((residual - previous).abs().mean() / previous.abs().mean()).item() > self.threshold
+            self.decisions[self.step] = compute
+            self.in_row = 0 if compute else self.in_row + 1
+        if self.decisions[self.step]:
+            if self.head is None:
+                self.head = torch.zeros(out.shape[0], self.buffers.num_tokens, out.shape[2], dtype=out.dtype)
+            self.head[:, own] = residual
+            self.block0_out = out
+            return out
+        tail = self.tails[-1][1][:, own]
+        if self.method == "taylor" and len(self.tails) == 2:
+            (b, older), (a, _) = self.tails
+            tail = tail + (tail - older[:, own]) * (self.step - a) / (a - b)
+        b = self.buffers
+        start = 0 if b.tokens is None else own.start - b.tokens.start
+        out = out.clone()
+        out[:, start : start + tail.shape[1]] += tail  # only the own tokens are stepped; the others are read-only
+        return out
+
+    def _keep_tail(self, out):
+        residual, own = self._own(out - self.block0_out)
+        if not self.tails or self.tails[-1][0] != self.step:
+            keep = 2 if self.method == "taylor" else 1
+            self.tails = self.tails[-(keep - 1) :] if keep > 1 else []
+            self.tails.append((self.step, torch.zeros(out.shape[0], self.buffers.num_tokens, out.shape[2],
+                                                      dtype=out.dtype)))  # fmt: skip
+        self.tails[-1][1][:, own] = residual
+
+
 def pipefusion_reference(
-    pipe, inputs: dict, *, height: int, width: int, num_patches: int, warmup: int, token_counts: list[int] | None = None
+    pipe,
+    inputs: dict,
+    *,
+    height: int,
+    width: int,
+    num_patches: int,
+    warmup: int,
+    token_counts: list[int] | None = None,
+    cache: dict | None = None,
 ):
     """Final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps (module docstring).
     ``token_counts``: the tokens of each band, top first (default: ``token_row_bands``' even cut of whole rows).
+    ``cache``: step caching (``FirstBlockCache``'s keywords: ``method``, ``threshold``, ``warmup_steps``,
+    ``max_skips``); its ``decisions`` (step -> computed) are returned beside the latents.
 
     ``pipe``: a diffusers ``HunyuanDiTPipeline``, ``PixArtSigmaPipeline``, ``StableDiffusion3Pipeline`` or
     ``FluxPipeline`` (its transformer is deep-copied, never modified; its scheduler, after ``set_timesteps``, is
@@ -459,6 +558,10 @@ def pipefusion_reference(
     token_rows, token_cols = height // vae_scale_factor // patch_size, width // vae_scale_factor // patch_size
     buffers.num_tokens = token_rows * token_cols
     predict = family(transformer, inputs, buffers, token_rows, token_cols)
+    step_cache = None
+    if cache is not None:
+        blocks = transformer.blocks if hasattr(transformer, "blocks") else transformer.transformer_blocks
+        step_cache = FirstBlockCache(blocks, buffers, **cache)
     if token_counts is None:
         token_counts = [len(band) * token_cols for band in token_row_bands(token_rows, num_patches)]
     assert len(token_counts) == num_patches and sum(token_counts) == token_rows * token_cols, token_counts
@@ -497,6 +600,8 @@ def pipefusion_reference(
             rows = covering(band)
             buffers.tokens, buffers.own = slice(rows.start, rows.stop), slice(band.start, band.stop)
         buffers.patch = patch
+        if step_cache is not None:
+            step_cache.begin(current_step[0], patch in (None, 0))
         return predict(latents, t, scheduler, buffers.tokens)
 
     scheduler = copy.deepcopy(pipe.scheduler)
@@ -504,8 +609,10 @@ def pipefusion_reference(
     assert latents.shape[1 if packed else 2] == (token_rows * token_cols if packed else token_rows * patch_size)
     step_kwargs = dict(inputs["extra_step_kwargs"])
     patch_schedulers = patch_kwargs = None
+    current_step = [0]
     with torch.no_grad():
         for step, t in enumerate(inputs["timesteps"]):
+            current_step[0] = step
             if step < warmup:
                 noise = noise_prediction(latents, t, scheduler, None, None)
                 latents = scheduler.step(noise, t, latents, **step_kwargs, return_dict=False)[0]
@@ -535,6 +642,8 @@ def pipefusion_reference(
                 with step_noise.region(r) if step_noise is not None else contextlib.nullcontext():
                     stepped = patch_scheduler.step(noise, t, sample, **kwargs, return_dict=False)[0]
                 latents[r] = torch.where(own_pixels(band), stepped, latents[r])
+    if step_cache is not None:
+        return latents, step_cache.decisions
     return latents
 
 

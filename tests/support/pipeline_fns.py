@@ -46,11 +46,12 @@ def run_calls(
     family="hunyuandit",
     one_generator=None,
     pipeline=None,
+    cache=None,
 ):
     """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
 
     ``pipeline``: the xfuse class to load it with, where it is not the family's own pipeline (one of the family's
-    ``pipeline_names``, e.g. ``PipeFusionWanImageToVideoPipeline``).
+    ``pipeline_names``, e.g. ``PipeFusionWanImageToVideoPipeline``). ``cache``: the pipeline's step caching.
 
     Other ranks return their list of None / errors, so a test can check that every rank agrees. ``one_generator``
     (a seed): every call uses the same generator, made once, instead of its own; each result then has the
@@ -61,7 +62,7 @@ def run_calls(
     spec = MODEL_SPECS[family]
     pipeline_class = spec.pipeline_class() if pipeline is None else spec.pipeline_class_named(pipeline)
     pipe = pipeline_class.from_pretrained(
-        folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype
+        folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype, cache=cache
     )
     pipe.set_progress_bar_config(disable=True)
     if scheduler is not None:
@@ -84,10 +85,11 @@ def run_calls(
         state = None if shared is None else shared.get_state()
         if out is None:
             results.append(dict(kind="none", log=list(CALLBACK_LOG), decode_ranks=pipe.decode_ranks, sent=sent,
-                                generator_state=state))  # fmt: skip
+                                generator_state=state, cache_steps=pipe.local_stats()["cache_steps"]))  # fmt: skip
         else:
             results.append(dict(kind="ok", images=as_array(out), log=list(CALLBACK_LOG), type=type(out).__name__,
-                                decode_ranks=pipe.decode_ranks, sent=sent, generator_state=state))  # fmt: skip
+                                decode_ranks=pipe.decode_ranks, sent=sent, generator_state=state,
+                                cache_steps=pipe.local_stats()["cache_steps"]))  # fmt: skip
     return results
 
 
