@@ -250,6 +250,14 @@ def cmd_generate(args) -> int:
                 "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB"
             )
             print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
+        if stats[0]["cache_steps"] is not None:
+            cache = config.cache
+            computed, skipped = stats[0]["cache_steps"]
+            print(
+                f"step cache ({cache.method}, threshold {cache.threshold}): {computed} of {computed + skipped} steps "
+                f"computed, {skipped} skipped (every patch takes its step's branch"
+                + ("; CFG group 0's decisions)" if par.cfg_degree > 1 else ")")
+            )
         if events is not None:
             print(f"wrote {args.trace}: {events} trace events (open in https://ui.perfetto.dev)")
     return 0

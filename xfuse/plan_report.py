@@ -284,6 +284,24 @@ def _geometry(r: PlanReport) -> str:
     )
 
 
+def _cache_lines(config: XfuseConfig, steps: int) -> list[str]:
+    """What step caching does with this plan (which steps it skips depends on the request: xfuse generate and serve's
+    /metrics count them)."""
+    cache = config.cache
+    if not cache.enabled:
+        return []
+    always = min(steps, max(cache.warmup_steps, 1))  # the first step has nothing to compare with
+    most = steps - always
+    if cache.max_skips is not None:  # a computed step after every max_skips skipped ones: S S C S S C ...
+        most -= most // (cache.max_skips + 1)
+    return [
+        f"step cache: {cache.method}, threshold {cache.threshold}: block 0 always runs; each step's first patch "
+        f"decides after it and carries the decision with its hand-offs (a 1-element message); steps 0-{always - 1} "
+        f"always computed, at most {most} of {steps} skipped (which ones depends on the request: xfuse generate "
+        "prints them, serve counts them in /metrics)"
+    ]
+
+
 def format_plan_report(r: PlanReport) -> str:
     """The report as the text ``xfuse plan`` prints."""
     config, plan, grid = r.config, r.plan, r.grid
@@ -302,6 +320,7 @@ def format_plan_report(r: PlanReport) -> str:
         + "; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{r.generation.num_inference_steps} steps",
+        *_cache_lines(config, r.generation.num_inference_steps),
         "patches (token rows, tokens, share of the work): "
         + "  ".join(
             f"{b.index}:[{_row(b.token_start, grid.token_cols)},{_row(b.token_stop, grid.token_cols)}) "

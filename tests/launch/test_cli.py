@@ -205,6 +205,26 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
         assert loop["ts"] <= compute[0][0] and compute[-1][1] <= loop["ts"] + loop["dur"] + 1
 
 
+def test_generate_and_plan_report_step_caching(tmp_path):
+    """With a cache section, xfuse plan says what caching does with the plan and xfuse generate how many steps it
+    computed and skipped (both ranks having taken the same decisions: the run succeeds)."""
+    sets = ["--set", "cache.method=first_block", "--set", "cache.threshold=0.4", "--set", "cache.warmup_steps=2"]
+    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", *sets)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "step cache: first_block, threshold 0.4: block 0 always runs; each step's first patch decides after it and "
+        "carries the decision with its hand-offs (a 1-element message); steps 0-1 always computed, at most 6 of 8 "
+        "skipped"
+    ) in out.stdout
+    out = torchrun("-m", "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", *sets, "--output",
+                   str(tmp_path / "c.png"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("step cache (first_block, threshold 0.4): ")]
+    computed, skipped = map(int, re.fullmatch(r".*: (\d+) of 8 steps computed, (\d+) skipped .*", line).groups())
+    assert computed + skipped == 8 and computed >= 2 and skipped >= 1, line
+    assert line.endswith("(every patch takes its step's branch)")
+
+
 def test_generate_refuses_a_world_that_does_not_match():
     """A launcher that started fewer ranks than the config needs (torchrun with 1 for pp2); without a launcher,
     ``xfuse generate`` starts the 2 ranks itself (tests/launch/test_launcher.py)."""

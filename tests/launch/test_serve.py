@@ -22,11 +22,13 @@ API_KEY = "test-key-0123"
 # A small queue bound for the 429 test that the 8 concurrent clients still fit: all 8 may be waiting at once, since
 # they can all arrive before the worker takes the first off the queue (with a bound of 7 the eighth got a 429).
 SETTINGS = ("serve.max_queue=8", "serve.max_images_per_request=3", "serve.max_side=512", "comm.timeout_s=20")
+# Step caching on, as xfuse generate runs it below: the served image still equals generate's, and /metrics counts.
+CACHE = ("cache.method=first_block", "cache.threshold=0.5", "cache.warmup_steps=1")
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    served = ServedWorld(tmp_path_factory.mktemp("serve"), settings=SETTINGS, api_key=API_KEY)
+    served = ServedWorld(tmp_path_factory.mktemp("serve"), settings=(*SETTINGS, *CACHE), api_key=API_KEY)
     yield served
     served.close()
 
@@ -59,7 +61,7 @@ def test_served_image_equals_xfuse_generate(world, client, tmp_path):
         prompt=prompt, size="128x96", extra_body={"seed": seed, "num_inference_steps": steps}
     )
     target = tmp_path / "generate.png"
-    sets = [*BASE_SETTINGS, "generation.width=128", "generation.height=96", f"generation.seed={seed}"]
+    sets = [*BASE_SETTINGS, *CACHE, "generation.width=128", "generation.height=96", f"generation.seed={seed}"]
     sets += [f"generation.num_inference_steps={steps}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
     cmd += ["generate", *[a for kv in sets for a in ("--set", kv)], "--prompt", prompt, "--output", str(target)]
@@ -101,6 +103,9 @@ def test_plain_http_routes(world):
         assert name in metrics, name
     sent = float(re.search(r'xfuse_sent_bytes_total\{rank="1"\} (\S+)', metrics).group(1))
     assert sent > 0  # rank 1 sent hidden states back to rank 0 for every request
+    steps = {d: float(re.search(rf'xfuse_cache_steps_total{{decision="{d}"}} (\S+)', metrics).group(1))
+             for d in ("computed", "skipped")}  # fmt: skip
+    assert steps["computed"] >= 4 and steps["skipped"] >= 1, steps  # the requests above, with caching on
 
 
 def test_idle_world_answers_a_heartbeat_every_interval(world):

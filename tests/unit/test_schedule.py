@@ -228,3 +228,24 @@ def test_the_speedup_ceiling_is_the_schedules_own():
     assert ceilings[0] < ceilings[1] < 640 / 336
     with pytest.raises(ValueError, match="one positive token count per patch"):
         build_schedule(plan, 20, 1, 2, 2, (512,))
+
+
+@pytest.mark.parametrize("degree,placement", [(2, "linear"), (3, "folded"), (4, "balanced"), (8, "balanced")])
+@pytest.mark.parametrize("warmup", [0, 1, STEPS])
+def test_step_flags_ride_with_each_steps_first_task_and_keep_the_protocol(degree, placement, warmup):
+    """Step caching's decision travels with every hand-off of a step's first task (patch 0, or the whole image) and
+    with no other: one per inter-rank hop and step, matched send to receive, the protocol still deadlock-free."""
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    plain = build_schedule(plan, STEPS, warmup, degree + 1)
+    flagged = build_schedule(plan, STEPS, warmup, degree + 1, step_flags=True)
+    check_protocol(flagged, 2)
+    hops = sum(1 for a, b in pairwise(plan.route) if a.rank != b.rank)
+    for rank, order in flagged.orders.items():
+        assert order == plain.orders[rank]  # the same tasks in the same order: only the messages differ
+        for task in order:
+            flags = [m for m in flagged.sends(task) if m.kind == "cache"]
+            assert [m for m in flagged.sends(task) if m.kind != "cache"] == plain.sends(task)
+            assert len(flags) == (1 if task.patch in (None, 0) and task.hop != COLLECT and any(
+                m.kind == "hidden" for m in plain.sends(task)) else 0)  # fmt: skip
+    sent = [m for order in flagged.orders.values() for t in order for m in flagged.sends(t) if m.kind == "cache"]
+    assert len(sent) == hops * STEPS and {m.patch for m in sent} <= {None, 0}

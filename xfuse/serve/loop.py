@@ -59,6 +59,8 @@ def _answer(pipe, drain: DrainSignal, job_done: bool = False) -> dict[str, Any]:
         "drain": drain.requested,
         "peak_rss_bytes": int(stats["peak_rss_mib"] * 2**20),
         "sent_bytes": sum(stats["sent"].values()) if job_done else 0,  # the counters hold the last call's bytes
+        # step caching's (computed, skipped) steps, once per pipeline group (its first rank's)
+        "cache_steps": stats["cache_steps"] if job_done and pipe.context.pipe_rank == 0 else None,
     }
 
 
@@ -98,6 +100,10 @@ def server_loop(
         for answer in answers:
             metrics.answered(answer["rank"], now, answer["peak_rss_bytes"])
             metrics.sent_bytes.labels(str(answer["rank"])).inc(answer["sent_bytes"])
+            if answer["cache_steps"] is not None:
+                computed, skipped = answer["cache_steps"]
+                metrics.cache_steps.labels("computed").inc(computed)
+                metrics.cache_steps.labels("skipped").inc(skipped)
             if answer["drain"]:  # a worker was asked to stop: the whole world drains
                 service.drain_requested = True
 

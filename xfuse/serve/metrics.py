@@ -36,6 +36,13 @@ class ServeMetrics:
         self.sent_bytes = Counter(
             "xfuse_sent_bytes", "Bytes a rank sent to other ranks for requests", ["rank"], registry=reg
         )
+        self.cache_steps = Counter(
+            "xfuse_cache_steps",
+            "Denoising steps of requests by step caching's decision (every patch of a step takes its branch; "
+            "summed over CFG groups, each deciding on its half)",
+            ["decision"],
+            registry=reg,
+        )  # exported as xfuse_cache_steps_total{decision="computed"|"skipped"}
         self.heartbeat_age = Gauge(
             "xfuse_heartbeat_age_seconds", "Seconds since the rank last answered", ["rank"], registry=reg
         )
@@ -44,6 +51,8 @@ class ServeMetrics:
         )
         Info("xfuse", "The served model and parallel layout", registry=reg).info(info)
         self._answered = [time.monotonic()] * world_size
+        for decision in ("computed", "skipped"):
+            self.cache_steps.labels(decision)
         for rank in range(world_size):
             self.sent_bytes.labels(str(rank))
             self.heartbeat_age.labels(str(rank)).set_function(lambda r=rank: time.monotonic() - self._answered[r])
