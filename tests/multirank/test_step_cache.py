@@ -141,6 +141,21 @@ def test_cfg_groups_decide_on_their_own_halves(world4, folder):
     assert first["cache_steps"][1] >= 1
 
 
+@pytest.mark.parametrize("preset,threshold", [("flux-tiny", 0.5), ("wan-tiny", 0.1)])
+def test_exact_mode_with_caching_equals_diffusers_on_mmdit_and_video(world4, tmp_path, preset, threshold):
+    """pp4 in exact mode: FLUX (the text stream's residual handed on with the step's first patch) and Wan (4 blocks:
+    rank 0's segment is block 0 alone) equal diffusers' hook on the same model."""
+    folder = model_spec(preset).save_preset_pipeline(tmp_path / preset, preset)
+    call = {**_preset_call(preset), "seed": 0}
+    parallel = {"pipefusion_degree": 4, "warmup_steps": call["num_inference_steps"]}
+    cache = {"method": "first_block", "threshold": threshold}
+    family = model_spec(preset).name
+    out = world4.run_ok(run_calls, folder, parallel, [call], family=family, cache=cache)[0][0]
+    expected = diffusers_first_block_cache(load_pipeline(preset), threshold, call)
+    assert out["cache_steps"][1] >= 1, out["cache_steps"]
+    assert np.abs(out["images"] - expected).max() <= 1e-5 * max(1.0, float(np.abs(expected).max()))
+
+
 # --- degree 1: diffusers' own hook on the same model ----------------------------------------------------------------
 
 
@@ -160,6 +175,22 @@ def degree1_call(preset, threshold):
     pipe.set_progress_bar_config(disable=True)
     out = pipe(**_preset_call(preset), generator=torch.Generator().manual_seed(0))
     return as_array(out), pipe.engine.cache_decisions
+
+
+def test_sd3_pipelined_with_caching_runs_the_same_decisions_on_every_rank(world4, world1, tmp_path):
+    """SD3 (no diffusers reference: its hook fails on SD3's last block): exact mode at pp4 equals xfuse's own degree-1
+    run with the same cache (the same decisions on the whole batch), and a pipelined run (M = 5) is deterministic."""
+    folder = model_spec("sd3-tiny").save_preset_pipeline(tmp_path / "sd3", "sd3-tiny")
+    call = {**_preset_call("sd3-tiny"), "seed": 0}
+    cache = {"method": "first_block", "threshold": 0.3}
+    exact = {"pipefusion_degree": 4, "warmup_steps": call["num_inference_steps"]}
+    out = world4.run_ok(run_calls, folder, exact, [call], family="sd3", cache=cache)[0][0]
+    (latents, decisions) = world1.run_ok(degree1_call, "sd3-tiny", 0.3)[0]
+    assert decisions.count(False) >= 1 and out["cache_steps"] == (decisions.count(True), decisions.count(False))
+    assert np.abs(out["images"] - latents).max() <= 1e-5 * max(1.0, float(np.abs(latents).max()))
+    piped = {"pipefusion_degree": 4, "num_patches": 5, "warmup_steps": 1}
+    first, second = world4.run_ok(run_calls, folder, piped, [call, call], family="sd3", cache=cache)[0]
+    assert np.array_equal(first["images"], second["images"]) and first["cache_steps"][1] >= 1
 
 
 def _preset_call(preset):
