@@ -120,7 +120,7 @@ def calls_with_one_timestep(folder, parallel, calls):
     from xfuse.families.wan.stage import FirstFrame
 
     def one_timestep(self, t):
-        return t.reshape(1).float(), torch.zeros_like(self.token_mask, dtype=torch.long)
+        return t.float() * torch.ones(2, device=t.device)  # both levels at t
 
     with mock.patch.object(FirstFrame, "timesteps", one_timestep):
         return run_calls(folder, parallel, calls, family="wan", pipeline="PipeFusionWanImageToVideoPipeline")

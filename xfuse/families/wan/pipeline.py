@@ -165,10 +165,10 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         callback_on_step_end,
         callback_on_step_end_tensor_inputs: list[str],
         max_sequence_length: int,
-        image=None,
+        encode_image: Callable[[int], torch.Tensor] | None = None,
     ):
-        """Steps 2-7 of ``WanPipeline.__call__`` (and of ``WanImageToVideoPipeline.__call__`` with ``image``), after
-        the call's own checks."""
+        """Steps 2-7 of ``WanPipeline.__call__`` after the call's own checks; with ``encode_image`` (rank 0: the
+        batch -> the image's latents (B, C, 1, H, W)), ``WanImageToVideoPipeline.__call__``'s."""
         pipe, device = self.pipeline, self.context.device
         self.spec.check_num_frames(num_frames)  # diffusers rounds it with a warning
         batch_size = self._batch_size(prompt, prompt_embeds)
@@ -197,9 +197,8 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
             )
             text = {"prompt_embeds": positive} | ({"negative_prompt_embeds": negative} if do_cfg else {})
             text = {k: v.to(self.dtype) for k, v in text.items()}
-            if image is not None:  # float32, as WanImageToVideoPipeline keeps them
-                batch = batch_size * num_videos_per_prompt
-                text["image_latents"] = self._image_latents(image, batch, height, width, num_frames, generator)
+            if encode_image is not None:  # float32, as WanImageToVideoPipeline keeps them
+                text["image_latents"] = encode_image(batch_size * num_videos_per_prompt)
             return text
 
         def set_timesteps() -> torch.Tensor:
@@ -219,7 +218,7 @@ class PipeFusionWanPipeline(PipeFusionPipelineBase):
         first_frame: list[FirstFrame] = []  # image-to-video: the image's latents in the engine's layout
 
         def request(text, video_latents, timesteps, generator):
-            if image is not None:
+            if encode_image is not None:
                 first_frame.append(FirstFrame(text["image_latents"], video_latents, layout(), self.stage.patch_size))
             keys = ("negative_prompt_embeds", "prompt_embeds") if do_cfg else ("prompt_embeds",)
             batched = {"prompt_embeds": torch.cat([text[k] for k in keys])}  # [negative, positive]
@@ -423,7 +422,7 @@ class PipeFusionWanImageToVideoPipeline(PipeFusionWanPipeline):
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             max_sequence_length=max_sequence_length,
-            image=image,
+            encode_image=lambda batch: self._image_latents(image, batch, height, width, num_frames, generator),
         )
 
     def _image_latents(self, image, batch: int, height: int, width: int, num_frames: int, generator) -> torch.Tensor:

@@ -38,14 +38,14 @@ class WanConditioning:
     """What every block of one denoising step needs besides the hidden states.
 
     With per-token timesteps (Wan 2.2 TI2V's image-to-video: the conditioning frame's tokens at timestep 0), the
-    step's U distinct timesteps are embedded once each and ``token_timesteps`` says which one each token has; a pass
-    gets per-token modulation only where its tokens differ (``modulation``)."""
+    step's two timesteps (0 and t) are embedded once each and ``first_frame`` says which each token has; a pass gets
+    per-token modulation only where its tokens have both (``modulation``)."""
 
-    timestep_proj: torch.Tensor  # (B, 6, hidden): the step's AdaLN input of every block; (B, U, 6, hidden) per token
-    temb: torch.Tensor  # (B, hidden): the output layer's; (B, U, hidden) per token
+    timestep_proj: torch.Tensor  # (B, 6, hidden): the step's AdaLN input of every block; (B, 2, 6, hidden) per token
+    temb: torch.Tensor  # (B, hidden): the output layer's; (B, 2, hidden) per token
     text: torch.Tensor  # (B, S_text, hidden): projected UMT5 states, constant for the request
     rope: RoPE  # the whole clip's table in the layout's token order
-    token_timesteps: torch.Tensor | None = None  # (tokens,) index into U, in the layout's token order; None: one
+    first_frame: FirstFrame | None = None  # image-to-video: each token's timestep (0 or t); None: one per sample
     part: BatchPart | None = None  # the batch rows these tensors are (ShardedStage.batch_part); None: all
 
     STEP_FIELDS: ClassVar = ("timestep_proj", "temb")  # batch-indexed tensors (see batch_part)
@@ -55,11 +55,12 @@ class WanConditioning:
         """``(timestep_proj, temb)`` for the clip's tokens ``tokens``: (B, 6, D) and (B, D) where they share one
         timestep, else per token, (B, n, 6, D) and (B, n, D), the shapes ``WanTransformerBlock`` and the output layer
         take for Wan 2.2 TI2V (elementwise the same numbers either way)."""
-        if self.token_timesteps is None:
+        if self.first_frame is None:
             return self.timestep_proj, self.temb
-        index = self.token_timesteps[tokens]  # (n,)
-        if bool((index == index[0]).all()):
-            return self.timestep_proj[:, index[0]], self.temb[:, index[0]]
+        shared = self.first_frame.shared_level(tokens)  # known per request: no device read on the hot path
+        if shared is not None:
+            return self.timestep_proj[:, shared], self.temb[:, shared]
+        index = self.first_frame.token_level[tokens]  # (n,) 0: timestep 0, 1: t
         return self.timestep_proj[:, index], self.temb[:, index]
 
 
@@ -170,22 +171,22 @@ class WanStage(ShardedStage):
         return self.transformer.condition_embedder.text_embedder(prompt_embeds)
 
     def conditioning(
-        self, timestep: torch.Tensor, text: torch.Tensor, rope: RoPE, token_timesteps: torch.Tensor | None = None
+        self, timestep: torch.Tensor, text: torch.Tensor, rope: RoPE, first_frame: FirstFrame | None = None
     ) -> WanConditioning:
-        """Per-step conditioning from the (B,) timestep, or (B, U) distinct timesteps that ``token_timesteps``
-        (tokens,) index; mirrors the timestep half of
+        """Per-step conditioning from the (B,) timestep, or with ``first_frame`` the (B, 2) timesteps its tokens take
+        (0 and t); mirrors the timestep half of
         ``diffusers.models.transformers.transformer_wan.WanTimeTextImageEmbedding.forward`` (with
         ``timestep_seq_len``) and the ``timestep_proj.unflatten`` of ``WanTransformer3DModel.forward``."""
         embedder = self.transformer.condition_embedder
-        freqs = embedder.timesteps_proj(timestep.flatten())  # (B * U, freq_dim)
+        freqs = embedder.timesteps_proj(timestep.flatten())  # (B,) or (B * 2,) -> (same, freq_dim)
         dtype = next(iter(embedder.time_embedder.parameters())).dtype
         if freqs.dtype != dtype and dtype != torch.int8:
             freqs = freqs.to(dtype)
-        temb = embedder.time_embedder(freqs).type_as(text)  # (B * U, hidden)
-        timestep_proj = embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))  # (B*U, 6*D) -> (B*U, 6, D)
-        if timestep.ndim == 2:  # (B * U, ...) -> (B, U, ...)
+        temb = embedder.time_embedder(freqs).type_as(text)  # -> (same, hidden)
+        timestep_proj = embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))  # (same, 6*D) -> (same, 6, D)
+        if timestep.ndim == 2:  # (B * 2, ...) -> (B, 2, ...)
             temb, timestep_proj = temb.unflatten(0, timestep.shape), timestep_proj.unflatten(0, timestep.shape)
-        return WanConditioning(timestep_proj, temb, text, rope, token_timesteps)
+        return WanConditioning(timestep_proj, temb, text, rope, first_frame)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
         """(B, C, rows, W) rows of the stacked frames -> (B, band tokens, hidden): Wan's ``patch_embedding`` (a Conv3d
@@ -267,8 +268,8 @@ def denoise_request(
     def conditioning(step: int, t: torch.Tensor) -> WanConditioning:
         if first_frame is None:
             return stage.conditioning(t.reshape(1).to(latents.device).expand(model_batch), text, rope)  # as diffusers
-        values, token_timesteps = first_frame.timesteps(t)  # (U,), (tokens,)
-        return stage.conditioning(values.expand(model_batch, -1), text, rope, token_timesteps)
+        levels = first_frame.timesteps(t.to(latents.device))  # (2,): 0 and t
+        return stage.conditioning(levels.expand(model_batch, -1), text, rope, first_frame)
 
     def transformer_input(rows: torch.Tensor, where: slice) -> torch.Tensor:
         rows = rows if first_frame is None else first_frame.put_in(rows, where)
@@ -309,7 +310,10 @@ class FirstFrame:
         image = image_latents.to(latents.dtype).expand(-1, -1, frames, -1, -1)  # (B, C, 1, H, W) -> (B, C, F, H, W)
         self.image = layout.to_grid(image).contiguous()  # -> (B, C, F*H, W)
         token_mask = mask[0, 0, :, ::patch_size, ::patch_size].flatten()  # (F*h*w,) frame-major, as diffusers takes it
-        self.token_mask = token_mask[layout.token_order(latents.device)]  # -> the layout's token order
+        token_mask = token_mask[layout.token_order(latents.device)]  # -> the layout's token order
+        self.token_level = token_mask.long()  # (tokens,) 0: the image's frame (timestep 0), 1: timestep t
+        self._host_level = self.token_level.cpu()
+        self._shared: dict[tuple[int, int], int | None] = {}  # tokens -> the one level they share, or None
 
     def put_in(self, rows: torch.Tensor, where: slice) -> torch.Tensor:
         """(B, C, h, W) latent rows ``where`` of the grid -> the transformer's input rows (the first frame's are the
@@ -317,10 +321,19 @@ class FirstFrame:
         mask = self.mask[:, :, where]
         return (1 - mask) * self.image[:, :, where] + mask * rows
 
-    def timesteps(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's distinct per-token timesteps (U,) and each token's index into them (tokens,): diffusers'
-        ``first_frame_mask[0][0][:, ::2, ::2] * t``, whose values are 0 and t."""
-        return torch.unique(self.token_mask * t.to(self.token_mask.device), return_inverse=True)
+    def timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """The step's two per-token timesteps, (2,): diffusers' ``first_frame_mask[0][0][:, ::2, ::2] * t`` takes
+        the values ``0 * t`` (the image's frame) and ``1 * t``; ``token_level`` says which each token has."""
+        return torch.tensor([0.0, 1.0], device=t.device) * t
+
+    def shared_level(self, tokens: slice) -> int | None:
+        """The level every token of ``tokens`` has (0 or 1), or ``None`` where they mix; computed once per token
+        range on the host (a pass's tokens are the same at every step)."""
+        key = (tokens.start, tokens.stop)
+        if key not in self._shared:
+            levels = self._host_level[tokens]
+            self._shared[key] = int(levels[0]) if bool((levels == levels[0]).all()) else None
+        return self._shared[key]
 
     def final(self, latents: torch.Tensor) -> torch.Tensor:
         """The (B, C, F*H, W) latents the loop ends with -> the ones diffusers decodes (its first frame the image's)."""
