@@ -411,11 +411,13 @@ class _Run:
             before = hidden
             hidden = self.stage.run_segment(hidden, Segment(0, segment.rank, blocks[:1]), cond, band, skips,
                                             keep_kv, streams)  # fmt: skip
-            residual = hidden - before  # (B, n, D)
-            if step not in cache.decisions:  # the step's first task
-                cache.decide(step, residual, tokens)
-            if cache.decisions[step]:
-                cache.keep_head(residual, tokens)
+            first = step not in cache.decisions  # the step's first task decides
+            if first or cache.decisions[step]:  # a skipped step's later patches need no residual of block 0
+                residual = hidden - before  # (B, n, D)
+                if first:
+                    cache.decide(step, residual, tokens)
+                if cache.decisions[step]:
+                    cache.keep_head(residual, tokens)
             blocks = blocks[1:]
         elif step not in cache.decisions:  # the step's first task here: its decision came with it
             assert flag, f"step {step}: the first task on pipeline rank {self.pipe_rank} came without its decision"

@@ -86,12 +86,12 @@ class StepCache:
         entry = self.segments.setdefault(hop, _Residuals())
         if not entry.steps or entry.steps[-1] != step:  # the step's first patch on this segment: a new newest
             keep = 2 if self.config.method == "taylor" else 1
-            reuse = entry.hidden.pop(0) if len(entry.steps) == keep else None
-            if len(entry.steps) == keep:
+            if len(entry.steps) == keep:  # the oldest step goes; its buffer takes the newest
                 entry.steps.pop(0)
                 entry.streams.pop(0)
-            buffer = reuse if reuse is not None else residual.new_zeros(residual.shape[0], self.num_tokens,
-                                                                       residual.shape[2])  # fmt: skip
+                buffer = entry.hidden.pop(0)
+            else:
+                buffer = residual.new_zeros(residual.shape[0], self.num_tokens, residual.shape[2])
             entry.steps.append(step)
             entry.hidden.append(buffer)
             entry.streams.append({})
@@ -109,12 +109,6 @@ class StepCache:
         ratio = (step - a) / (a - b)
         predicted = {k: v + (v - entry.streams[0][k]) * ratio for k, v in streams.items() if k in entry.streams[0]}
         return newest + (newest - older) * ratio, predicted
-
-    @property
-    def counts(self) -> tuple[int, int]:
-        """(steps computed, steps skipped) so far."""
-        computed = sum(self.decisions.values())
-        return computed, len(self.decisions) - computed
 
 
 def check_decisions(per_rank: list[tuple[int, list[bool]]]) -> None:
