@@ -569,13 +569,6 @@ class XfuseConfig:
                 f"must be below comm.timeout_s ({self.comm.timeout_s} s), or idle ranks waiting for the next "
                 f"heartbeat time out (got {self.serve.heartbeat_interval_s!r})",
             )
-        if self.cache.enabled and p.sequence_degree > 1:
-            raise ConfigError(
-                "cache.method",
-                f"{self.cache.method!r} runs with PipeFusion and CFG parallelism, not yet inside a sequence-parallel "
-                f"stage (the first block's residual is split over its ranks): use method 'off', or "
-                f"parallel.ulysses_degree and ring_degree 1 (got ulysses {p.ulysses_degree}, ring {p.ring_degree})",
-            )
         if self.comm.backend == "nccl" and self.runtime.device == "cpu":
             raise ConfigError(
                 "comm.backend",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -284,21 +285,24 @@ def _geometry(r: PlanReport) -> str:
     )
 
 
-def _cache_lines(config: XfuseConfig, steps: int) -> list[str]:
+def _cache_lines(config: XfuseConfig, steps: int, num_patches: int) -> list[str]:
     """What step caching does with this plan (which steps it skips depends on the request: xfuse generate and serve's
     /metrics count them)."""
     cache = config.cache
     if not cache.enabled:
         return []
-    always = min(steps, max(cache.warmup_steps, 1))  # the first step has nothing to compare with
-    most = steps - always
-    if cache.max_skips is not None:  # a computed step after every max_skips skipped ones: S S C S S C ...
-        most -= most // (cache.max_skips + 1)
+    always = set(range(min(steps, max(cache.warmup_steps, 1))))  # the first step has nothing to compare with
+    first_pipelined = config.parallel.warmup_steps
+    if num_patches > 1 and first_pipelined < steps:  # xfuse.parallel.step_cache: passes turn to patches there
+        always.add(first_pipelined)
+    most = 0  # skips that fit between the always-computed steps, max_skips in a row at most: S S C S S C ...
+    for run in (b - a - 1 for a, b in pairwise(sorted(always | {steps}))):
+        most += run if cache.max_skips is None else run - run // (cache.max_skips + 1)
     return [
         f"step cache: {cache.method}, threshold {cache.threshold}: block 0 always runs; each step's first patch "
-        f"decides after it and carries the decision with its hand-offs (a 1-element message); steps 0-{always - 1} "
-        f"always computed, at most {most} of {steps} skipped (which ones depends on the request: xfuse generate "
-        "prints them, serve counts them in /metrics)"
+        f"decides after it and carries the decision with its hand-offs (a 1-element message); steps "
+        f"{_ranges(sorted(always))} always computed, at most {most} of {steps} skipped (which ones depends on the "
+        "request: xfuse generate prints them, serve counts them in /metrics)"
     ]
 
 
@@ -320,7 +324,7 @@ def format_plan_report(r: PlanReport) -> str:
         + "; placement "
         f"{plan.placement}; {grid.num_patches} patches; warm-up {par.warmup_steps} of "
         f"{r.generation.num_inference_steps} steps",
-        *_cache_lines(config, r.generation.num_inference_steps),
+        *_cache_lines(config, r.generation.num_inference_steps, grid.num_patches),
         "patches (token rows, tokens, share of the work): "
         + "  ".join(
             f"{b.index}:[{_row(b.token_start, grid.token_cols)},{_row(b.token_stop, grid.token_cols)}) "

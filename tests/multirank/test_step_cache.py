@@ -22,6 +22,7 @@ from tests.support.engine_fns import (
 )
 from tests.support.pipefusion_oracle import pipefusion_reference
 from tests.support.pipeline_fns import as_array, run_calls
+from tests.support.sequence_fns import inputs_of, run_sequence
 from tests.support.world import World
 from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 from xfuse.families.hunyuandit.reference import prepare_inputs
@@ -99,6 +100,31 @@ def test_a_skipped_step_that_refreshes_kv_fails_the_oracle(world4):
     assert rel_max(broken[0]["latents"], expected) > 1e-3
 
 
+SP_CASES = {
+    "pp2xulysses2": (dict(pp=2, ulysses=2), {"method": "first_block", "threshold": 0.5}),
+    "pp2xring2": (dict(pp=2, ring=2), {"method": "taylor", "threshold": 1.0, "max_skips": 3}),
+}
+
+
+@pytest.mark.parametrize("layout", SP_CASES)
+def test_sequence_parallel_stages_with_caching_equal_the_oracle(world4, layout):
+    """PipeFusion x Ulysses / Ring (M = 3, warm-up 1, DDPM with CFG): each SP group sums block 0's change over its
+    ranks' chunks, so its ranks take one decision on the whole patch, the oracle's. Residuals are kept at their
+    positions in the image: a rank's chunks of the patches are not its chunk of the whole image, which is why the
+    first pipelined step is always computed (ring: threshold 1.0 would skip it). A skipped task's output layer
+    gathers its own patch's chunks (not those of the last pass the rank made)."""
+    parallel, cache = SP_CASES[layout]
+    results = world4.run_ok(run_sequence, "tiny", num_patches=3, warmup=1, height=HEIGHT, width=WIDTH, steps=STEPS,
+                            cfg=5.0, cache=cache, **parallel)  # fmt: skip
+    pipe, inputs = inputs_of("tiny", height=HEIGHT, width=WIDTH, steps=STEPS, cfg=5.0)
+    expected, by_step = pipefusion_reference(pipe, inputs, height=HEIGHT, width=WIDTH, num_patches=3, warmup=1,
+                                             cache=cache)  # fmt: skip
+    decisions = [by_step[step] for step in range(STEPS)]
+    assert decisions[:2] == [True, True] and 2 <= decisions.count(False) <= STEPS - 3, decisions
+    assert all(r[1] == decisions for r in results)  # every rank of both SP groups
+    assert rel_max(results[0][0], expected) <= 1e-5
+
+
 # --- the pipelines ------------------------------------------------------------------------------------------------
 
 CALL = dict(prompt="a red house by a lake", height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
@@ -117,11 +143,14 @@ def diffusers_first_block_cache(pipe, threshold, call):
     return as_array(with_first_block_cache(pipe, threshold)(**call, generator=generator))
 
 
-def test_exact_mode_with_caching_equals_diffusers_first_block_cache(world4, folder):
-    """pp4 (balanced), warm-up = all steps: every step a whole-image pass through the 4 ranks, the decision on the
-    whole [uncond, cond] batch, as diffusers' hook decides on the pipeline's one batched call."""
+@pytest.mark.parametrize("layout", [{"pipefusion_degree": 4}, {"pipefusion_degree": 2, "ulysses_degree": 2}],
+                         ids=["pp4", "pp2xulysses2"])  # fmt: skip
+def test_exact_mode_with_caching_equals_diffusers_first_block_cache(world4, folder, layout):
+    """pp4 (balanced), and pp2 x Ulysses 2, warm-up = all steps: every step a whole-image pass through the ranks, the
+    decision on the whole [uncond, cond] batch, as diffusers' hook decides on the pipeline's one batched call (an SP
+    group sums the change over its ranks' chunks)."""
     expected = diffusers_first_block_cache(HunyuanDiTPipeline.from_pretrained(folder), 0.3, CALL)
-    parallel = {"pipefusion_degree": 4, "warmup_steps": STEPS}
+    parallel = {**layout, "warmup_steps": STEPS}
     cache = {"method": "first_block", "threshold": 0.3}
     results = world4.run_ok(run_calls, folder, parallel, [CALL], cache=cache)
     out = results[0][0]

@@ -434,16 +434,19 @@ class FirstBlockCache:
 
     * The first pass of a step (patch 0, or the whole image) decides after block 0: skip when
       ``mean|r - r_prev| / mean|r_prev| <= threshold`` over the pass's own tokens, ``r`` block 0's residual and
-      ``r_prev`` the same tokens' at the last computed step; computed before ``warmup_steps``, before any computed
+      ``r_prev`` the same tokens' at the last computed step; computed before ``warmup_steps``, at the first
+      pipelined step (``first_pipelined``: where passes turn from the whole image to patches), before any computed
       step and after ``max_skips`` skips in a row. Every pass of the step takes that decision.
     * A computed pass records block 0's residual and the tail residual (last block's output - block 0's) at its own
       tokens. A skipped pass returns block 0's output plus the tail residual (``taylor``: extrapolated to first order
-      from the last two computed steps) and runs no other block (no K/V written; a block returns its input).
+      from the last two computed steps, unless they straddle the first pipelined step) and runs no other block (no
+      K/V written; a block returns its input).
     """
 
     def __init__(self, blocks, buffers: KVBuffers, *, method: str, threshold: float, warmup_steps: int = 0,
-                 max_skips: int | None = None) -> None:  # fmt: skip
+                 max_skips: int | None = None, first_pipelined: int | None = None) -> None:  # fmt: skip
         self.buffers, self.method, self.threshold = buffers, method, threshold
+        self.first_pipelined = first_pipelined
         self.warmup_steps, self.max_skips = warmup_steps, max_skips
         self.decisions: dict[int, bool] = {}
         self.in_row = 0
@@ -484,7 +487,8 @@ class FirstBlockCache:
         residual, own = self._own(out - x)
         if self.step not in self.decisions:
             limited = self.max_skips is not None and self.in_row >= self.max_skips
-            compute = self.step < self.warmup_steps or self.head is None or limited
+            compute = self.step < self.warmup_steps or self.step == self.first_pipelined or self.head is None
+            compute = compute or limited
             if not compute:
                 previous = self.head[:, own]
                 compute = ((residual - previous).abs().mean() / previous.abs().mean()).item() > self.threshold
@@ -497,7 +501,8 @@ class FirstBlockCache:
             self.block0_out = out
             return out
         tail = self.tails[-1][1][:, own]
-        if self.method == "taylor" and len(self.tails) == 2:
+        turned = self.first_pipelined is not None and self.tails[0][0] < self.first_pipelined <= self.tails[-1][0]
+        if self.method == "taylor" and len(self.tails) == 2 and not turned:
             (b, older), (a, _) = self.tails
             tail = tail + (tail - older[:, own]) * (self.step - a) / (a - b)
         b = self.buffers
@@ -561,7 +566,8 @@ def pipefusion_reference(
     step_cache = None
     if cache is not None:
         blocks = transformer.blocks if hasattr(transformer, "blocks") else transformer.transformer_blocks
-        step_cache = FirstBlockCache(blocks, buffers, **cache)
+        pipelined = num_patches > 1 and warmup < len(inputs["timesteps"])
+        step_cache = FirstBlockCache(blocks, buffers, **cache, first_pipelined=warmup if pipelined else None)
     if token_counts is None:
         token_counts = [len(band) * token_cols for band in token_row_bands(token_rows, num_patches)]
     assert len(token_counts) == num_patches and sum(token_counts) == token_rows * token_cols, token_counts

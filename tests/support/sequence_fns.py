@@ -47,12 +47,14 @@ def _request(preset, stage, pipe, inputs, grid):
     return request_of(stage, inputs, scheduler, grid)
 
 
-def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, height, width, steps, cfg, fault=None):
+def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, height, width, steps, cfg, fault=None,
+                 cache=None):  # fmt: skip
     """The engine on ranks 0 … pp * ulysses * ring - 1 (the others idle), global rank ``pipe_rank * sp + sp_index``;
     every rank of pipeline rank 0 returns its final latents (the diffusers pipeline's layout). ``fault``:
-    ``"misplaced_kv"`` writes every patch's K/V at the start of the buffers (a shard bookkeeping bug)."""
+    ``"misplaced_kv"`` writes every patch's K/V at the start of the buffers (a shard bookkeeping bug). ``cache``:
+    step caching (a ``CacheConfig`` dict); every working rank then returns (its latents or None, its decisions)."""
     from xfuse.comm.p2p import P2PChannels
-    from xfuse.config import ParallelConfig
+    from xfuse.config import ParallelConfig, cache_config
     from xfuse.families.registry import model_spec
     from xfuse.parallel.engine import PipeFusionEngine
     from xfuse.parallel.patch_grid import patch_grid
@@ -94,9 +96,11 @@ def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, heig
             pipe_rank=pipe_rank,
             group_ranks=[p * sp + sp_index for p in range(pp)],
             warmup_steps=warmup,
+            cache=None if cache is None else cache_config(cache),
         )
         out = engine.denoise(request, grid)
-        return None if out is None else unpack(out)
+        latents = None if out is None else unpack(out)
+        return latents if cache is None else (latents, engine.cache_decisions)
     finally:
         SequenceParallel.cache_range = right  # the world's next test runs in these processes
         channels.close()

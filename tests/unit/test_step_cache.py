@@ -34,6 +34,38 @@ def test_warmup_and_max_skips_force_computed_steps():
     assert decided == [True, True, False, False, True, False, False, True]
 
 
+def test_the_first_pipelined_step_is_always_computed():
+    """Where passes turn from the whole image to patches (under SP a rank's tokens change there too)."""
+    c = StepCache(cache_config({"method": "first_block", "threshold": 10.0}), num_tokens=6, first_pipelined=2)
+    r = torch.ones(1, 6, 4)
+    decided = []
+    for step in range(5):
+        decided.append(c.decide(step, r, slice(0, 6)))
+        if decided[-1]:
+            c.keep_head(r, slice(0, 6))
+    assert decided == [True, False, True, False, False]  # step 0: nothing to compare with
+
+
+def test_an_sp_group_decides_on_the_sums_of_its_chunks():
+    """Each rank holds a chunk: the group's sums decide, so both ranks decide on the whole patch's change (here 10 %
+    over the patch, while one chunk alone changed 20 % and the other 0 %)."""
+    head = torch.ones(1, 6, 4)
+    chunks = {0: (slice(0, 3), 1.2), 1: (slice(3, 6), 1.0)}
+    changes = {rank: (head[:, tokens] * factor - head[:, tokens]).abs().sum() for rank, (tokens, factor) in
+               chunks.items()}  # fmt: skip
+    decided = []
+    for tokens, factor in chunks.values():
+        c = cache(threshold=0.15)
+        c.keep_head(head, slice(0, 6))
+
+        def group_sum(sums):
+            assert sums[1].item() == 12.0  # this chunk's sum of |r_prev|
+            return torch.stack((changes[0] + changes[1], torch.tensor(24.0)))
+
+        decided.append(c.decide(1, head[:, tokens] * factor, tokens, group_sum))
+    assert decided == [False, False]  # 10 % <= 15 %, though rank 0's own chunk changed 20 %
+
+
 @pytest.mark.parametrize("method", ["first_block", "taylor"])
 def test_a_skipped_segment_adds_the_last_residual_or_its_first_order_prediction(method):
     c = cache(method=method)
@@ -45,6 +77,17 @@ def test_a_skipped_segment_adds_the_last_residual_or_its_first_order_prediction(
         assert residual[0, :, 0].tolist() == [3.0, 3.5, 3.5] and streams["text"].unique().item() == 30.0
     else:  # r_4 + (r_4 - r_2) * (5 - 4) / (4 - 2)
         assert residual[0, :, 0].tolist() == [4.0, 4.5, 4.5] and streams["text"].unique().item() == 40.0
+
+
+def test_taylor_does_not_extrapolate_across_the_first_pipelined_step():
+    """Residuals written by whole-image passes (step 0) and by patch passes (step 2, the first pipelined): the newer
+    one is added as it is; from the next computed step on, the two patch-pass steps extrapolate again."""
+    c = StepCache(cache_config({"method": "taylor"}), num_tokens=6, first_pipelined=2)
+    for step, value in ((0, 1.0), (2, 3.0)):
+        c.store(0, step, slice(0, 6), torch.full((1, 6, 2), value), {})
+    assert c.residual(0, 3, slice(0, 6))[0].unique().item() == 3.0
+    c.store(0, 4, slice(0, 6), torch.full((1, 6, 2), 4.0), {})
+    assert c.residual(0, 5, slice(0, 6))[0].unique().item() == 4.5  # r_4 + (r_4 - r_2) * (5 - 4) / (4 - 2)
 
 
 def test_divergent_decisions_are_named():
@@ -73,8 +116,29 @@ def test_bad_cache_settings_name_the_key(section, key, says):
     assert e.value.key == key and says in str(e.value)
 
 
-def test_caching_inside_a_sequence_parallel_stage_is_refused():
-    with pytest.raises(ConfigError) as e:
-        config_from_dict({"cache": {"method": "first_block"}, "parallel": {"ulysses_degree": 2}})
-    assert e.value.key == "cache.method" and "not yet inside a sequence-parallel stage" in str(e.value)
-    assert config_from_dict({"cache": {"method": "off"}, "parallel": {"ulysses_degree": 2}}).cache.enabled is False
+def test_caching_composes_with_sequence_parallelism():
+    config = config_from_dict({"cache": {"method": "first_block"}, "parallel": {"ulysses_degree": 2, "ring_degree": 2}})
+    assert config.cache.enabled and config.parallel.sequence_degree == 4
+
+
+@pytest.mark.parametrize(
+    "cache_section,parallel,always,most",
+    [
+        ({}, {"warmup_steps": 1}, "0-1", 6),  # step 0, and step 1 (the first pipelined)
+        ({"warmup_steps": 3}, {"warmup_steps": 1}, "0-2", 5),
+        ({}, {"warmup_steps": 3}, "0, 3", 6),
+        ({"max_skips": 2}, {"warmup_steps": 3}, "0, 3", 5),  # S S | C | S S C S
+        ({}, {"warmup_steps": 1, "num_patches": 1}, "0", 7),  # one patch: no pass turns to patches
+    ],
+)
+def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel, always, most):
+    from xfuse.plan_report import format_plan_report, plan_report
+
+    config = config_from_dict({
+        "model": "tiny",
+        "parallel": {"pipefusion_degree": 2, **parallel},
+        "generation": {"num_inference_steps": 8},
+        "cache": {"method": "first_block", **cache_section},
+    })  # fmt: skip
+    (line,) = [x for x in format_plan_report(plan_report(config)).splitlines() if x.startswith("step cache:")]
+    assert f"steps {always} always computed, at most {most} of 8 skipped" in line

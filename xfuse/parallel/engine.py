@@ -208,8 +208,10 @@ class _Run:
             if isinstance(steps_table, torch.Tensor) and steps_table.device.type != "cpu":
                 request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
-        held = self.stage.hidden_tokens(None)  # the whole image's tokens this rank holds
-        self.cache = None if engine.cache is None else StepCache(engine.cache, held.stop - held.start)
+        self.cache = None
+        if engine.cache is not None:
+            pipelined = grid.num_patches > 1 and self.schedule.warmup_steps < self.schedule.num_steps
+            self.cache = StepCache(engine.cache, grid.num_tokens, self.schedule.warmup_steps if pipelined else None)
 
     @property
     def own_latents(self) -> torch.Tensor:
@@ -415,7 +417,7 @@ class _Run:
             if first or cache.decisions[step]:  # a skipped step's later patches need no residual of block 0
                 residual = hidden - before  # (B, n, D)
                 if first:
-                    cache.decide(step, residual, tokens)
+                    cache.decide(step, residual, tokens, self.stage.group_sum)
                 if cache.decisions[step]:
                     cache.keep_head(residual, tokens)
             blocks = blocks[1:]

@@ -97,12 +97,12 @@ class SequenceParallel:
         self._layout: list[list[slice]] = []  # ring rank -> where it keeps each patch's ring chunk (ring_layout)
         # Ulysses posts a message's receives before the peers send it where it knows the shapes early: the output's
         # before the attention, and the next attention's q/k/v after this one, from the shapes an earlier pass of the
-        # same segment, tokens and first exchange made (SD3.5's dual-attention blocks alternate two). A send then
+        # same blocks, tokens and first exchange made (SD3.5's dual-attention blocks alternate two). A send then
         # lands in a posted buffer instead of waiting in the socket for the peer to post it (gloo), which is what
         # kept the ranks waiting in each other's exchanges.
-        self._pass: tuple = ()  # (segment, tokens) of the current pass
+        self._pass: tuple = ()  # (blocks, tokens) of the current pass
         self._qkv_shapes: list[tuple] = []  # its q/k/v exchanges' receive shapes so far, by SP index
-        self._passes: dict[tuple, list[tuple]] = {}  # (segment, tokens, first exchange) -> every exchange's shapes
+        self._passes: dict[tuple, list[tuple]] = {}  # (blocks, tokens, first exchange) -> every exchange's shapes
         self._next_qkv: tuple[tuple, Any] | None = None  # the next q/k/v exchange's posted receives (shapes, ops)
 
     @property
@@ -112,19 +112,35 @@ class SequenceParallel:
     def begin_task(self, step: int, patch: int | None) -> None:
         self.step, self.patch = step, patch
 
-    def begin_pass(self, tokens: slice, segment: int = 0) -> None:
+    def begin_pass(self, tokens: slice, blocks: tuple[int, ...] = ()) -> None:
         """The pass about to run covers image tokens ``tokens`` (every rank of the group holds a chunk of them) through
-        route segment ``segment``."""
+        ``blocks`` (a route segment, or with step caching part of one: block 0 runs as a pass of its own)."""
         if self._next_qkv is not None:
             raise RuntimeError("SequenceParallel: q/k/v receives posted for an attention the last pass did not make")
-        self._tokens, self._pass, self._qkv_shapes = tokens, (segment, tokens.start, tokens.stop), []
+        self._tokens, self._pass, self._qkv_shapes = tokens, (blocks, tokens.start, tokens.stop), []
 
     def end_pass(self) -> None:
-        """Remember the pass's q/k/v exchanges for the next pass of the same segment, tokens and first exchange."""
+        """Remember the pass's q/k/v exchanges for the next pass of the same blocks, tokens and first exchange."""
         if self._next_qkv is not None:
             raise RuntimeError("SequenceParallel: q/k/v receives posted for an attention the pass did not make")
         if self._qkv_shapes:
             self._passes[self._pass + (self._qkv_shapes[0],)] = self._qkv_shapes
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a few elements) summed over the group, in SP index order: every rank gets the same bits."""
+        if self.degree == 1:
+            return values
+        values = values.contiguous()
+        peers = [i for i in range(self.degree) if i != self.index]
+
+        def total(received: dict[int, torch.Tensor]) -> torch.Tensor:
+            out = torch.zeros_like(values)
+            for i in range(self.degree):
+                out += values if i == self.index else received[i]
+            return out
+
+        shapes = dict.fromkeys(peers, tuple(values.shape))
+        return self._exchange("sp sum", dict.fromkeys(peers, values), shapes, values.dtype, total)
 
     # --- layout ---------------------------------------------------------------------------------------------
     def local(self, tokens: slice) -> slice:
@@ -417,12 +433,13 @@ class SequenceParallel:
         _, send_handles, _ = self._post(kind, sends, {}, dtype)
         return self._finish((sources, send_handles, recv_handles), use)
 
-    def gather_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, my tokens, D) -> (B, the pass's tokens, D): every rank's chunk, in token order (the output layer and
-        unpatchify need whole rows)."""
+    def gather_tokens(self, hidden: torch.Tensor, tokens: slice) -> torch.Tensor:
+        """(B, my chunk of ``tokens``, D) -> (B, ``tokens``, D): every rank's chunk, in token order (the output layer
+        and unpatchify need whole rows). ``tokens`` is named: with step caching the task's last pass may have been
+        skipped, and the last pass this rank made another patch's."""
         hidden = hidden.contiguous()
         batch, _, width = hidden.shape
-        chunks = token_chunks(self._tokens, self.degree)
+        chunks = token_chunks(tokens, self.degree)
         peers = [i for i in range(self.degree) if i != self.index]
         recvs = {i: (batch, self._size(chunks[i]), width) for i in peers}
 

@@ -50,6 +50,9 @@ class SequenceParallelStage:
     def stream_shape(self, kind: str, shape: tuple) -> tuple:
         return self.inner.stream_shape(kind, shape)
 
+    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return self.sequence.all_sum(values)
+
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         return self.inner.batch_part(cond, part)
 
@@ -70,11 +73,11 @@ class SequenceParallelStage:
         keep_kv: bool = True,
         streams: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        self.sequence.begin_pass(self._tokens(band), segment.hop)
+        self.sequence.begin_pass(self._tokens(band), segment.blocks)
         out = self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
         self.sequence.end_pass()
         return out
 
     def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
         """(B, my chunk's tokens, hidden) -> the model output of the whole band, on every rank of the group."""
-        return self.inner.head(self.sequence.gather_tokens(hidden), cond, token_cols, band)
+        return self.inner.head(self.sequence.gather_tokens(hidden, self._tokens(band)), cond, token_cols, band)

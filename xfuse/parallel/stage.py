@@ -57,6 +57,10 @@ class Stage(Protocol):
         """The shape this rank holds of the plan's stream ``kind`` whose whole shape is ``shape`` (B, T, ...): all of
         it, or under sequence parallelism its chunk of the tokens."""
 
+    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a few elements) summed over the ranks that share each pass's tokens: the same bits on each of
+        them under sequence parallelism (its SP group), ``values`` itself otherwise."""
+
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         """The conditioning of ``part``'s rows of the transformer batch: ``cond`` with every batch-indexed tensor
         sliced. Passes run with it are whole-image passes on those rows only (their K/V go into those rows)."""

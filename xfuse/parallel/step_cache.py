@@ -7,7 +7,8 @@ The semantics (``tests/support/pipefusion_oracle.py`` implements them independen
   has passed it on the embedding rank, the step is skipped if the mean absolute change of block 0's residual
   (output - input) over that task's tokens, relative to the mean absolute value of the same tokens' residual at the
   last computed step, is at most ``cache.threshold`` (diffusers' ``FBCHeadBlockHook``); always computed before
-  ``cache.warmup_steps``, before any step was computed, and after ``cache.max_skips`` skipped steps in a row.
+  ``cache.warmup_steps``, at the first pipelined step (see below), before any step was computed, and after
+  ``cache.max_skips`` skipped steps in a row.
 * **It travels with the step.** The first task's hand-offs carry it (a one-element ``cache`` message beside the
   hidden state); every segment sees a step's patches in order, the first first, so every later task of the step on
   every rank takes the same branch, with no extra round trip. The schedule (every message) is the same either way:
@@ -20,6 +21,11 @@ The semantics (``tests/support/pipefusion_oracle.py`` implements them independen
 * **Stale K/V.** A skipped segment writes no K/V: the other patches of later steps attend to its blocks' K/V as
   of the last computed step (block 0's are always fresh). Whole-image steps store their K/V whenever computed, so a
   skipped last warm-up step leaves the last computed step's.
+* **Sequence parallelism.** A rank of an SP group holds a chunk of every pass's tokens. The decision sums the
+  changes over the group's chunks (``Stage.group_sum``), so the group decides on the whole task. Residuals are kept
+  at their tokens' positions in the image; a rank's chunk of the whole image is not its chunks of the patches, so
+  the first pipelined step (where passes turn from the whole image to patches) is always computed, and ``taylor``
+  does not extrapolate across it (it adds the newer residual). The rule holds for every layout: one semantics.
 * With caching, whole-image steps are not split in batch parts: the decision is then on the whole transformer batch
   ([uncond, cond] with CFG batched), as diffusers decides on one batched call. With ``cfg_degree: 2`` each CFG group
   decides on its half, as diffusers decides per ``cache_context`` where a pipeline makes two calls (FLUX, Wan).
@@ -47,25 +53,33 @@ class _Residuals:
 class StepCache:
     """One request's caching state on one rank (``xfuse.parallel.engine`` drives it)."""
 
-    def __init__(self, config: CacheConfig, num_tokens: int):
-        self.config, self.num_tokens = config, num_tokens  # tokens of the whole image this rank holds
+    def __init__(self, config: CacheConfig, num_tokens: int, first_pipelined: int | None = None):
+        # Residuals are kept at their positions in the image (``num_tokens``: the whole image's): under sequence
+        # parallelism a rank writes and reads only its chunks, whose positions differ between whole-image and patch
+        # passes. ``first_pipelined``: the step where passes turn from the whole image to patches (always computed).
+        self.config, self.num_tokens, self.first_pipelined = config, num_tokens, first_pipelined
         self.decisions: dict[int, bool] = {}  # step -> computed (True) or skipped
         self.skipped_in_row = 0
         self.head: torch.Tensor | None = None  # block 0's residual at the last computed step (embedding rank)
         self.segments: dict[int, _Residuals] = {}  # hop -> its residuals
 
     # --- the decision (embedding rank) and its arrival elsewhere -------------------------------------------------
-    def decide(self, step: int, residual: torch.Tensor, tokens: slice) -> bool:
+    def decide(self, step: int, residual: torch.Tensor, tokens: slice, group_sum=None) -> bool:
         """The step's decision from its first task's block-0 ``residual`` (B, n, D) at ``tokens``; True: compute.
+        ``group_sum`` (``Stage.group_sum``) totals the sums over the ranks that share the task's tokens (an SP group:
+        each holds a chunk), so they all take one decision on the whole task's tokens.
         Mirrors ``diffusers.hooks.first_block_cache.FBCHeadBlockHook._should_compute_remaining_blocks``."""
         cfg = self.config
         limited = cfg.max_skips is not None and self.skipped_in_row >= cfg.max_skips
-        if step < cfg.warmup_steps or self.head is None or limited:
+        if step < cfg.warmup_steps or step == self.first_pipelined or self.head is None or limited:
             compute = True
         else:
             previous = self.head[:, tokens]
-            change = ((residual - previous).abs().mean() / previous.abs().mean()).item()
-            compute = change > cfg.threshold
+            sums = torch.stack(((residual - previous).abs().sum(), previous.abs().sum()))  # (2,)
+            if group_sum is not None:
+                sums = group_sum(sums)
+            change, scale = sums  # diffusers' ratio of two means over the same tokens: the ratio of their sums
+            compute = (change / scale).item() > cfg.threshold
         self.note(step, compute)
         return compute
 
@@ -103,12 +117,18 @@ class StepCache:
         computed steps a > b) ``r_a + (r_a - r_b) * (step - a) / (a - b)``; and the same for its streams."""
         entry = self.segments[hop]
         newest, streams = entry.hidden[-1][:, tokens], entry.streams[-1]
-        if self.config.method != "taylor" or len(entry.steps) < 2:
+        if self.config.method != "taylor" or len(entry.steps) < 2 or self._across_the_turn(*entry.steps):
             return newest, streams
         (b, a), older = entry.steps, entry.hidden[0][:, tokens]
         ratio = (step - a) / (a - b)
         predicted = {k: v + (v - entry.streams[0][k]) * ratio for k, v in streams.items() if k in entry.streams[0]}
         return newest + (newest - older) * ratio, predicted
+
+    def _across_the_turn(self, older: int, newer: int) -> bool:
+        """Whether two computed steps straddle the first pipelined step: the older one's residuals were written by
+        whole-image passes, which under sequence parallelism put a rank's tokens elsewhere than its patch passes do,
+        so ``taylor`` does not extrapolate from them (it adds the newer one's, as ``first_block`` does)."""
+        return self.first_pipelined is not None and older < self.first_pipelined <= newer
 
 
 def check_decisions(per_rank: list[tuple[int, list[bool]]]) -> None:

@@ -113,6 +113,11 @@ class ShardedStage(nn.Module):
         """The shape this rank holds of stream ``kind`` (families with streams shard them: ``JointStage``)."""
         return shape
 
+    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the ranks sharing this pass's tokens: this rank alone (``SequenceParallelStage``
+        sums over its SP group)."""
+        return values
+
     def begin_task(self, step: int, patch: int | None) -> None:
         """The engine is about to compute a task of (step, patch): only sequence parallelism labels its messages
         with it (``xfuse.parallel.sequence_stage``)."""
