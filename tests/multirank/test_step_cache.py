@@ -173,13 +173,22 @@ def test_cfg_groups_decide_on_their_own_halves(world4, folder):
     assert np.array_equal(first["images"], second["images"])
 
 
-@pytest.mark.parametrize("preset,threshold", [("flux-tiny", 0.5), ("wan-tiny", 0.1)])
-def test_exact_mode_with_caching_equals_diffusers_on_mmdit_and_video(world4, tmp_path, preset, threshold):
-    """pp4 in exact mode: FLUX (the text stream's residual handed on with the step's first patch) and Wan (4 blocks:
-    rank 0's segment is block 0 alone) equal diffusers' hook on the same model."""
+@pytest.mark.parametrize(
+    "preset,threshold,layout",
+    [
+        ("flux-tiny", 0.5, {"pipefusion_degree": 4}),
+        ("flux-tiny", 0.5, {"pipefusion_degree": 2, "ulysses_degree": 2}),
+        ("wan-tiny", 0.1, {"pipefusion_degree": 4}),
+    ],
+    ids=["flux-pp4", "flux-pp2xulysses2", "wan-pp4"],
+)
+def test_exact_mode_with_caching_equals_diffusers_on_mmdit_and_video(world4, tmp_path, preset, threshold, layout):
+    """Exact mode: FLUX (the text stream's residual handed on with the step's first patch; under Ulysses each rank
+    keeps its chunk of the text's) and Wan (pp4, 4 blocks: rank 0's segment is block 0 alone) equal diffusers' hook on
+    the same model."""
     folder = model_spec(preset).save_preset_pipeline(tmp_path / preset, preset)
     call = {**_preset_call(preset), "seed": 0}
-    parallel = {"pipefusion_degree": 4, "warmup_steps": call["num_inference_steps"]}
+    parallel = {**layout, "warmup_steps": call["num_inference_steps"]}
     cache = {"method": "first_block", "threshold": threshold}
     family = model_spec(preset).name
     out = world4.run_ok(run_calls, folder, parallel, [call], family=family, cache=cache)[0][0]
