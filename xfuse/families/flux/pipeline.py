@@ -16,9 +16,10 @@ from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.lora import ShardedLoraMixin
 
 
-class PipeFusionFluxPipeline(PipeFusionPipelineBase):
+class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
     r"""
     Text-to-image with FLUX.1 on ``cfg_degree x pipefusion_degree`` ranks, called with the arguments of diffusers'
     [`~diffusers.FluxPipeline.__call__`]; global rank 0 returns what diffusers returns, the others `None`. Rules:

@@ -16,9 +16,10 @@ from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.sd3.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.lora import ShardedLoraMixin
 
 
-class PipeFusionStableDiffusion3Pipeline(PipeFusionPipelineBase):
+class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBase):
     r"""
     Text-to-image with SD3 / SD3.5 on ``cfg_degree x pipefusion_degree`` ranks, called with the arguments of
     diffusers' [`~diffusers.StableDiffusion3Pipeline.__call__`]; global rank 0 returns what diffusers returns, the
