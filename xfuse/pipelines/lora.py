@@ -108,8 +108,9 @@ class ShardedLoraMixin:
         weights of its own blocks (and rank 0 those of the text encoders). A file that is not a LoRA of this model is
         refused with the same `ValueError` on every rank before any weight changes.
 
-        Mirrors the loaders' `load_lora_weights` (``SD3LoraLoaderMixin``, ``FluxLoraLoaderMixin``) without hot
-        swapping, Control LoRA or DoRA.
+        Mirrors ``diffusers.loaders.lora_pipeline.SD3LoraLoaderMixin.load_lora_weights`` and
+        ``diffusers.loaders.lora_pipeline.FluxLoraLoaderMixin.load_lora_weights``, without hot swapping, Control LoRA
+        or DoRA.
         """
         if kwargs.pop("hotswap", False):
             raise ValueError("load_lora_weights: hotswap is not supported on a sharded pipeline")
@@ -135,7 +136,8 @@ class ShardedLoraMixin:
             keys = {k: v for k, v in mine.items() if k.startswith(f"{component}.")}
             if not keys:
                 continue
-            if component == TRANSFORMER:  # mirrors the loaders' load_lora_into_transformer
+            # mirrors ``diffusers.loaders.lora_pipeline.SD3LoraLoaderMixin.load_lora_into_transformer``
+            if component == TRANSFORMER:
                 module.load_lora_adapter(keys, prefix=TRANSFORMER, network_alphas=network_alphas, metadata=metadata,
                                          adapter_name=adapter_name, low_cpu_mem_usage=low_cpu_mem_usage)  # fmt: skip
             else:
@@ -187,7 +189,8 @@ class ShardedLoraMixin:
             )
 
     def _activate(self, names: list[str], weights: list) -> None:
-        """Mirrors ``LoraBaseMixin.set_adapters`` on this rank's components: each gets its part of the weights."""
+        """Mirrors ``diffusers.loaders.lora_base.LoraBaseMixin.set_adapters`` on this rank's components: each gets its
+        part of the weights."""
         from diffusers.loaders.lora_base import set_adapters_for_text_encoder
 
         for component, module in self._local().items():
