@@ -74,6 +74,7 @@ class Allowed(str):
 
 
 NonEmptyStr = Annotated[str, Field(pattern=r"\S")]
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a served LoRA adapter's name (serve.lora_adapters)
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0.0)]
 StageSplit = Annotated[
@@ -188,7 +189,9 @@ def _config_error(cls: type, prefix: str, exc: ValidationError, given: Mapping[s
     key = f"{prefix}.{name}" if prefix else str(name)
     value = given.get(name, error["input"])
     base, _, _ = _field_shape(info)
-    if inner:  # an entry of a list
+    if inner and get_origin(base) is dict:  # a mapping's entry (of names to paths)
+        what = f"; entry {inner[0]!r} is not a non-empty string"
+    elif inner:  # an entry of a list
         what = f"; entry {inner[0]} is not a positive integer"
     elif error["type"].endswith("_type"):
         what = _type_hint(value, base)
@@ -467,8 +470,19 @@ class ServeConfig(_Section):
     request_timeout_s: Seconds = 300.0  # a request not started within this is answered 503 and never runs
     heartbeat_interval_s: Seconds = 1.0  # rank 0 -> every rank while idle
     heartbeat_timeout_s: Seconds = 2.0  # a rank that does not answer within this is lost: the world stops
+    # LoRA adapters every rank loads at start-up (name -> local file or folder); a request picks them by name
+    lora_adapters: Annotated[
+        dict[str, NonEmptyStr], Allowed("a mapping of adapter names to LoRA files or folders (paths on every rank)")
+    ] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in self.lora_adapters:
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ConfigError(
+                    "serve.lora_adapters",
+                    f"adapter names are 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit "
+                    f"(got {name!r})",
+                )
         if self.heartbeat_interval_s > 1.0:
             raise ConfigError(
                 "serve.heartbeat_interval_s",

@@ -130,7 +130,10 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
     @app.get("/v1/models")
     async def models():
         limits = service.limits
-        data = [] if limits is None else [_model_card(limits.model_name, app.state.started)]
+        data = []
+        if limits is not None:  # the model, then its LoRA adapters as models of their own (vLLM's cards)
+            data = [_model_card(limits.model_name, app.state.started)]
+            data += [_model_card(a, app.state.started, parent=limits.model_name) for a in limits.adapters]
         return {"object": "list", "data": data}
 
     @app.post("/v1/images/generations")
@@ -194,5 +197,6 @@ class _Gate:
             self.state.inflight -= 1
 
 
-def _model_card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "xfuse"}
+def _model_card(name: str, created: int, parent: str | None = None) -> dict:
+    card = {"id": name, "object": "model", "created": created, "owned_by": "xfuse"}
+    return card if parent is None else {**card, "parent": parent}

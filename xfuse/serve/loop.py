@@ -64,8 +64,20 @@ def _answer(pipe, drain: DrainSignal, job_done: bool = False) -> dict[str, Any]:
     }
 
 
+def use_adapters(pipe, lora) -> None:
+    """Make the request's LoRA adapters (``GenerationJob.lora``: (name, weight) pairs) the active ones, or run the
+    base model: every rank switches between the same requests in the same order, on its own share of the weights."""
+    if not lora:
+        pipe.disable_lora()
+        return
+    pipe.enable_lora()
+    pipe.set_adapters([name for name, _ in lora], adapter_weights=[weight for _, weight in lora])
+
+
 def run_job(pipe, job: dict[str, Any]):
     """This rank's share of one request (every rank makes the same call; rank 0 gets the output)."""
+    if job["lora"] or getattr(pipe, "get_list_adapters", dict)():  # a server with adapters
+        use_adapters(pipe, job["lora"])
     return pipe(
         **image_call_kwargs(
             prompt=job["prompt"],

@@ -3,8 +3,10 @@ error envelope. Pure (pydantic only): rank 0's HTTP thread validates here, and n
 
 ``POST /v1/images/generations`` takes OpenAI's fields (``prompt``, ``model``, ``n``, ``size``, ``response_format``,
 ``user``) and the diffusion fields other open diffusion servers (SGLang Diffusion, vLLM-Omni) take at the top level:
-``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``. The ``openai`` client sends those through
-``extra_body``. Unknown fields are refused by name rather than ignored.
+``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``; and ``lora``: one of the server's LoRA
+adapters by name, or a weighted set ``{"name": weight, ...}`` (``serve.lora_adapters``; as in vLLM, a request may also
+name an adapter as its ``model``). The ``openai`` client sends those through ``extra_body``. Unknown fields are
+refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     seed: int | None = None
+    lora: str | dict[str, float] | None = None
 
 
 FIELDS = tuple(ImageGenerationRequest.model_fields)
@@ -79,6 +82,7 @@ class RequestLimits:
     max_prompt_chars: int
     check_size: Callable[[int, int], None]
     min_guidance_exclusive: float | None = None  # cfg_degree 2 splits the CFG batch: guidance must exceed 1
+    adapters: tuple[str, ...] = ()  # the LoRA adapters loaded at start-up (serve.lora_adapters)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class GenerationJob:
     num_inference_steps: int
     guidance_scale: float
     seed: int | None  # None: rank 0 draws one (and returns it)
+    lora: tuple[tuple[str, float], ...] = ()  # (adapter, weight) active for this request; empty: the base model
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +119,12 @@ def _from_validation_error(err: ValidationError) -> RequestError:
         )
     got = repr(first.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
+    if loc[0] == "lora":  # a union: pydantic names the member type it tried last, which says nothing to a client
+        return RequestError(
+            f"lora must be an adapter's name or an object of adapter names to weights (numbers) (got {got})",
+            param="lora",
+            code="invalid_type",
+        )
     return RequestError(f"{param}: {first['msg'].lower()} (got {got})", param=param, code="invalid_type")
 
 
@@ -163,7 +174,7 @@ def parse_request(body: bytes | str, limits: RequestLimits) -> GenerationJob:
         raise _from_validation_error(err) from None
     _check_text("prompt", request.prompt, limits.max_prompt_chars, required=True)
     _check_text("negative_prompt", request.negative_prompt, limits.max_prompt_chars, required=False)
-    if request.model is not None and request.model != limits.model_name:
+    if request.model is not None and request.model not in (limits.model_name, *limits.adapters):
         raise RequestError(
             f"model {request.model[:80]!r} is not served here; this server serves {limits.model_name!r} "
             f"(GET /v1/models)",
@@ -196,6 +207,7 @@ def parse_request(body: bytes | str, limits: RequestLimits) -> GenerationJob:
         )
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise RequestError(f"seed must be an integer from 0 to {MAX_SEED} (got {request.seed})", param="seed")
+    lora = _parse_lora(request, limits)
     width, height = parse_size(request.size, limits)
     negative = limits.default_negative_prompt if request.negative_prompt is None else request.negative_prompt
     return GenerationJob(
@@ -207,4 +219,34 @@ def parse_request(body: bytes | str, limits: RequestLimits) -> GenerationJob:
         num_inference_steps=steps,
         guidance_scale=float(guidance),
         seed=request.seed,
+        lora=lora,
     )
+
+
+def _parse_lora(request: ImageGenerationRequest, limits: RequestLimits) -> tuple[tuple[str, float], ...]:
+    """The request's adapters and weights: ``lora`` (a name, or names with weights), or an adapter named as its
+    ``model`` (weight 1); none: the base model."""
+    chosen = request.lora
+    if request.model in limits.adapters:
+        if chosen is not None:
+            raise RequestError(
+                f"model {request.model!r} is a LoRA adapter; name adapters either as model or in lora, not both",
+                param="lora",
+            )
+        chosen = request.model
+    if chosen is None:
+        return ()
+    weights = {chosen: 1.0} if isinstance(chosen, str) else chosen
+    if not weights:
+        raise RequestError("lora must name at least one adapter (or leave it out for the base model)", param="lora")
+    for name, weight in weights.items():
+        if name not in limits.adapters:
+            loaded = ", ".join(repr(a) for a in limits.adapters) or "none (serve.lora_adapters is empty)"
+            raise RequestError(
+                f"lora: {name[:80]!r} is not an adapter of this server; it has {loaded} (GET /v1/models)",
+                param="lora",
+                code="adapter_not_found",
+            )
+        if not math.isfinite(weight):
+            raise RequestError(f"lora: the weight of {name!r} must be a finite number (got {weight})", param="lora")
+    return tuple((name, float(weight)) for name, weight in weights.items())

@@ -116,6 +116,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
         max_prompt_chars=serve.max_prompt_chars,
         check_size=check_size,
         min_guidance_exclusive=1.0 if config.parallel.cfg_degree == 2 else None,
+        adapters=tuple(serve.lora_adapters),
     )
 
 
@@ -199,9 +200,41 @@ def refuse_video_model(config: XfuseConfig) -> None:
         )
 
 
+def check_adapters(config: XfuseConfig) -> None:
+    """``serve.lora_adapters`` refused by name on every rank before any port is bound or weights load: a family whose
+    diffusers pipeline loads no LoRA, a name that is the model's own, a path that is not there."""
+    adapters = config.serve.lora_adapters
+    if not adapters:
+        return
+    spec = model_spec(config.model)
+    if not hasattr(spec.pipeline_class(), "load_lora_weights"):
+        raise ConfigError(
+            "serve.lora_adapters",
+            f"{config.model} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
+            "loader; LoRA adapters are served for SD3 / SD3.5 and FLUX.1 models",
+        )
+    for name, path in adapters.items():
+        if name == model_name(config):
+            raise ConfigError("serve.lora_adapters", f"adapter {name!r} has the served model's own name")
+        if not os.path.exists(path):
+            raise ConfigError(f"serve.lora_adapters.{name}", f"no LoRA file or folder at {path!r}")
+
+
+def load_adapters(pipe, adapters: dict[str, str]) -> None:
+    """Every rank loads each adapter (its share of it) under its name; requests without ``lora`` run the base model."""
+    for name, path in adapters.items():
+        try:
+            pipe.load_lora_weights(path, adapter_name=name)
+        except ValueError as err:  # the same on every rank (xfuse.pipelines.lora_share)
+            raise ConfigError(f"serve.lora_adapters.{name}", str(err)) from None
+    if adapters:
+        pipe.disable_lora()
+
+
 def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     """Run this rank's part of the service until it is drained (returns 0) or fails (exits non-zero)."""
     refuse_video_model(config)
+    check_adapters(config)
     rank = int(os.environ.get("RANK", "0"))
     drain = DrainSignal()
     drain.install()
@@ -237,6 +270,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     try:
         pipe = build_pipeline(config)
         pipe.set_progress_bar_config(disable=True)
+        load_adapters(pipe, config.serve.lora_adapters)
         limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
     except BaseException as err:
         if service is not None:
@@ -261,7 +295,8 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     service.set_ready(limits)
     print(
         f"xfuse serve: ready on {http.url}: model {limits.model_name!r} on {context.world_size} rank(s), default "
-        f"size {limits.default_width}x{limits.default_height}",
+        f"size {limits.default_width}x{limits.default_height}"
+        + (f", LoRA adapters {', '.join(limits.adapters)}" if limits.adapters else ""),
         flush=True,
     )
     try:

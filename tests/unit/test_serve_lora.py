@@ -1,0 +1,68 @@
+"""A request's LoRA adapters (``xfuse.serve.protocol``): by name, as a weighted set, or named as the ``model`` (as
+vLLM serves LoRA); every refusal names the field. And the ``serve.lora_adapters`` config."""
+
+import dataclasses
+import json
+
+import pytest
+
+from xfuse.config import ConfigError, config_from_dict
+from xfuse.serve.protocol import RequestError, RequestLimits, parse_request
+
+LIMITS = RequestLimits(
+    "sd3-tiny", 64, 64, 4, 5.0, None, 2, 512, 512 * 512, 100, 100, check_size=lambda w, h: None, adapters=("a", "b")
+)
+
+
+@pytest.mark.parametrize(
+    "extra,lora",
+    [
+        ({}, ()),
+        ({"lora": "a"}, (("a", 1.0),)),
+        ({"lora": {"a": 0.7, "b": 0.4}}, (("a", 0.7), ("b", 0.4))),
+        ({"lora": {"b": 2}}, (("b", 2.0),)),  # a JSON integer is a number
+        ({"model": "b"}, (("b", 1.0),)),
+        ({"model": "sd3-tiny", "lora": "a"}, (("a", 1.0),)),
+    ],
+)
+def test_a_request_picks_its_adapters(extra, lora):
+    job = parse_request(json.dumps({"prompt": "a cat", **extra}), LIMITS)
+    assert job.lora == lora
+
+
+@pytest.mark.parametrize(
+    "extra,param,says",
+    [
+        ({"lora": "c"}, "lora", "lora: 'c' is not an adapter of this server; it has 'a', 'b' (GET /v1/models)"),
+        ({"lora": {"a": 1.0, "z": 1.0}}, "lora", "'z' is not an adapter"),
+        ({"lora": {}}, "lora", "lora must name at least one adapter"),
+        ({"lora": ["a"]}, "lora", "lora must be an adapter's name or an object of adapter names to weights"),
+        ({"lora": {"a": "1"}}, "lora", "(got {'a': '1'})"),
+        ({"model": "a", "lora": "b"}, "lora", "name adapters either as model or in lora, not both"),
+        ({"model": "c"}, "model", "model 'c' is not served here"),
+    ],
+)
+def test_a_bad_lora_is_refused_naming_the_field(extra, param, says):
+    with pytest.raises(RequestError) as e:
+        parse_request(json.dumps({"prompt": "a cat", **extra}), LIMITS)
+    assert e.value.status == 400 and e.value.param.startswith(param) and says in e.value.message
+
+
+def test_a_server_without_adapters_names_none():
+    with pytest.raises(RequestError) as e:
+        parse_request(json.dumps({"prompt": "a cat", "lora": "a"}), dataclasses.replace(LIMITS, adapters=()))
+    assert "it has none (serve.lora_adapters is empty)" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "adapters,says",
+    [
+        ({"a b": "/x"}, "adapter names are 1 to 64 letters"),
+        ({"a": ""}, "entry 'a' is not a non-empty string"),
+        (["a"], "a mapping of adapter names to LoRA files or folders"),
+    ],
+)
+def test_bad_serve_adapters_name_the_key(adapters, says):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"serve": {"lora_adapters": adapters}})
+    assert e.value.key == "serve.lora_adapters" and says in str(e.value)
