@@ -40,8 +40,8 @@ def save_lora(pipe, folder, *, seed, rank, alpha, text_encoder=False) -> str:
 
 def lora_steps(pipe, call, lora_a, lora_b, after_load=None):
     """The LoRA API in order, one ``pipe(**call)`` after each: load ``a``; load ``b``; both with weights; fused;
-    unfused; unloaded. Returns [(step, images or None, active adapters)] for xfuse's pipelines and diffusers' alike
-    (``call`` has ``seed``). ``after_load()``: called after each load."""
+    unfused; disabled; enabled with ``a`` deleted; unloaded. Returns [(step, images or None, active adapters)] for
+    xfuse's pipelines and diffusers' alike (``call`` has ``seed``). ``after_load()``: called after each load."""
     call = dict(call)
     seed = call.pop("seed")
     out = []
@@ -61,6 +61,11 @@ def lora_steps(pipe, call, lora_a, lora_b, after_load=None):
     run("fused")
     pipe.unfuse_lora()
     run("unfused")
+    pipe.disable_lora()
+    run("disabled")
+    pipe.enable_lora()
+    pipe.delete_adapters("a")
+    run("a deleted")
     pipe.unload_lora_weights()
     run("unloaded")
     return out
@@ -77,7 +82,7 @@ def xfuse_lora_steps(folder, family, parallel, call, lora_a, lora_b):
     steps = lora_steps(pipe, call, lora_a, lora_b, after_load=lambda: held.append(pipe.lora_parameter_count()))
     context = pipe.context
     return dict(steps=steps, held=held, final=pipe.lora_parameter_count(), rank=context.rank, cfg_rank=context.cfg_rank,
-                blocks=list(pipe.plan.blocks_of(context.pipe_rank)))  # fmt: skip
+                sp_rank=context.sp_rank, blocks=list(pipe.plan.blocks_of(context.pipe_rank)))  # fmt: skip
 
 
 def refused_lora(folder, family, parallel, bad_files):

@@ -33,6 +33,7 @@ The semantics (``tests/support/pipefusion_oracle.py`` implements them independen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,13 @@ class StepCache:
         self.segments: dict[int, _Residuals] = {}  # hop -> its residuals
 
     # --- the decision (embedding rank) and its arrival elsewhere -------------------------------------------------
-    def decide(self, step: int, residual: torch.Tensor, tokens: slice, group_sum=None) -> bool:
+    def decide(
+        self,
+        step: int,
+        residual: torch.Tensor,
+        tokens: slice,
+        group_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> bool:
         """The step's decision from its first task's block-0 ``residual`` (B, n, D) at ``tokens``; True: compute.
         ``group_sum`` (``Stage.group_sum``) totals the sums over the ranks that share the task's tokens (an SP group:
         each holds a chunk), so they all take one decision on the whole task's tokens.

@@ -92,7 +92,7 @@ class ShardedLoraMixin:
         if not folder or not os.path.isfile(index):
             raise ValueError(f"LoRA: the pipeline's {name} is not loaded here and its folder is unknown")
         with open(index) as f:
-            library, class_name = json.load(f)[name]
+            _, class_name = json.load(f)[name]  # [library, class]
         config = transformers.AutoConfig.from_pretrained(folder, subfolder=name, local_files_only=True)
         return meta_linear_shapes(lambda: getattr(transformers, class_name)._from_config(config))
 
@@ -242,7 +242,7 @@ class ShardedLoraMixin:
 
     def delete_adapters(self, adapter_names: list[str] | str) -> None:
         """Remove the named adapters' layers, as diffusers' `delete_adapters`."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from diffusers.utils.peft_utils import delete_adapter_layers
 
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         missing = set(names) - set(self._lora_adapters)
@@ -254,10 +254,8 @@ class ShardedLoraMixin:
             if component == TRANSFORMER and hasattr(module, "peft_config"):
                 module.delete_adapters([n for n in names if n in module.peft_config])
             elif component != TRANSFORMER:
-                for layer in module.modules():
-                    if isinstance(layer, BaseTunerLayer):
-                        for name in names:
-                            layer.delete_adapter(name)
+                for name in names:
+                    delete_adapter_layers(module, name)
         for name in names:
             del self._lora_adapters[name]
         self._lora_active = [n for n in self._lora_active if n not in names]
@@ -271,12 +269,12 @@ class ShardedLoraMixin:
         self._enable(True)
 
     def _enable(self, enabled: bool) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        """Mirrors ``diffusers.loaders.lora_base.LoraBaseMixin.disable_lora`` (and ``enable_lora``) on this rank's
+        components: diffusers' model-level and text-encoder helpers both come down to this one."""
+        from diffusers.utils.peft_utils import set_adapter_layers
 
-        for _, module in self._local().items():
-            for layer in module.modules():
-                if isinstance(layer, BaseTunerLayer):
-                    layer.enable_adapters(enabled)
+        for module in self._local().values():
+            set_adapter_layers(module, enabled=enabled)
 
     def _components(self, components: list[str] | None, method: str):
         """This rank's modules of ``components`` (``None``: the diffusers loader's default for ``method``)."""

@@ -76,7 +76,7 @@ def use_adapters(pipe, lora) -> None:
 
 def run_job(pipe, job: dict[str, Any]):
     """This rank's share of one request (every rank makes the same call; rank 0 gets the output)."""
-    if job["lora"] or getattr(pipe, "get_list_adapters", dict)():  # a server with adapters
+    if job["lora"] or (hasattr(pipe, "get_list_adapters") and pipe.get_list_adapters()):  # a server with adapters
         use_adapters(pipe, job["lora"])
     return pipe(
         **image_call_kwargs(
