@@ -34,6 +34,33 @@ def build_pipeline(config: XfuseConfig):
     return pipe
 
 
+def check_lora_family(config: XfuseConfig, key: str) -> None:
+    """``key`` (``generation.lora``, ``serve.lora_adapters``) names LoRA files: refused by name, on every rank before
+    any weights load, for a model whose diffusers pipeline has no LoRA loader."""
+    from xfuse.errors import ConfigError
+    from xfuse.families.registry import model_spec
+
+    spec = model_spec(config.model)
+    if not hasattr(spec.pipeline_class(), "load_lora_weights"):
+        raise ConfigError(
+            key,
+            f"{config.model} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
+            "loader; LoRA adapters are loaded for SD3 / SD3.5 and FLUX.1 models",
+        )
+
+
+def load_lora_adapters(pipe, adapters: dict[str, str], key: str) -> None:
+    """Every rank loads each adapter (name -> file or folder; its share of it); a file that is not a LoRA of the model
+    is a ``ConfigError`` naming ``key`` and the adapter, the same on every rank (``xfuse.pipelines.lora_share``)."""
+    from xfuse.errors import ConfigError
+
+    for name, path in adapters.items():
+        try:
+            pipe.load_lora_weights(path, adapter_name=name)
+        except ValueError as err:
+            raise ConfigError(key, f"{path!r}: {err}") from None
+
+
 def _pipeline_class(config: XfuseConfig) -> type:
     """The xfuse class ``config`` runs: its family's (from the preset or ``model_index.json``), or the family's
     image-to-video pipeline when ``generation.image`` names a first frame."""

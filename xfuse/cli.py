@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -70,6 +71,14 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _command_overrides(args) -> list[str]:
     """The ``--set`` overrides and the subcommand's shortcuts (``--prompt``, ``--host``, ``--port``)."""
     overrides = list(args.overrides)
@@ -77,6 +86,12 @@ def _command_overrides(args) -> list[str]:
         overrides.append(f"generation.prompt={args.prompt!r}")
     if getattr(args, "image", None):
         overrides.append(f"generation.image={args.image!r}")
+    if getattr(args, "lora", None):
+        weights = {}
+        for given in args.lora:  # PATH or PATH=WEIGHT
+            path, _, weight = given.rpartition("=") if "=" in given else (given, "", "1")
+            weights[path] = float(weight) if _is_number(weight) else weight  # a bad weight: the config names it
+        overrides.append(f"generation.lora={json.dumps(weights)}")
     if getattr(args, "host", None) is not None:
         overrides.append(f"serve.host={args.host!r}")
     if getattr(args, "port", None) is not None:
@@ -179,7 +194,15 @@ def write_clip(frames, output: str, fps: int) -> tuple[str, str | None]:
 def cmd_generate(args) -> int:
     """Generate one image (or, with a video model, one clip). Under torchrun every rank runs this; rank 0 writes the
     PNG (MP4) and reports."""
-    from xfuse.build import build_pipeline, default_size, default_video_size, image_call_kwargs, video_call_kwargs
+    from xfuse.build import (
+        build_pipeline,
+        check_lora_family,
+        default_size,
+        default_video_size,
+        image_call_kwargs,
+        load_lora_adapters,
+        video_call_kwargs,
+    )
     from xfuse.families.registry import model_spec
 
     overrides = _command_overrides(args)
@@ -190,7 +213,13 @@ def cmd_generate(args) -> int:
         width, height, num_frames = default_video_size(config)
     else:
         width, height = default_size(config)
+    if gen.lora:
+        check_lora_family(config, "generation.lora")
     pipe = build_pipeline(config)
+    if gen.lora:  # every rank: its share of each file, then the run's weights
+        names = {f"lora{i}": path for i, path in enumerate(gen.lora)}
+        load_lora_adapters(pipe, names, "generation.lora")
+        pipe.set_adapters(list(names), adapter_weights=list(gen.lora.values()))
     if os.environ.get("LOCAL_RANK") is not None:  # under torchrun: say why if the launcher stops this rank
         pipe.context.monitor.install_sigterm_handler()
     if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/runtime/faults.py
@@ -250,6 +279,8 @@ def cmd_generate(args) -> int:
                 "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB"
             )
             print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
+        if gen.lora:
+            print("LoRA: " + ", ".join(f"{path} ({weight:g})" for path, weight in gen.lora.items()))
         if stats[0]["cache_steps"] is not None:
             cache = config.cache
             computed, skipped = stats[0]["cache_steps"]
@@ -321,6 +352,12 @@ def main(argv=None) -> int:
     gen.add_argument(
         "--image",
         help="overrides generation.image: image-to-video from this first frame (a Wan 2.2 TI2V model)",
+    )
+    gen.add_argument(
+        "--lora",
+        action="append",
+        metavar="PATH[=WEIGHT]",
+        help="add to generation.lora: a LoRA file or folder applied with WEIGHT (default 1; repeatable; SD3 and FLUX)",
     )
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     _auto_args(gen, plan=False)

@@ -189,8 +189,9 @@ def _config_error(cls: type, prefix: str, exc: ValidationError, given: Mapping[s
     key = f"{prefix}.{name}" if prefix else str(name)
     value = given.get(name, error["input"])
     base, _, _ = _field_shape(info)
-    if inner and get_origin(base) is dict:  # a mapping's entry (of names to paths)
-        what = f"; entry {inner[0]!r} is not a non-empty string"
+    if inner and get_origin(base) is dict:  # a mapping's entry
+        problem = "must be a non-empty string" if error["type"] == "string_pattern_mismatch" else error["msg"].lower()
+        what = f"; entry {inner[0]!r}: {problem}"
     elif inner:  # an entry of a list
         what = f"; entry {inner[0]} is not a positive integer"
     elif error["type"].endswith("_type"):
@@ -428,7 +429,9 @@ class GenerationConfig(_Section):
     clip (a preset's own, else the diffusers pipeline's: Wan 81); whether the VAE takes it (Wan: 4k + 1) needs the
     model and is checked by ``xfuse.build.default_video_size``. ``fps``: the frame rate ``xfuse generate`` writes.
     ``image``: image-to-video, the path of the clip's first frame (a family with an image-to-video pipeline on the same
-    transformer: Wan 2.2 TI2V; ``xfuse.build.pipeline_class`` checks the model).
+    transformer: Wan 2.2 TI2V; ``xfuse.build.pipeline_class`` checks the model). ``lora``: ``xfuse generate``'s
+    adapters and weights (``xfuse.build.check_lora_family`` checks the model; ``xfuse serve`` has its own,
+    ``serve.lora_adapters``, picked per request).
     """
 
     prompt: str = "A cat sitting on a windowsill at sunset, watercolor"
@@ -443,8 +446,15 @@ class GenerationConfig(_Section):
     # WanPipeline example, the Wan2.1 repository's sample_fps), its 81-frame default being a 5 s clip.
     fps: PositiveInt = 16
     image: NonEmptyStr | None = None
+    # xfuse generate: LoRA files or folders applied to the run, with their weights (SD3 / SD3.5 and FLUX.1 models)
+    lora: Annotated[
+        dict[NonEmptyStr, float], Allowed("a mapping of LoRA files or folders to their weights (numbers)")
+    ] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for path in self.lora:
+            if not os.path.exists(path):
+                raise ConfigError("generation.lora", f"no LoRA file or folder at {path!r}")
         if self.image is not None and not os.path.isfile(self.image):
             raise ConfigError(
                 "generation.image",

@@ -1,6 +1,7 @@
-"""``xfuse serve`` with LoRA adapters (``serve.lora_adapters``) on a real 2-rank torchrun world of the tiny SD3, real
-HTTP on loopback, the ``openai`` client: requests pick adapters per request, and every image equals diffusers' own
-pipeline called with the same adapters (exact mode: warm-up = all steps)."""
+"""LoRA through the commands: ``xfuse serve`` with adapters (``serve.lora_adapters``) on a real 2-rank torchrun world of
+the tiny SD3, real HTTP on loopback, the ``openai`` client (requests pick adapters per request), and ``xfuse generate
+--lora``; every image equals diffusers' own pipeline called with the same adapters (exact mode: warm-up = all
+steps)."""
 
 import os
 import signal
@@ -99,6 +100,36 @@ def test_models_lists_the_adapters_and_unknown_ones_are_refused(world):
     assert world.wait(timeout=60) == 0, world.stderr()[-3000:]
 
 
+def test_generate_applies_its_loras_with_their_weights(adapters, tmp_path):
+    """``xfuse generate --lora PATH=WEIGHT`` twice on 2 ranks: the PNG equals diffusers' with both adapters at those
+    weights (one 8-bit level), and the summary names them."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from tests.support.serve_fns import ENV
+
+    target = tmp_path / "lora.png"
+    sets = [f"model={PRESET}", "parallel.pipefusion_degree=2", "parallel.warmup_steps=4", "generation.width=96",
+            "generation.height=128", f"generation.num_inference_steps={STEPS}", f"generation.guidance_scale={GUIDANCE}",
+            "generation.prompt=a cat 7", "generation.seed=7"]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
+    cmd += ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(target)]
+    cmd += ["--lora", f"{adapters['a']}=0.7", "--lora", f"{adapters['b']}=0.4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"LoRA: {adapters['a']} (0.7), {adapters['b']} (0.4)" in out.stdout
+    pipe = load_pipeline(PRESET)
+    pipe.set_progress_bar_config(disable=True)
+    for name, path in adapters.items():
+        pipe.load_lora_weights(path, adapter_name=name)
+    expected = direct(pipe, {"a": 0.7, "b": 0.4}, 7).astype(int)
+    got = np.asarray(Image.open(target)).astype(int)
+    assert np.abs(got - expected).max() <= 1
+    assert np.abs(direct(pipe, None, 7).astype(int) - got).max() > 2  # the adapters were applied
+
+
 def test_adapters_for_a_family_without_lora_are_refused_before_start(tmp_path):
     import subprocess
     import sys
@@ -111,7 +142,8 @@ def test_adapters_for_a_family_without_lora_are_refused_before_start(tmp_path):
         capture_output=True, text=True, env=ENV, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2
-    assert (
-        "serve.lora_adapters: tiny is a hunyuandit model, whose diffusers pipeline (HunyuanDiTPipeline) has no LoRA"
-        in out.stderr
-    )
+    says = "serve.lora_adapters: tiny is a hunyuandit model, whose diffusers pipeline (HunyuanDiTPipeline) has no LoRA"
+    assert says in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "xfuse", "generate", "--set", "model=tiny", "--lora", str(tmp_path)],
+                         capture_output=True, text=True, env=ENV, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "generation.lora: tiny is a hunyuandit model" in out.stderr, out.stderr[-2000:]

@@ -58,7 +58,7 @@ def test_a_server_without_adapters_names_none():
     "adapters,says",
     [
         ({"a b": "/x"}, "adapter names are 1 to 64 letters"),
-        ({"a": ""}, "entry 'a' is not a non-empty string"),
+        ({"a": ""}, "entry 'a': must be a non-empty string"),
         (["a"], "a mapping of adapter names to LoRA files or folders"),
     ],
 )
@@ -66,3 +66,16 @@ def test_bad_serve_adapters_name_the_key(adapters, says):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"serve": {"lora_adapters": adapters}})
     assert e.value.key == "serve.lora_adapters" and says in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "lora,says",
+    [
+        ({"/nowhere/lora": 1.0}, "generation.lora: no LoRA file or folder at '/nowhere/lora'"),
+        ({".": "strong"}, "entry '.': input should be a valid number"),
+    ],
+)
+def test_bad_generation_lora_names_the_key(lora, says):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"generation": {"lora": lora}})
+    assert e.value.key == "generation.lora" and says in str(e.value)

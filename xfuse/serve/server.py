@@ -20,7 +20,7 @@ import threading
 import time
 from typing import NoReturn
 
-from xfuse.build import build_pipeline, default_size
+from xfuse.build import build_pipeline, check_lora_family, default_size, load_lora_adapters
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
 from xfuse.families.registry import model_is_preset, model_spec
@@ -202,17 +202,18 @@ def refuse_video_model(config: XfuseConfig) -> None:
 
 def check_adapters(config: XfuseConfig) -> None:
     """``serve.lora_adapters`` refused by name on every rank before any port is bound or weights load: a family whose
-    diffusers pipeline loads no LoRA, a name that is the model's own, a path that is not there."""
+    diffusers pipeline loads no LoRA, a name that is the model's own, a path that is not there; and
+    ``generation.lora`` (``xfuse generate``'s: a server's adapters are picked per request)."""
+    if config.generation.lora:
+        raise ConfigError(
+            "generation.lora",
+            "is xfuse generate's; xfuse serve loads serve.lora_adapters at start-up and each request picks them by "
+            "name (its lora field)",
+        )
     adapters = config.serve.lora_adapters
     if not adapters:
         return
-    spec = model_spec(config.model)
-    if not hasattr(spec.pipeline_class(), "load_lora_weights"):
-        raise ConfigError(
-            "serve.lora_adapters",
-            f"{config.model} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
-            "loader; LoRA adapters are served for SD3 / SD3.5 and FLUX.1 models",
-        )
+    check_lora_family(config, "serve.lora_adapters")
     for name, path in adapters.items():
         if name == model_name(config):
             raise ConfigError("serve.lora_adapters", f"adapter {name!r} has the served model's own name")
@@ -223,10 +224,7 @@ def check_adapters(config: XfuseConfig) -> None:
 def load_adapters(pipe, adapters: dict[str, str]) -> None:
     """Every rank loads each adapter (its share of it) under its name; requests without ``lora`` run the base model."""
     for name, path in adapters.items():
-        try:
-            pipe.load_lora_weights(path, adapter_name=name)
-        except ValueError as err:  # the same on every rank (xfuse.pipelines.lora_share)
-            raise ConfigError(f"serve.lora_adapters.{name}", str(err)) from None
+        load_lora_adapters(pipe, {name: path}, f"serve.lora_adapters.{name}")
     if adapters:
         pipe.disable_lora()
 
