@@ -45,7 +45,7 @@ def check_lora_family(config: XfuseConfig, key: str) -> None:
         raise ConfigError(
             key,
             f"{config.model} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
-            "loader; LoRA adapters are loaded for SD3 / SD3.5 and FLUX.1 models",
+            "loader; LoRA adapters are loaded for SD3 / SD3.5, FLUX.1 and Wan models",
         )
 
 

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.lora_fns import lora_steps, refused_lora, save_lora, xfuse_lora_steps
+from tests.support.lora_fns import (
+    expert_steps,
+    lora_steps,
+    refused_lora,
+    save_lora,
+    xfuse_expert_steps,
+    xfuse_lora_steps,
+)
 from tests.support.mmdit_fns import NEGATIVE, PROMPT, grid_of, prepare_inputs, tiny
 from tests.support.pipefusion_oracle import pipefusion_reference
 from tests.support.world import World
@@ -159,6 +166,62 @@ def test_pipelined_with_loras_equals_the_oracle(world2, files, preset):
     (step, unloaded, _) = results[0]["steps"][-1]
     assert step == "unloaded"
     assert np.abs(unloaded - expected).max() / scale > 1e-3
+
+
+# --- Wan (WanLoraLoaderMixin): one transformer, and Wan 2.2's two experts ------------------------------------------
+
+WAN_CALL = dict(prompt=PROMPT, negative_prompt=NEGATIVE, height=64, width=96, num_frames=9, num_inference_steps=4,
+                guidance_scale=2.0, max_sequence_length=16, output_type="latent", seed=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wan_files(tmp_path_factory):
+    """preset -> (pipeline folder, LoRA a, LoRA b) for wan-tiny and wan2.2-tiny."""
+    out = {}
+    for preset in ("wan-tiny", "wan2.2-tiny"):
+        root = tmp_path_factory.mktemp(preset)
+        pipe = load_pipeline(preset)
+        folder = model_spec(preset).save_preset_pipeline(root / "pipe", preset)
+        out[preset] = (str(folder), save_lora(pipe, root / "a", seed=1, rank=4, alpha=8),
+                       save_lora(pipe, root / "b", seed=2, rank=2, alpha=2))  # fmt: skip
+    return out
+
+
+def diffusers_pipe(preset, folder):
+    import diffusers
+
+    pipe = getattr(diffusers, model_spec(preset).diffusers_pipeline).from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp4"])
+def test_wan_exact_mode_with_loras_equals_diffusers(request, wan_files, layout):
+    """Wan 2.1 (wan-tiny, 4 blocks): the same LoRA sequence as SD3 and FLUX equals diffusers' WanPipeline."""
+    folder, lora_a, lora_b = wan_files["wan-tiny"]
+    world = request.getfixturevalue("world2" if layout == "pp2" else "world4")
+    parallel = {**LAYOUTS[layout], "warmup_steps": WAN_CALL["num_inference_steps"]}
+    results = world.run_ok(xfuse_lora_steps, folder, "wan", parallel, WAN_CALL, lora_a, lora_b)
+    expected = lora_steps(diffusers_pipe("wan-tiny", folder), WAN_CALL, lora_a, lora_b)
+    for (step, images, active), (_, ref_images, ref_active) in zip(results[0]["steps"], expected, strict=True):
+        assert active == ref_active, (step, active, ref_active)
+        assert np.abs(images - ref_images).max() <= 1e-4 * max(1.0, float(np.abs(ref_images).max())), step
+    assert np.abs(expected[0][1] - expected[-1][1]).max() > 1e-3  # the adapter changes the clip
+
+
+def test_wan_second_expert_takes_a_lora_with_load_into_transformer_2(world2, wan_files):
+    """Wan 2.2's two experts (wan2.2-tiny, pp2 exact): ``a`` in the high-noise expert, ``b`` in the low-noise one
+    (``load_into_transformer_2``), then both weighted, equal diffusers' after each step; every rank lists b under
+    transformer_2."""
+    folder, lora_a, lora_b = wan_files["wan2.2-tiny"]
+    parallel = {"pipefusion_degree": 2, "warmup_steps": WAN_CALL["num_inference_steps"]}
+    results = world2.run_ok(xfuse_expert_steps, folder, parallel, WAN_CALL, lora_a, lora_b)
+    expected = expert_steps(diffusers_pipe("wan2.2-tiny", folder), WAN_CALL, lora_a, lora_b)
+    for (step, images, listed), (_, ref_images, ref_listed) in zip(results[0], expected, strict=True):
+        assert listed == ref_listed, (step, listed, ref_listed)
+        assert np.abs(images - ref_images).max() <= 1e-4 * max(1.0, float(np.abs(ref_images).max())), step
+    assert all(r[-1][2] == {"transformer": ["a"], "transformer_2": ["b"]} for r in results)
+    assert np.abs(expected[1][1] - expected[0][1]).max() > 1e-3  # b in the second expert changes the clip
 
 
 def test_a_bad_lora_file_is_refused_alike_on_every_rank(world4, files, tmp_path):

@@ -102,3 +102,33 @@ def refused_lora(folder, family, parallel, bad_files):
     out = pipe(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="latent",
                generator=torch.Generator().manual_seed(0))  # fmt: skip
     return refusals, out is None or out.images.shape[0] == 1, pipe.lora_parameter_count()
+
+
+def expert_steps(pipe, call, lora_a, lora_b):
+    """Wan 2.2's two experts: ``a`` into the first (high-noise) expert, ``b`` into the second with
+    ``load_into_transformer_2``; the images after each load and with both weighted. Returns
+    [(step, images or None, the adapters by component)]."""
+    call = dict(call)
+    seed = call.pop("seed")
+    out = []
+
+    def run(step):
+        images = pipe(**call, generator=torch.Generator().manual_seed(seed))
+        out.append((step, None if images is None else as_array(images), pipe.get_list_adapters()))
+
+    pipe.load_lora_weights(lora_a, adapter_name="a")
+    run("a in transformer")
+    pipe.load_lora_weights(lora_b, adapter_name="b", load_into_transformer_2=True)
+    run("b in transformer_2")
+    pipe.set_adapters(["a", "b"], adapter_weights=[0.5, 2.0])
+    run("a 0.5 + b 2.0")
+    return out
+
+
+def xfuse_expert_steps(folder, parallel, call, lora_a, lora_b):
+    """Rank function: ``expert_steps`` on ``PipeFusionWanPipeline`` from ``folder`` (two experts)."""
+    from xfuse.families.registry import MODEL_SPECS
+
+    pipe = MODEL_SPECS["wan"].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    pipe.set_progress_bar_config(disable=True)
+    return expert_steps(pipe, call, lora_a, lora_b)

@@ -23,6 +23,7 @@ import copy
 import inspect
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from xfuse.pipelines.lora_share import check_lora, linear_shapes, lora_parameters, meta_linear_shapes, share
 
 TRANSFORMER = "transformer"
+DENOISERS = (TRANSFORMER, "transformer_2")  # diffusers models (Wan 2.2's second expert too); the rest: text encoders
 
 
 class ShardedLoraMixin:
@@ -45,11 +47,11 @@ class ShardedLoraMixin:
         self._lora_shapes: dict[str, dict[str, tuple[int, int]]] = {
             name: linear_shapes(module)
             for name in self._loader()._lora_loadable_modules
-            if name != TRANSFORMER and isinstance(module := getattr(pipeline, name, None), nn.Module)
+            if name not in DENOISERS and isinstance(module := getattr(pipeline, name, None), nn.Module)
         }
         super().__init__(pipeline, *args, **kwargs)
         self._lora_adapters: dict[str, tuple[str, ...]] = {}  # adapter -> the components it has weights for
-        self._lora_active: list[str] = []
+        self._lora_active: dict[str, list[str]] = {}  # component -> its active adapters (the whole model's)
         self._lora_merged: set[str] = set()
 
     # --- what this rank holds ------------------------------------------------------------------------------------
@@ -62,11 +64,15 @@ class ShardedLoraMixin:
         return getattr(diffusers, cls.diffusers_name())  # type: ignore[attr-defined]
 
     def _local(self) -> dict[str, nn.Module]:
-        """This rank's LoRA-loadable components: its share of the transformer, the text encoders it runs."""
+        """This rank's LoRA-loadable components: its share of the transformer (and of Wan 2.2's second expert), the
+        text encoders it runs."""
         out = {TRANSFORMER: self.stage.transformer}
+        second = getattr(self, "stage_2", None)
+        if second is not None:
+            out["transformer_2"] = second.transformer
         for name in self._loader()._lora_loadable_modules:
             module = getattr(self.pipeline, name, None)
-            if name != TRANSFORMER and isinstance(module, nn.Module):
+            if name not in DENOISERS and isinstance(module, nn.Module):
                 out[name] = module
         return out
 
@@ -79,7 +85,7 @@ class ShardedLoraMixin:
             config = self.stage.transformer.config
             self._lora_shapes[TRANSFORMER] = meta_linear_shapes(lambda: model_class.from_config(config))
             for name in self._loader()._lora_loadable_modules:
-                if name not in self._lora_shapes:
+                if name not in self._lora_shapes and name not in DENOISERS:
                     self._lora_shapes[name] = self._folder_shapes(name)
         return self._lora_shapes
 
@@ -108,13 +114,17 @@ class ShardedLoraMixin:
         weights of its own blocks (and rank 0 those of the text encoders). A file that is not a LoRA of this model is
         refused with the same `ValueError` on every rank before any weight changes.
 
-        Mirrors ``diffusers.loaders.lora_pipeline.SD3LoraLoaderMixin.load_lora_weights`` and
-        ``diffusers.loaders.lora_pipeline.FluxLoraLoaderMixin.load_lora_weights``, without hot swapping, Control LoRA
-        or DoRA.
+        Mirrors ``diffusers.loaders.lora_pipeline.SD3LoraLoaderMixin.load_lora_weights``,
+        ``diffusers.loaders.lora_pipeline.FluxLoraLoaderMixin.load_lora_weights`` and
+        ``diffusers.loaders.lora_pipeline.WanLoraLoaderMixin.load_lora_weights`` (``load_into_transformer_2``), without
+        hot swapping, Control LoRA, DoRA or Wan's expansion of a text-to-video LoRA for an image-conditioned
+        transformer (whose Wan models xfuse refuses).
         """
         if kwargs.pop("hotswap", False):
             raise ValueError("load_lora_weights: hotswap is not supported on a sharded pipeline")
         low_cpu_mem_usage = kwargs.pop("low_cpu_mem_usage", False)
+        # Wan: the file's transformer weights go into the second expert instead (WanLoraLoaderMixin's flag)
+        into = "transformer_2" if kwargs.pop("load_into_transformer_2", False) else TRANSFORMER
         loader = self._loader()
         source = pretrained_model_name_or_path_or_dict
         if isinstance(source, dict):
@@ -128,25 +138,31 @@ class ShardedLoraMixin:
             adapter_name = f"default_{len(self._lora_adapters)}"
         if adapter_name in self._lora_adapters:
             raise ValueError(f"Adapter name {adapter_name} already in use in the pipeline; pick another adapter_name")
-        adapted = check_lora(state_dict, self._targets(), type(self).__name__)
-        _check_text_encoder_support(sorted(c for c in adapted if c != TRANSFORMER))
         local = self._local()
-        mine = share(state_dict, self._held(local))
-        for component, module in local.items():
+        if into not in local:
+            raise ValueError(f"load_into_transformer_2: {type(self).__name__} has no transformer_2 (Wan 2.2 A14B has)")
+        adapted = check_lora(state_dict, self._targets(), type(self).__name__)
+        _check_text_encoder_support(sorted(c for c in adapted if c not in DENOISERS))
+        held = self._held({**local, TRANSFORMER: local[into]})
+        mine = share(state_dict, held)
+        for component in adapted:
             keys = {k: v for k, v in mine.items() if k.startswith(f"{component}.")}
             if not keys:
                 continue
-            # mirrors ``diffusers.loaders.lora_pipeline.SD3LoraLoaderMixin.load_lora_into_transformer``
+            # as the loaders' load_lora_into_transformer (Wan: into ``into``, which its load_lora_weights picks)
             if component == TRANSFORMER:
-                module.load_lora_adapter(keys, prefix=TRANSFORMER, network_alphas=network_alphas, metadata=metadata,
-                                         adapter_name=adapter_name, low_cpu_mem_usage=low_cpu_mem_usage)  # fmt: skip
+                local[into].load_lora_adapter(keys, prefix=TRANSFORMER, network_alphas=network_alphas,
+                                              metadata=metadata, adapter_name=adapter_name,
+                                              low_cpu_mem_usage=low_cpu_mem_usage)  # fmt: skip
             else:
-                loader.load_lora_into_text_encoder(keys, network_alphas=network_alphas, text_encoder=module,
+                loader.load_lora_into_text_encoder(keys, network_alphas=network_alphas, text_encoder=local[component],
                                                    prefix=component, adapter_name=adapter_name, metadata=metadata,
                                                    low_cpu_mem_usage=low_cpu_mem_usage)  # fmt: skip
-        self._lora_adapters[adapter_name] = tuple(c for c in self._loader()._lora_loadable_modules if c in adapted)
-        self._lora_active = [adapter_name]  # PEFT activates the adapter it injects, alone
-        self._activate(self._lora_active, [1.0])
+        components = {into if c == TRANSFORMER else c for c in adapted}
+        self._lora_adapters[adapter_name] = tuple(c for c in self._loader()._lora_loadable_modules if c in components)
+        for component in components:  # PEFT activates the adapter it injects, alone, in that component
+            self._lora_active[component] = [adapter_name]
+        self._activate([adapter_name], [1.0], components)
 
     def get_list_adapters(self) -> dict[str, list[str]]:
         """The adapters loaded, by component they have weights for (the whole model's, the same on every rank)."""
@@ -157,8 +173,12 @@ class ShardedLoraMixin:
         return out
 
     def get_active_adapters(self) -> list[str]:
-        """The active adapters (the same on every rank)."""
-        return list(self._lora_active)
+        """The active adapters of the first component with any (diffusers reads the first LoRA layer it finds); the
+        same on every rank."""
+        for component in self._loader()._lora_loadable_modules:
+            if any(component in components for components in self._lora_adapters.values()):
+                return list(self._lora_active.get(component, []))
+        return []
 
     def set_adapters(self, adapter_names: list[str] | str, adapter_weights=None) -> None:
         r"""
@@ -173,13 +193,10 @@ class ShardedLoraMixin:
             raise ValueError(
                 f"Length of adapter names {len(names)} is not equal to the length of the weights {len(weights)}"
             )
-        missing = set(names) - set(self._lora_adapters)
-        if missing:
-            raise ValueError(
-                f"Adapter name(s) {missing} not in the list of present adapters: {set(self._lora_adapters)}."
-            )
-        self._activate(names, weights)
-        self._lora_active = names
+        self._check_names(names)
+        components = [c for c in self._loader()._lora_loadable_modules if c in self._model_components()]
+        self._activate(names, weights, components)
+        self._lora_active.update(dict.fromkeys(components, names))
 
     def _check_names(self, names: list[str]) -> None:
         missing = [n for n in names if n not in self._lora_adapters]
@@ -188,16 +205,20 @@ class ShardedLoraMixin:
                 f"Adapter name(s) {missing} not in the list of present adapters: {list(self._lora_adapters)}"
             )
 
-    def _activate(self, names: list[str], weights: list) -> None:
-        """Mirrors ``diffusers.loaders.lora_base.LoraBaseMixin.set_adapters`` on this rank's components: each gets its
-        part of the weights."""
+    def _model_components(self) -> set[str]:
+        """The LoRA-loadable components the whole model has (a rank may hold none of a text encoder)."""
+        return set(self._targets()) | ({"transformer_2"} if hasattr(self, "stage_2") else set())
+
+    def _activate(self, names: list[str], weights: list, components: Iterable[str]) -> None:
+        """Mirrors ``diffusers.loaders.lora_base.LoraBaseMixin.set_adapters`` on this rank's share of ``components``:
+        each gets its part of the weights."""
         from diffusers.loaders.lora_base import set_adapters_for_text_encoder
 
         for component, module in self._local().items():
-            if not hasattr(module, "peft_config"):  # no adapter touches what this rank holds of it
+            if component not in components or not hasattr(module, "peft_config"):  # none touches this rank's share
                 continue
             part = [w.get(component) if isinstance(w, dict) else w for w in weights]
-            if component == TRANSFORMER:
+            if component in DENOISERS:
                 module.set_adapters(names, part)
             else:
                 set_adapters_for_text_encoder(names, module, part)
@@ -210,12 +231,13 @@ class ShardedLoraMixin:
         from diffusers.loaders.lora_base import fuse_text_encoder_lora
 
         for component, module in self._components(components, "fuse_lora"):
-            if component == TRANSFORMER:
+            if component in DENOISERS:
                 module.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
             else:
                 fuse_text_encoder_lora(module, lora_scale=lora_scale, safe_fusing=safe_fusing,
                                        adapter_names=adapter_names)  # fmt: skip
-        self._lora_merged |= set(adapter_names or self._lora_active)
+        fused = components or list(inspect.signature(self._loader().fuse_lora).parameters["components"].default)
+        self._lora_merged |= set(adapter_names or [a for c in fused for a in self._lora_active.get(c, [])])
 
     def unfuse_lora(self, components: list[str] | None = None) -> None:
         """Undo `fuse_lora` on `components` (default: the diffusers loader's)."""
@@ -232,13 +254,13 @@ class ShardedLoraMixin:
         from diffusers.loaders.lora_base import _remove_text_encoder_monkey_patch
 
         for component, module in self._local().items():
-            if component == TRANSFORMER:
+            if component in DENOISERS:
                 if hasattr(module, "peft_config"):
                     module.unload_lora()
             else:
                 _remove_text_encoder_monkey_patch(module)
         self._lora_adapters.clear()
-        self._lora_active, self._lora_merged = [], set()
+        self._lora_active, self._lora_merged = {}, set()
 
     def delete_adapters(self, adapter_names: list[str] | str) -> None:
         """Remove the named adapters' layers, as diffusers' `delete_adapters`."""
@@ -251,14 +273,14 @@ class ShardedLoraMixin:
                 f"Adapter name(s) {missing} not in the list of present adapters: {set(self._lora_adapters)}."
             )
         for component, module in self._local().items():
-            if component == TRANSFORMER and hasattr(module, "peft_config"):
+            if component in DENOISERS and hasattr(module, "peft_config"):
                 module.delete_adapters([n for n in names if n in module.peft_config])
-            elif component != TRANSFORMER:
+            elif component not in DENOISERS:
                 for name in names:
                     delete_adapter_layers(module, name)
         for name in names:
             del self._lora_adapters[name]
-        self._lora_active = [n for n in self._lora_active if n not in names]
+        self._lora_active = {c: [n for n in active if n not in names] for c, active in self._lora_active.items()}
 
     def disable_lora(self) -> None:
         """Run without the adapters (kept loaded), as diffusers' `disable_lora`."""

@@ -23,6 +23,7 @@ from xfuse.families.wan.stage import FirstFrame, WanStage, denoise_request
 from xfuse.parallel.engine import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.lora import ShardedLoraMixin
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ExpertRuns:
     low: Callable[[torch.Tensor | None], DenoiseRequest] | None  # from the (B, C, F, H, W) latents; None: no step
 
 
-class PipeFusionWanPipeline(PipeFusionPipelineBase):
+class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
     r"""
     Text-to-video with Wan 2.1 on ``cfg_degree x pipefusion_degree`` ranks (each stage optionally a Ulysses/Ring
     group), called with the arguments of diffusers' [`~diffusers.WanPipeline.__call__`]; global rank 0 returns what
