@@ -446,7 +446,7 @@ class GenerationConfig(_Section):
     # WanPipeline example, the Wan2.1 repository's sample_fps), its 81-frame default being a 5 s clip.
     fps: PositiveInt = 16
     image: NonEmptyStr | None = None
-    # xfuse generate: LoRA files or folders applied to the run, with their weights (SD3 / SD3.5 and FLUX.1 models)
+    # xfuse generate: LoRA files or folders applied to the run, with their weights (SD3 / SD3.5, FLUX.1 and Wan models)
     lora: Annotated[
         dict[NonEmptyStr, float], Allowed("a mapping of LoRA files or folders to their weights (numbers)")
     ] = dataclasses.field(default_factory=dict)
