@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         "--lora",
         action="append",
         metavar="PATH[=WEIGHT]",
-        help="add to generation.lora: a LoRA file or folder applied with WEIGHT (default 1; repeatable; SD3 and FLUX)",
+        help="add to generation.lora: a LoRA file or folder applied with WEIGHT (default 1; repeatable; SD3 FLUX Wan)",
     )
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     _auto_args(gen, plan=False)

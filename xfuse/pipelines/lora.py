@@ -1,17 +1,19 @@
 """diffusers' LoRA API on a sharded pipeline, with PEFT underneath as diffusers uses it.
 
 ``ShardedLoraMixin`` gives an xfuse pipeline class the methods of its diffusers pipeline's LoRA loader
-(``SD3LoraLoaderMixin``, ``FluxLoraLoaderMixin``): ``load_lora_weights``, ``set_adapters``, ``fuse_lora``,
+(``SD3LoraLoaderMixin``, ``FluxLoraLoaderMixin``, ``WanLoraLoaderMixin``): ``load_lora_weights``, ``set_adapters``,
+``fuse_lora``,
 ``unfuse_lora``, ``unload_lora_weights``, ``delete_adapters``, ``disable_lora`` / ``enable_lora``,
 ``get_active_adapters`` and ``get_list_adapters``. Every rank calls them in the same order with the same arguments
 (as it calls the pipeline), and:
 
 * reads the file with the diffusers pipeline's own ``lora_state_dict`` (its format conversions), checks it against
   the whole model (``xfuse.pipelines.lora_share``: the same refusal on every rank, before any weight changes), and
-  loads only its share with diffusers' model-level loaders: ``load_lora_adapter`` on its blocks of the transformer,
-  ``load_lora_into_text_encoder`` on the text encoders where it runs them (global rank 0);
-* keeps the pipeline's view of the adapters (which exist, for which components, which are active) for the whole
-  model, so that a rank whose blocks an adapter does not touch answers and refuses as the others do.
+  loads only its share with diffusers' model-level loaders: ``load_lora_adapter`` on its blocks of the transformer
+  (or of Wan 2.2's second expert), ``load_lora_into_text_encoder`` on the text encoders where it runs them (global
+  rank 0);
+* keeps the pipeline's view of the adapters (which exist, for which components, which are active in each) for the
+  whole model, so that a rank whose blocks an adapter does not touch answers and refuses as the others do.
 
 The other methods act on this rank's components as diffusers' ``LoraBaseMixin`` acts on a whole pipeline's.
 No message is sent: the adapters change only the weights each rank applies to its own blocks.
