@@ -142,3 +142,12 @@ def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel,
     })  # fmt: skip
     (line,) = [x for x in format_plan_report(plan_report(config)).splitlines() if x.startswith("step cache:")]
     assert f"steps {always} always computed, at most {most} of 8 skipped" in line
+
+
+def test_a_half_precision_decision_does_not_overflow():
+    """A patch's sums in float16 would pass 65504 (inf / inf: never computed again); they are taken in float32."""
+    c = cache(threshold=0.1)
+    c.num_tokens = 4096
+    r = torch.ones(2, 4096, 64, dtype=torch.float16)  # 524,288 elements
+    c.keep_head(r, slice(0, 4096))
+    assert c.decide(1, r * 1.05, slice(0, 4096)) is False and c.decide(2, r * 1.5, slice(0, 4096)) is True

@@ -82,7 +82,9 @@ class StepCache:
             compute = True
         else:
             previous = self.head[:, tokens]
-            sums = torch.stack(((residual - previous).abs().sum(), previous.abs().sum()))  # (2,)
+            # in float32: a half-precision sum over a whole patch's elements overflows (fp16 ends at 65504)
+            diff, prev = (residual - previous).abs().sum(dtype=torch.float32), previous.abs().sum(dtype=torch.float32)
+            sums = torch.stack((diff, prev))  # (2,)
             if group_sum is not None:
                 sums = group_sum(sums)
             change, scale = sums  # diffusers' ratio of two means over the same tokens: the ratio of their sums
