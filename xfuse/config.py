@@ -486,13 +486,15 @@ class ServeConfig(_Section):
     ] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in self.lora_adapters:
+        for name, path in self.lora_adapters.items():
             if not ADAPTER_NAME.fullmatch(name):
                 raise ConfigError(
                     "serve.lora_adapters",
                     f"adapter names are 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit "
                     f"(got {name!r})",
                 )
+            if not os.path.exists(path):  # as generation.lora: refused when the config is read, on every rank
+                raise ConfigError(f"serve.lora_adapters.{name}", f"no LoRA file or folder at {path!r}")
         if self.heartbeat_interval_s > 1.0:
             raise ConfigError(
                 "serve.heartbeat_interval_s",

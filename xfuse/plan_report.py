@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
@@ -15,6 +14,7 @@ from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ce
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
+from xfuse.parallel.step_cache import always_computed, most_skipped
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
     DecodeTime,
@@ -291,17 +291,12 @@ def _cache_lines(config: XfuseConfig, steps: int, num_patches: int) -> list[str]
     cache = config.cache
     if not cache.enabled:
         return []
-    always = set(range(min(steps, max(cache.warmup_steps, 1))))  # the first step has nothing to compare with
-    first_pipelined = config.parallel.warmup_steps
-    if num_patches > 1 and first_pipelined < steps:  # xfuse.parallel.step_cache: passes turn to patches there
-        always.add(first_pipelined)
-    most = 0  # skips that fit between the always-computed steps, max_skips in a row at most: S S C S S C ...
-    for run in (b - a - 1 for a, b in pairwise(sorted(always | {steps}))):
-        most += run if cache.max_skips is None else run - run // (cache.max_skips + 1)
+    always = always_computed(cache, steps, config.parallel.warmup_steps, num_patches)
+    most = most_skipped(cache, steps, always)
     return [
         f"step cache: {cache.method}, threshold {cache.threshold}: block 0 always runs; each step's first patch "
         f"decides after it and carries the decision with its hand-offs (a 1-element message); steps "
-        f"{_ranges(sorted(always))} always computed, at most {most} of {steps} skipped (which ones depends on the "
+        f"{_ranges(always)} always computed, at most {most} of {steps} skipped (which ones depends on the "
         "request: xfuse generate prints them, serve counts them in /metrics)"
     ]
 

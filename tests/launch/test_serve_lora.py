@@ -137,8 +137,8 @@ def test_adapters_for_a_family_without_lora_are_refused_before_start(tmp_path):
     from tests.support.serve_fns import ENV
 
     out = subprocess.run(
-        [sys.executable, "-m", "xfuse", "serve", "--set", "model=tiny", "--set", "serve.lora_adapters={a: /nowhere}",
-         "--port", "0"],
+        [sys.executable, "-m", "xfuse", "serve", "--set", "model=tiny",
+         "--set", f"serve.lora_adapters={{a: {tmp_path}}}", "--port", "0"],
         capture_output=True, text=True, env=ENV, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2

@@ -55,17 +55,26 @@ def test_a_server_without_adapters_names_none():
 
 
 @pytest.mark.parametrize(
-    "adapters,says",
+    "adapters,key,says",
     [
-        ({"a b": "/x"}, "adapter names are 1 to 64 letters"),
-        ({"a": ""}, "entry 'a': must be a non-empty string"),
-        (["a"], "a mapping of adapter names to LoRA files or folders"),
+        ({"a b": "."}, "serve.lora_adapters", "adapter names are 1 to 64 letters"),
+        ({"a": ""}, "serve.lora_adapters", "entry 'a': must be a non-empty string"),
+        (["a"], "serve.lora_adapters", "a mapping of adapter names to LoRA files or folders"),
+        ({"a": "/nowhere/lora"}, "serve.lora_adapters.a", "no LoRA file or folder at '/nowhere/lora'"),
     ],
 )
-def test_bad_serve_adapters_name_the_key(adapters, says):
+def test_bad_serve_adapters_name_the_key(adapters, key, says):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"serve": {"lora_adapters": adapters}})
-    assert e.value.key == "serve.lora_adapters" and says in str(e.value)
+    assert e.value.key == key and says in str(e.value)
+
+
+def test_an_adapter_named_as_the_model_is_refused_before_start():
+    from xfuse.serve.server import check_adapters
+
+    with pytest.raises(ConfigError) as e:
+        check_adapters(config_from_dict({"model": "sd3-tiny", "serve": {"lora_adapters": {"sd3-tiny": "."}}}))
+    assert e.value.key == "serve.lora_adapters" and "has the served model's own name" in str(e.value)
 
 
 @pytest.mark.parametrize(

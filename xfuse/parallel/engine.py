@@ -34,7 +34,7 @@ from xfuse.parallel.scheduler_state import (
 )
 from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import Segment, StagePlan
-from xfuse.parallel.step_cache import StepCache
+from xfuse.parallel.step_cache import StepCache, first_pipelined_step
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
 
 MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts, patch costs) whose programs are kept
@@ -210,8 +210,8 @@ class _Run:
         self.stage.begin_request(grid)
         self.cache = None
         if engine.cache is not None:
-            pipelined = grid.num_patches > 1 and self.schedule.warmup_steps < self.schedule.num_steps
-            self.cache = StepCache(engine.cache, grid.num_tokens, self.schedule.warmup_steps if pipelined else None)
+            first = first_pipelined_step(self.schedule.num_steps, self.schedule.warmup_steps, grid.num_patches)
+            self.cache = StepCache(engine.cache, grid.num_tokens, first)
 
     @property
     def own_latents(self) -> torch.Tensor:

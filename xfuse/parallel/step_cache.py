@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -138,6 +139,29 @@ class StepCache:
         whole-image passes, which under sequence parallelism put a rank's tokens elsewhere than its patch passes do,
         so ``taylor`` does not extrapolate from them (it adds the newer one's, as ``first_block`` does)."""
         return self.first_pipelined is not None and older < self.first_pipelined <= newer
+
+
+def first_pipelined_step(num_steps: int, warmup_steps: int, num_patches: int) -> int | None:
+    """The step where passes turn from the whole image to patches, which ``StepCache`` always computes; ``None`` when
+    no step runs in patches (one patch, or warm-up = all steps)."""
+    return warmup_steps if num_patches > 1 and warmup_steps < num_steps else None
+
+
+def always_computed(config: CacheConfig, num_steps: int, warmup_steps: int, num_patches: int) -> list[int]:
+    """The steps ``StepCache.decide`` computes whatever block 0 says: step 0 (nothing to compare with), those before
+    ``cache.warmup_steps``, and the first pipelined step."""
+    steps = set(range(min(num_steps, max(config.warmup_steps, 1))))
+    first = first_pipelined_step(num_steps, warmup_steps, num_patches)
+    return sorted(steps if first is None else steps | {first})
+
+
+def most_skipped(config: CacheConfig, num_steps: int, always: list[int]) -> int:
+    """How many steps can be skipped at most: the runs between the always-computed steps, each with a computed step
+    after every ``cache.max_skips`` skipped ones (S S C S S C ...)."""
+    most = 0
+    for run in (b - a - 1 for a, b in pairwise([*always, num_steps])):
+        most += run if config.max_skips is None else run - run // (config.max_skips + 1)
+    return most
 
 
 def check_decisions(per_rank: list[tuple[int, list[bool]]]) -> None:

@@ -202,7 +202,7 @@ def refuse_video_model(config: XfuseConfig) -> None:
 
 def check_adapters(config: XfuseConfig) -> None:
     """``serve.lora_adapters`` refused by name on every rank before any port is bound or weights load: a family whose
-    diffusers pipeline loads no LoRA, a name that is the model's own, a path that is not there; and
+    diffusers pipeline loads no LoRA, a name that is the model's own (its paths are checked with the config); and
     ``generation.lora`` (``xfuse generate``'s: a server's adapters are picked per request)."""
     if config.generation.lora:
         raise ConfigError(
@@ -214,11 +214,8 @@ def check_adapters(config: XfuseConfig) -> None:
     if not adapters:
         return
     check_lora_family(config, "serve.lora_adapters")
-    for name, path in adapters.items():
-        if name == model_name(config):
-            raise ConfigError("serve.lora_adapters", f"adapter {name!r} has the served model's own name")
-        if not os.path.exists(path):
-            raise ConfigError(f"serve.lora_adapters.{name}", f"no LoRA file or folder at {path!r}")
+    if model_name(config) in adapters:
+        raise ConfigError("serve.lora_adapters", f"adapter {model_name(config)!r} has the served model's own name")
 
 
 def load_adapters(pipe, adapters: dict[str, str]) -> None:
