@@ -40,8 +40,9 @@ def save_lora(pipe, folder, *, seed, rank, alpha, text_encoder=False) -> str:
 
 def lora_steps(pipe, call, lora_a, lora_b, after_load=None):
     """The LoRA API in order, one ``pipe(**call)`` after each: load ``a``; load ``b``; both with weights; fused;
-    unfused; disabled; enabled with ``a`` deleted; unloaded. Returns [(step, images or None, active adapters)] for
-    xfuse's pipelines and diffusers' alike (``call`` has ``seed``). ``after_load()``: called after each load."""
+    unfused; disabled; enabled with ``a`` deleted; ``b`` fused; unloaded (``b`` staying fused). Returns [(step, images
+    or None, active adapters)] for xfuse's pipelines and diffusers' alike (``call`` has ``seed``). ``after_load()``:
+    called after each load."""
     call = dict(call)
     seed = call.pop("seed")
     out = []
@@ -66,8 +67,10 @@ def lora_steps(pipe, call, lora_a, lora_b, after_load=None):
     pipe.enable_lora()
     pipe.delete_adapters("a")
     run("a deleted")
-    pipe.unload_lora_weights()
-    run("unloaded")
+    pipe.fuse_lora()
+    run("b fused")
+    pipe.unload_lora_weights()  # the fused weights stay: only an unfused adapter is undone by unloading
+    run("b fused, unloaded")
     return out
 
 
