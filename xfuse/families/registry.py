@@ -136,13 +136,23 @@ def vae_config(model: str) -> dict | None:
         return json.load(f)
 
 
+def component_class(folder: str, name: str) -> str | None:
+    """The class of a diffusers folder's component ``name`` as its ``model_index.json`` lists it (``[library, class]``;
+    ``None`` where it names none)."""
+    index = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(index):
+        raise ConfigError("model", f"{folder!r} is not a diffusers folder (not found: {index!r})")
+    with open(index) as f:
+        entry = json.load(f).get(name)
+    return entry[1] if entry and entry[0] is not None else None
+
+
 def pipeline_transformers(folder: str) -> tuple[str, ...]:
     """The transformer components of a diffusers folder's pipeline, as its ``model_index.json`` lists them:
     ``transformer``, and ``transformer_2`` where it names one (Wan 2.2's second expert). Every rank loads its blocks of
     each."""
-    with open(os.path.join(folder, "model_index.json")) as f:
-        second = json.load(f).get("transformer_2")
-    return ("transformer", "transformer_2") if second and second[0] is not None else ("transformer",)
+    second = component_class(folder, "transformer_2")
+    return ("transformer", "transformer_2") if second is not None else ("transformer",)
 
 
 def transformer_count(model: str) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -95,12 +94,12 @@ class ShardedLoraMixin:
         """A text encoder this rank did not load: its layers from the folder's config, on the meta device."""
         import transformers
 
+        from xfuse.families.registry import component_class
+
         folder = self.pipeline.config.get("_name_or_path")
-        index = os.path.join(folder or "", "model_index.json")
-        if not folder or not os.path.isfile(index):
-            raise ValueError(f"LoRA: the pipeline's {name} is not loaded here and its folder is unknown")
-        with open(index) as f:
-            _, class_name = json.load(f)[name]  # [library, class]
+        class_name = component_class(folder, name) if folder and os.path.isdir(folder) else None
+        if class_name is None:
+            raise ValueError(f"LoRA: the pipeline's {name} is not loaded here and its folder does not name it")
         config = transformers.AutoConfig.from_pretrained(folder, subfolder=name, local_files_only=True)
         return meta_linear_shapes(lambda: getattr(transformers, class_name)._from_config(config))
 
