@@ -35,8 +35,9 @@ def test_mirrored_signature_is_unchanged(name):
     )
 
 
-# Every xfuse pipeline class: (its family, its diffusers pipeline's name), the family's own and its image-to-video.
-PIPELINES = [(spec, name) for spec in FAMILIES for name in (spec.diffusers_pipeline, spec.image_to_video) if name]
+# Every xfuse pipeline class: (its family, its diffusers pipeline's name), the family's own, its image-to-video and
+# its ControlNet pipeline.
+PIPELINES = [(spec, name) for spec in FAMILIES for name in spec.diffusers_pipelines]
 
 
 @pytest.mark.parametrize("spec,name", PIPELINES, ids=[name for _, name in PIPELINES])

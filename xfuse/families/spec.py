@@ -81,6 +81,8 @@ class ModelSpec:
             different factors (``AutoencoderKLWan``'s ``scale_factor_spatial``: 8 for Wan 2.1's VAE, 16 for Wan
             2.2's, as ``WanPipeline`` reads it); ``vae_scale_factor`` is then the factor of a pipeline without a VAE.
             ``for_vae`` gives the spec of one model.
+        controlnet: the diffusers ControlNet pipeline on the family's transformer (``FluxControlNetPipeline``), which
+            xfuse also runs; its xfuse class (``PipeFusion`` + the name) is ``controlnet_class()``.
     """
 
     name: str
@@ -109,6 +111,8 @@ class ModelSpec:
     token_patch: Callable[[dict], int] = lambda config: config["patch_size"]
     vae_factor_key: str | None = None
     image_to_video: str | None = None
+    controlnet: str | None = None
+    controlnet_class: Callable[[], type] | None = None
 
     @property
     def pipeline_name(self) -> str:
@@ -116,12 +120,20 @@ class ModelSpec:
         return f"PipeFusion{self.diffusers_pipeline}"
 
     @property
+    def diffusers_pipelines(self) -> tuple[str, ...]:
+        """The diffusers pipelines xfuse runs for this family: its own, its image-to-video, its ControlNet's."""
+        return tuple(name for name in (self.diffusers_pipeline, self.image_to_video, self.controlnet) if name)
+
+    @property
     def pipeline_names(self) -> tuple[str, ...]:
-        """The xfuse classes of this family (``from xfuse import <name>``): its pipeline's, then its image-to-video."""
-        return (self.pipeline_name, *([] if self.image_to_video is None else [f"PipeFusion{self.image_to_video}"]))
+        """The xfuse classes of this family (``from xfuse import <name>``): its pipeline's, then its image-to-video
+        and ControlNet pipelines'."""
+        return tuple(f"PipeFusion{name}" for name in self.diffusers_pipelines)
 
     def pipeline_class_named(self, name: str) -> type:
         """The xfuse class ``name`` (one of ``pipeline_names``), importing the family's pipeline module."""
+        if self.controlnet_class is not None and name == f"PipeFusion{self.controlnet}":
+            return self.controlnet_class()
         main = self.pipeline_class()
         return main if name == self.pipeline_name else getattr(sys.modules[main.__module__], name)
 

@@ -23,6 +23,7 @@ import torch
 
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.config import CacheConfig
+from xfuse.parallel.control import ControlResiduals
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
 from xfuse.parallel.scheduler_state import (
@@ -66,6 +67,8 @@ class DenoiseRequest:
             tensors by the family's adapter.
         hidden_dtype: dtype of the hidden states (and streams) handed between ranks, where it is not the latents'
             (Wan steps float32 latents with a bfloat16 transformer); ``None``: the latents' dtype.
+        control: ControlNet residuals (``xfuse.parallel.control``): computed on the embedding rank with each hop-0
+            task, added after the blocks that take them; ``None``: no ControlNet.
     """
 
     latents: torch.Tensor
@@ -81,6 +84,7 @@ class DenoiseRequest:
     on_progress: Callable[[int], None] | None = None
     stream_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     hidden_dtype: torch.dtype | None = None
+    control: ControlResiduals | None = None
 
 
 def _scale_model_input(scheduler, sample: torch.Tensor, t) -> torch.Tensor:
@@ -126,9 +130,10 @@ class PipeFusionEngine:
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
 
-    def _program(self, num_steps: int, grid: PatchGrid, parts: int):
+    def _program(self, num_steps: int, grid: PatchGrid, parts: int, control_ranks: tuple[int, ...] = ()):
         flags = self.cache is not None
-        key = (num_steps, min(self.warmup_steps, num_steps), grid.num_patches, parts, grid.cost_tokens, flags)
+        steps = (num_steps, min(self.warmup_steps, num_steps))
+        key = (*steps, grid.num_patches, parts, grid.cost_tokens, flags, control_ranks)
         if key in self._schedules:
             self._schedules.move_to_end(key)
         else:  # pure and cached: computed once per request shape
@@ -153,7 +158,10 @@ class PipeFusionEngine:
         with span("denoise", LOOP, steps=len(request.timesteps), patch_rows=rows, patch_tokens=grid.cost_tokens):
             # With caching, a whole-image step's decision is on its whole batch, as diffusers' on one call: no parts.
             parts = 1 if self.cache is not None else batch_parts(request.model_batch, self.plan.degree)
-            schedule, program, messages = self._program(len(request.timesteps), grid, parts)
+            if request.control is not None and self.cache is not None:
+                raise ValueError("step caching with ControlNet residuals is not supported")
+            control_ranks = () if request.control is None else request.control.ranks(self.plan)
+            schedule, program, messages = self._program(len(request.timesteps), grid, parts, control_ranks)
             run = _Run(self, request, grid, schedule, messages, tracer)
             try:
                 return run.execute(program)
@@ -185,6 +193,8 @@ class _Run:
         # (hidden, streams) handed to this same rank's next segment
         self.local: dict[Task, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
+        # (step, patch, part) -> block -> the ControlNet residual added after it, for this rank's blocks
+        self.controls: dict[tuple, dict[int, torch.Tensor]] = {}
         self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
         if self.pipe_rank == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
             self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.own_latents, request.timesteps[0])
@@ -208,6 +218,9 @@ class _Run:
             if isinstance(steps_table, torch.Tensor) and steps_table.device.type != "cpu":
                 request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
+        control = request.control
+        if control is not None and control.begin_request is not None and self.pipe_rank == self.plan.embed_rank:
+            control.begin_request(grid)
         self.cache = None
         if engine.cache is not None:
             first = first_pipelined_step(self.schedule.num_steps, self.schedule.warmup_steps, grid.num_patches)
@@ -243,6 +256,11 @@ class _Run:
         if m.kind == "cache":
             return (1,)  # the step's caching decision: 1 computed, 0 skipped
         batch = self.request.model_batch if m.part is None else self.part_size
+        if m.kind == "control":  # (residuals of the receiver's blocks, B_model or a part's rows, tokens, hidden)
+            assert self.request.control is not None
+            count = len(self.request.control.samples_of(self.plan.blocks_of(m.dst)))
+            held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])
+            return (count, batch, held.stop - held.start, self.stage.hidden_size)
         if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it (an SP rank: its chunk)
             return (batch, *self.stage.stream_shape(m.kind, self.request.stream_shapes[m.kind])[1:])
         held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])  # all, or an SP chunk
@@ -342,6 +360,8 @@ class _Run:
         skips = self.skips.setdefault(key, {})
         for m, tensor in by_kind.get("skip", []):
             skips[m.block] = tensor
+        for _, tensor in by_kind.get("control", []):  # this rank's residuals of the patch, in sample order
+            self._keep_controls(key, lambda i, stacked=tensor: stacked[i])
         # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
         band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
@@ -364,14 +384,28 @@ class _Run:
         )
         last_hop = task.hop == len(plan.route) - 1
         self.stage.begin_task(step, patch)
+        control = self.request.control
+        residuals: list[torch.Tensor] = []  # hop 0 with ControlNet: every residual of the control model's pass
         with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop):
             cond = self._cond(step)  # the step's conditioning (timestep embedding): model work, once per step
-            if task.part is not None:
-                cond = self.stage.batch_part(cond, self._part(task.part))
+            part = None if task.part is None else self._part(task.part)
+            if part is not None:
+                cond = self.stage.batch_part(cond, part)
             if task.hop == 0:  # (B_model or a part's rows, C, h, W) -> (same, tokens, D)
-                hidden = self.stage.embed(self._transformer_input(task, rows), band)
+                model_input = self._transformer_input(task, rows)
+                hidden = self.stage.embed(model_input, band)
+                if control is not None:
+                    assert control.compute is not None, "the embedding rank runs the control model"
+                    residuals = control.compute(step, model_input, band, part, keep_kv)
+                    self._keep_controls(key, residuals.__getitem__)
             assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
-            if self.cache is None:
+            if self.cache is None and control is not None:
+                kept = self.controls.get(key, {})
+                controls = {b: kept.pop(b) for b in segment.blocks if b in kept}
+                if not kept:
+                    self.controls.pop(key, None)
+                hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, controls=controls)
+            elif self.cache is None:
                 hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
             else:
                 hidden = self._cached_segment(task, hidden, cond, band, skips, keep_kv, streams, by_kind.get("cache"))
@@ -388,6 +422,9 @@ class _Run:
                 assert self.cache is not None
                 computed = self.cache.decisions[step]
                 outgoing[m] = hidden.new_full((1,), 1.0 if computed else 0.0)
+            elif m.kind == "control":  # (the receiver's residuals, B, tokens, hidden)
+                assert control is not None
+                outgoing[m] = torch.stack([residuals[i] for i in control.samples_of(plan.blocks_of(m.dst))])
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
         if stepped is not None:
@@ -399,6 +436,25 @@ class _Run:
             self.local[task] = (hidden, streams)  # picked up by this rank's next segment
         if outgoing:
             self.outgoing[task] = outgoing
+
+    def _keep_controls(self, key: tuple, sample) -> None:
+        """Keep this rank's ControlNet residuals of a unit by block; ``sample(j)`` is the j-th of the residuals this
+        rank's blocks use (``ControlResiduals.samples_of``), or at hop 0 residual j itself. A received buffer is
+        reused after its task: residuals for a later segment are copied."""
+        control = self.request.control
+        assert control is not None
+        mine = self.plan.blocks_of(self.pipe_rank)
+        used = control.samples_of(mine)
+        embedding = self.pipe_rank == self.plan.embed_rank
+        first = self.plan.route[self.schedule.first_hop(self.pipe_rank)].blocks
+        kept = {}
+        for block in mine:
+            if block in control.block_samples:
+                j = control.block_samples[block]
+                residual = sample(j if embedding else used.index(j))
+                kept[block] = residual if embedding or block in first else residual.clone()
+        if kept:
+            self.controls[key] = kept
 
     def _cached_segment(self, task: Task, hidden, cond, band, skips, keep_kv, streams, flag) -> torch.Tensor:
         """The task's segment under step caching (``xfuse.parallel.step_cache``): block 0 always runs and, on the

@@ -21,6 +21,10 @@ placement and M >= N (tested), which the half-slot staggering rule of docs/desig
 Every segment sees its patches in (step, patch) order (a step's batch parts in order), which is what the stale K/V
 semantics need: patch p of step s attends to patches < p of step s and patches > p of step s-1.
 
+ControlNet residuals (``control_ranks``): the embedding rank runs the control model with each hop-0 task and sends
+each other rank that holds a controlled block, from that task, the residuals of its blocks in one ``control``
+message, received by that rank's first segment of the same (step, patch) (it keeps them for its later segments).
+
 Linear placement ends with *collect* tasks on rank 0 (``hop=-1``): receiving the final latents from the output rank.
 
 A cross-rank long skip is received by its consumer's task and sent by its producer rank's last task before that
@@ -66,7 +70,8 @@ class Task:
 class Message:
     """One tensor moving between ranks. ``channel`` names its (kind, skip edge) stream between the two ranks."""
 
-    kind: str  # "hidden" | "skip" | "latent" | "cache" (a step's caching decision) | a stream of the plan ("text")
+    kind: str  # "hidden" | "skip" | "latent" | "cache" (a step's caching decision) | "control" (ControlNet
+    # residuals) | a stream of the plan ("text")
     src: int
     dst: int
     step: int  # diffusion step of the task that produces it
@@ -89,6 +94,11 @@ class Schedule:
     times: dict[Task, tuple[float, float]]  # simulated (start, end) of every task: units of one block on a mean patch
     batch_parts: int = 1  # parts a whole-image step's transformer batch is streamed in
     step_flags: bool = False  # a step's first task hands on a one-element ``cache`` message (step caching)
+    control_ranks: tuple[int, ...] = ()  # ranks (not the embedding rank) sent ControlNet residuals with each hop 0
+
+    def first_hop(self, rank: int) -> int:
+        """The route segment where ``rank`` first sees a unit (its ``control`` message arrives there)."""
+        return next(hop for hop, segment in enumerate(self.plan.route) if segment.rank == rank)
 
     @property
     def makespan(self) -> float:
@@ -143,6 +153,8 @@ class Schedule:
             out.extend(Message(s, src, rank, task.step, task.patch, part=task.part) for s in self.streams_of(task))
             if self.carries_flag(task):
                 out.append(Message("cache", src, rank, task.step, task.patch, part=task.part))
+            if rank in self.control_ranks and task.hop == self.first_hop(rank):
+                out.append(Message("control", plan.embed_rank, rank, task.step, task.patch, part=task.part))
         return out
 
     def carries_flag(self, task: Task) -> bool:
@@ -174,6 +186,10 @@ class Schedule:
             out.extend(Message(s, rank, dst, task.step, task.patch, part=task.part) for s in self.streams_of(task))
             if self.carries_flag(task):
                 out.append(Message("cache", rank, dst, task.step, task.patch, part=task.part))
+        if task.hop == 0:  # after the hand-off: a pair's messages from one task keep the receiver's order
+            out.extend(
+                Message("control", rank, dst, task.step, task.patch, part=task.part) for dst in self.control_ranks
+            )
         return out
 
 
@@ -275,12 +291,16 @@ def build_schedule(
     batch_parts: int = 1,
     patch_tokens: tuple[int, ...] | None = None,
     step_flags: bool = False,
+    control_ranks: tuple[int, ...] = (),
 ) -> Schedule:
     """The schedule of a request: per-rank task orders for ``num_steps`` steps, the first ``warmup_steps`` whole
     (each streamed as ``batch_parts`` parts of the transformer batch, see ``batch_parts``). ``patch_tokens``: each
     patch's tokens through every block (``PatchGrid.cost_tokens``), which the simulation's costs follow; ``None``:
     patches of equal cost. ``step_flags``: each step's first task hands its caching decision on
-    (``xfuse.parallel.step_cache``)."""
+    (``xfuse.parallel.step_cache``). ``control_ranks``: the ranks the embedding rank sends ControlNet residuals to
+    with each hop-0 task (``xfuse.parallel.control``)."""
+    if plan.embed_rank in control_ranks or not set(control_ranks) <= set(range(plan.degree)):
+        raise ValueError(f"control_ranks must be ranks of the plan other than the embedding rank (got {control_ranks})")
     if not 0 <= warmup_steps <= num_steps or num_steps < 1:
         raise ValueError(f"need 1 <= num_steps and 0 <= warmup_steps <= num_steps (got {num_steps}, {warmup_steps})")
     if batch_parts < 1:
@@ -298,6 +318,7 @@ def build_schedule(
         times,
         batch_parts,
         step_flags,
+        tuple(sorted(control_ranks)),
     )
 
 

@@ -81,12 +81,16 @@ class Stage(Protocol):
         skips: dict[int, torch.Tensor],
         keep_kv: bool = True,
         streams: dict[str, torch.Tensor] | None = None,
+        *,
+        controls: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``segment``'s blocks on (B, tokens, hidden). ``skips`` maps a long-skip producer block to its output
         for this patch (producers add, consumers pop). ``keep_kv=False``: a whole-image pass whose K/V no patch
         will read. ``streams``: the plan's streams (an MMDiT's text) that the step's first patch and a whole-image
         pass carry: the segment reads its inputs from it (none at the first segment) and replaces them with its
-        outputs; empty for the other patches, which reuse what the first patch left (its text K/V)."""
+        outputs; empty for the other patches, which reuse what the first patch left (its text K/V).
+        ``controls``: block -> the ControlNet residual (B, tokens, hidden) added to its image output
+        (``xfuse.parallel.control``); the engine passes it only with a ControlNet, to the families that take one."""
 
     def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
         """(B, band tokens, hidden) -> the transformer's output (B, C_out, rows, W) for the rows covering ``band``

@@ -85,10 +85,14 @@ class JointStage(ShardedStage):
         skips: dict[int, torch.Tensor],
         keep_kv: bool = True,
         streams: dict[str, torch.Tensor] | None = None,
+        *,
+        controls: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``segment``'s blocks on (B, tokens, hidden). The first patch of a step (or a whole-image pass) owns
         the text update: it reads the text from ``streams`` (the first segment: from ``cond``) and leaves the
-        updated text there; other patches carry zero text tokens and reuse the owner's text K/V."""
+        updated text there; other patches carry zero text tokens and reuse the owner's text K/V. ``controls``:
+        ControlNet residuals added to the image output of the blocks they name, as diffusers' transformer forward
+        adds ``block_controlnet_hidden_states`` / ``controlnet_block_samples``."""
         owner = band is None or band.index == 0
         self.begin_pass(cond, band, keep_kv)  # self.kv_cache is self.joint.image
         self.joint.reuse_text, self.joint.text_total = not owner, cond.text.shape[1]
@@ -105,6 +109,8 @@ class JointStage(ShardedStage):
             text, hidden = self.blocks[index](
                 hidden_states=hidden, encoder_hidden_states=text, temb=cond.temb, **kwargs
             )
+            if controls and index in controls:
+                hidden = hidden + controls[index]
         if owner and streams is not None and text is not None:  # SD3's last block returns no text
             streams[TEXT] = text
         return hidden

@@ -8,6 +8,8 @@ pipeline object itself.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from diffusers.pipelines.stable_diffusion_3 import pipeline_stable_diffusion_3 as diffusers_sd3
 from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
@@ -17,6 +19,9 @@ from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.sd3.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 from xfuse.pipelines.lora import ShardedLoraMixin
+
+if TYPE_CHECKING:
+    from xfuse.families.sd3.controlnet import SD3ControlCall
 
 
 class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBase):
@@ -75,6 +80,47 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
         skip_layer_guidance_start: float = 0.01,
         mu: float | None = None,
     ):
+        return self._sd3_call(None, **{name: value for name, value in locals().items() if name != "self"})
+
+    def _sd3_call(
+        self,
+        control: SD3ControlCall | None,
+        prompt=None,
+        prompt_2=None,
+        prompt_3=None,
+        height=None,
+        width=None,
+        num_inference_steps=28,
+        sigmas=None,
+        guidance_scale=7.0,
+        negative_prompt=None,
+        negative_prompt_2=None,
+        negative_prompt_3=None,
+        num_images_per_prompt=1,
+        generator=None,
+        latents=None,
+        prompt_embeds=None,
+        negative_prompt_embeds=None,
+        pooled_prompt_embeds=None,
+        negative_pooled_prompt_embeds=None,
+        ip_adapter_image=None,
+        ip_adapter_image_embeds=None,
+        output_type="pil",
+        return_dict=True,
+        joint_attention_kwargs=None,
+        clip_skip=None,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs=("latents",),
+        max_sequence_length=STABLE_DIFFUSION_3.text_lengths[1],
+        skip_guidance_layers=None,
+        skip_layer_guidance_scale=2.8,
+        skip_layer_guidance_stop=0.2,
+        skip_layer_guidance_start=0.01,
+        mu=None,
+    ):
+        """``StableDiffusion3Pipeline.__call__``'s recipe (its arguments, defaults as there); with ``control``,
+        ``StableDiffusion3ControlNetPipeline``'s: the control image encoded with the prompt on rank 0, the control
+        model's residuals in the engine's request."""
         pipe, device = self.pipeline, self.context.device
         callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
@@ -128,6 +174,9 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
             text = {"prompt_embeds": emb, "pooled_prompt_embeds": pooled}
             if do_cfg:
                 text |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
+            if control is not None:  # after the prompt, as diffusers (its VAE draws from the global generator)
+                batch = batch_size * num_images_per_prompt
+                text["control_latents"] = control.encode(self, height, width, batch, num_images_per_prompt, do_cfg)
             return {k: v.to(self.dtype) for k, v in text.items()}
 
         def timesteps() -> torch.Tensor:
@@ -156,11 +205,14 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
         def request(text, latents, timesteps, generator):
             keys = ("prompt_embeds", "pooled_prompt_embeds")
             batched = {k: torch.cat([text[f"negative_{k}"], text[k]]) if do_cfg else text[k] for k in keys}
+            if control is not None:  # [uncond, cond] already: diffusers encodes the doubled control image
+                batched["control_latents"] = text["control_latents"]
             model_text, cfg_half = self._cfg_split(batched, latents.shape[0])
+            control_latents = model_text.pop("control_latents", None)
             on_step_end = self._step_end_callback(
                 callback_on_step_end, callback_on_step_end_tensor_inputs, timesteps, batched
             )
-            return denoise_request(
+            request = denoise_request(
                 self.stage,
                 latents=latents,
                 timesteps=timesteps,
@@ -171,6 +223,9 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
                 on_step_end=on_step_end,
                 **model_text,
             )
+            if control is not None:
+                request.control = control.residuals(self, model_text, control_latents, timesteps)
+            return request
 
         return self._run(
             CallRecipe(

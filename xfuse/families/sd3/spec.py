@@ -27,6 +27,12 @@ def _pipeline_class() -> type:
     return PipeFusionStableDiffusion3Pipeline
 
 
+def _controlnet_class() -> type:
+    from xfuse.families.sd3.controlnet import PipeFusionStableDiffusion3ControlNetPipeline
+
+    return PipeFusionStableDiffusion3ControlNetPipeline
+
+
 def _stage_class() -> type:
     from xfuse.families.sd3.stage import SD3Stage
 
@@ -58,4 +64,6 @@ STABLE_DIFFUSION_3 = ModelSpec(
     streams=("text",),
     # SD3.5-medium's blocks listed in dual_attention_layers add an image-only self-attention (attn2)
     attentions_of_block=lambda config, block: 2 if block in (config.get("dual_attention_layers") or ()) else 1,
+    controlnet="StableDiffusion3ControlNetPipeline",
+    controlnet_class=_controlnet_class,
 )

@@ -1,0 +1,74 @@
+"""Tiny random ControlNets built offline on the tiny presets (saved as diffusers saves them), the control image, and
+the calls the ControlNet tests run on xfuse's pipelines and on diffusers' alike."""
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tests.support.pipeline_fns import as_array
+
+# Two calls: the ControlNet at full scale over every step, then at 0.7 for the first half of the steps only.
+CONTROL_CALLS = (
+    {},
+    {"controlnet_conditioning_scale": 0.7, "control_guidance_start": 0.0, "control_guidance_end": 0.5},
+)
+GLOBAL_SEED = 5  # torch's global generator: SD3's pipeline draws the control image's VAE sample from it
+
+
+def save_controlnet(pipe, folder, *, seed: int, num_layers: int) -> str:
+    """An ``SD3ControlNetModel`` of ``num_layers`` blocks made from ``pipe``'s transformer as diffusers'
+    ``from_transformer`` makes one, its zero-initialised input embedding and residual layers then drawn at random
+    (as after training: the control acts), saved with ``save_pretrained``; returns ``folder``."""
+    from diffusers import SD3ControlNetModel
+
+    controlnet = SD3ControlNetModel.from_transformer(pipe.transformer, num_layers=num_layers,
+                                                     num_extra_conditioning_channels=0)  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in (*controlnet.controlnet_blocks, controlnet.pos_embed_input):
+            for param in module.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    controlnet.save_pretrained(str(folder))
+    return str(folder)
+
+
+def control_image(height: int, width: int) -> Image.Image:
+    """A deterministic RGB image with edges and gradients (what a depth or edge map gives a ControlNet)."""
+    rows, cols = np.mgrid[0:height, 0:width]
+    image = np.stack([(rows * 255 // height), (cols * 255 // width), ((rows // 16 + cols // 16) % 2) * 255], axis=-1)
+    return Image.fromarray(image.astype(np.uint8))
+
+
+def control_steps(pipe, call: dict, image) -> list:
+    """``pipe(**call, **extra)`` for each of ``CONTROL_CALLS`` with the same seeds (the user's generator, and torch's
+    global one for the VAE sample); the outputs as arrays (``None`` on ranks that return nothing)."""
+    call = dict(call)
+    seed = call.pop("seed")
+    out = []
+    for extra in CONTROL_CALLS:
+        torch.manual_seed(GLOBAL_SEED)
+        images = pipe(**call, **extra, control_image=image, generator=torch.Generator().manual_seed(seed))
+        out.append(None if images is None else as_array(images))
+    return out
+
+
+def xfuse_control_steps(folder, controlnet_folder, parallel, call, height, width, counters=False):
+    """Rank function: ``control_steps`` on ``PipeFusionStableDiffusion3ControlNetPipeline`` loaded from ``folder``
+    with the ControlNet of ``controlnet_folder``; with ``counters`` also this rank's bytes sent by kind in the last
+    call, and what the rank is."""
+    from diffusers import SD3ControlNetModel
+
+    from xfuse.pipelines import PipeFusionStableDiffusion3ControlNetPipeline
+
+    controlnet = SD3ControlNetModel.from_pretrained(controlnet_folder)
+    pipe = PipeFusionStableDiffusion3ControlNetPipeline.from_pretrained(
+        folder, controlnet=controlnet, parallel=parallel, comm={"timeout_s": 60}
+    )
+    pipe.set_progress_bar_config(disable=True)
+    steps = control_steps(pipe, call, control_image(height, width))
+    if not counters:
+        return steps
+    context = pipe.context
+    sent = context.channels.counters.as_dict()["sent_bytes"] if context.channels is not None else {}
+    return dict(steps=steps, sent=sent, pipe_rank=context.pipe_rank, cfg_rank=context.cfg_rank,
+                holds_controlnet=pipe.control_model is not None)  # fmt: skip
