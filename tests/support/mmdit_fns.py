@@ -28,7 +28,7 @@ def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, s
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        if type(pipe).__name__ == "StableDiffusion3Pipeline":
+        if type(pipe).__name__.startswith("StableDiffusion3"):  # with or without a ControlNet
             emb, neg, pooled, neg_pooled = pipe.encode_prompt(
                 PROMPT, None, None, negative_prompt=NEGATIVE, do_classifier_free_guidance=cfg > 1,
                 device="cpu", max_sequence_length=max_sequence_length,

@@ -357,7 +357,7 @@ def _sd3(transformer, inputs, buffers, token_rows, token_cols):
     transformer.pos_embed = BandPositions(transformer.pos_embed, buffers, token_rows, token_cols)
     guidance_scale = inputs["guidance_scale"]
 
-    def predict(latents, t, scheduler, tokens):
+    def predict(latents, t, scheduler, tokens, **control):
         latent_model_input = torch.cat([latents] * 2) if guidance_scale > 1 else latents
         noise_pred = transformer(
             hidden_states=latent_model_input,
@@ -366,11 +366,44 @@ def _sd3(transformer, inputs, buffers, token_rows, token_cols):
             pooled_projections=inputs["pooled_prompt_embeds"],
             joint_attention_kwargs=None,
             return_dict=False,
+            **control,
         )[0]
         if guidance_scale > 1:
             noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
             noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
         return noise_pred
+
+    return predict
+
+
+def _sd3_controlnet(transformer, inputs, buffers, token_rows, token_cols, controlnet):
+    """Lines of StableDiffusion3ControlNetPipeline.__call__ (step 8): the ControlNet's forward, then the transformer's
+    with its residuals. The ControlNet is a second model with stale image K/V of its own (keyed apart from the
+    transformer's), its own text owner (patch 0) and the band's rows of the whole latent's position crop; its
+    ``controlnet_cond`` is the rows of the control latents the band's pass reads."""
+    for index, block in enumerate(controlnet.transformer_blocks):
+        block.attn.set_processor(StaleJointAttention(buffers, ("control attn", index)))
+    TextOwner(buffers, controlnet.transformer_blocks)
+    controlnet.pos_embed = BandPositions(controlnet.pos_embed, buffers, token_rows, token_cols)
+    predict_sd3 = _sd3(transformer, inputs, buffers, token_rows, token_cols)
+    patch = transformer.config.patch_size
+    control_image, scales, timesteps = inputs["control_image"], inputs["conditioning_scales"], inputs["timesteps"]
+    pooled = inputs["controlnet_pooled_projections"]
+
+    def predict(latents, t, scheduler, tokens):
+        latent_model_input = torch.cat([latents] * 2) if inputs["guidance_scale"] > 1 else latents
+        step = int((timesteps == t).nonzero()[0, 0])
+        rows = slice(None) if tokens is None else slice(tokens.start // token_cols * patch, tokens.stop // token_cols * patch)
+        samples = controlnet(
+            hidden_states=latent_model_input,
+            timestep=t.expand(latent_model_input.shape[0]),
+            encoder_hidden_states=inputs["prompt_embeds"],
+            pooled_projections=pooled,
+            controlnet_cond=control_image[:, :, rows],
+            conditioning_scale=scales[step],
+            return_dict=False,
+        )[0]
+        return predict_sd3(latents, t, scheduler, tokens, block_controlnet_hidden_states=samples)
 
     return predict
 
@@ -423,6 +456,7 @@ FAMILIES = {
     "HunyuanDiTPipeline": (_hunyuandit, False),
     "PixArtSigmaPipeline": (_pixart, False),
     "StableDiffusion3Pipeline": (_sd3, False),
+    "StableDiffusion3ControlNetPipeline": (_sd3_controlnet, False),
     "FluxPipeline": (_flux, True),
 }
 
@@ -548,6 +582,9 @@ def pipefusion_reference(
     * SD3: ``latents`` (B, C, H, W), ``timesteps``, ``prompt_embeds`` (B', T, joint_attention_dim) and
       ``pooled_prompt_embeds`` (B', pooled), both batched [uncond, cond] when ``guidance_scale > 1``,
       ``guidance_scale``, ``extra_step_kwargs`` (``{}``), ``generator`` (may be None).
+    * SD3 with a ControlNet (``StableDiffusion3ControlNetPipeline``): also ``control_image`` (the VAE-encoded control
+      latents, [uncond, cond] with guidance), ``conditioning_scales`` (each step's scale, ``controlnet_keep``
+      applied) and ``controlnet_pooled_projections``.
     * FLUX: ``latents`` packed (B, tokens, 4 C), ``latent_image_ids`` (tokens, 3) of the whole image, ``timesteps``
       (set with the pipeline's ``mu``; ``set_begin_index(0)`` as the pipeline does), ``prompt_embeds`` (B, T, D),
       ``pooled_prompt_embeds`` (B, pooled), ``text_ids`` (T, 3), ``guidance`` ((B,) tensor, or None without
@@ -562,7 +599,8 @@ def pipefusion_reference(
     vae_scale_factor = pipe.vae_scale_factor
     token_rows, token_cols = height // vae_scale_factor // patch_size, width // vae_scale_factor // patch_size
     buffers.num_tokens = token_rows * token_cols
-    predict = family(transformer, inputs, buffers, token_rows, token_cols)
+    controls = (copy.deepcopy(pipe.controlnet),) if hasattr(pipe, "controlnet") else ()
+    predict = family(transformer, inputs, buffers, token_rows, token_cols, *controls)
     step_cache = None
     if cache is not None:
         blocks = transformer.blocks if hasattr(transformer, "blocks") else transformer.transformer_blocks

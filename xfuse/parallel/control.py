@@ -56,11 +56,9 @@ class ControlResiduals:
         """The ranks other than the embedding rank that hold a controlled block (each gets a ``control`` message)."""
         return tuple(r for r in range(plan.degree) if r != plan.embed_rank and self.samples_of(plan.blocks_of(r)))
 
-    def residual_bytes(self, plan: StagePlan, *, batch: int, tokens: int, hidden_size: int, dtype_bytes: int) -> int:
-        """Bytes the embedding rank sends per pass over ``tokens`` image tokens: each rank's residuals of
-        (batch, tokens, hidden)."""
-        count = sum(len(self.samples_of(plan.blocks_of(r))) for r in self.ranks(plan))
-        return count * batch * tokens * hidden_size * dtype_bytes
+    def counts(self, plan: StagePlan) -> dict[int, int]:
+        """The residuals each rank other than the embedding rank receives per pass (``comm_volume``'s input)."""
+        return {rank: len(self.samples_of(plan.blocks_of(rank))) for rank in self.ranks(plan)}
 
 
 def interval_samples(

@@ -26,6 +26,7 @@ def comm_volume(
     in_channels: int = 4,
     dtype_bytes: int = 4,
     stream_tokens: dict[str, int] | None = None,
+    control_residuals: dict[int, int] | None = None,
 ) -> dict[int, dict[str, int]]:
     """Bytes each rank sends per denoising step, by kind.
 
@@ -38,9 +39,13 @@ def comm_volume(
         dtype_bytes: bytes per element of the model dtype.
         stream_tokens: tokens of each of the plan's streams (an MMDiT's text length T); a stream crosses each
             hand-off once per step as (B, T, hidden), with the step's first patch.
+        control_residuals: with a ControlNet, the residuals each other rank takes per pass
+            (``ControlResiduals.counts``): the embedding rank sends each its (B, tokens, hidden) residuals of every
+            patch, the whole image once per step.
 
     Returns:
-        ``{rank: {"hidden": bytes, "skip": bytes, "latent": bytes, <stream>: bytes}}`` for every rank of the plan.
+        ``{rank: {"hidden": bytes, "skip": bytes, "latent": bytes, <stream>: bytes}}`` for every rank of the plan
+        (and ``"control"`` with ``control_residuals``).
     """
     latent_batch = batch if latent_batch is None else latent_batch
     stream_tokens = stream_tokens or {}
@@ -48,7 +53,10 @@ def comm_volume(
     if missing:
         raise ValueError(f"comm_volume: give the token count of the plan's streams {sorted(missing)}")
     activation = batch * grid.num_tokens * hidden_size * dtype_bytes  # (B, tokens, hidden)
-    volume = {rank: dict.fromkeys(KINDS + plan.streams, 0) for rank in range(plan.degree)}
+    kinds = KINDS + plan.streams + (("control",) if control_residuals is not None else ())
+    volume = {rank: dict.fromkeys(kinds, 0) for rank in range(plan.degree)}
+    for count in (control_residuals or {}).values():
+        volume[plan.embed_rank]["control"] += count * activation
     for handoff in plan.handoffs:
         volume[handoff.src_rank]["hidden"] += activation
         for stream in plan.streams:
