@@ -154,7 +154,10 @@ def cmd_plan(args) -> int:
         print(format_ranking(config, gpus, _auto_machine(args, gpus, args.nodes)))
         return 0
     chosen = args.device or args.link or args.nodes != 1  # else this machine's device, if it has a profile
-    report = plan_report(config, _auto_machine(args, config.world_size, args.nodes) if chosen else None)
+    if args.controlnet_layers < 0:
+        raise ConfigError("--controlnet-layers", f"must be 0 or a number of blocks (got {args.controlnet_layers})")
+    where = _auto_machine(args, config.world_size, args.nodes) if chosen else None
+    report = plan_report(config, where, controlnet_layers=args.controlnet_layers)
     print(format_plan_report(report))
     for link in args.predict:
         print(predicted_latency(report, link))
@@ -336,6 +339,14 @@ def main(argv=None) -> int:
         metavar="LINK",
         help="also print the modelled latency on DEVICE-LINK, e.g. a100-nvlink, h100-nvlink, l40-pcie, cpu-gloo "
         "(repeatable)",
+    )
+    plan.add_argument(
+        "--controlnet-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="count a ControlNet of N blocks run with the request (SD3: PipeFusionStableDiffusion3ControlNetPipeline): "
+        "its compute on the embedding rank and the residuals it sends",
     )
     _auto_args(plan, plan=True)
     plan.set_defaults(func=cmd_plan)

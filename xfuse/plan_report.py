@@ -159,12 +159,15 @@ class PlanReport:
     ceiling: float  # the schedule's speedup over one rank when only the blocks cost (``speedup_ceiling``)
     experts: int = 1  # transformers each rank keeps its blocks of (Wan 2.2's two experts: 2)
     vae: VaePlan | str = "not modelled"  # the decode, or why it is not modelled
+    controlnet_layers: int = 0  # a ControlNet of that many blocks run with the request (0: none)
+    control_counts: dict[int, int] | None = None  # rank -> ControlNet residuals it receives per patch
 
 
-def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport:
+def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_layers: int = 0) -> PlanReport:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first), and its VAE
     decode costed on ``where`` (default: this machine's device, :func:`local_machine`; a GPU without a profile
-    leaves the decode's times out)."""
+    leaves the decode's times out). ``controlnet_layers``: a ControlNet of that many blocks runs with the request
+    (its residuals counted as ``control`` bytes)."""
     if where is None:
         try:
             where = local_machine(config.world_size)
@@ -190,6 +193,12 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
     # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
     cfg_batch = 2 if generation.guidance_scale > 1 and not spec.distilled_guidance else 1
     batch = cfg_batch // par.cfg_degree  # each CFG group runs its half
+    control_counts = None
+    if controlnet_layers:
+        from xfuse.perf.planner import workload
+
+        control = workload(config, _controlnet(controlnet_layers)).control()
+        control_counts = None if control is None else control.counts(plan)
     volume = comm_volume(
         plan,
         grid,
@@ -199,6 +208,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
         in_channels=model["in_channels"],
         dtype_bytes=element,
         stream_tokens=stream_tokens,
+        control_residuals=control_counts,
     )
     return PlanReport(
         config=config,
@@ -233,6 +243,8 @@ def plan_report(config: XfuseConfig, where: Machine | None = None) -> PlanReport
             batch_parts=batch_parts(batch, par.pipefusion_degree),
         ),
         vae=vae_plan(config, height, width, where),
+        controlnet_layers=controlnet_layers,
+        control_counts=control_counts,
     )
 
 
@@ -253,7 +265,8 @@ def predicted_latency(r: PlanReport, link: str) -> str:
         raise ConfigError("--predict", f"must be one of {', '.join(known)} (got {link!r})")
     device, kind = link.split("-")
     where = machine(device, kind, r.config.world_size)
-    p = predict(workload(r.config), r.config.parallel, where, FITTED)
+    controlnet = _controlnet(r.controlnet_layers) if r.controlnet_layers else None
+    p = predict(workload(r.config, controlnet), r.config.parallel, where, FITTED)
     outside = f" + {p.outside:.2f} s outside it" if where.device.gpu else " (the loop only on a CPU)"
     return (
         f"predicted latency ({where.device.name}, {where.link.name}): {p.seconds:.2f} s per "
@@ -336,12 +349,13 @@ def format_plan_report(r: PlanReport) -> str:
             ", ".join(f"{s.producer}->{s.consumer} (r{s.src_rank}->r{s.dst_rank})" for s in plan.cross_rank_skips)
             or "none"
         ),
+        *_control_lines(r),
         "",
         f"{'rank':>4}  {'blocks':<22} {'params':>12} {'K/V buffers':>12}  "
-        + "  ".join(f"{'sent ' + k:>12}" for k in KINDS + plan.streams)
+        + "  ".join(f"{'sent ' + k:>12}" for k in _kinds(r))
         + "   (bytes sent per denoising step)",
     ]
-    kinds = KINDS + plan.streams
+    kinds = _kinds(r)
     for rank in range(plan.degree):
         vol = r.volume[rank]
         lines.append(
@@ -359,6 +373,30 @@ def format_plan_report(r: PlanReport) -> str:
             "blocks) are not counted here"
         )
     return "\n".join([*lines, "", *_vae_lines(r.vae)])
+
+
+def _controlnet(layers: int) -> dict:
+    """A ControlNet's block counts (``Workload.controlnet``) for ``--controlnet-layers``: double-stream blocks only
+    for FLUX, as its ControlNets ship."""
+    return {"num_layers": layers, "num_single_layers": 0}
+
+
+def _kinds(r: PlanReport) -> tuple[str, ...]:
+    """The kinds of bytes the report's table has a column for."""
+    return KINDS + r.plan.streams + (("control",) if r.controlnet_layers else ())
+
+
+def _control_lines(r: PlanReport) -> list[str]:
+    """Where a ControlNet runs and where its residuals go (``xfuse plan --controlnet-layers``)."""
+    if not r.controlnet_layers:
+        return []
+    plan = r.plan
+    takes = ", ".join(f"r{rank} {n}" for rank, n in (r.control_counts or {}).items()) or "none"
+    return [
+        f"ControlNet: {r.controlnet_layers} blocks on rank {plan.embed_rank} (the embedding rank), once per patch "
+        f"with its own stale K/V; its residuals go with each patch to the ranks whose blocks add them, "
+        f"(B, patch tokens, hidden) each: {takes}"
+    ]
 
 
 def _seconds(t: float) -> str:

@@ -16,6 +16,7 @@ from tests.support.controlnet_fns import (
     GLOBAL_SEED,
     control_image,
     control_steps,
+    refused_controlnet_layout,
     save_controlnet,
     xfuse_control_steps,
 )
@@ -75,14 +76,13 @@ def expected(files):
 def control_volume(layout: dict):
     """The bytes per step ``comm_volume`` counts for this layout's ranks (one pipeline group)."""
     from xfuse.config import ParallelConfig
-    from xfuse.families.sd3.controlnet import sd3_block_samples
     from xfuse.parallel.control import ControlResiduals
     from xfuse.parallel.costs import comm_volume
 
     spec, pipe = model_spec(PRESET), load_pipeline(PRESET)
     config = pipe.transformer.config
     plan = spec.plan(config.num_layers, ParallelConfig(**layout))
-    control = ControlResiduals(sd3_block_samples(config.num_layers, 2), 2)
+    control = ControlResiduals(spec.control_samples(dict(config), {"num_layers": 2}), 2)
     text_tokens = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[1]
     grid = grid_of(spec, pipe, HEIGHT, WIDTH, 1)
     batch = 1 if layout.get("cfg_degree") == 2 else 2
@@ -161,3 +161,16 @@ def test_pipelined_with_controlnet_equals_the_oracle(request, files, degree):
     without = pipefusion_reference(pipe, unscaled, height=HEIGHT, width=WIDTH, num_patches=3, warmup=1,
                                    token_counts=tokens).numpy()  # fmt: skip
     assert np.abs(piped[0] - without).max() / np.abs(without).max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "parallel,cache,key",
+    [
+        ({"pipefusion_degree": 2, "ulysses_degree": 2}, None, "parallel.ulysses_degree"),
+        ({"pipefusion_degree": 4}, {"method": "first_block", "threshold": 0.1}, "cache.method"),
+    ],
+)
+def test_layouts_a_controlnet_does_not_run_with_are_refused_alike(world4, files, parallel, cache, key):
+    """Sequence parallelism and step caching with a ControlNet: the same ConfigError on every rank, naming the key."""
+    results = world4.run_ok(refused_controlnet_layout, *files, parallel, cache)
+    assert len(set(results)) == 1 and results[0][0] == "ConfigError" and key in results[0][1], results

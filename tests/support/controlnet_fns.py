@@ -72,3 +72,19 @@ def xfuse_control_steps(folder, controlnet_folder, parallel, call, height, width
     sent = context.channels.counters.as_dict()["sent_bytes"] if context.channels is not None else {}
     return dict(steps=steps, sent=sent, pipe_rank=context.pipe_rank, cfg_rank=context.cfg_rank,
                 holds_controlnet=pipe.control_model is not None)  # fmt: skip
+
+
+def refused_controlnet_layout(folder, controlnet_folder, parallel, cache=None):
+    """Rank function: build the ControlNet pipeline with ``parallel`` / ``cache``; its refusal (type, message)."""
+    from diffusers import SD3ControlNetModel
+
+    from xfuse.pipelines import PipeFusionStableDiffusion3ControlNetPipeline
+
+    controlnet = SD3ControlNetModel.from_pretrained(controlnet_folder)
+    try:
+        PipeFusionStableDiffusion3ControlNetPipeline.from_pretrained(
+            folder, controlnet=controlnet, parallel=parallel, cache=cache, comm={"timeout_s": 60}
+        )
+    except Exception as err:  # noqa: BLE001 - the test compares every rank's refusal
+        return type(err).__name__, str(err)
+    return "built", ""

@@ -393,7 +393,9 @@ def _sd3_controlnet(transformer, inputs, buffers, token_rows, token_cols, contro
     def predict(latents, t, scheduler, tokens):
         latent_model_input = torch.cat([latents] * 2) if inputs["guidance_scale"] > 1 else latents
         step = int((timesteps == t).nonzero()[0, 0])
-        rows = slice(None) if tokens is None else slice(tokens.start // token_cols * patch, tokens.stop // token_cols * patch)
+        rows = slice(None)  # the latent rows of the pass's token rows
+        if tokens is not None:
+            rows = slice(tokens.start // token_cols * patch, tokens.stop // token_cols * patch)
         samples = controlnet(
             hidden_states=latent_model_input,
             timestep=t.expand(latent_model_input.shape[0]),

@@ -22,7 +22,7 @@ from xfuse.perf.hardware import LINKS, Link
 from xfuse.perf.model import machine, replay
 from xfuse.perf.planner import choose, format_ranking, rank_layouts, workload
 from xfuse.perf.published import CPU_POINTS
-from xfuse.plan_report import plan_report, predicted_latency
+from xfuse.plan_report import format_plan_report, plan_report, predicted_latency
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -248,3 +248,29 @@ def test_plan_shows_each_patchs_rows_tokens_and_an_even_share_when_the_cut_falls
         "patches (token rows, tokens, share of the work): 0:[0,12.11) 775 25.0%  1:[12.11,29.41) 1107 25.0%  "
         "2:[29.41,46.70) 1107 25.0%  3:[46.70,64) 1107 25.0%; patch 0 also carries the 333 text tokens\n" in text
     )
+
+
+def test_a_controlnet_is_counted_by_the_plan_and_the_performance_model():
+    """``xfuse plan --controlnet-layers 12`` on sd3-medium at pp4 (1024 px, CFG batch 2): the embedding rank
+    sends each other rank the residuals its blocks add (interval 2: 3 each; rank 3's last block, SD3's
+    ``context_pre_only`` one, takes none), (2, 4096 tokens, 1536) each per step; the model runs the ControlNet's 12
+    blocks with rank 0's hop-0 tasks, so the even split is slower than moving blocks off rank 0."""
+    from xfuse.perf.model import predict
+
+    config = load_config(None, ["model=sd3-medium", "parallel.pipefusion_degree=4", "parallel.num_patches=4"])
+    report = plan_report(config, None, controlnet_layers=12)
+    assert report.control_counts == {1: 3, 2: 3, 3: 3}
+    assert report.volume[0]["control"] == 9 * 2 * 4096 * 1536 * 4  # float32, the default runtime.dtype
+    assert all(report.volume[rank]["control"] == 0 for rank in (1, 2, 3))
+    plain = plan_report(config, None)
+    assert "control" not in plain.volume[0] and plain.control_counts is None
+    assert "ControlNet: 12 blocks on rank 0" in format_plan_report(report)
+    where = machine("h100", "nvlink", 4)
+    controlnet = {"num_layers": 12, "num_single_layers": 0}
+    without = predict(workload(config), config.parallel, where, FITTED).loop
+    even = predict(workload(config, controlnet), config.parallel, where, FITTED).loop
+    moved = load_config(None, ["model=sd3-medium", "parallel.pipefusion_degree=4", "parallel.num_patches=4",
+                               "parallel.stage_split=[1,8,8,7]"])  # fmt: skip
+    lighter = predict(workload(moved, controlnet), moved.parallel, where, FITTED).loop
+    assert even > 2 * without and lighter < 0.8 * even
+    assert "predicted latency" in predicted_latency(report, "h100-nvlink")

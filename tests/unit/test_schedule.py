@@ -249,3 +249,39 @@ def test_step_flags_ride_with_each_steps_first_task_and_keep_the_protocol(degree
                 m.kind == "hidden" for m in plain.sends(task)) else 0)  # fmt: skip
     sent = [m for order in flagged.orders.values() for t in order for m in flagged.sends(t) if m.kind == "cache"]
     assert len(sent) == hops * STEPS and {m.patch for m in sent} <= {None, 0}
+
+
+@pytest.mark.parametrize("degree,placement", [(2, "linear"), (3, "folded"), (4, "balanced"), (4, "linear")])
+@pytest.mark.parametrize("warmup,parts", [(0, 1), (1, 2), (STEPS, 2)])
+def test_control_residuals_go_from_hop0_to_each_ranks_first_segment_and_keep_the_protocol(
+    degree, placement, warmup, parts
+):
+    """ControlNet residuals: every hop-0 task sends one ``control`` message to each control rank, received by that
+    rank's first segment of the same (step, patch, part); no other message changes and the protocol stays
+    deadlock-free for every lookahead."""
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    ranks = tuple(r for r in range(degree) if r != plan.embed_rank)
+    plain = build_schedule(plan, STEPS, warmup, degree + 1, parts)
+    controlled = build_schedule(plan, STEPS, warmup, degree + 1, parts, control_ranks=ranks)
+    for lookahead in (1, 2, 3):
+        check_protocol(controlled, lookahead)
+    units = 0
+    for rank, order in controlled.orders.items():
+        assert order == plain.orders[rank]
+        for task in order:
+            sends = [m for m in controlled.sends(task) if m.kind == "control"]
+            recvs = [m for m in controlled.recvs(task) if m.kind == "control"]
+            assert [m for m in controlled.sends(task) if m.kind != "control"] == plain.sends(task)
+            assert [m for m in controlled.recvs(task) if m.kind != "control"] == plain.recvs(task)
+            units += task.hop == 0
+            assert [m.dst for m in sends] == (list(ranks) if task.hop == 0 else [])
+            expected = rank in ranks and task.hop == controlled.first_hop(rank)
+            assert [(m.src, m.step, m.patch, m.part) for m in recvs] == (
+                [(plan.embed_rank, task.step, task.patch, task.part)] if expected else []
+            )
+    sent = [
+        m for order in controlled.orders.values() for t in order for m in controlled.sends(t) if m.kind == "control"
+    ]
+    assert len(sent) == units * len(ranks)
+    with pytest.raises(ValueError, match="control_ranks"):
+        build_schedule(plan, STEPS, warmup, degree + 1, parts, control_ranks=(plan.embed_rank,))

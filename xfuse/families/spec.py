@@ -83,6 +83,9 @@ class ModelSpec:
             ``for_vae`` gives the spec of one model.
         controlnet: the diffusers ControlNet pipeline on the family's transformer (``FluxControlNetPipeline``), which
             xfuse also runs; its xfuse class (``PipeFusion`` + the name) is ``controlnet_class()``.
+        control_samples: ``(transformer config, ControlNet config) -> {block: residual}``: which of a ControlNet's
+            residuals each transformer block adds (its transformer forward's ``interval_control`` rule); the
+            ControlNet config needs only its block counts (``num_layers``, FLUX's ``num_single_layers``).
     """
 
     name: str
@@ -113,6 +116,7 @@ class ModelSpec:
     image_to_video: str | None = None
     controlnet: str | None = None
     controlnet_class: Callable[[], type] | None = None
+    control_samples: Callable[[dict, dict], dict[int, int]] | None = None
 
     @property
     def pipeline_name(self) -> str:

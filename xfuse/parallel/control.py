@@ -17,16 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from xfuse.parallel.patch_grid import PatchBand, PatchGrid
-from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import StagePlan
 
-# (step, transformer input rows (B, C, h, W), band or None, batch part or None, keep_kv) -> every residual
-# (B, band tokens, hidden), indexed by sample
-ComputeResiduals = Callable[[int, torch.Tensor, PatchBand | None, BatchPart | None, bool], list[torch.Tensor]]
+if TYPE_CHECKING:  # the planner and the performance model read this module without torch
+    import torch
+
+    from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+    from xfuse.parallel.stage import BatchPart
+
+    # (step, transformer input rows (B, C, h, W), band or None, batch part or None, keep_kv) -> every residual
+    # (B, band tokens, hidden), indexed by sample
+    ComputeResiduals = Callable[[int, torch.Tensor, PatchBand | None, BatchPart | None, bool], list[torch.Tensor]]
 
 
 @dataclass

@@ -30,6 +30,7 @@ from xfuse.config import ParallelConfig
 from xfuse.errors import ConfigError
 from xfuse.families.common.flops import attention_flops
 from xfuse.families.spec import ModelSpec
+from xfuse.parallel.control import ControlResiduals
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
 from xfuse.perf.hardware import DEVICES, LINKS, Device, Link, machine_link
@@ -65,6 +66,16 @@ class Workload:
     cfg_batch: int  # 2: classifier-free guidance batches [uncond, cond]; 1: FLUX's distilled guidance, or none
     text: int | None = None  # prompt tokens; None: the family's default lengths
     frames: int = 1  # latent frames of a video (stacked into one tall image: xfuse.parallel.video_layout)
+    controlnet: dict | None = None  # a ControlNet's block counts (``num_layers``; FLUX: ``num_single_layers``)
+
+    def control(self) -> ControlResiduals | None:
+        """The ControlNet's residual routing (``xfuse.parallel.control``), or ``None`` without one."""
+        if self.controlnet is None:
+            return None
+        if self.spec.control_samples is None:
+            raise ConfigError("--controlnet-layers", f"{self.spec.name} has no ControlNet pipeline in xfuse")
+        samples = self.spec.control_samples(self.config, self.controlnet)
+        return ControlResiduals(samples, self.spec.num_blocks(self.controlnet))
 
     @property
     def text_tokens(self) -> int:
@@ -146,12 +157,14 @@ class Prediction:
 
 @functools.lru_cache(maxsize=256)
 def _schedule(
-    spec: ModelSpec, num_blocks: int, parallel: ParallelConfig, steps: int, batch: int, costs, split_warmup: bool
-) -> Schedule:
+    spec: ModelSpec, num_blocks: int, parallel: ParallelConfig, steps: int, batch: int, costs, split_warmup: bool,
+    control_ranks: tuple[int, ...] = (),
+) -> Schedule:  # fmt: skip
     plan = spec.plan(num_blocks, parallel)
     parts = batch_parts(batch, parallel.pipefusion_degree) if split_warmup else 1
     warmup = min(parallel.warmup_steps, steps)
-    return build_schedule(plan, steps, warmup, parallel.resolved_num_patches, parts, costs)
+    num_patches = parallel.resolved_num_patches
+    return build_schedule(plan, steps, warmup, num_patches, parts, costs, control_ranks=control_ranks)
 
 
 def replay(schedule: Schedule, duration: Callable[[Task], float], transfer: Callable[[Message], float]) -> dict:
@@ -198,6 +211,9 @@ class _Costs:
         self.stage_ranks = self.sp  # world ranks per pipeline stage: the SP group is innermost
         self.sp_link = calibration.link(machine.link_key, machine.between(0, self.sp - 1))
         self._durations: dict[tuple, tuple[float, float]] = {}
+        self.control = work.control()
+        # the ControlNet's blocks, run with each hop-0 task: costed as the transformer's first blocks
+        self.control_blocks = () if work.controlnet is None else tuple(range(work.spec.num_blocks(work.controlnet)))
 
     def _block_costs(self, block: int, queries: int, text_queries: bool, batch: float) -> tuple[float, float]:
         """(compute, exposed SP communication) seconds of one block on one SP rank."""
@@ -233,7 +249,8 @@ class _Costs:
         first = task.patch in (None, 0)  # the step's first patch (or the whole image) computes the text stream
         key = (task.hop, queries, first, batch)
         if key not in self._durations:
-            costs = [self._block_costs(b, queries, first, batch) for b in schedule.plan.route[task.hop].blocks]
+            blocks = schedule.plan.route[task.hop].blocks + (self.control_blocks if task.hop == 0 else ())
+            costs = [self._block_costs(b, queries, first, batch) for b in blocks]
             self._durations[key] = (sum(c for c, _ in costs), sum(s for _, s in costs))
         return self._durations[key]
 
@@ -256,6 +273,9 @@ class _Costs:
             else:  # (B, tokens, hidden) of a batch part, each SP rank its chunk (in parallel over SP pairs)
                 batch = self.batch if m.part is None else self.batch / schedule.batch_parts
                 rows = work.text_tokens if m.kind in schedule.plan.streams else tokens
+                if m.kind == "control":  # the receiver's residuals, each (B, tokens, hidden)
+                    assert self.control is not None
+                    rows *= len(self.control.samples_of(schedule.plan.blocks_of(m.dst)))
                 nbytes = batch * rows * hidden * element / self.sp
             return nbytes / link.bandwidth + link.latency
 
@@ -276,7 +296,11 @@ def predict(
     streamed in batch parts as xfuse runs them (``False``: whole, as xDiT does)."""
     costs = _Costs(work, parallel, machine, calibration)
     costs_key = tuple(costs.grid.cost_tokens)
-    schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, costs.batch, costs_key, split_warmup)
+    control = costs.control
+    plan = work.spec.plan(work.num_blocks, parallel)
+    control_ranks = () if control is None else control.ranks(plan)
+    schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, costs.batch, costs_key, split_warmup,
+                         control_ranks)  # fmt: skip
     finish = replay(schedule, costs.duration(schedule), costs.transfer(schedule))
     compute, sequence = costs.busiest(schedule)
     cfg = 0.0

@@ -50,14 +50,22 @@ def local_device() -> str:
     raise ConfigError("--device", f"this machine's {name!r} has no profile; give one of {sorted(DEVICES)}")
 
 
-def workload(config: XfuseConfig) -> Workload:
-    """The request ``config`` describes (its generation section, or the defaults), at the model's shape."""
+def workload(config: XfuseConfig, controlnet: dict | None = None) -> Workload:
+    """The request ``config`` describes (its generation section, or the defaults), at the model's shape; with
+    ``controlnet`` (its block counts) a ControlNet run with it (``Workload.controlnet``)."""
     spec, model = model_spec(config.model), transformer_config(config.model)
     gen = config.generation if config.generation is not None else GenerationConfig()
     cfg_batch = 2 if gen.guidance_scale > 1 and not spec.distilled_guidance else 1
     width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
     return Workload(
-        spec, model, height, width, gen.num_inference_steps, cfg_batch, frames=spec.latent_frames(num_frames)
+        spec,
+        model,
+        height,
+        width,
+        gen.num_inference_steps,
+        cfg_batch,
+        frames=spec.latent_frames(num_frames),
+        controlnet=controlnet,
     )
 
 

@@ -19,15 +19,8 @@ from xfuse.families.common.control import ControlModel, control_keep, first_scal
 from xfuse.families.common.mmdit import JointConditioning
 from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
 from xfuse.families.sd3.stage import SD3Stage
-from xfuse.parallel.control import ControlResiduals, interval_samples
+from xfuse.parallel.control import ControlResiduals
 from xfuse.runtime.handshake import config_hash
-
-
-def sd3_block_samples(num_layers: int, num_samples: int) -> dict[int, int]:
-    """Which residual each transformer block adds: mirrors ``diffusers.SD3Transformer2DModel.forward``'s
-    ``interval_control`` lines (a float interval; only blocks with ``context_pre_only False``, which in
-    ``SD3Transformer2DModel.__init__`` are all but the last)."""
-    return interval_samples(range(num_layers - 1), 0, num_layers, num_samples, ceil=False)
 
 
 def check_sd3_controlnet(controlnet) -> None:
@@ -88,7 +81,7 @@ class SD3ControlCall:
         embedding rank (``text``: this CFG group's prompt embeddings; ``control_latents`` its rows)."""
         config = pipe.control_config
         num_samples = config["num_layers"]
-        block_samples = sd3_block_samples(pipe.stage.config.num_layers, num_samples)
+        block_samples = pipe.spec.control_samples(dict(pipe.stage.config), config)
         model = pipe.control_model
         if model is None:  # not the embedding rank: it receives its blocks' residuals
             return ControlResiduals(block_samples, num_samples)

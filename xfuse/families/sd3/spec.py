@@ -6,6 +6,7 @@ from types import ModuleType
 
 from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
 from xfuse.families.spec import ModelSpec, no_skips
+from xfuse.parallel.control import interval_samples
 
 
 def sd3_block_flops(config: dict, block: int, queries: int, keys: int, text: int, text_queries: bool) -> float:
@@ -19,6 +20,14 @@ def sd3_block_flops(config: dict, block: int, queries: int, keys: int, text: int
     if dual:
         flops += linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)
     return flops
+
+
+def sd3_control_samples(config: dict, control: dict) -> dict[int, int]:
+    """Which ControlNet residual each block adds (``ModelSpec.control_samples``): mirrors
+    ``diffusers.SD3Transformer2DModel.forward``'s ``interval_control`` lines (a float interval; only blocks with
+    ``context_pre_only False``, which ``SD3Transformer2DModel.__init__`` makes all but the last)."""
+    num_layers = config["num_layers"]
+    return interval_samples(range(num_layers - 1), 0, num_layers, control["num_layers"], ceil=False)
 
 
 def _pipeline_class() -> type:
@@ -66,4 +75,5 @@ STABLE_DIFFUSION_3 = ModelSpec(
     attentions_of_block=lambda config, block: 2 if block in (config.get("dual_attention_layers") or ()) else 1,
     controlnet="StableDiffusion3ControlNetPipeline",
     controlnet_class=_controlnet_class,
+    control_samples=sd3_control_samples,
 )

@@ -1,0 +1,47 @@
+"""What the SD3 ControlNet pipeline refuses before any rank communicates (``check_sd3_controlnet``), and the residual
+map of each family's transformer (``ModelSpec.control_samples``) against diffusers' ``interval_control`` rule."""
+
+import pytest
+from diffusers import SD3ControlNetModel, SD3MultiControlNetModel
+
+from xfuse.families.registry import model_spec
+from xfuse.families.sd3.controlnet import check_sd3_controlnet
+
+TINY = dict(sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, out_channels=16,
+            pos_embed_max_size=48)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: None, "controlnet is required"),
+        (lambda: SD3MultiControlNetModel([SD3ControlNetModel(**TINY)]), "several ControlNets"),
+        (lambda: SD3ControlNetModel(**TINY | {"joint_attention_dim": None, "use_pos_embed": False}), "8b"),
+        (lambda: SD3ControlNetModel(**TINY, extra_conditioning_channels=1), "inpainting"),
+    ],
+)
+def test_refused_controlnets(make, message):
+    with pytest.raises(ValueError, match=message):
+        check_sd3_controlnet(make())
+
+
+def test_a_plain_controlnet_passes():
+    check_sd3_controlnet(SD3ControlNetModel(**TINY))
+
+
+@pytest.mark.parametrize(
+    "layers,control,expected",
+    [
+        (4, 2, {0: 0, 1: 0, 2: 1}),  # interval 2; the last block (context_pre_only) takes none
+        (4, 4, {0: 0, 1: 1, 2: 2}),
+        (24, 12, {b: b // 2 for b in range(23)}),
+        (5, 2, {0: 0, 1: 0, 2: 0, 3: 1}),  # interval 2.5: int(i / 2.5)
+        (4, 1, {0: 0, 1: 0, 2: 0}),
+    ],
+)
+def test_sd3_control_samples_follow_diffusers_interval_rule(layers, control, expected):
+    """``int(index_block / (num_layers / samples))`` for every block with ``context_pre_only`` False, as
+    ``SD3Transformer2DModel.forward`` indexes ``block_controlnet_hidden_states``."""
+    spec = model_spec("sd3-tiny")
+    assert spec.control_samples({"num_layers": layers}, {"num_layers": control}) == expected
