@@ -87,7 +87,7 @@ class SD3ControlCall:
             return ControlResiduals(block_samples, num_samples)
         controlnet = model.transformer
         pooled = text["pooled_prompt_embeds"]
-        # Mirrors StableDiffusion3ControlNetPipeline.__call__: InstantX's models take zero pooled projections.
+        # Mirrors ``diffusers.StableDiffusion3ControlNetPipeline.__call__``: InstantX's models take zero pooled projections.
         pooled = torch.zeros_like(pooled) if config["force_zeros_for_pooled_projection"] else pooled
         control_text = controlnet.context_embedder(text["prompt_embeds"])  # (B', T, joint dim) -> (B', T, hidden)
         model_batch = control_text.shape[0]
@@ -106,7 +106,7 @@ class SD3ControlCall:
             if part is not None:
                 cond, latents = model.stage.batch_part(cond, part), latents[part.rows]
             rows = latents if band is None else latents[:, :, band.latent_rows]  # (B, C, covering rows, W)
-            # Mirrors SD3ControlNetModel.forward: pos_embed (with positions), then + pos_embed_input(controlnet_cond)
+            # Mirrors ``diffusers.SD3ControlNetModel.forward``: pos_embed (with positions), + pos_embed_input(cond)
             added = controlnet.pos_embed_input(rows)  # (B, C, h, W) -> (B, covering tokens, D)
             hidden = model.stage.embed(model_input, band) + (added if band is None else band.trim(added))
             return model.residuals(hidden, cond, band, keep_kv, scale * keep[step])
