@@ -1,10 +1,13 @@
-"""ControlNet on a sharded SD3 pipeline (``xfuse/families/sd3/controlnet.py``, ``xfuse/parallel/control.py``): xfuse's
-``PipeFusionStableDiffusion3ControlNetPipeline`` against diffusers' ``StableDiffusion3ControlNetPipeline`` from the
-same folders, the residuals' bytes against the model's count, and the pipelined mode against the oracle.
+"""ControlNet on sharded SD3 and FLUX pipelines (``xfuse/families/{sd3,flux}/controlnet.py``,
+``xfuse/parallel/control.py``): xfuse's ControlNet pipelines against diffusers' ``StableDiffusion3ControlNetPipeline``
+and ``FluxControlNetPipeline`` from the same folders, the residuals' bytes against the model's count, and the
+pipelined mode against the oracle.
 
-The ControlNet is built here from ``sd3-tiny``'s transformer as diffusers' ``from_transformer`` builds one (2 of its
-4 blocks), with its zero-initialised layers drawn at random so that the control acts; saved with ``save_pretrained``.
-Its 2 residuals go to blocks 0-1 and 2 (SD3's last block takes none). 128 x 96 px, 3 steps, CFG 2.
+The ControlNets are built here from the tiny presets' transformers as diffusers' ``from_transformer`` builds them, with
+their zero-initialised layers drawn at random so that the control acts; saved with ``save_pretrained``. SD3: 2 blocks
+for the transformer's 4 (residuals to blocks 0-1 and 2; the last block takes none). FLUX: 1 double and 2 single blocks
+for the transformer's 2 + 3 (residual 0 to both double blocks, 1 to singles 0-1, 2 to single 2). 128 x 96 px,
+3 steps, CFG 2 (FLUX: true CFG, whose two halves take the residuals of one ControlNet pass on the positive prompt).
 """
 
 import numpy as np
@@ -16,6 +19,7 @@ from tests.support.controlnet_fns import (
     GLOBAL_SEED,
     control_image,
     control_steps,
+    load_controlnet,
     refused_controlnet_layout,
     save_controlnet,
     xfuse_control_steps,
@@ -25,9 +29,16 @@ from tests.support.pipefusion_oracle import pipefusion_reference
 from tests.support.world import World
 from xfuse.families.registry import load_pipeline, model_spec
 
-HEIGHT, WIDTH, STEPS, PRESET = 128, 96, 3, "sd3-tiny"
+HEIGHT, WIDTH, STEPS = 128, 96, 3
+FAMILY = {"sd3-tiny": "sd3", "flux-tiny": "flux"}
+LAYERS = {"sd3-tiny": {"num_layers": 2}, "flux-tiny": {"num_layers": 1, "num_single_layers": 2}}
 CALL = dict(prompt=PROMPT, negative_prompt=NEGATIVE, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS,
-            max_sequence_length=16, output_type="latent", seed=0, guidance_scale=2.0)  # fmt: skip
+            max_sequence_length=16, output_type="latent", seed=0)  # fmt: skip
+CFG = {"sd3-tiny": {"guidance_scale": 2.0}, "flux-tiny": {"true_cfg_scale": 2.0, "guidance_scale": 3.5}}
+
+
+def call_of(preset):
+    return CALL | CFG[preset]
 
 
 @pytest.fixture(scope="module")
@@ -44,45 +55,55 @@ def world4():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """(pipeline folder, ControlNet folder)."""
-    root = tmp_path_factory.mktemp("controlnet")
-    folder = model_spec(PRESET).save_preset_pipeline(root / "pipe", PRESET)
-    return str(folder), save_controlnet(load_pipeline(PRESET), root / "controlnet", seed=1, num_layers=2)
+    """preset -> (family, pipeline folder, ControlNet folder)."""
+    out = {}
+    for preset, family in FAMILY.items():
+        root = tmp_path_factory.mktemp(preset)
+        folder = model_spec(preset).save_preset_pipeline(root / "pipe", preset)
+        controlnet = save_controlnet(load_pipeline(preset), root / "controlnet", seed=1, **LAYERS[preset])
+        out[preset] = (family, str(folder), controlnet)
+    return out
 
 
-def diffusers_pipe(files):
-    from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline
+def diffusers_pipe(files, preset, controlled=True):
+    import diffusers
 
-    folder, controlnet_folder = files
-    controlnet = SD3ControlNetModel.from_pretrained(controlnet_folder)
-    pipe = StableDiffusion3ControlNetPipeline.from_pretrained(folder, controlnet=controlnet)
+    family, folder, controlnet_folder = files[preset]
+    spec = model_spec(preset)
+    if not controlled:
+        pipe = getattr(diffusers, spec.diffusers_pipeline).from_pretrained(folder)
+    else:
+        controlnet = load_controlnet(family, controlnet_folder)
+        pipe = getattr(diffusers, spec.controlnet).from_pretrained(folder, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-@pytest.fixture(scope="module")
-def expected(files):
+_EXPECTED = {}
+
+
+def expected(files, preset):
     """diffusers' latents for each of ``CONTROL_CALLS``, and without the ControlNet."""
-    from diffusers import StableDiffusion3Pipeline
+    if preset not in _EXPECTED:
+        controlled = control_steps(diffusers_pipe(files, preset), call_of(preset), control_image(HEIGHT, WIDTH))
+        call = {k: v for k, v in call_of(preset).items() if k != "seed"}
+        base = diffusers_pipe(files, preset, controlled=False)
+        plain = base(**call, generator=torch.Generator().manual_seed(CALL["seed"])).images.numpy()
+        _EXPECTED[preset] = controlled, plain
+    return _EXPECTED[preset]
 
-    controlled = control_steps(diffusers_pipe(files), CALL, control_image(HEIGHT, WIDTH))
-    base = StableDiffusion3Pipeline.from_pretrained(files[0])
-    base.set_progress_bar_config(disable=True)
-    call = {k: v for k, v in CALL.items() if k != "seed"}
-    plain = base(**call, generator=torch.Generator().manual_seed(CALL["seed"])).images.numpy()
-    return controlled, plain
 
-
-def control_volume(layout: dict):
+def control_volume(preset, layout: dict):
     """The bytes per step ``comm_volume`` counts for this layout's ranks (one pipeline group)."""
     from xfuse.config import ParallelConfig
     from xfuse.parallel.control import ControlResiduals
     from xfuse.parallel.costs import comm_volume
 
-    spec, pipe = model_spec(PRESET), load_pipeline(PRESET)
+    spec, pipe = model_spec(preset), load_pipeline(preset)
     config = pipe.transformer.config
-    plan = spec.plan(config.num_layers, ParallelConfig(**layout))
-    control = ControlResiduals(spec.control_samples(dict(config), {"num_layers": 2}), 2)
+    plan = spec.plan(spec.num_blocks(config), ParallelConfig(**layout))
+    layers = LAYERS[preset]
+    control = ControlResiduals(spec.control_samples(dict(config), layers), spec.num_blocks(layers))
     text_tokens = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[1]
     grid = grid_of(spec, pipe, HEIGHT, WIDTH, 1)
     batch = 1 if layout.get("cfg_degree") == 2 else 2
@@ -96,71 +117,85 @@ LAYOUTS = {
     "pp4": {"pipefusion_degree": 4},
     "cfg2xpp2": {"cfg_degree": 2, "pipefusion_degree": 2},
 }
+# residuals the embedding rank sends per pass: (SD3, FLUX) by layout
+SENT_RESIDUALS = {"pp2": (1, 2), "pp4": (2, 3), "cfg2xpp2": (1, 2)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_exact_mode_with_controlnet_equals_diffusers(request, files, expected, layout):
+@pytest.mark.parametrize("preset", FAMILY)
+def test_exact_mode_with_controlnet_equals_diffusers(request, files, preset, layout):
     """Exact mode (every step whole-image): xfuse equals diffusers' ControlNet pipeline for both calls (full scale;
     0.7 for the first half of the steps) within 1e-4; only each group's embedding rank keeps the ControlNet; each
-    rank sends what ``comm_volume`` counts, the embedding rank one (B, tokens, hidden) residual per block-sharing
-    rank and residual it takes (pp2: 1 to rank 1; pp4: 1 each to ranks 1 and 2, none to rank 3 whose only block,
-    SD3's last, takes none)."""
-    controlled, plain = expected
+    rank sends what ``comm_volume`` counts: the embedding rank one (B, tokens, hidden) residual per residual each
+    other rank's blocks take (SD3 at pp4: 1 each to ranks 1 and 2, none to rank 3, whose only block is SD3's last)."""
+    controlled, plain = expected(files, preset)
     # the control acts, and the second call's scale and window change it
     assert np.abs(controlled[0] - plain).max() > 0.1 and np.abs(controlled[1] - controlled[0]).max() > 0.1
     world = request.getfixturevalue("world2" if layout == "pp2" else "world4")
     parallel = {**LAYOUTS[layout], "warmup_steps": STEPS}
-    results = world.run_ok(xfuse_control_steps, *files, parallel, CALL, HEIGHT, WIDTH, True, timeout=300)
+    results = world.run_ok(xfuse_control_steps, *files[preset], parallel, call_of(preset), HEIGHT, WIDTH, True,
+                           timeout=300)  # fmt: skip
     for got, want in zip(results[0]["steps"], controlled, strict=True):
         assert np.abs(got - want).max() <= 1e-4
-    volume = control_volume(LAYOUTS[layout])
+    volume = control_volume(preset, LAYOUTS[layout])
     for r in results:
         assert r["holds_controlnet"] == (r["pipe_rank"] == 0)
         assert {k: v for k, v in r["sent"].items() if v} == {k: v * STEPS for k, v in volume[r["pipe_rank"]].items()
                                                               if v}, r["pipe_rank"]  # fmt: skip
-    assert volume[0]["control"] == {"pp2": 1, "pp4": 2, "cfg2xpp2": 1}[layout] * 48 * 32 * 4 * (
-        1 if layout == "cfg2xpp2" else 2
-    )  # residuals x (B, 48 tokens, 32 hidden) x 4 bytes
+    residuals = SENT_RESIDUALS[layout][list(FAMILY).index(preset)]
+    batch = 1 if layout == "cfg2xpp2" else 2
+    assert volume[0]["control"] == residuals * batch * 48 * 32 * 4  # (B, 48 tokens, 32 hidden), 4 bytes
 
 
-def oracle_inputs(pipe, *, scale: float, guidance_end: float):
+def oracle_inputs(pipe, preset, *, scale: float, guidance_end: float):
     """The oracle's inputs for the call, the ControlNet's as its pipeline prepares them (``CONTROL_CALLS`` style)."""
+    from diffusers.pipelines.flux.pipeline_flux_controlnet import retrieve_latents
+
     from xfuse.families.common.control import control_keep
 
-    inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)
-    torch.manual_seed(GLOBAL_SEED)  # the VAE sample, drawn as diffusers' pipeline draws it
-    image = pipe.prepare_image(control_image(HEIGHT, WIDTH), WIDTH, HEIGHT, 1, 1, "cpu", torch.float32,
-                               do_classifier_free_guidance=True)  # fmt: skip
+    scales = [scale * k for k in control_keep(STEPS, 0.0, guidance_end)]
+    vae = pipe.vae
+    if preset.startswith("sd3"):
+        inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)
+        torch.manual_seed(GLOBAL_SEED)  # the VAE sample, drawn as diffusers' pipeline draws it
+        image = pipe.prepare_image(control_image(HEIGHT, WIDTH), WIDTH, HEIGHT, 1, 1, "cpu", torch.float32,
+                                   do_classifier_free_guidance=True)  # fmt: skip
+        with torch.no_grad():
+            latents = vae.encode(image).latent_dist.sample() * vae.config.scaling_factor  # InstantX: no shift
+        pooled = torch.zeros_like(inputs["pooled_prompt_embeds"])
+        return inputs | dict(control_image=latents, conditioning_scales=scales, controlnet_pooled_projections=pooled)
+    generator = torch.Generator().manual_seed(CALL["seed"])  # the control image's sample first, then the latents
+    image = pipe.prepare_image(control_image(HEIGHT, WIDTH), WIDTH, HEIGHT, 1, 1, "cpu", vae.dtype)
     with torch.no_grad():
-        latents = pipe.vae.encode(image).latent_dist.sample() * pipe.vae.config.scaling_factor  # InstantX: no shift
-    keep = control_keep(STEPS, 0.0, guidance_end)
-    return inputs | dict(control_image=latents, conditioning_scales=[scale * k for k in keep],
-                         controlnet_pooled_projections=torch.zeros_like(inputs["pooled_prompt_embeds"]))  # fmt: skip
+        latents = retrieve_latents(vae.encode(image), generator=generator)
+    latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+    packed = pipe._pack_latents(latents, 1, *latents.shape[1:])
+    inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0, generator=generator)
+    guidance = torch.full([1], 3.5) if pipe.controlnet.config.guidance_embeds else None
+    return inputs | dict(control_image=packed, conditioning_scales=scales, control_guidance=guidance)
 
 
 @pytest.mark.parametrize("degree", [2, 4])
-def test_pipelined_with_controlnet_equals_the_oracle(request, files, degree):
+@pytest.mark.parametrize("preset", FAMILY)
+def test_pipelined_with_controlnet_equals_the_oracle(request, files, preset, degree):
     """Pipelined (M = 3, warm-up 1): the ControlNet runs per patch with stale K/V of its own, and the result equals
     the oracle's (diffusers' ControlNet and transformer forwards per patch, each with its own stale K/V buffers)
     within 1e-5 for both calls; without the residuals the oracle is far from it."""
     world = request.getfixturevalue(f"world{degree}")
     parallel = {"pipefusion_degree": degree, "num_patches": 3, "warmup_steps": 1}
-    piped = world.run_ok(xfuse_control_steps, *files, parallel, CALL, HEIGHT, WIDTH, timeout=300)[0]
-    pipe = diffusers_pipe(files)
-    spec = model_spec(PRESET)
+    piped = world.run_ok(xfuse_control_steps, *files[preset], parallel, call_of(preset), HEIGHT, WIDTH, timeout=300)
+    pipe = diffusers_pipe(files, preset)
+    spec = model_spec(preset)
     text_tokens = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[1]
     tokens = [band.num_tokens for band in grid_of(spec, pipe, HEIGHT, WIDTH, 3, text_tokens)]  # cut by cost, as xfuse
-    for got, extra in zip(piped, CONTROL_CALLS, strict=True):
-        inputs = oracle_inputs(pipe, scale=extra.get("controlnet_conditioning_scale", 1.0),
+    reference = dict(height=HEIGHT, width=WIDTH, num_patches=3, warmup=1, token_counts=tokens)
+    for got, extra in zip(piped[0], CONTROL_CALLS, strict=True):
+        inputs = oracle_inputs(pipe, preset, scale=extra.get("controlnet_conditioning_scale", 1.0),
                                guidance_end=extra.get("control_guidance_end", 1.0))  # fmt: skip
-        want = pipefusion_reference(pipe, inputs, height=HEIGHT, width=WIDTH, num_patches=3, warmup=1,
-                                    token_counts=tokens).numpy()  # fmt: skip
-        scale = np.abs(want).max()
-        assert np.abs(got - want).max() / scale <= 1e-5
-    unscaled = oracle_inputs(pipe, scale=0.0, guidance_end=1.0)
-    without = pipefusion_reference(pipe, unscaled, height=HEIGHT, width=WIDTH, num_patches=3, warmup=1,
-                                   token_counts=tokens).numpy()  # fmt: skip
-    assert np.abs(piped[0] - without).max() / np.abs(without).max() > 1e-2
+        want = pipefusion_reference(pipe, inputs, **reference).numpy()
+        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+    without = pipefusion_reference(pipe, oracle_inputs(pipe, preset, scale=0.0, guidance_end=1.0), **reference).numpy()
+    assert np.abs(piped[0][0] - without).max() / np.abs(without).max() > 1e-2
 
 
 @pytest.mark.parametrize(
@@ -170,7 +205,8 @@ def test_pipelined_with_controlnet_equals_the_oracle(request, files, degree):
         ({"pipefusion_degree": 4}, {"method": "first_block", "threshold": 0.1}, "cache.method"),
     ],
 )
-def test_layouts_a_controlnet_does_not_run_with_are_refused_alike(world4, files, parallel, cache, key):
+@pytest.mark.parametrize("preset", FAMILY)
+def test_layouts_a_controlnet_does_not_run_with_are_refused_alike(world4, files, preset, parallel, cache, key):
     """Sequence parallelism and step caching with a ControlNet: the same ConfigError on every rank, naming the key."""
-    results = world4.run_ok(refused_controlnet_layout, *files, parallel, cache)
+    results = world4.run_ok(refused_controlnet_layout, *files[preset], parallel, cache)
     assert len(set(results)) == 1 and results[0][0] == "ConfigError" and key in results[0][1], results

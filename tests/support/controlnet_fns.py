@@ -15,17 +15,28 @@ CONTROL_CALLS = (
 GLOBAL_SEED = 5  # torch's global generator: SD3's pipeline draws the control image's VAE sample from it
 
 
-def save_controlnet(pipe, folder, *, seed: int, num_layers: int) -> str:
-    """An ``SD3ControlNetModel`` of ``num_layers`` blocks made from ``pipe``'s transformer as diffusers'
-    ``from_transformer`` makes one, its zero-initialised input embedding and residual layers then drawn at random
-    (as after training: the control acts), saved with ``save_pretrained``; returns ``folder``."""
-    from diffusers import SD3ControlNetModel
+def save_controlnet(pipe, folder, *, seed: int, num_layers: int, num_single_layers: int = 0) -> str:
+    """A ControlNet of ``pipe``'s family (``SD3ControlNetModel``; FLUX's with ``num_single_layers`` too) made from its
+    transformer as diffusers' ``from_transformer`` makes one, its zero-initialised input embedding and residual
+    layers then drawn at random (as after training: the control acts), saved with ``save_pretrained``; returns
+    ``folder``."""
+    from diffusers import FluxControlNetModel, SD3ControlNetModel
 
-    controlnet = SD3ControlNetModel.from_transformer(pipe.transformer, num_layers=num_layers,
-                                                     num_extra_conditioning_channels=0)  # fmt: skip
+    transformer = pipe.transformer
+    if type(transformer).__name__ == "FluxTransformer2DModel":
+        config = transformer.config
+        controlnet = FluxControlNetModel.from_transformer(
+            transformer, num_layers=num_layers, num_single_layers=num_single_layers,
+            attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+        )  # fmt: skip
+        zeroed = (*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder)
+    else:
+        controlnet = SD3ControlNetModel.from_transformer(transformer, num_layers=num_layers,
+                                                         num_extra_conditioning_channels=0)  # fmt: skip
+        zeroed = (*controlnet.controlnet_blocks, controlnet.pos_embed_input)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for module in (*controlnet.controlnet_blocks, controlnet.pos_embed_input):
+        for module in zeroed:
             for param in module.parameters():
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     controlnet.save_pretrained(str(folder))
@@ -52,18 +63,29 @@ def control_steps(pipe, call: dict, image) -> list:
     return out
 
 
-def xfuse_control_steps(folder, controlnet_folder, parallel, call, height, width, counters=False):
-    """Rank function: ``control_steps`` on ``PipeFusionStableDiffusion3ControlNetPipeline`` loaded from ``folder``
-    with the ControlNet of ``controlnet_folder``; with ``counters`` also this rank's bytes sent by kind in the last
-    call, and what the rank is."""
-    from diffusers import SD3ControlNetModel
+def load_controlnet(family: str, controlnet_folder: str):
+    import diffusers
 
-    from xfuse.pipelines import PipeFusionStableDiffusion3ControlNetPipeline
+    return getattr(diffusers, CONTROLNETS[family]).from_pretrained(controlnet_folder)
 
-    controlnet = SD3ControlNetModel.from_pretrained(controlnet_folder)
-    pipe = PipeFusionStableDiffusion3ControlNetPipeline.from_pretrained(
-        folder, controlnet=controlnet, parallel=parallel, comm={"timeout_s": 60}
-    )
+
+CONTROLNETS = {"sd3": "SD3ControlNetModel", "flux": "FluxControlNetModel"}
+
+
+def xfuse_pipeline(family: str, folder: str, controlnet_folder: str, **kwargs):
+    """The family's xfuse ControlNet pipeline from ``folder`` with the ControlNet of ``controlnet_folder``."""
+    from xfuse.families.registry import MODEL_SPECS
+
+    spec = MODEL_SPECS[family]
+    cls = spec.pipeline_class_named(f"PipeFusion{spec.controlnet}")
+    return cls.from_pretrained(folder, controlnet=load_controlnet(family, controlnet_folder), **kwargs)
+
+
+def xfuse_control_steps(family, folder, controlnet_folder, parallel, call, height, width, counters=False):
+    """Rank function: ``control_steps`` on the family's xfuse ControlNet pipeline loaded from ``folder`` with the
+    ControlNet of ``controlnet_folder``; with ``counters`` also this rank's bytes sent by kind in the last call, and
+    what the rank is."""
+    pipe = xfuse_pipeline(family, folder, controlnet_folder, parallel=parallel, comm={"timeout_s": 60})
     pipe.set_progress_bar_config(disable=True)
     steps = control_steps(pipe, call, control_image(height, width))
     if not counters:
@@ -74,17 +96,10 @@ def xfuse_control_steps(folder, controlnet_folder, parallel, call, height, width
                 holds_controlnet=pipe.control_model is not None)  # fmt: skip
 
 
-def refused_controlnet_layout(folder, controlnet_folder, parallel, cache=None):
+def refused_controlnet_layout(family, folder, controlnet_folder, parallel, cache=None):
     """Rank function: build the ControlNet pipeline with ``parallel`` / ``cache``; its refusal (type, message)."""
-    from diffusers import SD3ControlNetModel
-
-    from xfuse.pipelines import PipeFusionStableDiffusion3ControlNetPipeline
-
-    controlnet = SD3ControlNetModel.from_pretrained(controlnet_folder)
     try:
-        PipeFusionStableDiffusion3ControlNetPipeline.from_pretrained(
-            folder, controlnet=controlnet, parallel=parallel, cache=cache, comm={"timeout_s": 60}
-        )
+        xfuse_pipeline(family, folder, controlnet_folder, parallel=parallel, cache=cache, comm={"timeout_s": 60})
     except Exception as err:  # noqa: BLE001 - the test compares every rank's refusal
         return type(err).__name__, str(err)
     return "built", ""

@@ -20,13 +20,14 @@ def tiny(preset):
     return _PIPES[preset]
 
 
-def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, seed=0):
+def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, seed=0, generator=None):
     """What the denoising loop needs, built with the diffusers pipeline's own methods (the oracle's ``inputs``):
     SD3 with ``guidance_scale=cfg`` (batched [uncond, cond] when > 1), FLUX with ``true_cfg_scale=cfg`` and a
-    negative prompt when > 1 (its guidance embedding at 3.5)."""
+    negative prompt when > 1 (its guidance embedding at 3.5). ``generator``: the one to draw the latents from, where
+    the pipeline drew from it before (default: seeded with ``seed``)."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if type(pipe).__name__.startswith("StableDiffusion3"):  # with or without a ControlNet
             emb, neg, pooled, neg_pooled = pipe.encode_prompt(

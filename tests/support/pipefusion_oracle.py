@@ -431,9 +431,11 @@ def _flux(transformer, inputs, buffers, token_rows, token_cols):
         guidance = None if guidance is None else torch.cat([guidance] * 2)
     buffers.text_len = prompt_embeds.shape[1]
 
-    def predict(latents, t, scheduler, tokens):
+    def predict(latents, t, scheduler, tokens, **control):
         latent_model_input = torch.cat([latents] * 2) if true_cfg else latents
         timestep = t.expand(latent_model_input.shape[0]).to(latents.dtype)
+        if true_cfg:  # ControlNet residuals: diffusers' two calls take the same ones; here one batch [neg, cond]
+            control = {k: None if v is None else [torch.cat([x] * 2) for x in v] for k, v in control.items()}
         noise_pred = transformer(
             hidden_states=latent_model_input,
             timestep=timestep / 1000,
@@ -444,11 +446,48 @@ def _flux(transformer, inputs, buffers, token_rows, token_cols):
             img_ids=img_ids if tokens is None else img_ids[tokens],
             joint_attention_kwargs=None,
             return_dict=False,
+            **control,
         )[0]
         if true_cfg:
             neg_noise_pred, noise_pred = noise_pred.chunk(2)
             noise_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
         return noise_pred
+
+    return predict
+
+
+def _flux_controlnet(transformer, inputs, buffers, token_rows, token_cols, controlnet):
+    """Lines of FluxControlNetPipeline.__call__ (step 7): the ControlNet's forward on the positive prompt, then the
+    transformer's with its residuals (both halves of true CFG take the same ones). The ControlNet has stale image K/V
+    of its own (keyed apart from the transformer's) and its own text owner; its ``controlnet_cond`` is the band's
+    tokens of the packed control latents, its ``img_ids`` the band's."""
+    for index, block in enumerate(controlnet.transformer_blocks):
+        block.attn.set_processor(StaleFluxAttention(buffers, ("control double", index)))
+    for index, block in enumerate(controlnet.single_transformer_blocks):
+        block.attn.set_processor(StaleFluxAttention(buffers, ("control single", index)))
+    TextOwner(buffers, [*controlnet.transformer_blocks, *controlnet.single_transformer_blocks])
+    predict_flux = _flux(transformer, inputs, buffers, token_rows, token_cols)
+    control_image, scales, timesteps = inputs["control_image"], inputs["conditioning_scales"], inputs["timesteps"]
+    img_ids = inputs["latent_image_ids"]
+
+    def predict(latents, t, scheduler, tokens):
+        step = int((timesteps == t).nonzero()[0, 0])
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        doubles, singles = controlnet(
+            hidden_states=latents,
+            controlnet_cond=control_image if tokens is None else control_image[:, tokens],
+            controlnet_mode=None,
+            conditioning_scale=scales[step],
+            timestep=timestep / 1000,
+            guidance=inputs["control_guidance"],
+            pooled_projections=inputs["pooled_prompt_embeds"],
+            encoder_hidden_states=inputs["prompt_embeds"],
+            txt_ids=inputs["text_ids"],
+            img_ids=img_ids if tokens is None else img_ids[tokens],
+            return_dict=False,
+        )
+        return predict_flux(latents, t, scheduler, tokens, controlnet_block_samples=doubles,
+                            controlnet_single_block_samples=singles)  # fmt: skip
 
     return predict
 
@@ -460,6 +499,7 @@ FAMILIES = {
     "StableDiffusion3Pipeline": (_sd3, False),
     "StableDiffusion3ControlNetPipeline": (_sd3_controlnet, False),
     "FluxPipeline": (_flux, True),
+    "FluxControlNetPipeline": (_flux_controlnet, True),
 }
 
 
@@ -587,6 +627,8 @@ def pipefusion_reference(
     * SD3 with a ControlNet (``StableDiffusion3ControlNetPipeline``): also ``control_image`` (the VAE-encoded control
       latents, [uncond, cond] with guidance), ``conditioning_scales`` (each step's scale, ``controlnet_keep``
       applied) and ``controlnet_pooled_projections``.
+    * FLUX with a ControlNet (``FluxControlNetPipeline``): also ``control_image`` (the packed control latents of the
+      positive prompt's batch), ``conditioning_scales`` and ``control_guidance`` (the ControlNet's guidance, or None).
     * FLUX: ``latents`` packed (B, tokens, 4 C), ``latent_image_ids`` (tokens, 3) of the whole image, ``timesteps``
       (set with the pipeline's ``mu``; ``set_begin_index(0)`` as the pipeline does), ``prompt_embeds`` (B, T, D),
       ``pooled_prompt_embeds`` (B, pooled), ``text_ids`` (T, 3), ``guidance`` ((B,) tensor, or None without

@@ -111,6 +111,9 @@ class CallRecipe:
             engine's request (conditioning, guidance, this CFG group's half, step callbacks).
         decode: ``final latents -> output``, rank 0 only: the VAE decode and diffusers' output object.
         latent_frames: a video's latent frames (``num_frames`` through the VAE's temporal factor); 1 for an image.
+        encode_draws: ``encode`` draws from the user's generator on rank 0 (FLUX's ControlNet pipeline samples the
+            control image's VAE latents with it, before the latents): every rank then takes rank 0's generator
+            state, as serial diffusers' generator has it at that point.
     """
 
     height: int
@@ -128,6 +131,7 @@ class CallRecipe:
     request: Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Generator], DenoiseRequest]
     decode: Callable[[torch.Tensor], Any]
     latent_frames: int = 1
+    encode_draws: bool = False
 
 
 class PipeFusionPipelineBase:
@@ -491,6 +495,8 @@ class PipeFusionPipelineBase:
         # from here on every rank communicates: a failure anywhere stops everyone
         with self.context.monitor.guard(), span("call", CALL):
             text = self._broadcast_tensors(recipe.encode, span)
+            if recipe.encode_draws:
+                self._generator_of_rank0(recipe.generator)
             with span("prepare", CALL):
                 timesteps = recipe.timesteps()
                 generator = self._shared_generator(recipe.generator)
@@ -624,6 +630,15 @@ class PipeFusionPipelineBase:
             return generator
         seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if self.context.is_output else None)
         return torch.Generator().manual_seed(seed)
+
+    def _generator_of_rank0(self, generator) -> None:
+        """Every rank's generator(s) take global rank 0's state (after rank 0 alone drew from them)."""
+        if generator is None or self.context.world_size == 1:
+            return
+        generators = generator if isinstance(generator, list) else [generator]
+        states = self._broadcast([g.get_state() for g in generators] if self.context.is_output else None)
+        for g, state in zip(generators, states, strict=True):
+            g.set_state(state)
 
     def _sync_generator(self, generator) -> None:
         """After the loop, every rank's generator(s) take the state of those of the rank that stepped the scheduler

@@ -8,6 +8,8 @@ latents and their ids; the guidance embedding; decoding with unpacking), run by 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from diffusers.pipelines.flux import pipeline_flux as diffusers_flux
@@ -17,6 +19,9 @@ from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 from xfuse.pipelines.lora import ShardedLoraMixin
+
+if TYPE_CHECKING:
+    from xfuse.families.flux.controlnet import FluxControlCall
 
 
 class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
@@ -72,6 +77,43 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
         max_sequence_length: int = FLUX.text_lengths[0],
     ):
+        return self._flux_call(None, **{name: value for name, value in locals().items() if name != "self"})
+
+    def _flux_call(
+        self,
+        control: FluxControlCall | None,
+        prompt=None,
+        prompt_2=None,
+        negative_prompt=None,
+        negative_prompt_2=None,
+        true_cfg_scale=1.0,
+        height=None,
+        width=None,
+        num_inference_steps=28,
+        sigmas=None,
+        guidance_scale=3.5,
+        num_images_per_prompt=1,
+        generator=None,
+        latents=None,
+        prompt_embeds=None,
+        pooled_prompt_embeds=None,
+        ip_adapter_image=None,
+        ip_adapter_image_embeds=None,
+        negative_ip_adapter_image=None,
+        negative_ip_adapter_image_embeds=None,
+        negative_prompt_embeds=None,
+        negative_pooled_prompt_embeds=None,
+        output_type="pil",
+        return_dict=True,
+        joint_attention_kwargs=None,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs=("latents",),
+        max_sequence_length=FLUX.text_lengths[0],
+    ):
+        """``FluxPipeline.__call__``'s recipe (its arguments, defaults as there); with ``control``,
+        ``FluxControlNetPipeline``'s: the control image encoded after the prompt on rank 0 (its VAE sample drawn
+        from the user's generator, whose state every rank then takes), the ControlNet's residuals in the engine's
+        request."""
         pipe, device = self.pipeline, self.context.device
         callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
@@ -136,6 +178,11 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                 )
                 text |= {f"{prefix}prompt_embeds": emb, f"{prefix}pooled_prompt_embeds": pooled_emb}
                 text[f"{prefix}text_ids"] = ids
+            if control is not None:
+                batch = batch_size * num_images_per_prompt
+                token_rows = height // self.spec.latent_scale
+                text["control_latents"] = control.encode(self, height, width, batch, num_images_per_prompt, generator,
+                                                         token_rows)  # fmt: skip
             return {k: v.to(self.dtype) for k, v in text.items()}
 
         def timesteps() -> torch.Tensor:
@@ -180,7 +227,7 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                 {"prompt_embeds": text["prompt_embeds"]},
                 latents_view=grid_to_packed,
             )
-            return denoise_request(  # on the packed latents viewed as a grid of token rows
+            request = denoise_request(  # on the packed latents viewed as a grid of token rows
                 self.stage,
                 latents=packed_to_grid(packed, height // self.spec.latent_scale).contiguous(),
                 timesteps=timesteps,
@@ -194,6 +241,9 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                 on_step_end=on_step_end,
                 **model_text,
             )
+            if control is not None:
+                request.control = control.residuals(self, text, image_ids[0], timesteps, model_batch, guidance_scale)
+            return request
 
         return self._run(
             CallRecipe(
@@ -211,6 +261,7 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                 prepare_latents=prepare_latents,
                 request=request,
                 decode=lambda final: self._decode(grid_to_packed(final), height, width, output_type, return_dict),
+                encode_draws=control is not None,
             )
         )
 

@@ -6,6 +6,7 @@ from types import ModuleType
 
 from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
 from xfuse.families.spec import ModelSpec, no_skips
+from xfuse.parallel.control import interval_samples
 
 
 def _flux_blocks(config: dict) -> int:
@@ -24,6 +25,23 @@ def flux_block_flops(config: dict, block: int, queries: int, keys: int, text: in
     tokens = queries + (text if text_queries else 0)
     flops = linear_flops(1, d, 3 * d) + linear_flops(tokens, d, 3 * d) + linear_flops(tokens, d, 4 * d)
     return flops + attention_flops(tokens, keys + text, d) + linear_flops(tokens, 5 * d, d)
+
+
+def flux_control_samples(config: dict, control: dict) -> dict[int, int]:
+    """Which ControlNet residual each block adds (``ModelSpec.control_samples``): mirrors
+    ``diffusers.FluxTransformer2DModel.forward``'s ``interval_control`` lines (rounded up; the double blocks take
+    the ControlNet's double-block residuals, the single blocks its single-block ones, numbered after them)."""
+    doubles, singles = config["num_layers"], config["num_single_layers"]
+    control_doubles, control_singles = control["num_layers"], control.get("num_single_layers", 0)
+    samples = interval_samples(range(doubles), 0, doubles, control_doubles, ceil=True)
+    return samples | interval_samples(range(doubles, doubles + singles), doubles, singles, control_singles,
+                                      control_doubles, ceil=True)  # fmt: skip
+
+
+def _controlnet_class() -> type:
+    from xfuse.families.flux.controlnet import PipeFusionFluxControlNetPipeline
+
+    return PipeFusionFluxControlNetPipeline
 
 
 def _pipeline_class() -> type:
@@ -65,4 +83,7 @@ FLUX = ModelSpec(
     streams=("text",),
     distilled_guidance=True,
     native_side=lambda config: 128 * 8,  # FluxPipeline.default_sample_size x its VAE factor
+    controlnet="FluxControlNetPipeline",
+    controlnet_class=_controlnet_class,
+    control_samples=flux_control_samples,
 )

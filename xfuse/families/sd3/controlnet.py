@@ -14,13 +14,11 @@ from typing import Any
 import torch
 from diffusers.models.controlnets.controlnet_sd3 import SD3ControlNetModel
 
-from xfuse.errors import ConfigError
-from xfuse.families.common.control import ControlModel, control_keep, first_scale
+from xfuse.families.common.control import control_keep, first_scale
 from xfuse.families.common.mmdit import JointConditioning
 from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
-from xfuse.families.sd3.stage import SD3Stage
 from xfuse.parallel.control import ControlResiduals
-from xfuse.runtime.handshake import config_hash
+from xfuse.pipelines.controlnet import ShardedControlNetMixin
 
 
 def check_sd3_controlnet(controlnet) -> None:
@@ -87,7 +85,7 @@ class SD3ControlCall:
             return ControlResiduals(block_samples, num_samples)
         controlnet = model.transformer
         pooled = text["pooled_prompt_embeds"]
-        # Mirrors ``diffusers.StableDiffusion3ControlNetPipeline.__call__``: InstantX's models take zero pooled projections.
+        # Mirrors ``diffusers.StableDiffusion3ControlNetPipeline.__call__``: zero pooled projections for InstantX's.
         pooled = torch.zeros_like(pooled) if config["force_zeros_for_pooled_projection"] else pooled
         control_text = controlnet.context_embedder(text["prompt_embeds"])  # (B', T, joint dim) -> (B', T, hidden)
         model_batch = control_text.shape[0]
@@ -114,7 +112,7 @@ class SD3ControlCall:
         return ControlResiduals(block_samples, num_samples, compute, model.begin_request)
 
 
-class PipeFusionStableDiffusion3ControlNetPipeline(PipeFusionStableDiffusion3Pipeline):
+class PipeFusionStableDiffusion3ControlNetPipeline(ShardedControlNetMixin, PipeFusionStableDiffusion3Pipeline):
     r"""
     Text-to-image with SD3 / SD3.5 and one ControlNet on ``cfg_degree x pipefusion_degree`` ranks, called with the
     arguments of diffusers' [`~diffusers.StableDiffusion3ControlNetPipeline.__call__`]; global rank 0 returns what
@@ -128,23 +126,11 @@ class PipeFusionStableDiffusion3ControlNetPipeline(PipeFusionStableDiffusion3Pip
     """
 
     diffusers_pipeline = "StableDiffusion3ControlNetPipeline"
+    check_controlnet = staticmethod(check_sd3_controlnet)
 
-    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
-        controlnet = pipeline.controlnet
-        check_sd3_controlnet(controlnet)
-        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)
-        if self.parallel.sequence_degree > 1:
-            raise ConfigError("parallel.ulysses_degree", "ControlNet runs without sequence parallelism: use 1")
-        if self.config.cache.enabled:
-            raise ConfigError("cache.method", "step caching does not run with a ControlNet: use off")
-        self.control_config = dict(controlnet.config)
-        self._same_everywhere("controlnet config", config_hash(self.control_config))
-        self.control_model: ControlModel | None = None
-        if context.pipe_rank == self.plan.embed_rank:
-            controlnet.to(context.device)
-            self.control_model = ControlModel(SD3Stage, controlnet, controlnet.controlnet_blocks)
-        else:  # only the embedding rank runs it
-            pipeline.controlnet = None
+    @staticmethod
+    def control_heads(controlnet):
+        return controlnet.controlnet_blocks
 
     @torch.no_grad()
     def __call__(
