@@ -1,6 +1,8 @@
 """Tiny random ControlNets built offline on the tiny presets (saved as diffusers saves them), the control image, and
 the calls the ControlNet tests run on xfuse's pipelines and on diffusers' alike."""
 
+import hashlib
+
 import numpy as np
 import torch
 from PIL import Image
@@ -52,14 +54,18 @@ def control_image(height: int, width: int) -> Image.Image:
 
 def control_steps(pipe, call: dict, image) -> list:
     """``pipe(**call, **extra)`` for each of ``CONTROL_CALLS`` with the same seeds (the user's generator, and torch's
-    global one for the VAE sample); the outputs as arrays (``None`` on ranks that return nothing)."""
+    global one for SD3's VAE sample); the outputs as arrays (``None`` on ranks that return nothing), then a digest of
+    the last call's generator state after it."""
     call = dict(call)
     seed = call.pop("seed")
     out = []
     for extra in CONTROL_CALLS:
         torch.manual_seed(GLOBAL_SEED)
-        images = pipe(**call, **extra, control_image=image, generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        images = pipe(**call, **extra, control_image=image, generator=generator)
         out.append(None if images is None else as_array(images))
+    # where the last call left the generator (FLUX draws the control image's VAE sample from it on rank 0 only)
+    out.append(hashlib.sha1(generator.get_state().numpy().tobytes()).hexdigest())
     return out
 
 

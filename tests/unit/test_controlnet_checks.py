@@ -1,9 +1,11 @@
-"""What the SD3 ControlNet pipeline refuses before any rank communicates (``check_sd3_controlnet``), and the residual
-map of each family's transformer (``ModelSpec.control_samples``) against diffusers' ``interval_control`` rule."""
+"""What the SD3 and FLUX ControlNet pipelines refuse before any rank communicates (``check_sd3_controlnet``,
+``check_flux_controlnet``), and the residual map of each family's transformer (``ModelSpec.control_samples``) against
+diffusers' ``interval_control`` rule."""
 
 import pytest
-from diffusers import SD3ControlNetModel, SD3MultiControlNetModel
+from diffusers import FluxControlNetModel, FluxMultiControlNetModel, SD3ControlNetModel, SD3MultiControlNetModel
 
+from xfuse.families.flux.controlnet import check_flux_controlnet
 from xfuse.families.registry import model_spec
 from xfuse.families.sd3.controlnet import check_sd3_controlnet
 
@@ -45,3 +47,40 @@ def test_sd3_control_samples_follow_diffusers_interval_rule(layers, control, exp
     ``SD3Transformer2DModel.forward`` indexes ``block_controlnet_hidden_states``."""
     spec = model_spec("sd3-tiny")
     assert spec.control_samples({"num_layers": layers}, {"num_layers": control}) == expected
+
+
+FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                 axes_dims_rope=(4, 4, 8))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: None, "controlnet is required"),
+        (lambda: FluxMultiControlNetModel([FluxControlNetModel(**FLUX_TINY)]), "several ControlNets"),
+        (lambda: FluxControlNetModel(**FLUX_TINY, conditioning_embedding_channels=16), "XLabs"),
+        (lambda: FluxControlNetModel(**FLUX_TINY, num_mode=4), "union"),
+    ],
+)
+def test_refused_flux_controlnets(make, message):
+    with pytest.raises(ValueError, match=message):
+        check_flux_controlnet(make())
+    check_flux_controlnet(FluxControlNetModel(**FLUX_TINY))
+
+
+@pytest.mark.parametrize(
+    "control,expected",
+    [
+        # FLUX-tiny's 2 double + 3 single blocks: interval ceil(2 / 1) = 2, ceil(3 / 2) = 2; singles numbered after
+        ({"num_layers": 1, "num_single_layers": 2}, {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}),
+        ({"num_layers": 2, "num_single_layers": 0}, {0: 0, 1: 1}),  # no single residuals: diffusers passes None
+        ({"num_layers": 0, "num_single_layers": 3}, {2: 0, 3: 1, 4: 2}),
+        ({"num_layers": 4, "num_single_layers": 10}, {0: 0, 1: 1, 2: 4, 3: 5, 4: 6}),  # more than blocks: ceil = 1
+    ],
+)
+def test_flux_control_samples_follow_diffusers_interval_rule(control, expected):
+    """``index_block // ceil(blocks / samples)`` per list, as ``FluxTransformer2DModel.forward`` indexes
+    ``controlnet_block_samples`` and ``controlnet_single_block_samples``."""
+    spec = model_spec("flux-tiny")
+    assert spec.control_samples({"num_layers": 2, "num_single_layers": 3}, control) == expected
