@@ -183,7 +183,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
                       num_heads=model["num_attention_heads"], latent_frames=frames)  # fmt: skip
     par = config.parallel
-    plan = spec.plan(num_blocks, par)
+    plan = spec.plan(num_blocks, par, controlnet_layers)
     experts = transformer_count(config.model)
     stream_tokens = {stream: sum(spec.text_lengths) for stream in plan.streams}  # the text the first patch carries
     lead = sum(stream_tokens.values())

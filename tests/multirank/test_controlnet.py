@@ -101,8 +101,8 @@ def control_volume(preset, layout: dict):
 
     spec, pipe = model_spec(preset), load_pipeline(preset)
     config = pipe.transformer.config
-    plan = spec.plan(spec.num_blocks(config), ParallelConfig(**layout))
     layers = LAYERS[preset]
+    plan = spec.plan(spec.num_blocks(config), ParallelConfig(**layout), spec.num_blocks(layers))
     control = ControlResiduals(spec.control_samples(dict(config), layers), spec.num_blocks(layers))
     text_tokens = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)["prompt_embeds"].shape[1]
     grid = grid_of(spec, pipe, HEIGHT, WIDTH, 1)
@@ -117,8 +117,10 @@ LAYOUTS = {
     "pp4": {"pipefusion_degree": 4},
     "cfg2xpp2": {"cfg_degree": 2, "pipefusion_degree": 2},
 }
-# residuals the embedding rank sends per pass: (SD3, FLUX) by layout
-SENT_RESIDUALS = {"pp2": (1, 2), "pp4": (2, 3), "cfg2xpp2": (1, 2)}
+# Residuals the embedding rank sends per pass, (SD3, FLUX) by layout. Rank 0 runs the ControlNet, so the linear plans
+# give it fewer blocks (control_split): SD3 [1, 3] at pp2 (rank 1's blocks 1-2 take residuals 0 and 1, its block 3
+# none) and [1, 1, 1, 1] at pp4; FLUX [1, 4] (residuals 0-2) and [1, 2, 1, 1] (0 and 1, 1, 2).
+SENT_RESIDUALS = {"pp2": (2, 3), "pp4": (2, 4), "cfg2xpp2": (2, 3)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -127,7 +129,8 @@ def test_exact_mode_with_controlnet_equals_diffusers(request, files, preset, lay
     """Exact mode (every step whole-image): xfuse equals diffusers' ControlNet pipeline for both calls (full scale;
     0.7 for the first half of the steps) within 1e-4; only each group's embedding rank keeps the ControlNet; each
     rank sends what ``comm_volume`` counts: the embedding rank one (B, tokens, hidden) residual per residual each
-    other rank's blocks take (SD3 at pp4: 1 each to ranks 1 and 2, none to rank 3, whose only block is SD3's last)."""
+    other rank's blocks take (SD3 at pp4: 1 each to ranks 1 and 2, none to rank 3, whose only block is SD3's last);
+    each plan gives the embedding rank fewer blocks (``SENT_RESIDUALS``)."""
     controlled, plain = expected(files, preset)
     # the control acts, and the second call's scale and window change it
     assert np.abs(controlled[0] - plain).max() > 0.1 and np.abs(controlled[1] - controlled[0]).max() > 0.1
@@ -141,7 +144,7 @@ def test_exact_mode_with_controlnet_equals_diffusers(request, files, preset, lay
     assert all(r["steps"][-1] == controlled[-1] for r in results)
     volume = control_volume(preset, LAYOUTS[layout])
     for r in results:
-        assert r["holds_controlnet"] == (r["pipe_rank"] == 0)
+        assert r["holds_controlnet"] == (r["pipe_rank"] == 0) and r["blocks"][0] == 1
         assert {k: v for k, v in r["sent"].items() if v} == {k: v * STEPS for k, v in volume[r["pipe_rank"]].items()
                                                               if v}, r["pipe_rank"]  # fmt: skip
     residuals = SENT_RESIDUALS[layout][list(FAMILY).index(preset)]

@@ -99,7 +99,8 @@ def xfuse_control_steps(family, folder, controlnet_folder, parallel, call, heigh
     context = pipe.context
     sent = context.channels.counters.as_dict()["sent_bytes"] if context.channels is not None else {}
     return dict(steps=steps, sent=sent, pipe_rank=context.pipe_rank, cfg_rank=context.cfg_rank,
-                holds_controlnet=pipe.control_model is not None)  # fmt: skip
+                holds_controlnet=pipe.control_model is not None,
+                blocks=[len(pipe.plan.blocks_of(r)) for r in range(pipe.plan.degree)])  # fmt: skip
 
 
 def refused_controlnet_layout(family, folder, controlnet_folder, parallel, cache=None):

@@ -84,3 +84,25 @@ def test_flux_control_samples_follow_diffusers_interval_rule(control, expected):
     ``controlnet_block_samples`` and ``controlnet_single_block_samples``."""
     spec = model_spec("flux-tiny")
     assert spec.control_samples({"num_layers": 2, "num_single_layers": 3}, control) == expected
+
+
+@pytest.mark.parametrize(
+    "blocks,degree,control,expected",
+    [
+        (16, 2, 8, [4, 12]),  # 4 + 8 against 12
+        (24, 4, 12, [1, 8, 8, 7]),  # rank 0 cannot go below one block: 13 against 8
+        (4, 2, 2, [1, 3]),
+        (4, 4, 2, [1, 1, 1, 1]),
+        (57, 4, 15, [3, 18, 18, 18]),  # FLUX.1's 19 + 38 blocks, an InstantX-sized ControlNet of 5 + 10
+        (24, 3, 0, [8, 8, 8]),  # no ControlNet: the even split
+    ],
+)
+def test_control_split_evens_the_ranks_counting_the_controlnet_on_rank_0(blocks, degree, control, expected):
+    from xfuse.parallel.control import control_split
+
+    split = control_split(blocks, degree, control)
+    assert split == expected and sum(split) == blocks
+    loads = [split[0] + control, *split[1:]]
+    for first in range(1, blocks - degree + 2):  # no other first share (rest even) has a lighter busiest rank
+        rest = blocks - first
+        assert max(loads) <= max(first + control, -(-rest // (degree - 1)))

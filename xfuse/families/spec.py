@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from xfuse.errors import ConfigError
+from xfuse.parallel.control import control_split
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.sequence import check_sequence_chunks
 from xfuse.parallel.stage_plan import StagePlan, stage_plan
@@ -168,16 +169,15 @@ class ModelSpec:
         """``parallel.placement``, or this family's default when it is not set."""
         return parallel.placement or self.default_placement
 
-    def plan(self, num_blocks: int, parallel) -> StagePlan:
-        """The stage plan of a ``num_blocks``-block model of this family under ``parallel`` (a ParallelConfig)."""
-        return stage_plan(
-            num_blocks,
-            parallel.pipefusion_degree,
-            self.placement(parallel),
-            parallel.stage_split,
-            skips=self.skip_pairs(num_blocks),
-            streams=self.streams,
-        )
+    def plan(self, num_blocks: int, parallel, control_blocks: int = 0) -> StagePlan:
+        """The stage plan of a ``num_blocks``-block model of this family under ``parallel`` (a ParallelConfig).
+        ``control_blocks``: a ControlNet of that many blocks runs on the embedding rank; a linear plan without a
+        ``stage_split`` then gives that rank as many fewer transformer blocks (``xfuse.parallel.control``)."""
+        placement, split = self.placement(parallel), parallel.stage_split
+        degree = parallel.pipefusion_degree
+        if control_blocks and split is None and placement == "linear" and 1 < degree <= num_blocks:
+            split = control_split(num_blocks, degree, control_blocks)
+        return stage_plan(num_blocks, degree, placement, split, skips=self.skip_pairs(num_blocks), streams=self.streams)
 
     def latent_frames(self, num_frames: int | None) -> int:
         """Latent frames of a ``num_frames`` clip (``None``: the pipeline's default; an image family: 1): the VAE keeps

@@ -75,3 +75,21 @@ def interval_samples(
         return {}
     interval = -(-count // samples) if ceil else count / samples
     return {block: offset + int((block - first) / interval) for block in blocks}
+
+
+def control_split(num_blocks: int, degree: int, control_blocks: int) -> list[int]:
+    """Blocks per rank of a linear plan whose embedding rank (0) also runs a ControlNet of ``control_blocks`` blocks,
+    a ControlNet block costing what a transformer block costs (the same block class on the same tokens): the split
+    whose busiest rank runs the fewest blocks, at least one transformer block per rank; among equals rank 0 the
+    fewest (the control model's residual layers and messages are its extra)."""
+    if not 1 < degree <= num_blocks:
+        raise ValueError(f"need 1 < degree <= num_blocks (got {degree}, {num_blocks})")
+    best: tuple[int, list[int]] | None = None
+    for first in range(1, num_blocks - degree + 2):
+        base, extra = divmod(num_blocks - first, degree - 1)
+        others = [base + (1 if i < extra else 0) for i in range(degree - 1)]
+        load = max(first + control_blocks, *others)
+        if best is None or load < best[0]:
+            best = (load, [first, *others])
+    assert best is not None
+    return best[1]

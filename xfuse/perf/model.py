@@ -158,9 +158,9 @@ class Prediction:
 @functools.lru_cache(maxsize=256)
 def _schedule(
     spec: ModelSpec, num_blocks: int, parallel: ParallelConfig, steps: int, batch: int, costs, split_warmup: bool,
-    control_ranks: tuple[int, ...] = (),
+    control_blocks: int = 0, control_ranks: tuple[int, ...] = (),
 ) -> Schedule:  # fmt: skip
-    plan = spec.plan(num_blocks, parallel)
+    plan = spec.plan(num_blocks, parallel, control_blocks)
     parts = batch_parts(batch, parallel.pipefusion_degree) if split_warmup else 1
     warmup = min(parallel.warmup_steps, steps)
     num_patches = parallel.resolved_num_patches
@@ -296,11 +296,11 @@ def predict(
     streamed in batch parts as xfuse runs them (``False``: whole, as xDiT does)."""
     costs = _Costs(work, parallel, machine, calibration)
     costs_key = tuple(costs.grid.cost_tokens)
-    control = costs.control
-    plan = work.spec.plan(work.num_blocks, parallel)
+    control, control_blocks = costs.control, len(costs.control_blocks)
+    plan = work.spec.plan(work.num_blocks, parallel, control_blocks)
     control_ranks = () if control is None else control.ranks(plan)
     schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, costs.batch, costs_key, split_warmup,
-                         control_ranks)  # fmt: skip
+                         control_blocks, control_ranks)  # fmt: skip
     finish = replay(schedule, costs.duration(schedule), costs.transfer(schedule))
     compute, sequence = costs.busiest(schedule)
     cfg = 0.0

@@ -174,7 +174,7 @@ class PipeFusionPipelineBase:
         self.comm: CommConfig = self.config.comm
         config = (stage or pipeline.transformer).config
         self.num_blocks = self.spec.num_blocks(config)
-        self.plan = self.spec.plan(self.num_blocks, self.parallel)
+        self.plan = self.spec.plan(self.num_blocks, self.parallel, self._control_blocks(pipeline))
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
         handshake(
             {
@@ -209,6 +209,15 @@ class PipeFusionPipelineBase:
         self._tracer: Tracer | None = None
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
+
+    def _control_blocks(self, pipeline) -> int:
+        """Blocks of a ControlNet the embedding rank runs beside its stage (``ShardedControlNetMixin``); 0: none."""
+        return 0
+
+    @classmethod
+    def _control_blocks_of(cls, folder: str, kwargs: dict) -> int:
+        """``_control_blocks`` of the pipeline ``from_pretrained`` is about to load (before it loads)."""
+        return 0
 
     def _engine(self, stage) -> PipeFusionEngine:
         """The engine that runs ``stage`` (this rank's share of a transformer) over the world's pipeline group, inside
@@ -320,7 +329,8 @@ class PipeFusionPipelineBase:
         transformer = model_class.load_config(
             pretrained_model_name_or_path, subfolder="transformer", local_files_only=True
         )
-        plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel)
+        control = cls._control_blocks_of(pretrained_model_name_or_path, kwargs)
+        plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel, control)
         # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
         stages = {
             name: cls.spec.stage_class().from_pretrained(

@@ -2,11 +2,15 @@
 
 The wrapped diffusers pipeline holds the ControlNet (``pipeline.controlnet``, loaded or passed as diffusers takes it).
 Every rank checks it the same way and compares its config; each pipeline group's embedding rank runs it
-(``xfuse.families.common.control.ControlModel``) and the other ranks drop it: they only receive its residuals.
+(``xfuse.families.common.control.ControlModel``) and the other ranks drop it: they only receive its residuals. A linear
+plan without a ``stage_split`` gives the embedding rank as many fewer transformer blocks as the ControlNet has
+(``xfuse.parallel.control.control_split``), so that it is not the pipeline's bottleneck.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 
 from torch import nn
@@ -30,6 +34,22 @@ class ShardedControlNetMixin:
     @staticmethod
     def control_heads(controlnet) -> Sequence[nn.Module]:
         raise NotImplementedError
+
+    def _control_blocks(self, pipeline) -> int:
+        return self.spec.num_blocks(pipeline.controlnet.config)  # type: ignore[attr-defined]
+
+    @classmethod
+    def _control_blocks_of(cls, folder: str, kwargs: dict) -> int:
+        """The blocks of the ControlNet passed as ``controlnet=`` (as diffusers takes it), or of the folder's own
+        ``controlnet`` component; 0 without one (the pipeline then refuses to build, naming it)."""
+        controlnet = kwargs.get("controlnet")
+        if controlnet is not None:
+            return cls.spec.num_blocks(controlnet.config)  # type: ignore[attr-defined]
+        config = os.path.join(folder, "controlnet", "config.json")
+        if "controlnet" in kwargs or not os.path.isfile(config):
+            return 0
+        with open(config) as f:
+            return cls.spec.num_blocks(json.load(f))  # type: ignore[attr-defined]
 
     def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
         controlnet = getattr(pipeline, "controlnet", None)
