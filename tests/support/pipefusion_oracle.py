@@ -22,6 +22,10 @@ independently of the engine's schedule, stages, channels, K/V cache and per-patc
   Q = the band's image tokens (+ the text queries), K/V = the whole buffer's image tokens + the text K/V. SD3.5's
   ``attn2`` (image-only self-attention) has a buffer of its own. K is buffered after the per-head q/k RMSNorm and,
   for FLUX, after RoPE (stale rows keep their own positions).
+* A ControlNet (SD3, FLUX) is a second model with stale K/V buffers of its own and its own text owner, run with
+  diffusers' own forward on each pass's latents and the same rows of the control latents; its residuals go to
+  diffusers' transformer forward of the same pass (``block_controlnet_hidden_states``, FLUX's
+  ``controlnet_block_samples``).
 * From the first pipelined step on, each patch has its own copy of the scheduler, with whole-latent state cut to
   its rows. A scheduler that draws noise through diffusers' ``randn_tensor`` draws it as serial diffusers does: at
   each step, the first request draws the whole latent's noise from the user's generator and every patch steps with
