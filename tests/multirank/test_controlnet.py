@@ -180,14 +180,26 @@ def oracle_inputs(pipe, preset, *, scale: float, guidance_end: float):
     return inputs | dict(control_image=packed, conditioning_scales=scales, control_guidance=guidance)
 
 
-@pytest.mark.parametrize("degree", [2, 4])
+# Pipelined layouts: linear at 2 and 4 ranks, and routes that visit a rank twice (SD3 folded: r0[0] r1[1] r1[2] r0[3];
+# FLUX balanced: r0[0] r1[1] r1[2, 3] r0[4]): rank 1 keeps received residuals for its second segment, rank 0 its own
+# for its last.
+PIPELINED = {
+    "pp2": {"pipefusion_degree": 2},
+    "pp4": {"pipefusion_degree": 4},
+    "pp2 twice": {"pipefusion_degree": 2, "placement": "folded"},
+}
+
+
+@pytest.mark.parametrize("layout", PIPELINED)
 @pytest.mark.parametrize("preset", FAMILY)
-def test_pipelined_with_controlnet_equals_the_oracle(request, files, preset, degree):
+def test_pipelined_with_controlnet_equals_the_oracle(request, files, preset, layout):
     """Pipelined (M = 3, warm-up 1): the ControlNet runs per patch with stale K/V of its own, and the result equals
     the oracle's (diffusers' ControlNet and transformer forwards per patch, each with its own stale K/V buffers)
     within 1e-5 for both calls; without the residuals the oracle is far from it."""
-    world = request.getfixturevalue(f"world{degree}")
-    parallel = {"pipefusion_degree": degree, "num_patches": 3, "warmup_steps": 1}
+    parallel = {**PIPELINED[layout], "num_patches": 3, "warmup_steps": 1}
+    if layout == "pp2 twice" and preset.startswith("flux"):  # 5 blocks: folded needs an even count
+        parallel["placement"] = "balanced"
+    world = request.getfixturevalue(f"world{parallel['pipefusion_degree']}")
     piped = world.run_ok(xfuse_control_steps, *files[preset], parallel, call_of(preset), HEIGHT, WIDTH, timeout=300)
     pipe = diffusers_pipe(files, preset)
     spec = model_spec(preset)

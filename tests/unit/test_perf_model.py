@@ -277,3 +277,6 @@ def test_a_controlnet_is_counted_by_the_plan_and_the_performance_model():
     uneven = predict(workload(even, controlnet), even.parallel, where, FITTED).loop
     assert without < balanced < 0.8 * uneven
     assert "predicted latency" in predicted_latency(report, "h100-nvlink")
+    pixart = load_config(None, ["model=pixart-small"])
+    with pytest.raises(ConfigError, match="--controlnet-layers"):
+        plan_report(pixart, None, controlnet_layers=4)

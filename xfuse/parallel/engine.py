@@ -447,12 +447,15 @@ class _Run:
         used = control.samples_of(mine)
         embedding = self.pipe_rank == self.plan.embed_rank
         first = self.plan.route[self.schedule.first_hop(self.pipe_rank)].blocks
-        kept = {}
+        kept: dict[int, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}  # residual index -> its copy
         for block in mine:
             if block in control.block_samples:
                 j = control.block_samples[block]
                 residual = sample(j if embedding else used.index(j))
-                kept[block] = residual if embedding or block in first else residual.clone()
+                if not (embedding or block in first):  # one copy per residual, however many blocks share it
+                    residual = copies.setdefault(j, residual.clone())
+                kept[block] = residual
         if kept:
             self.controls[key] = kept
 

@@ -54,11 +54,13 @@ class ShardedControlNetMixin:
     def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
         controlnet = getattr(pipeline, "controlnet", None)
         self.check_controlnet(controlnet)
-        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)  # type: ignore[call-arg]
-        if self.parallel.sequence_degree > 1:
-            raise ConfigError("parallel.ulysses_degree", "a ControlNet runs without sequence parallelism: use 1")
-        if self.config.cache.enabled:
+        config = context.config  # the same on every rank (init_parallel's handshake): refused before any message
+        if config.parallel.sequence_degree > 1:
+            key = "parallel.ulysses_degree" if config.parallel.ulysses_degree > 1 else "parallel.ring_degree"
+            raise ConfigError(key, "a ControlNet runs without sequence parallelism: use 1")
+        if config.cache.enabled:
             raise ConfigError("cache.method", "step caching does not run with a ControlNet: use off")
+        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)  # type: ignore[call-arg]
         self.control_config = dict(controlnet.config)
         self._same_everywhere("controlnet config", config_hash(self.control_config))
         self.control_model = None
