@@ -156,9 +156,8 @@ def oracle_inputs(pipe, preset, *, scale: float, guidance_end: float):
     """The oracle's inputs for the call, the ControlNet's as its pipeline prepares them (``CONTROL_CALLS`` style)."""
     from diffusers.pipelines.flux.pipeline_flux_controlnet import retrieve_latents
 
-    from xfuse.families.common.control import control_keep
-
-    scales = [scale * k for k in control_keep(STEPS, 0.0, guidance_end)]
+    # diffusers' controlnet_keep: 0 for step i where i / steps < start or (i + 1) / steps > end (start 0 here)
+    scales = [scale * (1.0 - float((i + 1) / STEPS > guidance_end)) for i in range(STEPS)]
     vae = pipe.vae
     if preset.startswith("sd3"):
         inputs = prepare_inputs(pipe, height=HEIGHT, width=WIDTH, steps=STEPS, cfg=2.0)

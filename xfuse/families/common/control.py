@@ -10,12 +10,15 @@ exact in whole-image steps). The residuals travel with the patch to the ranks th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from xfuse.families.common.mmdit import JointConditioning, JointStage
+from xfuse.parallel.control import ControlResiduals
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.stage_plan import Segment, stage_plan
 
@@ -55,14 +58,55 @@ class ControlModel:
         return [sample * scale for sample in samples]  # as diffusers scales them, after every layer
 
 
-def control_keep(num_steps: int, start: float | list[float], end: float | list[float]) -> list[float]:
-    """1.0 for the steps the ControlNet acts in, else 0.0: mirrors the ``controlnet_keep`` lines of
-    ``diffusers.StableDiffusion3ControlNetPipeline.__call__`` (one ControlNet: its first start and end)."""
-    first_start = start[0] if isinstance(start, list) else start
-    first_end = end[0] if isinstance(end, list) else end
-    return [1.0 - float(i / num_steps < first_start or (i + 1) / num_steps > first_end) for i in range(num_steps)]
+def check_one_controlnet(controlnet, model_class: type) -> None:
+    """A ControlNet pipeline's first refusals: none given, or not one ``model_class`` (several ControlNets)."""
+    name = model_class.__name__
+    if controlnet is None:
+        raise ValueError(f"controlnet is required (a {name})")
+    if not isinstance(controlnet, model_class):
+        raise ValueError(
+            f"controlnet must be one {name} (got {type(controlnet).__name__}; several ControlNets "
+            f"({name.replace('ControlNet', 'MultiControlNet')}) are not supported)"
+        )
 
 
-def first_scale(scale: float | list[float]) -> float:
-    """The conditioning scale of one ControlNet: a list's first, as diffusers' pipelines read it."""
-    return scale[0] if isinstance(scale, list) else scale
+class PerStep:
+    """``make(step)`` once per denoising step, the two steps in flight kept (a step's conditioning)."""
+
+    def __init__(self, make: Callable[[int], Any]):
+        self.make, self.values = make, {}
+
+    def __call__(self, step: int):
+        if step not in self.values:
+            self.values.pop(step - 2, None)
+            self.values[step] = self.make(step)
+        return self.values[step]
+
+
+@dataclass
+class ControlCall:
+    """One call's ControlNet arguments (diffusers' names: ``control_image``, ``controlnet_conditioning_scale``,
+    ``control_guidance_start`` / ``control_guidance_end``); a family's subclass encodes the image on rank 0 and
+    builds the request's residuals."""
+
+    control_image: Any
+    conditioning_scale: float | list[float]
+    guidance_start: float | list[float]
+    guidance_end: float | list[float]
+
+    def scales(self, num_steps: int) -> list[float]:
+        """Each step's conditioning scale: mirrors the ``controlnet_keep`` and ``cond_scale`` lines of
+        ``diffusers.StableDiffusion3ControlNetPipeline.__call__`` (one ControlNet: a list's first scale, start and
+        end; 0 outside the steps it acts in)."""
+        first = [x[0] if isinstance(x, list) else x for x in (self.conditioning_scale, self.guidance_start,
+                                                               self.guidance_end)]  # fmt: skip
+        scale, start, end = first
+        return [scale * (1.0 - float(i / num_steps < start or (i + 1) / num_steps > end)) for i in range(num_steps)]
+
+    def routing(self, pipe) -> ControlResiduals:
+        """Which residual each of the transformer's blocks adds (every rank; ``pipe``: the xfuse ControlNet
+        pipeline); the embedding rank then sets ``compute`` and ``begin_request``."""
+        config = pipe.control_config
+        return ControlResiduals(
+            pipe.spec.control_samples(dict(pipe.stage.config), config), pipe.spec.num_blocks(config)
+        )

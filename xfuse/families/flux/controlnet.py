@@ -11,30 +11,19 @@ positive) add the same residuals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from diffusers.models.controlnets.controlnet_flux import FluxControlNetModel
 from diffusers.pipelines.flux import pipeline_flux_controlnet as diffusers_flux_controlnet
 
-from xfuse.families.common.control import control_keep, first_scale
-from xfuse.families.common.mmdit import JointConditioning
+from xfuse.families.common.control import ControlCall, PerStep, check_one_controlnet
 from xfuse.families.flux.pipeline import PipeFusionFluxPipeline
 from xfuse.families.flux.stage import grid_to_packed, packed_to_grid
-from xfuse.parallel.control import ControlResiduals
 from xfuse.pipelines.controlnet import ShardedControlNetMixin
 
 
 def check_flux_controlnet(controlnet) -> None:
     """Refuse, naming why, the control models this pipeline cannot run."""
-    if controlnet is None:
-        raise ValueError("controlnet is required (a FluxControlNetModel)")
-    if not isinstance(controlnet, FluxControlNetModel):
-        raise ValueError(
-            f"controlnet must be one FluxControlNetModel (got {type(controlnet).__name__}; several ControlNets "
-            "(FluxMultiControlNetModel) are not supported)"
-        )
+    check_one_controlnet(controlnet, FluxControlNetModel)
     if controlnet.input_hint_block is not None:
         raise ValueError(
             "XLabs ControlNets (input_hint_block: a convolution over the control image's pixels) are not supported"
@@ -43,15 +32,9 @@ def check_flux_controlnet(controlnet) -> None:
         raise ValueError("union ControlNets (num_mode: a control-mode token in the text) are not supported")
 
 
-@dataclass
-class FluxControlCall:
+class FluxControlCall(ControlCall):
     """One call's ControlNet arguments and what they become: the encoded control image (rank 0) and the request's
     residuals (every rank)."""
-
-    control_image: Any
-    conditioning_scale: float | list[float]
-    guidance_start: float | list[float]
-    guidance_end: float | list[float]
 
     def encode(self, pipe, height, width, batch, num_images_per_prompt, generator, token_rows):
         """Rank 0, after the prompt: the control image's packed latents as the engine's grid (B, 4 C, rows, cols).
@@ -80,13 +63,10 @@ class FluxControlCall:
         """The request's ControlNet residuals: the block map on every rank; the control model's pass on the
         embedding rank, on the positive prompt (``text``: the broadcast embeddings), each residual repeated over the
         transformer batch's rows."""
-        config = pipe.control_config
-        num_samples = config["num_layers"] + config["num_single_layers"]
-        block_samples = pipe.spec.control_samples(dict(pipe.stage.config), config)
-        model = pipe.control_model
+        routing, model = self.routing(pipe), pipe.control_model
         if model is None:  # not the embedding rank: it receives its blocks' residuals
-            return ControlResiduals(block_samples, num_samples)
-        controlnet, stage = model.transformer, model.stage
+            return routing
+        config, controlnet, stage = pipe.control_config, model.transformer, model.stage
         control_latents = text["control_latents"]  # (B, 4 C, rows, cols)
         batch = control_latents.shape[0]
         rope = stage.rotary_embedding(text["text_ids"], image_ids)
@@ -95,25 +75,23 @@ class FluxControlCall:
         guidance = None  # Mirrors ``diffusers.FluxControlNetPipeline.__call__``: the ControlNet's own guidance_embeds
         if config["guidance_embeds"]:
             guidance = torch.full([1], guidance_scale, device=pooled.device, dtype=torch.float32).expand(batch)
-        keep = control_keep(len(timesteps), self.guidance_start, self.guidance_end)
-        scale = first_scale(self.conditioning_scale)
-        conds: dict[int, JointConditioning] = {}
+        scales = self.scales(len(timesteps))
+        # the step's timestep as FluxControlNetPipeline passes it: t.expand(B).to(latents.dtype) / 1000
+        conds = PerStep(lambda step: stage.conditioning(timesteps[step].expand(batch).to(control_latents.dtype) / 1000,
+                                                        guidance, pooled, control_text, rope))  # fmt: skip
 
         def compute(step, model_input, band, part, keep_kv):
-            if step not in conds:  # the control model's conditioning, once per step (at most two in flight)
-                conds.pop(step - 2, None)
-                timestep = timesteps[step].expand(batch).to(control_latents.dtype) / 1000  # as FluxControlNetPipeline
-                conds[step] = stage.conditioning(timestep, guidance, pooled, control_text, rope)
             rows = control_latents if band is None else control_latents[:, :, band.latent_rows]
             added = controlnet.controlnet_x_embedder(grid_to_packed(rows))  # (B, covering tokens, hidden)
             # Every row of the transformer input is the latents (true CFG doubles them): the ControlNet's are B of them.
             # Mirrors ``diffusers.FluxControlNetModel.forward``: x_embedder, + controlnet_x_embedder(controlnet_cond)
             hidden = stage.embed(model_input[:batch], band) + (added if band is None else band.trim(added))
-            samples = model.residuals(hidden, conds[step], band, keep_kv, scale * keep[step])
+            samples = model.residuals(hidden, conds(step), band, keep_kv, scales[step])
             repeat = (model_batch if part is None else part.size) // batch  # both halves of true CFG take them
             return [sample.repeat(repeat, 1, 1) if repeat > 1 else sample for sample in samples]
 
-        return ControlResiduals(block_samples, num_samples, compute, model.begin_request)
+        routing.compute, routing.begin_request = compute, model.begin_request
+        return routing
 
 
 class PipeFusionFluxControlNetPipeline(ShardedControlNetMixin, PipeFusionFluxPipeline):
@@ -175,9 +153,8 @@ class PipeFusionFluxControlNetPipeline(ShardedControlNetMixin, PipeFusionFluxPip
         self._refuse(control_mode=(control_mode, None, "union ControlNets are not supported"))
         if control_image is None:
             raise ValueError("control_image is required")
-        control = FluxControlCall(
-            control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end
-        )
+        control = FluxControlCall(control_image, controlnet_conditioning_scale, control_guidance_start,
+                                  control_guidance_end)  # fmt: skip
         return self._flux_call(
             control,
             prompt=prompt,

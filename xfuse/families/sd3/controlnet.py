@@ -8,13 +8,10 @@ its residuals sent to the ranks whose blocks take them: ``xfuse.parallel.control
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from diffusers.models.controlnets.controlnet_sd3 import SD3ControlNetModel
 
-from xfuse.families.common.control import control_keep, first_scale
+from xfuse.families.common.control import ControlCall, PerStep, check_one_controlnet
 from xfuse.families.common.mmdit import JointConditioning
 from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
 from xfuse.parallel.control import ControlResiduals
@@ -23,13 +20,7 @@ from xfuse.pipelines.controlnet import ShardedControlNetMixin
 
 def check_sd3_controlnet(controlnet) -> None:
     """Refuse, naming why, the control models this pipeline cannot run."""
-    if controlnet is None:
-        raise ValueError("controlnet is required (an SD3ControlNetModel)")
-    if not isinstance(controlnet, SD3ControlNetModel):
-        raise ValueError(
-            f"controlnet must be one SD3ControlNetModel (got {type(controlnet).__name__}; several ControlNets "
-            "(SD3MultiControlNetModel) are not supported)"
-        )
+    check_one_controlnet(controlnet, SD3ControlNetModel)
     config = controlnet.config
     if config.joint_attention_dim is None or controlnet.pos_embed is None:
         raise ValueError(
@@ -40,15 +31,9 @@ def check_sd3_controlnet(controlnet) -> None:
         raise ValueError("inpainting ControlNets (extra_conditioning_channels) are not supported")
 
 
-@dataclass
-class SD3ControlCall:
+class SD3ControlCall(ControlCall):
     """One call's ControlNet arguments and what they become: the encoded control image (rank 0) and the request's
     residuals (every rank)."""
-
-    control_image: Any
-    conditioning_scale: float | list[float]
-    guidance_start: float | list[float]
-    guidance_end: float | list[float]
 
     def encode(self, pipe, height, width, batch, num_images_per_prompt, do_cfg):
         """Rank 0, after the prompt: the control image's latents (B', C, h, w), [uncond, cond] with CFG. Mirrors
@@ -77,39 +62,33 @@ class SD3ControlCall:
     def residuals(self, pipe, text: dict, control_latents, timesteps) -> ControlResiduals:
         """The request's ControlNet residuals: the block map on every rank; the control model's pass on the
         embedding rank (``text``: this CFG group's prompt embeddings; ``control_latents`` its rows)."""
-        config = pipe.control_config
-        num_samples = config["num_layers"]
-        block_samples = pipe.spec.control_samples(dict(pipe.stage.config), config)
-        model = pipe.control_model
+        routing, model = self.routing(pipe), pipe.control_model
         if model is None:  # not the embedding rank: it receives its blocks' residuals
-            return ControlResiduals(block_samples, num_samples)
-        controlnet = model.transformer
+            return routing
+        config, controlnet = pipe.control_config, model.transformer
         pooled = text["pooled_prompt_embeds"]
         # Mirrors ``diffusers.StableDiffusion3ControlNetPipeline.__call__``: zero pooled projections for InstantX's.
         pooled = torch.zeros_like(pooled) if config["force_zeros_for_pooled_projection"] else pooled
         control_text = controlnet.context_embedder(text["prompt_embeds"])  # (B', T, joint dim) -> (B', T, hidden)
-        model_batch = control_text.shape[0]
-        keep, scale = (
-            control_keep(len(timesteps), self.guidance_start, self.guidance_end),
-            first_scale(self.conditioning_scale),
+        model_batch, scales = control_text.shape[0], self.scales(len(timesteps))
+        conds = PerStep(
+            lambda step: JointConditioning(
+                controlnet.time_text_embed(timesteps[step].expand(model_batch), pooled), control_text
+            )  # fmt: skip
         )
-        conds: dict[int, JointConditioning] = {}
 
         def compute(step, model_input, band, part, keep_kv):
-            if step not in conds:  # the control model's conditioning, once per step (at most two in flight)
-                conds.pop(step - 2, None)
-                temb = controlnet.time_text_embed(timesteps[step].expand(model_batch), pooled)
-                conds[step] = JointConditioning(temb, control_text)
-            cond, latents = conds[step], control_latents
+            cond, latents = conds(step), control_latents
             if part is not None:
                 cond, latents = model.stage.batch_part(cond, part), latents[part.rows]
             rows = latents if band is None else latents[:, :, band.latent_rows]  # (B, C, covering rows, W)
             # Mirrors ``diffusers.SD3ControlNetModel.forward``: pos_embed (with positions), + pos_embed_input(cond)
             added = controlnet.pos_embed_input(rows)  # (B, C, h, W) -> (B, covering tokens, D)
             hidden = model.stage.embed(model_input, band) + (added if band is None else band.trim(added))
-            return model.residuals(hidden, cond, band, keep_kv, scale * keep[step])
+            return model.residuals(hidden, cond, band, keep_kv, scales[step])
 
-        return ControlResiduals(block_samples, num_samples, compute, model.begin_request)
+        routing.compute, routing.begin_request = compute, model.begin_request
+        return routing
 
 
 class PipeFusionStableDiffusion3ControlNetPipeline(ShardedControlNetMixin, PipeFusionStableDiffusion3Pipeline):
@@ -178,9 +157,8 @@ class PipeFusionStableDiffusion3ControlNetPipeline(ShardedControlNetMixin, PipeF
         )
         if control_image is None:
             raise ValueError("control_image is required")
-        control = SD3ControlCall(
-            control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end
-        )
+        control = SD3ControlCall(control_image, controlnet_conditioning_scale, control_guidance_start,
+                                 control_guidance_end)  # fmt: skip
         return self._sd3_call(
             control,
             prompt=prompt,
