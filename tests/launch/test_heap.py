@@ -25,15 +25,25 @@ def pass_faults(mode: str) -> subprocess.Popen:
     )
 
 
+def settled_faults(process: subprocess.Popen) -> list[int]:
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    return json.loads(out)[SETTLE:]
+
+
 @glibc_only
 def test_keep_freed_heap_stops_the_page_faults_of_every_pass():
     default, keep = pass_faults("default"), pass_faults("keep")  # two fresh processes, at once
-    (default_out, default_err), (keep_out, keep_err) = default.communicate(timeout=120), keep.communicate(timeout=120)
-    assert default.returncode == 0, default_err
-    assert keep.returncode == 0, keep_err
-    default_faults, keep_faults = json.loads(default_out)[SETTLE:], json.loads(keep_out)[SETTLE:]
+    default_faults, keep_faults = settled_faults(default), settled_faults(keep)
     # The premise: left to glibc's defaults, a pass maps thousands of pages afresh (4,436 per pass here: 17 MiB
-    # of activations of 1 to 9 MiB each, zeroed by the kernel).
+    # of activations of 1 to 9 MiB each, zeroed by the kernel). glibc's dynamic mmap threshold makes that depend on
+    # the process's address-space layout: now and then a default process keeps reusing its heap on its own (a CI run
+    # saw [0, 0, 0, 0, 0, 1, ...]; 6 runs in a row here: medians 4,013 to 8,872), so up to two more fresh default
+    # processes are asked before the premise is called false.
+    for _ in range(2):
+        if statistics.median(default_faults) > 1000:
+            break
+        default_faults = settled_faults(pass_faults("default"))
     assert statistics.median(default_faults) > 1000, default_faults
     # Kept: the passes reuse the heap they freed. What remains is Python's own allocator (its 1 MiB arenas are
     # mapped outside malloc): a few hundred pages in an occasional pass.

@@ -226,3 +226,21 @@ def test_layouts_a_controlnet_does_not_run_with_are_refused_alike(world4, files,
     """Sequence parallelism and step caching with a ControlNet: the same ConfigError on every rank, naming the key."""
     results = world4.run_ok(refused_controlnet_layout, *files[preset], parallel, cache)
     assert len(set(results)) == 1 and results[0][0] == "ConfigError" and key in results[0][1], results
+
+
+@pytest.mark.parametrize("preset", FAMILY)
+def test_a_lora_on_the_controlnet_pipeline_equals_diffusers(world2, files, preset, tmp_path):
+    """LoRA and ControlNet together (pp2, exact mode): an adapter loaded into xfuse's ControlNet pipeline (each rank
+    its blocks' share) gives diffusers' ControlNet pipeline's latents with the same adapter, within 1e-4, and differs
+    from them without it."""
+    from tests.support.lora_fns import save_lora
+
+    lora = save_lora(load_pipeline(preset), tmp_path / "a", seed=1, rank=4, alpha=8)
+    parallel = {"pipefusion_degree": 2, "warmup_steps": STEPS}
+    got = world2.run_ok(xfuse_control_steps, *files[preset], parallel, call_of(preset), HEIGHT, WIDTH, lora=lora,
+                        timeout=300)[0]  # fmt: skip
+    pipe = diffusers_pipe(files, preset)
+    pipe.load_lora_weights(lora, adapter_name="a")
+    want = control_steps(pipe, call_of(preset), control_image(HEIGHT, WIDTH))
+    assert np.abs(got[0] - want[0]).max() <= 1e-4 and np.abs(got[1] - want[1]).max() <= 1e-4
+    assert np.abs(want[0] - expected(files, preset)[0][0]).max() > 1e-3  # the adapter acts (FLUX: 7e-3)

@@ -87,11 +87,13 @@ def xfuse_pipeline(family: str, folder: str, controlnet_folder: str, **kwargs):
     return cls.from_pretrained(folder, controlnet=load_controlnet(family, controlnet_folder), **kwargs)
 
 
-def xfuse_control_steps(family, folder, controlnet_folder, parallel, call, height, width, counters=False):
+def xfuse_control_steps(family, folder, controlnet_folder, parallel, call, height, width, counters=False, lora=None):
     """Rank function: ``control_steps`` on the family's xfuse ControlNet pipeline loaded from ``folder`` with the
-    ControlNet of ``controlnet_folder``; with ``counters`` also this rank's bytes sent by kind in the last call, and
-    what the rank is."""
+    ControlNet of ``controlnet_folder`` (and the LoRA file ``lora`` loaded as adapter ``a``); with ``counters`` also
+    this rank's bytes sent by kind in the last call, and what the rank is."""
     pipe = xfuse_pipeline(family, folder, controlnet_folder, parallel=parallel, comm={"timeout_s": 60})
+    if lora is not None:
+        pipe.load_lora_weights(lora, adapter_name="a")
     pipe.set_progress_bar_config(disable=True)
     steps = control_steps(pipe, call, control_image(height, width))
     if not counters:
