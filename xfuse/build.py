@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from xfuse.config import XfuseConfig
+from xfuse.errors import ConfigError
 from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
 if TYPE_CHECKING:
@@ -24,14 +25,42 @@ def build_pipeline(config: XfuseConfig):
     from xfuse.families.registry import load_pipeline, model_is_preset, resolve_model
 
     pipeline_class = _pipeline_class(config)
+    dtype = config.runtime.torch_dtype()
+    extra = {}
+    if config.generation is not None and config.generation.controlnet is not None:
+        # every rank reads it (the pipeline keeps it on each group's embedding rank only) and refuses it alike
+        extra["controlnet"] = _load_controlnet(pipeline_class, config.generation.controlnet, dtype)
     if model_is_preset(config.model):  # built-in random-weight model: every rank builds the same one from its seed
-        diffusers_pipe = load_pipeline(config.model, config.runtime.torch_dtype(), pipeline_class.diffusers_name())
+        diffusers_pipe = load_pipeline(config.model, dtype, pipeline_class.diffusers_name(), extra)
         pipe = pipeline_class.from_pipe(diffusers_pipe, config=config)
     else:
-        pipe = pipeline_class.from_pretrained(resolve_model(config.model), config=config)
+        pipe = pipeline_class.from_pretrained(resolve_model(config.model), config=config, **extra)
     freeze_startup_heap()
     keep_freed_heap()
     return pipe
+
+
+def _load_controlnet(pipeline_class: type, folder: str, dtype):
+    """The diffusers ControlNet model of ``folder`` (its ``config.json`` names the class), in ``dtype``, checked by
+    ``pipeline_class`` (one its family runs): a ``ConfigError`` naming ``generation.controlnet`` otherwise."""
+    import json
+    import os
+
+    import diffusers
+
+    with open(os.path.join(folder, "config.json")) as f:
+        class_name = str(json.load(f).get("_class_name"))
+    model_class = getattr(diffusers, class_name, None)
+    if model_class is None or "ControlNet" not in class_name:
+        raise ConfigError(
+            "generation.controlnet", f"{folder!r} is not a diffusers ControlNet (_class_name {class_name})"
+        )
+    controlnet = model_class.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
+    try:
+        pipeline_class.check_controlnet(controlnet)
+    except ValueError as err:
+        raise ConfigError("generation.controlnet", f"{folder!r}: {err}") from None
+    return controlnet
 
 
 def check_lora_family(config: XfuseConfig, key: str) -> None:
@@ -69,6 +98,13 @@ def _pipeline_class(config: XfuseConfig) -> type:
 
     spec = model_spec(config.model)
     image = config.generation.image if config.generation is not None else None
+    if config.generation is not None and config.generation.controlnet is not None:
+        if spec.controlnet_class is None:
+            raise ConfigError(
+                "generation.controlnet",
+                f"{config.model} is a {spec.name} model; xfuse runs ControlNets for SD3 / SD3.5 and FLUX.1 models",
+            )
+        return spec.controlnet_class()
     if image is None:
         return spec.pipeline_class()
     if spec.image_to_video is None:
@@ -191,3 +227,18 @@ def video_call_kwargs(
     )  # fmt: skip
     first = {} if image is None else {"image": image}
     return dict(first, **common, num_frames=num_frames, num_videos_per_prompt=num_videos, output_type=output_type)
+
+
+def control_call_kwargs(generation, control_image) -> dict[str, Any]:
+    """A ControlNet pipeline call's own arguments for ``generation`` (``xfuse generate``'s ControlNet keys) and the
+    control image (a PIL image). SD3's pipeline draws the image's VAE sample from torch's global generator: it is
+    seeded here with the run's seed, so a run is reproduced by its config (FLUX draws from the run's generator)."""
+    import torch
+
+    torch.manual_seed(generation.seed)
+    return dict(
+        control_image=control_image,
+        controlnet_conditioning_scale=generation.controlnet_conditioning_scale,
+        control_guidance_start=generation.control_guidance_start,
+        control_guidance_end=generation.control_guidance_end,
+    )

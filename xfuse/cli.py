@@ -200,6 +200,7 @@ def cmd_generate(args) -> int:
     from xfuse.build import (
         build_pipeline,
         check_lora_family,
+        control_call_kwargs,
         default_size,
         default_video_size,
         image_call_kwargs,
@@ -249,6 +250,10 @@ def cmd_generate(args) -> int:
         call = video_call_kwargs(**request, num_frames=num_frames, image=image)
     else:
         call = image_call_kwargs(**request)
+    if gen.controlnet is not None:  # every rank reads the control image (diffusers checks it on rank 0, which encodes)
+        from PIL import Image
+
+        call |= control_call_kwargs(gen, Image.open(gen.control_image).convert("RGB"))
     out = pipe(**call)
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()
@@ -284,6 +289,11 @@ def cmd_generate(args) -> int:
             print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
         if gen.lora:
             print("LoRA: " + ", ".join(f"{path} ({weight:g})" for path, weight in gen.lora.items()))
+        if gen.controlnet is not None:
+            print(
+                f"ControlNet: {gen.controlnet} on {gen.control_image} (scale {gen.controlnet_conditioning_scale:g}, "
+                f"steps {gen.control_guidance_start:g}-{gen.control_guidance_end:g} of the run)"
+            )
         if stats[0]["cache_steps"] is not None:
             cache = config.cache
             computed, skipped = stats[0]["cache_steps"]

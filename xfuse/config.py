@@ -431,7 +431,9 @@ class GenerationConfig(_Section):
     ``image``: image-to-video, the path of the clip's first frame (a family with an image-to-video pipeline on the same
     transformer: Wan 2.2 TI2V; ``xfuse.build.pipeline_class`` checks the model). ``lora``: ``xfuse generate``'s
     adapters and weights (``xfuse.build.check_lora_family`` checks the model; ``xfuse serve`` has its own,
-    ``serve.lora_adapters``, picked per request).
+    ``serve.lora_adapters``, picked per request). ``controlnet``: ``xfuse generate``'s ControlNet, a local diffusers
+    ControlNet folder (SD3 / SD3.5 and FLUX.1 models; ``xfuse.build`` checks the model), with ``control_image`` and
+    diffusers' ``controlnet_conditioning_scale``, ``control_guidance_start`` and ``control_guidance_end``.
     """
 
     prompt: str = "A cat sitting on a windowsill at sunset, watercolor"
@@ -450,6 +452,12 @@ class GenerationConfig(_Section):
     lora: Annotated[
         dict[NonEmptyStr, float], Allowed("a mapping of LoRA files or folders to their weights (numbers)")
     ] = dataclasses.field(default_factory=dict)
+    # xfuse generate: a ControlNet (a diffusers ControlNet folder) and its control image, as diffusers' arguments
+    controlnet: NonEmptyStr | None = None
+    control_image: NonEmptyStr | None = None
+    controlnet_conditioning_scale: Annotated[float, Field(ge=0.0)] = 1.0
+    control_guidance_start: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    control_guidance_end: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
 
     def __post_init__(self) -> None:
         for path in self.lora:
@@ -459,6 +467,32 @@ class GenerationConfig(_Section):
             raise ConfigError(
                 "generation.image",
                 f"must be an image file, the first frame of an image-to-video clip (not found: {self.image!r})",
+            )
+        self._check_controlnet()
+
+    def _check_controlnet(self) -> None:
+        if self.controlnet is not None and not os.path.isfile(os.path.join(self.controlnet, "config.json")):
+            raise ConfigError(
+                "generation.controlnet",
+                f"must be a local diffusers ControlNet folder, with config.json (not found in {self.controlnet!r})",
+            )
+        if self.control_image is not None and not os.path.isfile(self.control_image):
+            raise ConfigError("generation.control_image", f"must be an image file (not found: {self.control_image!r})")
+        if (self.controlnet is None) != (self.control_image is None):
+            given, missing = (
+                ("generation.controlnet", "generation.control_image")
+                if self.control_image is None
+                else ("generation.control_image", "generation.controlnet")
+            )
+            raise ConfigError(missing, f"is needed with {given} (a ControlNet runs on a control image)")
+        if self.controlnet is not None and self.image is not None:
+            raise ConfigError("generation.controlnet", "does not run with generation.image (image-to-video)")
+        # An empty window: the ControlNet would act in no step (diffusers' SD3 and FLUX pipelines run it at scale 0)
+        if self.control_guidance_start >= self.control_guidance_end:
+            raise ConfigError(
+                "generation.control_guidance_start",
+                f"must be below generation.control_guidance_end (got {self.control_guidance_start} >= "
+                f"{self.control_guidance_end})",
             )
 
 

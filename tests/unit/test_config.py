@@ -268,6 +268,10 @@ def test_xfuse_config_accepts_section_dicts():
 # Bad configs (table-driven). Each: (id, raw dict or overrides, expected key, fragments the message must contain)
 # ------------------------------------------------------------------------------------------------------------------
 
+# Files that exist: a picture, and a folder with a config.json (the config checks only that a ControlNet folder has one)
+IMAGE = str(REPO / "docs" / "shapes.png")
+CONFIG_FOLDER = str(REPO / "xfuse" / "assets" / "shapes" / "transformer")
+
 BAD_DICTS = [
     ("unknown_section", {"paralel": {}}, "paralel", ["unknown section", "'parallel'", "generation"]),
     ("flat_key_at_top", {"pipefusion_degree": 2}, "pipefusion_degree", ["parallel.pipefusion_degree"]),
@@ -371,6 +375,49 @@ BAD_DICTS = [
     ("image_missing", {"generation": {"image": "no/such.png"}}, "generation.image", ["not found: 'no/such.png'"]),
     ("image_empty", {"generation": {"image": ""}}, "generation.image", ["non-empty string or null", "(got '')"]),
     ("fps_null", {"generation": {"fps": None}}, "generation.fps", ["not null"]),
+    (
+        "controlnet_missing",
+        {"generation": {"controlnet": "no/such", "control_image": IMAGE}},
+        "generation.controlnet",
+        ["diffusers ControlNet folder", "'no/such'"],
+    ),
+    (
+        "control_image_missing",
+        {"generation": {"controlnet": CONFIG_FOLDER, "control_image": "no/such.png"}},
+        "generation.control_image",
+        ["not found: 'no/such.png'"],
+    ),
+    (
+        "controlnet_without_control_image",
+        {"generation": {"controlnet": CONFIG_FOLDER}},
+        "generation.control_image",
+        ["needed with generation.controlnet"],
+    ),
+    (
+        "control_image_without_controlnet",
+        {"generation": {"control_image": IMAGE}},
+        "generation.controlnet",
+        ["needed with generation.control_image"],
+    ),
+    (
+        "controlnet_with_image_to_video",
+        {"generation": {"controlnet": CONFIG_FOLDER, "control_image": IMAGE, "image": IMAGE}},
+        "generation.controlnet",
+        ["generation.image"],
+    ),
+    (
+        "control_window_empty",
+        {"generation": {"control_guidance_start": 0.5, "control_guidance_end": 0.5}},
+        "generation.control_guidance_start",
+        ["below generation.control_guidance_end", "0.5 >= 0.5"],
+    ),
+    (
+        "control_scale_negative",
+        {"generation": {"controlnet_conditioning_scale": -1}},
+        "generation.controlnet_conditioning_scale",
+        [">= 0.0", "(got -1.0)"],
+    ),
+    ("control_end_past_1", {"generation": {"control_guidance_end": 1.5}}, "generation.control_guidance_end", ["1.0"]),
     ("fps_float", {"generation": {"fps": 23.976}}, "generation.fps", ["integer", "(got 23.976)"]),
     ("serve_port_too_big", {"serve": {"port": 70000}}, "serve.port", ["from 0 to 65535", "(got 70000)"]),
     ("serve_host_empty", {"serve": {"host": ""}}, "serve.host", ["non-empty string"]),

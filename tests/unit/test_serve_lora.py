@@ -88,3 +88,17 @@ def test_bad_generation_lora_names_the_key(lora, says):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"generation": {"lora": lora}})
     assert e.value.key == "generation.lora" and says in str(e.value)
+
+
+def test_generate_only_keys_are_refused_by_serve_before_start():
+    """``generation.lora`` and ``generation.controlnet`` are ``xfuse generate``'s: serve refuses them naming the key
+    (a served request picks adapters by name and carries no control image)."""
+    from tests.support import REPO
+    from xfuse.serve.server import check_adapters
+
+    image, folder = str(REPO / "docs" / "shapes.png"), str(REPO / "xfuse" / "assets" / "shapes" / "transformer")
+    for generation, key in (({"lora": {".": 1.0}}, "generation.lora"),
+                            ({"controlnet": folder, "control_image": image}, "generation.controlnet")):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            check_adapters(config_from_dict({"model": "sd3-tiny", "generation": generation}))
+        assert e.value.key == key and "xfuse generate's" in str(e.value)

@@ -169,11 +169,12 @@ def model_is_preset(model: str) -> bool:
     return model in PRESET_MODELS
 
 
-def load_pipeline(model: str, torch_dtype=None, diffusers_pipeline: str | None = None):
+def load_pipeline(model: str, torch_dtype=None, diffusers_pipeline: str | None = None, components: dict | None = None):
     """The family's diffusers pipeline on CPU: built from a preset, or loaded from a local folder. As
     ``diffusers_pipeline`` where it is another of the family's pipelines on the same components (a preset as
     ``WanImageToVideoPipeline``: the preset's components and settings given to that class; diffusers' ``from_pipe``
-    would also cast every component to one dtype)."""
+    would also cast every component to one dtype). ``components``: more of that pipeline's components (a ControlNet
+    pipeline's ``controlnet``)."""
     import diffusers
 
     spec = _family(model)
@@ -183,14 +184,15 @@ def load_pipeline(model: str, torch_dtype=None, diffusers_pipeline: str | None =
 
         pipe = spec.build_preset_pipeline(model)  # built in float32
         pipe = pipe if torch_dtype in (None, torch.float32) else pipe.to(dtype=torch_dtype)
-        if type(pipe).__name__ == name:
+        if type(pipe).__name__ == name and not components:
             return pipe
         other = getattr(diffusers, name)
         accepted = inspect.signature(other.__init__).parameters
         given = {**dict(pipe.config), **pipe.components}  # settings (boundary_ratio, expand_timesteps), then modules
-        return other(**{key: value for key, value in given.items() if key in accepted})
+        return other(**{key: value for key, value in given.items() if key in accepted}, **(components or {}))
     return getattr(diffusers, name).from_pretrained(
         resolve_model(model),
         dtype=torch_dtype,
         local_files_only=True,  # torch_dtype= is deprecated there
+        **(components or {}),
     )

@@ -203,12 +203,18 @@ def refuse_video_model(config: XfuseConfig) -> None:
 def check_adapters(config: XfuseConfig) -> None:
     """``serve.lora_adapters`` refused by name on every rank before any port is bound or weights load: a family whose
     diffusers pipeline loads no LoRA, a name that is the model's own (its paths are checked with the config); and
-    ``generation.lora`` (``xfuse generate``'s: a server's adapters are picked per request)."""
+    ``generation.lora`` and ``generation.controlnet`` (``xfuse generate``'s: a server's adapters are picked per
+    request, and a request carries no control image)."""
     if config.generation.lora:
         raise ConfigError(
             "generation.lora",
             "is xfuse generate's; xfuse serve loads serve.lora_adapters at start-up and each request picks them by "
             "name (its lora field)",
+        )
+    if config.generation.controlnet is not None:
+        raise ConfigError(
+            "generation.controlnet",
+            "is xfuse generate's; xfuse serve takes no control image per request (use the ControlNet pipeline classes)",
         )
     adapters = config.serve.lora_adapters
     if not adapters:
