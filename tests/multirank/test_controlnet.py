@@ -215,17 +215,27 @@ def test_pipelined_with_controlnet_equals_the_oracle(request, files, preset, lay
 
 
 @pytest.mark.parametrize(
-    "parallel,cache,key",
+    "parallel,cache,dtype,error,says",
     [
-        ({"pipefusion_degree": 2, "ulysses_degree": 2}, None, "parallel.ulysses_degree"),
-        ({"pipefusion_degree": 4}, {"method": "first_block", "threshold": 0.1}, "cache.method"),
+        ({"pipefusion_degree": 2, "ulysses_degree": 2}, None, None, "ConfigError", "parallel.ulysses_degree"),
+        ({"pipefusion_degree": 4}, {"method": "first_block", "threshold": 0.1}, None, "ConfigError", "cache.method"),
+        (
+            {"pipefusion_degree": 4},
+            None,
+            torch.bfloat16,
+            "ValueError",
+            "controlnet is torch.float32 but the "
+            "transformer runs in torch.bfloat16: load the ControlNet with torch_dtype=torch.bfloat16",
+        ),
     ],
 )
 @pytest.mark.parametrize("preset", FAMILY)
-def test_layouts_a_controlnet_does_not_run_with_are_refused_alike(world4, files, preset, parallel, cache, key):
-    """Sequence parallelism and step caching with a ControlNet: the same ConfigError on every rank, naming the key."""
-    results = world4.run_ok(refused_controlnet_layout, *files[preset], parallel, cache)
-    assert len(set(results)) == 1 and results[0][0] == "ConfigError" and key in results[0][1], results
+def test_what_a_controlnet_does_not_run_with_is_refused_alike(world4, files, preset, parallel, cache, dtype, error,
+                                                              says):  # fmt: skip
+    """Sequence parallelism and step caching with a ControlNet, and a ControlNet in another dtype than the
+    transformer: the same error on every rank, naming the key (the dtypes)."""
+    results = world4.run_ok(refused_controlnet_layout, *files[preset], parallel, cache, dtype)
+    assert len(set(results)) == 1 and results[0][0] == error and says in results[0][1], results
 
 
 @pytest.mark.parametrize("preset", FAMILY)

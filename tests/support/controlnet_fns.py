@@ -105,10 +105,12 @@ def xfuse_control_steps(family, folder, controlnet_folder, parallel, call, heigh
                 blocks=[len(pipe.plan.blocks_of(r)) for r in range(pipe.plan.degree)])  # fmt: skip
 
 
-def refused_controlnet_layout(family, folder, controlnet_folder, parallel, cache=None):
-    """Rank function: build the ControlNet pipeline with ``parallel`` / ``cache``; its refusal (type, message)."""
+def refused_controlnet_layout(family, folder, controlnet_folder, parallel, cache=None, torch_dtype=None):
+    """Rank function: build the ControlNet pipeline with ``parallel`` / ``cache`` (the transformer in ``torch_dtype``,
+    the ControlNet as saved); its refusal (type, message)."""
     try:
-        xfuse_pipeline(family, folder, controlnet_folder, parallel=parallel, cache=cache, comm={"timeout_s": 60})
+        xfuse_pipeline(family, folder, controlnet_folder, parallel=parallel, cache=cache, comm={"timeout_s": 60},
+                       torch_dtype=torch_dtype)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - the test compares every rank's refusal
         return type(err).__name__, str(err)
     return "built", ""

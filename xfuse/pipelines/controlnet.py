@@ -54,6 +54,11 @@ class ShardedControlNetMixin:
     def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
         controlnet = getattr(pipeline, "controlnet", None)
         self.check_controlnet(controlnet)
+        if controlnet.dtype != dtype:  # its residuals join hidden states that keep the transformer's dtype
+            raise ValueError(
+                f"controlnet is {controlnet.dtype} but the transformer runs in {dtype}: load the ControlNet with "
+                f"torch_dtype={dtype}"
+            )
         config = context.config  # the same on every rank (init_parallel's handshake): refused before any message
         if config.parallel.sequence_degree > 1:
             key = "parallel.ulysses_degree" if config.parallel.ulysses_degree > 1 else "parallel.ring_degree"
