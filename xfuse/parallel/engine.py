@@ -219,8 +219,21 @@ class _Run:
                 request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
         control = request.control
-        if control is not None and control.begin_request is not None and self.pipe_rank == self.plan.embed_rank:
-            control.begin_request(grid)
+        # With a ControlNet, fixed for the request: the residuals each rank's blocks use (the order its ``control``
+        # message stacks them in), and for each of this rank's controlled blocks (block, residual, its index in that
+        # message, whether a later segment runs it: its residual then outlives the received buffer).
+        self.control_samples: dict[int, tuple[int, ...]] = {}
+        self.control_blocks: list[tuple[int, int, int, bool]] = []
+        if control is not None:
+            self.control_samples = {r: control.samples_of(self.plan.blocks_of(r)) for r in range(self.plan.degree)}
+            used = self.control_samples[self.pipe_rank]
+            first_blocks = self.plan.route[schedule.first_hop(self.pipe_rank)].blocks
+            for block in self.plan.blocks_of(self.pipe_rank):
+                if block in control.block_samples:
+                    sample = control.block_samples[block]
+                    self.control_blocks.append((block, sample, used.index(sample), block not in first_blocks))
+            if control.begin_request is not None and self.pipe_rank == self.plan.embed_rank:
+                control.begin_request(grid)
         self.cache = None
         if engine.cache is not None:
             first = first_pipelined_step(self.schedule.num_steps, self.schedule.warmup_steps, grid.num_patches)
@@ -256,15 +269,13 @@ class _Run:
         if m.kind == "cache":
             return (1,)  # the step's caching decision: 1 computed, 0 skipped
         batch = self.request.model_batch if m.part is None else self.part_size
-        if m.kind == "control":  # (residuals of the receiver's blocks, B_model or a part's rows, tokens, hidden)
-            assert self.request.control is not None
-            count = len(self.request.control.samples_of(self.plan.blocks_of(m.dst)))
-            held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])
-            return (count, batch, held.stop - held.start, self.stage.hidden_size)
         if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it (an SP rank: its chunk)
             return (batch, *self.stage.stream_shape(m.kind, self.request.stream_shapes[m.kind])[1:])
         held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])  # all, or an SP chunk
-        return (batch, held.stop - held.start, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
+        hidden = (batch, held.stop - held.start, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
+        if m.kind == "control":  # the receiver's residuals stacked: (residuals, B, tokens, hidden)
+            return (len(self.control_samples[m.dst]), *hidden)
+        return hidden
 
     # --- communication --------------------------------------------------------------------------------------
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
@@ -361,7 +372,7 @@ class _Run:
         for m, tensor in by_kind.get("skip", []):
             skips[m.block] = tensor
         for _, tensor in by_kind.get("control", []):  # this rank's residuals of the patch, in sample order
-            self._keep_controls(key, lambda i, stacked=tensor: stacked[i])
+            self._keep_controls(key, received=tensor)
         # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
         band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
@@ -397,7 +408,7 @@ class _Run:
                 if control is not None:
                     assert control.compute is not None, "the embedding rank runs the control model"
                     residuals = control.compute(step, model_input, band, part, keep_kv)
-                    self._keep_controls(key, residuals.__getitem__)
+                    self._keep_controls(key, residuals)
             assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
             if self.cache is None and control is not None:
                 kept = self.controls.get(key, {})
@@ -424,7 +435,7 @@ class _Run:
                 outgoing[m] = hidden.new_full((1,), 1.0 if computed else 0.0)
             elif m.kind == "control":  # (the receiver's residuals, B, tokens, hidden)
                 assert control is not None
-                outgoing[m] = torch.stack([residuals[i] for i in control.samples_of(plan.blocks_of(m.dst))])
+                outgoing[m] = torch.stack([residuals[i] for i in self.control_samples[m.dst]])
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
         if stepped is not None:
@@ -437,25 +448,19 @@ class _Run:
         if outgoing:
             self.outgoing[task] = outgoing
 
-    def _keep_controls(self, key: tuple, sample) -> None:
-        """Keep this rank's ControlNet residuals of a unit by block; ``sample(j)`` is the j-th of the residuals this
-        rank's blocks use (``ControlResiduals.samples_of``), or at hop 0 residual j itself. A received buffer is
-        reused after its task: residuals for a later segment are copied."""
-        control = self.request.control
-        assert control is not None
-        mine = self.plan.blocks_of(self.pipe_rank)
-        used = control.samples_of(mine)
-        embedding = self.pipe_rank == self.plan.embed_rank
-        first = self.plan.route[self.schedule.first_hop(self.pipe_rank)].blocks
+    def _keep_controls(self, key: tuple, residuals: list[torch.Tensor] | None = None, received=None) -> None:
+        """Keep this rank's ControlNet residuals of a unit by block: at hop 0 from the control model's ``residuals``
+        (indexed by residual), else from the ``received`` stack (indexed as ``control_samples``). A received buffer is
+        reused after its task: a residual a later segment adds is copied, once however many blocks share it."""
         kept: dict[int, torch.Tensor] = {}
-        copies: dict[int, torch.Tensor] = {}  # residual index -> its copy
-        for block in mine:
-            if block in control.block_samples:
-                j = control.block_samples[block]
-                residual = sample(j if embedding else used.index(j))
-                if not (embedding or block in first):  # one copy per residual, however many blocks share it
-                    residual = copies.setdefault(j, residual.clone())
-                kept[block] = residual
+        copies: dict[int, torch.Tensor] = {}  # residual -> its copy
+        for block, sample, index, later in self.control_blocks:
+            if residuals is not None:
+                kept[block] = residuals[sample]
+            elif later:
+                kept[block] = copies.setdefault(sample, received[index].clone())
+            else:
+                kept[block] = received[index]
         if kept:
             self.controls[key] = kept
 
