@@ -231,11 +231,7 @@ def video_call_kwargs(
 
 def control_call_kwargs(generation, control_image) -> dict[str, Any]:
     """A ControlNet pipeline call's own arguments for ``generation`` (``xfuse generate``'s ControlNet keys) and the
-    control image (a PIL image). SD3's pipeline draws the image's VAE sample from torch's global generator: it is
-    seeded here with the run's seed, so a run is reproduced by its config (FLUX draws from the run's generator)."""
-    import torch
-
-    torch.manual_seed(generation.seed)
+    control image (a PIL image)."""
     return dict(
         control_image=control_image,
         controlnet_conditioning_scale=generation.controlnet_conditioning_scale,

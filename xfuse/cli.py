@@ -251,9 +251,13 @@ def cmd_generate(args) -> int:
     else:
         call = image_call_kwargs(**request)
     if gen.controlnet is not None:  # every rank reads the control image (diffusers checks it on rank 0, which encodes)
+        import torch
         from PIL import Image
 
         call |= control_call_kwargs(gen, Image.open(gen.control_image).convert("RGB"))
+        # SD3's pipeline draws the control image's VAE sample from torch's global generator: seeded with the run's
+        # seed, so the config reproduces the run (FLUX draws from the run's generator)
+        torch.manual_seed(gen.seed)
     out = pipe(**call)
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()

@@ -106,3 +106,15 @@ def test_control_split_evens_the_ranks_counting_the_controlnet_on_rank_0(blocks,
     for first in range(1, blocks - degree + 2):  # no other first share (rest even) has a lighter busiest rank
         rest = blocks - first
         assert max(loads) <= max(first + control, -(-rest // (degree - 1)))
+
+
+def test_a_call_without_control_image_is_refused_and_scales_follow_diffusers_keep():
+    """``control_image`` is required (before any rank communicates); each step's scale is diffusers'
+    ``controlnet_conditioning_scale * controlnet_keep[i]``: 0 where ``i / steps < start`` or ``(i + 1) / steps > end``,
+    a list's first entry."""
+    from xfuse.families.common.control import ControlCall
+
+    with pytest.raises(ValueError, match="control_image is required"):
+        ControlCall(None, 1.0, 0.0, 1.0)
+    assert ControlCall("image", 0.5, 0.25, 0.75).scales(4) == [0.0, 0.5, 0.5, 0.0]
+    assert ControlCall("image", [2.0], [0.0], [0.5]).scales(4) == [2.0, 2.0, 0.0, 0.0]

@@ -94,6 +94,10 @@ class ControlCall:
     guidance_start: float | list[float]
     guidance_end: float | list[float]
 
+    def __post_init__(self) -> None:
+        if self.control_image is None:
+            raise ValueError("control_image is required")
+
     def scales(self, num_steps: int) -> list[float]:
         """Each step's conditioning scale: mirrors the ``controlnet_keep`` and ``cond_scale`` lines of
         ``diffusers.StableDiffusion3ControlNetPipeline.__call__`` (one ControlNet: a list's first scale, start and

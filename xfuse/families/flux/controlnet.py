@@ -151,8 +151,6 @@ class PipeFusionFluxControlNetPipeline(ShardedControlNetMixin, PipeFusionFluxPip
         max_sequence_length: int = 512,
     ):
         self._refuse(control_mode=(control_mode, None, "union ControlNets are not supported"))
-        if control_image is None:
-            raise ValueError("control_image is required")
         control = FluxControlCall(control_image, controlnet_conditioning_scale, control_guidance_start,
                                   control_guidance_end)  # fmt: skip
         return self._flux_call(

@@ -155,8 +155,6 @@ class PipeFusionStableDiffusion3ControlNetPipeline(ShardedControlNetMixin, PipeF
                 "tensor of more than one element cannot be",
             ),
         )
-        if control_image is None:
-            raise ValueError("control_image is required")
         control = SD3ControlCall(control_image, controlnet_conditioning_scale, control_guidance_start,
                                  control_guidance_end)  # fmt: skip
         return self._sd3_call(
