@@ -316,9 +316,14 @@ class _Run:
     # --- the loop -------------------------------------------------------------------------------------------
     def execute(self, program) -> torch.Tensor | None:
         last_of_step = {t.step: t for t in self.schedule.orders[self.pipe_rank] if t.hop != COLLECT}
+        prepare: int | None = None  # the pipelined step whose per-step work is due once the sends are posted
         i = 0
         while i < len(program):
             action, task = program[i]
+            if prepare is not None and action not in (Action.SEND, Action.POST):
+                with self.span(f"s{prepare} prepare", COMPUTE, step=prepare):
+                    self.stage.prepare_step(self._cond(prepare))
+                prepare = None
             if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call
                 send_tasks: list[Task] = []
                 post_tasks: list[Task] = []
@@ -334,8 +339,13 @@ class _Run:
             elif action == Action.COMPUTE:
                 self._compute(task, self._received(task))
                 self._release(task)
-                if self.request.on_progress is not None and last_of_step.get(task.step) == task:
-                    self.request.on_progress(task.step)
+                if last_of_step.get(task.step) == task:
+                    if self.request.on_progress is not None:
+                        self.request.on_progress(task.step)
+                    # the next step's first patch need not carry its per-step work: done here, after this task's
+                    # sends, while the other ranks compute (pipelined steps: patch passes on the whole batch)
+                    if self.cache is None and self.schedule.warmup_steps <= task.step + 1 < self.schedule.num_steps:
+                        prepare = task.step + 1
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
         if self.patch_schedulers is not None:  # the request's scheduler ends where serial diffusers' does

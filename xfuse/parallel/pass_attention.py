@@ -83,12 +83,27 @@ class PassAttention:
         query, key, value = image
         if self.sequence is None:
             key, value = self.cache.update(layer, key, value)
-            text_qkv = None if text is None else (text.query, *text.record(text.key, text.value))
-            image_out, text_out = joint_sdpa(query, key, value, text_qkv, text is not None and text.text_first)
+            if text is None:
+                image_out, text_out = F.scaled_dot_product_attention(query, key, value), None
+            else:
+                image_out, text_out = self._joint_attention(layer, query, key, value, text)
         else:
             image_out, text_out = self.sequence.attend(self.cache, layer, image, text)
         dtype = query.dtype
         return merge_heads(image_out, dtype), None if text_out is None else merge_heads(text_out, dtype)
+
+    def _joint_attention(self, layer, query, key, value, text: TextAttention):
+        """This rank's whole joint attention (no sequence parallelism): over the cache's joint buffers where they
+        hold the text K/V beside the image's (a patch pass; ``StaleKVCache.joint``), else over the image K/V and
+        the text's joined here."""
+        text_kv = text.record(text.key, text.value)
+        joint = self.cache.joint(layer, *text_kv, text.fresh)
+        if joint is None:
+            return joint_sdpa(query, key, value, (text.query, *text_kv), text.text_first)
+        text_len = text.query.shape[2]  # zero for a patch that reuses its step's text K/V
+        joint_query = join_text(query, text.query, text.text_first) if text_len else query
+        out = F.scaled_dot_product_attention(joint_query, *joint)  # (B, heads, image + text queries, head_dim)
+        return split_text(out, text_len, text.text_first)
 
     # --- where this rank's tokens sit ------------------------------------------------------------------------
     def hidden_tokens(self, tokens: slice) -> slice:

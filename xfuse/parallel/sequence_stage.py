@@ -44,6 +44,9 @@ class SequenceParallelStage:
         self.sequence.begin_task(step, patch)
         self.inner.begin_task(step, patch)
 
+    def prepare_step(self, cond: Any) -> None:
+        self.inner.prepare_step(cond)
+
     def hidden_tokens(self, band: PatchBand | None) -> slice:
         return self.inner.hidden_tokens(band)
 

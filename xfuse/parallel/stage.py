@@ -49,6 +49,10 @@ class Stage(Protocol):
     def begin_task(self, step: int, patch: int | None) -> None:
         """The engine is about to compute a task of (step, patch) (``None``: a whole-image step)."""
 
+    def prepare_step(self, cond: Any) -> None:
+        """Per-step model work done ahead: called with a pipelined step's conditioning once this rank's last task of
+        the step before has sent its messages, so that the step's first patch does not carry it."""
+
     def hidden_tokens(self, band: PatchBand | None) -> slice:
         """Positions in the image of the hidden states this rank holds for ``band`` (``None``: the whole image):
         the band's tokens, or under sequence parallelism this rank's chunk of them."""

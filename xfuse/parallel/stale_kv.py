@@ -7,6 +7,11 @@ hold the previous diffusion step's K/V. Model-agnostic: tensors are (batch, head
 What a patch sees before the buffer was ever filled in this request (``warmup_steps == 0``): only the tokens
 written so far in this request — patch p of the first step attends to patches 0 … p of that step. Never K/V of an
 earlier request: ``reset()`` runs at the start of every request and marks every buffer empty.
+
+Text slots (the joint-attention families, SD3 and FLUX, whose text shares the image's softmax): with ``text_slots``
+set, each layer's buffer also holds that many text tokens beside the image's, in the family's order (FLUX [text,
+image], SD3 [image, text]). The step's first patch writes its text K/V there and every patch of the step attends to
+the one buffer, which then *is* the joint K/V: no per-pass concatenation of the whole image's K/V with the text's.
 """
 
 from __future__ import annotations
@@ -27,24 +32,60 @@ class StaleKVCache:
         self.store_whole = True  # whether a whole-image pass stores its K/V (only the last warm-up step must)
         self.part: BatchPart | None = None  # batch rows of the whole-image pass being computed; None = all
         self.num_tokens = 0  # tokens of the whole image in the current request
+        self.text_slots = 0  # text tokens each buffer keeps beside the image's (0: none)
+        self.text_first = False  # where the text slots are: before the image tokens (FLUX) or after them (SD3)
+        self._joint_k: dict[int, torch.Tensor] = {}  # layer -> (B, heads, text_slots + tokens, head_dim)
+        self._joint_v: dict[int, torch.Tensor] = {}
+        self._text_written: dict[int, bool] = {}  # the text slots hold this request's text K/V
 
     def reset(self, num_tokens: int) -> None:
         """Start a request of ``num_tokens`` image tokens: forget every K/V (buffers are reused if shapes match)."""
         self._valid = dict.fromkeys(self._valid, 0)
+        self._text_written = dict.fromkeys(self._text_written, False)
         self.tokens, self.num_tokens = None, num_tokens
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+        return sum(t.numel() * t.element_size() for t in (*self._joint_k.values(), *self._joint_v.values()))
+
+    def _text_range(self) -> slice:
+        return slice(0, self.text_slots) if self.text_first else slice(self.num_tokens, None)
 
     def _buffers(self, layer: int, like: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (batch, like.shape[1], self.num_tokens, like.shape[3])  # (B, heads, tokens, head_dim)
-        k = self._k.get(layer)
+        """Layer ``layer``'s image K/V buffers, (B, heads, tokens, head_dim) each: views of its joint buffers
+        (B, heads, text_slots + tokens, head_dim), which are the image buffers themselves without text slots."""
+        shape = (batch, like.shape[1], self.text_slots + self.num_tokens, like.shape[3])
+        k = self._joint_k.get(layer)
         if k is None or k.shape != shape or k.dtype != like.dtype or k.device != like.device:
             # Allocated once per (request shape, dtype): the hot path only copies into it.
-            self._k[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self._v[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self._valid[layer] = 0
+            self._joint_k[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._joint_v[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            image = slice(self.text_slots, None) if self.text_first else slice(0, self.num_tokens)
+            self._k[layer], self._v[layer] = self._joint_k[layer][:, :, image], self._joint_v[layer][:, :, image]
+            self._valid[layer], self._text_written[layer] = 0, False
         return self._k[layer], self._v[layer]
+
+    def joint(
+        self, layer: int, text_key: torch.Tensor, text_value: torch.Tensor, fresh: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The joint K/V of a patch pass, each (B, heads, text_slots + tokens, head_dim) in the family's order, after
+        ``update`` stored the pass's image K/V: with ``fresh`` (the step's first patch) ``text_key``/``text_value``
+        (B, heads, text_slots, head_dim) are written into the text slots first; a later patch attends to what its
+        step's first patch wrote. ``None`` where the buffers cannot serve (no text slots, a whole-image pass, image
+        tokens not yet written in this request): the caller joins the text itself."""
+        if not self.text_slots or self.tokens is None or self._valid.get(layer, 0) < self.num_tokens:
+            return None
+        text = self._text_range()
+        if fresh:
+            if text_key.shape[2] != self.text_slots:
+                raise RuntimeError(
+                    f"stale K/V of layer {layer}: {text_key.shape[2]} text tokens for {self.text_slots} text slots"
+                )
+            self._joint_k[layer][:, :, text].copy_(text_key)
+            self._joint_v[layer][:, :, text].copy_(text_value)
+            self._text_written[layer] = True
+        elif not self._text_written[layer]:
+            return None
+        return self._joint_k[layer], self._joint_v[layer]
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, tokens: slice) -> None:
         """Write ``key``/``value`` (B, heads, S, D) into ``tokens`` of the buffers without attending (a whole-image

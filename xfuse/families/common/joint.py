@@ -85,6 +85,8 @@ class StaleJointAttnProcessor:
     optional per-head RMSNorm, ``context_pre_only`` last block, and SD3.5's image-only ``attn2``) with PipeFusion's
     K/V."""
 
+    text_first = False  # the joint sequence is [image, text]
+
     def __init__(self, state: JointKV, key):
         self.state, self.key = state, key
 
@@ -99,7 +101,7 @@ class StaleJointAttnProcessor:
             text_q = _norm(attn.norm_added_q, project_heads(attn, encoder_hidden_states, attn.add_q_proj))
             text_k = _norm(attn.norm_added_k, project_heads(attn, encoder_hidden_states, attn.add_k_proj))
             text_v = project_heads(attn, encoder_hidden_states, attn.add_v_proj)
-            text = self.state.text_attention(self.key, text_q, text_k, text_v, text_first=False)
+            text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first)
         # the band's K/V fresh, the rest stale; [image, text] order; (B, S, D) each
         image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
         image = attn.to_out[1](attn.to_out[0](image))
@@ -112,6 +114,8 @@ class StaleFluxAttnProcessor:
     """Mirrors ``diffusers.models.transformers.transformer_flux.FluxAttnProcessor.__call__`` (FLUX: [text, image] order,
     per-head RMSNorm, RoPE on every token) with PipeFusion's K/V. In a single-stream block the sequence is [text, image]
     already concatenated; the stage says how many text tokens lead it (``JointKV.text_tokens``)."""
+
+    text_first = True  # the joint sequence is [text, image]
 
     def __init__(self, state: JointKV, key):
         self.state, self.key = state, key
@@ -147,7 +151,7 @@ class StaleFluxAttnProcessor:
         # (B, S, heads, d) -> (B, heads, S, d)
         query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
                                                                                  text_v))  # fmt: skip
-        text = self.state.text_attention(self.key, text_q, text_k, text_v, text_first=True)
+        text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first)
         image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
         if encoder_hidden_states is None:
             return torch.cat((text_out, image), dim=1)  # (B, text_len + band, D): the block's MLP branch follows

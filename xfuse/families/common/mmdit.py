@@ -36,6 +36,7 @@ class JointConditioning:
 
     STEP_FIELDS: ClassVar = ("temb",)  # batch-indexed tensors (see batch_part)
     REQUEST_FIELDS: ClassVar = ("text",)
+    MODULATION: ClassVar = "temb"  # what every block's adaptive norms take (ShardedStage.prepare_step)
 
 
 class JointStage(ShardedStage):
@@ -49,6 +50,7 @@ class JointStage(ShardedStage):
         self.joint = JointKV()
         super().__init__(transformer, plan, rank)
         self.kv_cache, self.attention = self.joint.image, self.joint.attention
+        self.kv_cache.text_first = self.processor_class.text_first  # where the buffers' text slots go
 
     def install_processors(self, block: nn.Module, index: int) -> None:
         for name in ("attn", "attn2"):  # attn2: SD3.5's image-only self-attention in its dual-attention blocks
@@ -96,6 +98,9 @@ class JointStage(ShardedStage):
         owner = band is None or band.index == 0
         self.begin_pass(cond, band, keep_kv)  # self.kv_cache is self.joint.image
         self.joint.reuse_text, self.joint.text_total = not owner, cond.text.shape[1]
+        # the K/V buffers keep the text's beside the image's (StaleKVCache.joint); under sequence parallelism the
+        # group's attention joins its text chunks itself
+        self.kv_cache.text_slots = cond.text.shape[1] if self.attention.sequence is None else 0
         if not owner:
             text = cond.text[:, :0]  # (B, 0, hidden): the block's text path costs nothing
         elif segment.blocks[0] == 0:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from xfuse.families.common.attention import CachedCrossAttnProcessor, StaleKVSelfAttnProcessor, check_attention
+from xfuse.families.common.modulation import memoize_modulation, prefetch_modulation
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.pass_attention import PassAttention
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
@@ -65,6 +66,7 @@ class ShardedStage(nn.Module):
         self._cross = []
         for index in self.block_ids:
             self.install_processors(self.blocks[index], index)
+        memoize_modulation(transformer)  # the kept blocks' and output layer's: once per step, not per patch
 
     def install_processors(self, block: nn.Module, index: int) -> None:
         """PipeFusion's processors for block ``index``: stale-K/V self-attention, cross-attention to static text."""
@@ -121,6 +123,13 @@ class ShardedStage(nn.Module):
     def begin_task(self, step: int, patch: int | None) -> None:
         """The engine is about to compute a task of (step, patch): only sequence parallelism labels its messages
         with it (``xfuse.parallel.sequence_stage``)."""
+
+    def prepare_step(self, cond: Any) -> None:
+        """The step's adaptive-norm products (``xfuse.families.common.modulation``) of the tensor the family's
+        conditioning names as its blocks' modulation input (``MODULATION``; none: nothing to prepare)."""
+        name = getattr(cond, "MODULATION", None)
+        if name is not None and cond.part is None:
+            prefetch_modulation(self.transformer, getattr(cond, name))
 
     @property
     def config(self):

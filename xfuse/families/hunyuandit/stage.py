@@ -35,6 +35,7 @@ class Conditioning:
 
     STEP_FIELDS: ClassVar = ("temb",)  # batch-indexed tensors (see batch_part)
     REQUEST_FIELDS: ClassVar = ("text",)
+    MODULATION: ClassVar = "temb"  # what every block's adaptive norms take (ShardedStage.prepare_step)
 
 
 def text_states(
