@@ -163,3 +163,29 @@ def test_text_slots_serve_every_patch_pass_of_a_joint_family(monkeypatch):
     # every attention layer of every pipelined pass (2 patches, STEPS - 1 steps) attends to its joint buffers, and
     # the warm-up step's whole-image pass joins its text itself
     assert served == [False] * layers + [True] * (layers * 2 * (STEPS - 1))
+
+
+def test_a_lora_on_a_memoised_linear_adds_its_own_path_every_call(monkeypatch):
+    """PEFT wraps the memoised linear as any ``nn.Linear``: the base product is memoised, the adapter's path is
+    not, and the result equals the same adapter on an unmemoised norm; set to another scale, the next call shows it."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    plain = AdaLayerNormZero(8)
+    torch.manual_seed(0)
+    plain.load_state_dict(_norm().state_dict())
+    memoised = copy.deepcopy(plain)
+    memoize_modulation(memoised)
+    config = LoraConfig(r=2, target_modules=["linear"], init_lora_weights=False)
+    for norm in (plain, memoised):
+        torch.manual_seed(1)
+        inject_adapter_in_model(config, norm)
+    base = memoised.linear.base_layer
+    assert type(base) is MemoLinear
+    count = _Count(monkeypatch, [base])
+    emb = torch.randn(1, 8)
+    with torch.no_grad():
+        for scale in (1.0, 1.0, 0.5):
+            for norm in (plain, memoised):
+                norm.linear.scaling["default"] = scale
+            torch.testing.assert_close(_modulation(memoised, emb), _modulation(plain, emb), rtol=0, atol=0)
+    assert count.calls == 1  # the base product once; the adapter's path on every call
