@@ -1,7 +1,7 @@
 """Degree-2 PipeFusion against degree 1 for every family: the whole pipeline call to latents, with each rank's split.
 
     python benchmarks/bench_families.py [--steps 20] [--size 512] [--repeats 3] [--families small sd3-small]
-                                        [--json out.json]
+                                        [--json out.json] [--distance | --per-pass-ablation]
 
 One preset per family, each 16 blocks of width 256 (FLUX: 4 double + 8 single blocks): HunyuanDiT ``small`` and
 PixArt-Σ ``pixart-small`` with classifier-free guidance (transformer batch 2), SD3 ``sd3-small`` with CFG, FLUX
@@ -41,9 +41,12 @@ CALLS: dict[str, tuple[dict, int]] = {
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
 
 
-def setup_rank(preset: str, degree: int, parallel: dict) -> None:
+def setup_rank(preset: str, degree: int, parallel: dict, per_pass_as_before: bool = False) -> None:
     """On every rank: build the preset (deterministic weights) and wrap it in the family's xfuse pipeline; pin the
-    rank to its own core (as a GPU per rank); freeze the start-up heap and keep freed memory as the CLI does."""
+    rank to its own core (as a GPU per rank); freeze the start-up heap and keep freed memory as the CLI does.
+    ``per_pass_as_before`` (the ablation): every pass computes its adaptive-norm products and joins the text's K/V to
+    the image's itself, as before 2026-11-26 (the memo's modules set back to ``nn.Linear`` / ``nn.SiLU``, no
+    ``prepare_step``, no text slots)."""
     import torch
     import torch.distributed as dist
 
@@ -54,6 +57,15 @@ def setup_rank(preset: str, degree: int, parallel: dict) -> None:
     pin_to_core(dist.get_rank(), degree)
     pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
     pipe.set_progress_bar_config(disable=True)
+    if per_pass_as_before:
+        from xfuse.families.common.modulation import MemoLinear, MemoSiLU
+        from xfuse.parallel.stale_kv import StaleKVCache
+
+        for module in pipe.stage.modules():
+            if isinstance(module, (MemoLinear, MemoSiLU)):
+                module.__class__ = torch.nn.Linear if isinstance(module, MemoLinear) else torch.nn.SiLU
+        type(pipe.stage).prepare_step = lambda self, cond: None  # (a process of its own: nothing else sees it)
+        StaleKVCache.joint = lambda self, *args: None  # type: ignore[method-assign]
     _PIPE.update(pipe=pipe, preset=preset)
     freeze_startup_heap()
     keep_freed_heap()
@@ -184,6 +196,35 @@ def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
     )
 
 
+def per_pass_ablation(presets, steps: int, size: int, repeats: int) -> dict:
+    """Degree 1, degree 2 with the per-pass work as before 2026-11-26 (``setup_rank``'s ``per_pass_as_before``) and
+    degree 2 as shipped, in turns (a round runs the three): what once-a-step modulation, its prefetch and the text
+    slots gain, measured in one session."""
+    import contextlib
+
+    from tests.support.world import World
+
+    configs = {"degree 1": (1, False), "degree 2, per pass as before": (2, True), "degree 2": (2, False)}
+    report: dict = dict(steps=steps, size=size, repeats=repeats, presets={})
+    for preset in presets:
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        with contextlib.ExitStack() as stack:
+            worlds = {}
+            for name, (degree, before) in configs.items():
+                worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
+                worlds[name].run_ok(setup_rank, preset, degree, parallel_config(degree), before, timeout=600)
+            for _ in range(repeats):
+                for name, world in worlds.items():
+                    times[name].append(world.run_ok(call_rank, steps, size, timeout=3600)[0]["seconds"])
+        rows = speedups({name: {"times": runs} for name, runs in times.items()}, "degree 1")
+        report["presets"][preset] = rows
+        for name in list(configs)[1:]:
+            row = rows[name]
+            print(f"{preset}, {name}: {row['median']:.2f} s, {row['speedup']:.2f}x (rounds "
+                  f"{min(row['round_speedups']):.2f}–{max(row['round_speedups']):.2f})", flush=True)  # fmt: skip
+    return report
+
+
 def measure_all(presets, steps: int, size: int, repeats: int, json_path: str | None = None) -> dict:
     """``measure`` for each preset in turn; with ``json_path``, the report so far is written after each."""
     import torch
@@ -253,10 +294,18 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", choices=list(CALLS), default=list(CALLS))
     parser.add_argument("--distance", action="store_true", help="instead: sd3-small's pipelined latents (M = 2, "
                         "warm-up 1) cut by rows and by cost, each against serial")  # fmt: skip
+    ablation = "instead: degree 2 with the per-pass work as before 2026-11-26 and as shipped, against degree 1"
+    parser.add_argument("--per-pass-ablation", action="store_true", help=ablation)
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.per_pass_ablation:
+        report = per_pass_ablation(args.families, args.steps, args.size, args.repeats)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=2)
+        return
     if args.distance:
         from tests.support.world import World
 

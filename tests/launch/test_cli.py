@@ -195,9 +195,14 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     for rank in (0, 1):
         compute = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans if e["pid"] == rank and e["tid"] == 0)
         # configs/tiny/pp2.yaml has 8 steps: 1 whole-image warm-up step in its two CFG batch parts, then 7 steps x 3
-        # patches per rank (rank 0's collect tasks, which only receive the final latents, are waits, not compute)
-        assert len(compute) == 2 + 7 * 3
-        assert [name.split(" blocks")[0] for *_, name in compute[:3]] == ["s0 whole b0", "s0 whole b1", "s1 p0"]
+        # patches per rank (rank 0's collect tasks, which only receive the final latents, are waits, not compute),
+        # each pipelined step's per-step work prepared after the rank's last task of the step before
+        names = [name.split(" blocks")[0] for *_, name in compute]
+        assert len(compute) == 2 + 7 * 4
+        assert names[:4] == ["s0 whole b0", "s0 whole b1", "s1 prepare", "s1 p0"]
+        for step in range(1, 8):
+            assert names.count(f"s{step} prepare") == 1 and names.index(f"s{step} prepare") < names.index(f"s{step} p0")
+            assert step == 1 or names.index(f"s{step - 1} p2") < names.index(f"s{step} prepare")
         assert all(a[1] <= b[0] + 1 for a, b in pairwise(compute))
         waits = [e["name"] for e in spans if e["tid"] == 1 and e["pid"] == rank]  # the communication track
         assert waits and (rank == 1 or sum(name == "recv latent from r1" for name in waits) >= 3)

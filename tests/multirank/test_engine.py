@@ -304,12 +304,13 @@ def test_one_patch_pipelined_ddpm_equals_serial(world, placement):
 def test_engine_time_splits_a_loop_into_compute_waits_per_step_and_engine():
     from xfuse.parallel.trace import COMM, COMPUTE, LOOP, engine_time
 
-    def span(tid, dur_s, step=None):
-        return {"ph": "X", "ts": 0.0, "dur": dur_s * 1e6, "pid": 0, "tid": tid, "args": {"step": step}}
+    def span(tid, dur_s, step=None, **args):
+        return {"ph": "X", "ts": 0.0, "dur": dur_s * 1e6, "pid": 0, "tid": tid, "args": {"step": step, **args}}
 
     events = [
         span(LOOP, 10.0),
-        *(span(COMPUTE, 1.6, step) for step in (0, 1, 1, 2, 3)),  # 5 tasks, 8 s of model work
+        *(span(COMPUTE, 1.5, step) for step in (0, 1, 1, 2, 3)),  # 5 tasks, 7.5 s of model work
+        span(COMPUTE, 0.5, 2, prepare=True),  # step 2's per-step work, done ahead: compute, not a task
         span(COMM, 0.75, 0),  # warm-up: the peer's whole-image segment
         span(COMM, 0.5, 2),
         span(COMM, 0.25, 2),

@@ -321,7 +321,7 @@ class _Run:
         while i < len(program):
             action, task = program[i]
             if prepare is not None and action not in (Action.SEND, Action.POST):
-                with self.span(f"s{prepare} prepare", COMPUTE, step=prepare):
+                with self.span(f"s{prepare} prepare", COMPUTE, step=prepare, prepare=True):
                     self.stage.prepare_step(self._cond(prepare))
                 prepare = None
             if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call

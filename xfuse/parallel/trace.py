@@ -59,13 +59,15 @@ def engine_time(events: list[dict]) -> dict:
     the pipeline's fill and drain from stalls in between) and ``engine`` (everything else inside the loop:
     scheduling, message building, posting, bookkeeping; the tracer's own cost included).
 
-    Returns seconds summed over the traced loops, the number of tasks (compute spans), and the engine's time per
-    task in microseconds and as a fraction of the mean task's compute time.
+    Returns seconds summed over the traced loops, the number of tasks (compute spans, less the per-step work a rank
+    prepares ahead: ``Stage.prepare_step``), and the engine's time per task in microseconds and as a fraction of the
+    mean task's compute time.
     """
     loop = sum(e["dur"] for e in events if e.get("tid") == LOOP) / 1e6
-    compute_spans = [e["dur"] for e in events if e.get("tid") == COMPUTE]
-    compute, wait = sum(compute_spans) / 1e6, sum(e["dur"] for e in events if e.get("tid") == COMM) / 1e6
-    tasks = len(compute_spans)
+    compute_spans = [e for e in events if e.get("tid") == COMPUTE]
+    compute = sum(e["dur"] for e in compute_spans) / 1e6
+    wait = sum(e["dur"] for e in events if e.get("tid") == COMM) / 1e6
+    tasks = sum(1 for e in compute_spans if not e.get("args", {}).get("prepare"))
     engine = loop - compute - wait
     steps = [e["args"]["step"] for e in events if e.get("args", {}).get("step") is not None]
     wait_by_step = [0.0] * (max(steps, default=-1) + 1)  # every step the loop ran, also those without a wait
