@@ -99,7 +99,7 @@ def test_memo_keeps_module_types_and_state_dict_names():
 
 def _engine_run(preset, *, prefetch=True, memo=True, slots=True):
     """The engine on one rank (the whole model, M = 2 patches, warm-up 1): its latents, the products computed in
-    all, those computed inside the passes (not in ``prepare_step``), and the number of memoised norms."""
+    all, those computed inside the passes (not in ``prepare_step``), the number of memoised norms, and the stage."""
     pipe, spec = tiny(preset), model_spec(preset)
     plan = spec.plan(spec.num_blocks(pipe.transformer.config), ParallelConfig(pipefusion_degree=1))
     stage = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, 0)
@@ -125,24 +125,24 @@ def _engine_run(preset, *, prefetch=True, memo=True, slots=True):
         if not slots:
             patch.setattr(StaleKVCache, "joint", lambda self, *args: None)
         latents = engine_latents(stage, plan, inputs, copy.deepcopy(pipe.scheduler), grid, 1)
-    return latents, count.calls, count.calls - sum(prepared), norms
+    return latents, count.calls, count.calls - sum(prepared), norms, stage
 
 
 @pytest.mark.parametrize("preset", ["flux-tiny", "sd3-tiny"])
 def test_every_adaptive_norm_computes_once_per_step_and_the_latents_do_not_change(preset):
-    latents, calls, in_passes, norms = _engine_run(preset)
+    latents, calls, in_passes, norms, _ = _engine_run(preset)
     assert norms > 0
     assert calls == norms * STEPS  # the warm-up step's whole-image pass, then one product per norm and step
     # every pipelined step's products were prepared after the step before: none is left to its first patch
     assert in_passes == norms
-    reference, reference_calls, _, _ = _engine_run(preset, memo=False, slots=False)
+    reference, reference_calls, *_ = _engine_run(preset, memo=False, slots=False)
     assert reference_calls == norms * (1 + 2 * (STEPS - 1))  # per pass: two patches a pipelined step
     torch.testing.assert_close(latents, reference, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("preset", ["flux-tiny", "sd3-tiny"])
 def test_without_the_prefetch_the_first_patch_computes_the_products(preset):
-    latents, calls, in_passes, norms = _engine_run(preset, prefetch=False)
+    latents, calls, in_passes, norms, _ = _engine_run(preset, prefetch=False)
     assert calls == in_passes == norms * STEPS
     torch.testing.assert_close(latents, _engine_run(preset)[0], rtol=0, atol=0)
 
@@ -159,10 +159,18 @@ def test_text_slots_serve_every_patch_pass_of_a_joint_family(monkeypatch):
     monkeypatch.setattr(StaleKVCache, "joint", counted)
     pipe = tiny("flux-tiny")
     layers = model_spec("flux-tiny").num_blocks(pipe.transformer.config)
-    _engine_run("flux-tiny")
+    stage = _engine_run("flux-tiny")[-1]
     # every attention layer of every pipelined pass (2 patches, STEPS - 1 steps) attends to its joint buffers, and
     # the warm-up step's whole-image pass joins its text itself
     assert served == [False] * layers + [True] * (layers * 2 * (STEPS - 1))
+    # the step's recorded text K/V are the slots themselves: held once, not beside a copy
+    joint = stage.joint
+    assert len(joint.text) == layers
+    for key, value in joint.text.values():
+        assert key.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+        assert any(
+            key.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() for k in joint.image._joint_k.values()
+        )
 
 
 def test_a_lora_on_a_memoised_linear_adds_its_own_path_every_call(monkeypatch):

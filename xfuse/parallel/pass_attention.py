@@ -100,6 +100,8 @@ class PassAttention:
         joint = self.cache.joint(layer, *text_kv, text.fresh)
         if joint is None:
             return joint_sdpa(query, key, value, (text.query, *text_kv), text.text_first)
+        if text.fresh:  # the step's record is the slots themselves: the text K/V are held once
+            text.record(*self.cache.text_kv(layer))
         text_len = text.query.shape[2]  # zero for a patch that reuses its step's text K/V
         joint_query = join_text(query, text.query, text.text_first) if text_len else query
         out = F.scaled_dot_product_attention(joint_query, *joint)  # (B, heads, image + text queries, head_dim)

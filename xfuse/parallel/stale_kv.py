@@ -87,6 +87,11 @@ class StaleKVCache:
             return None
         return self._joint_k[layer], self._joint_v[layer]
 
+    def text_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of layer ``layer``'s text slots, each (B, heads, text_slots, head_dim): what ``joint`` last wrote."""
+        text = self._text_range()
+        return self._joint_k[layer][:, :, text], self._joint_v[layer][:, :, text]
+
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, tokens: slice) -> None:
         """Write ``key``/``value`` (B, heads, S, D) into ``tokens`` of the buffers without attending (a whole-image
         pass whose K/V are kept in another layout: sequence parallelism's Ring); a batch part into its rows. Every

@@ -74,8 +74,14 @@ class MemoLinear(_IdentityMemo, nn.Linear):
 
 
 def _modulated(root: nn.Module):
+    """The memoised norms that take the conditioning as given (not those embedding a timestep themselves first,
+    ``norm.emb``: their ``silu`` sees a new tensor every call)."""
     for norm in root.modules():
-        if isinstance(norm, ADAPTIVE_NORMS) and isinstance(getattr(norm, "linear", None), MemoLinear):
+        if (
+            isinstance(norm, ADAPTIVE_NORMS)
+            and isinstance(getattr(norm, "linear", None), MemoLinear)
+            and getattr(norm, "emb", None) is None
+        ):
             yield norm
 
 
