@@ -24,6 +24,8 @@ rank's last task of a step has sent its messages, and the next step's passes all
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from diffusers.models.normalization import (
     AdaLayerNorm,
@@ -73,37 +75,39 @@ class MemoLinear(_IdentityMemo, nn.Linear):
     pass
 
 
-def _modulated(root: nn.Module):
-    """The memoised norms that take the conditioning as given (not those embedding a timestep themselves first,
-    ``norm.emb``: their ``silu`` sees a new tensor every call)."""
-    for norm in root.modules():
-        if (
-            isinstance(norm, ADAPTIVE_NORMS)
-            and isinstance(getattr(norm, "linear", None), MemoLinear)
-            and getattr(norm, "emb", None) is None
-        ):
-            yield norm
+@dataclass(frozen=True)
+class Modulation:
+    """One memoised norm's product: its ``silu`` and ``linear`` (the memo modules themselves, which a PEFT layer
+    put in the norm later wraps), and the dtype its ``forward`` hands ``silu`` the conditioning in (``None``: as
+    given)."""
+
+    silu: MemoSiLU
+    linear: MemoLinear
+    cast: torch.dtype | None  # AdaLayerNormShift: float32
+    own_embedding: bool  # the norm embeds a timestep itself first (``norm.emb``): a new tensor every call
 
 
-def prefetch_modulation(root: nn.Module, emb: torch.Tensor) -> None:
-    """Compute every memoised norm's ``linear(silu(emb))`` ahead of the pass that needs it, as its ``forward`` does
+def prefetch_modulation(modulations: list[Modulation], emb: torch.Tensor) -> None:
+    """Compute each norm's ``linear(silu(emb))`` ahead of the pass that needs it, as its ``forward`` does
     (``ADAPTIVE_NORMS``): the blocks then find it memoised for ``emb``. Only where their call will pass this very
-    tensor: a norm that casts ``emb`` to another dtype first (AdaLayerNormShift to float32, AdaLayerNormContinuous
-    to the hidden states') makes a new tensor each time, and is left to its pass."""
-    for norm in _modulated(root):
-        wanted = torch.float32 if isinstance(norm, AdaLayerNormShift) else norm.linear.weight.dtype
-        if emb.dtype == wanted:
-            norm.linear(norm.silu(emb))
+    tensor: not a norm that embeds a timestep itself, nor one that casts ``emb`` to another dtype first
+    (AdaLayerNormShift to float32, AdaLayerNormContinuous to the hidden states'), which makes a new tensor each
+    time and is left to its pass."""
+    for m in modulations:
+        if not m.own_embedding and emb.dtype == (m.cast or m.linear.weight.dtype):
+            m.linear(m.silu(emb))
 
 
-def memoize_modulation(root: nn.Module) -> int:
-    """Give every adaptive norm in ``root`` (``ADAPTIVE_NORMS``) the per-step memo; returns how many got it."""
-    count = 0
+def memoize_modulation(root: nn.Module) -> list[Modulation]:
+    """Give every adaptive norm in ``root`` (``ADAPTIVE_NORMS``) the per-step memo; returns what it memoised, for
+    ``prefetch_modulation`` (found once here, not by a walk of the model every step)."""
+    modulations = []
     for norm in root.modules():
         if not isinstance(norm, ADAPTIVE_NORMS):
             continue
         silu, linear = getattr(norm, "silu", None), getattr(norm, "linear", None)
         if type(silu) is nn.SiLU and type(linear) is nn.Linear:  # not, e.g., a PEFT layer already in place
             silu.__class__, linear.__class__ = MemoSiLU, MemoLinear
-            count += 1
-    return count
+            cast = torch.float32 if isinstance(norm, AdaLayerNormShift) else None
+            modulations.append(Modulation(silu, linear, cast, getattr(norm, "emb", None) is not None))
+    return modulations

@@ -66,7 +66,7 @@ class ShardedStage(nn.Module):
         self._cross = []
         for index in self.block_ids:
             self.install_processors(self.blocks[index], index)
-        memoize_modulation(transformer)  # the kept blocks' and output layer's: once per step, not per patch
+        self.modulation = memoize_modulation(transformer)  # kept blocks' and output layer's: once a step
 
     def install_processors(self, block: nn.Module, index: int) -> None:
         """PipeFusion's processors for block ``index``: stale-K/V self-attention, cross-attention to static text."""
@@ -129,7 +129,7 @@ class ShardedStage(nn.Module):
         conditioning names as its blocks' modulation input (``MODULATION``; none: nothing to prepare)."""
         name = getattr(cond, "MODULATION", None)
         if name is not None and cond.part is None:
-            prefetch_modulation(self.transformer, getattr(cond, name))
+            prefetch_modulation(self.modulation, getattr(cond, name))
 
     @property
     def config(self):
