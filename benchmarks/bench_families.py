@@ -1,7 +1,7 @@
 """Degree-2 PipeFusion against degree 1 for every family: the whole pipeline call to latents, with each rank's split.
 
     python benchmarks/bench_families.py [--steps 20] [--size 512] [--repeats 3] [--families small sd3-small]
-                                        [--json out.json] [--distance | --per-pass-ablation]
+                                        [--json out.json] [--distance | --per-pass-ablation | --patch-cost]
 
 One preset per family, each 16 blocks of width 256 (FLUX: 4 double + 8 single blocks): HunyuanDiT ``small`` and
 PixArt-Σ ``pixart-small`` with classifier-free guidance (transformer batch 2), SD3 ``sd3-small`` with CFG, FLUX
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -66,7 +67,17 @@ def setup_rank(preset: str, degree: int, parallel: dict, per_pass_as_before: boo
                 module.__class__ = torch.nn.Linear if isinstance(module, MemoLinear) else torch.nn.SiLU
         type(pipe.stage).prepare_step = lambda self, cond: None  # (a process of its own: nothing else sees it)
         StaleKVCache.joint = lambda self, *args: None  # type: ignore[method-assign]
-    _PIPE.update(pipe=pipe, preset=preset)
+    _PIPE.update(pipe=pipe, preset=preset, segment_s=0.0)
+    run_segment = pipe.stage.run_segment
+
+    def timed_segment(*args, **kwargs):  # the blocks of a pass: what patching and splitting change
+        start = time.perf_counter()
+        try:
+            return run_segment(*args, **kwargs)
+        finally:
+            _PIPE["segment_s"] += time.perf_counter() - start
+
+    pipe.stage.run_segment = timed_segment  # (this process's stage only)
     freeze_startup_heap()
     keep_freed_heap()
 
@@ -83,6 +94,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
 
     pipe, preset = _PIPE["pipe"], _PIPE["preset"]
     pipe.enable_trace(trace)
+    _PIPE["segment_s"] = 0.0
     dist.barrier()
     start = time.perf_counter()
     pipe(
@@ -97,7 +109,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
     dist.barrier()
     seconds = time.perf_counter() - start
     if not trace:
-        return dict(seconds=seconds)
+        return dict(seconds=seconds, segment_s=_PIPE["segment_s"])
     events = pipe.trace_events()
     pipe.enable_trace(False)
     (loop,) = [e for e in events if e["tid"] == LOOP]
@@ -156,10 +168,12 @@ def distance_rank(preset: str, steps: int, size: int) -> dict:
     return result
 
 
-def parallel_config(degree: int) -> dict:
-    if degree == 1:
+def parallel_config(degree: int, num_patches: int | None = None) -> dict:
+    """Degree 1: whole-image passes unless ``num_patches`` (the same patch passes as degree 2, on one rank); degree 2:
+    M = 2, warm-up 1."""
+    if degree == 1 and num_patches is None:
         return {"pipefusion_degree": 1}
-    return {"pipefusion_degree": degree, "num_patches": 2, "warmup_steps": 1}
+    return {"pipefusion_degree": degree, "num_patches": num_patches or 2, "warmup_steps": 1}
 
 
 def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
@@ -222,6 +236,52 @@ def per_pass_ablation(presets, steps: int, size: int, repeats: int) -> dict:
             row = rows[name]
             print(f"{preset}, {name}: {row['median']:.2f} s, {row['speedup']:.2f}x (rounds "
                   f"{min(row['round_speedups']):.2f}–{max(row['round_speedups']):.2f})", flush=True)  # fmt: skip
+    return report
+
+
+def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
+    """Where degree 2 loses against its ideal, in turns (a round runs the three): degree 1 whole-image, degree 1 in
+    the degree-2 patches (M = 2, warm-up 1, one rank), and degree 2. Each world's call time and the time in its
+    blocks (``Stage.run_segment``: every pass's blocks, not embedding, output layer, scheduler, engine or waits), per
+    rank. Patched over whole at degree 1 is what patch passes cost this model on this machine (a pass's fixed work
+    paid once per patch, smaller kernels); degree 2's blocks per rank over half of degree 1's patched blocks is what
+    splitting the blocks costs; the call time beyond its blocks is the waits, embedding, output layer, scheduler
+    and engine."""
+    import contextlib
+
+    from tests.support.world import World
+
+    configs = {"degree 1": (1, None), "degree 1, patched": (1, 2), "degree 2": (2, None)}
+    report: dict = dict(steps=steps, size=size, repeats=repeats, presets={})
+    for preset in presets:
+        runs: dict[str, list[list[dict]]] = {name: [] for name in configs}
+        with contextlib.ExitStack() as stack:
+            worlds = {}
+            for name, (degree, patches) in configs.items():
+                worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
+                worlds[name].run_ok(setup_rank, preset, degree, parallel_config(degree, patches), timeout=600)
+            for _ in range(repeats):
+                for name, world in worlds.items():
+                    runs[name].append(world.run_ok(call_rank, steps, size, timeout=3600))
+        rows = speedups({name: {"times": [r[0]["seconds"] for r in rr]} for name, rr in runs.items()}, "degree 1")
+        for name, rr in runs.items():  # each rank's median time in its blocks
+            rows[name]["segment_s"] = [
+                statistics.median(r[rank]["segment_s"] for r in rr) for rank in range(len(rr[0]))
+            ]
+        whole, patched, split = (rows[name]["segment_s"] for name in configs)
+        rows["patched_over_whole"] = patched[0] / whole[0]
+        rows["split_over_half_patched"] = max(split) / (patched[0] / 2)
+        rows["ideal"] = ideal_speedup(steps, 2, CALLS[preset][1])
+        report["presets"][preset] = rows
+        two = rows["degree 2"]
+        print(
+            f"{preset}: degree 2 {two['speedup']:.2f}x (rounds {min(two['round_speedups']):.2f}–"
+            f"{max(two['round_speedups']):.2f}, {two['speedup'] / rows['ideal']:.2f} of ideal); blocks: patched / "
+            f"whole at degree 1 {rows['patched_over_whole']:.3f}, degree 2's slower rank / half of degree 1 patched "
+            f"{rows['split_over_half_patched']:.3f}; blocks per rank (s): whole {whole[0]:.2f}, patched "
+            f"{patched[0]:.2f}, degree 2 {' / '.join(f'{x:.2f}' for x in split)}",
+            flush=True,
+        )
     return report
 
 
@@ -296,12 +356,17 @@ def main() -> None:
                         "warm-up 1) cut by rows and by cost, each against serial")  # fmt: skip
     ablation = "instead: degree 2 with the per-pass work as before 2026-11-26 and as shipped, against degree 1"
     parser.add_argument("--per-pass-ablation", action="store_true", help=ablation)
+    patched = (
+        "instead: degree 1 whole, degree 1 in degree 2's patches and degree 2, with each rank's time in its blocks"
+    )
+    parser.add_argument("--patch-cost", action="store_true", help=patched)
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if args.per_pass_ablation:
-        report = per_pass_ablation(args.families, args.steps, args.size, args.repeats)
+    if args.per_pass_ablation or args.patch_cost:
+        study = per_pass_ablation if args.per_pass_ablation else patch_cost
+        report = study(args.families, args.steps, args.size, args.repeats)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=2)
