@@ -42,12 +42,15 @@ CALLS: dict[str, tuple[dict, int]] = {
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
 
 
-def setup_rank(preset: str, degree: int, parallel: dict, per_pass_as_before: bool = False) -> None:
+def setup_rank(
+    preset: str, degree: int, parallel: dict, per_pass_as_before: bool = False, time_blocks: bool = False
+) -> None:
     """On every rank: build the preset (deterministic weights) and wrap it in the family's xfuse pipeline; pin the
     rank to its own core (as a GPU per rank); freeze the start-up heap and keep freed memory as the CLI does.
     ``per_pass_as_before`` (the ablation): every pass computes its adaptive-norm products and joins the text's K/V to
     the image's itself, as before 2026-11-26 (the memo's modules set back to ``nn.Linear`` / ``nn.SiLU``, no
-    ``prepare_step``, no text slots)."""
+    ``prepare_step``, no text slots). ``time_blocks``: each call also returns this rank's time in
+    ``Stage.run_segment`` (``--patch-cost``)."""
     import torch
     import torch.distributed as dist
 
@@ -68,16 +71,17 @@ def setup_rank(preset: str, degree: int, parallel: dict, per_pass_as_before: boo
         type(pipe.stage).prepare_step = lambda self, cond: None  # (a process of its own: nothing else sees it)
         StaleKVCache.joint = lambda self, *args: None  # type: ignore[method-assign]
     _PIPE.update(pipe=pipe, preset=preset, segment_s=0.0)
-    run_segment = pipe.stage.run_segment
+    if time_blocks:
+        run_segment = pipe.stage.run_segment
 
-    def timed_segment(*args, **kwargs):  # the blocks of a pass: what patching and splitting change
-        start = time.perf_counter()
-        try:
-            return run_segment(*args, **kwargs)
-        finally:
-            _PIPE["segment_s"] += time.perf_counter() - start
+        def timed_segment(*args, **kwargs):  # the blocks of a pass: what patching and splitting change
+            start = time.perf_counter()
+            try:
+                return run_segment(*args, **kwargs)
+            finally:
+                _PIPE["segment_s"] += time.perf_counter() - start
 
-    pipe.stage.run_segment = timed_segment  # (this process's stage only)
+        pipe.stage.run_segment = timed_segment  # (this process's stage only)
     freeze_startup_heap()
     keep_freed_heap()
 
@@ -259,7 +263,9 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
             worlds = {}
             for name, (degree, patches) in configs.items():
                 worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
-                worlds[name].run_ok(setup_rank, preset, degree, parallel_config(degree, patches), timeout=600)
+                worlds[name].run_ok(
+                    setup_rank, preset, degree, parallel_config(degree, patches), False, True, timeout=600
+                )
             for _ in range(repeats):
                 for name, world in worlds.items():
                     runs[name].append(world.run_ok(call_rank, steps, size, timeout=3600))
