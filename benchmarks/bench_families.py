@@ -180,25 +180,39 @@ def parallel_config(degree: int, num_patches: int | None = None) -> dict:
     return {"pipefusion_degree": degree, "num_patches": num_patches or 2, "warmup_steps": 1}
 
 
-def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
-    """Degree 1 and degree 2 of one preset in turns, then one traced call per world."""
+def in_turns(preset: str, setups: dict, steps: int, size: int, repeats: int, traced: bool = False):
+    """One world per entry of ``setups`` (name -> (degree, ``setup_rank``'s arguments after the preset and degree)),
+    set up first, then ``repeats`` rounds of one call each in turns (the machine's drift falls on every side of a
+    ratio; every world's first call is in round 1). Returns (name -> each round's ``call_rank`` result per rank,
+    name -> one traced call's per rank, empty unless ``traced``)."""
     import contextlib
 
     from tests.support.world import World
 
-    times: dict[int, list[float]] = {1: [], 2: []}
-    splits = {}
+    runs: dict = {name: [] for name in setups}
+    splits: dict = {}
     with contextlib.ExitStack() as stack:
         worlds = {}
-        for degree in (1, 2):
-            worlds[degree] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
-            worlds[degree].run_ok(setup_rank, preset, degree, parallel_config(degree), timeout=600)
+        for name, (degree, args) in setups.items():
+            worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
+            worlds[name].run_ok(setup_rank, preset, degree, *args, timeout=600)
         for _ in range(repeats):
-            for degree, world in worlds.items():
-                times[degree].append(world.run_ok(call_rank, steps, size, timeout=3600)[0]["seconds"])
-        for degree, world in worlds.items():
-            splits[degree] = world.run_ok(call_rank, steps, size, True, timeout=3600)
-    rows = speedups({degree: {"times": runs} for degree, runs in times.items()}, 1)
+            for name, world in worlds.items():
+                runs[name].append(world.run_ok(call_rank, steps, size, timeout=3600))
+        for name, world in worlds.items() if traced else ():
+            splits[name] = world.run_ok(call_rank, steps, size, True, timeout=3600)
+    return runs, splits
+
+
+def seconds(runs: dict) -> dict:
+    """``in_turns``' runs as ``speedups``' rows: rank 0's call times per configuration."""
+    return {name: {"times": [ranks[0]["seconds"] for ranks in rounds]} for name, rounds in runs.items()}
+
+
+def measure(preset: str, steps: int, size: int, repeats: int) -> dict:
+    """Degree 1 and degree 2 of one preset in turns, then one traced call per world."""
+    runs, splits = in_turns(preset, {d: (d, (parallel_config(d),)) for d in (1, 2)}, steps, size, repeats, traced=True)
+    rows = speedups(seconds(runs), 1)
     ideal = ideal_speedup(steps, 2, CALLS[preset][1])
     return dict(
         degree1=rows[1],
@@ -218,23 +232,12 @@ def per_pass_ablation(presets, steps: int, size: int, repeats: int) -> dict:
     """Degree 1, degree 2 with the per-pass work as before 2026-11-26 (``setup_rank``'s ``per_pass_as_before``) and
     degree 2 as shipped, in turns (a round runs the three): what once-a-step modulation, its prefetch and the text
     slots gain, measured in one session."""
-    import contextlib
-
-    from tests.support.world import World
-
     configs = {"degree 1": (1, False), "degree 2, per pass as before": (2, True), "degree 2": (2, False)}
+    setups = {name: (degree, (parallel_config(degree), before)) for name, (degree, before) in configs.items()}
     report: dict = dict(steps=steps, size=size, repeats=repeats, presets={})
     for preset in presets:
-        times: dict[str, list[float]] = {name: [] for name in configs}
-        with contextlib.ExitStack() as stack:
-            worlds = {}
-            for name, (degree, before) in configs.items():
-                worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
-                worlds[name].run_ok(setup_rank, preset, degree, parallel_config(degree), before, timeout=600)
-            for _ in range(repeats):
-                for name, world in worlds.items():
-                    times[name].append(world.run_ok(call_rank, steps, size, timeout=3600)[0]["seconds"])
-        rows = speedups({name: {"times": runs} for name, runs in times.items()}, "degree 1")
+        runs, _ = in_turns(preset, setups, steps, size, repeats)
+        rows = speedups(seconds(runs), "degree 1")
         report["presets"][preset] = rows
         for name in list(configs)[1:]:
             row = rows[name]
@@ -251,25 +254,13 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
     paid once per patch, smaller kernels); degree 2's blocks per rank over half of degree 1's patched blocks is what
     splitting the blocks costs; the call time beyond its blocks is the waits, embedding, output layer, scheduler
     and engine."""
-    import contextlib
-
-    from tests.support.world import World
-
     configs = {"degree 1": (1, None), "degree 1, patched": (1, 2), "degree 2": (2, None)}
+    # (setup_rank's per_pass_as_before=False, time_blocks=True)
+    setups = {name: (degree, (parallel_config(degree, m), False, True)) for name, (degree, m) in configs.items()}
     report: dict = dict(steps=steps, size=size, repeats=repeats, presets={})
     for preset in presets:
-        runs: dict[str, list[list[dict]]] = {name: [] for name in configs}
-        with contextlib.ExitStack() as stack:
-            worlds = {}
-            for name, (degree, patches) in configs.items():
-                worlds[name] = stack.enter_context(World(degree, threads_per_rank=1, start_timeout=600))
-                worlds[name].run_ok(
-                    setup_rank, preset, degree, parallel_config(degree, patches), False, True, timeout=600
-                )
-            for _ in range(repeats):
-                for name, world in worlds.items():
-                    runs[name].append(world.run_ok(call_rank, steps, size, timeout=3600))
-        rows = speedups({name: {"times": [r[0]["seconds"] for r in rr]} for name, rr in runs.items()}, "degree 1")
+        runs, _ = in_turns(preset, setups, steps, size, repeats)
+        rows = speedups(seconds(runs), "degree 1")
         for name, rr in runs.items():  # each rank's median time in its blocks
             rows[name]["segment_s"] = [
                 statistics.median(r[rank]["segment_s"] for r in rr) for rank in range(len(rr[0]))
