@@ -50,7 +50,7 @@ def setup_rank(
     ``per_pass_as_before`` (the ablation): every pass computes its adaptive-norm products and joins the text's K/V to
     the image's itself, as before 2026-11-26 (the memo's modules set back to ``nn.Linear`` / ``nn.SiLU``, no
     ``prepare_step``, no text slots). ``time_blocks``: each call also returns this rank's time in
-    ``Stage.run_segment`` (``--patch-cost``)."""
+    ``Stage.run_segment`` and, within it, in torch's ``scaled_dot_product_attention`` (``--patch-cost``)."""
     import torch
     import torch.distributed as dist
 
@@ -70,20 +70,30 @@ def setup_rank(
                 module.__class__ = torch.nn.Linear if isinstance(module, MemoLinear) else torch.nn.SiLU
         type(pipe.stage).prepare_step = lambda self, cond: None  # (a process of its own: nothing else sees it)
         StaleKVCache.joint = lambda self, *args: None  # type: ignore[method-assign]
-    _PIPE.update(pipe=pipe, preset=preset, segment_s=0.0)
+    _PIPE.update(pipe=pipe, preset=preset, segment_s=0.0, sdpa_s=0.0)
     if time_blocks:
-        run_segment = pipe.stage.run_segment
-
-        def timed_segment(*args, **kwargs):  # the blocks of a pass: what patching and splitting change
-            start = time.perf_counter()
-            try:
-                return run_segment(*args, **kwargs)
-            finally:
-                _PIPE["segment_s"] += time.perf_counter() - start
-
-        pipe.stage.run_segment = timed_segment  # (this process's stage only)
+        pipe.stage.run_segment = _timed(pipe.stage.run_segment, "segment_s")  # (this process's stage only)
+        # every attention kernel xfuse calls (F.scaled_dot_product_attention is looked up per call); this is the
+        # benchmark's own rank process, so nothing else sees the wrapper
+        torch.nn.functional.scaled_dot_product_attention = _timed(
+            torch.nn.functional.scaled_dot_product_attention, "sdpa_s"
+        )
     freeze_startup_heap()
     keep_freed_heap()
+
+
+def _timed(fn, total: str):
+    """``fn`` adding its wall time to ``_PIPE[total]`` (the blocks of a pass, the attention kernels within them: what
+    patching and splitting change)."""
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _PIPE[total] += time.perf_counter() - start
+
+    return timed
 
 
 def call_rank(steps: int, size: int, trace: bool = False) -> dict:
@@ -98,7 +108,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
 
     pipe, preset = _PIPE["pipe"], _PIPE["preset"]
     pipe.enable_trace(trace)
-    _PIPE["segment_s"] = 0.0
+    _PIPE["segment_s"] = _PIPE["sdpa_s"] = 0.0
     dist.barrier()
     start = time.perf_counter()
     pipe(
@@ -113,7 +123,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
     dist.barrier()
     seconds = time.perf_counter() - start
     if not trace:
-        return dict(seconds=seconds, segment_s=_PIPE["segment_s"])
+        return dict(seconds=seconds, segment_s=_PIPE["segment_s"], sdpa_s=_PIPE["sdpa_s"])
     events = pipe.trace_events()
     pipe.enable_trace(False)
     (loop,) = [e for e in events if e["tid"] == LOOP]
@@ -249,11 +259,13 @@ def per_pass_ablation(presets, steps: int, size: int, repeats: int) -> dict:
 def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
     """Where degree 2 loses against its ideal, in turns (a round runs the three): degree 1 whole-image, degree 1 in
     the degree-2 patches (M = 2, warm-up 1, one rank), and degree 2. Each world's call time and the time in its
-    blocks (``Stage.run_segment``: every pass's blocks, not embedding, output layer, scheduler, engine or waits), per
-    rank. Patched over whole at degree 1 is what patch passes cost this model on this machine (a pass's fixed work
-    paid once per patch, smaller kernels); degree 2's blocks per rank over half of degree 1's patched blocks is what
-    splitting the blocks costs; the call time beyond its blocks is the waits, embedding, output layer, scheduler
-    and engine."""
+    blocks (``Stage.run_segment``: every pass's blocks, not embedding, output layer, scheduler, engine or waits) and
+    in the attention kernels within them (``scaled_dot_product_attention``), per rank. Patched over whole at degree
+    1 is what patch passes cost this model on this machine (a pass's fixed work paid once per patch, smaller
+    kernels), split into the attention kernels and the rest of the blocks; degree 2's blocks per rank over half of
+    degree 1's patched blocks is what splitting the blocks costs; the call time beyond its blocks is the waits,
+    embedding, output layer, scheduler and engine. At a tiny ``--size`` (64 px: 16 tokens) the kernels are nearly
+    nothing and patched minus whole is the fixed work of the extra passes."""
     configs = {"degree 1": (1, None), "degree 1, patched": (1, 2), "degree 2": (2, None)}
     # (setup_rank's per_pass_as_before=False, time_blocks=True)
     setups = {name: (degree, (parallel_config(degree, m), False, True)) for name, (degree, m) in configs.items()}
@@ -261,12 +273,15 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
     for preset in presets:
         runs, _ = in_turns(preset, setups, steps, size, repeats)
         rows = speedups(seconds(runs), "degree 1")
-        for name, rr in runs.items():  # each rank's median time in its blocks
-            rows[name]["segment_s"] = [
-                statistics.median(r[rank]["segment_s"] for r in rr) for rank in range(len(rr[0]))
-            ]
+        for name, rr in runs.items():  # each rank's median time in its blocks and in their attention kernels
+            for total in ("segment_s", "sdpa_s"):
+                rows[name][total] = [statistics.median(r[rank][total] for r in rr) for rank in range(len(rr[0]))]
         whole, patched, split = (rows[name]["segment_s"] for name in configs)
+        (whole_sdpa, *_), (patched_sdpa, *_) = (rows[name]["sdpa_s"] for name in list(configs)[:2])
         rows["patched_over_whole"] = patched[0] / whole[0]
+        rows["attention_patched_over_whole"] = patched_sdpa / whole_sdpa
+        rows["rest_patched_over_whole"] = (patched[0] - patched_sdpa) / (whole[0] - whole_sdpa)
+        rows["extra_pass_ms"] = 1e3 * (patched[0] - whole[0]) / (steps - 1)  # M = 2, warm-up 1: steps - 1 more
         rows["split_over_half_patched"] = max(split) / (patched[0] / 2)
         rows["ideal"] = ideal_speedup(steps, 2, CALLS[preset][1])
         report["presets"][preset] = rows
@@ -274,7 +289,9 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
         print(
             f"{preset}: degree 2 {two['speedup']:.2f}x (rounds {min(two['round_speedups']):.2f}–"
             f"{max(two['round_speedups']):.2f}, {two['speedup'] / rows['ideal']:.2f} of ideal); blocks: patched / "
-            f"whole at degree 1 {rows['patched_over_whole']:.3f}, degree 2's slower rank / half of degree 1 patched "
+            f"whole at degree 1 {rows['patched_over_whole']:.3f} (attention kernels "
+            f"{rows['attention_patched_over_whole']:.3f}, the rest {rows['rest_patched_over_whole']:.3f}; "
+            f"{rows['extra_pass_ms']:.1f} ms an extra pass), degree 2's slower rank / half of degree 1 patched "
             f"{rows['split_over_half_patched']:.3f}; blocks per rank (s): whole {whole[0]:.2f}, patched "
             f"{patched[0]:.2f}, degree 2 {' / '.join(f'{x:.2f}' for x in split)}",
             flush=True,
