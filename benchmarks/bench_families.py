@@ -70,7 +70,7 @@ def setup_rank(
                 module.__class__ = torch.nn.Linear if isinstance(module, MemoLinear) else torch.nn.SiLU
         type(pipe.stage).prepare_step = lambda self, cond: None  # (a process of its own: nothing else sees it)
         StaleKVCache.joint = lambda self, *args: None  # type: ignore[method-assign]
-    _PIPE.update(pipe=pipe, preset=preset, segment_s=0.0, sdpa_s=0.0)
+    _PIPE.update(pipe=pipe, preset=preset)  # (call_rank zeroes the block and attention times of each call)
     if time_blocks:
         pipe.stage.run_segment = _timed(pipe.stage.run_segment, "segment_s")  # (this process's stage only)
         # every attention kernel xfuse calls (F.scaled_dot_product_attention is looked up per call); this is the
@@ -371,7 +371,8 @@ def main() -> None:
     ablation = "instead: degree 2 with the per-pass work as before 2026-11-26 and as shipped, against degree 1"
     parser.add_argument("--per-pass-ablation", action="store_true", help=ablation)
     patched = (
-        "instead: degree 1 whole, degree 1 in degree 2's patches and degree 2, with each rank's time in its blocks"
+        "instead: degree 1 whole, degree 1 in degree 2's patches and degree 2, with each rank's time in its blocks "
+        "and in their attention kernels"
     )
     parser.add_argument("--patch-cost", action="store_true", help=patched)
     parser.add_argument("--json")

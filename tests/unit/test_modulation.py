@@ -97,6 +97,13 @@ def test_memo_keeps_module_types_and_state_dict_names():
     assert memoize_modulation(norm) == []  # already memoised: nothing to do twice
 
 
+def test_a_norm_that_embeds_its_own_timestep_gets_no_memo():
+    # AdaLayerNormZero(num_embeddings=...) embeds (timestep, class labels) itself: its silu never sees a tensor twice
+    norm = AdaLayerNormZero(8, num_embeddings=10)
+    assert memoize_modulation(norm) == []
+    assert type(norm.silu) is nn.SiLU and type(norm.linear) is nn.Linear
+
+
 def _engine_run(preset, *, prefetch=True, memo=True, slots=True):
     """The engine on one rank (the whole model, M = 2 patches, warm-up 1): its latents, the products computed in
     all, those computed inside the passes (not in ``prepare_step``), the number of memoised norms, and the stage."""

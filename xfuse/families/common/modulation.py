@@ -84,30 +84,30 @@ class Modulation:
     silu: MemoSiLU
     linear: MemoLinear
     cast: torch.dtype | None  # AdaLayerNormShift: float32
-    own_embedding: bool  # the norm embeds a timestep itself first (``norm.emb``): a new tensor every call
 
 
 def prefetch_modulation(modulations: list[Modulation], emb: torch.Tensor) -> None:
     """Compute each norm's ``linear(silu(emb))`` ahead of the pass that needs it, as its ``forward`` does
     (``ADAPTIVE_NORMS``): the blocks then find it memoised for ``emb``. Only where their call will pass this very
-    tensor: not a norm that embeds a timestep itself, nor one that casts ``emb`` to another dtype first
-    (AdaLayerNormShift to float32, AdaLayerNormContinuous to the hidden states'), which makes a new tensor each
-    time and is left to its pass."""
+    tensor: not a norm that casts ``emb`` to another dtype first (AdaLayerNormShift to float32,
+    AdaLayerNormContinuous to the hidden states'), which makes a new tensor each time and is left to its pass."""
     for m in modulations:
-        if not m.own_embedding and emb.dtype == (m.cast or m.linear.weight.dtype):
+        if emb.dtype == (m.cast or m.linear.weight.dtype):
             m.linear(m.silu(emb))
 
 
 def memoize_modulation(root: nn.Module) -> list[Modulation]:
     """Give every adaptive norm in ``root`` (``ADAPTIVE_NORMS``) the per-step memo; returns what it memoised, for
-    ``prefetch_modulation`` (found once here, not by a walk of the model every step)."""
+    ``prefetch_modulation`` (found once here, not by a walk of the model every step). A norm that embeds a timestep
+    itself first (``norm.emb``) gets none: its ``silu`` sees a new tensor every call, so a memo would only hold an
+    output no call reuses."""
     modulations = []
     for norm in root.modules():
-        if not isinstance(norm, ADAPTIVE_NORMS):
+        if not isinstance(norm, ADAPTIVE_NORMS) or getattr(norm, "emb", None) is not None:
             continue
         silu, linear = getattr(norm, "silu", None), getattr(norm, "linear", None)
         if type(silu) is nn.SiLU and type(linear) is nn.Linear:  # not, e.g., a PEFT layer already in place
             silu.__class__, linear.__class__ = MemoSiLU, MemoLinear
             cast = torch.float32 if isinstance(norm, AdaLayerNormShift) else None
-            modulations.append(Modulation(silu, linear, cast, getattr(norm, "emb", None) is not None))
+            modulations.append(Modulation(silu, linear, cast))
     return modulations
