@@ -50,7 +50,7 @@ def setup_rank(
     ``per_pass_as_before`` (the ablation): every pass computes its adaptive-norm products and joins the text's K/V to
     the image's itself, as before 2026-11-26 (the memo's modules set back to ``nn.Linear`` / ``nn.SiLU``, no
     ``prepare_step``, no text slots). ``time_blocks``: each call also returns this rank's time in
-    ``Stage.run_segment`` and, within it, in torch's ``scaled_dot_product_attention`` (``--patch-cost``)."""
+    ``Stage.run_segment`` and in torch's ``scaled_dot_product_attention`` and ``linear`` (``--patch-cost``)."""
     import torch
     import torch.distributed as dist
 
@@ -78,13 +78,16 @@ def setup_rank(
         torch.nn.functional.scaled_dot_product_attention = _timed(
             torch.nn.functional.scaled_dot_product_attention, "sdpa_s"
         )
+        # and every linear layer's kernel (``nn.Linear.forward`` looks up ``F.linear`` per call too): at a tiny size a
+        # pass's linears stream their weights for a few tokens, work that at 512 px is per token, not per pass
+        torch.nn.functional.linear = _timed(torch.nn.functional.linear, "linear_s")
     freeze_startup_heap()
     keep_freed_heap()
 
 
 def _timed(fn, total: str):
-    """``fn`` adding its wall time to ``_PIPE[total]`` (the blocks of a pass, the attention kernels within them: what
-    patching and splitting change)."""
+    """``fn`` adding its wall time to ``_PIPE[total]`` (the blocks of a pass, the attention and linear kernels within
+    them: what patching and splitting change)."""
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -108,7 +111,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
 
     pipe, preset = _PIPE["pipe"], _PIPE["preset"]
     pipe.enable_trace(trace)
-    _PIPE["segment_s"] = _PIPE["sdpa_s"] = 0.0
+    _PIPE["segment_s"] = _PIPE["sdpa_s"] = _PIPE["linear_s"] = 0.0
     dist.barrier()
     start = time.perf_counter()
     pipe(
@@ -123,7 +126,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
     dist.barrier()
     seconds = time.perf_counter() - start
     if not trace:
-        return dict(seconds=seconds, segment_s=_PIPE["segment_s"], sdpa_s=_PIPE["sdpa_s"])
+        return dict(seconds=seconds, **{total: _PIPE[total] for total in ("segment_s", "sdpa_s", "linear_s")})
     events = pipe.trace_events()
     pipe.enable_trace(False)
     (loop,) = [e for e in events if e["tid"] == LOOP]
@@ -260,12 +263,13 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
     """Where degree 2 loses against its ideal, in turns (a round runs the three): degree 1 whole-image, degree 1 in
     the degree-2 patches (M = 2, warm-up 1, one rank), and degree 2. Each world's call time and the time in its
     blocks (``Stage.run_segment``: every pass's blocks, not embedding, output layer, scheduler, engine or waits) and
-    in the attention kernels within them (``scaled_dot_product_attention``), per rank. Patched over whole at degree
-    1 is what patch passes cost this model on this machine (a pass's fixed work paid once per patch, smaller
-    kernels), split into the attention kernels and the rest of the blocks; degree 2's blocks per rank over half of
-    degree 1's patched blocks is what splitting the blocks costs; the call time beyond its blocks is the waits,
-    embedding, output layer, scheduler and engine. At a tiny ``--size`` (64 px: 16 tokens) the kernels are nearly
-    nothing and patched minus whole is the fixed work of the extra passes."""
+    in the attention and linear kernels (``scaled_dot_product_attention``, ``linear``), per rank. Patched over whole
+    at degree 1 is what patch passes cost this model on this machine, split into the attention kernels and the rest
+    of the blocks; degree 2's blocks per rank over half of degree 1's patched blocks is what splitting the blocks
+    costs; the call time beyond its blocks is the waits, embedding, output layer, scheduler and engine. An extra
+    pass's time is split into its attention kernels, its linear kernels and the rest: at a tiny ``--size`` (64 px:
+    16 tokens) the rest is the pass's host work (Python, module calls, dispatch) and small kernels, and the linears
+    stream their weights for a few tokens, which at 512 px is per-token work, not per-pass."""
     configs = {"degree 1": (1, None), "degree 1, patched": (1, 2), "degree 2": (2, None)}
     # (setup_rank's per_pass_as_before=False, time_blocks=True)
     setups = {name: (degree, (parallel_config(degree, m), False, True)) for name, (degree, m) in configs.items()}
@@ -273,25 +277,33 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
     for preset in presets:
         runs, _ = in_turns(preset, setups, steps, size, repeats)
         rows = speedups(seconds(runs), "degree 1")
-        for name, rr in runs.items():  # each rank's median time in its blocks and in their attention kernels
-            for total in ("segment_s", "sdpa_s"):
+        for name, rr in runs.items():  # each rank's median time in its blocks and in the kernels
+            for total in ("segment_s", "sdpa_s", "linear_s"):
                 rows[name][total] = [statistics.median(r[rank][total] for r in rr) for rank in range(len(rr[0]))]
         whole, patched, split = (rows[name]["segment_s"] for name in configs)
         (whole_sdpa, *_), (patched_sdpa, *_) = (rows[name]["sdpa_s"] for name in list(configs)[:2])
         rows["patched_over_whole"] = patched[0] / whole[0]
         rows["attention_patched_over_whole"] = patched_sdpa / whole_sdpa
         rows["rest_patched_over_whole"] = (patched[0] - patched_sdpa) / (whole[0] - whole_sdpa)
-        rows["extra_pass_ms"] = 1e3 * (patched[0] - whole[0]) / (steps - 1)  # M = 2, warm-up 1: steps - 1 more
+        timers = {"blocks": "segment_s", "attention kernels": "sdpa_s", "linear kernels": "linear_s"}
+        extra_pass = {  # M = 2, warm-up 1: steps - 1 more passes
+            name: 1e3 * (rows["degree 1, patched"][total][0] - rows["degree 1"][total][0]) / (steps - 1)
+            for name, total in timers.items()
+        }
+        extra_pass["the rest"] = extra_pass["blocks"] - extra_pass["attention kernels"] - extra_pass["linear kernels"]
+        rows["extra_pass_ms"], rows["extra_pass_split_ms"] = extra_pass["blocks"], extra_pass
         rows["split_over_half_patched"] = max(split) / (patched[0] / 2)
         rows["ideal"] = ideal_speedup(steps, 2, CALLS[preset][1])
         report["presets"][preset] = rows
         two = rows["degree 2"]
         print(
             f"{preset}: degree 2 {two['speedup']:.2f}x (rounds {min(two['round_speedups']):.2f}–"
-            f"{max(two['round_speedups']):.2f}, {two['speedup'] / rows['ideal']:.2f} of ideal); blocks: patched / "
+            f"{max(two['round_speedups']):.2f}, {two['speedup'] / rows['ideal']:.3f} of ideal); blocks: patched / "
             f"whole at degree 1 {rows['patched_over_whole']:.3f} (attention kernels "
             f"{rows['attention_patched_over_whole']:.3f}, the rest {rows['rest_patched_over_whole']:.3f}; "
-            f"{rows['extra_pass_ms']:.1f} ms an extra pass), degree 2's slower rank / half of degree 1 patched "
+            f"{rows['extra_pass_ms']:.1f} ms an extra pass: "
+            f"{', '.join(f'{k} {v:.1f}' for k, v in list(extra_pass.items())[1:])} ms), "
+            f"degree 2's slower rank / half of degree 1 patched "
             f"{rows['split_over_half_patched']:.3f}; blocks per rank (s): whole {whole[0]:.2f}, patched "
             f"{patched[0]:.2f}, degree 2 {' / '.join(f'{x:.2f}' for x in split)}",
             flush=True,
@@ -314,7 +326,7 @@ def measure_all(presets, steps: int, size: int, repeats: int, json_path: str | N
     for preset in presets:
         row = measure(preset, steps, size, repeats)
         report["presets"][preset] = row
-        print(f"{preset}: {row['speedup']:.2f}x of ideal {row['ideal']:.2f}x ({row['of_ideal']:.2f})", flush=True)
+        print(f"{preset}: {row['speedup']:.2f}x of ideal {row['ideal']:.2f}x ({row['of_ideal']:.3f})", flush=True)
         if json_path:  # after every family: a long run cut short keeps what it measured
             with open(json_path, "w") as fh:
                 json.dump(report, fh, indent=2)
@@ -336,7 +348,7 @@ def markdown(report: dict) -> str:
         out.append(
             f"| {preset} | {d1['median']:.2f} s ({d1['min']:.2f}–{d1['max']:.2f}) | {d2['median']:.2f} s "
             f"({d2['min']:.2f}–{d2['max']:.2f}) | {row['speedup']:.2f}x ({min(row['round_speedups']):.2f}–"
-            f"{max(row['round_speedups']):.2f}) | {row['ideal']:.2f}x | **{row['of_ideal']:.2f}** | {cuts} | "
+            f"{max(row['round_speedups']):.2f}) | {row['ideal']:.2f}x | **{row['of_ideal']:.3f}** | {cuts} | "
             f"{row['ceiling']:.2f}x |"
         )
     out += [
@@ -372,7 +384,7 @@ def main() -> None:
     parser.add_argument("--per-pass-ablation", action="store_true", help=ablation)
     patched = (
         "instead: degree 1 whole, degree 1 in degree 2's patches and degree 2, with each rank's time in its blocks "
-        "and in their attention kernels"
+        "and in their attention and linear kernels"
     )
     parser.add_argument("--patch-cost", action="store_true", help=patched)
     parser.add_argument("--json")
