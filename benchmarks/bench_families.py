@@ -50,7 +50,8 @@ def setup_rank(
     ``per_pass_as_before`` (the ablation): every pass computes its adaptive-norm products and joins the text's K/V to
     the image's itself, as before 2026-11-26 (the memo's modules set back to ``nn.Linear`` / ``nn.SiLU``, no
     ``prepare_step``, no text slots). ``time_blocks``: each call also returns this rank's time in
-    ``Stage.run_segment`` and in torch's ``scaled_dot_product_attention`` and ``linear`` (``--patch-cost``)."""
+    ``Stage.run_segment`` and, within it, in torch's ``scaled_dot_product_attention`` and ``linear``
+    (``--patch-cost``)."""
     import torch
     import torch.distributed as dist
 
@@ -70,29 +71,46 @@ def setup_rank(
                 module.__class__ = torch.nn.Linear if isinstance(module, MemoLinear) else torch.nn.SiLU
         type(pipe.stage).prepare_step = lambda self, cond: None  # (a process of its own: nothing else sees it)
         StaleKVCache.joint = lambda self, *args: None  # type: ignore[method-assign]
-    _PIPE.update(pipe=pipe, preset=preset)  # (call_rank zeroes the block and attention times of each call)
+    _PIPE.update(pipe=pipe, preset=preset)  # (call_rank zeroes the block and kernel times of each call)
     if time_blocks:
-        pipe.stage.run_segment = _timed(pipe.stage.run_segment, "segment_s")  # (this process's stage only)
-        # every attention kernel xfuse calls (F.scaled_dot_product_attention is looked up per call); this is the
-        # benchmark's own rank process, so nothing else sees the wrapper
-        torch.nn.functional.scaled_dot_product_attention = _timed(
+        pipe.stage.run_segment = _timed_blocks(pipe.stage.run_segment)  # (this process's stage only)
+        # every attention and linear kernel the blocks call (F.scaled_dot_product_attention and F.linear are looked
+        # up per call, by xfuse's processors and by nn.Linear.forward); this is the benchmark's own rank process, so
+        # nothing else sees the wrappers
+        torch.nn.functional.scaled_dot_product_attention = _timed_kernel(
             torch.nn.functional.scaled_dot_product_attention, "sdpa_s"
         )
-        # and every linear layer's kernel (``nn.Linear.forward`` looks up ``F.linear`` per call too): at a tiny size a
-        # pass's linears stream their weights for a few tokens, work that at 512 px is per token, not per pass
-        torch.nn.functional.linear = _timed(torch.nn.functional.linear, "linear_s")
+        torch.nn.functional.linear = _timed_kernel(torch.nn.functional.linear, "linear_s")
     freeze_startup_heap()
     keep_freed_heap()
 
 
-def _timed(fn, total: str):
-    """``fn`` adding its wall time to ``_PIPE[total]`` (the blocks of a pass, the attention and linear kernels within
-    them: what patching and splitting change)."""
+def _timed_blocks(run_segment):
+    """``Stage.run_segment`` adding its wall time to ``_PIPE["segment_s"]`` (the blocks of a pass: what patching and
+    splitting change), the kernels called meanwhile counted as the blocks' (``_timed_kernel``)."""
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
+        _PIPE["in_blocks"] = True
         try:
-            return fn(*args, **kwargs)
+            return run_segment(*args, **kwargs)
+        finally:
+            _PIPE["in_blocks"] = False
+            _PIPE["segment_s"] += time.perf_counter() - start
+
+    return timed
+
+
+def _timed_kernel(kernel, total: str):
+    """``kernel`` adding its wall time to ``_PIPE[total]`` when the blocks call it, not the text encoders, the
+    embedding or the output layer."""
+
+    def timed(*args, **kwargs):
+        if not _PIPE.get("in_blocks"):
+            return kernel(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return kernel(*args, **kwargs)
         finally:
             _PIPE[total] += time.perf_counter() - start
 
@@ -263,13 +281,14 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
     """Where degree 2 loses against its ideal, in turns (a round runs the three): degree 1 whole-image, degree 1 in
     the degree-2 patches (M = 2, warm-up 1, one rank), and degree 2. Each world's call time and the time in its
     blocks (``Stage.run_segment``: every pass's blocks, not embedding, output layer, scheduler, engine or waits) and
-    in the attention and linear kernels (``scaled_dot_product_attention``, ``linear``), per rank. Patched over whole
-    at degree 1 is what patch passes cost this model on this machine, split into the attention kernels and the rest
-    of the blocks; degree 2's blocks per rank over half of degree 1's patched blocks is what splitting the blocks
-    costs; the call time beyond its blocks is the waits, embedding, output layer, scheduler and engine. An extra
-    pass's time is split into its attention kernels, its linear kernels and the rest: at a tiny ``--size`` (64 px:
-    16 tokens) the rest is the pass's host work (Python, module calls, dispatch) and small kernels, and the linears
-    stream their weights for a few tokens, which at 512 px is per-token work, not per-pass."""
+    in the attention and linear kernels within them (``scaled_dot_product_attention``, ``linear``), per rank.
+    Patched over whole at degree 1 is what patch passes cost this model on this machine, split into the attention
+    kernels and the rest of the blocks; degree 2's blocks per rank over half of degree 1's patched blocks is what
+    splitting the blocks costs; the call time beyond its blocks is the waits, embedding, output layer, scheduler and
+    engine. An extra pass's time is split into its attention kernels, its linear kernels and the rest: at a tiny
+    ``--size`` (64 px: 16 tokens) the rest is the pass's host work (Python, module calls, dispatch) and small
+    kernels, and the linears stream their weights for a few tokens, which at 512 px is per-token work, not
+    per-pass."""
     configs = {"degree 1": (1, None), "degree 1, patched": (1, 2), "degree 2": (2, None)}
     # (setup_rank's per_pass_as_before=False, time_blocks=True)
     setups = {name: (degree, (parallel_config(degree, m), False, True)) for name, (degree, m) in configs.items()}
