@@ -40,6 +40,9 @@ CALLS: dict[str, tuple[dict, int]] = {
 }
 
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
+# what ``--patch-cost`` times in each rank, and the ``_PIPE`` total each adds to: the blocks of every pass
+# (``Stage.run_segment``) and, within them, the attention and linear kernels
+TIMERS = {"blocks": "segment_s", "attention kernels": "sdpa_s", "linear kernels": "linear_s"}
 
 
 def setup_rank(
@@ -129,7 +132,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
 
     pipe, preset = _PIPE["pipe"], _PIPE["preset"]
     pipe.enable_trace(trace)
-    _PIPE["segment_s"] = _PIPE["sdpa_s"] = _PIPE["linear_s"] = 0.0
+    _PIPE.update(dict.fromkeys(TIMERS.values(), 0.0))
     dist.barrier()
     start = time.perf_counter()
     pipe(
@@ -144,7 +147,7 @@ def call_rank(steps: int, size: int, trace: bool = False) -> dict:
     dist.barrier()
     seconds = time.perf_counter() - start
     if not trace:
-        return dict(seconds=seconds, **{total: _PIPE[total] for total in ("segment_s", "sdpa_s", "linear_s")})
+        return dict(seconds=seconds, **{total: _PIPE[total] for total in TIMERS.values()})
     events = pipe.trace_events()
     pipe.enable_trace(False)
     (loop,) = [e for e in events if e["tid"] == LOOP]
@@ -297,17 +300,16 @@ def patch_cost(presets, steps: int, size: int, repeats: int) -> dict:
         runs, _ = in_turns(preset, setups, steps, size, repeats)
         rows = speedups(seconds(runs), "degree 1")
         for name, rr in runs.items():  # each rank's median time in its blocks and in the kernels
-            for total in ("segment_s", "sdpa_s", "linear_s"):
+            for total in TIMERS.values():
                 rows[name][total] = [statistics.median(r[rank][total] for r in rr) for rank in range(len(rr[0]))]
         whole, patched, split = (rows[name]["segment_s"] for name in configs)
         (whole_sdpa, *_), (patched_sdpa, *_) = (rows[name]["sdpa_s"] for name in list(configs)[:2])
         rows["patched_over_whole"] = patched[0] / whole[0]
         rows["attention_patched_over_whole"] = patched_sdpa / whole_sdpa
         rows["rest_patched_over_whole"] = (patched[0] - patched_sdpa) / (whole[0] - whole_sdpa)
-        timers = {"blocks": "segment_s", "attention kernels": "sdpa_s", "linear kernels": "linear_s"}
         extra_pass = {  # M = 2, warm-up 1: steps - 1 more passes
             name: 1e3 * (rows["degree 1, patched"][total][0] - rows["degree 1"][total][0]) / (steps - 1)
-            for name, total in timers.items()
+            for name, total in TIMERS.items()
         }
         extra_pass["the rest"] = extra_pass["blocks"] - extra_pass["attention kernels"] - extra_pass["linear kernels"]
         rows["extra_pass_ms"], rows["extra_pass_split_ms"] = extra_pass["blocks"], extra_pass
