@@ -3,8 +3,14 @@
     python benchmarks/gpu_suite.py [--out benchmarks/results] [--repeats 5] [--quick] [--only SECTION,...]
     python benchmarks/gpu_suite.py --merge A.json B.json [--out DIR]   # join the reports of split runs
 
-Sections (``--only`` names them: degree1 = a-c, cpu_speedups = d, nccl_one_gpu = e); a GPU section without a CUDA
-device is recorded as skipped, with the reason:
+Sections (``--only`` names them: patch_cost = p, degree1 = a-c, cpu_speedups = d, nccl_one_gpu = e); a GPU section
+without a CUDA device is recorded as skipped, with the reason:
+
+p. a patch's cost (``benchmarks/gpu_patch_cost.py``): per family at its released transformer shape (HunyuanDiT
+   DiT-g/2, SD3.5-large, FLUX.1-dev, Qwen-Image, FLUX.2-dev at 1024 px; Wan 2.1 14B at 480 x 832 px, 81 frames),
+   random bf16 weights built on the GPU, a pipelined step's M = 2, 4, 8 patch passes (each over the stale K/V of the
+   rest) against one whole-image pass, per block and for a stage of four; first, as the figure the performance
+   model most needs.
 
 a. degree-1 loop, xfuse vs diffusers' ``HunyuanDiTPipeline`` on the same random ``dit-g2`` model (the released
    transformer's shape), bf16, 1024 px, CFG, 20 steps: the pipeline call to latents (tiny text encoders, the denoising
@@ -29,8 +35,9 @@ diffusers), after ``bash benchmarks/device_wheels.sh`` here, one call with ``car
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --out $OUT
 
-(about 8 minutes: GPU sections ~2 min each, the CPU speedups ~3; ``--only`` splits it over two calls and ``--merge``
-joins what they wrote).
+(about 9 minutes: the patch cost ~1-2 min, the other GPU sections ~2 min each, the CPU speedups ~3; ``--only`` splits
+it over two calls and ``--merge`` joins what they wrote). ``--quick`` runs the patch cost's tiny shapes on the CPU
+when there is no GPU.
 """
 
 from __future__ import annotations
@@ -51,11 +58,13 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups, spread  # noqa: E402 (no torch at import time)
+from benchmarks.gpu_patch_cost import markdown as patch_cost_markdown  # noqa: E402
+from benchmarks.gpu_patch_cost import patch_cost  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red house by a lake"
 
-SECTIONS = ("degree1", "cpu_speedups", "nccl_one_gpu")  # in the order a full run takes them
+SECTIONS = ("patch_cost", "degree1", "cpu_speedups", "nccl_one_gpu")  # in the order a full run takes them
 
 
 def no_cuda() -> str | None:
@@ -283,6 +292,11 @@ def markdown(r: dict) -> str:
     """The report as docs/performance.md's GPU section shows it; sections a run did not take (``--only``) are left
     out."""
     out = [f"Machine: {r['machine']}.", ""]
+    cost = r.get("patch_cost")
+    if cost is not None and "families" not in cost:
+        out += [f"Patch cost: {cost.get('skipped') or cost.get('error')}", ""]
+    elif cost is not None:
+        out += [*patch_cost_markdown(cost), ""]
     d1 = r.get("degree1")
     if d1 is not None and ("skipped" in d1 or "error" in d1):
         out += [f"Degree-1 loop vs diffusers: {d1.get('skipped') or d1.get('error')}", ""]
@@ -389,6 +403,7 @@ def main(argv=None) -> None:
     quick = args.quick
     skipped = no_cuda()
     sections = {
+        "patch_cost": lambda: patch_cost(quick, 1 if quick else args.repeats),
         "degree1": lambda: degree1_loop(
             "tiny" if quick else "dit-g2", 256 if quick else 1024, 4 if quick else 20, 2 if quick else args.repeats
         ),
@@ -402,7 +417,7 @@ def main(argv=None) -> None:
         "nccl_one_gpu": lambda: nccl_one_gpu(4 if quick else 8, (2,) if quick else (2, 4)),
     }
     for name in only:
-        if skipped and name != "cpu_speedups":
+        if skipped and name != "cpu_speedups" and not (quick and name == "patch_cost"):
             report[name] = {"skipped": skipped}
             continue
         start = time.monotonic()
