@@ -83,7 +83,7 @@ def _hunyuan_inputs(model, rows, text_tokens, batch, device, dtype):
         hidden_states=_rand(
             batch, cfg.in_channels, rows * cfg.patch_size, cols * cfg.patch_size, device=device, dtype=dtype
         ),  # fmt: skip
-        timestep=torch.full((batch,), 500.0, device=device),
+        timestep=torch.full((batch,), 500.0, device=device, dtype=dtype),  # HunyuanDiTPipeline's t_expand
         encoder_hidden_states=_rand(batch, cfg.text_len, cfg.cross_attention_dim, device=device, dtype=dtype),
         text_embedding_mask=torch.ones(batch, cfg.text_len, device=device, dtype=torch.long),
         encoder_hidden_states_t5=_rand(batch, cfg.text_len_t5, cfg.cross_attention_dim_t5, device=device, dtype=dtype),
