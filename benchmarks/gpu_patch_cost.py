@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 PATCH_COUNTS = (2, 4, 8)  # M; 1 is the whole image
 
@@ -41,7 +42,10 @@ class Family:
 
     name: str
     model: str  # the released checkpoint whose transformer shape this is
-    build: Callable[[int], object]  # depth -> the diffusers transformer with that many blocks in every block list
+    preset: str | None  # xfuse's preset of that shape (``xfuse.perf.measured`` costs its blocks); None: no family yet
+    transformer: type  # the diffusers transformer class
+    config: dict  # its constructor arguments, but for the block counts
+    depth_keys: tuple[str, ...]  # the config keys of the block counts: a depth d sets every one of them to d
     block_lists: tuple[str, ...]  # the model's block ModuleLists, in the order they run
     inputs: Callable[..., dict]  # (model, rows, text_tokens, batch, device, dtype) -> the forward's kwargs
     token_rows: int  # the whole image's token rows (the engine cuts patches along them)
@@ -55,6 +59,9 @@ class Family:
     @property
     def tokens(self) -> int:
         return self.token_rows * self.tokens_per_row
+
+    def build(self, depth: int):
+        return self.transformer(**self.config, **dict.fromkeys(self.depth_keys, depth))
 
 
 def bands(rows: int, patches: int) -> list[int]:
@@ -162,10 +169,6 @@ def _wan_inputs(model, rows, text_tokens, batch, device, dtype, *, frames, cols)
     )
 
 
-def _built(cls, config: dict):
-    return lambda depth: cls(**config(depth))
-
-
 def families(quick: bool) -> list[Family]:
     """The released shapes (``quick``: tiny ones of the same classes, for the CPU test)."""
     from functools import partial
@@ -179,17 +182,17 @@ def families(quick: bool) -> list[Family]:
         WanTransformer3DModel,
     )
 
-    from xfuse.families.flux.presets import preset_transformer_config as flux_config
-    from xfuse.families.hunyuandit.presets import tiny_transformer_config as hunyuan_config
-    from xfuse.families.sd3.presets import preset_transformer_config as sd3_config
-    from xfuse.families.wan.presets import preset_transformer_config as wan_config
+    from xfuse.families.registry import transformer_config
+
+    def released(preset: str, *drop: str) -> dict:  # xfuse's preset of the released shape, block counts left out
+        return {k: v for k, v in transformer_config(preset).items() if k not in drop}
 
     side = 8 if quick else 64  # token rows and columns of a square image: 1024 px over the VAE's 8 and patch 2
-    # Qwen-Image (Qwen/Qwen-Image, transformer/config.json): 60 blocks of 24 heads x 128, Qwen2.5-VL's 3584 text width
-    qwen = dict(num_layers=60, num_attention_heads=24, attention_head_dim=128, joint_attention_dim=3584,
-                in_channels=64, out_channels=16, axes_dims_rope=(16, 56, 56))  # fmt: skip
-    # FLUX.2 [dev] (black-forest-labs/FLUX.2-dev): diffusers' defaults are its config: 8 double + 48 single blocks of
-    # 48 heads x 128, Mistral's stacked 15360-wide text, 128 latent channels (the 16x VAE's 32 packed 2 x 2)
+    # Qwen-Image (Qwen/Qwen-Image, transformer/config.json): 24 heads x 128, Qwen2.5-VL's 3584 text width
+    qwen = dict(num_attention_heads=24, attention_head_dim=128, joint_attention_dim=3584, in_channels=64,
+                out_channels=16, axes_dims_rope=(16, 56, 56))  # fmt: skip
+    # FLUX.2 [dev] (black-forest-labs/FLUX.2-dev): diffusers' defaults are its config: 48 heads x 128, Mistral's
+    # stacked 15360-wide text, 128 latent channels (the 16x VAE's 32 packed 2 x 2)
     flux2: dict = {}
     tiny_heads = dict(num_attention_heads=2, attention_head_dim=32)
     if quick:
@@ -198,84 +201,46 @@ def families(quick: bool) -> list[Family]:
     frames, wan_rows, wan_cols = (3, 8, 7) if quick else (21, 30, 52)  # 81 frames of 480 x 832 px: 21 x 30 x 52 tokens
     presets = {"hunyuan": "tiny", "sd3": "sd3-tiny", "flux": "flux-tiny", "wan": "wan-tiny"} if quick else {
         "hunyuan": "dit-g2", "sd3": "sd3.5-large", "flux": "flux-dev", "wan": "wan2.1-t2v-14b"}  # fmt: skip
+    one = ("num_layers",)
+    two = ("num_layers", "num_single_layers")
     square = dict(token_rows=side, tokens_per_row=side)
     return [
         Family(
-            "HunyuanDiT",
-            "Tencent-Hunyuan/HunyuanDiT-v1.2 (DiT-g/2)",
-            _built(HunyuanDiT2DModel, lambda d: hunyuan_config(presets["hunyuan"], num_layers=d)),
-            ("blocks",),
-            _hunyuan_inputs,
-            text_tokens=77 + 256,
-            batch=2,
-            joint_text=False,
-            **square,
+            "HunyuanDiT", "Tencent-Hunyuan/HunyuanDiT-v1.2 (DiT-g/2)", presets["hunyuan"], HunyuanDiT2DModel,
+            released(presets["hunyuan"], *one), one, ("blocks",), _hunyuan_inputs,
+            text_tokens=77 + 256, batch=2, joint_text=False, **square,
             note="cross-attention to CLIP (77) + T5 (256) tokens; long skips in the second half of the blocks",
         ),
         Family(
-            "SD3.5",
-            "stabilityai/stable-diffusion-3.5-large",
-            _built(SD3Transformer2DModel, lambda d: {**sd3_config(presets["sd3"]), "num_layers": d}),
-            ("transformer_blocks",),
-            _sd3_inputs,
-            text_tokens=77 + 256,
-            batch=2,
-            joint_text=True,
-            **square,
+            "SD3.5", "stabilityai/stable-diffusion-3.5-large", presets["sd3"], SD3Transformer2DModel,
+            released(presets["sd3"], *one), one, ("transformer_blocks",), _sd3_inputs,
+            text_tokens=77 + 256, batch=2, joint_text=True, **square,
         ),
         Family(
-            "FLUX.1",
-            "black-forest-labs/FLUX.1-dev",
-            _built(
-                FluxTransformer2DModel,
-                lambda d: {**flux_config(presets["flux"]), "num_layers": d, "num_single_layers": d},
-            ),
-            ("transformer_blocks", "single_transformer_blocks"),
-            partial(_flux_inputs, cols=side),
-            text_tokens=512,
-            batch=1,
-            joint_text=True,
-            **square,
+            "FLUX.1", "black-forest-labs/FLUX.1-dev", presets["flux"], FluxTransformer2DModel,
+            released(presets["flux"], *two), two, ("transformer_blocks", "single_transformer_blocks"),
+            partial(_flux_inputs, cols=side), text_tokens=512, batch=1, joint_text=True, **square,
             note="a depth of d is d double-stream and d single-stream blocks (the release has 19 + 38)",
         ),
         Family(
-            "Qwen-Image",
-            "Qwen/Qwen-Image",
-            _built(QwenImageTransformer2DModel, lambda d: {**qwen, "num_layers": d}),
-            ("transformer_blocks",),
-            partial(_qwen_inputs, cols=side),
-            text_tokens=128,
-            batch=2,
-            joint_text=True,
-            **square,
-            note="128 text tokens: a prompt of about 90 words after the template's tokens are dropped",
+            "Qwen-Image", "Qwen/Qwen-Image", None, QwenImageTransformer2DModel, qwen, one, ("transformer_blocks",),
+            partial(_qwen_inputs, cols=side), text_tokens=128, batch=2, joint_text=True, **square,
+            note="60 blocks released; 128 text tokens: a prompt of about 90 words after the template's are dropped",
         ),
         Family(
-            "FLUX.2",
-            "black-forest-labs/FLUX.2-dev",
-            _built(Flux2Transformer2DModel, lambda d: {**flux2, "num_layers": d, "num_single_layers": d}),
-            ("transformer_blocks", "single_transformer_blocks"),
-            partial(_flux_inputs, cols=side),
-            text_tokens=512,
-            batch=1,
-            joint_text=True,
-            **square,
+            "FLUX.2", "black-forest-labs/FLUX.2-dev", None, Flux2Transformer2DModel, flux2, two,
+            ("transformer_blocks", "single_transformer_blocks"), partial(_flux_inputs, cols=side),
+            text_tokens=512, batch=1, joint_text=True, **square,
             note="a depth of d is d double-stream and d single-stream blocks (the release has 8 + 48)",
         ),
         Family(
-            "Wan 2.1",
-            "Wan-AI/Wan2.1-T2V-14B-Diffusers, 480 x 832 px, 81 frames",
-            _built(WanTransformer3DModel, lambda d: {**wan_config(presets["wan"]), "num_layers": d}),
-            ("blocks",),
-            partial(_wan_inputs, frames=frames, cols=wan_cols),
-            token_rows=wan_rows,
-            tokens_per_row=frames * wan_cols,
-            text_tokens=512,
-            batch=2,
-            joint_text=False,
+            "Wan 2.1", "Wan-AI/Wan2.1-T2V-14B-Diffusers, 480 x 832 px, 81 frames", presets["wan"],
+            WanTransformer3DModel, released(presets["wan"], *one), one, ("blocks",),
+            partial(_wan_inputs, frames=frames, cols=wan_cols), token_rows=wan_rows, tokens_per_row=frames * wan_cols,
+            text_tokens=512, batch=2, joint_text=False,
             note="spatial patches: a band of token rows in every frame; cross-attention to 512 UMT5 tokens",
         ),
-    ]
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -364,7 +329,7 @@ class BlockTimer:
             handle.remove()
 
 
-def _on_device(build: Callable[[int], object], depth: int, device, dtype):
+def _on_device(build: Callable[[int], Any], depth: int, device, dtype):
     """The model built on ``device`` and cast to ``dtype``, except the parameters diffusers keeps in float32 when it
     loads a checkpoint in a lower precision (``_keep_in_fp32_modules``: Wan's norms, time embedder and modulation)."""
     import torch
@@ -393,9 +358,10 @@ def measure_family(family: Family, device, dtype, repeats: int) -> dict:
     """The blocks' time of a whole-image pass and of one step's M patch passes, at both depths (see the module)."""
     import torch
 
-    result: dict = {"model": family.model, "tokens": family.tokens, "text_tokens": family.text_tokens,
-                    "batch": family.batch, "joint_text": family.joint_text, "depths": list(family.depths),
-                    "note": family.note}  # fmt: skip
+    result: dict = {"model": family.model, "preset": family.preset, "depth_keys": list(family.depth_keys),
+                    "tokens": family.tokens, "token_rows": family.token_rows, "tokens_per_row": family.tokens_per_row,
+                    "text_tokens": family.text_tokens, "batch": family.batch, "joint_text": family.joint_text,
+                    "depths": list(family.depths), "note": family.note}  # fmt: skip
     times: dict[int, dict[int, dict]] = {}
     for depth in family.depths:
         model = _on_device(family.build, depth, device, dtype)
