@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from xfuse.perf.measured import even_rows  # the cut the model's curves assume (no torch at import time)
+
 PATCH_COUNTS = (2, 4, 8)  # M; 1 is the whole image
 
 
@@ -62,12 +64,6 @@ class Family:
 
     def build(self, depth: int):
         return self.transformer(**self.config, **dict.fromkeys(self.depth_keys, depth))
-
-
-def bands(rows: int, patches: int) -> list[int]:
-    """Token rows of each of ``patches`` bands, as even as they go (the first bands take the remainder)."""
-    base, extra = divmod(rows, patches)
-    return [base + (i < extra) for i in range(patches)]
 
 
 # ------------------------------------------------------------------------------------------------ the families
@@ -375,7 +371,7 @@ def measure_family(family: Family, device, dtype, repeats: int) -> dict:
             for patches in (1, *PATCH_COUNTS):
                 # per band: (its rows, the text it carries); the inputs are built once, outside the timed passes
                 passes = []
-                for i, rows in enumerate(bands(family.token_rows, patches)):
+                for i, rows in enumerate(even_rows(family.token_rows, patches)):
                     text = family.text_tokens if (i == 0 or not family.joint_text) else 0
                     kwargs = family.inputs(model, rows, text, family.batch, device, dtype)
                     passes.append((rows, kwargs))

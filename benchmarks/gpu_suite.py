@@ -205,7 +205,9 @@ NCCL_ONE_GPU_ENV = {
     "NCCL_SHM_DISABLE": "1",
     "NCCL_SOCKET_IFNAME": "lo",
     "NCCL_IB_DISABLE": "1",
+    "NCCL_DEBUG": "WARN",  # NCCL's own reason, if it refuses, in the captured output
 }
+EXACT_COMM_TIMEOUT_S = 30  # the exact runs' comm.timeout_s: a refusing NCCL is reported well inside LAUNCH_TIMEOUT_S
 
 
 LAUNCH_TIMEOUT_S = 240  # one tiny generate on CUDA: start-up, NCCL set-up and a few steps; a hang must not eat the call
@@ -238,15 +240,17 @@ def _generate(degree: int, out_png: str, steps: int, extra: list[str], env: dict
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={degree}"]
         cmd += [os.path.abspath(__file__), "--rank-entry", *args]
     start = time.monotonic()
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=timeout)
-        return out.returncode, time.monotonic() - start, out.stderr
+    try:  # stdout and stderr in one stream: NCCL_DEBUG writes to stdout, xfuse's reports to stderr
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, **env}, timeout=timeout)  # fmt: skip
+        return out.returncode, time.monotonic() - start, out.stdout
     except subprocess.TimeoutExpired as exc:
-        return "timeout", time.monotonic() - start, (exc.stderr or b"").decode(errors="replace")
+        return "timeout", time.monotonic() - start, (exc.stdout or b"").decode(errors="replace")
 
 
 def _report_lines(stderr: str) -> list[str]:
-    keep = ("failed:", "stopped", "terminated by", "first failure", "who waits", "CommTimeout", "PeerLost", "NCCL WARN")
+    keep = ("failed:", "stopped", "terminated by", "first failure", "who waits", "CommTimeout", "PeerLost", "NCCL WARN",
+            "NCCL error")  # fmt: skip
     return [line.strip() for line in stderr.splitlines() if any(k in line for k in keep)][:20]
 
 
@@ -257,7 +261,7 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
     env = dict(NCCL_ONE_GPU_ENV)
     result: dict = {"env": env, "note": "every rank on GPU 0, NCCL_HOSTID per rank"}
     with tempfile.TemporaryDirectory() as tmp:
-        exact = [f"parallel.warmup_steps={steps}"]
+        exact = [f"parallel.warmup_steps={steps}", f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}"]
         rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, LAUNCH_TIMEOUT_S)
         if rc != 0:
             return {**result, "error": f"degree 1 on CUDA failed (rc {rc}): {err[-2000:]}"}
@@ -347,10 +351,30 @@ def markdown(r: dict) -> str:
         if "skipped" in nccl or "error" in nccl:
             out.append(nccl.get("skipped") or nccl.get("error"))
         else:
+            out += [f"Outcome: {nccl_outcome(nccl)}", ""]
             for key, row in nccl.items():
                 if key not in ("env", "note", "section_seconds"):
                     out.append(f"- {key}: " + json.dumps(row)[:600])
     return "\n".join(out).rstrip() + "\n"
+
+
+def nccl_outcome(nccl: dict) -> str:
+    """The NCCL section in one sentence: ran and matched, ran and differed, or refused (with NCCL's words)."""
+    exact = {key: row for key, row in nccl.items() if key.startswith("exact_pp")}
+    refused = {key: row for key, row in exact.items() if row.get("rc") != 0}
+    if refused:
+        key, row = next(iter(refused.items()))
+        text = json.dumps(nccl).replace("\\n", "\n")  # every row's captured output and reports
+        said = [line for line in text.splitlines() if any(k in line for k in ("NCCL error", "NCCL WARN", "ncclSystem"))]
+        words = said[0].split("raised the following async exception: ")[-1].split('"')[0].strip()[:300] if said else ""
+        return f"refused: {key} ended with rc {row['rc']}" + (f"; NCCL said: {words}" if words else "")
+    if not exact:
+        return "nothing ran"
+    if all(row.get("identical") for row in exact.values()):
+        return f"ran and matched degree 1 exactly ({', '.join(exact)})"
+    return "ran, but differed from degree 1: " + ", ".join(
+        f"{key} max |pixel difference| {row.get('max_abs_pixel_diff_vs_degree1')}" for key, row in exact.items()
+    )
 
 
 def write(report: dict, out_dir: str) -> None:

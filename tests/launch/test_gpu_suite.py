@@ -1,6 +1,7 @@
 """benchmarks/gpu_suite.py: the GPU suite runs end to end here in ``--quick`` mode. Without a GPU its GPU sections
-are recorded as skipped with the reason and its CPU section (speedups with real gloo ranks) is measured; its
-Markdown renders the GPU sections' figures from a report of the same shape."""
+are recorded as skipped with the reason, its CPU section (speedups with real gloo ranks) is measured and its patch
+cost runs every family's tiny shapes on the CPU; its Markdown renders the GPU sections' figures from a report of the
+same shape."""
 
 import json
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_suite
+from benchmarks.gpu_patch_cost import StaleKV
 from tests.support import REPO
 
 ROOT = str(REPO)
@@ -111,4 +113,65 @@ def test_bad_section_names_are_refused_naming_the_allowed_ones():
         timeout=120,
     )
     assert run.returncode == 2
-    assert "--only: unknown section(s) ['nccl']; allowed: degree1, cpu_speedups, nccl_one_gpu" in run.stderr
+    assert "--only: unknown section(s) ['nccl']; allowed: patch_cost, degree1, cpu_speedups, nccl_one_gpu" in run.stderr
+
+
+def test_patch_cost_runs_every_family_with_a_later_patchs_text_as_the_engine_carries_it(quick_report):
+    """Every family's tiny shape through the harness: a whole pass and M = 2, 4, 8; the MMDiT families whose untouched
+    diffusers model takes a zero-token text stream run later patches without text, Qwen-Image's (its RoPE cannot)
+    carries it in every patch and the report says so."""
+    report, md = quick_report
+    cost = report["patch_cost"]
+    assert cost["device"] == "cpu" and cost["patches"] == [2, 4, 8]
+    families = cost["families"]
+    assert list(families) == ["HunyuanDiT", "SD3.5", "FLUX.1", "Qwen-Image", "FLUX.2", "Wan 2.1"]
+    for name, row in families.items():
+        assert "error" not in row, (name, row.get("error"))
+        for depth in map(str, row["depths"]):
+            assert set(row["times"][depth]) == {"1", "2", "4", "8"}
+            assert all(0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"] for t in row["times"][depth].values())
+        assert set(row["step_over_whole"]) == {"2", "4", "8"}
+    later_text = {name: row.get("text_in_later_patches") for name, row in families.items() if row["joint_text"]}
+    assert later_text == {"SD3.5": False, "FLUX.1": False, "Qwen-Image": True, "FLUX.2": False}
+    assert [row["preset"] for row in families.values()] == ["tiny", "sd3-tiny", "flux-tiny", None, None, "wan-tiny"]
+    assert "| Qwen-Image | 64 (128, in every patch) x 2 |" in md
+
+
+def test_the_stale_kv_wrapper_attends_a_bands_queries_over_the_whole_images_buffer():
+    """Inside a band's pass a self-attention's keys are the band's fresh K/V in the buffer's first rows and stale
+    rows after them (what the engine's StaleKVCache.update returns); cross-attention, whose keys are the text, and
+    a whole-image pass are left alone."""
+    import torch.nn.functional as F
+
+    stale = StaleKV()
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    text = torch.randn(1, 2, 7, 8)
+    with stale.band(extra_tokens=11):
+        out = F.scaled_dot_product_attention(q, k, v)
+        cross = F.scaled_dot_product_attention(q, text, text)
+    ((k_buf, v_buf),) = stale._buffers.values()
+    assert k_buf.shape == (1, 2, 16, 8) and torch.equal(k_buf[:, :, :5], k) and torch.equal(v_buf[:, :, :5], v)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k_buf, v_buf))
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v))  # the stale rows count
+    assert torch.allclose(cross, F.scaled_dot_product_attention(q, text, text))
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # restored after the band
+    with stale.band(extra_tokens=0):
+        assert torch.allclose(F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert len(stale._buffers) == 1  # the whole image allocates nothing
+
+
+@pytest.mark.parametrize(
+    "nccl,outcome",
+    [
+        ({"exact_pp2": {"rc": 0, "identical": True}, "exact_pp4": {"rc": 0, "identical": True}},
+         "ran and matched degree 1 exactly (exact_pp2, exact_pp4)"),
+        ({"exact_pp2": {"rc": 0, "identical": False, "max_abs_pixel_diff_vs_degree1": 3}},
+         "ran, but differed from degree 1: exact_pp2 max |pixel difference| 3"),
+        ({"exact_pp2": {"rc": "timeout", "started": False, "nccl_said": "x\n[rank1]: ... raised the following async "
+                        "exception: NCCL error: unhandled system error, NCCL 2.28.9\n"}},
+         "refused: exact_pp2 ended with rc timeout; NCCL said: NCCL error: unhandled system error, NCCL 2.28.9"),
+    ],
+)  # fmt: skip
+def test_the_nccl_section_states_its_outcome_plainly(nccl, outcome):
+    assert gpu_suite.nccl_outcome(nccl) == outcome
+    assert f"Outcome: {outcome}" in gpu_suite.markdown({"machine": "NVIDIA H100", "nccl_one_gpu": nccl})

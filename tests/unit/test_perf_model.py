@@ -109,11 +109,14 @@ def test_more_devices_are_faster_on_nvlink_but_ring_8_at_1024_px_is_not_and_the_
             assert times[0] > times[1] > times[2] < times[3]
         else:
             assert times == sorted(times, reverse=True), key
-    one = _predict("flux-dev", where[1]).compute
-    for parallel in ({"ulysses_degree": 4}, {"ring_degree": 4}):  # the FLOPs split evenly over the SP group
-        assert _predict("flux-dev", where[4], **parallel).compute == pytest.approx(
-            one / 4 + 0.75 * 57 * 28 * FITTED.launch, rel=1e-9
-        )
+    # the FLOPs split evenly over the SP group: each rank's block pass costs what the measured curve says a pass of
+    # a quarter of the block's FLOPs costs on an A100, plus the per-block overhead
+    work, curve = workload(_config("flux-dev")), FITTED.curves["flux"]
+    tokens = work.grid(1).num_tokens
+    flops = [work.spec.block_flops(work.config, b, tokens, tokens, work.text_tokens, True) for b in range(57)]
+    block = [curve.seconds_on(f / 4, where[4].device, FITTED.relative("a100")) + FITTED.launch for f in flops]
+    for parallel in ({"ulysses_degree": 4}, {"ring_degree": 4}):
+        assert _predict("flux-dev", where[4], **parallel).compute == pytest.approx(28 * sum(block), rel=1e-9)
 
 
 def test_ring_hides_its_exchange_behind_attention_on_gpus_but_not_on_gloo():
@@ -136,11 +139,16 @@ def test_ulysses_collapses_on_shared_pcie_where_pipefusion_does_not():
 
 def test_the_fit_holds_on_the_points_it_did_not_see():
     """The held-out published points (every hybrid, every 4- and 8-GPU figure, the CPU's Ring 2 and PipeFusion 2)
-    within a median of 15 %, and the fitted ones within 10 %; the CPU's held-out pair within 10 % each."""
+    within a median of 17 % (it was 12 % when every family's throughput was fitted to them; the measured pass curves
+    of 2026's stack on an H100 cost that against xDiT's 2024 figures, docs/performance.md says where), the GPU
+    PipeFusion ones within 19 % as before, and the fitted ones within 10 %; the CPU's held-out pair within 10 %
+    each."""
     rows = errors(POINTS + CPU_POINTS)
     held = [abs(e) for p, _, e in rows if p.held_out]
+    pipefusion = [abs(e) for p, _, e in rows if p.held_out and p.pipefusion > 1 and p.device != "cpu"]
     fitted = [abs(e) for p, _, e in rows if not p.held_out]
-    assert len(held) >= 30 and statistics.median(held) <= 0.15
+    assert len(held) >= 30 and statistics.median(held) <= 0.17
+    assert len(pipefusion) >= 15 and statistics.median(pipefusion) <= 0.195
     assert statistics.median(fitted) <= 0.10
     assert all(abs(e) <= 0.10 for p, _, e in rows if p.device == "cpu")
 
@@ -154,15 +162,18 @@ def test_the_documented_table_is_the_models_own():
 
 def test_the_fit_is_a_minimum_of_its_loss():
     """Nudging any fitted constant by 5 % either way makes the training loss no better (the pasted constants are
-    the fit's result, not hand-tuned)."""
+    the fit's result, not hand-tuned); with every published family measured, the free constants are the devices'
+    efficiencies, the per-block overhead and the time outside the loop."""
     train = [p for p in POINTS if not p.held_out]
     base = calibration._loss(train, FITTED)
-    x = calibration._pack(FITTED, ["a100", "h100", "l40"], ["hunyuandit", "sd3"])
+    free = calibration.free_constants(train, FITTED)
+    assert free == (["a100", "h100", "l40"], [], ["launch", "outside"])
+    x = calibration._pack(FITTED, *free)
     for i in range(len(x)):
         for step in (-0.05, 0.05):
             nudged = list(x)
             nudged[i] += math.log1p(step)
-            trial = calibration._unpack(nudged, FITTED, ["a100", "h100", "l40"], ["hunyuandit", "sd3"])
+            trial = calibration._unpack(nudged, FITTED, *free)
             assert calibration._loss(train, trial) >= base * (1 - 1e-3), (i, step)
 
 

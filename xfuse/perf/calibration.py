@@ -4,10 +4,12 @@
 ``--fit`` refits (a few minutes: hundreds of schedule replays) and prints the constants to paste into ``FITTED``.
 
 The fit: least squares on log(predicted / published) over the points ``published.Point.held_out`` leaves in
-(single- and 2-GPU figures), by Nelder-Mead on the logarithms of the constants: a device's efficiency (per
-device), a family's throughput relative to FLUX (per family with points), the elementwise memory traffic, the
-launch cost per block and the time outside the loop per megapixel (shared). Then, with those, this machine's CPU:
-its efficiency (from the single rank) and gloo's cost per message between two busy ranks (from Ulysses 2).
+(single- and 2-GPU figures), by Nelder-Mead on the logarithms of the constants the points can tell apart
+(``free_constants``): a device's efficiency (per device), the per-block overhead of a task and the time outside the
+loop per megapixel (shared); a family's throughput relative to FLUX and the elementwise memory traffic only for
+families without a measured pass curve (``xfuse.perf.measured``; every family with published points has one).
+Then, with those, this machine's CPU: its efficiency (from the single rank) and gloo's cost per message between two
+busy ranks (from Ulysses 2).
 """
 
 from __future__ import annotations
@@ -18,18 +20,23 @@ from dataclasses import replace
 
 from xfuse.config import ParallelConfig, parallel_config
 from xfuse.families.registry import model_spec, transformer_config
+from xfuse.perf.measured import CURVES
 from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
 from xfuse.perf.model import machine as machine_of
 from xfuse.perf.published import CPU_POINTS, POINTS, Point
 
-# Result of ``fit()`` (python -m xfuse.perf.calibration --fit), kept so that predictions are instant.
+# Result of ``fit()`` (python -m xfuse.perf.calibration --fit), kept so that predictions are instant. The families
+# with published points (HunyuanDiT, SD3, FLUX) are costed by their measured pass curves (``CURVES``), so no family
+# factor is fitted; ``traffic`` is the fit's from before the curves (2026-11-25) and prices the families without one
+# (PixArt-Σ) and the CPU, which no point can tell apart now.
 FITTED = Calibration(
-    efficiency={"a100": 0.5940, "h100": 0.4563, "l40": 0.7861, "cpu": 0.8817},
-    family={"hunyuandit": 0.4952, "sd3": 0.9669},
+    efficiency={"a100": 0.6031, "h100": 0.4013, "l40": 0.6628, "cpu": 0.8820},
+    family={},
     traffic=144.95,
-    launch=0.0005375,
-    outside=0.1456,
-    latency={"cpu-gloo": 0.002905},
+    launch=0.0005881,
+    outside=0.1472,
+    latency={"cpu-gloo": 0.002826},
+    curves=CURVES,
 )
 
 
@@ -62,28 +69,34 @@ def seconds(point: Point, calibration: Calibration = FITTED) -> float:
     return p.seconds if point.decoded else p.loop
 
 
-_SHARED = ("traffic", "launch", "outside")
+def free_constants(points, calibration: Calibration) -> tuple[list[str], list[str], list[str]]:
+    """The constants the points can tell apart: (devices, families, shared). A family with a measured pass curve
+    (``xfuse.perf.measured``) is costed by it: its throughput relative to FLUX is measured, and the traffic and the
+    launch cost are free only where a point's family has no curve. FLUX is the families' reference."""
+    names = {p: model_spec(p.model).name for p in points}
+    unmeasured = [p for p in points if names[p] not in calibration.curves]
+    devices = sorted({p.device for p in points})
+    families = sorted({names[p] for p in unmeasured} - {"flux"})
+    shared = (["traffic"] if unmeasured else []) + ["launch", "outside"]
+    return devices, families, shared
 
 
-def _pack(c: Calibration, devices, families) -> list[float]:
+def _pack(c: Calibration, devices, families, shared) -> list[float]:
     return (
         [math.log(c.efficiency[d]) for d in devices]
         + [math.log(c.family[f]) for f in families]
-        + [math.log(getattr(c, k)) for k in _SHARED]
+        + [math.log(getattr(c, k)) for k in shared]
     )
 
 
-def _unpack(x: list[float], base: Calibration, devices, families) -> Calibration:
+def _unpack(x: list[float], base: Calibration, devices, families, shared) -> Calibration:
     values = [math.exp(v) for v in x]
     nd, nf = len(devices), len(families)
-    traffic, launch, outside = values[nd + nf :]
     return replace(
         base,
         efficiency={**base.efficiency, **dict(zip(devices, values[:nd], strict=True))},
         family={**base.family, **dict(zip(families, values[nd : nd + nf], strict=True))},
-        traffic=traffic,
-        launch=launch,
-        outside=outside,
+        **dict(zip(shared, values[nd + nf :], strict=True)),
     )
 
 
@@ -129,14 +142,8 @@ def nelder_mead(f, x0: list[float], step: float = 0.3, iterations: int = 400, to
 def fit(start: Calibration = FITTED) -> Calibration:
     """Fit the GPU constants to the published points the fit may see, then the CPU's efficiency to its single rank."""
     train = [p for p in POINTS if not p.held_out]
-    devices = sorted({p.device for p in train})
-    families = sorted({model_spec(p.model).name for p in train} - {"flux"})
-    result = _unpack(
-        nelder_mead(lambda x: _loss(train, _unpack(x, start, devices, families)), _pack(start, devices, families)),
-        start,
-        devices,
-        families,
-    )
+    free = free_constants(train, start)
+    result = _unpack(nelder_mead(lambda x: _loss(train, _unpack(x, start, *free)), _pack(start, *free)), start, *free)
     cpu = [p for p in CPU_POINTS if not p.held_out]
 
     def with_cpu(x: list[float]) -> Calibration:

@@ -4,10 +4,12 @@ The engine's own schedule (``xfuse.parallel.schedule``: per-rank task orders and
 durations instead of run, one pipeline stage at a time (every rank of a stage's sequence-parallel group runs the
 same timeline on its share of the tokens):
 
-- a task costs, per block of its segment, the block's FLOPs on its patch (``ModelSpec.block_flops``) over the
-  device's fitted throughput for the family, plus the memory traffic of the block's elementwise work (norms,
-  activations, residuals: ``traffic`` bytes per token and width element, over the memory bandwidth), plus a fixed
-  cost per block launch; all of it divided by the sequence-parallel degree;
+- a task costs, per block of its segment, what a pass of the block's FLOPs on its patch (``ModelSpec.block_flops``;
+  divided by the sequence-parallel degree) was measured to cost on a GPU (``xfuse.perf.measured``: the family's pass
+  curve, carried to another device by its fitted relative efficiency); for a family not measured, or on the CPU, the
+  FLOPs over the device's fitted throughput for the family, plus the memory traffic of the block's elementwise work
+  (norms, activations, residuals: ``traffic`` bytes per token and width element, over the memory bandwidth), divided
+  by the sequence-parallel degree, plus a fixed cost per block launch;
 - sequence parallelism adds, per attention module that mixes image tokens: Ulysses' two all-to-alls (q/k/v
   in, the output back; not overlapped), and Ring's K/V blocks passed ``ring - 1`` times, overlapped with that
   module's attention (only what exceeds it counts);
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from xfuse.config import ParallelConfig
 from xfuse.errors import ConfigError
@@ -34,21 +36,33 @@ from xfuse.parallel.control import ControlResiduals
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
 from xfuse.perf.hardware import DEVICES, LINKS, Device, Link, machine_link
+from xfuse.perf.measured import REFERENCE, PassCurve
 
 
 @dataclass(frozen=True)
 class Calibration:
     """The fitted constants (``xfuse.perf.calibration`` fits them to published points)."""
 
-    efficiency: dict[str, float]  # device key -> fraction of its peak reached by FLUX's blocks
+    efficiency: dict[str, float]  # device key -> fraction of its peak reached by FLUX's whole-image blocks
     family: dict[str, float]  # family name -> throughput relative to FLUX on the same device
     traffic: float  # bytes of memory traffic per token and width element in one block (elementwise work)
-    launch: float  # seconds per block per task (kernel launches, small-kernel tails)
+    launch: float  # seconds per block per task beyond its kernels' measured time (the host's per-pass work; with no
+    # curve, the kernel launches and small-kernel tails as well)
     outside: float  # seconds per megapixel outside the loop on a 312-TFLOPS GPU (text encoders, VAE decode)
     latency: dict[str, float]  # link key -> fitted seconds per message, where the spec's figure is not the cost
+    curves: dict[str, PassCurve] = field(default_factory=dict)  # family name -> measured block passes (GPU)
 
     def link(self, key: str, link: Link) -> Link:
         return replace(link, latency=self.latency[key]) if key in self.latency else link
+
+    def curve(self, family: str, device: Device) -> PassCurve | None:
+        """The family's measured pass curve, where it has one and ``device`` is a GPU (the CPU keeps its fit)."""
+        return self.curves.get(family) if device.gpu else None
+
+    def relative(self, device_key: str) -> float:
+        """A device's fitted efficiency on FLUX's blocks over what FLUX's whole pass reached when the curves were
+        measured (``xfuse.perf.measured.REFERENCE``): how a measured time carries to that device."""
+        return self.efficiency[device_key] / self.curves[REFERENCE].efficiency
 
     def throughput(self, device_key: str, device: Device, family: str) -> float:
         return device.peak_flops * self.efficiency[device_key] * self.family.get(family, 1.0)
@@ -204,6 +218,9 @@ class _Costs:
         self.work, self.par, self.machine = work, parallel, machine
         self.sp = parallel.sequence_degree
         self.flops = calibration.throughput(machine.device_key, machine.device, work.spec.name)
+        self.curve = calibration.curve(work.spec.name, machine.device)
+        if self.curve is not None:
+            self.relative = calibration.relative(machine.device_key)
         self.traffic, self.launch = calibration.traffic, calibration.launch
         self.batch = work.cfg_batch // parallel.cfg_degree
         self.element = machine.device.dtype_bytes
@@ -221,8 +238,11 @@ class _Costs:
         text = work.text_tokens
         tq = text if (work.joint and text_queries) else 0
         flops = batch * work.spec.block_flops(work.config, block, queries, self.grid.num_tokens, text, text_queries)
-        traffic = self.traffic * batch * (queries + tq) * d / self.machine.device.memory_bandwidth
-        compute = (flops / self.flops + traffic) / sp + self.launch
+        if self.curve is not None:  # measured: kernels, their launches and the device's use of a small pass
+            compute = self.curve.seconds_on(flops / sp, self.machine.device, self.relative) + self.launch
+        else:
+            traffic = self.traffic * batch * (queries + tq) * d / self.machine.device.memory_bandwidth
+            compute = (flops / self.flops + traffic) / sp + self.launch
         comm = 0.0
         modules = work.spec.attentions_of_block(work.config, block)
         passing = (queries + tq) / sp  # tokens of this pass on one SP rank (an MMDiT's text is chunked too)
