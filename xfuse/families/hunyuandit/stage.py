@@ -168,8 +168,16 @@ def denoise_request(
         stage.transformer, prompt_embeds, prompt_attention_mask, prompt_embeds_2, prompt_attention_mask_2
     )
 
+    # Mirrors ``diffusers.HunyuanDiTPipeline.__call__``'s t_expand for every step at once (one copy and cast per
+    # request): ``torch.tensor([t] * B, device=device).to(dtype=latent_model_input.dtype)`` keeps t's dtype (int64
+    # from DDPM) and casts on the device, as here. Built per step, that ``torch.tensor`` of a list of tensors read each
+    # t to the host and copied the list back: 3 host/device synchronisations a step (60 in 20 steps on an H100,
+    # benchmarks/results/gpu.md).
+    t_table = timesteps.to(latents.device).to(latents.dtype)  # (steps,), on the latents' device and in their dtype
+    t_table = t_table[:, None].expand(-1, model_batch).contiguous()  # (steps,) -> (steps, model_batch)
+
     def conditioning(step: int, t: torch.Tensor) -> Conditioning:
-        t_batch = torch.tensor([t] * model_batch, device=latents.device).to(dtype=latents.dtype)  # as diffusers
+        t_batch = t_table[step]  # (model_batch,): t = timesteps[step] (the engine's call), as diffusers' t_expand
         return stage.conditioning(t_batch, text, prompt_embeds_2, image_meta_size, style, rope)
 
     return DenoiseRequest(
