@@ -17,6 +17,7 @@ from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import always_computed, most_skipped
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
+    CPU_CONV_SCRATCH,
     DecodeTime,
     RankDecode,
     VaeShape,
@@ -118,7 +119,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
         side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
         why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
     holders = tuple(range(world)) if par.vae_on_every_rank(world) else (0,)
-    cpu = where is not None and not where.device.gpu  # oneDNN's working copies count on a CPU
+    scratch = CPU_CONV_SCRATCH if where is not None and not where.device.gpu else None  # a CPU's convolution copies
 
     def seconds(ranks: int) -> DecodeTime | None:  # as the performance model costs the device: in its dtype
         if where is None:
@@ -127,11 +128,11 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
                               calibration=FITTED, element=where.device.dtype_bytes)  # fmt: skip
 
     # Memory in the config's dtype.
-    (serial,) = decode_ranks(shape, height=height, width=width, batch=batch, element=element, conv_copy=cpu)
+    (serial,) = decode_ranks(shape, height=height, width=width, batch=batch, element=element, conv_scratch=scratch)
     bands: list[RankDecode] = []
     if 1 < world <= rows:
         bands = decode_ranks(shape, height=height, width=width, batch=batch, ranks=world, element=element,
-                             conv_copy=cpu)  # fmt: skip
+                             conv_scratch=scratch)  # fmt: skip
     whole = whole_image_tensors(shape, height=height, width=width, batch=batch, element=element)
     return VaePlan(shape, batch, element, world, parallel, why, holders, where, serial, bands, seconds(1),
                    seconds(world) if bands else None, whole)  # fmt: skip

@@ -14,9 +14,10 @@ every row, diffusers' own ops). Each op adds
 - the tensors alive while it runs: what its callers still reference, its inputs, its output and its own temporaries;
   the peak is the largest such sum. Besides diffusers' tensors this counts the band decode's (its GroupNorm's copy of
   a channels-last input and float32 copy of a bf16/fp16 one; the edge rows' small stacks; the gathered keys and
-  values and their receive buffers; on rank 0 the image's bands joined) and, on a CPU, the float32 copy oneDNN makes
-  of an NCHW input to a padded convolution (in blocks of 16 channels; none for 1x1 convolutions). What a GPU's
-  convolution workspace adds is not modelled. Within 1 % of the CPU allocator's peak of real decodes;
+  values and their receive buffers; on rank 0 the image's bands joined) and, on a CPU, what a padded convolution
+  allocates for an NCHW input (``ConvScratch``: oneDNN's reordered copy in blocks of 16 or 8 channels, or torch's
+  unfolded input; none for 1x1 convolutions), as the machine's kernels choose it. What a GPU's convolution workspace
+  adds is not modelled. Within 1 % of the CPU allocator's peak of real decodes, given the machine's scratch;
 - on the band decode, its messages: a k x k convolution's halo rows to and from each neighbour (travelling while
   the band's own convolution runs), a GroupNorm's (count, mean, squared deviations) to every other rank, the
   mid-block attention's keys and values to every other rank; rank 0 scatters the latent's bands before and gathers
@@ -44,6 +45,28 @@ from xfuse.perf.model import Calibration, Machine
 
 FLOAT32 = 4
 NORM_STATS = 3 * 8  # a GroupNorm's (count, mean, squared deviations) per (image, group), float64: vae_decode
+
+
+@dataclass(frozen=True)
+class ConvScratch:
+    """What a CPU's k x k convolution (k > 1) of an NCHW input allocates beside its input and output, per pixel:
+    oneDNN's reordered copy in blocks of ``block`` channels (16 with AVX-512, 8 with AVX2) of ``element`` bytes
+    (float32; the input's own bf16 where the CPU has AVX-512 BF16), or, with ``unfold``, torch's unfolded input (k * k
+    values per input channel: a bf16 convolution without oneDNN's bf16 kernels). Which one a machine uses is its
+    kernels' choice, not the model's: ``tests/unit/test_vae_model.py`` reads it off the machine before comparing."""
+
+    block: int
+    element: int
+    unfold: bool = False
+
+    def bytes(self, pixels: int, cin: int, k: int) -> int:
+        if self.unfold:
+            return pixels * cin * k * k * self.element
+        return pixels * -(-cin // self.block) * self.block * self.element
+
+
+# A CPU rank as xfuse plan prices it: oneDNN's float32 copy in blocks of 16 channels (AVX-512, float32 runs).
+CPU_CONV_SCRATCH = ConvScratch(block=16, element=FLOAT32)
 
 
 @dataclass(frozen=True)
@@ -159,8 +182,8 @@ class _Walk:
     """Diffusers' decoder forward on one band, op by op: FLOPs, traffic, live tensors and messages."""
 
     def __init__(self, vae: VaeShape, *, batch: int, rows: int, latent_rows: int, latent_cols: int,
-                 element: int, bands: list[int] | None, index: int, conv_copy: bool):  # fmt: skip
-        self.vae, self.batch, self.element, self.conv_copy = vae, batch, element, conv_copy
+                 element: int, bands: list[int] | None, index: int, conv_scratch: ConvScratch | None):  # fmt: skip
+        self.vae, self.batch, self.element, self.conv_scratch = vae, batch, element, conv_scratch
         self.rows, self.latent_rows, self.latent_cols = rows, latent_rows, latent_cols
         self.bands, self.index = bands, index  # bands None: the serial decode
         self.out = RankDecode(rows)
@@ -207,9 +230,8 @@ class _Walk:
         self.out.flops += flops
         self.out.traffic += traffic
         temporaries = []
-        if k > 1 and self.conv_copy and not self.channels_last:  # oneDNN's float32 copy of an NCHW input (CPU)
-            copied = self.live[x] // (self.element * cin)
-            temporaries.append(copied * -(-cin // 16) * 16 * FLOAT32)  # in blocks of 16 channels
+        if k > 1 and self.conv_scratch is not None and not self.channels_last:  # a CPU's copy of an NCHW input
+            temporaries.append(self.conv_scratch.bytes(self.live[x] // (self.element * cin), cin, k))
         if k > 1 and self.bands is not None and len(self.bands) > 1:
             # The halo: the band's first and last p rows to its neighbours while its own convolution runs (behind
             # it); then the p output rows at each inner edge recomputed from (B, cin, 3p, W) stacks of received and
@@ -372,11 +394,11 @@ class _Walk:
 
 
 def decode_ranks(vae: VaeShape, *, height: int, width: int, batch: int = 1, ranks: int = 1, element: int = FLOAT32,
-                 conv_copy: bool = False, band: bool | None = None) -> list[RankDecode]:  # fmt: skip
+                 conv_scratch: ConvScratch | None = None, band: bool | None = None) -> list[RankDecode]:  # fmt: skip
     """Every rank's share of decoding a batch of ``batch`` ``height`` x ``width`` px images over ``ranks`` ranks in
     row bands (one rank: the serial decode, ``vae.decode``). ``element``: bytes per element of the VAE's dtype;
-    ``conv_copy``: count oneDNN's copy of a padded convolution's input (a CPU); ``band``: walk the band decode's
-    ops (``ParallelVAEDecode``) even on one rank (default: on more than one)."""
+    ``conv_scratch``: what a padded convolution allocates on a CPU (``ConvScratch``; None on a GPU); ``band``: walk
+    the band decode's ops (``ParallelVAEDecode``) even on one rank (default: on more than one)."""
     factor = vae.scale_factor
     if height % factor or width % factor or height < factor or width < factor:
         raise ValueError(f"{height}x{width} px is not a whole latent at the VAE's factor {factor}")
@@ -386,7 +408,7 @@ def decode_ranks(vae: VaeShape, *, height: int, width: int, batch: int = 1, rank
     bands = band_rows(rows, ranks) if (ranks > 1 if band is None else band) else None
     return [
         _Walk(vae, batch=batch, rows=bands[i] if bands else rows, latent_rows=rows, latent_cols=cols, element=element,
-              bands=bands, index=i, conv_copy=conv_copy).decode()
+              bands=bands, index=i, conv_scratch=conv_scratch).decode()
         for i in range(ranks)
     ]  # fmt: skip
 
@@ -438,7 +460,13 @@ def predict_decode(vae: VaeShape, *, height: int, width: int, batch: int, ranks:
     rate = calibration.throughput(machine.device_key, machine.device, "flux")
     link = calibration.link(machine.link_key, machine.between(0, ranks - 1))
     shares = decode_ranks(
-        vae, height=height, width=width, batch=batch, ranks=ranks, element=element, conv_copy=not machine.device.gpu
+        vae,
+        height=height,
+        width=width,
+        batch=batch,
+        ranks=ranks,
+        element=element,
+        conv_scratch=None if machine.device.gpu else CPU_CONV_SCRATCH,
     )
     return decode_time(shares, flops_rate=rate, memory_bandwidth=machine.device.memory_bandwidth, link=link)
 
