@@ -10,7 +10,7 @@ import time
 import traceback
 
 from xfuse.config import ConfigError, load_config
-from xfuse.runtime.stderr import write_stderr
+from xfuse.stderr import write_stderr
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

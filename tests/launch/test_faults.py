@@ -406,7 +406,7 @@ def test_sigterm_in_the_middle_of_a_report_still_writes_one(tmp_path):
 def test_a_report_goes_to_stderr_in_one_write(capfd, monkeypatch):
     """Ranks of a node share one stderr and fail together: a report written in two calls (``print``: the text,
     then its newline) let another rank's header land on the report's last line (seen in a two-node run)."""
-    from xfuse.runtime import stderr
+    from xfuse import stderr
 
     writes = []
     real_write = os.write
@@ -423,7 +423,7 @@ def test_a_report_goes_to_stderr_in_one_write(capfd, monkeypatch):
 
 
 def test_a_report_under_capsys_is_one_stream_write(capsys):
-    from xfuse.runtime import stderr
+    from xfuse import stderr
 
     stderr.write_stderr("rank 0: error: bad\n  detail")  # capsys' stream has no file descriptor
     assert capsys.readouterr().err == "rank 0: error: bad\n  detail\n"

@@ -154,10 +154,15 @@ class _DeviceWork:
 
 
 class _Op:
+    """A ``Watched`` operation on that device work."""
+
     def __init__(self, name):
         self.name, self._work, self.retired_at = name, _DeviceWork(), None
 
-    def _retire(self, now):
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def retire(self, now):
         self.retired_at = now
 
 

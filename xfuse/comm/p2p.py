@@ -59,7 +59,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from xfuse.runtime.stderr import write_stderr
+from xfuse.stderr import write_stderr
 
 from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, describe_place, error_from_backend
@@ -125,7 +125,11 @@ class _Pending:
         Stream-ordered (NCCL): the wait is queued on the device; the watchdog retires the op when it completes."""
         return self.state in ("done", "released")
 
-    def _retire(self, now: float) -> None:
+    def is_completed(self) -> bool:
+        """Whether the device finished the operation (``CommWatchdog`` polls it; NCCL's Work reports it)."""
+        return self._work.is_completed()
+
+    def retire(self, now: float) -> None:
         """The device finished the operation (stream-ordered waits; called by the watchdog thread)."""
         self.record.status, self.record.t_done = "done", now
 
@@ -151,8 +155,8 @@ class PendingSend(_Pending):
         if not self._channels.stream_ordered:
             self._tensor = None  # the caller may reuse its tensor now
 
-    def _retire(self, now: float) -> None:
-        super()._retire(now)
+    def retire(self, now: float) -> None:
+        super().retire(now)
         self._tensor = None
 
 
@@ -237,7 +241,7 @@ class P2PChannels:
         self.stream_ordered = self.device.type == "cuda" if stream_ordered is None else bool(stream_ordered)
         self._cuda_events = self.stream_ordered and self.device.type == "cuda"
         self.watchdog = (
-            CommWatchdog(timeout_s=self.timeout_s, fail=self._expire, grace_s=watchdog_grace_s)
+            CommWatchdog[_Pending](timeout_s=self.timeout_s, fail=self._expire, grace_s=watchdog_grace_s)
             if self.stream_ordered
             else None
         )

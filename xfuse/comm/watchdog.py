@@ -25,12 +25,23 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-from xfuse.runtime.stderr import write_stderr
+from xfuse.stderr import write_stderr
 
-if TYPE_CHECKING:  # the channels' handles; p2p imports this module
-    from xfuse.comm.p2p import _Pending
+
+class Watched(Protocol):
+    """What the watchdog ages: a posted operation whose completion the device reports (``xfuse.comm.p2p``'s
+    handles)."""
+
+    def is_completed(self) -> bool:
+        """Whether the device finished the operation (polled by the watchdog's thread)."""
+        ...
+
+    def retire(self, now: float) -> None:
+        """Mark the operation done at ``now`` (``time.monotonic()``)."""
+        ...
+
 
 __all__ = ["CommWatchdog", "exit_on_stuck"]
 
@@ -45,7 +56,10 @@ def exit_on_stuck(error: BaseException) -> None:
     os._exit(1)
 
 
-class CommWatchdog:
+W = TypeVar("W", bound=Watched)  # the handles one watchdog ages
+
+
+class CommWatchdog(Generic[W]):
     """Ages the operations of one ``P2PChannels`` that the device waits on (see the module docstring).
 
     Args:
@@ -71,13 +85,13 @@ class CommWatchdog:
         self.fail, self.on_stuck = fail, on_stuck
         self.error: BaseException | None = None  # set once an operation expired
         self.raised = threading.Event()  # set by the main thread when it raised ``error``
-        self._entries: list[tuple[_Pending, float]] = []  # (handle, since), oldest first
+        self._entries: list[tuple[W, float]] = []  # (handle, since), oldest first
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # --- main thread --------------------------------------------------------------------------------------
-    def watch(self, handle: _Pending) -> None:
+    def watch(self, handle: W) -> None:
         """Age ``handle`` (a pending operation whose wait was just queued on the device) until it completes."""
         with self._lock:
             self._entries.append((handle, time.monotonic()))
@@ -86,17 +100,17 @@ class CommWatchdog:
             self._thread = threading.Thread(target=self._run, name="xfuse-comm-watchdog", daemon=True)
             self._thread.start()
 
-    def retire(self, handle: _Pending) -> None:
+    def retire(self, handle: W) -> None:
         """The operation is known complete (gloo: its blocking wait returned): stop aging it, mark it done."""
         self.forget(handle)
-        handle._retire(time.monotonic())
+        handle.retire(time.monotonic())
 
-    def forget(self, handle: _Pending) -> None:
+    def forget(self, handle: W) -> None:
         """Stop aging ``handle`` (completed, or failed on the main thread)."""
         with self._lock:
             self._entries = [e for e in self._entries if e[0] is not handle]
 
-    def oldest(self) -> tuple[_Pending, float] | None:
+    def oldest(self) -> tuple[W, float] | None:
         """(handle, since) of the oldest operation still in flight on the device, or None. Thread-safe."""
         with self._lock:
             return self._entries[0] if self._entries else None
@@ -131,9 +145,9 @@ class CommWatchdog:
         with self._lock:
             entries = list(self._entries)
         now = time.monotonic()
-        done: list[_Pending] = []
+        done: list[W] = []
         for handle, since in entries:
-            if handle._work.is_completed():
+            if handle.is_completed():
                 done.append(handle)
             elif now - since > self.timeout_s:
                 self.error = self.fail(handle, now - since)
@@ -143,4 +157,4 @@ class CommWatchdog:
             with self._lock:
                 self._entries = [e for e in self._entries if id(e[0]) not in finished]
             for handle in done:
-                handle._retire(now)
+                handle.retire(now)

@@ -14,7 +14,7 @@ import signal
 import time
 
 from xfuse.comm.errors import describe_place
-from xfuse.runtime.stderr import clock, write_stderr
+from xfuse.stderr import clock, write_stderr
 
 KINDS = ("kill", "stall", "raise")
 

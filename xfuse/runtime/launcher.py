@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from xfuse.runtime.stderr import write_stderr
+from xfuse.stderr import write_stderr
 
 POLL_S = 0.05  # how often the ranks' exit is looked at
 KILL_AFTER_S = 30.0  # a rank that has not exited this long after a failure elsewhere is killed

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from xfuse.comm.errors import CommTimeout, PeerLost
 from xfuse.comm.stats import WaitState
 from xfuse.errors import WorldFailure
-from xfuse.runtime.stderr import clock, write_stderr
+from xfuse.stderr import clock, write_stderr
 
 FAILURE_KEY = "xfuse/first_failure"  # a FailureRecord
 STATE_KEY = "xfuse/state"  # + "/<rank>": that rank's RankState

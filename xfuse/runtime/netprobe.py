@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from xfuse.errors import ConfigError
-from xfuse.runtime.stderr import clock, write_stderr
+from xfuse.stderr import clock, write_stderr
 
 SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
 PROBE_PREFIX = "xfuse/netprobe"

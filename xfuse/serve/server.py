@@ -24,12 +24,12 @@ from xfuse.build import build_pipeline, check_lora_family, default_size, load_lo
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
 from xfuse.families.registry import model_is_preset, model_spec
-from xfuse.runtime.stderr import clock, write_stderr
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
 from xfuse.serve.metrics import ServeMetrics
 from xfuse.serve.protocol import RequestLimits
 from xfuse.serve.service import Service
+from xfuse.stderr import clock, write_stderr
 
 LINGER_S = 1.5  # a broken rank 0 keeps answering (503) this long, so probes and waiting clients hear why
 NAMING_WAIT_S = 2.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it)
