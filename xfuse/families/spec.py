@@ -19,8 +19,7 @@ from typing import Any
 
 from xfuse.errors import ConfigError
 from xfuse.parallel.control import control_split
-from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.sequence import check_sequence_chunks
+from xfuse.parallel.patch_grid import check_sequence_chunks, patch_grid
 from xfuse.parallel.stage_plan import StagePlan, stage_plan
 
 

@@ -10,59 +10,17 @@ merged. Without sequence parallelism this is one SDPA call on this rank; with it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from xfuse.parallel.joint_sdpa import QKV, TextAttention, join_text, joint_sdpa, split_text
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.stale_kv import StaleKVCache
 
 if TYPE_CHECKING:
     from xfuse.parallel.sequence import SequenceParallel
-
-QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each (B, heads, tokens, head_dim)
-
-
-@dataclass
-class TextAttention:
-    """The text that shares the image's softmax in one pass (SD3, FLUX): its queries, keys and values on this rank,
-    each (B, heads, tokens, head_dim) — under sequence parallelism this rank's chunk of the text, and zero tokens for
-    a patch that reuses the text K/V its step's first patch recorded."""
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    tokens: int  # the text's tokens (all chunks)
-    fresh: bool  # this pass owns the text update: its K/V are recorded (else the recorded ones are reused)
-    text_first: bool  # the family's order: FLUX [text, image], SD3 [image, text]
-    record: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # record or reuse the K/V
-
-
-def join_text(image: torch.Tensor, text: torch.Tensor, text_first: bool) -> torch.Tensor:
-    """(B, heads, tokens, head_dim) image and text tokens in the family's order: FLUX [text, image], SD3 [image,
-    text]."""
-    return torch.cat((text, image) if text_first else (image, text), dim=2)
-
-
-def split_text(out: torch.Tensor, text_len: int, text_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output of ``join_text``'s queries back into (image, text), each (B, heads, tokens, head_dim)."""
-    if text_first:
-        return out[:, :, text_len:], out[:, :, :text_len]
-    return out[:, :, : out.shape[2] - text_len], out[:, :, out.shape[2] - text_len :]
-
-
-def joint_sdpa(query, key, value, text: QKV | None, text_first: bool):
-    """SDPA of the image queries (and the text's, where ``text`` is given) over the image K/V and the text's, in the
-    family's token order; returns (image output, text output or None), each (B, heads, tokens, head_dim)."""
-    if text is None:
-        return F.scaled_dot_product_attention(query, key, value), None
-    text_q, text_k, text_v = text
-    query, key, value = (join_text(*pair, text_first) for pair in ((query, text_q), (key, text_k), (value, text_v)))
-    out = F.scaled_dot_product_attention(query, key, value)  # (B, heads, image + text queries, head_dim)
-    return split_text(out, text_q.shape[2], text_first)
 
 
 def merge_heads(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

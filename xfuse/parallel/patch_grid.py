@@ -220,3 +220,17 @@ def token_counts(token_rows: int, token_cols: int, num_patches: int, lead_tokens
     counts = [first, *even_split(image_tokens - first, num_patches - 1)]
     assert min(counts) > 0, (token_rows, token_cols, num_patches, lead_tokens)  # num_patches <= token_rows
     return counts
+
+
+def check_sequence_chunks(grid: PatchGrid, ulysses: int, ring: int) -> None:
+    """Every pass over ``grid`` (a patch, or the whole image) leaves each of the ``ulysses * ring`` ranks of an SP
+    group at least one token; :class:`ConfigError` naming the degree otherwise (the same on every rank)."""
+    degree, smallest = ulysses * ring, min(band.num_tokens for band in grid)
+    if degree > 1 and smallest < degree:
+        key = "parallel.ring_degree" if ulysses == 1 else "parallel.ulysses_degree"
+        raise ConfigError(
+            key,
+            f"parallel.ulysses_degree ({ulysses}) x parallel.ring_degree ({ring}) = {degree} ranks share every "
+            f"pass's tokens, but the smallest patch of this {grid.token_rows}x{grid.token_cols}-token image has "
+            f"{smallest}: use fewer sequence-parallel ranks, fewer patches or a larger image",
+        )

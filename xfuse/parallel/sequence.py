@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from xfuse.comm.p2p import P2PChannels, Recv, Send
-from xfuse.errors import ConfigError
+from xfuse.parallel.joint_sdpa import QKV, TextAttention, join_text, joint_sdpa, split_text
 from xfuse.parallel.lse_attention import attention_with_lse, merge_partials
-from xfuse.parallel.pass_attention import QKV, TextAttention, join_text, joint_sdpa, split_text
 from xfuse.parallel.patch_grid import PatchGrid, even_split
 from xfuse.parallel.stale_kv import StaleKVCache
 
@@ -41,20 +40,6 @@ def _only_copy(received: dict[int, torch.Tensor]) -> torch.Tensor:
     """The one tensor received, copied out of its pooled buffer."""
     (tensor,) = received.values()
     return tensor.clone()
-
-
-def check_sequence_chunks(grid: PatchGrid, ulysses: int, ring: int) -> None:
-    """Every pass over ``grid`` (a patch, or the whole image) leaves each of the ``ulysses * ring`` ranks of an SP
-    group at least one token; :class:`ConfigError` naming the degree otherwise (the same on every rank)."""
-    degree, smallest = ulysses * ring, min(band.num_tokens for band in grid)
-    if degree > 1 and smallest < degree:
-        key = "parallel.ring_degree" if ulysses == 1 else "parallel.ulysses_degree"
-        raise ConfigError(
-            key,
-            f"parallel.ulysses_degree ({ulysses}) x parallel.ring_degree ({ring}) = {degree} ranks share every "
-            f"pass's tokens, but the smallest patch of this {grid.token_rows}x{grid.token_cols}-token image has "
-            f"{smallest}: use fewer sequence-parallel ranks, fewer patches or a larger image",
-        )
 
 
 def token_chunks(tokens: slice, parts: int) -> tuple[slice, ...]:

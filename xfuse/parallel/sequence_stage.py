@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from xfuse.parallel.patch_grid import PatchBand, PatchGrid
-from xfuse.parallel.sequence import SequenceParallel, check_sequence_chunks
+from xfuse.parallel.patch_grid import PatchBand, PatchGrid, check_sequence_chunks
+from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment
 

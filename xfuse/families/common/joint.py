@@ -27,7 +27,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention
 
 from xfuse.families.common.layers import project_heads
-from xfuse.parallel.pass_attention import PassAttention, TextAttention
+from xfuse.parallel.joint_sdpa import TextAttention
+from xfuse.parallel.pass_attention import PassAttention
 from xfuse.parallel.stale_kv import StaleKVCache
 
 
