@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks.quality import psnr, ssim  # noqa: E402
 from tests.support.world import World  # noqa: E402
 from xfuse.assets import shapes_world as shapes  # noqa: E402
-from xfuse.families.registry import SHIPPED_MODELS, model_spec  # noqa: E402
+from xfuse.families.folder import SHIPPED_MODELS  # noqa: E402
+from xfuse.families.registry import model_spec  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = {

@@ -49,8 +49,8 @@ def setup_rank(degree: int, parallel: dict, controlled: bool, controlnet_folder:
     import torch.distributed as dist
     from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline
 
+    from xfuse import PipeFusionStableDiffusion3ControlNetPipeline, PipeFusionStableDiffusion3Pipeline
     from xfuse.families.registry import load_pipeline
-    from xfuse.pipelines import PipeFusionStableDiffusion3ControlNetPipeline, PipeFusionStableDiffusion3Pipeline
     from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
     torch.set_num_threads(1)

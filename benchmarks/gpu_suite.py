@@ -79,8 +79,8 @@ def degree1_loop(preset: str, size: int, steps: int, repeats: int) -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from xfuse import PipeFusionHunyuanDiTPipeline
     from xfuse.families.hunyuandit.presets import build_tiny_pipeline
-    from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
 
     call = dict(
         prompt=PROMPT,

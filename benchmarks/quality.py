@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from tests.support.world import World  # noqa: E402
 from xfuse.assets import shapes_world as shapes  # noqa: E402
-from xfuse.families.registry import SHIPPED_MODELS, load_pipeline, model_spec  # noqa: E402
+from xfuse.families.folder import SHIPPED_MODELS  # noqa: E402
+from xfuse.families.registry import load_pipeline, model_spec  # noqa: E402
 
 CALL = shapes.SCORING_CALL
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -55,8 +55,8 @@ def pipeline_call_rank(repeats: int, steps: int) -> dict:
 
     import torch
 
+    from xfuse import PipeFusionHunyuanDiTPipeline
     from xfuse.families.hunyuandit.presets import build_tiny_pipeline
-    from xfuse.pipelines import PipeFusionHunyuanDiTPipeline
 
     call = dict(
         prompt="a red house by a lake",

@@ -1,7 +1,7 @@
-"""xfuse: PipeFusion patch-level pipeline parallelism for diffusion transformers (HunyuanDiT, PixArt-Σ, SD3/SD3.5,
-FLUX.1)."""
+"""xfuse: PipeFusion patch-level pipeline parallelism for diffusion transformers, every family the registry holds
+(``xfuse.families.registry``), behind diffusers-compatible pipeline classes exported here."""
 
-__version__ = "0.1.0"
+from xfuse._version import __version__ as __version__  # the package's version, exported
 
 
 def __getattr__(name: str):

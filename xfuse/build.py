@@ -22,7 +22,8 @@ def build_pipeline(config: XfuseConfig):
 
     Every rank must hold the same ``config``: it is compared at start-up (``xfuse.runtime.handshake``).
     """
-    from xfuse.families.registry import load_pipeline, model_is_preset, resolve_model
+    from xfuse.families.folder import resolve_model
+    from xfuse.families.registry import load_pipeline, model_is_preset
 
     pipeline_class = _pipeline_class(config)
     dtype = config.runtime.torch_dtype()
@@ -67,14 +68,15 @@ def check_lora_family(config: XfuseConfig, key: str) -> None:
     """``key`` (``generation.lora``, ``serve.lora_adapters``) names LoRA files: refused by name, on every rank before
     any weights load, for a model whose diffusers pipeline has no LoRA loader."""
     from xfuse.errors import ConfigError
-    from xfuse.families.registry import model_spec
+    from xfuse.families.registry import FAMILIES, model_spec
 
     spec = model_spec(config.model)
     if not hasattr(spec.pipeline_class(), "load_lora_weights"):
+        loaders = [f.diffusers_pipeline for f in FAMILIES if hasattr(f.pipeline_class(), "load_lora_weights")]
         raise ConfigError(
             key,
             f"{config.model} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
-            "loader; LoRA adapters are loaded for SD3 / SD3.5, FLUX.1 and Wan models",
+            f"loader; LoRA adapters are loaded for models of {', '.join(loaders)}",
         )
 
 
@@ -94,17 +96,19 @@ def _pipeline_class(config: XfuseConfig) -> type:
     """The xfuse class ``config`` runs: its family's (from the preset or ``model_index.json``), or the family's
     image-to-video pipeline when ``generation.image`` names a first frame."""
     from xfuse.errors import ConfigError
-    from xfuse.families.registry import model_spec
+    from xfuse.families.registry import FAMILIES, model_spec
 
     spec = model_spec(config.model)
     image = config.generation.image if config.generation is not None else None
     if config.generation is not None and config.generation.controlnet is not None:
-        if spec.controlnet_class is None:
+        if spec.controlnet is None:
+            with_controlnet = [f.diffusers_pipeline for f in FAMILIES if f.controlnet is not None]
             raise ConfigError(
                 "generation.controlnet",
-                f"{config.model} is a {spec.name} model; xfuse runs ControlNets for SD3 / SD3.5 and FLUX.1 models",
+                f"{config.model} is a {spec.name} model; xfuse runs ControlNets for models of "
+                f"{', '.join(with_controlnet)}",
             )
-        return spec.controlnet_class()
+        return spec.pipeline_class_named(f"PipeFusion{spec.controlnet}")
     if image is None:
         return spec.pipeline_class()
     if spec.image_to_video is None:

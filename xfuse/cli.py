@@ -382,7 +382,8 @@ def main(argv=None) -> int:
         "--lora",
         action="append",
         metavar="PATH[=WEIGHT]",
-        help="add to generation.lora: a LoRA file or folder applied with WEIGHT (default 1; repeatable; SD3 FLUX Wan)",
+        help="add to generation.lora: a LoRA file or folder applied with WEIGHT (default 1; repeatable; a model whose "
+        "diffusers pipeline has a LoRA loader)",
     )
     gen.add_argument("--trace", help="write a Chrome/Perfetto timeline of every rank to this JSON file")
     _auto_args(gen, plan=False)

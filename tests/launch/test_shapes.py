@@ -17,7 +17,8 @@ from tests.support import REPO
 from tests.support.world import World
 from xfuse.assets import shapes_world as shapes
 from xfuse.config import load_config
-from xfuse.families.registry import SHIPPED_MODELS, load_pipeline, model_spec, transformer_config
+from xfuse.families.folder import SHIPPED_MODELS
+from xfuse.families.registry import load_pipeline, model_spec, transformer_config
 
 SCENES = shapes.scoring_scenes(24)[::3]  # 8 prompts: every colour, every shape, both backgrounds, 5 positions
 CALL = shapes.SCORING_CALL

@@ -53,18 +53,21 @@ def test_each_pipeline_takes_exactly_its_diffusers_pipelines_arguments(spec, nam
 
 @pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
 def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
-    """A family folder and its registry line are all it takes: ``xfuse`` and ``xfuse.pipelines`` export its class
-    by the name the spec derives from diffusers' (``FluxPipeline`` -> ``PipeFusionFluxPipeline``)."""
+    """A family folder and its registry line are all it takes: ``xfuse`` exports its classes by the names the spec
+    derives from diffusers' (``FluxPipeline`` -> ``PipeFusionFluxPipeline``), found by convention in its package
+    (``pipeline.py``; a ControlNet pipeline in ``controlnet.py``), and its adapter by ``stage_name`` in ``stage.py``."""
     import xfuse
-    import xfuse.pipelines
 
     cls = spec.pipeline_class()
     assert cls.__name__ == spec.pipeline_name == f"PipeFusion{spec.diffusers_pipeline}"
-    for name in spec.pipeline_names:  # the family's own pipeline, then its image-to-video (Wan)
+    assert cls.__module__ == f"{spec.package}.pipeline" and spec.package.startswith("xfuse.families.")
+    for name in spec.pipeline_names:  # the family's own pipeline, then its image-to-video and ControlNet ones
         cls = spec.pipeline_class_named(name)
         assert cls.__name__ == name
-        assert getattr(xfuse, name) is cls and getattr(xfuse.pipelines, name) is cls
-        assert name in xfuse.__all__ and name in xfuse.pipelines.__all__
+        assert getattr(xfuse, name) is cls and name in xfuse.__all__
+    assert spec.stage_class().__name__ == spec.stage_name and spec.stage_class().spec is spec
+    with pytest.raises(ValueError, match=f"'PipeFusionNope' is not a pipeline of the {spec.name} family"):
+        spec.pipeline_class_named("PipeFusionNope")
 
 
 @pytest.mark.parametrize(

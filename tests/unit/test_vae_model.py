@@ -13,7 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from xfuse.config import ConfigError, config_from_dict
-from xfuse.families.registry import PRESET_MODELS, SHIPPED_MODELS, load_pipeline, vae_config
+from xfuse.families.folder import SHIPPED_MODELS
+from xfuse.families.registry import PRESET_MODELS, load_pipeline, vae_config
 from xfuse.parallel.vae_decode import ParallelVAEDecode
 from xfuse.parallel.vae_decode import band_rows as decode_band_rows
 from xfuse.perf.calibration import FITTED

@@ -132,7 +132,7 @@ def load_classifier(folder: str | None = None):
 
     from safetensors.torch import load_file
 
-    from xfuse.families.registry import SHIPPED_MODELS
+    from xfuse.families.folder import SHIPPED_MODELS
 
     folder = SHIPPED_MODELS["shapes"] if folder is None else folder
     model = classifier()

@@ -14,6 +14,7 @@ import os
 from xfuse.errors import ConfigError
 from xfuse.families.common.presets import tiny_vae_config
 from xfuse.families.flux.spec import FLUX
+from xfuse.families.folder import SHIPPED_MODELS, folder_config, pipeline_transformers, resolve_model
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
@@ -49,16 +50,6 @@ def _lookups(families: tuple[ModelSpec, ...]) -> tuple[dict[str, ModelSpec], ...
 
 
 MODEL_SPECS, PRESET_MODELS, _BY_PIPELINE, PIPELINE_SPECS = _lookups(FAMILIES)
-# Trained models shipped inside the package (diffusers folders in xfuse/assets/): ``model: shapes`` is that folder.
-# Both are trained on ``xfuse.assets.shapes_world``'s captioned scenes by scripts/train_tiny.py, on one VAE:
-# ``shapes`` a HunyuanDiT (its folder also holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ.
-_ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-SHIPPED_MODELS: dict[str, str] = {name: os.path.join(_ASSETS, name) for name in ("shapes", "shapes-pixart")}
-
-
-def resolve_model(model: str) -> str:
-    """A shipped model's folder for its name; any other ``model`` (a preset or a folder) unchanged."""
-    return SHIPPED_MODELS.get(model, model)
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -97,12 +88,11 @@ def transformer_config(model: str) -> dict:
     spec = _family(model)
     if model in PRESET_MODELS:
         return spec.preset_transformer_config(model)
-    model = resolve_model(model)
-    path = os.path.join(model, "transformer", "config.json")
-    if not os.path.isfile(path):
+    config = folder_config(model, "transformer")
+    if config is None:
+        path = os.path.join(resolve_model(model), "transformer", "config.json")
         raise ConfigError("model", f"{model!r} has no transformer/config.json (not found: {path!r})")
-    with open(path) as f:
-        return json.load(f)
+    return config
 
 
 # The presets' tiny VAEs follow their family's released layout (``xfuse.families.common.presets.tiny_vae``): the SDXL
@@ -129,30 +119,7 @@ def vae_config(model: str) -> dict | None:
             latent_channels=transformer["in_channels"] // spec.packing**2,  # FLUX packs 2x2 latent pixels per token
             quant_convs=_PRESET_VAE_QUANT_CONVS[spec.name],
         )
-    path = os.path.join(resolve_model(model), "vae", "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def component_class(folder: str, name: str) -> str | None:
-    """The class of a diffusers folder's component ``name`` as its ``model_index.json`` lists it (``[library, class]``;
-    ``None`` where it names none)."""
-    index = os.path.join(folder, "model_index.json")
-    if not os.path.isfile(index):
-        raise ConfigError("model", f"{folder!r} is not a diffusers folder (not found: {index!r})")
-    with open(index) as f:
-        entry = json.load(f).get(name)
-    return entry[1] if entry and entry[0] is not None else None
-
-
-def pipeline_transformers(folder: str) -> tuple[str, ...]:
-    """The transformer components of a diffusers folder's pipeline, as its ``model_index.json`` lists them:
-    ``transformer``, and ``transformer_2`` where it names one (Wan 2.2's second expert). Every rank loads its blocks of
-    each."""
-    second = component_class(folder, "transformer_2")
-    return ("transformer", "transformer_2") if second is not None else ("transformer",)
+    return folder_config(model, "vae")
 
 
 def transformer_count(model: str) -> int:

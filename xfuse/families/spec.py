@@ -3,15 +3,16 @@
 Each family folder (``xfuse/families/<name>/spec.py``) writes its spec beside the code it names; the registry
 (``xfuse.families.registry``) collects them. A spec holds what the planner, the request checks, the cost model,
 ``xfuse plan`` and the CLI need to know about a family: its diffusers classes, its long skips, the VAE scale factor,
-its text lengths, its presets and its default placement. It reaches the family's adapter, pipeline and preset
-builders through zero-argument loaders that import them from the family's own folder on first use, so reading a
-spec (the config, the planners, ``xfuse plan``) imports neither torch nor diffusers. The engine, schedule and comm
-layer never see a spec.
+its text lengths, its presets and its default placement. A spec is facts only and imports none of its family's code:
+it finds the family's adapter, pipeline and preset builders by convention in its own package (``stage.py``,
+``pipeline.py``, ``presets.py``, ``controlnet.py``), imported by name on first use. So nothing a family folder holds
+imports back through its spec, reading a spec (the config, the planners, ``xfuse plan``) imports neither torch nor
+diffusers, and the engine, schedule and comm layer never see one.
 """
 
 from __future__ import annotations
 
-import sys
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -36,11 +37,11 @@ class ModelSpec:
         name: family id (``xfuse plan`` and the docs use it).
         diffusers_pipeline: the diffusers pipeline class name, as ``model_index.json``'s ``_class_name`` has it.
         diffusers_transformer: the diffusers transformer class name (``transformer/config.json``).
-        pipeline_class: loads the xfuse pipeline class (a ``PipeFusionPipelineBase``) from the family's folder
-            (importing torch and diffusers).
-        stage_class: loads the adapter class (the ``Stage`` the engine calls) from the family's folder.
-        preset_builders: loads the family's ``presets`` module, which has ``preset_transformer_config(name)``,
-            ``build_preset_pipeline(name, seed)`` and ``save_preset_pipeline(path, name, seed)``.
+        package: the family's package (``__package__`` of its ``spec.py``), which holds ``pipeline.py`` (the xfuse
+            pipeline classes, named ``PipeFusion`` + diffusers' names), ``stage.py`` (the adapter), ``presets.py``
+            (``preset_transformer_config(name)``, ``build_preset_pipeline(name, seed)``,
+            ``save_preset_pipeline(path, name, seed)``) and, with a ControlNet pipeline, ``controlnet.py``.
+        stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls).
         presets: built-in random-weight models of this family (``model: <preset>``).
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
         text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s).
@@ -76,13 +77,13 @@ class ModelSpec:
             (Wan's ``patch_size`` is (1, p, p): p).
         image_to_video: the diffusers pipeline of the family's image-to-video on the same transformers, which xfuse
             also runs (Wan: ``WanImageToVideoPipeline``, for Wan 2.2 TI2V); its xfuse class (``PipeFusion`` + the
-            name) is in the module of ``pipeline_class``'s class.
+            name) is in ``pipeline.py`` too.
         vae_factor_key: the VAE config's field holding its spatial factor, for a family whose releases use VAEs of
             different factors (``AutoencoderKLWan``'s ``scale_factor_spatial``: 8 for Wan 2.1's VAE, 16 for Wan
             2.2's, as ``WanPipeline`` reads it); ``vae_scale_factor`` is then the factor of a pipeline without a VAE.
             ``for_vae`` gives the spec of one model.
         controlnet: the diffusers ControlNet pipeline on the family's transformer (``FluxControlNetPipeline``), which
-            xfuse also runs; its xfuse class (``PipeFusion`` + the name) is ``controlnet_class()``.
+            xfuse also runs; its xfuse class (``PipeFusion`` + the name) is in ``controlnet.py``.
         control_samples: ``(transformer config, ControlNet config) -> {block: residual}``: which of a ControlNet's
             residuals each transformer block adds (its transformer forward's ``interval_control`` rule); the
             ControlNet config needs only its block counts (``num_layers``, FLUX's ``num_single_layers``).
@@ -91,9 +92,8 @@ class ModelSpec:
     name: str
     diffusers_pipeline: str
     diffusers_transformer: str
-    pipeline_class: Callable[[], type]
-    stage_class: Callable[[], type]
-    preset_builders: Callable[[], ModuleType]
+    package: str
+    stage_name: str
     presets: tuple[str, ...]
     vae_scale_factor: int
     text_lengths: tuple[int, ...]
@@ -115,7 +115,6 @@ class ModelSpec:
     vae_factor_key: str | None = None
     image_to_video: str | None = None
     controlnet: str | None = None
-    controlnet_class: Callable[[], type] | None = None
     control_samples: Callable[[dict, dict], dict[int, int]] | None = None
 
     @property
@@ -134,12 +133,30 @@ class ModelSpec:
         and ControlNet pipelines'."""
         return tuple(f"PipeFusion{name}" for name in self.diffusers_pipelines)
 
+    def _module(self, name: str) -> ModuleType:
+        """The family's module ``name`` (``pipeline``, ``stage``, ``presets``, ``controlnet``), imported on first use
+        (torch and diffusers with it)."""
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def pipeline_class(self) -> type:
+        """The xfuse pipeline class (a ``PipeFusionPipelineBase``): ``pipeline_name`` in ``pipeline.py``."""
+        return self.pipeline_class_named(self.pipeline_name)
+
     def pipeline_class_named(self, name: str) -> type:
-        """The xfuse class ``name`` (one of ``pipeline_names``), importing the family's pipeline module."""
-        if self.controlnet_class is not None and name == f"PipeFusion{self.controlnet}":
-            return self.controlnet_class()
-        main = self.pipeline_class()
-        return main if name == self.pipeline_name else getattr(sys.modules[main.__module__], name)
+        """The xfuse class ``name`` (one of ``pipeline_names``): the ControlNet pipeline's from ``controlnet.py``, the
+        others from ``pipeline.py``."""
+        if name not in self.pipeline_names:
+            raise ValueError(f"{name!r} is not a pipeline of the {self.name} family ({', '.join(self.pipeline_names)})")
+        module = "controlnet" if self.controlnet is not None and name == f"PipeFusion{self.controlnet}" else "pipeline"
+        return getattr(self._module(module), name)
+
+    def stage_class(self) -> type:
+        """The adapter class (the ``Stage`` the engine calls): ``stage_name`` in the family's ``stage.py``."""
+        return getattr(self._module("stage"), self.stage_name)
+
+    def preset_builders(self) -> ModuleType:
+        """The family's ``presets.py``."""
+        return self._module("presets")
 
     def for_vae(self, vae_config: dict | None) -> ModelSpec:
         """This spec for a model whose VAE has ``vae_config`` (``None``: no VAE): the same spec, or one with the

@@ -305,7 +305,7 @@ class PipeFusionPipelineBase:
         """
         import diffusers
 
-        from xfuse.families.registry import pipeline_transformers, vae_config
+        from xfuse.families.folder import folder_config, pipeline_transformers
 
         if dtype is not None:
             if torch_dtype is not None:
@@ -347,7 +347,7 @@ class PipeFusionPipelineBase:
             **kwargs,
         )
         stage = stages.pop("transformer")
-        return cls(pipeline, context, torch_dtype, stage, stages, vae_config(pretrained_model_name_or_path))
+        return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"))
 
     @classmethod
     def from_pipe(

@@ -94,7 +94,7 @@ class ShardedLoraMixin:
         """A text encoder this rank did not load: its layers from the folder's config, on the meta device."""
         import transformers
 
-        from xfuse.families.registry import component_class
+        from xfuse.families.folder import component_class
 
         folder = self.pipeline.config.get("_name_or_path")
         class_name = component_class(folder, name) if folder and os.path.isdir(folder) else None

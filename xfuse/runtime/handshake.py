@@ -32,10 +32,10 @@ def versions() -> dict[str, str]:
     import diffusers
     import torch
 
-    import xfuse
+    from xfuse._version import __version__
 
     return {
-        "version.xfuse": xfuse.__version__,
+        "version.xfuse": __version__,
         "version.torch": torch.__version__,
         "version.diffusers": diffusers.__version__,
     }

@@ -16,9 +16,9 @@ from diffusers.models.controlnets.controlnet_flux import FluxControlNetModel
 from diffusers.pipelines.flux import pipeline_flux_controlnet as diffusers_flux_controlnet
 
 from xfuse.families.common.control import ControlCall, PerStep, check_one_controlnet
+from xfuse.families.common.controlnet import ShardedControlNetMixin
 from xfuse.families.flux.pipeline import PipeFusionFluxPipeline
 from xfuse.families.flux.stage import grid_to_packed, packed_to_grid
-from xfuse.pipelines.controlnet import ShardedControlNetMixin
 
 
 def check_flux_controlnet(controlnet) -> None:

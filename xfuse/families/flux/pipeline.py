@@ -21,7 +21,7 @@ from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 from xfuse.pipelines.lora import ShardedLoraMixin
 
 if TYPE_CHECKING:
-    from xfuse.families.flux.controlnet import FluxControlCall
+    from xfuse.families.common.control import ControlCall
 
 
 class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
@@ -81,7 +81,7 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
 
     def _flux_call(
         self,
-        control: FluxControlCall | None,
+        control: ControlCall | None,  # controlnet.py's FluxControlCall, from its pipeline class
         prompt=None,
         prompt_2=None,
         negative_prompt=None,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
 from xfuse.families.spec import ModelSpec, no_skips
 from xfuse.parallel.control import interval_samples
@@ -38,37 +36,12 @@ def flux_control_samples(config: dict, control: dict) -> dict[int, int]:
                                       control_doubles, ceil=True)  # fmt: skip
 
 
-def _controlnet_class() -> type:
-    from xfuse.families.flux.controlnet import PipeFusionFluxControlNetPipeline
-
-    return PipeFusionFluxControlNetPipeline
-
-
-def _pipeline_class() -> type:
-    from xfuse.families.flux.pipeline import PipeFusionFluxPipeline
-
-    return PipeFusionFluxPipeline
-
-
-def _stage_class() -> type:
-    from xfuse.families.flux.stage import FluxStage
-
-    return FluxStage
-
-
-def _preset_builders() -> ModuleType:
-    from xfuse.families.flux import presets
-
-    return presets
-
-
 FLUX = ModelSpec(
     name="flux",
     diffusers_pipeline="FluxPipeline",
     diffusers_transformer="FluxTransformer2DModel",
-    pipeline_class=_pipeline_class,
-    stage_class=_stage_class,
-    preset_builders=_preset_builders,
+    package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
+    stage_name="FluxStage",
     presets=("flux-tiny", "flux-small", "flux-dev", "flux-schnell"),
     vae_scale_factor=8,
     text_lengths=(512,),  # T5 (max_sequence_length); the CLIP prompt gives only the pooled vector
@@ -84,6 +57,5 @@ FLUX = ModelSpec(
     distilled_guidance=True,
     native_side=lambda config: 128 * 8,  # FluxPipeline.default_sample_size x its VAE factor
     controlnet="FluxControlNetPipeline",
-    controlnet_class=_controlnet_class,
     control_samples=flux_control_samples,
 )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from xfuse.errors import ConfigError
 from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.families.spec import ModelSpec
@@ -38,31 +36,12 @@ def hunyuandit_block_flops(config: dict, block: int, queries: int, keys: int, te
     return flops
 
 
-def _pipeline_class() -> type:
-    from xfuse.families.hunyuandit.pipeline import PipeFusionHunyuanDiTPipeline
-
-    return PipeFusionHunyuanDiTPipeline
-
-
-def _stage_class() -> type:
-    from xfuse.families.hunyuandit.stage import HunyuanDiTStage
-
-    return HunyuanDiTStage
-
-
-def _preset_builders() -> ModuleType:
-    from xfuse.families.hunyuandit import presets
-
-    return presets
-
-
 HUNYUANDIT = ModelSpec(
     name="hunyuandit",
     diffusers_pipeline="HunyuanDiTPipeline",
     diffusers_transformer="HunyuanDiT2DModel",
-    pipeline_class=_pipeline_class,
-    stage_class=_stage_class,
-    preset_builders=_preset_builders,
+    package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
+    stage_name="HunyuanDiTStage",
     presets=("tiny", "small", "bytes40", "dit-g2"),
     vae_scale_factor=8,  # the SDXL AutoencoderKL: 4 levels, 3 downsamplings
     text_lengths=(77, 256),  # BERT, mT5

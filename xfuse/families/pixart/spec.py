@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.families.spec import ModelSpec, no_skips
 
@@ -18,31 +16,12 @@ def pixart_block_flops(config: dict, block: int, queries: int, keys: int, text: 
     return flops + 2 * linear_flops(queries, d, 4 * d)
 
 
-def _pipeline_class() -> type:
-    from xfuse.families.pixart.pipeline import PipeFusionPixArtSigmaPipeline
-
-    return PipeFusionPixArtSigmaPipeline
-
-
-def _stage_class() -> type:
-    from xfuse.families.pixart.stage import PixArtStage
-
-    return PixArtStage
-
-
-def _preset_builders() -> ModuleType:
-    from xfuse.families.pixart import presets
-
-    return presets
-
-
 PIXART_SIGMA = ModelSpec(
     name="pixart-sigma",
     diffusers_pipeline="PixArtSigmaPipeline",
     diffusers_transformer="PixArtTransformer2DModel",
-    pipeline_class=_pipeline_class,
-    stage_class=_stage_class,
-    preset_builders=_preset_builders,
+    package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
+    stage_name="PixArtStage",
     presets=("pixart-tiny", "pixart-small"),
     vae_scale_factor=8,
     text_lengths=(300,),  # T5 (PixArtSigmaPipeline's default max_sequence_length)

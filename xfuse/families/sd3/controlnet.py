@@ -12,10 +12,10 @@ import torch
 from diffusers.models.controlnets.controlnet_sd3 import SD3ControlNetModel
 
 from xfuse.families.common.control import ControlCall, PerStep, check_one_controlnet
+from xfuse.families.common.controlnet import ShardedControlNetMixin
 from xfuse.families.common.mmdit import JointConditioning
 from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
 from xfuse.parallel.control import ControlResiduals
-from xfuse.pipelines.controlnet import ShardedControlNetMixin
 
 
 def check_sd3_controlnet(controlnet) -> None:

@@ -21,7 +21,7 @@ from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 from xfuse.pipelines.lora import ShardedLoraMixin
 
 if TYPE_CHECKING:
-    from xfuse.families.sd3.controlnet import SD3ControlCall
+    from xfuse.families.common.control import ControlCall
 
 
 class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBase):
@@ -84,7 +84,7 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
 
     def _sd3_call(
         self,
-        control: SD3ControlCall | None,
+        control: ControlCall | None,  # controlnet.py's SD3ControlCall, from its pipeline class
         prompt=None,
         prompt_2=None,
         prompt_3=None,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
 from xfuse.families.spec import ModelSpec, no_skips
 from xfuse.parallel.control import interval_samples
@@ -30,37 +28,12 @@ def sd3_control_samples(config: dict, control: dict) -> dict[int, int]:
     return interval_samples(range(num_layers - 1), 0, num_layers, control["num_layers"], ceil=False)
 
 
-def _pipeline_class() -> type:
-    from xfuse.families.sd3.pipeline import PipeFusionStableDiffusion3Pipeline
-
-    return PipeFusionStableDiffusion3Pipeline
-
-
-def _controlnet_class() -> type:
-    from xfuse.families.sd3.controlnet import PipeFusionStableDiffusion3ControlNetPipeline
-
-    return PipeFusionStableDiffusion3ControlNetPipeline
-
-
-def _stage_class() -> type:
-    from xfuse.families.sd3.stage import SD3Stage
-
-    return SD3Stage
-
-
-def _preset_builders() -> ModuleType:
-    from xfuse.families.sd3 import presets
-
-    return presets
-
-
 STABLE_DIFFUSION_3 = ModelSpec(
     name="sd3",
     diffusers_pipeline="StableDiffusion3Pipeline",
     diffusers_transformer="SD3Transformer2DModel",
-    pipeline_class=_pipeline_class,
-    stage_class=_stage_class,
-    preset_builders=_preset_builders,
+    package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
+    stage_name="SD3Stage",
     presets=("sd3-tiny", "sd35-tiny", "sd3-small", "sd3-medium", "sd3.5-medium", "sd3.5-large"),
     vae_scale_factor=8,
     text_lengths=(77, 256),  # CLIP-L and CLIP-G (side by side, one sequence), T5 (max_sequence_length)
@@ -74,6 +47,5 @@ STABLE_DIFFUSION_3 = ModelSpec(
     # SD3.5-medium's blocks listed in dual_attention_layers add an image-only self-attention (attn2)
     attentions_of_block=lambda config, block: 2 if block in (config.get("dual_attention_layers") or ()) else 1,
     controlnet="StableDiffusion3ControlNetPipeline",
-    controlnet_class=_controlnet_class,
     control_samples=sd3_control_samples,
 )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.families.spec import ModelSpec, no_skips
 
@@ -18,31 +16,12 @@ def wan_block_flops(config: dict, block: int, queries: int, keys: int, text: int
     return flops + linear_flops(queries, d, ffn) + linear_flops(queries, ffn, d)
 
 
-def _pipeline_class() -> type:
-    from xfuse.families.wan.pipeline import PipeFusionWanPipeline
-
-    return PipeFusionWanPipeline
-
-
-def _stage_class() -> type:
-    from xfuse.families.wan.stage import WanStage
-
-    return WanStage
-
-
-def _preset_builders() -> ModuleType:
-    from xfuse.families.wan import presets
-
-    return presets
-
-
 WAN = ModelSpec(
     name="wan",
     diffusers_pipeline="WanPipeline",
     diffusers_transformer="WanTransformer3DModel",
-    pipeline_class=_pipeline_class,
-    stage_class=_stage_class,
-    preset_builders=_preset_builders,
+    package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
+    stage_name="WanStage",
     presets=(
         "wan-tiny",
         "wan-small",
