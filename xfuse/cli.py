@@ -14,7 +14,9 @@ from xfuse.stderr import write_stderr
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", help="YAML file (keys: model, parallel, comm, runtime, generation, serve)")
+    parser.add_argument(
+        "--config", "-c", help="YAML file (keys: model, parallel, comm, cache, runtime, generation, serve)"
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -359,8 +361,9 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="count a ControlNet of N blocks run with the request (SD3: PipeFusionStableDiffusion3ControlNetPipeline): "
-        "its compute on the embedding rank and the residuals it sends",
+        help="count a ControlNet of N blocks run with the request (SD3: PipeFusionStableDiffusion3ControlNetPipeline; "
+        "FLUX: PipeFusionFluxControlNetPipeline, N double blocks): its compute on the embedding rank and the residuals "
+        "it sends",
     )
     _auto_args(plan, plan=True)
     plan.set_defaults(func=cmd_plan)
