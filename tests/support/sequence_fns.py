@@ -104,15 +104,3 @@ def run_sequence(preset, *, pp=1, ulysses=1, ring=1, num_patches=1, warmup, heig
     finally:
         SequenceParallel.cache_range = right  # the world's next test runs in these processes
         channels.close()
-
-
-def pipeline_latents(preset, parallel, call):
-    """The family's xfuse pipeline class on ``preset`` with ``parallel`` (ParallelConfig keywords), one call with a
-    generator seeded 0 and ``output_type="latent"``; rank 0 returns the latents, every other rank None."""
-    from xfuse.config import ParallelConfig
-    from xfuse.families.registry import load_pipeline, model_spec
-
-    pipe = model_spec(preset).pipeline_class().from_pipe(load_pipeline(preset), parallel=ParallelConfig(**parallel))
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="latent")
-    return None if out is None else out.images

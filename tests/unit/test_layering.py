@@ -135,3 +135,73 @@ def test_the_floors():
         if name.startswith("xfuse.comm"):
             above = {m for m in imports if not m.startswith(leaves)}
             assert not above, (name, above)
+
+
+# Modules outside the family folders that hold data about released models by name: the published latencies the
+# performance model is checked against, the curves measured per family, the reference family, the default model.
+NAMING_ALLOWED = {
+    "xfuse.perf.published": "published latencies of released models",
+    "xfuse.perf.measured": "pass curves measured per family, and the reference family",
+    "xfuse.config": "the default model (the `tiny` preset)",
+}
+
+
+def _family_words() -> set[str]:
+    from xfuse.families.registry import FAMILIES
+
+    words: set[str] = set()
+    for spec in FAMILIES:
+        words |= {spec.name, spec.diffusers_pipeline, spec.diffusers_transformer, spec.stage_name, *spec.presets}
+        words |= {name for name in (spec.controlnet, spec.image_to_video) if name}
+        words |= set(spec.pipeline_names)
+    return words
+
+
+def _names_in_code(path: str, words: set[str]) -> list[tuple[int, str]]:
+    """String constants of ``path`` that are a family's name, class or preset, and names of its classes used as
+    identifiers (docstrings aside; a variable called ``small`` is no preset)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if node.value in words:
+                found.append((node.lineno, node.value))
+        elif isinstance(node, ast.Name) and node.id in words and node.id[:1].isupper():  # a class, not a word
+            found.append((node.lineno, node.id))
+    return found
+
+
+def _family_folder(name: str) -> str | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "families" and parts[2] not in ("common", "spec", "registry", "folder"):
+        return ".".join(parts[:3])
+    return None
+
+
+def test_no_module_outside_a_family_folder_names_a_family():
+    """Adding a family is its folder and its registry line: no other module imports a family's code or names its
+    family, classes or presets in code (the registry's import of each spec is the one line a family adds; modules
+    that hold data about released models by name are listed in ``NAMING_ALLOWED``, with why)."""
+    words = _family_words()
+    assert {"flux", "FluxPipeline", "PipeFusionFluxPipeline", "FluxStage", "flux-tiny"} <= words
+    for name, path in MODULES.items():
+        folder = _family_folder(name)
+        for imported in GRAPH[name]:
+            home = _family_folder(imported)
+            if (
+                home is not None
+                and home != folder
+                and not (name == "xfuse.families.registry" and imported == home + ".spec")
+            ):
+                pytest.fail(f"{name} imports {imported}: only its own folder and the registry's spec line may")
+        if folder is None and name not in NAMING_ALLOWED:
+            assert _names_in_code(path, words) == [], name

@@ -42,7 +42,8 @@ class ModelSpec:
             (``preset_transformer_config(name)``, ``build_preset_pipeline(name, seed)``,
             ``save_preset_pipeline(path, name, seed)``) and, with a ControlNet pipeline, ``controlnet.py``.
         stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls).
-        presets: built-in random-weight models of this family (``model: <preset>``).
+        presets: built-in random-weight models of this family (``model: <preset>``); the first is the smallest, the
+            one the conformance suite (``tests/multirank/test_conformance.py``) runs the family's contract on.
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
         text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s).
         skip_pairs: ``num_blocks -> ((producer, consumer), ...)``, the long skips between blocks; raises

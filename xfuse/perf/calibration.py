@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from xfuse.config import ParallelConfig, parallel_config
 from xfuse.families.registry import model_spec, transformer_config
-from xfuse.perf.measured import CURVES
+from xfuse.perf.measured import CURVES, REFERENCE
 from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
 from xfuse.perf.model import machine as machine_of
 from xfuse.perf.published import CPU_POINTS, POINTS, Point
@@ -76,7 +76,7 @@ def free_constants(points, calibration: Calibration) -> tuple[list[str], list[st
     names = {p: model_spec(p.model).name for p in points}
     unmeasured = [p for p in points if names[p] not in calibration.curves]
     devices = sorted({p.device for p in points})
-    families = sorted({names[p] for p in unmeasured} - {"flux"})
+    families = sorted({names[p] for p in unmeasured} - {REFERENCE})
     shared = (["traffic"] if unmeasured else []) + ["launch", "outside"]
     return devices, families, shared
 

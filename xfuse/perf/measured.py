@@ -65,7 +65,9 @@ class PassCurve:
         return self.seconds(flops * measured.peak_flops / device.peak_flops) / relative
 
 
-REFERENCE = "flux"  # the family whose measured whole-pass efficiency anchors the devices' fitted efficiencies
+# The reference family: the devices' fitted efficiencies are its whole blocks' (the measured curves are carried to a
+# device through its measured whole-pass efficiency), and the other families' throughputs are relative to it.
+REFERENCE = "flux"
 
 
 def even_rows(rows: int, patches: int) -> list[int]:

@@ -41,6 +41,7 @@ from typing import Any
 from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.parallel.patch_grid import even_split
 from xfuse.perf.hardware import Link
+from xfuse.perf.measured import REFERENCE
 from xfuse.perf.model import Calibration, Machine
 
 FLOAT32 = 4
@@ -457,7 +458,7 @@ def predict_decode(vae: VaeShape, *, height: int, width: int, batch: int, ranks:
     row each at least: ``ValueError`` otherwise), ``element`` bytes per element. The throughput is the one the
     performance model fits for FLUX's blocks on the device (a VAE's convolutions are dense products too); a CPU's
     is one torch thread's."""
-    rate = calibration.throughput(machine.device_key, machine.device, "flux")
+    rate = calibration.throughput(machine.device_key, machine.device, REFERENCE)
     link = calibration.link(machine.link_key, machine.between(0, ranks - 1))
     shares = decode_ranks(
         vae,
