@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import platform
@@ -169,7 +168,7 @@ def sync_report(xfuse_pipe, call: dict, steps: int) -> dict:
             torch.cuda.set_sync_debug_mode("default")
 
     # Two patches on the one rank: the pipelined path (stale K/V, per-patch scheduler steps); warm-up stays 1.
-    xfuse_pipe.parallel = dataclasses.replace(xfuse_pipe.parallel, num_patches=2)
+    xfuse_pipe.parallel = xfuse_pipe.parallel.with_changes(num_patches=2)
     PipeFusionEngine.denoise = denoise
     try:
         with warnings.catch_warnings():

@@ -41,6 +41,34 @@ def build_pipeline(config: XfuseConfig):
     return pipe
 
 
+def check_files(config: XfuseConfig) -> None:
+    """The files ``config`` names exist: ``generation``'s LoRA files, first frame, ControlNet folder and control image,
+    and ``serve.lora_adapters``' files. ``xfuse generate`` and ``xfuse serve`` call it on every rank (and the launcher
+    before it starts them) before any communication, so a missing file is the same ``ConfigError`` everywhere."""
+    import os
+
+    gen = config.generation
+    if gen is not None:
+        for path in gen.lora:
+            if not os.path.exists(path):
+                raise ConfigError("generation.lora", f"no LoRA file or folder at {path!r}")
+        if gen.image is not None and not os.path.isfile(gen.image):
+            raise ConfigError(
+                "generation.image",
+                f"must be an image file, the first frame of an image-to-video clip (not found: {gen.image!r})",
+            )
+        if gen.controlnet is not None and not os.path.isfile(os.path.join(gen.controlnet, "config.json")):
+            raise ConfigError(
+                "generation.controlnet",
+                f"must be a local diffusers ControlNet folder, with config.json (not found in {gen.controlnet!r})",
+            )
+        if gen.control_image is not None and not os.path.isfile(gen.control_image):
+            raise ConfigError("generation.control_image", f"must be an image file (not found: {gen.control_image!r})")
+    for name, path in (config.serve.lora_adapters if config.serve is not None else {}).items():
+        if not os.path.exists(path):
+            raise ConfigError(f"serve.lora_adapters.{name}", f"no LoRA file or folder at {path!r}")
+
+
 def _load_controlnet(pipeline_class: type, folder: str, dtype):
     """The diffusers ControlNet model of ``folder`` (its ``config.json`` names the class), in ``dtype``, checked by
     ``pipeline_class`` (one its family runs): a ``ConfigError`` naming ``generation.controlnet`` otherwise."""

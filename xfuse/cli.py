@@ -9,7 +9,8 @@ import sys
 import time
 import traceback
 
-from xfuse.config import ConfigError, load_config
+from xfuse.config_io import load_config
+from xfuse.errors import ConfigError
 from xfuse.stderr import write_stderr
 
 
@@ -46,7 +47,7 @@ def _ranks_to_start(args) -> int:
                 "--nproc-per-node", "starts the ranks itself: give it to xfuse, not to a rank that torchrun started"
             )
         return 0
-    config = load_config(args.config, _command_overrides(args))
+    config = _run_config(args)
     if args.nproc_per_node is None:
         return config.world_size if config.world_size > 1 and not args.auto else 0
     if args.nproc_per_node < 1 or (args.nproc_per_node != config.world_size and not args.auto):
@@ -58,6 +59,16 @@ def _ranks_to_start(args) -> int:
             f"layout for it (got {args.nproc_per_node})",
         )
     return args.nproc_per_node if args.nproc_per_node > 1 else 0
+
+
+def _run_config(args):
+    """The config ``generate`` or ``serve`` runs (before ``--auto``), its files checked (``xfuse.build.check_files``):
+    every rank, and the launcher before it starts them, refuses a missing file alike before any communication."""
+    from xfuse.build import check_files
+
+    config = load_config(args.config, _command_overrides(args))
+    check_files(config)
+    return config
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -211,8 +222,7 @@ def cmd_generate(args) -> int:
     )
     from xfuse.families.registry import model_spec
 
-    overrides = _command_overrides(args)
-    config = _auto_layout(args, load_config(args.config, overrides))
+    config = _auto_layout(args, _run_config(args))
     gen, par = config.generation, config.parallel
     video = model_spec(config.model).video
     if video:  # before any weights load: a num_frames the VAE cannot take is refused naming its key
@@ -329,7 +339,7 @@ def cmd_serve(args) -> int:
     """Serve the OpenAI Images API on rank 0 until stopped (every rank runs this under torchrun)."""
     from xfuse.serve.server import serve
 
-    config = _auto_layout(args, load_config(args.config, _command_overrides(args)))
+    config = _auto_layout(args, _run_config(args))
     return serve(config, api_key=args.api_key or os.environ.get("XFUSE_API_KEY") or None)
 
 

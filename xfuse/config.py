@@ -1,28 +1,34 @@
 """Validated configuration for xfuse, on pydantic.
 
-Everything here is pure: no process group, no environment changes, no device queries at import or construction
-(``torch`` is not even imported). Each section is a frozen pydantic dataclass (strict: ``"2"`` is not 2 and
-``True`` is not 1; unknown keys are refused): pydantic checks the values against the field types and the allowed
-values in :mod:`xfuse.types`, and :func:`_config_error` words its findings as xfuse's errors.
+Everything here is pure: no process group, no environment changes, no device queries, no file reads at import or
+construction (``torch`` is not even imported). Each section is a frozen, strict pydantic model (``"2"`` is not 2,
+``True`` is not 1, floats are finite, unknown keys are refused): pydantic checks the values against the field types,
+their ranges and the allowed values in :mod:`xfuse.types`; one ``model_validator`` per rule that reads two keys. YAML
+files and ``--set`` overrides are read by :mod:`xfuse.config_io`; the files a config names are checked where they are
+opened (``xfuse.build.check_files``).
 
 Every error is a :class:`ConfigError` whose ``.key`` is the full dotted key (``parallel.cfg_degree``) and whose
-message reads ``<dotted.key>: <what is wrong and what is allowed> (got <repr>)``.
+message reads ``<dotted.key>: <what is wrong and what is allowed> (got <repr>)`` (:func:`_config_error` words
+pydantic's findings so).
 
 YAML layout (every key optional)::
 
     model: tiny                      # local diffusers folder, a preset (xfuse.families.registry), or shapes
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
                placement: null, stage_split: null, ulysses_degree: 1, ring_degree: 1,
-               vae_parallel: auto}   # placement null: the model family's default
+               vae_parallel: auto, video_patches: temporal}   # placement null: the model family's default
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
+    cache:    {method: off, threshold: 0.05, warmup_steps: 0, max_skips: null}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
                  num_inference_steps: 20, guidance_scale: 5.0, seed: 0,
-                 num_frames: null, fps: 16}   # num_frames, fps: video models only (Wan)
+                 num_frames: null, fps: 16, image: null,     # num_frames, fps, image: video models only (Wan)
+                 lora: {}, controlnet: null, control_image: null, controlnet_conditioning_scale: 1.0,
+                 control_guidance_start: 0.0, control_guidance_end: 1.0}   # xfuse generate's LoRA and ControlNet
     serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_images_per_request: 4,
                max_side: 2048, max_pixels: 4194304, max_steps: 100, max_prompt_chars: 4000,
                max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
-               heartbeat_timeout_s: 2.0}   # xfuse serve only; generation holds the requests' defaults
+               heartbeat_timeout_s: 2.0, lora_adapters: {}}   # xfuse serve only; generation: the requests' defaults
 
 Checks that need the model (block count, patch size, image size) are its family's (``ModelSpec.check_layout``), and
 the world size is checked where the world is joined (``xfuse.runtime.world.init_parallel``); both run before any
@@ -31,30 +37,20 @@ communication.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
-import os
 import re
-import types
-from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
-import annotated_types
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
-from pydantic.dataclasses import dataclass as pydantic_dataclass
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from typing_extensions import Self
 
 from xfuse.errors import ConfigError
 from xfuse.types import Backend, Device, DtypeName, Placement, VaeParallel, VideoPatches, Wait
 
 MAX_PIPEFUSION_DEGREE = 8
 MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
-# vae_parallel: auto decodes over the world from this many image pixels on. Measured (benchmarks/bench_vae.py, the
-# shipped VAE, 2 ranks over gloo, docs/performance.md): 0.70x of rank 0 alone at 256 x 256 px (the messages of ~50
-# layers cost more than half a small decode), 1.08x at 384 x 384, 1.55x at 512 x 512. A wider VAE gains sooner.
-VAE_PARALLEL_MIN_PIXELS = 384 * 384
 MAX_SEED = 2**63 - 1  # fits int64, so per-patch generator seeds can be derived without overflow surprises
 
 
@@ -64,213 +60,133 @@ def _yaml_switch(value: Any) -> Any:
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Field shapes: pydantic enforces the constraints, and _allowed() words an error from the same constraints
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class Allowed(str):
-    """Field metadata: what a value must be, in words, where the constraint alone would not say why."""
-
-
 NonEmptyStr = Annotated[str, Field(pattern=r"\S")]
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a served LoRA adapter's name (serve.lora_adapters)
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0.0)]
-StageSplit = Annotated[
-    tuple[PositiveInt, ...] | None,
-    Field(strict=False),  # a YAML list becomes a tuple; its entries stay strict integers
-    Allowed("a list of positive block counts, one per PipeFusion rank (parallel.pipefusion_degree entries), or null"),
-]
+SequenceDegree = Annotated[int, Field(ge=1, le=MAX_SEQUENCE_DEGREE)]
 
-# Settings are exact: strict types, unknown keys refused, floats finite.
-_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+# --- pydantic's findings as ConfigErrors ----------------------------------------------------------------------------
+# What a key allows is read from its JSON schema (pydantic's own account of the type, range and choices; a field's
+# ``description`` where those alone would not say why).
 
 # Common spellings of allowed values, for the did-you-mean hint only (never accepted silently).
-_ALIASES = {
-    "gpu": "cuda",
-    "fp32": "float32",
-    "float": "float32",
-    "fp16": "float16",
-    "half": "float16",
-    "bf16": "bfloat16",
-}
+_ALIASES = dict(gpu="cuda", fp32="float32", float="float32", fp16="float16", half="float16", bf16="bfloat16")
+_KINDS = {"integer": "an integer", "number": "a finite number", "string": "a string", "array": "a list"}
+_TYPES = {bool: "a boolean", str: "a string", type(None): "null"}
 
 
-def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
-    """``int | None`` -> ``(int, True)``; ``int`` -> ``(int, False)``."""
-    args = get_args(annotation)
-    if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0], True
-    return annotation, False
-
-
-def _range_text(metadata: Sequence[Any]) -> str:
-    lo = next((m.ge for m in metadata if isinstance(m, annotated_types.Ge)), None)
-    hi = next((m.le for m in metadata if isinstance(m, annotated_types.Le)), None)
-    above = next((m.gt for m in metadata if isinstance(m, annotated_types.Gt)), None)
-    if above is not None:
-        return f" > {above}"
-    if lo is not None and hi is not None:
-        return f" from {lo} to {hi}"
-    if lo is not None:
-        return f" >= {lo}"
-    if hi is not None:
-        return f" <= {hi}"
-    return ""
-
-
-def _field_shape(info: FieldInfo) -> tuple[Any, bool, list[Any]]:
-    """A field's base type, whether it may be null, and its constraints (``PositiveInt | None`` keeps them inside)."""
-    base, nullable = _unwrap_optional(info.annotation)
-    metadata = list(info.metadata)
-    if get_origin(base) is Annotated:
-        for m in base.__metadata__:
-            metadata.extend(m.metadata if isinstance(m, FieldInfo) else [m])
-        base = get_args(base)[0]
-    return base, nullable, metadata
-
-
-def _allowed(info: FieldInfo) -> str:
-    """What a field's value must be, in words, from its type and constraints (or its :class:`Allowed` text)."""
-    base, nullable, metadata = _field_shape(info)
-    for m in metadata:
-        if isinstance(m, Allowed):
-            return str(m)
-    if get_origin(base) is Literal:
-        text = "one of " + ", ".join(repr(c) if isinstance(c, str) else str(c) for c in get_args(base))
-    elif base is int:
-        text = "an integer" + _range_text(metadata)
-    elif base is float:
-        text = "a finite number" + _range_text(metadata)
-    elif base is str:
-        nonempty = any(getattr(m, "pattern", None) for m in metadata)
-        text = "a non-empty string" if nonempty else "a string"
+def _allowed(schema: dict[str, Any], base: dict[str, Any]) -> str:
+    """What a key's value must be, in words: ``an integer from 1 to 8``, ``one of 'a', 'b' or null``."""
+    if "description" in schema:
+        return schema["description"]
+    if "enum" in base:
+        text = "one of " + ", ".join(map(repr, base["enum"]))
     else:
-        text = f"a {getattr(base, '__name__', base)}"
-    return text + (" or null" if nullable else "")
+        text = "a non-empty string" if "pattern" in base else _KINDS.get(str(base.get("type")), f"a {base.get('type')}")
+        lo, hi = base.get("minimum"), base.get("maximum")
+        if "exclusiveMinimum" in base:
+            text += f" > {base['exclusiveMinimum']}"
+        elif lo is not None:
+            text += f" from {lo} to {hi}" if hi is not None else f" >= {lo}"
+    return text + (" or null" if "anyOf" in schema else "")
 
 
-def _type_hint(value: Any, base: Any) -> str:
-    if value is None:
-        return ", not null"
-    if base is str:
-        return " (quote it in YAML)"
-    if isinstance(value, bool):
-        return ", not a boolean"
-    if isinstance(value, str):
-        return ", not a string" + (" (write numbers without quotes)" if base in (int, float) else "")
-    return f", not {type(value).__name__}"
-
-
-def _choice_hint(value: Any, choices: Sequence[Any]) -> str:
-    if not isinstance(value, str):
+def _hint(error: Mapping[str, Any], value: Any, base: dict[str, Any], inner: list[Any]) -> str:
+    """What is wrong beyond the range: an entry of a list or mapping, a wrong type, a near miss of a choice."""
+    kind = base.get("type")
+    if inner:
+        problem = "must be a non-empty string" if error["type"] == "string_pattern_mismatch" else error["msg"]
+        return f"; entry {inner[0]!r}: {problem[0].lower()}{problem[1:]}"
+    if error["type"] == "literal_error" and isinstance(value, str):
+        guess = _ALIASES.get(value.lower())
+        close = [guess] if guess in base["enum"] else difflib.get_close_matches(value, base["enum"], n=1)
+        return f"; did you mean {close[0]!r}?" if close else ""
+    if not error["type"].endswith("_type"):
         return ""
-    if value.lower() in _ALIASES and _ALIASES[value.lower()] in choices:
-        return f"; did you mean {_ALIASES[value.lower()]!r}?"
-    close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    quoted = isinstance(value, str) and kind in ("integer", "number")
+    return f", not {_TYPES.get(type(value), type(value).__name__)}" + (
+        " (write numbers without quotes)" if quoted else ""
+    )
 
 
-def _config_error(cls: type, prefix: str, exc: ValidationError, given: Mapping[str, Any]) -> ConfigError:
-    """pydantic's first finding about ``cls(**given)``, as a :class:`ConfigError` naming the dotted key, what is
-    allowed and what was given. Unknown keys are reported first; an error a check raised itself passes through."""
-    errors = sorted(exc.errors(), key=lambda e: e["type"] not in ("unexpected_keyword_argument", "extra_forbidden"))
-    error = errors[0]
-    raised = error.get("ctx", {}).get("error")
-    if isinstance(raised, ConfigError):
+def _config_error(cls: type[_Section], exc: ValidationError, given: Any) -> ConfigError:
+    """pydantic's first finding about ``given`` (the input of ``cls``) as a :class:`ConfigError` naming the dotted
+    key, what is allowed and what was given. Unknown keys come first; a validator's own ConfigError passes through."""
+    error = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    if isinstance(raised := error.get("ctx", {}).get("error"), ConfigError):
         return raised
-    name, *inner = error["loc"] or ("",)
-    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        return _unknown_key_error(prefix or None, name, _field_names(cls))
-    info = cls.__pydantic_fields__[name]
-    key = f"{prefix}.{name}" if prefix else str(name)
-    value = given.get(name, error["input"])
-    base, _, _ = _field_shape(info)
-    if inner and get_origin(base) is dict:  # a mapping's entry
-        problem = "must be a non-empty string" if error["type"] == "string_pattern_mismatch" else error["msg"].lower()
-        what = f"; entry {inner[0]!r}: {problem}"
-    elif inner:  # an entry of a list
-        what = f"; entry {inner[0]} is not a positive integer"
-    elif error["type"].endswith("_type"):
-        what = _type_hint(value, base)
-    elif error["type"] == "literal_error":
-        what = _choice_hint(value, get_args(base))
-    else:
-        what = ""
-        if base is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)  # what the check saw
-    value_text = list(value) if isinstance(value, tuple) else value
-    return ConfigError(key, f"must be {_allowed(info)}{what} (got {value_text!r})")
+    loc = list(error["loc"])
+    if cls is XfuseConfig and len(loc) > 1:  # a key of a section
+        cls, given = SECTIONS[str(loc[0])], given.get(loc[0]) if isinstance(given, Mapping) else None
+        loc = loc[1:]
+    if error["type"] == "model_type":  # a section (or the whole config) that is not a mapping
+        section = SECTIONS[str(loc[0])] if loc else cls
+        key = section.SECTION or "config"
+        return ConfigError(
+            key, f"must be a mapping with keys {', '.join(section.model_fields)} (got {error['input']!r})"
+        )
+    name, *inner = loc
+    if error["type"] == "extra_forbidden":
+        return _unknown_key_error(cls.SECTION or None, name, tuple(cls.model_fields))
+    schema = cls.model_json_schema()["properties"][name]
+    base = next((s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"), schema)
+    value = given[name] if isinstance(given, Mapping) and name in given else error["input"]
+    what = _hint(error, value, base, inner)
+    if base.get("type") == "number" and type(value) is int:
+        value = float(value)  # what the check saw
+    shown = list(value) if isinstance(value, tuple) else value
+    key = f"{cls.SECTION}.{name}" if cls.SECTION else str(name)
+    return ConfigError(key, f"must be {_allowed(schema, base)}{what} (got {shown!r})")
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+def _unknown_key_error(section: str | None, key: Any, known: tuple[str, ...]) -> ConfigError:
+    """``section.key: unknown key; did you mean ...? (allowed: ...)``. Also spots a key put in the wrong section."""
+    dotted = f"{section}.{key}" if section else str(key)
+    hint = ""
+    close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
+    if close:
+        hint = f"; did you mean {(section + '.' if section else '') + close[0]!r}?"
+    elif homes := [s for s, c in SECTIONS.items() if s != section and key in c.model_fields]:
+        hint = f"; it is a key of {'another section' if section else 'a section'}: write it under '{homes[0]}:' "
+        hint += f"({homes[0]}.{key})"
+    what = "unknown key" if section else "unknown section"
+    return ConfigError(dotted, f"{what}{hint} (allowed: {', '.join(known)}) (got {key!r})")
 
 
-_T = TypeVar("_T")
+# --- Sections --------------------------------------------------------------------------------------------------------
 
 
-def section(name: str) -> Callable[[type[_T]], type[_T]]:
-    """Make ``cls`` the frozen, strict pydantic dataclass of config section ``name``; building it with a wrong value
-    raises a :class:`ConfigError` (``dataclasses.replace`` re-validates the same way)."""
+class _Section(BaseModel):
+    """A config section: strict, frozen, unknown keys refused; built from keywords or (``model_validate``) from a
+    mapping or the section itself, a wrong value raising a :class:`ConfigError`. ``SECTION``: its YAML name."""
 
-    def wrap(cls: type[_T]) -> type[_T]:
-        cls = pydantic_dataclass(frozen=True, config=_STRICT)(cls)
-        cls.SECTION = name  # type: ignore[attr-defined]
-        validated_init = cls.__init__
-
-        @functools.wraps(validated_init)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                validated_init(self, *args, **kwargs)
-            except ValidationError as exc:
-                given = {**dict(zip(_field_names(cls), args, strict=False)), **kwargs}
-                raise _config_error(cls, name, exc, given) from None
-
-        cls.__init__ = __init__  # type: ignore[method-assign]
-        return cls
-
-    return wrap
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Sections
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class _Section:
-    """Shared helpers of the sections. ``SECTION`` is the YAML section name (the key prefix)."""
-
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
     SECTION: ClassVar[str] = ""
 
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return _field_names(cls)
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _config_error(type(self), exc, data) from None
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None):
-        """Build from a plain mapping, refusing unknown keys (with a did-you-mean)."""
-        if d is None:
-            d = {}
-        if not isinstance(d, Mapping):
-            raise ConfigError(cls.SECTION, f"must be a mapping with keys {', '.join(cls.keys())} (got {d!r})")
-        for k in d:  # before any value: a misspelt key explains the values that follow
-            if k not in cls.keys():
-                raise _unknown_key_error(cls.SECTION, k, cls.keys())
-        return cls(**d)
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
+        """The section from itself, a mapping of its keys, or None (its defaults)."""
+        try:
+            return super().model_validate({} if obj is None else obj, *args, **kwargs)
+        except ValidationError as exc:
+            raise _config_error(cls, exc, obj) from None
+
+    def with_changes(self, **changes: Any) -> Self:
+        """A copy with ``changes``, validated again (``model_copy(update=...)`` would not)."""
+        return type(self)(**{**dict(self), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-        return out
+        """Plain nested data (lists, no tuples); round-trips through :func:`config_from_dict` and YAML."""
+        return self.model_dump(mode="json")
 
 
-@section("parallel")
 class ParallelConfig(_Section):
     """How the work is split across ranks.
 
@@ -284,38 +200,47 @@ class ParallelConfig(_Section):
     the way back). Whether the split fits the model's block count is checked by ``ModelSpec.check_layout``.
     ``vae_parallel``: the VAE decode split in row bands over every rank of the world (``xfuse.parallel.vae_decode``,
     exact); ``auto`` does so when the world has more than one rank and the image has at least
-    ``VAE_PARALLEL_MIN_PIXELS`` pixels, where it was measured to gain.
-    ``video_patches``: how a video family's patches cut the clip (``xfuse.parallel.video_layout``): ``temporal``,
-    runs of consecutive frames (the model's own token order), or ``spatial``, strips of rows across every frame.
+    ``VAE_PARALLEL_MIN_PIXELS`` pixels (``xfuse.parallel.vae_decode.decodes_in_parallel``), where it was measured to
+    gain. ``video_patches``: how a video family's patches cut the clip (``xfuse.parallel.video_layout``):
+    ``temporal``, runs of consecutive frames (the model's own token order), or ``spatial``, strips of rows across
+    every frame.
     """
 
+    SECTION: ClassVar[str] = "parallel"
     pipefusion_degree: Annotated[int, Field(ge=1, le=MAX_PIPEFUSION_DEGREE)] = 1
     num_patches: PositiveInt | None = None
     warmup_steps: Annotated[int, Field(ge=0)] = 1
     cfg_degree: Annotated[
         int,
-        Field(ge=1, le=2),
-        Allowed("1 or 2 (2 runs the unconditional and conditional CFG branches on two rank groups)"),
+        Field(
+            ge=1, le=2, description="1 or 2 (2 runs the unconditional and conditional CFG branches on two rank groups)"
+        ),
     ] = 1
     placement: Placement | None = None
-    stage_split: StageSplit = None
+    stage_split: Annotated[
+        tuple[PositiveInt, ...] | None,
+        Field(
+            strict=False,  # a YAML list becomes a tuple; its entries stay strict integers
+            description="a list of positive block counts, one per PipeFusion rank (parallel.pipefusion_degree "
+            "entries), or null",
+        ),
+    ] = None
     ulysses_degree: Annotated[
-        int,
-        Field(ge=1, le=MAX_SEQUENCE_DEGREE),
-        Allowed(
-            f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage splitting heads by all-to-all; must divide "
-            "the model's attention heads)"
-        ),  # fmt: skip
+        SequenceDegree,
+        Field(
+            description=f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage splitting heads by all-to-all; must "
+            "divide the model's attention heads)"
+        ),
     ] = 1
     ring_degree: Annotated[
-        int,
-        Field(ge=1, le=MAX_SEQUENCE_DEGREE),
-        Allowed(f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage passing K/V blocks around a ring)"),
+        SequenceDegree,
+        Field(description=f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage passing K/V blocks around a ring)"),
     ] = 1
     vae_parallel: Annotated[VaeParallel, BeforeValidator(_yaml_switch)] = "auto"
     video_patches: VideoPatches = "temporal"
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _one_split_entry_per_rank(self) -> Self:
         if self.stage_split is not None and len(self.stage_split) != self.pipefusion_degree:
             raise ConfigError(
                 "parallel.stage_split",
@@ -323,6 +248,7 @@ class ParallelConfig(_Section):
                 f"{self.pipefusion_degree} entries), or null; it has {len(self.stage_split)} entries "
                 f"(got {list(self.stage_split)!r})",
             )
+        return self
 
     @property
     def sequence_degree(self) -> int:
@@ -334,29 +260,7 @@ class ParallelConfig(_Section):
         """Number of patches M the engine uses: ``num_patches`` if set, else ``pipefusion_degree``."""
         return self.pipefusion_degree if self.num_patches is None else self.num_patches
 
-    def vae_on_every_rank(self, world_size: int) -> bool:
-        """Whether every rank loads the VAE (to decode its band when a call decodes in parallel): unless
-        ``vae_parallel`` is ``off`` or the world has one rank, where rank 0 alone holds it."""
-        return self.vae_parallel != "off" and world_size > 1
 
-    def decodes_in_parallel(self, world_size: int, height: int, width: int, latent_rows: int) -> bool:
-        """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent) is decoded over every rank
-        (``vae_parallel``). ``on`` with fewer latent rows than ranks is refused (:class:`ConfigError`): a band needs
-        at least one row."""
-        if not self.vae_on_every_rank(world_size):
-            return False
-        if latent_rows < world_size:
-            if self.vae_parallel == "on":
-                raise ConfigError(
-                    "parallel.vae_parallel",
-                    f"is on, but the latent has {latent_rows} rows for {world_size} ranks (one band of rows each): "
-                    "use auto or off, or a taller image",
-                )
-            return False
-        return self.vae_parallel == "on" or height * width >= VAE_PARALLEL_MIN_PIXELS
-
-
-@section("comm")
 class CommConfig(_Section):
     """Point-to-point communication settings. ``backend: auto`` means NCCL on CUDA, gloo on CPU.
 
@@ -367,6 +271,7 @@ class CommConfig(_Section):
     failure handling.
     """
 
+    SECTION: ClassVar[str] = "comm"
     backend: Backend = "auto"
     timeout_s: Seconds = 60.0
     max_inflight: PositiveInt = 2
@@ -384,7 +289,6 @@ class CommConfig(_Section):
         return "nccl" if device_type == "cuda" else "gloo"
 
 
-@section("cache")
 class CacheConfig(_Section):
     """Step caching (``xfuse.parallel.step_cache``): skip a step's blocks after the first where the first block's
     residual barely changed since the last computed step, and add each skipped segment's cached residual instead.
@@ -397,6 +301,7 @@ class CacheConfig(_Section):
     most this many steps skipped in a row (null: no limit, as diffusers).
     """
 
+    SECTION: ClassVar[str] = "cache"
     method: Literal["off", "first_block", "taylor"] = "off"
     threshold: Annotated[float, Field(ge=0.0)] = 0.05
     warmup_steps: Annotated[int, Field(ge=0)] = 0
@@ -407,10 +312,10 @@ class CacheConfig(_Section):
         return self.method != "off"
 
 
-@section("runtime")
 class RuntimeConfig(_Section):
     """Device and dtype. ``device: auto`` means CUDA when available (resolved at launch, not here)."""
 
+    SECTION: ClassVar[str] = "runtime"
     device: Device = "auto"
     dtype: DtypeName = "float32"
 
@@ -421,7 +326,6 @@ class RuntimeConfig(_Section):
         return getattr(torch, self.dtype)
 
 
-@section("generation")
 class GenerationConfig(_Section):
     """One request's parameters. ``height``/``width`` ``None`` means the model's default size.
 
@@ -433,9 +337,11 @@ class GenerationConfig(_Section):
     adapters and weights (``xfuse.build.check_lora_family`` checks the model; ``xfuse serve`` has its own,
     ``serve.lora_adapters``, picked per request). ``controlnet``: ``xfuse generate``'s ControlNet, a local diffusers
     ControlNet folder (SD3 / SD3.5 and FLUX.1 models; ``xfuse.build`` checks the model), with ``control_image`` and
-    diffusers' ``controlnet_conditioning_scale``, ``control_guidance_start`` and ``control_guidance_end``.
+    diffusers' ``controlnet_conditioning_scale``, ``control_guidance_start`` and ``control_guidance_end``. Whether the
+    files exist is checked where they are opened (``xfuse.build.check_files``).
     """
 
+    SECTION: ClassVar[str] = "generation"
     prompt: str = "A cat sitting on a windowsill at sunset, watercolor"
     negative_prompt: str | None = None
     height: PositiveInt | None = None
@@ -449,9 +355,9 @@ class GenerationConfig(_Section):
     fps: PositiveInt = 16
     image: NonEmptyStr | None = None
     # xfuse generate: LoRA files or folders applied to the run, with their weights (SD3 / SD3.5, FLUX.1 and Wan models)
-    lora: Annotated[
-        dict[NonEmptyStr, float], Allowed("a mapping of LoRA files or folders to their weights (numbers)")
-    ] = dataclasses.field(default_factory=dict)
+    lora: dict[NonEmptyStr, float] = Field(
+        default_factory=dict, description="a mapping of LoRA files or folders to their weights (numbers)"
+    )
     # xfuse generate: a ControlNet (a diffusers ControlNet folder) and its control image, as diffusers' arguments
     controlnet: NonEmptyStr | None = None
     control_image: NonEmptyStr | None = None
@@ -459,34 +365,25 @@ class GenerationConfig(_Section):
     control_guidance_start: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     control_guidance_end: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
 
-    def __post_init__(self) -> None:
-        for path in self.lora:
-            if not os.path.exists(path):
-                raise ConfigError("generation.lora", f"no LoRA file or folder at {path!r}")
-        if self.image is not None and not os.path.isfile(self.image):
-            raise ConfigError(
-                "generation.image",
-                f"must be an image file, the first frame of an image-to-video clip (not found: {self.image!r})",
-            )
-        self._check_controlnet()
-
-    def _check_controlnet(self) -> None:
-        if self.controlnet is not None and not os.path.isfile(os.path.join(self.controlnet, "config.json")):
-            raise ConfigError(
-                "generation.controlnet",
-                f"must be a local diffusers ControlNet folder, with config.json (not found in {self.controlnet!r})",
-            )
-        if self.control_image is not None and not os.path.isfile(self.control_image):
-            raise ConfigError("generation.control_image", f"must be an image file (not found: {self.control_image!r})")
+    @model_validator(mode="after")
+    def _controlnet_with_its_image(self) -> Self:
         if (self.controlnet is None) != (self.control_image is None):
             given, missing = (
-                ("generation.controlnet", "generation.control_image")
-                if self.control_image is None
-                else ("generation.control_image", "generation.controlnet")
+                ("controlnet", "control_image") if self.control_image is None else ("control_image", "controlnet")
             )
-            raise ConfigError(missing, f"is needed with {given} (a ControlNet runs on a control image)")
+            raise ConfigError(
+                f"generation.{missing}", f"is needed with generation.{given} (a ControlNet runs on a control image)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _controlnet_without_image_to_video(self) -> Self:
         if self.controlnet is not None and self.image is not None:
             raise ConfigError("generation.controlnet", "does not run with generation.image (image-to-video)")
+        return self
+
+    @model_validator(mode="after")
+    def _control_window_not_empty(self) -> Self:
         # An empty window: the ControlNet would act in no step (diffusers' SD3 and FLUX pipelines run it at scale 0)
         if self.control_guidance_start >= self.control_guidance_end:
             raise ConfigError(
@@ -494,13 +391,14 @@ class GenerationConfig(_Section):
                 f"must be below generation.control_guidance_end (got {self.control_guidance_start} >= "
                 f"{self.control_guidance_end})",
             )
+        return self
 
 
-@section("serve")
 class ServeConfig(_Section):
     """``xfuse serve``: where it listens and what one request may ask for. The ``generation`` section gives the
     defaults of a request's optional fields (size, steps, guidance, negative prompt)."""
 
+    SECTION: ClassVar[str] = "serve"
     host: NonEmptyStr = "127.0.0.1"  # loopback unless the operator opens it
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0: any free port (printed at start-up)
     model_name: NonEmptyStr | None = None  # the id in /v1/models and the requests' ``model``; null: the model's name
@@ -512,110 +410,68 @@ class ServeConfig(_Section):
     max_prompt_chars: PositiveInt = 4000
     max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20  # larger request bodies get 413 before they are read
     request_timeout_s: Seconds = 300.0  # a request not started within this is answered 503 and never runs
-    heartbeat_interval_s: Seconds = 1.0  # rank 0 -> every rank while idle
+    heartbeat_interval_s: Annotated[  # rank 0 -> every rank while idle
+        float,
+        Field(
+            gt=0.0,
+            le=1.0,
+            description="a number of seconds > 0 and at most 1.0 s: a dead or stalled rank must be noticed within "
+            "about 2 s of idle time",
+        ),
+    ] = 1.0
     heartbeat_timeout_s: Seconds = 2.0  # a rank that does not answer within this is lost: the world stops
     # LoRA adapters every rank loads at start-up (name -> local file or folder); a request picks them by name
-    lora_adapters: Annotated[
-        dict[str, NonEmptyStr], Allowed("a mapping of adapter names to LoRA files or folders (paths on every rank)")
-    ] = dataclasses.field(default_factory=dict)
+    lora_adapters: dict[str, NonEmptyStr] = Field(
+        default_factory=dict, description="a mapping of adapter names to LoRA files or folders (paths on every rank)"
+    )
 
-    def __post_init__(self) -> None:
-        for name, path in self.lora_adapters.items():
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name in adapters:
             if not ADAPTER_NAME.fullmatch(name):
                 raise ConfigError(
                     "serve.lora_adapters",
                     f"adapter names are 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit "
                     f"(got {name!r})",
                 )
-            if not os.path.exists(path):  # as generation.lora: refused when the config is read, on every rank
-                raise ConfigError(f"serve.lora_adapters.{name}", f"no LoRA file or folder at {path!r}")
-        if self.heartbeat_interval_s > 1.0:
-            raise ConfigError(
-                "serve.heartbeat_interval_s",
-                f"must be at most 1.0 s: a dead or stalled rank must be noticed within about 2 s of idle time "
-                f"(got {self.heartbeat_interval_s!r})",
-            )
+        return adapters
 
 
-_SECTIONS: dict[str, type[_Section]] = {
-    c.SECTION: c for c in (ParallelConfig, CommConfig, CacheConfig, RuntimeConfig, GenerationConfig, ServeConfig)
-}
-TOP_LEVEL_KEYS: tuple[str, ...] = ("model", *_SECTIONS)
+# --- Whole config ----------------------------------------------------------------------------------------------------
 
 
-def _unknown_key_error(section: str | None, key: Any, known: Sequence[str]) -> ConfigError:
-    """``section.key: unknown key; did you mean ...? (allowed: ...)``. Also spots a key put in the wrong section."""
-    dotted = f"{section}.{key}" if section else str(key)
-    what = "unknown key" if section else "unknown section"
-    hint = ""
-    if isinstance(key, str):
-        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-        if close:
-            hint = f"; did you mean {(section + '.' if section else '') + close[0]!r}?"
-        else:
-            homes = [s for s, c in _SECTIONS.items() if s != section and key in c.keys()]
-            if homes:
-                where = "another section" if section else "a section"
-                hint = f"; it is a key of {where}: write it under '{homes[0]}:' ({homes[0]}.{key})"
-    return ConfigError(dotted, f"{what}{hint} (allowed: {', '.join(known)}) (got {key!r})")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Whole config
-# ----------------------------------------------------------------------------------------------------------------
-
-_S = TypeVar("_S", bound=_Section)
-
-
-def _section_config(cls: type[_S], x: Any) -> _S:
-    if x is None:
-        return cls()
-    if isinstance(x, cls):
-        return x
-    if isinstance(x, XfuseConfig):
-        return getattr(x, cls.SECTION)
-    if isinstance(x, Mapping):
-        return cls.from_dict(x)
-    raise ConfigError(
-        cls.SECTION, f"must be a {cls.__name__} or a mapping with keys {', '.join(cls.keys())} (got {x!r})"
-    )
-
-
-def _given_section(cls: type[_Section], *, none_is_none: bool = False) -> Any:
-    """A section field of :class:`XfuseConfig`: given as the section, a mapping, or None (the defaults; for the
-    request sections, none at all)."""
-
-    def build(x: Any) -> Any:
-        return None if (x is None and none_is_none) else _section_config(cls, x)
-
-    return BeforeValidator(build)
-
-
-@section("")
-class XfuseConfig:
-    """The whole configuration. Sections may be given as their dataclasses or as plain dicts (they are validated)."""
+class XfuseConfig(_Section):
+    """The whole configuration. Sections may be given as their models or as plain mappings (they are validated);
+    ``None`` is a section's defaults, and for ``generation`` and ``serve`` (the request sections) no section at all."""
 
     model: NonEmptyStr = "tiny"
-    parallel: Annotated[ParallelConfig, _given_section(ParallelConfig)] = Field(default_factory=ParallelConfig)
-    comm: Annotated[CommConfig, _given_section(CommConfig)] = Field(default_factory=CommConfig)
-    cache: Annotated[CacheConfig, _given_section(CacheConfig)] = Field(default_factory=CacheConfig)
-    runtime: Annotated[RuntimeConfig, _given_section(RuntimeConfig)] = Field(default_factory=RuntimeConfig)
-    generation: Annotated[GenerationConfig | None, _given_section(GenerationConfig, none_is_none=True)] = Field(
-        default_factory=GenerationConfig
-    )
-    serve: Annotated[ServeConfig | None, _given_section(ServeConfig, none_is_none=True)] = Field(
-        default_factory=ServeConfig
-    )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    generation: GenerationConfig | None = Field(default_factory=GenerationConfig)
+    serve: ServeConfig | None = Field(default_factory=ServeConfig)
 
-    def __post_init__(self) -> None:
+    @field_validator("parallel", "comm", "cache", "runtime", mode="before")
+    @classmethod
+    def _none_is_the_defaults(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _warmup_within_the_steps(self) -> Self:
         p, g = self.parallel, self.generation
-        # Cross-section checks that need no world and no model.
         if g is not None and p.warmup_steps > g.num_inference_steps:
             raise ConfigError(
                 "parallel.warmup_steps",
                 f"must be <= generation.num_inference_steps ({g.num_inference_steps}); "
                 f"warm-up = all steps runs every step on the whole image (got {p.warmup_steps})",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _cfg_parallel_needs_guidance(self) -> Self:
+        p, g = self.parallel, self.generation
         if g is not None and p.cfg_degree == 2 and g.guidance_scale <= 1.0:
             raise ConfigError(
                 "parallel.cfg_degree",
@@ -623,18 +479,27 @@ class XfuseConfig:
                 f"generation.guidance_scale > 1 (guidance_scale is {g.guidance_scale}); use "
                 f"cfg_degree 1 or a larger guidance_scale (got {p.cfg_degree})",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _heartbeat_within_the_comm_timeout(self) -> Self:
         if self.serve is not None and self.serve.heartbeat_interval_s >= self.comm.timeout_s:
             raise ConfigError(
                 "serve.heartbeat_interval_s",
                 f"must be below comm.timeout_s ({self.comm.timeout_s} s), or idle ranks waiting for the next "
                 f"heartbeat time out (got {self.serve.heartbeat_interval_s!r})",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_needs_cuda(self) -> Self:
         if self.comm.backend == "nccl" and self.runtime.device == "cpu":
             raise ConfigError(
                 "comm.backend",
                 "'nccl' needs CUDA tensors but runtime.device is 'cpu'; use 'gloo' or 'auto', "
                 "or set runtime.device to 'cuda' or 'auto' (got 'nccl')",
             )
+        return self
 
     @property
     def world_size(self) -> int:
@@ -642,175 +507,30 @@ class XfuseConfig:
         par = self.parallel
         return par.cfg_degree * par.pipefusion_degree * par.sequence_degree
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (lists, no tuples); round-trips through :func:`config_from_dict` and YAML."""
-        sections = {name: getattr(self, name) for name in _SECTIONS}
-        return {"model": self.model, **{name: None if s is None else s.to_dict() for name, s in sections.items()}}
-
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def parallel_config(x: ParallelConfig | Mapping[str, Any] | None) -> ParallelConfig:
-    """Accept a :class:`ParallelConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
-    return _section_config(ParallelConfig, x)
+SECTIONS = {
+    c.SECTION: c for c in (ParallelConfig, CommConfig, CacheConfig, RuntimeConfig, GenerationConfig, ServeConfig)
+}
+TOP_LEVEL_KEYS: tuple[str, ...] = tuple(XfuseConfig.model_fields)
 
 
-def comm_config(x: CommConfig | Mapping[str, Any] | None) -> CommConfig:
-    """Accept a :class:`CommConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
-    return _section_config(CommConfig, x)
-
-
-def cache_config(x: CacheConfig | Mapping[str, Any] | None) -> CacheConfig:
-    """Accept a :class:`CacheConfig`, a plain dict with the same keys, an :class:`XfuseConfig`, or None."""
-    return _section_config(CacheConfig, x)
+# A section from itself, a mapping of its keys, or None (its defaults), as ``from_pretrained(parallel=...)`` takes it.
+parallel_config = ParallelConfig.model_validate
+comm_config = CommConfig.model_validate
+cache_config = CacheConfig.model_validate
 
 
 def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
-    """Validate a plain nested dict (as read from YAML) into an :class:`XfuseConfig`."""
-    if d is None:
-        d = {}
-    if not isinstance(d, Mapping):
-        raise ConfigError("config", f"must be a mapping with sections {', '.join(TOP_LEVEL_KEYS)} (got {d!r})")
-    for k in d:
-        if k not in TOP_LEVEL_KEYS:
-            raise _unknown_key_error(None, k, TOP_LEVEL_KEYS)
-    # A section written with no keys (``parallel:``) is that section's defaults, request sections included.
-    return XfuseConfig(**{k: (_SECTIONS[k].from_dict(v) if k in _SECTIONS else v) for k, v in d.items()})
+    """Validate a plain nested dict (as read from YAML) into an :class:`XfuseConfig`. A section written with no keys
+    (``parallel:``) is that section's defaults, the request sections' included."""
+    if isinstance(d, Mapping):
+        d = {k: {} if v is None and k in SECTIONS else v for k, v in d.items()}
+    return XfuseConfig.model_validate(d)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# YAML loading and --set overrides
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e3`` / ``5e-1`` as floats (YAML 1.2; PyYAML's 1.1 rules need a dot)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"parallel.stage_split=[3,5]"`` -> ``("parallel.stage_split", [3, 5])``; the value is a YAML scalar/list."""
-    if not isinstance(text, str) or "=" not in text:
-        raise ConfigError("--set", f"must be KEY=VALUE, e.g. parallel.warmup_steps=2 (got {text!r})")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    parts = key.split(".")
-    if len(parts) == 1:
-        if key == "model":
-            pass
-        elif key in _SECTIONS:
-            raise ConfigError(
-                key, f"is a section; set one of its keys, e.g. {key}.{_SECTIONS[key].keys()[0]}=... (got {text!r})"
-            )
-        else:
-            raise (
-                _unknown_key_error(None, key, TOP_LEVEL_KEYS)
-                if key
-                else ConfigError("--set", f"must be KEY=VALUE with a non-empty KEY (got {text!r})")
-            )
-    elif len(parts) == 2:
-        section, name = parts
-        if section == "model":
-            raise ConfigError("model", f"is a plain string, set it with model=VALUE (got {text!r})")
-        if section not in _SECTIONS:
-            raise _unknown_key_error(None, section, TOP_LEVEL_KEYS)
-        if name not in _SECTIONS[section].keys():
-            raise _unknown_key_error(section, name, _SECTIONS[section].keys())
-    else:
-        raise ConfigError(key, f"keys have the form SECTION.KEY (or model), e.g. parallel.num_patches (got {text!r})")
-    try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(
-            key,
-            f"value is not valid YAML ({exc.__class__.__name__}); quote strings that contain "
-            f"':' or start with '[' (got {raw!r})",
-        ) from None
-    return key, value
-
-
-def apply_overrides(d: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of the raw nested dict ``d`` with ``--set`` style overrides applied (later ones win)."""
-    if isinstance(overrides, str):  # a bare string would be iterated character by character
-        overrides = [overrides]
-    out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
-    for text in overrides:
-        key, value = parse_override(text)
-        if "." not in key:
-            out[key] = value
-            continue
-        section, name = key.split(".")
-        current = out.get(section)
-        if current is None:
-            current = {}
-        elif not isinstance(current, dict):
-            raise ConfigError(
-                section, f"must be a mapping with keys {', '.join(_SECTIONS[section].keys())} (got {current!r})"
-            )
-        current[name] = value
-        out[section] = current
-    return out
-
-
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a config file into a raw dict (no validation beyond 'it is a mapping')."""
-    p = os.fspath(path)
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_Loader)
-    except FileNotFoundError:
-        raise ConfigError(p, f"config file not found (looked at {os.path.abspath(p)!r})") from None
-    except IsADirectoryError:
-        raise ConfigError(p, "is a directory, expected a YAML config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(p, f"not valid YAML: {exc}") from None
-    if data is None:  # empty file: all defaults
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            p,
-            f"the top level must be a mapping with sections {', '.join(TOP_LEVEL_KEYS)} "
-            f"(got a {type(data).__name__}: {data!r})",
-        )
-    return data
-
-
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> XfuseConfig:
-    """Load a YAML file (or start from defaults when ``path`` is None), apply ``--set`` overrides, validate."""
-    raw = read_yaml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(raw, overrides))
-
-
-__all__ = [
-    "MAX_PIPEFUSION_DEGREE",
-    "MAX_SEQUENCE_DEGREE",
-    "TOP_LEVEL_KEYS",
-    "CommConfig",
-    "ConfigError",
-    "GenerationConfig",
-    "ParallelConfig",
-    "RuntimeConfig",
-    "ServeConfig",
-    "XfuseConfig",
-    "apply_overrides",
-    "comm_config",
-    "config_from_dict",
-    "load_config",
-    "parallel_config",
-    "parse_override",
-    "read_yaml",
-]
+__all__ = ["MAX_PIPEFUSION_DEGREE", "MAX_SEED", "MAX_SEQUENCE_DEGREE", "SECTIONS", "TOP_LEVEL_KEYS", "ConfigError"]
+__all__ += ["CacheConfig", "CommConfig", "GenerationConfig", "ParallelConfig", "RuntimeConfig", "ServeConfig"]
+__all__ += ["XfuseConfig", "cache_config", "comm_config", "config_from_dict", "parallel_config"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from xfuse.build import request_size
-from xfuse.config import VAE_PARALLEL_MIN_PIXELS, ConfigError, GenerationConfig, XfuseConfig
+from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
 from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ceiling
@@ -15,6 +15,7 @@ from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import always_computed, most_skipped
+from xfuse.parallel.vae_decode import VAE_PARALLEL_MIN_PIXELS, decodes_in_parallel, vae_on_every_rank
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
     CPU_CONV_SCRATCH,
@@ -106,7 +107,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
     par, world, batch = config.parallel, config.world_size, 1  # one image per request (generate; serve's n = 1)
     element = torch.empty((), dtype=config.runtime.torch_dtype()).element_size()
     rows = height // shape.scale_factor
-    parallel = par.decodes_in_parallel(world, height, width, rows)  # ConfigError where a run would refuse it
+    parallel = decodes_in_parallel(par, world, height, width, rows)  # ConfigError where a run would refuse it
     if world == 1:
         why = "one rank"
     elif par.vae_parallel == "off":
@@ -118,7 +119,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
     else:
         side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
         why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
-    holders = tuple(range(world)) if par.vae_on_every_rank(world) else (0,)
+    holders = tuple(range(world)) if vae_on_every_rank(par, world) else (0,)
     scratch = CPU_CONV_SCRATCH if where is not None and not where.device.gpu else None  # a CPU's convolution copies
 
     def seconds(ranks: int) -> DecodeTime | None:  # as the performance model costs the device: in its dtype

@@ -152,7 +152,7 @@ def heap_after_build_pipeline(config_path):
 
     from tests.support.heap_child import block_pass_faults
     from xfuse.build import build_pipeline
-    from xfuse.config import load_config
+    from xfuse.config_io import load_config
 
     build_pipeline(load_config(config_path, []))
     frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())

@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
+import pydantic
 import pytest
 import yaml
 
 from tests.support import REPO
+from xfuse.build import check_files
 from xfuse.config import (
+    CacheConfig,
     CommConfig,
     ConfigError,
     GenerationConfig,
     ParallelConfig,
     RuntimeConfig,
     XfuseConfig,
+    cache_config,
     comm_config,
     config_from_dict,
-    load_config,
     parallel_config,
-    parse_override,
 )
+from xfuse.config_io import load_config, parse_override
 from xfuse.families.registry import HUNYUANDIT, model_is_preset
 from xfuse.runtime.world import check_world_size
 
@@ -73,7 +75,7 @@ def test_defaults():
 def test_import_has_no_side_effects():
     # No torch import, no process group, no env changes from importing and constructing.
     code = (
-        "import os, sys; before = dict(os.environ); import xfuse.config as m; m.load_config(); m.XfuseConfig(); "
+        "import os, sys; before = dict(os.environ); import xfuse.config_io as m; m.load_config(); m.XfuseConfig(); "
         "assert 'torch' not in sys.modules, 'torch imported'; assert dict(os.environ) == before"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -91,12 +93,19 @@ def test_num_patches_resolution_keeps_user_value():
 def test_world_size_and_frozen():
     c = config_from_dict({"parallel": {"pipefusion_degree": 4, "cfg_degree": 2}})
     assert c.world_size == 8
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         c.parallel.pipefusion_degree = 2  # type: ignore[misc]
-    # dataclasses.replace re-validates
+    # with_changes re-validates (model_copy(update=...) would not), the cross-field rules included
+    assert c.parallel.with_changes(pipefusion_degree=2) == ParallelConfig(pipefusion_degree=2, cfg_degree=2)
     with pytest.raises(ConfigError) as e:
-        dataclasses.replace(c.parallel, pipefusion_degree=9)
+        c.parallel.with_changes(pipefusion_degree=9)
     assert e.value.key == "parallel.pipefusion_degree"
+    with pytest.raises(ConfigError) as e:
+        c.parallel.with_changes(stage_split=[4, 4, 4])
+    assert e.value.key == "parallel.stage_split" and "3 entries" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        c.with_changes(generation={"guidance_scale": 1.0})
+    assert e.value.key == "parallel.cfg_degree"
 
 
 def test_normalisation_and_hashable():
@@ -239,7 +248,8 @@ def test_parallel_config_inputs():
     assert parallel_config({"pipefusion_degree": 2, "num_patches": 4}) == dc
     assert parallel_config(None) == ParallelConfig()
     assert parallel_config({}) == ParallelConfig()
-    assert parallel_config(XfuseConfig(parallel=dc)) is dc
+    assert XfuseConfig(parallel=dc).parallel is dc  # a section object is taken as it is
+    assert ParallelConfig.model_validate({"pipefusion_degree": 2, "num_patches": 4}) == dc
     with pytest.raises(ConfigError) as e:
         parallel_config({"pipefusion_degre": 2})
     assert e.value.key == "parallel.pipefusion_degre" and "pipefusion_degree" in str(e.value)
@@ -256,6 +266,7 @@ def test_comm_config_inputs():
     with pytest.raises(ConfigError) as e:
         comm_config({"backend": "mpi"})
     assert e.value.key == "comm.backend"
+    assert cache_config({"method": "taylor"}) == CacheConfig(method="taylor") and cache_config(None) == CacheConfig()
 
 
 def test_xfuse_config_accepts_section_dicts():
@@ -268,7 +279,8 @@ def test_xfuse_config_accepts_section_dicts():
 # Bad configs (table-driven). Each: (id, raw dict or overrides, expected key, fragments the message must contain)
 # ------------------------------------------------------------------------------------------------------------------
 
-# Files that exist: a picture, and a folder with a config.json (the config checks only that a ControlNet folder has one)
+# Files that exist: a picture, and a folder with a config.json (build.check_files checks only that a ControlNet folder
+# has one)
 IMAGE = str(REPO / "docs" / "shapes.png")
 CONFIG_FOLDER = str(REPO / "xfuse" / "assets" / "shapes" / "transformer")
 
@@ -372,21 +384,8 @@ BAD_DICTS = [
     ("num_frames_zero", {"generation": {"num_frames": 0}}, "generation.num_frames", [">= 1 or null", "(got 0)"]),
     ("num_frames_string", {"generation": {"num_frames": "9"}}, "generation.num_frames", ["integer", "string"]),
     ("fps_zero", {"generation": {"fps": 0}}, "generation.fps", [">= 1", "(got 0)"]),
-    ("image_missing", {"generation": {"image": "no/such.png"}}, "generation.image", ["not found: 'no/such.png'"]),
     ("image_empty", {"generation": {"image": ""}}, "generation.image", ["non-empty string or null", "(got '')"]),
     ("fps_null", {"generation": {"fps": None}}, "generation.fps", ["not null"]),
-    (
-        "controlnet_missing",
-        {"generation": {"controlnet": "no/such", "control_image": IMAGE}},
-        "generation.controlnet",
-        ["diffusers ControlNet folder", "'no/such'"],
-    ),
-    (
-        "control_image_missing",
-        {"generation": {"controlnet": CONFIG_FOLDER, "control_image": "no/such.png"}},
-        "generation.control_image",
-        ["not found: 'no/such.png'"],
-    ),
     (
         "controlnet_without_control_image",
         {"generation": {"controlnet": CONFIG_FOLDER}},
@@ -468,6 +467,48 @@ def test_bad_config(raw, key, fragments):
         assert fragment in msg, f"{fragment!r} not in {msg!r}"
 
 
+# Files a config names: it reads none of them (pure); build.check_files refuses a missing one, naming its key, where
+# generate and serve start (every rank, before any communication).
+MISSING_FILES = [
+    ("image_missing", {"generation": {"image": "no/such.png"}}, "generation.image", ["not found: 'no/such.png'"]),
+    (
+        "controlnet_missing",
+        {"generation": {"controlnet": "no/such", "control_image": IMAGE}},
+        "generation.controlnet",
+        ["diffusers ControlNet folder", "'no/such'"],
+    ),
+    (
+        "control_image_missing",
+        {"generation": {"controlnet": CONFIG_FOLDER, "control_image": "no/such.png"}},
+        "generation.control_image",
+        ["not found: 'no/such.png'"],
+    ),
+    ("lora_missing", {"generation": {"lora": {"no/such": 1.0}}}, "generation.lora", ["no LoRA file", "'no/such'"]),
+    (
+        "adapter_missing",
+        {"serve": {"lora_adapters": {"a": "no/such"}}},
+        "serve.lora_adapters.a",
+        ["no LoRA file", "'no/such'"],
+    ),
+]
+
+
+@pytest.mark.parametrize("raw,key,fragments", [c[1:] for c in MISSING_FILES], ids=[c[0] for c in MISSING_FILES])
+def test_missing_files_are_refused_where_they_are_opened(raw, key, fragments):
+    config = config_from_dict(raw)  # the config reads no file
+    with pytest.raises(ConfigError) as e:
+        check_files(config)
+    assert e.value.key == key
+    for fragment in fragments:
+        assert fragment in str(e.value), f"{fragment!r} not in {str(e.value)!r}"
+
+
+def test_files_that_exist_pass():
+    check_files(config_from_dict({"generation": {"controlnet": CONFIG_FOLDER, "control_image": IMAGE}}))
+    check_files(config_from_dict({"generation": {"lora": {IMAGE: 0.5}}, "serve": {"lora_adapters": {"a": IMAGE}}}))
+    check_files(XfuseConfig(generation=None, serve=None))
+
+
 BAD_OVERRIDES = [
     ("no_equals", ["parallel.warmup_steps"], "--set", ["KEY=VALUE", "'parallel.warmup_steps'"]),
     ("empty_key", ["=2"], "--set", ["KEY=VALUE"]),
@@ -520,7 +561,7 @@ def test_bad_files(tmp_path):
 def test_direct_construction_validates():
     with pytest.raises(ConfigError) as e:
         ParallelConfig(cfg_degree=3)
-    assert str(e.value).startswith("parallel.cfg_degree: must be 1 or 2") and str(e.value).endswith("(got 3)")
+    assert e.value.key == "parallel.cfg_degree" and "must be 1 or 2" in str(e.value) and "(got 3)" in str(e.value)
     with pytest.raises(ConfigError) as e:
         RuntimeConfig(dtype="float64")
     assert e.value.key == "runtime.dtype"
@@ -789,7 +830,7 @@ def test_the_vae_factor_is_the_models_own_where_the_family_reads_it_from_its_vae
         )
     assert e.value.key == "generation.height"
     image = tmp_path / "first.png"
-    image.write_bytes(b"")  # the file's existence is the config's check; reading it is the CLI's
+    image.write_bytes(b"")  # the file's existence is build.check_files' check; reading it is the CLI's
     config = config_from_dict({"model": "wan2.2-ti2v-tiny", "generation": {"image": str(image)}})
     assert _pipeline_class(config).__name__ == "PipeFusionWanImageToVideoPipeline"
     assert _pipeline_class(XfuseConfig(model="wan2.2-ti2v-tiny")).__name__ == "PipeFusionWanPipeline"
@@ -826,12 +867,18 @@ VAE_PARALLEL = [
 
 @pytest.mark.parametrize("mode,world,height,width,rows,parallel", VAE_PARALLEL)
 def test_which_calls_decode_over_the_world(mode, world, height, width, rows, parallel):
-    assert ParallelConfig(vae_parallel=mode).decodes_in_parallel(world, height, width, rows) is parallel
+    from xfuse.parallel.vae_decode import decodes_in_parallel, vae_on_every_rank
+
+    config = ParallelConfig(vae_parallel=mode)
+    assert decodes_in_parallel(config, world, height, width, rows) is parallel
+    assert vae_on_every_rank(config, world) is (mode != "off" and world > 1)
 
 
 def test_vae_parallel_on_needs_a_latent_row_per_rank():
+    from xfuse.parallel.vae_decode import decodes_in_parallel
+
     with pytest.raises(ConfigError) as e:
-        ParallelConfig(vae_parallel="on").decodes_in_parallel(8, 48, 2048, 6)
+        decodes_in_parallel(ParallelConfig(vae_parallel="on"), 8, 48, 2048, 6)
     assert e.value.key == "parallel.vae_parallel"
     assert "6 rows for 8 ranks" in str(e.value) and "use auto or off" in str(e.value)
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from xfuse.build import check_files
 from xfuse.config import ConfigError, config_from_dict
 from xfuse.serve.protocol import RequestError, RequestLimits, parse_request
 
@@ -65,7 +66,7 @@ def test_a_server_without_adapters_names_none():
 )
 def test_bad_serve_adapters_name_the_key(adapters, key, says):
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"serve": {"lora_adapters": adapters}})
+        check_files(config_from_dict({"serve": {"lora_adapters": adapters}}))  # the paths: where xfuse serve starts
     assert e.value.key == key and says in str(e.value)
 
 
@@ -86,7 +87,7 @@ def test_an_adapter_named_as_the_model_is_refused_before_start():
 )
 def test_bad_generation_lora_names_the_key(lora, says):
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"generation": {"lora": lora}})
+        check_files(config_from_dict({"generation": {"lora": lora}}))  # the paths: where xfuse generate starts
     assert e.value.key == "generation.lora" and says in str(e.value)
 
 

@@ -31,18 +31,50 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from xfuse.comm.p2p import P2PChannels, Recv, Send
+from xfuse.errors import ConfigError
 from xfuse.parallel.sequence import token_chunks
+
+if TYPE_CHECKING:
+    from xfuse.config import ParallelConfig
+
+# vae_parallel: auto decodes over the world from this many image pixels on. Measured (benchmarks/bench_vae.py, the
+# shipped VAE, 2 ranks over gloo, docs/performance.md): 0.70x of rank 0 alone at 256 x 256 px (the messages of ~50
+# layers cost more than half a small decode), 1.08x at 384 x 384, 1.55x at 512 x 512. A wider VAE gains sooner.
+VAE_PARALLEL_MIN_PIXELS = 384 * 384
 
 # The decoder's modules the bands are proven exact for (by class name: diffusers' import paths move); any other
 # module is refused. Convolutions, norms and attention get the treatment above; the rest is per pixel.
 _PER_PIXEL = {"SiLU", "Dropout", "Linear", "ModuleList", "Decoder", "UNetMidBlock2D", "UpDecoderBlock2D"}
 _ATTENTION_PROCESSORS = {"AttnProcessor2_0", "AttnProcessor"}  # softmax over the keys they are given
+
+
+def vae_on_every_rank(parallel: ParallelConfig, world_size: int) -> bool:
+    """Whether every rank loads the VAE (to decode its band when a call decodes in parallel): unless
+    ``parallel.vae_parallel`` is ``off`` or the world has one rank, where rank 0 alone holds it."""
+    return parallel.vae_parallel != "off" and world_size > 1
+
+
+def decodes_in_parallel(parallel: ParallelConfig, world_size: int, height: int, width: int, latent_rows: int) -> bool:
+    """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent) is decoded over every rank
+    (``parallel.vae_parallel``). ``on`` with fewer latent rows than ranks is refused (:class:`ConfigError`): a band
+    needs at least one row."""
+    if not vae_on_every_rank(parallel, world_size):
+        return False
+    if latent_rows < world_size:
+        if parallel.vae_parallel == "on":
+            raise ConfigError(
+                "parallel.vae_parallel",
+                f"is on, but the latent has {latent_rows} rows for {world_size} ranks (one band of rows each): "
+                "use auto or off, or a taller image",
+            )
+        return False
+    return parallel.vae_parallel == "on" or height * width >= VAE_PARALLEL_MIN_PIXELS
 
 
 def band_rows(latent_rows: int, parts: int) -> list[slice]:

@@ -40,7 +40,7 @@ from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.step_cache import check_decisions
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
-from xfuse.parallel.vae_decode import ParallelVAEDecode
+from xfuse.parallel.vae_decode import ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext, init_parallel
 from xfuse.types import DTYPES
@@ -248,14 +248,14 @@ class PipeFusionPipelineBase:
     def _rank0_only(cls, parallel: ParallelConfig, world_size: int) -> tuple[str, ...]:
         """The components ranks other than 0 do not load: ``rank0_components``, less the VAE when every rank may
         decode a band of the image (``parallel.vae_parallel`` not ``off``)."""
-        if not parallel.vae_on_every_rank(world_size):
+        if not vae_on_every_rank(parallel, world_size):
             return cls.rank0_components
         return tuple(name for name in cls.rank0_components if name != "vae")
 
     def _band_decode(self, pipeline, context: ParallelContext) -> ParallelVAEDecode | None:
         """This rank's share of the band-parallel VAE decode, or ``None`` where rank 0 decodes alone (one rank,
         ``vae_parallel: off``, or ``auto`` with a decoder the bands cannot run exactly)."""
-        if not self.parallel.vae_on_every_rank(context.world_size):
+        if not vae_on_every_rank(self.parallel, context.world_size):
             return None
         try:
             return ParallelVAEDecode(
@@ -605,7 +605,7 @@ class PipeFusionPipelineBase:
             return None
         factor = self.spec.vae_scale_factor
         rows, cols = recipe.height // factor, recipe.width // factor
-        if not self.parallel.decodes_in_parallel(self.context.world_size, recipe.height, recipe.width, rows):
+        if not decodes_in_parallel(self.parallel, self.context.world_size, recipe.height, recipe.width, rows):
             return None
         batch = recipe.batch_size * recipe.num_images_per_prompt
         return (batch, self.band_decode.vae.config.latent_channels, rows, cols)

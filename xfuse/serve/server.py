@@ -202,7 +202,7 @@ def refuse_video_model(config: XfuseConfig) -> None:
 
 def check_adapters(config: XfuseConfig) -> None:
     """``serve.lora_adapters`` refused by name on every rank before any port is bound or weights load: a family whose
-    diffusers pipeline loads no LoRA, a name that is the model's own (its paths are checked with the config); and
+    diffusers pipeline loads no LoRA, a name that is the model's own (its paths: ``xfuse.build.check_files``); and
     ``generation.lora`` and ``generation.controlnet`` (``xfuse generate``'s: a server's adapters are picked per
     request, and a request carries no control image)."""
     if config.generation.lora:
