@@ -120,7 +120,7 @@ def test_plan_auto_ranks_every_layout_of_a_world_and_refuses_bad_options_by_name
 def test_generate_auto_runs_the_top_ranked_layout_of_its_world(tmp_path):
     """``--auto`` under torchrun: every rank picks the same layout from the model (rank 0 says which, and what the
     config had), the run uses it (the summary's degrees), and with warm-up = all steps it draws the degree-1 PNG."""
-    from xfuse.config import load_config
+    from xfuse.config_io import load_config
     from xfuse.perf.model import machine
     from xfuse.perf.planner import rank_layouts
 
@@ -237,6 +237,28 @@ def test_generate_refuses_a_world_that_does_not_match():
     assert out.returncode != 0
     assert "must equal the world size (1); start 2 ranks (xfuse ... --nproc-per-node 2, or " in out.stderr
     assert "torchrun --nproc_per_node=2)" in out.stderr
+
+
+def test_generate_refuses_a_missing_file_by_name_before_any_rank_talks(tmp_path):
+    """The files a config names (generation.lora, image, controlnet, control_image) are checked where generate starts
+    (``xfuse.build.check_files``): exit 2 naming the key, from the launcher before it starts the ranks, and from every
+    rank under torchrun before any communication."""
+    image = str(tmp_path / "control.png")
+    Image.new("RGB", (64, 64)).save(image)
+    cases = [
+        (["--lora", "/nowhere/a.safetensors"], "generation.lora: no LoRA file or folder at '/nowhere/a.safetensors'"),
+        (["--image", "/nowhere/first.png"], "generation.image: must be an image file, the first frame of an"),
+        (["--set", "generation.controlnet=/nowhere", "--set", f"generation.control_image={image}"],
+         "generation.controlnet: must be a local diffusers ControlNet folder, with config.json"),
+    ]  # fmt: skip
+    for args, says in cases:  # pp2 without a launcher: xfuse starts the 2 ranks itself, after the check
+        out = xfuse("generate", "--config", "configs/tiny/pp2.yaml", *args, timeout=60)
+        assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+        assert "rank 1" not in out.stderr and "Traceback" not in out.stderr
+    out = torchrun("-m", "xfuse", "generate", "--config", os.path.abspath("configs/tiny/pp2.yaml"), *cases[0][0])
+    assert out.returncode != 0
+    for rank in (0, 1):
+        assert f"xfuse generate: rank {rank}: error: {cases[0][1]}" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -361,3 +361,16 @@ def test_bad_serve_config_is_refused_before_start(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "serve.max_queue: must be an integer >= 1 (got 0)" in out.stderr
+
+
+def test_a_missing_adapter_file_is_refused_before_start():
+    """serve.lora_adapters' files are checked where serve starts (``xfuse.build.check_files``), before the port."""
+    out = subprocess.run(
+        [sys.executable, "-m", "xfuse", "serve", "--set", "serve.lora_adapters={a: /nowhere/a}", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "serve.lora_adapters.a: no LoRA file or folder at '/nowhere/a'" in out.stderr
+    assert "listening" not in out.stdout
