@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from xfuse.config import ConfigError, config_from_dict
 from xfuse.config_io import load_config
-from xfuse.families.registry import HUNYUANDIT, model_spec, transformer_config
+from xfuse.families.registry import FAMILIES, HUNYUANDIT, model_spec, transformer_config
 from xfuse.parallel.schedule import build_schedule
 from xfuse.parallel.stage_plan import stage_plan
 from xfuse.perf import calibration
@@ -28,23 +28,28 @@ from xfuse.plan_report import format_plan_report, plan_report, predicted_latency
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "pixart-tiny", "sd3-tiny", "sd35-tiny", "flux-tiny"])
+@pytest.mark.parametrize("preset", [*(spec.presets[0] for spec in FAMILIES), "sd35-tiny"])
 def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
     """``ModelSpec.block_flops`` against ``FlopCounterMode`` on the diffusers pipeline's own call (math attention,
-    so that the counter sees the matrix products): every block, per batch element, exactly. HunyuanDiT's tiny
-    preset has 16 blocks, so the long skips' ``skip_linear`` (blocks 9-15) is counted; SD3's last block is
-    ``context_pre_only``; SD3.5's first two are dual-attention; FLUX has both block kinds."""
+    so that the counter sees the matrix products): every block, per batch element, exactly, for every family in the
+    registry (its first preset) and SD3.5's layout. HunyuanDiT's tiny preset has 16 blocks, so the long skips'
+    ``skip_linear`` (blocks 9-15) is counted; SD3's last block is ``context_pre_only``; SD3.5's first two are
+    dual-attention; FLUX has both block kinds; Wan's clip is 3 latent frames."""
     spec, config = model_spec(preset), transformer_config(preset)
     pipe = spec.build_preset_pipeline(preset)
     side = 64
     kwargs = {"height": side, "width": side, "num_inference_steps": 1, "output_type": "latent", "prompt": "a cat"}
     if spec.resolution_binning:
         kwargs["use_resolution_binning"] = False
+    frames = 1
+    if spec.video:
+        kwargs["num_frames"] = 1 + 2 * spec.vae_temporal_factor
+        frames = spec.latent_frames(kwargs["num_frames"])
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter, torch.no_grad():
         pipe(**kwargs)
     counts = counter.get_flop_counts()
-    tokens = (side // spec.latent_scale // config["patch_size"]) ** 2
+    tokens = frames * (side // spec.latent_scale // spec.token_patch(config)) ** 2
     batch = 1 if spec.distilled_guidance else 2  # guidance batches [uncond, cond]
     blocks = [name for name in counts if name.count(".") == 2 and "blocks." in name]
     assert len(blocks) == spec.num_blocks(config)
