@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 
-import xfuse.parallel.engine as engine_module
 from tests.support.engine_fns import inject_unrefreshed_kv, run_engine, tiny_pipe
 from tests.support.pipefusion_oracle import pipefusion_reference
 from tests.support.schedulers import PerPatchNoiseDDPM
@@ -16,6 +15,7 @@ from tests.support.world import World
 from xfuse.families.hunyuandit.reference import prepare_inputs, request_from_inputs, serial_latents
 from xfuse.families.hunyuandit.stage import HunyuanDiTStage
 from xfuse.families.registry import HUNYUANDIT
+from xfuse.parallel import scheduler_state
 from xfuse.parallel.costs import comm_volume
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
@@ -280,7 +280,7 @@ def test_oracle_catches_every_patch_drawing_the_same_noise(monkeypatch):
 def test_oracle_catches_noise_drawn_per_patch(monkeypatch):
     """Injected bug: pipelined steps draw their noise per patch from derived generators (before serial's draws)."""
     assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) <= 1e-5
-    monkeypatch.setattr(engine_module, "draws_serial_noise", lambda scheduler: False)
+    monkeypatch.setattr(scheduler_state, "draws_serial_noise", lambda scheduler: False)
     assert rel_max(engine_degree1(2, 1, "DDPMScheduler", HEIGHT, WIDTH, STEPS), oracle(2, 1)) > 0.01
 
 

@@ -86,7 +86,7 @@ def calls_without_scheduler_merge(folder, parallel, calls):
 
     from tests.support.pipeline_fns import run_calls
 
-    with mock.patch("xfuse.parallel.engine.merge_patch_schedulers", lambda *args: None):
+    with mock.patch("xfuse.parallel.scheduler_state.merge_patch_schedulers", lambda *args: None):
         return run_calls(folder, parallel, calls, family="wan")
 
 

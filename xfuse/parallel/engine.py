@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,15 +23,10 @@ import torch
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.config import CacheConfig
 from xfuse.parallel.control import ControlResiduals
+from xfuse.parallel.control_routing import ControlRouting
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
-from xfuse.parallel.scheduler_state import (
-    SerialNoise,
-    draws_serial_noise,
-    merge_patch_schedulers,
-    patch_generators,
-    patch_schedulers,
-)
+from xfuse.parallel.scheduler_state import PatchStepping
 from xfuse.parallel.stage import BatchPart, Stage
 from xfuse.parallel.stage_plan import Segment, StagePlan
 from xfuse.parallel.step_cache import StepCache, first_pipelined_step
@@ -194,7 +188,6 @@ class _Run:
         self.local: dict[Task, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
         # (step, patch, part) -> block -> the ControlNet residual added after it, for this rank's blocks
-        self.controls: dict[tuple, dict[int, torch.Tensor]] = {}
         self.inputs: dict[tuple, torch.Tensor] = {}  # (step, patch) -> model-input latent rows (embedding rank)
         if self.pipe_rank == self.plan.embed_rank:  # step 0's input: the whole latent, scaled once (as diffusers does)
             self.inputs[(0, None)] = _scale_model_input(request.scheduler, self.own_latents, request.timesteps[0])
@@ -205,9 +198,7 @@ class _Run:
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
-        self.patch_schedulers: list | None = None  # output rank, from the first pipelined step: one per patch
-        self.patch_kwargs: list[dict] = []  # output rank: each patch's scheduler.step keywords
-        self.serial_noise: SerialNoise | None = None  # output rank: the step's noise as serial draws it, per patch
+        self.patches: PatchStepping | None = None  # output rank, from the first pipelined step
         if self.pipe_rank == self.plan.output_rank:
             # scheduler.step gets host timesteps and the scheduler keeps its own on the host too: schedulers compare
             # and index them (DDPM's previous_timestep, alphas_cumprod[t]), and on a device every such lookup is a
@@ -219,19 +210,10 @@ class _Run:
                 request.scheduler.timesteps = steps_table.cpu()
         self.stage.begin_request(grid)
         control = request.control
-        # With a ControlNet, fixed for the request: the residuals each rank's blocks use (the order its ``control``
-        # message stacks them in), and for each of this rank's controlled blocks (block, residual, its index in that
-        # message, whether a later segment runs it: its residual then outlives the received buffer).
-        self.control_samples: dict[int, tuple[int, ...]] = {}
-        self.control_blocks: list[tuple[int, int, int, bool]] = []
+        self.controls: ControlRouting | None = None  # with a ControlNet: this rank's share of its residuals
         if control is not None:
-            self.control_samples = {r: control.samples_of(self.plan.blocks_of(r)) for r in range(self.plan.degree)}
-            used = self.control_samples[self.pipe_rank]
             first_blocks = self.plan.route[schedule.first_hop(self.pipe_rank)].blocks
-            for block in self.plan.blocks_of(self.pipe_rank):
-                if block in control.block_samples:
-                    sample = control.block_samples[block]
-                    self.control_blocks.append((block, sample, used.index(sample), block not in first_blocks))
+            self.controls = ControlRouting(control, self.plan, self.pipe_rank, first_blocks)
             if control.begin_request is not None and self.pipe_rank == self.plan.embed_rank:
                 control.begin_request(grid)
         self.cache = None
@@ -274,7 +256,8 @@ class _Run:
         held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])  # all, or an SP chunk
         hidden = (batch, held.stop - held.start, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
         if m.kind == "control":  # the receiver's residuals stacked: (residuals, B, tokens, hidden)
-            return (len(self.control_samples[m.dst]), *hidden)
+            assert self.controls is not None
+            return (len(self.controls.samples[m.dst]), *hidden)
         return hidden
 
     # --- communication --------------------------------------------------------------------------------------
@@ -348,8 +331,8 @@ class _Run:
                         prepare = task.step + 1
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
-        if self.patch_schedulers is not None:  # the request's scheduler ends where serial diffusers' does
-            merge_patch_schedulers(self.request.scheduler, self.patch_schedulers, list(self.grid))
+        if self.patches is not None:  # the request's scheduler ends where serial diffusers' does
+            self.patches.merge_into(self.request.scheduler)
         return self.latents if self.pipe_rank == self.plan.embed_rank else None
 
     def _label(self, task: Task) -> str:
@@ -382,7 +365,8 @@ class _Run:
         for m, tensor in by_kind.get("skip", []):
             skips[m.block] = tensor
         for _, tensor in by_kind.get("control", []):  # this rank's residuals of the patch, in sample order
-            self._keep_controls(key, received=tensor)
+            assert self.controls is not None
+            self.controls.keep(key, received=tensor)
         # One patch covers the whole image: nothing is ever stale, so run it as a whole-image pass (no K/V copy).
         band = None if patch is None or self.grid.num_patches == 1 else self.grid[patch]
         streams: dict[str, torch.Tensor] = {}  # the plan's streams, for the step's first patch only
@@ -415,16 +399,13 @@ class _Run:
             if task.hop == 0:  # (B_model or a part's rows, C, h, W) -> (same, tokens, D)
                 model_input = self._transformer_input(task, rows)
                 hidden = self.stage.embed(model_input, band)
-                if control is not None:
-                    assert control.compute is not None, "the embedding rank runs the control model"
+                if self.controls is not None:
+                    assert control is not None and control.compute is not None, "the embedding rank runs it"
                     residuals = control.compute(step, model_input, band, part, keep_kv)
-                    self._keep_controls(key, residuals)
+                    self.controls.keep(key, residuals)
             assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
-            if self.cache is None and control is not None:
-                kept = self.controls.get(key, {})
-                controls = {b: kept.pop(b) for b in segment.blocks if b in kept}
-                if not kept:
-                    self.controls.pop(key, None)
+            if self.cache is None and self.controls is not None:
+                controls = self.controls.take(key, segment.blocks)
                 hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, controls=controls)
             elif self.cache is None:
                 hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
@@ -444,8 +425,8 @@ class _Run:
                 computed = self.cache.decisions[step]
                 outgoing[m] = hidden.new_full((1,), 1.0 if computed else 0.0)
             elif m.kind == "control":  # (the receiver's residuals, B, tokens, hidden)
-                assert control is not None
-                outgoing[m] = torch.stack([residuals[i] for i in self.control_samples[m.dst]])
+                assert self.controls is not None
+                outgoing[m] = self.controls.message(residuals, m.dst)
         if not skips:  # every skip of this patch consumed or sent
             self.skips.pop(key, None)
         if stepped is not None:
@@ -457,22 +438,6 @@ class _Run:
             self.local[task] = (hidden, streams)  # picked up by this rank's next segment
         if outgoing:
             self.outgoing[task] = outgoing
-
-    def _keep_controls(self, key: tuple, residuals: list[torch.Tensor] | None = None, received=None) -> None:
-        """Keep this rank's ControlNet residuals of a unit by block: at hop 0 from the control model's ``residuals``
-        (indexed by residual), else from the ``received`` stack (indexed as ``control_samples``). A received buffer is
-        reused after its task: a residual a later segment adds is copied, once however many blocks share it."""
-        kept: dict[int, torch.Tensor] = {}
-        copies: dict[int, torch.Tensor] = {}  # residual -> its copy
-        for block, sample, index, later in self.control_blocks:
-            if residuals is not None:
-                kept[block] = residuals[sample]
-            elif later:
-                kept[block] = copies.setdefault(sample, received[index].clone())
-            else:
-                kept[block] = received[index]
-        if kept:
-            self.controls[key] = kept
 
     def _cached_segment(self, task: Task, hidden, cond, band, skips, keep_kv, streams, flag) -> torch.Tensor:
         """The task's segment under step caching (``xfuse.parallel.step_cache``): block 0 always runs and, on the
@@ -573,42 +538,19 @@ class _Run:
             output = torch.cat(self.head_parts)  # parts in batch order -> (B_model, C_out, H, W)
             self.head_parts = []
         noise = req.guide(output, step, patch)  # (B, C, h, W)
-        drawing: AbstractContextManager[None] = nullcontext()
-        if patch is None:
-            scheduler, kwargs = req.scheduler, req.extra_step_kwargs
-        else:
-            if self.patch_schedulers is None:  # first pipelined step: split the scheduler state per patch
-                self._split_scheduler()
-            assert self.patch_schedulers is not None
-            scheduler, kwargs = self.patch_schedulers[patch], self.patch_kwargs[patch]
-            if self.serial_noise is not None:  # the step's noise drawn as serial draws it; this patch's rows
-                drawing = self.serial_noise.rows_of(step, rows)
         # The host copy of the timestep: schedulers index their host-side tables with it (a device timestep would
         # make every step copy it to the host: a device synchronisation per patch).
         t = self.host_timesteps[step]
         # A copy, not a view of the latents this rank updates in place: a scheduler may keep the sample it steps
         # (UniPC's corrector reads ``last_sample`` at the next step), as diffusers' loop leaves it untouched.
         sample = self.own_latents[:, :, rows].clone()
-        with drawing:
-            return scheduler.step(noise, t, sample, **kwargs, return_dict=False)[0]
-
-    def _split_scheduler(self) -> None:
-        """Output rank, first pipelined step: one scheduler per patch (its state cut to the patch's rows), and the
-        noise of stochastic schedulers drawn as serial diffusers draws it (``SerialNoise``: the user's generator,
-        one whole-latent draw per step, each patch its rows), or for a scheduler that draws otherwise from per-patch
-        generators derived from the user's."""
-        req, count = self.request, self.grid.num_patches
-        if draws_serial_noise(req.scheduler):
-            self.serial_noise = SerialNoise(req.scheduler, self.own_latents.shape[2])
-            self.patch_kwargs = [req.extra_step_kwargs] * count
-        else:  # the seeds are drawn from the user's generator first, before any patch steps
-            gens = patch_generators(req.generator, count, self.own_latents.device)
-            step_kwargs = req.extra_step_kwargs
-            self.patch_kwargs = [
-                {**step_kwargs, "generator": g} if "generator" in step_kwargs else step_kwargs for g in gens
-            ]
-        rows = [band.latent_rows for band in self.grid]
-        self.patch_schedulers = patch_schedulers(req.scheduler, self.own_latents.shape, rows)
+        if patch is None:
+            return req.scheduler.step(noise, t, sample, **req.extra_step_kwargs, return_dict=False)[0]
+        if self.patches is None:  # the first pipelined step: the scheduler's state split per patch
+            latents = self.own_latents
+            self.patches = PatchStepping(req.scheduler, req.extra_step_kwargs, req.generator, latents.shape,
+                                         list(self.grid), latents.device)  # fmt: skip
+        return self.patches.step(patch, step, noise, t, sample)
 
     def _route_stepped(self, step: int, patch, stepped: torch.Tensor) -> torch.Tensor:
         """Output rank: store the stepped rows; return the next model-input rows (after the last step, the final
@@ -622,8 +564,8 @@ class _Run:
         if patch is None:
             scheduler = req.scheduler
         else:
-            assert self.patch_schedulers is not None  # split at the first pipelined step, before any patch stepped
-            scheduler = self.patch_schedulers[patch]
+            assert self.patches is not None  # split at the first pipelined step, before any patch stepped
+            scheduler = self.patches.schedulers[patch]
         next_rows = _scale_model_input(scheduler, stepped, self.host_timesteps[step + 1])
         if self.plan.embed_rank == self.pipe_rank:  # folded: the next step's input stays here
             self.inputs[(step + 1, patch)] = next_rows

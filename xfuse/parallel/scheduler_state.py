@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -136,3 +136,39 @@ class SerialNoise:
             yield
         finally:
             setattr(self._module, "randn_tensor", self._randn)  # noqa: B010
+
+
+class PatchStepping:
+    """The output rank's ``scheduler.step`` of pipelined steps, one patch at a time: built at the request's first
+    pipelined step from its scheduler (each patch a copy with its whole-latent state cut to the patch's rows,
+    ``patch_schedulers``), its step keywords and generator; a stochastic scheduler's noise drawn as serial diffusers
+    draws it (``SerialNoise``: the user's generator, one whole-latent draw per step, each patch its rows), or for a
+    scheduler that draws otherwise from per-patch generators derived from the user's (``patch_generators``)."""
+
+    def __init__(self, scheduler, extra_step_kwargs: dict, generator, latent_shape: torch.Size, bands: list, device):
+        count, self.bands = len(bands), bands
+        self.serial_noise: SerialNoise | None = None
+        if draws_serial_noise(scheduler):
+            self.serial_noise = SerialNoise(scheduler, latent_shape[2])
+            self.kwargs = [extra_step_kwargs] * count
+        else:  # the seeds are drawn from the user's generator first, before any patch steps
+            gens = patch_generators(generator, count, device)
+            self.kwargs = [
+                {**extra_step_kwargs, "generator": g} if "generator" in extra_step_kwargs else extra_step_kwargs
+                for g in gens
+            ]
+        self.schedulers = patch_schedulers(scheduler, latent_shape, [band.latent_rows for band in bands])
+
+    def step(self, patch: int, step: int, noise: torch.Tensor, t, sample: torch.Tensor) -> torch.Tensor:
+        """``scheduler.step`` of ``patch`` at ``step`` on its (B, C, h, W) ``sample`` rows: its stepped rows."""
+        drawing = (
+            nullcontext()
+            if self.serial_noise is None
+            else self.serial_noise.rows_of(step, self.bands[patch].latent_rows)
+        )
+        with drawing:
+            return self.schedulers[patch].step(noise, t, sample, **self.kwargs[patch], return_dict=False)[0]
+
+    def merge_into(self, scheduler) -> None:
+        """End of the request: the request's scheduler left where serial diffusers' is (``merge_patch_schedulers``)."""
+        merge_patch_schedulers(scheduler, self.schedulers, self.bands)
