@@ -2,11 +2,12 @@
 
 Every rank runs the same script. Global rank 0 keeps the text encoders, tokenizers, VAE and safety checker; it
 encodes the prompts and broadcasts the embeddings, and it decodes and returns the images. Every rank loads and keeps
-only the transformer blocks of its stage. This class holds the world, the handshakes, the loading, the broadcasts,
-the CFG exchange, the engine call, progress, tracing and statistics, and the one ``__call__`` driver (``_run``) that
-puts them in order. A family's subclass holds its diffusers ``__call__`` signature and argument checks, and hands
-``_run`` a :class:`CallRecipe`: how to encode its prompts, set its timesteps, draw its latents, build the engine's
-request and decode.
+only the transformer blocks of its stage. This class holds the model's handshake, the engine and its call, progress,
+tracing and statistics, and the one ``__call__`` driver (``_run``) that puts the call's steps in order; beside it,
+``loading`` (``from_pretrained`` / ``from_pipe``), ``collectives`` (rank 0's broadcasts and gathers, the shared
+generator, the CFG exchange) and ``callbacks`` (diffusers' ``callback_on_step_end``). A family's subclass holds its
+diffusers ``__call__`` signature and argument checks, and hands ``_run`` a :class:`CallRecipe`: how to encode its
+prompts, set its timesteps, draw its latents, build the engine's request and decode.
 """
 
 from __future__ import annotations
@@ -19,17 +20,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
-from xfuse.comm.p2p import Recv, Send
 from xfuse.config import (
     CommConfig,
     ParallelConfig,
-    RuntimeConfig,
     XfuseConfig,
-    cache_config,
-    comm_config,
-    parallel_config,
 )
 from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
@@ -41,41 +36,12 @@ from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.step_cache import check_decisions
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.parallel.vae_decode import ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
+from xfuse.pipelines.collectives import Collectives
+from xfuse.pipelines.loading import load_from_folder, shard_loaded
 from xfuse.runtime.handshake import config_hash, handshake
-from xfuse.runtime.world import ParallelContext, init_parallel
-from xfuse.types import DTYPES
+from xfuse.runtime.world import ParallelContext
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-def _runtime(torch_dtype, device) -> RuntimeConfig:
-    """The ``runtime`` section of diffusers-style keyword arguments (``torch_dtype=``, ``device=``)."""
-    dtype = "float32" if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
-    if not isinstance(torch_dtype, (torch.dtype, type(None))) or dtype not in DTYPES:
-        allowed = ", ".join(f"torch.{name}" for name in DTYPES)
-        raise ValueError(f"torch_dtype must be one of {allowed} (got {torch_dtype!r})")
-    device = "auto" if device is None else str(torch.device(device).type)
-    return RuntimeConfig(device=device, dtype=dtype)
-
-
-def _one_config(
-    config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig], cache=None
-):
-    """The whole config of a pipeline: ``config`` as given (the CLI and the server pass theirs), or one built from
-    diffusers-style keyword arguments (the sections given, defaults elsewhere). Not both."""
-    if config is None:
-        return XfuseConfig(
-            model=model,
-            parallel=parallel_config(parallel),
-            comm=comm_config(comm),
-            cache=cache_config(cache),
-            runtime=runtime(),
-            generation=None,  # a pipeline built from Python: its calls carry their own arguments
-            serve=None,
-        )
-    if parallel is not None or comm is not None or cache is not None:
-        raise ValueError("pass either config= or the parallel= / comm= / cache= sections, not both")
-    return config
 
 
 def _counts(decisions: list[bool]) -> tuple[int, int]:
@@ -163,6 +129,7 @@ class PipeFusionPipelineBase:
         self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None, vae_config=None
     ):
         self.pipeline, self.context, self.dtype = pipeline, context, dtype
+        self.collectives = Collectives(context)
         # The model's own VAE factor where the family reads it from the VAE (Wan 2.2's 16 px). Ranks that did not
         # load the VAE have its config from the folder (``vae_config``).
         vae = getattr(pipeline, "vae", None)
@@ -303,51 +270,9 @@ class PipeFusionPipelineBase:
         Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank reads only its own
         transformer blocks from the checkpoint (`transformer/*.safetensors`).
         """
-        import diffusers
-
-        from xfuse.families.folder import folder_config, pipeline_transformers
-
-        if dtype is not None:
-            if torch_dtype is not None:
-                raise ValueError("pass either dtype= or torch_dtype= (the same setting), not both")
-            torch_dtype = dtype
-        if config is not None and (torch_dtype is not None or device is not None):
-            raise ValueError("pass either config= or torch_dtype= / device=, not both")
-        config = _one_config(
-            config, pretrained_model_name_or_path, parallel, comm, lambda: _runtime(torch_dtype, device), cache
+        return load_from_folder(
+            cls, pretrained_model_name_or_path, parallel, comm, torch_dtype, device, config, dtype, cache, kwargs
         )
-        torch_dtype = config.runtime.torch_dtype()
-        context = init_parallel(config)
-        if not context.is_output:  # the loading progress bars once, on rank 0, not once per rank
-            import transformers
-
-            diffusers.utils.logging.disable_progress_bar()
-            transformers.utils.logging.disable_progress_bar()
-        skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
-        diffusers_class = getattr(diffusers, cls.diffusers_name())
-        model_class = getattr(diffusers, cls.spec.diffusers_transformer)
-        transformer = model_class.load_config(
-            pretrained_model_name_or_path, subfolder="transformer", local_files_only=True
-        )
-        control = cls._control_blocks_of(pretrained_model_name_or_path, kwargs)
-        plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel, control)
-        # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
-        stages = {
-            name: cls.spec.stage_class().from_pretrained(
-                pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype, subfolder=name
-            )
-            for name in pipeline_transformers(pretrained_model_name_or_path)
-        }
-        pipeline = diffusers_class.from_pretrained(
-            pretrained_model_name_or_path,
-            dtype=torch_dtype,  # the pinned diffusers' name (its torch_dtype= warns that it is deprecated)
-            local_files_only=True,
-            **dict.fromkeys(stages),  # transformer=None (and a second expert's)
-            **skip,
-            **kwargs,
-        )
-        stage = stages.pop("transformer")
-        return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"))
 
     @classmethod
     def from_pipe(
@@ -360,17 +285,7 @@ class PipeFusionPipelineBase:
         ranks are dropped) and ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline``
         itself afterwards.
         """
-        if type(pipeline).__name__ != cls.diffusers_name():
-            raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.diffusers_name()} (got {type(pipeline)})")
-        dtype = pipeline.transformer.dtype
-        if config is not None and device is not None:
-            raise ValueError("pass either config= or device=, not both")
-        # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
-        source = pipeline.config.get("_name_or_path") or cls.diffusers_name()
-        config = _one_config(config, source, parallel, comm, lambda: _runtime(dtype, device), cache)
-        if config.runtime.torch_dtype() != dtype:
-            raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
-        return cls(pipeline, init_parallel(config), dtype)
+        return shard_loaded(cls, pipeline, parallel, comm, device, config, cache)
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -400,7 +315,7 @@ class PipeFusionPipelineBase:
         if self._tracer is None:
             raise ValueError("write_trace: call enable_trace() before the calls to record")
         mine = self._tracer.metadata() + self._tracer.events
-        gathered = self._gather(mine)
+        gathered = self.collectives.gather(mine)
         return write_trace(path, gathered) if gathered is not None else None
 
     def local_stats(self) -> dict:
@@ -422,61 +337,12 @@ class PipeFusionPipelineBase:
     def rank_stats(self) -> list[dict] | None:
         """Every rank's `local_stats`. Collective: call it on every rank; global rank 0 gets the list indexed by
         rank, the others ``None``."""
-        return self._gather(self.local_stats())
+        return self.collectives.gather(self.local_stats())
 
     @property
     def decode_ranks(self) -> int:
         """The ranks the last call's VAE decode ran on (1: rank 0 alone; see ``parallel.vae_parallel``)."""
         return 1 if self._decode_shape is None else self.context.world_size
-
-    # ------------------------------------------------------------------------------------------ collectives
-    def _gather(self, value) -> list | None:
-        """Every rank's ``value``, indexed by rank, on global rank 0 (``None`` elsewhere)."""
-        if self.context.world_size == 1:
-            return [value]
-        gathered = [None] * self.context.world_size
-        dist.all_gather_object(gathered, value, group=self.context.control_group)
-        return gathered if self.context.is_output else None
-
-    def _broadcast(self, payload):
-        """Broadcast a picklable object from global rank 0 (tensors travel on the CPU)."""
-        if self.context.world_size == 1:
-            return payload
-        box = [payload]
-        dist.broadcast_object_list(box, src=0, group=self.context.control_group)
-        return box[0]
-
-    def _broadcast_tensors(self, make, span=null_span) -> dict[str, torch.Tensor]:
-        """``make()`` on global rank 0 (a dict of tensors), broadcast, on this rank's device everywhere (traced as
-        "encode" on rank 0 and "wait for text" on the others when ``span`` is a tracer's)."""
-        payload = None
-        if self.context.is_output:
-            with span("encode", CALL):
-                payload = {k: v.cpu() for k, v in make().items()}
-        with span("wait for text" if payload is None else "broadcast text", CALL):
-            received = self._broadcast(payload)
-        return {k: v.to(self.context.device) for k, v in received.items()}
-
-    def _same_everywhere(self, name: str, value) -> None:
-        """Raise the same ValueError on every rank if ``value`` differs between ranks."""
-        if self.context.world_size == 1:
-            return
-        values = [None] * self.context.world_size
-        dist.all_gather_object(values, value, group=self.context.control_group)
-        if any(v != values[0] for v in values):
-            held = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"{name} must be the same on every rank ({held})")
-
-    def _cfg_exchange(self, noise: torch.Tensor, step: int, patch) -> torch.Tensor:
-        """Swap noise-prediction rows with the other CFG group's rank at the same pipeline position."""
-        peer = self.context.cfg_peer
-        sends, recvs = self.context.cfg_channels.exchange(
-            [Send(peer, "cfg", noise, step, patch)], [Recv(peer, "cfg", tuple(noise.shape), noise.dtype, step, patch)]
-        )
-        other = recvs[0].wait().clone()
-        recvs[0].release()
-        sends[0].wait()
-        return other
 
     # ------------------------------------------------------------------------------------------ the __call__ driver
     def _run(self, recipe: CallRecipe) -> Any:
@@ -504,16 +370,16 @@ class PipeFusionPipelineBase:
         span = self._tracer.span if self._tracer is not None else null_span
         # from here on every rank communicates: a failure anywhere stops everyone
         with self.context.monitor.guard(), span("call", CALL):
-            text = self._broadcast_tensors(recipe.encode, span)
+            text = self.collectives.broadcast_tensors(recipe.encode, span)
             if recipe.encode_draws:
-                self._generator_of_rank0(recipe.generator)
+                self.collectives.generator_of_rank0(recipe.generator)
             with span("prepare", CALL):
                 timesteps = recipe.timesteps()
-                generator = self._shared_generator(recipe.generator)
-                latents = self._shared_latents(lambda: recipe.prepare_latents(generator))
+                generator = self.collectives.shared_generator(recipe.generator)
+                latents = self.collectives.shared_latents(lambda: recipe.prepare_latents(generator))
                 request = recipe.request(text, latents, timesteps, generator)
             final = self._denoise(request)
-            self._sync_generator(recipe.generator)
+            self.collectives.sync_generator(recipe.generator, self._observer())
             if self.context.is_output:
                 with span("decode", CALL):
                     result = recipe.decode(final)  # the family's decode calls _decode_latents
@@ -565,7 +431,7 @@ class PipeFusionPipelineBase:
                 "so pipelined steps derive per-patch generators from one generator"
             )
         gens = generator if isinstance(generator, list) else [generator]
-        self._same_everywhere(
+        self.collectives.same_everywhere(
             "generator",
             [None if g is None else hashlib.sha1(g.get_state().numpy().tobytes()).hexdigest()[:12] for g in gens],
         )
@@ -582,13 +448,6 @@ class PipeFusionPipelineBase:
         if isinstance(prompt, str):
             return 1
         return len(prompt) if isinstance(prompt, list) else prompt_embeds.shape[0]
-
-    @staticmethod
-    def _callback_tensor_inputs(callback, tensor_inputs: list[str]) -> list[str]:
-        """The tensors a ``callback_on_step_end`` reads: a diffusers callback object names its own."""
-        if isinstance(callback, (PipelineCallback, MultiPipelineCallbacks)):
-            return callback.tensor_inputs
-        return tensor_inputs
 
     @staticmethod
     def _refuse(**unsupported) -> None:
@@ -633,46 +492,6 @@ class PipeFusionPipelineBase:
         for channels in self.context.all_channels:
             channels.counters.reset()  # rank_stats() reports the last call
 
-    def _shared_generator(self, generator):
-        """Without a generator every rank (and both CFG groups) must still draw the same scheduler noise: rank 0
-        draws a seed and broadcasts it."""
-        if generator is not None:
-            return generator
-        seed = self._broadcast(int(torch.randint(0, 2**62, (1,))) if self.context.is_output else None)
-        return torch.Generator().manual_seed(seed)
-
-    def _generator_of_rank0(self, generator) -> None:
-        """Every rank's generator(s) take global rank 0's state (after rank 0 alone drew from them)."""
-        if generator is None or self.context.world_size == 1:
-            return
-        generators = generator if isinstance(generator, list) else [generator]
-        states = self._broadcast([g.get_state() for g in generators] if self.context.is_output else None)
-        for g, state in zip(generators, states, strict=True):
-            g.set_state(state)
-
-    def _sync_generator(self, generator) -> None:
-        """After the loop, every rank's generator(s) take the state of those of the rank that stepped the scheduler
-        (``_observer``): it alone drew the scheduler's noise, as serial diffusers draws it, so every rank ends where
-        serial diffusers' generator ends and a second call with the same generator starts alike everywhere (the call's
-        first check compares the ranks' states)."""
-        if generator is None or self.context.world_size == 1:
-            return
-        generators = generator if isinstance(generator, list) else [generator]
-        mine = [g.get_state() for g in generators] if self._observer() else None
-        states: list = [None] * self.context.world_size
-        dist.all_gather_object(states, mine, group=self.context.control_group)
-        (observed,) = [s for s in states if s is not None]
-        for g, state in zip(generators, observed, strict=True):
-            g.set_state(state)
-
-    def _shared_latents(self, prepare) -> torch.Tensor:
-        """The initial latents: rank 0's ``prepare()`` (the diffusers pipeline's ``prepare_latents``), broadcast.
-
-        Every rank runs ``prepare()``: drawing the latents advances the generator, and the rank that steps the
-        scheduler (not rank 0 with linear placement) must continue from the same generator state as diffusers."""
-        latents = prepare()
-        return self._broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)
-
     def _denoise(self, request: DenoiseRequest, engine: PipeFusionEngine | None = None):
         """The engine's (``self.engine``'s unless given) denoising loop with a progress bar on rank 0; the final
         latents on rank 0, else ``None``."""
@@ -713,46 +532,12 @@ class PipeFusionPipelineBase:
         if self.parallel.cfg_degree == 1:
             return tensors, None
         rank = self.context.cfg_rank
-        return {k: v[rank * half : (rank + 1) * half] for k, v in tensors.items()}, (rank, self._cfg_exchange)
+        return {k: v[rank * half : (rank + 1) * half] for k, v in tensors.items()}, (
+            rank,
+            self.collectives.cfg_exchange,
+        )
 
     def _observer(self) -> bool:
         """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""
         context = self.context
         return context.cfg_rank == 0 and context.pipe_rank == self.plan.output_rank and context.sp_rank == 0
-
-    def _step_end_callback(self, callback, tensor_inputs, timesteps, named: dict, latents_view=None):
-        """The engine's ``on_step_end`` for diffusers' ``callback_on_step_end`` (``None`` when there is none or this
-        rank does not step the scheduler): the callback reads copies of the tensors ``named`` (name -> tensor; the
-        latents are filled in per step, through ``latents_view`` into the shape diffusers' loop has them). After a
-        refused change the loop finishes without further callbacks and ``_run`` raises."""
-        if callback is None or not self._observer():
-            return None
-
-        def on_step_end(step, current):
-            if self._callback_error is None:
-                latents = current.clone() if latents_view is None else latents_view(current)
-                self._callback_error = self._run_callback(
-                    callback, tensor_inputs, step, timesteps[step], dict(named, latents=latents)
-                )
-
-        return on_step_end
-
-    def _run_callback(self, callback, tensor_inputs, step, t, names: dict) -> ValueError | None:
-        """Run the user's callback on the tensors; return the error to raise if it changed any."""
-        kwargs = {k: names[k] for k in tensor_inputs}
-        given = dict(kwargs)
-        outputs = callback(self, step, t, kwargs) or {}
-        for key, value in outputs.items():
-            original = given.get(key)
-            if value is not original and not (
-                isinstance(value, torch.Tensor) and original is not None and torch.equal(value, original)
-            ):
-                return ValueError(
-                    f"callback_on_step_end returned a changed {key!r} at step {step}: PipeFusion "
-                    "cannot apply it (later patches are already in flight)"
-                )
-        if self._interrupt:
-            return ValueError(
-                "callback_on_step_end set the pipeline's interrupt flag: PipeFusion cannot stop mid-pipeline"
-            )
-        return None

@@ -67,7 +67,7 @@ class ShardedControlNetMixin:
             raise ConfigError("cache.method", "step caching does not run with a ControlNet: use off")
         super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)  # type: ignore[call-arg]
         self.control_config = dict(controlnet.config)
-        self._same_everywhere("controlnet config", config_hash(self.control_config))
+        self.collectives.same_everywhere("controlnet config", config_hash(self.control_config))
         self.control_model = None
         if context.pipe_rank == self.plan.embed_rank:
             controlnet.to(context.device)

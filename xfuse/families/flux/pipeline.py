@@ -18,6 +18,7 @@ from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         from the user's generator, whose state every rank then takes), the ControlNet's residuals in the engine's
         request."""
         pipe, device = self.pipeline, self.context.device
-        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+        callback_on_step_end_tensor_inputs = callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
         )
         why_ip = "IP-Adapter attention is not a stale-K/V processor"
@@ -220,7 +221,8 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             if self.stage.config.guidance_embeds:  # as FluxPipeline builds it, for the transformer batch
                 guidance_value = torch.full([1], guidance_scale, device=device, dtype=torch.float32)
                 guidance_value = guidance_value.expand(model_batch)
-            on_step_end = self._step_end_callback(
+            on_step_end = step_end_callback(
+                self,
                 callback_on_step_end,
                 callback_on_step_end_tensor_inputs,
                 timesteps,

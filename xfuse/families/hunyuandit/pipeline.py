@@ -18,6 +18,7 @@ from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.hunyuandit.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 
 logger = logging.get_logger(__name__)
 
@@ -101,7 +102,7 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
             every other rank, `None`.
         """
         pipe, device = self.pipeline, self.context.device
-        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+        callback_on_step_end_tensor_inputs = callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
         )
         # Default height and width as diffusers does, optionally binned. diffusers silently rounds a size down to a
@@ -211,7 +212,8 @@ class PipeFusionHunyuanDiTPipeline(PipeFusionPipelineBase):
             model_text, cfg_half = self._cfg_split(
                 dict(batched, image_meta_size=add_time_ids, style=style), latents.shape[0]
             )
-            on_step_end = self._step_end_callback(
+            on_step_end = step_end_callback(
+                self,
                 callback_on_step_end,
                 callback_on_step_end_tensor_inputs,
                 timesteps,

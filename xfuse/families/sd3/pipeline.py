@@ -18,6 +18,7 @@ from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.sd3.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
         ``StableDiffusion3ControlNetPipeline``'s: the control image encoded with the prompt on rank 0, the control
         model's residuals in the engine's request."""
         pipe, device = self.pipeline, self.context.device
-        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+        callback_on_step_end_tensor_inputs = callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
         )
         self._refuse(
@@ -209,8 +210,8 @@ class PipeFusionStableDiffusion3Pipeline(ShardedLoraMixin, PipeFusionPipelineBas
                 batched["control_latents"] = text["control_latents"]
             model_text, cfg_half = self._cfg_split(batched, latents.shape[0])
             control_latents = model_text.pop("control_latents", None)
-            on_step_end = self._step_end_callback(
-                callback_on_step_end, callback_on_step_end_tensor_inputs, timesteps, batched
+            on_step_end = step_end_callback(
+                self, callback_on_step_end, callback_on_step_end_tensor_inputs, timesteps, batched
             )
             request = denoise_request(
                 self.stage,

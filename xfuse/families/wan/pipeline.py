@@ -23,6 +23,7 @@ from xfuse.families.wan.stage import FirstFrame, WanStage, denoise_request
 from xfuse.parallel.engine import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 
 
@@ -110,7 +111,7 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
         max_sequence_length: int = WAN.text_lengths[0],
     ):
-        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+        callback_on_step_end_tensor_inputs = callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
         )
         self._refuse(attention_kwargs=(attention_kwargs, None, "its processors take no extra arguments"))
@@ -225,7 +226,8 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             batched = {"prompt_embeds": torch.cat([text[k] for k in keys])}  # [negative, positive]
             model_text, cfg_half = self._cfg_split(batched, video_latents.shape[0])
             named = {k: text[k] for k in ("prompt_embeds", "negative_prompt_embeds") if k in text}
-            on_step_end = self._step_end_callback(
+            on_step_end = step_end_callback(
+                self,
                 callback_on_step_end,
                 callback_on_step_end_tensor_inputs,
                 timesteps,
@@ -306,7 +308,9 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             final = super()._denoise(request.high, self.engine)
             if request.low is None:
                 return final
-            final = self._broadcast(final.cpu() if self.context.is_output else None)  # (B, C, F*H, W), grid layout
+            final = self.collectives.broadcast(
+                final.cpu() if self.context.is_output else None
+            )  # (B, C, F*H, W), grid layout
         assert request.low is not None and self.engine_2 is not None
         return super()._denoise(request.low(final), self.engine_2)
 
@@ -384,7 +388,7 @@ class PipeFusionWanImageToVideoPipeline(PipeFusionWanPipeline):
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],  # noqa: B006  (diffusers' default)
         max_sequence_length: int = WAN.text_lengths[0],
     ):
-        callback_on_step_end_tensor_inputs = self._callback_tensor_inputs(
+        callback_on_step_end_tensor_inputs = callback_tensor_inputs(
             callback_on_step_end, callback_on_step_end_tensor_inputs
         )
         self._refuse(

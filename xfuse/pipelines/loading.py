@@ -1,0 +1,107 @@
+"""Loading a family's PipeFusion pipeline (``PipeFusionPipelineBase.from_pretrained`` / ``from_pipe``): the one config
+a pipeline runs with, the world joined, and every rank reading only its own transformer blocks from the folder (rank 0
+alone the text encoders, tokenizers and, unless every rank decodes a band, the VAE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from xfuse.config import RuntimeConfig, XfuseConfig, cache_config, comm_config, parallel_config
+from xfuse.runtime.world import init_parallel
+from xfuse.types import DTYPES
+
+
+def runtime_section(torch_dtype, device) -> RuntimeConfig:
+    """The ``runtime`` section of diffusers-style keyword arguments (``torch_dtype=``, ``device=``)."""
+    dtype = "float32" if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
+    if not isinstance(torch_dtype, (torch.dtype, type(None))) or dtype not in DTYPES:
+        allowed = ", ".join(f"torch.{name}" for name in DTYPES)
+        raise ValueError(f"torch_dtype must be one of {allowed} (got {torch_dtype!r})")
+    device = "auto" if device is None else str(torch.device(device).type)
+    return RuntimeConfig(device=device, dtype=dtype)
+
+
+def one_config(
+    config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig], cache=None
+):
+    """The whole config of a pipeline: ``config`` as given (the CLI and the server pass theirs), or one built from
+    diffusers-style keyword arguments (the sections given, defaults elsewhere). Not both."""
+    if config is None:
+        return XfuseConfig(
+            model=model,
+            parallel=parallel_config(parallel),
+            comm=comm_config(comm),
+            cache=cache_config(cache),
+            runtime=runtime(),
+            generation=None,  # a pipeline built from Python: its calls carry their own arguments
+            serve=None,
+        )
+    if parallel is not None or comm is not None or cache is not None:
+        raise ValueError("pass either config= or the parallel= / comm= / cache= sections, not both")
+    return config
+
+
+def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, torch_dtype, device, config, dtype,
+                     cache, kwargs: dict):  # fmt: skip
+    """``cls.from_pretrained``'s work (its docstring says what each argument is)."""
+    import diffusers
+
+    from xfuse.families.folder import folder_config, pipeline_transformers
+
+    if dtype is not None:
+        if torch_dtype is not None:
+            raise ValueError("pass either dtype= or torch_dtype= (the same setting), not both")
+        torch_dtype = dtype
+    if config is not None and (torch_dtype is not None or device is not None):
+        raise ValueError("pass either config= or torch_dtype= / device=, not both")
+    config = one_config(
+        config, pretrained_model_name_or_path, parallel, comm, lambda: runtime_section(torch_dtype, device), cache
+    )
+    torch_dtype = config.runtime.torch_dtype()
+    context = init_parallel(config)
+    if not context.is_output:  # the loading progress bars once, on rank 0, not once per rank
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+    skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
+    diffusers_class = getattr(diffusers, cls.diffusers_name())
+    model_class = getattr(diffusers, cls.spec.diffusers_transformer)
+    transformer = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
+    control = cls._control_blocks_of(pretrained_model_name_or_path, kwargs)
+    plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel, control)
+    # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
+    stages = {
+        name: cls.spec.stage_class().from_pretrained(
+            pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype, subfolder=name
+        )
+        for name in pipeline_transformers(pretrained_model_name_or_path)
+    }
+    pipeline = diffusers_class.from_pretrained(
+        pretrained_model_name_or_path,
+        dtype=torch_dtype,  # the pinned diffusers' name (its torch_dtype= warns that it is deprecated)
+        local_files_only=True,
+        **dict.fromkeys(stages),  # transformer=None (and a second expert's)
+        **skip,
+        **kwargs,
+    )
+    stage = stages.pop("transformer")
+    return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"))
+
+
+def shard_loaded(cls, pipeline, parallel, comm, device, config, cache):
+    """``cls.from_pipe``'s work (its docstring says what each argument is)."""
+    if type(pipeline).__name__ != cls.diffusers_name():
+        raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.diffusers_name()} (got {type(pipeline)})")
+    dtype = pipeline.transformer.dtype
+    if config is not None and device is not None:
+        raise ValueError("pass either config= or device=, not both")
+    # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
+    source = pipeline.config.get("_name_or_path") or cls.diffusers_name()
+    config = one_config(config, source, parallel, comm, lambda: runtime_section(dtype, device), cache)
+    if config.runtime.torch_dtype() != dtype:
+        raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
+    return cls(pipeline, init_parallel(config), dtype)
