@@ -114,16 +114,22 @@ def run_engine_refreshing_skipped_kv(*args, **kwargs):
     the patch's tokens) before adding its cached residual as a skip does."""
     from unittest import mock
 
-    from xfuse.parallel.engine import _Run
+    from xfuse.parallel.step_cache import CachedSegments
 
-    skip = _Run._skip_segment
+    run, skip = CachedSegments.run, CachedSegments._skip
 
-    def refreshing(run, task, hidden, rest, tokens, skips, streams):
-        band = None if task.patch is None or run.grid.num_patches == 1 else run.grid[task.patch]
-        run.stage.run_segment(hidden, rest, run._cond(task.step), band, dict(skips), True, dict(streams))
-        return skip(run, task, hidden, rest, tokens, skips, streams)
+    def running(segments, task, hidden, cond, band, skips, keep_kv, streams, flag):
+        def refreshing(task, hidden, rest, tokens, skips, streams):  # the pass's cond and band, as the engine's
+            segments.stage.run_segment(hidden, rest, cond, band, dict(skips), True, dict(streams))
+            return skip(segments, task, hidden, rest, tokens, skips, streams)
 
-    with mock.patch.object(_Run, "_skip_segment", refreshing):
+        segments._skip = refreshing  # this pass's skips
+        try:
+            return run(segments, task, hidden, cond, band, skips, keep_kv, streams, flag)
+        finally:
+            del segments._skip
+
+    with mock.patch.object(CachedSegments, "run", running):
         return run_engine(*args, **kwargs)
 
 

@@ -28,8 +28,8 @@ from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
 from xfuse.parallel.scheduler_state import PatchStepping
 from xfuse.parallel.stage import BatchPart, Stage
-from xfuse.parallel.stage_plan import Segment, StagePlan
-from xfuse.parallel.step_cache import StepCache, first_pipelined_step
+from xfuse.parallel.stage_plan import StagePlan
+from xfuse.parallel.step_cache import CachedSegments, StepCache, first_pipelined_step
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
 
 MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts, patch costs) whose programs are kept
@@ -216,10 +216,12 @@ class _Run:
             self.controls = ControlRouting(control, self.plan, self.pipe_rank, first_blocks)
             if control.begin_request is not None and self.pipe_rank == self.plan.embed_rank:
                 control.begin_request(grid)
-        self.cache = None
+        self.cache: StepCache | None = None
+        self.cached: CachedSegments | None = None  # with step caching: how this rank runs or skips its segments
         if engine.cache is not None:
             first = first_pipelined_step(self.schedule.num_steps, self.schedule.warmup_steps, grid.num_patches)
             self.cache = StepCache(engine.cache, grid.num_tokens, first)
+            self.cached = CachedSegments(self.cache, self.stage, self.plan, self.pipe_rank)
 
     @property
     def own_latents(self) -> torch.Tensor:
@@ -380,7 +382,6 @@ class _Run:
             streams = {kind: by_kind[kind][0][1] for kind in plan.streams if kind in by_kind}
         else:
             hidden, streams = self.local.pop(Task(step, patch, task.hop - 1, task.part))
-        segment = plan.route[task.hop]
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them (with
         # caching every computed one does, as the last may be skipped).
         keep_kv = band is not None or (
@@ -404,13 +405,7 @@ class _Run:
                     residuals = control.compute(step, model_input, band, part, keep_kv)
                     self.controls.keep(key, residuals)
             assert hidden is not None  # embedded at hop 0; received, or kept by this rank, after it
-            if self.cache is None and self.controls is not None:
-                controls = self.controls.take(key, segment.blocks)
-                hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, controls=controls)
-            elif self.cache is None:
-                hidden = self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
-            else:
-                hidden = self._cached_segment(task, hidden, cond, band, skips, keep_kv, streams, by_kind.get("cache"))
+            hidden = self._segment(task, hidden, cond, band, skips, keep_kv, streams, key, by_kind.get("cache"))
             stepped = self._step_model(task, hidden, cond, band) if last_hop else None
         outgoing = {}
         for m in self.send_msgs[task]:
@@ -439,56 +434,16 @@ class _Run:
         if outgoing:
             self.outgoing[task] = outgoing
 
-    def _cached_segment(self, task: Task, hidden, cond, band, skips, keep_kv, streams, flag) -> torch.Tensor:
-        """The task's segment under step caching (``xfuse.parallel.step_cache``): block 0 always runs and, on the
-        step's first task, decides; the rest of the segment runs and stores its residual, or is skipped and adds it.
-        ``flag``: the step's decision, received with its first task (ranks without block 0)."""
-        cache, step = self.cache, task.step
-        assert cache is not None
+    def _segment(self, task: Task, hidden, cond, band, skips, keep_kv, streams, key, flag) -> torch.Tensor:
+        """The task's segment: run by the stage, with the ControlNet residuals its blocks add; under step caching as
+        ``CachedSegments`` runs or skips it (``flag``: the step's decision, where it came with the task)."""
+        if self.cached is not None:
+            return self.cached.run(task, hidden, cond, band, skips, keep_kv, streams, flag)
         segment = self.plan.route[task.hop]
-        tokens = self.stage.hidden_tokens(band)
-        blocks = segment.blocks
-        if task.hop == 0:
-            before = hidden
-            hidden = self.stage.run_segment(hidden, Segment(0, segment.rank, blocks[:1]), cond, band, skips,
-                                            keep_kv, streams)  # fmt: skip
-            first = step not in cache.decisions  # the step's first task decides
-            if first or cache.decisions[step]:  # a skipped step's later patches need no residual of block 0
-                residual = hidden - before  # (B, n, D)
-                if first:
-                    cache.decide(step, residual, tokens, self.stage.group_sum)
-                if cache.decisions[step]:
-                    cache.keep_head(residual, tokens)
-            blocks = blocks[1:]
-        elif step not in cache.decisions:  # the step's first task here: its decision came with it
-            assert flag, f"step {step}: the first task on pipeline rank {self.pipe_rank} came without its decision"
-            ((_, value),) = flag
-            cache.note(step, bool(value.item()))
-        if not blocks:
-            return hidden
-        rest = Segment(task.hop, segment.rank, blocks)
-        if cache.decisions[step]:
-            before, streams_before = hidden, dict(streams)
-            hidden = self.stage.run_segment(hidden, rest, cond, band, skips, keep_kv, streams)
-            changed = {k: streams[k] - v for k, v in streams_before.items() if k in streams}
-            cache.store(task.hop, step, tokens, hidden - before, changed)
-            return hidden
-        return self._skip_segment(task, hidden, rest, tokens, skips, streams)
-
-    def _skip_segment(self, task: Task, hidden, rest: Segment, tokens: slice, skips, streams) -> torch.Tensor:
-        """A skipped segment: its cached residual added, no block run (no K/V written); a long skip produced in it
-        passes its input on, one consumed in it is dropped (its consumer is skipped too)."""
-        assert self.cache is not None
-        residual, stream_residuals = self.cache.residual(task.hop, task.step, tokens)
-        for edge in self.plan.skips:
-            if edge.producer in rest.blocks and edge.consumer not in rest.blocks:
-                skips[edge.producer] = hidden
-            elif edge.consumer in rest.blocks and edge.producer not in rest.blocks:
-                skips.pop(edge.producer, None)
-        for kind, change in stream_residuals.items():
-            if kind in streams:
-                streams[kind] = streams[kind] + change
-        return hidden + residual
+        if self.controls is None:  # the families without a ControlNet pipeline take no ``controls``
+            return self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+        controls = self.controls.take(key, segment.blocks)
+        return self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, controls=controls)
 
     def _model_input_rows(self, step: int, patch, latent_msgs) -> torch.Tensor:
         """Scaled model-input latent rows of (step, patch) on the embedding rank."""

@@ -40,6 +40,9 @@ from itertools import pairwise
 import torch
 
 from xfuse.config import CacheConfig
+from xfuse.parallel.schedule import Task
+from xfuse.parallel.stage import Stage
+from xfuse.parallel.stage_plan import Segment, StagePlan
 
 
 @dataclass
@@ -181,3 +184,60 @@ def check_decisions(per_rank: list[tuple[int, list[bool]]]) -> None:
                         f"rank {first_rank} {what[a]} it, rank {rank} {what[b]} it; every rank of a group must "
                         "take the decision its first task carries"
                     )
+
+
+class CachedSegments:
+    """A rank's segments under step caching, as the engine runs them (the rules in the module docstring): the stage's
+    blocks run, or skipped with the cached residual added, one decision per step."""
+
+    def __init__(self, cache: StepCache, stage: Stage, plan: StagePlan, pipe_rank: int):
+        self.cache, self.stage, self.plan, self.pipe_rank = cache, stage, plan, pipe_rank
+
+    def run(self, task: Task, hidden, cond, band, skips, keep_kv, streams, flag) -> torch.Tensor:
+        """The task's segment: block 0 always runs and, on the step's first task, decides; the rest of the segment
+        runs and stores its residual, or is skipped and adds it. ``flag``: the step's decision, received with its
+        first task (ranks without block 0)."""
+        cache, step = self.cache, task.step
+        segment = self.plan.route[task.hop]
+        tokens = self.stage.hidden_tokens(band)
+        blocks = segment.blocks
+        if task.hop == 0:
+            before = hidden
+            hidden = self.stage.run_segment(hidden, Segment(0, segment.rank, blocks[:1]), cond, band, skips,
+                                            keep_kv, streams)  # fmt: skip
+            first = step not in cache.decisions  # the step's first task decides
+            if first or cache.decisions[step]:  # a skipped step's later patches need no residual of block 0
+                residual = hidden - before  # (B, n, D)
+                if first:
+                    cache.decide(step, residual, tokens, self.stage.group_sum)
+                if cache.decisions[step]:
+                    cache.keep_head(residual, tokens)
+            blocks = blocks[1:]
+        elif step not in cache.decisions:  # the step's first task here: its decision came with it
+            assert flag, f"step {step}: the first task on pipeline rank {self.pipe_rank} came without its decision"
+            ((_, value),) = flag
+            cache.note(step, bool(value.item()))
+        if not blocks:
+            return hidden
+        rest = Segment(task.hop, segment.rank, blocks)
+        if cache.decisions[step]:
+            before, streams_before = hidden, dict(streams)
+            hidden = self.stage.run_segment(hidden, rest, cond, band, skips, keep_kv, streams)
+            changed = {k: streams[k] - v for k, v in streams_before.items() if k in streams}
+            cache.store(task.hop, step, tokens, hidden - before, changed)
+            return hidden
+        return self._skip(task, hidden, rest, tokens, skips, streams)
+
+    def _skip(self, task: Task, hidden, rest: Segment, tokens: slice, skips, streams) -> torch.Tensor:
+        """A skipped segment: its cached residual added, no block run (no K/V written); a long skip produced in it
+        passes its input on, one consumed in it is dropped (its consumer is skipped too)."""
+        residual, stream_residuals = self.cache.residual(task.hop, task.step, tokens)
+        for edge in self.plan.skips:
+            if edge.producer in rest.blocks and edge.consumer not in rest.blocks:
+                skips[edge.producer] = hidden
+            elif edge.consumer in rest.blocks and edge.producer not in rest.blocks:
+                skips.pop(edge.producer, None)
+        for kind, change in stream_residuals.items():
+            if kind in streams:
+                streams[kind] = streams[kind] + change
+        return hidden + residual
