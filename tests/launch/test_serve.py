@@ -352,25 +352,22 @@ def test_the_mmdit_families_serve_under_torchrun(tmp_path, preset):
         assert served.wait(timeout=60) == 0, served.stderr()[-3000:]
 
 
-def test_bad_serve_config_is_refused_before_start(tmp_path):
+@pytest.mark.parametrize(
+    "setting,says",
+    [
+        ("serve.max_queue=0", "serve.max_queue: must be an integer >= 1 (got 0)"),
+        # the adapters' files are checked where serve starts (``xfuse.build.check_files``), before the port
+        ("serve.lora_adapters={a: /nowhere/a}", "serve.lora_adapters.a: no LoRA file or folder at '/nowhere/a'"),
+    ],
+    ids=["bad-value", "missing-adapter-file"],
+)
+def test_a_bad_serve_config_is_refused_before_start(setting, says):
     out = subprocess.run(
-        [sys.executable, "-m", "xfuse", "serve", "--set", "serve.max_queue=0", "--port", "0"],
+        [sys.executable, "-m", "xfuse", "serve", "--set", setting, "--port", "0"],
         capture_output=True,
         text=True,
         env=ENV,
         timeout=60,
     )
-    assert out.returncode == 2 and "serve.max_queue: must be an integer >= 1 (got 0)" in out.stderr
-
-
-def test_a_missing_adapter_file_is_refused_before_start():
-    """serve.lora_adapters' files are checked where serve starts (``xfuse.build.check_files``), before the port."""
-    out = subprocess.run(
-        [sys.executable, "-m", "xfuse", "serve", "--set", "serve.lora_adapters={a: /nowhere/a}", "--port", "0"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=60,
-    )
-    assert out.returncode == 2 and "serve.lora_adapters.a: no LoRA file or folder at '/nowhere/a'" in out.stderr
+    assert out.returncode == 2 and says in out.stderr
     assert "listening" not in out.stdout
