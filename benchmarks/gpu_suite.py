@@ -12,17 +12,18 @@ p. a patch's cost (``benchmarks/gpu_patch_cost.py``): per family at its released
    rest) against one whole-image pass, per block and for a stage of four; first, as the figure the performance
    model most needs.
 
-a. degree-1 loop, xfuse vs diffusers' ``HunyuanDiTPipeline`` on the same random ``dit-g2`` model (the released
-   transformer's shape), bf16, 1024 px, CFG, 20 steps: the pipeline call to latents (tiny text encoders, the denoising
-   loop; no VAE decode), timed with CUDA events, median of ``--repeats`` (min-max), per torch SDPA kernel choice
-   (default, flash forced, memory-efficient forced). xfuse runs torch's SDPA only; the flash-attn package is not used.
+a. degree 1 against diffusers (``benchmarks/gpu_degree1.py``): HunyuanDiT ``dit-g2``, SD3.5-large, FLUX.1-dev at
+   1024 px, 20 steps, and Wan 2.1 14B at 480 x 832 px, 81 frames, 2 steps; the same random bf16 model, diffusers'
+   call then xfuse's at one rank, to latents, CUDA events, median of ``--repeats`` (min-max), each family in a
+   process of its own; torch's SDPA with its default kernel choice (the flash-attn package is not used).
 b. peak GPU memory of each of those calls (``torch.cuda.max_memory_allocated``).
 c. synchronisations in the loop: one pipelined xfuse call (M = 2, warm-up 1) with the engine's ``denoise`` under
    ``torch.cuda.set_sync_debug_mode("warn")``; every synchronising call is listed with where it comes from.
 d. xfuse's CPU speedups at degrees 2, 4 and 8 (one torch thread per rank, gloo; ``small``, 512 px, 20 steps, CFG,
    M = N, warm-up 1, first call included).
 e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and ``NCCL_P2P_DISABLE=1
-   NCCL_SHM_DISABLE=1``, sockets on loopback), so NCCL may treat the ranks as separate hosts. If it starts: exact mode
+   NCCL_SHM_DISABLE=1``, sockets on loopback), so NCCL may treat the ranks as separate hosts. First NCCL alone
+   (``benchmarks/gpu_nccl_probe.py``: collectives and batched P2P without xfuse), then xfuse. If it starts: exact mode
    at degrees 2 and 4 against degree 1 (the PNGs compared), a killed rank and a stalled rank (every rank's exit code,
    the time to the end, the reports); if not, what NCCL said.
 
@@ -43,7 +44,6 @@ when there is no GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -52,11 +52,12 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups, spread  # noqa: E402 (no torch at import time)
+from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups  # noqa: E402 (no torch at import time)
+from benchmarks.gpu_degree1 import degree1  # noqa: E402
+from benchmarks.gpu_degree1 import markdown as degree1_markdown  # noqa: E402
 from benchmarks.gpu_patch_cost import markdown as patch_cost_markdown  # noqa: E402
 from benchmarks.gpu_patch_cost import patch_cost  # noqa: E402
 
@@ -70,123 +71,6 @@ def no_cuda() -> str | None:
     import torch
 
     return None if torch.cuda.is_available() else "skipped: no CUDA device (torch.cuda.is_available() is False)"
-
-
-# ---------------------------------------------------------------------------------------------- (a) + (b)
-def degree1_loop(preset: str, size: int, steps: int, repeats: int) -> dict:
-    """diffusers, then xfuse at degree 1, on the same bf16 model: CUDA-event times and peak memory per kernel."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from xfuse import PipeFusionHunyuanDiTPipeline
-    from xfuse.families.hunyuandit.presets import build_tiny_pipeline
-
-    call = dict(
-        prompt=PROMPT,
-        height=size,
-        width=size,
-        num_inference_steps=steps,
-        guidance_scale=5.0,
-        use_resolution_binning=False,
-        output_type="latent",
-    )
-    kernels = {
-        "sdpa (default choice)": None,
-        "sdpa, flash kernel": [SDPBackend.FLASH_ATTENTION],
-        "sdpa, memory-efficient kernel": [SDPBackend.EFFICIENT_ATTENTION],
-    }
-
-    def timed(pipe, names) -> dict:
-        rows = {}
-        for name in names:
-            backends = kernels[name]
-            times, peaks = [], []
-            try:
-                for _ in range(repeats):
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-                        start.record()
-                        pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
-                        end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3)
-                    peaks.append(torch.cuda.max_memory_allocated() / 2**30)
-                rows[name] = dict(seconds=spread(times), peak_gib=max(peaks))
-            except Exception as exc:  # noqa: BLE001 - a kernel the GPU or dtype does not support: say so
-                rows[name] = dict(error=f"{type(exc).__name__}: {exc}"[:500])
-        return rows
-
-    out = {"model": preset, "size": size, "steps": steps, "dtype": "bfloat16", "repeats": repeats}
-    pipe = build_tiny_pipeline(preset, seed=0).to("cuda", torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
-    out["diffusers"] = timed(pipe, kernels)
-    del pipe
-    torch.cuda.empty_cache()
-    pipe = build_tiny_pipeline(preset, seed=0).to(torch.bfloat16)
-    xfuse_pipe = PipeFusionHunyuanDiTPipeline.from_pipe(pipe, parallel={"pipefusion_degree": 1}, device="cuda")
-    xfuse_pipe.set_progress_bar_config(disable=True)
-    # the default kernel and the sync report first: a kernel that fails ends the world (a failed call is final for
-    # every rank), so the forced kernels run last
-    default, *forced = kernels
-    out["xfuse"] = timed(xfuse_pipe, [default])
-    out["sync_debug"] = sync_report(xfuse_pipe, call, steps)
-    out["xfuse"].update(timed(xfuse_pipe, forced))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- (c)
-def sync_report(xfuse_pipe, call: dict, steps: int) -> dict:
-    """Run one pipelined call (M = 2, warm-up 1) with the denoising loop under sync debug mode "warn"; group every
-    synchronisation by the innermost diffusers/xfuse frame that made it (and the xfuse frame that called that)."""
-    import torch
-
-    from xfuse.parallel.engine import PipeFusionEngine
-
-    found: dict[str, int] = {}
-    original = PipeFusionEngine.denoise
-    show = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
-            return show(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack() if "/xfuse/" in f.filename or "/diffusers/" in f.filename]
-        frames = [f for f in frames if not f.filename.endswith("gpu_suite.py")]
-        inner = frames[-1] if frames else None
-        caller = next((f for f in reversed(frames) if "/xfuse/" in f.filename), None)
-        where = "?" if inner is None else f"{_short(inner.filename)}:{inner.lineno} {inner.name}"
-        if caller is not None and caller is not inner:
-            where += f" (from {_short(caller.filename)}:{caller.lineno} {caller.name})"
-        found[where] = found.get(where, 0) + 1
-
-    def denoise(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    # Two patches on the one rank: the pipelined path (stale K/V, per-patch scheduler steps); warm-up stays 1.
-    xfuse_pipe.parallel = xfuse_pipe.parallel.with_changes(num_patches=2)
-    PipeFusionEngine.denoise = denoise
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            xfuse_pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    finally:  # catch_warnings restored showwarning already
-        PipeFusionEngine.denoise = original
-    return {"steps": steps, "patches": 2, "total": sum(found.values()), "by_source": found}
-
-
-def _short(path: str) -> str:
-    for marker in ("/xfuse/", "/diffusers/"):
-        if marker in path:
-            return marker.strip("/") + "/" + path.split(marker, 1)[1]
-    return path
 
 
 # ---------------------------------------------------------------------------------------------- (d)
@@ -209,6 +93,7 @@ NCCL_ONE_GPU_ENV = {
 EXACT_COMM_TIMEOUT_S = 30  # the exact runs' comm.timeout_s: a refusing NCCL is reported well inside LAUNCH_TIMEOUT_S
 
 
+PROBE_TIMEOUT_S = 90  # the probe's four steps take seconds; its groups' own timeout is 30 s
 LAUNCH_TIMEOUT_S = 240  # one tiny generate on CUDA: start-up, NCCL set-up and a few steps; a hang must not eat the call
 
 
@@ -239,6 +124,7 @@ def _generate(degree: int, out_png: str, steps: int, extra: list[str], env: dict
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={degree}"]
         cmd += [os.path.abspath(__file__), "--rank-entry", *args]
     start = time.monotonic()
+    print(f"nccl_one_gpu: degree {degree}, {' '.join(extra)}", flush=True)  # a call cut off at its limit shows how far
     try:  # stdout and stderr in one stream: NCCL_DEBUG writes to stdout, xfuse's reports to stderr
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, **env}, timeout=timeout)  # fmt: skip
@@ -253,12 +139,28 @@ def _report_lines(stderr: str) -> list[str]:
     return [line.strip() for line in stderr.splitlines() if any(k in line for k in keep)][:20]
 
 
+def nccl_alone(env: dict) -> dict:
+    """``benchmarks/gpu_nccl_probe.py`` on two ranks: NCCL's own collectives and batched P2P, without xfuse."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd.append(os.path.join(ROOT, "benchmarks", "gpu_nccl_probe.py"))
+    print("nccl_one_gpu: NCCL alone (benchmarks/gpu_nccl_probe.py)", flush=True)
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, **env}, timeout=PROBE_TIMEOUT_S)  # fmt: skip
+        rc, text = out.returncode, out.stdout
+    except subprocess.TimeoutExpired as exc:
+        rc, text = "timeout", (exc.stdout or b"").decode(errors="replace")
+    steps = [line.strip() for line in text.splitlines() if line.startswith("rank ")]
+    return {"rc": rc, "steps": steps, "ok": rc == 0 and bool(steps) and all(line.endswith(" ok") for line in steps)}
+
+
 def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
     import numpy as np
     from PIL import Image
 
     env = dict(NCCL_ONE_GPU_ENV)
     result: dict = {"env": env, "note": "every rank on GPU 0, NCCL_HOSTID per rank"}
+    result["nccl_alone"] = nccl_alone(env)
     with tempfile.TemporaryDirectory() as tmp:
         exact = [f"parallel.warmup_steps={steps}", f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}"]
         rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, LAUNCH_TIMEOUT_S)
@@ -306,31 +208,10 @@ def markdown(r: dict) -> str:
     elif cost is not None:
         out += [*patch_cost_markdown(cost), ""]
     d1 = r.get("degree1")
-    if d1 is not None and ("skipped" in d1 or "error" in d1):
+    if d1 is not None and "models" not in d1:
         out += [f"Degree-1 loop vs diffusers: {d1.get('skipped') or d1.get('error')}", ""]
     elif d1 is not None:
-        out += [
-            f"Degree 1, `{d1['model']}`, {d1['dtype']}, {d1['size']} px, CFG, {d1['steps']} steps, pipeline call to "
-            f"latents (CUDA events, median of {d1['repeats']}, min–max):",
-            "",
-            "| attention | diffusers | xfuse | xfuse / diffusers | peak GiB diffusers / xfuse |",
-            "|---|---|---|---|---|",
-        ]
-        for name in d1["diffusers"]:
-            a, b = d1["diffusers"][name], d1["xfuse"].get(name, {})
-            if "seconds" in a and "seconds" in b:
-                ratio = b["seconds"]["median"] / a["seconds"]["median"]
-                out.append(
-                    f"| {name} | {fmt(a['seconds'])} | {fmt(b['seconds'])} | {ratio:.3f} | "
-                    f"{a['peak_gib']:.2f} / {b['peak_gib']:.2f} |"
-                )
-            else:
-                out.append(f"| {name} | {a.get('error', '')} | {b.get('error', '')} | | |")
-        sync = d1.get("sync_debug", {})
-        out += ["", f"Synchronisations inside the denoising loop (M = 2, warm-up 1): {sync.get('total', sync)}"]
-        for where, count in sync.get("by_source", {}).items():
-            out.append(f"- {count}x {where}")
-        out.append("")
+        out += [*degree1_markdown(d1), ""]
     cpu = r.get("cpu_speedups")
     if cpu is not None and "degrees" not in cpu:
         out += [f"CPU speedups: {cpu.get('error')}", ""]
@@ -352,8 +233,10 @@ def markdown(r: dict) -> str:
         else:
             out += [f"Outcome: {nccl_outcome(nccl)}", ""]
             for key, row in nccl.items():
-                if key not in ("env", "note", "section_seconds"):
+                if key not in ("env", "note", "section_seconds", "diagnosis"):
                     out.append(f"- {key}: " + json.dumps(row)[:600])
+            if "diagnosis" in nccl:  # what a later call found out about this outcome, in full
+                out += ["", f"Diagnosis: {nccl['diagnosis']}"]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -366,7 +249,9 @@ def nccl_outcome(nccl: dict) -> str:
         text = json.dumps(nccl).replace("\\n", "\n")  # every row's captured output and reports
         said = [line for line in text.splitlines() if any(k in line for k in ("NCCL error", "NCCL WARN", "ncclSystem"))]
         words = said[0].split("raised the following async exception: ")[-1].split('"')[0].strip()[:300] if said else ""
-        return f"refused: {key} ended with rc {row['rc']}" + (f"; NCCL said: {words}" if words else "")
+        alone = nccl.get("nccl_alone")
+        who = "" if alone is None else "; NCCL alone " + ("ran every probe step" if alone["ok"] else "failed too")
+        return f"refused: {key} ended with rc {row['rc']}" + (f"; NCCL said: {words}" if words else "") + who
     if not exact:
         return "nothing ran"
     if all(row.get("identical") for row in exact.values()):
@@ -432,9 +317,7 @@ def main(argv=None) -> None:
     skipped = no_cuda()
     sections = {
         "patch_cost": lambda: patch_cost(quick, 1 if quick else args.repeats),
-        "degree1": lambda: degree1_loop(
-            "tiny" if quick else "dit-g2", 256 if quick else 1024, 4 if quick else 20, 2 if quick else args.repeats
-        ),
+        "degree1": lambda: degree1(quick, 1 if quick else args.repeats),
         "cpu_speedups": lambda: cpu_speedups(
             "tiny" if quick else "small",
             256 if quick else 512,
@@ -445,7 +328,7 @@ def main(argv=None) -> None:
         "nccl_one_gpu": lambda: nccl_one_gpu(4 if quick else 8, (2,) if quick else (2, 4)),
     }
     for name in only:
-        if skipped and name != "cpu_speedups" and not (quick and name == "patch_cost"):
+        if skipped and name != "cpu_speedups" and not (quick and name in ("patch_cost", "degree1")):
             report[name] = {"skipped": skipped}
             continue
         start = time.monotonic()

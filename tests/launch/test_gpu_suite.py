@@ -52,30 +52,56 @@ def test_cpu_section_measures_speedups_with_real_ranks(quick_report):
 def test_gpu_sections_say_why_they_did_not_run(quick_report):
     report, md = quick_report
     reason = "skipped: no CUDA device (torch.cuda.is_available() is False)"
-    assert report["degree1"] == {"skipped": reason} and report["nccl_one_gpu"] == {"skipped": reason}
-    assert md.count(reason) == 2 and report["machine"].startswith("no GPU, ")
+    assert report["nccl_one_gpu"] == {"skipped": reason}
+    assert md.count(reason) == 1 and report["machine"].startswith("no GPU, ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU form of the degree-1 section")
+def test_degree1_runs_every_familys_diffusers_and_xfuse_call_on_the_cpu(quick_report):
+    """Each family's tiny preset through the section's own path (its process, the build with parameters made on the
+    device, diffusers' call, ``from_pipe`` at degree 1, xfuse's call): times, no peak memory or sync count on a CPU."""
+    report, md = quick_report
+    d1 = report["degree1"]
+    assert (d1["device"], d1["dtype"]) == ("cpu", "float32")
+    rows = d1["models"]
+    assert list(rows) == ["HunyuanDiT v1.2 (DiT-g/2)", "SD3.5-large", "FLUX.1-dev", "Wan 2.1 T2V 14B"]
+    assert [row.get("preset") for row in rows.values()] == ["tiny", "sd3-tiny", "flux-tiny", "wan-tiny"], rows
+    for name, row in rows.items():
+        for side in ("diffusers", "xfuse"):
+            seconds = row[side]["seconds"]
+            assert 0 < seconds["min"] <= seconds["median"] <= seconds["max"], (name, side)
+            assert row[side]["peak_gib"] is None
+        assert row["xfuse_over_diffusers"] == pytest.approx(
+            row["xfuse"]["seconds"]["median"] / row["diffusers"]["seconds"]["median"]
+        )
+        assert "counted by CUDA's sync debug mode" in row["sync_debug"]["skipped"]
+    assert rows["Wan 2.1 T2V 14B"]["call"]["num_frames"] == 5  # two latent frames of the 4x temporal VAE
+    assert "| Wan 2.1 T2V 14B (`wan-tiny`) | 64 x 64 px, 5 frames, 2 steps," in md
 
 
 def test_markdown_of_the_gpu_sections():
     timing = {"median": 2.0, "min": 1.9, "max": 2.2, "runs": [1.9, 2.0, 2.2]}
+    row = dict(model="FLUX.1-dev", preset="flux-dev", repeats=3, note="batch of 1",
+               call=dict(height=1024, width=1024, num_inference_steps=20, output_type="latent"),
+               diffusers={"seconds": timing, "peak_gib": 9.5},
+               xfuse={"seconds": {**timing, "median": 1.8}, "peak_gib": 8.25},
+               xfuse_over_diffusers=0.9,
+               sync_debug={"total": 3, "by_source": {"diffusers/x.py:1 step": 3}})  # fmt: skip
+    oom = dict(row, model="Wan", preset="wan2.1-t2v-14b", sync_debug={"error": "OutOfMemoryError: ...", "why": "K/V"})
     report = {
         "machine": "NVIDIA H100",
-        "degree1": {
-            "model": "dit-g2",
-            "size": 1024,
-            "steps": 20,
-            "dtype": "bfloat16",
-            "repeats": 3,
-            "diffusers": {"sdpa (default choice)": {"seconds": timing, "peak_gib": 9.5}},
-            "xfuse": {"sdpa (default choice)": {"seconds": {**timing, "median": 1.8}, "peak_gib": 8.25}},
-            "sync_debug": {"total": 3, "by_source": {"diffusers/x.py:1 step": 3}},
-        },
+        "degree1": {"device": "cuda", "dtype": "bfloat16", "models": {"FLUX.1-dev": row, "Wan": oom}},
         "cpu_speedups": {"model": "small", "size": 512, "steps": 20, "degrees": {}},
         "nccl_one_gpu": {"error": "NCCL refused"},
     }
     md = gpu_suite.markdown(report)
-    assert "| sdpa (default choice) | 2.000 s (1.900–2.200) | 1.800 s (1.900–2.200) | 0.900 | 9.50 / 8.25 |" in md
-    assert "(M = 2, warm-up 1): 3" in md and "- 3x diffusers/x.py:1 step" in md
+    assert "(CUDA events, median of the repeats" in md
+    assert (
+        "| FLUX.1-dev (`flux-dev`) | 1024 x 1024 px, 20 steps, batch of 1, x3 | 2.000 s (1.900–2.200) | "
+        "1.800 s (1.900–2.200) | 0.900 | 9.50 / 8.25 | 3 |"
+    ) in md
+    assert "| 0.900 | 9.50 / 8.25 | not counted: K/V |" in md
+    assert "- FLUX.1-dev: 3x diffusers/x.py:1 step" in md
     assert md.rstrip().endswith("NCCL refused")
 
 
@@ -170,6 +196,12 @@ def test_the_stale_kv_wrapper_attends_a_bands_queries_over_the_whole_images_buff
         ({"exact_pp2": {"rc": "timeout", "started": False, "nccl_said": "x\n[rank1]: ... raised the following async "
                         "exception: NCCL error: unhandled system error, NCCL 2.28.9\n"}},
          "refused: exact_pp2 ended with rc timeout; NCCL said: NCCL error: unhandled system error, NCCL 2.28.9"),
+        ({"nccl_alone": {"rc": 0, "ok": True, "steps": ["rank 0: all_reduce on the default group ok"]},
+          "exact_pp2": {"rc": 1, "started": False, "nccl_said": ""}},
+         "refused: exact_pp2 ended with rc 1; NCCL alone ran every probe step"),
+        ({"nccl_alone": {"rc": 3, "ok": False, "steps": ["rank 0: all_reduce on the default group FAILED x"]},
+          "exact_pp2": {"rc": 1, "started": False, "nccl_said": ""}},
+         "refused: exact_pp2 ended with rc 1; NCCL alone failed too"),
     ],
 )  # fmt: skip
 def test_the_nccl_section_states_its_outcome_plainly(nccl, outcome):

@@ -57,6 +57,12 @@ def test_error_message_names_the_operation_and_pickles():
     assert isinstance(err, CommError) and isinstance(err, RuntimeError)
 
 
+def test_an_error_of_the_start_up_connection_exchange_says_start_up():
+    fields = dict(FIELDS, kind="connect", shape=(1,), nbytes=4, step=None, patch=None)
+    err = CommTimeout.for_op(what="timed out after 5.0 s", **fields)
+    assert str(err) == "rank 1: recv of connect (1,) float32, 4 bytes, from rank 0 timed out after 5.0 s at start-up"
+
+
 @pytest.mark.parametrize(
     "step, patch, part, where",
     [
@@ -229,6 +235,23 @@ def test_ring_exchange_dtypes_counters_and_reuse(world, separate_groups):
         # 3 kinds x 2 shapes (uneven last patch): one buffer each, reused across all 3 steps.
         assert r["num_buffers"] == 6 and r["distinct_ptrs"] == 6
         assert "step 2 patch 1" in r["op_log"] and "POSTED" not in r["op_log"] and "healthy" in r["op_log"]
+
+
+@pytest.mark.parametrize("separate_groups", [False, True], ids=["one-group", "direction-groups"])
+def test_connect_exchanges_with_every_peer_uncounted_and_the_ring_runs_after_it(world, separate_groups):
+    """What the world does at start-up (P2PChannels.connect, see its docstring for the NCCL hang it prevents): one
+    exchange with every other rank, both ways; shown in the op log at start-up, not counted as traffic."""
+    steps, patches = 2, 2
+    results = world.run_ok(fns.ring_exchange, steps, patches, separate_groups, False, True, timeout=60)
+    for rank, r in enumerate(results):
+        connected = r["connected"]
+        assert connected["counters"] == {"sent_bytes": {}, "recv_bytes": {}, "sent_ops": {}, "recv_ops": {}}
+        assert connected["buffers"] == len(results) - 1  # a pooled (1,) float32 buffer per peer, released
+        log = connected["op_log"]
+        assert log.count(" connect ") == 2 * (len(results) - 1) and "POSTED" not in log, log
+        for peer in (p for p in range(len(results)) if p != rank):
+            assert f"send connect  to   rank {peer}" in log and f"recv connect  from rank {peer}" in log, log
+        assert r["bad"] == [] and r["counters"] == _ring_expected(steps, patches)
 
 
 def test_stream_ordered_waits_deliver_the_same_and_the_watchdog_retires_every_op(world):

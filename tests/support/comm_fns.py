@@ -47,8 +47,11 @@ def _groups(separate: bool):
     return _state[key]
 
 
-def ring_exchange(steps: int, patches: int, separate_groups: bool, stream_ordered: bool = False) -> dict:
-    """Each rank sends every spec to rank+1 and receives from rank-1, one exchange per (step, patch)."""
+def ring_exchange(
+    steps: int, patches: int, separate_groups: bool, stream_ordered: bool = False, connect: bool = False
+) -> dict:
+    """Each rank sends every spec to rank+1 and receives from rank-1, one exchange per (step, patch); ``connect``:
+    first ``P2PChannels.connect`` with every other rank (its op log and counters returned too)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     ch = P2PChannels(
@@ -59,6 +62,10 @@ def ring_exchange(steps: int, patches: int, separate_groups: bool, stream_ordere
         groups=_groups(separate_groups),
         stream_ordered=stream_ordered,
     )
+    connected = {}
+    if connect:
+        ch.connect([peer for peer in range(size) if peer != rank])
+        connected = {"op_log": ch.format_op_log(), "counters": ch.counters.as_dict(), "buffers": ch.num_buffers}
     bad, ptrs = [], set()
     for step in range(steps):
         for patch in range(patches):
@@ -83,6 +90,7 @@ def ring_exchange(steps: int, patches: int, separate_groups: bool, stream_ordere
         ch.close()
         watchdog["thread_stopped"] = ch.watchdog._thread is None
     return {
+        "connected": connected,
         "watchdog": watchdog,
         "bad": bad,
         "counters": ch.counters.as_dict(),

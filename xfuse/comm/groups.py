@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ def make_direction_groups(
     *,
     separate: bool | None = None,
     device_id: torch.device | None = None,
+    timeout: timedelta | None = None,
 ) -> DirectionGroups:
     """Create the groups for the pipeline over ``ranks`` (default: all ranks).
 
@@ -54,13 +56,16 @@ def make_direction_groups(
     with the same arguments, in the same order relative to its other group creations,
     including ranks outside ``ranks`` (they get groups they must not use).
     ``device_id`` is passed on so NCCL forms the communicators eagerly: errors show up
-    at start-up, and the first batched P2P call need not involve every rank.
+    at start-up, and the first batched P2P call need not involve every rank. ``timeout``: the groups' own (NCCL
+    aborts a collective or P2P op that runs longer; None is torch's default of 10 minutes).
     """
     if separate is None:
         separate = dist.get_backend() != "gloo"
     if not separate:
         return DirectionGroups(None, None)
     kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
     ranks = sorted(ranks) if ranks is not None else None
     up = dist.new_group(ranks, **kwargs)
     down = dist.new_group(ranks, **kwargs)

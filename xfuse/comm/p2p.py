@@ -77,7 +77,7 @@ class Send:
     peer: int
     kind: str
     tensor: torch.Tensor
-    step: int
+    step: int | None  # None: the start-up connection exchange (``P2PChannels.connect``)
     patch: int | None  # None: a whole-image step
     part: int | None = None  # batch part of a whole-image step streamed in parts (None: the whole batch)
 
@@ -90,7 +90,7 @@ class Recv:
     kind: str
     shape: tuple
     dtype: torch.dtype
-    step: int
+    step: int | None  # None: the start-up connection exchange (``P2PChannels.connect``)
     patch: int | None  # None: a whole-image step
     part: int | None = None  # batch part of a whole-image step streamed in parts (None: the whole batch)
 
@@ -302,6 +302,32 @@ class P2PChannels:
             if batch:
                 self._post(batch)
         return send_handles, recv_handles
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """Form the connections to and from ``peers`` now: every rank of these channels calls this at start-up, with
+        its peers, in the same order relative to its other ``connect`` calls.
+
+        NCCL connects a pair of ranks at their first send or receive, and the call that connects blocks the host
+        until the peer makes its matching call. The pipeline's ring is asymmetric: the first stage posts its receive
+        from the last stage before it computes its next part, and the last stage sends only once that part has
+        arrived, so connecting during the first step holds the first stage's host and the pipeline stops (two ranks
+        on one H100, NCCL 2.28 over sockets: ``benchmarks/results/gpu.md``). One exchange of a one-element tensor with
+        every peer, both ways, issued as ``exchange`` issues (up group first), connects every pair symmetrically. The
+        connection traffic is not counted (``counters``); the op log shows it (kind ``connect``, step None).
+        """
+        token = torch.zeros(1, device=self.device)
+        sends, recvs = self.exchange(
+            [Send(peer, "connect", token, None, None) for peer in peers],
+            [Recv(peer, "connect", (1,), token.dtype, None, None) for peer in peers],
+        )
+        for recv in recvs:
+            recv.wait()
+            recv.release()
+        for send in sends:
+            send.wait()
+        if self.device.type == "cuda":  # a stream-ordered wait only queues: the pairs are connected once this returns
+            torch.cuda.current_stream(self.device).synchronize()
+        self.counters.reset()
 
     def close(self) -> None:
         """Refuse further work and drop the pooled receive buffers; idempotent.

@@ -160,6 +160,11 @@ def _process_monitor(rank: int, world: int) -> FailureMonitor:
     return _RESOURCES.monitors[key]
 
 
+def _group_timeout(comm, backend: str | None) -> timedelta:
+    """A process group's own bound: xfuse's deadline, and for NCCL a backstop behind it (``NCCL_BACKSTOP_S``)."""
+    return timedelta(seconds=max(comm.timeout_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0))
+
+
 def shutdown(join_timeout_s: float = 10.0) -> bool:
     """Tear down what xfuse started in this process: monitor, then channels, then process groups (see the module
     docstring for why this order). Idempotent; safe to call when nothing was started.
@@ -204,7 +209,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
             for key, value in NCCL_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        timeout = timedelta(seconds=max(comm.timeout_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0))
+        timeout = _group_timeout(comm, backend)
         if "MASTER_ADDR" in os.environ:  # env:// (torchrun): rendezvous first, so the probe runs before gloo connects
             # Mirrors torch.distributed.init_process_group's own env:// path (rendezvous, set_timeout, "default_pg").
             store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -234,16 +239,18 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     cfg_rank, pipe_rank, sp_rank = rank // (pp * sp), rank // sp % pp, rank % sp
     all_pipes = [[(c * pp + p) * sp + s for p in range(pp)] for c in range(cfg) for s in range(sp)]
     all_sp = [[(c * pp + p) * sp + s for s in range(sp)] for c in range(cfg) for p in range(pp)]
+    cfg_peer = None if cfg == 1 else (rank + pp * sp) % (2 * pp * sp)
     channels = cfg_channels = sp_channels = world_channels = None
     if world > 1:
         separate = backend != "gloo"
         device_id = device if backend == "nccl" else None
+        group_timeout = _group_timeout(comm, backend)  # the default group's
 
         def groups_of(all_groups: list[list[int]], size: int) -> DirectionGroups:
             mine = DirectionGroups()
             if size > 1:
                 for ranks in all_groups:  # collective: every rank creates every group, in the same order
-                    made = make_direction_groups(ranks, separate=separate, device_id=device_id)
+                    made = make_direction_groups(ranks, separate=separate, device_id=device_id, timeout=group_timeout)
                     if rank in ranks:
                         mine = made
             return mine
@@ -269,6 +276,14 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     for c in every:
         if c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
             c.watchdog.on_stuck = monitor.fail_from_thread
+    # Every pair that streams to each other connected now, in the same order on every rank (pipeline, sequence, CFG):
+    # NCCL would connect a pair at its first message, blocking the host (see P2PChannels.connect).
+    if channels is not None:
+        channels.connect([peer for peer in all_pipes[cfg_rank * sp + sp_rank] if peer != rank])
+    if sp_channels is not None:
+        sp_channels.connect([peer for peer in all_sp[cfg_rank * pp + pipe_rank] if peer != rank])
+    if cfg_channels is not None:
+        cfg_channels.connect([cfg_peer])
     return ParallelContext(
         config=config,
         rank=rank,
@@ -276,7 +291,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
         pipe_rank=pipe_rank,
         cfg_rank=cfg_rank,
         pipe_ranks=all_pipes[cfg_rank * sp + sp_rank],
-        cfg_peer=None if cfg == 1 else (rank + pp * sp) % (2 * pp * sp),
+        cfg_peer=cfg_peer,
         device=device,
         backend=backend,
         channels=channels,
