@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,7 +95,9 @@ EXACT_COMM_TIMEOUT_S = 30  # the exact runs' comm.timeout_s: a refusing NCCL is 
 
 
 PROBE_TIMEOUT_S = 90  # the probe's four steps take seconds; its groups' own timeout is 30 s
-LAUNCH_TIMEOUT_S = 240  # one tiny generate on CUDA: start-up, NCCL set-up and a few steps; a hang must not eat the call
+# one tiny generate on CUDA: start-up, NCCL set-up and a few steps (~20 s); a stop at an exchange ends at
+# EXACT_COMM_TIMEOUT_S, so past this the launch is stuck where no deadline reaches (and must not eat the call)
+LAUNCH_TIMEOUT_S = 120
 
 
 def rank_entry(argv: list[str]) -> int:
@@ -154,13 +157,16 @@ def nccl_alone(env: dict) -> dict:
     return {"rc": rc, "steps": steps, "ok": rc == 0 and bool(steps) and all(line.endswith(" ok") for line in steps)}
 
 
-def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
+def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict], None] = lambda partial: None) -> dict:
+    """The section (e in the module docstring); ``progress(result so far)`` after every launch, so that a device call
+    cut off at its time limit keeps what finished."""
     import numpy as np
     from PIL import Image
 
     env = dict(NCCL_ONE_GPU_ENV)
     result: dict = {"env": env, "note": "every rank on GPU 0, NCCL_HOSTID per rank"}
     result["nccl_alone"] = nccl_alone(env)
+    progress(result)
     with tempfile.TemporaryDirectory() as tmp:
         exact = [f"parallel.warmup_steps={steps}", f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}"]
         rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, LAUNCH_TIMEOUT_S)
@@ -171,6 +177,7 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
             rc, wall, err = _generate(degree, f"{tmp}/d{degree}.png", steps, exact, env, LAUNCH_TIMEOUT_S)
             if rc != 0:
                 result[f"exact_pp{degree}"] = {"rc": rc, "started": False, "nccl_said": err[-3000:]}
+                progress(result)
                 return result  # NCCL refused: nothing else can run over it
             image = np.asarray(Image.open(f"{tmp}/d{degree}.png"), dtype=np.int16)
             result[f"exact_pp{degree}"] = {
@@ -179,6 +186,7 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
                 "max_abs_pixel_diff_vs_degree1": int(np.abs(image - reference).max()),
                 "identical": bool((image == reference).all()),
             }
+            progress(result)
             for fault, timeout_s in (("kill", 30), ("stall", 5)):
                 faulty = {**env, "XFUSE_FAULT": f"{fault}:1:2"}
                 rc, wall, err = _generate(
@@ -190,6 +198,7 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...]) -> dict:
                     "seconds_to_exit": wall,
                     "reports": _report_lines(err),
                 }
+                progress(result)
     return result
 
 
@@ -325,7 +334,11 @@ def main(argv=None) -> None:
             (1, 2) if quick else (1, 2, 4, 8),
             1 if quick else 3,
         ),
-        "nccl_one_gpu": lambda: nccl_one_gpu(4 if quick else 8, (2,) if quick else (2, 4)),
+        "nccl_one_gpu": lambda: nccl_one_gpu(
+            4 if quick else 8,
+            (2,) if quick else (2, 4),
+            lambda partial: write({**report, "nccl_one_gpu": {**partial, "unfinished": True}}, args.out),
+        ),
     }
     for name in only:
         if skipped and name != "cpu_speedups" and not (quick and name in ("patch_cost", "degree1")):
