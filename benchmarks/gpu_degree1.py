@@ -23,13 +23,14 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 import warnings
 from typing import Any
+
+from benchmarks.bench_pipefusion import spread
 
 PROMPT = "a red house by a lake"
 
@@ -124,10 +125,6 @@ class _Clock:
         return start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated() / 2**30
 
 
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
-
-
 def _timed(pipe, call: dict, device, repeats: int) -> dict:
     import torch
 
@@ -138,7 +135,7 @@ def _timed(pipe, call: dict, device, repeats: int) -> dict:
 
     run(1)()  # warm-up: kernels chosen, caches filled, the first call's allocations made
     times, peaks = zip(*(clock.time(run(call["num_inference_steps"])) for _ in range(repeats)), strict=True)
-    return {"seconds": _spread(list(times)), "peak_gib": None if peaks[0] is None else max(peaks)}
+    return {"seconds": spread(list(times)), "peak_gib": None if peaks[0] is None else max(peaks)}
 
 
 def measure_case(case: Degree1Case, device, dtype, repeats: int, quick: bool) -> dict:
@@ -266,7 +263,8 @@ def _short(path: str) -> str:
     return path
 
 
-def _fmt(row: dict) -> str:
+def fmt(row: dict) -> str:
+    """A ``spread`` of seconds as the reports print it: median (min–max)."""
     return f"{row['median']:.3f} s ({row['min']:.3f}–{row['max']:.3f})"
 
 
@@ -297,7 +295,7 @@ def markdown(d1: dict) -> list[str]:
         out.append(
             f"| {name} (`{row['preset']}`) | {shape}, {call['num_inference_steps']} steps, {row['note']}, "
             f"x{row['repeats']} | "
-            f"{_fmt(a['seconds'])} | {_fmt(b['seconds'])} | {row['xfuse_over_diffusers']:.3f} | {peaks} | {syncs} |"
+            f"{fmt(a['seconds'])} | {fmt(b['seconds'])} | {row['xfuse_over_diffusers']:.3f} | {peaks} | {syncs} |"
         )
         for where, count in sync.get("by_source", {}).items():
             sources.append(f"- {name}: {count}x {where}")

@@ -57,7 +57,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups  # noqa: E402 (no torch at import time)
-from benchmarks.gpu_degree1 import degree1  # noqa: E402
+from benchmarks.gpu_degree1 import degree1, fmt  # noqa: E402
 from benchmarks.gpu_degree1 import markdown as degree1_markdown  # noqa: E402
 from benchmarks.gpu_patch_cost import markdown as patch_cost_markdown  # noqa: E402
 from benchmarks.gpu_patch_cost import patch_cost  # noqa: E402
@@ -203,10 +203,6 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
 
 
 # ---------------------------------------------------------------------------------------------- report
-def fmt(row: dict) -> str:
-    return f"{row['median']:.3f} s ({row['min']:.3f}–{row['max']:.3f})"
-
-
 def markdown(r: dict) -> str:
     """The report as docs/performance.md's GPU section shows it; sections a run did not take (``--only``) are left
     out."""
