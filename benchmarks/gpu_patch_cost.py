@@ -22,6 +22,12 @@ evenly as they go) and every band runs through the untouched diffusers model:
 
 The result per family and M: the step's M patch passes over one whole pass (1.00 is the model's assumption), per
 block and for the deeper stage, and the times in ms (median of ``repeats``, min-max).
+
+A Ulysses rank's share of a pass, for U in 2, 4, 8 where the head count allows: the blocks on 1/U of the image's
+token rows (and 1/U of a joint text), every self-attention over U times its tokens with 1/U of its heads, as after
+Ulysses' all-to-all (``UlyssesShare``: the local Q/K/V reshaped to that shape, one copy standing for the all-to-all's
+local permute; the network is not counted). Reported as U shares over one whole pass (1.00: a share costs 1/U, the
+performance model's assumption for sequence parallelism).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 from xfuse.perf.measured import even_rows  # the cut the model's curves assume (no torch at import time)
 
 PATCH_COUNTS = (2, 4, 8)  # M; 1 is the whole image
+SHARE_DEGREES = (2, 4, 8)  # U: Ulysses degrees whose rank's share is timed
 
 
 @dataclass(frozen=True)
@@ -287,6 +294,39 @@ class StaleKV:
         return entry
 
 
+class UlyssesShare:
+    """Wraps torch's SDPA for one share's pass: a self-attention's (B, heads, L, head_dim) Q/K/V become (B, heads / U,
+    L * U, head_dim), the shape a Ulysses rank attends after its all-to-all (values permuted: they do not change the
+    cost), and the output goes back; cross-attention (the text's keys) is left alone, as Ulysses leaves it."""
+
+    def __init__(self) -> None:
+        self.degree = 1
+
+    @contextlib.contextmanager
+    def share(self, degree: int) -> Iterator[None]:
+        import torch.nn.functional as F
+
+        original = F.scaled_dot_product_attention
+        self.degree = degree
+
+        def attention(query, key, value, *args, **kwargs):
+            if key.shape[-2] != query.shape[-2]:  # cross-attention
+                return original(query, key, value, *args, **kwargs)
+            if args or kwargs.get("attn_mask") is not None:
+                raise RuntimeError("gpu_patch_cost: a masked self-attention (the harness passes no masks)")
+            b, heads, length, dim = query.shape
+            # (B, heads, L, d) -> (B, heads / U, L * U, d): the all-to-all's result, as a local copy
+            q, k, v = (x.reshape(b, heads // degree, length * degree, dim).contiguous() for x in (query, key, value))
+            out = original(q, k, v, **kwargs)  # (B, heads / U, L * U, d)
+            return out.reshape(b, heads, length, dim).contiguous()  # back: the second all-to-all's local copy
+
+        F.scaled_dot_product_attention = attention
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention = original
+
+
 class BlockTimer:
     """Time from the first block's input to the last block's output of every forward (CUDA events on a GPU)."""
 
@@ -359,6 +399,7 @@ def measure_family(family: Family, device, dtype, repeats: int) -> dict:
                     "text_tokens": family.text_tokens, "batch": family.batch, "joint_text": family.joint_text,
                     "depths": list(family.depths), "note": family.note}  # fmt: skip
     times: dict[int, dict[int, dict]] = {}
+    shares: dict[int, dict[int, dict]] = {}
     for depth in family.depths:
         model = _on_device(family.build, depth, device, dtype)
         if depth == family.depths[1]:
@@ -394,6 +435,7 @@ def measure_family(family: Family, device, dtype, repeats: int) -> dict:
                         if round_:
                             samples.append(seconds)
                 times[depth][patches] = _spread(samples)
+            shares[depth] = _share_times(family, model, timer, repeats, device, dtype)
         finally:
             timer.remove()
             del model, stale
@@ -412,7 +454,41 @@ def measure_family(family: Family, device, dtype, repeats: int) -> dict:
             "stage": step[deep] / whole[deep],
         }
     result["block_ms_whole"] = (times[deep][1]["median_ms"] - times[shallow][1]["median_ms"]) / (deep - shallow)
+    result["share_times"] = {str(d): {str(u): row for u, row in by_u.items()} for d, by_u in shares.items()}
+    result["shares_over_whole"] = {}
+    for degree in SHARE_DEGREES:
+        if degree not in shares[deep]:
+            continue
+        whole = {d: times[d][1]["median_ms"] for d in family.depths}
+        share = {d: shares[d][degree]["median_ms"] for d in family.depths}
+        result["shares_over_whole"][str(degree)] = {
+            "per_block": degree * (share[deep] - share[shallow]) / (whole[deep] - whole[shallow]),
+            "stage": degree * share[deep] / whole[deep],
+        }
     return result
+
+
+def _share_times(family: Family, model, timer: BlockTimer, repeats: int, device, dtype) -> dict[int, dict]:
+    """The blocks' time of one Ulysses rank's share of a whole pass, per degree U its heads allow (see the module)."""
+    import torch
+
+    heads = family.config.get("num_attention_heads", 0)
+    share, out = UlyssesShare(), {}
+    for degree in SHARE_DEGREES:
+        if heads % degree or family.token_rows < degree:
+            continue
+        rows = family.token_rows // degree
+        text = family.text_tokens // degree if family.joint_text else family.text_tokens  # a joint text is sharded
+        kwargs = family.inputs(model, rows, text, family.batch, device, dtype)
+        samples = []
+        with torch.inference_mode(), share.share(degree):
+            for round_ in range(repeats + 1):  # the first round warms up
+                model(**kwargs, return_dict=False)
+                seconds = timer.seconds()
+                if round_:
+                    samples.append(seconds)
+        out[degree] = _spread(samples)
+    return out
 
 
 def _runs_without_text(model, kwargs: dict, stale: StaleKV, extra_tokens: int) -> bool:
@@ -468,4 +544,21 @@ def markdown(section: dict) -> list[str]:
         cells = " | ".join(f"{r['per_block']:.2f} (stage {r['stage']:.2f})" for r in ratios)
         text = f"{row['text_tokens']}" + ("" if not row.get("text_in_later_patches") else ", in every patch")
         lines.append(f"| {name} | {row['tokens']} ({text}) x {row['batch']} | {row['block_ms_whole']:.2f} | {cells} |")
+    families = section["families"].items()
+    shares = {name: row["shares_over_whole"] for name, row in families if row.get("shares_over_whole")}
+    if shares:
+        lines += [
+            "",
+            "A Ulysses rank's share: U shares over one whole pass (the all-to-all's local copies in, the network out; "
+            "1.00 is the performance model's assumption; blank where the heads do not divide):",
+            "",
+            "| family | " + " | ".join(f"U = {u}" for u in SHARE_DEGREES) + " |",
+            "|---|" + "---|" * len(SHARE_DEGREES),
+        ]
+        for name, by_u in shares.items():
+            cells = " | ".join(
+                f"{by_u[str(u)]['per_block']:.2f} (stage {by_u[str(u)]['stage']:.2f})" if str(u) in by_u else ""
+                for u in SHARE_DEGREES
+            )
+            lines.append(f"| {name} | {cells} |")
     return lines

@@ -9,7 +9,8 @@ without a CUDA device is recorded as skipped, with the reason:
 p. a patch's cost (``benchmarks/gpu_patch_cost.py``): per family at its released transformer shape (HunyuanDiT
    DiT-g/2, SD3.5-large, FLUX.1-dev, Qwen-Image, FLUX.2-dev at 1024 px; Wan 2.1 14B at 480 x 832 px, 81 frames),
    random bf16 weights built on the GPU, a pipelined step's M = 2, 4, 8 patch passes (each over the stale K/V of the
-   rest) against one whole-image pass, per block and for a stage of four; first, as the figure the performance
+   rest) against one whole-image pass, per block and for a stage of four, and a Ulysses rank's share at U = 2, 4, 8
+   (1/U of the tokens, attention with 1/U of the heads over all of them); first, as the figures the performance
    model most needs.
 
 a. degree 1 against diffusers (``benchmarks/gpu_degree1.py``): HunyuanDiT ``dit-g2``, SD3.5-large, FLUX.1-dev at

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_suite
-from benchmarks.gpu_patch_cost import StaleKV
+from benchmarks.gpu_patch_cost import StaleKV, UlyssesShare
 from tests.support import REPO
 
 ROOT = str(REPO)
@@ -157,6 +157,11 @@ def test_patch_cost_runs_every_family_with_a_later_patchs_text_as_the_engine_car
             assert set(row["times"][depth]) == {"1", "2", "4", "8"}
             assert all(0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"] for t in row["times"][depth].values())
         assert set(row["step_over_whole"]) == {"2", "4", "8"}
+        # a Ulysses rank's share: the tiny shapes have 2 heads, so U = 2 only (4 and 8 do not divide them)
+        assert set(row["shares_over_whole"]) == {"2"}, name
+        for depth in map(str, row["depths"]):
+            share = row["share_times"][depth]["2"]
+            assert 0 < share["min_ms"] <= share["median_ms"] <= share["max_ms"]
     later_text = {name: row.get("text_in_later_patches") for name, row in families.items() if row["joint_text"]}
     assert later_text == {"SD3.5": False, "FLUX.1": False, "Qwen-Image": True, "FLUX.2": False}
     assert [row["preset"] for row in families.values()] == ["tiny", "sd3-tiny", "flux-tiny", None, None, "wan-tiny"]
@@ -184,6 +189,28 @@ def test_the_stale_kv_wrapper_attends_a_bands_queries_over_the_whole_images_buff
     with stale.band(extra_tokens=0):
         assert torch.allclose(F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
     assert len(stale._buffers) == 1  # the whole image allocates nothing
+
+
+def test_a_ulysses_share_attends_all_its_tokens_with_a_part_of_the_heads():
+    """Inside a share's pass a self-attention of (B, heads, L, d) runs as (B, heads / U, L * U, d), what a Ulysses rank
+    attends after its all-to-all, and comes back in its own shape; cross-attention is left alone."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    q, k, v = (torch.randn(1, 4, 5, 8) for _ in range(3))
+    text = torch.randn(1, 4, 7, 8)
+    seen = []
+    F.scaled_dot_product_attention = lambda *a, **kw: seen.append(a[0].shape) or original(*a, **kw)
+    try:
+        with UlyssesShare().share(2):
+            out = F.scaled_dot_product_attention(q, k, v)
+            cross = F.scaled_dot_product_attention(q, text, text)
+    finally:
+        F.scaled_dot_product_attention = original
+    assert seen == [(1, 2, 10, 8), (1, 4, 5, 8)]
+    expected = original(*(x.reshape(1, 2, 10, 8) for x in (q, k, v))).reshape(1, 4, 5, 8)
+    assert out.shape == q.shape and torch.allclose(out, expected)
+    assert torch.allclose(cross, original(q, text, text))
 
 
 @pytest.mark.parametrize(
