@@ -68,7 +68,7 @@ def run_calls(
     )
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
-        pass  # INJECTED pipe.load_lora_weights(lora)
+        pipe.load_lora_weights(lora)
     if scheduler is not None:
         from tests.support.schedulers import use_scheduler
 
