@@ -8,7 +8,6 @@ attention in blocks 0-1, RMSNorm q/k), ``flux-tiny`` FLUX.1-dev's (2 double + 3 
 """
 
 import copy
-import json
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
 from tests.support.world import World
 from xfuse.config import ParallelConfig
 from xfuse.families.common.mmdit import JointStage
-from xfuse.families.registry import FLUX, STABLE_DIFFUSION_3, model_spec
+from xfuse.families.registry import model_spec
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3
 PRESETS = ("sd3-tiny", "sd35-tiny", "flux-tiny")
@@ -118,14 +117,6 @@ def test_a_band_cropped_by_diffusers_gets_wrong_positions():
     rows = torch.randn(1, 16, 6, 12)  # band 0: token rows 0-2
     sliced, cropped = stage.embed(rows, grid[0]), stage.transformer.pos_embed(rows)
     assert (sliced - cropped).abs().max() > 1e-2
-
-
-@pytest.mark.parametrize(
-    "folder_class, family", [("StableDiffusion3Pipeline", STABLE_DIFFUSION_3), ("FluxPipeline", FLUX)]
-)
-def test_the_family_is_detected_from_model_index(tmp_path, folder_class, family):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": folder_class}))
-    assert model_spec(str(tmp_path)) is family
 
 
 # --- the engine on real ranks against the oracle -----------------------------------------------------------------

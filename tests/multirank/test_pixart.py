@@ -21,7 +21,7 @@ from tests.support.world import World
 from xfuse.config import ParallelConfig
 from xfuse.families.pixart.presets import save_preset_pipeline
 from xfuse.families.pixart.stage import PixArtStage
-from xfuse.families.registry import PIXART_SIGMA, model_spec
+from xfuse.families.registry import PIXART_SIGMA
 from xfuse.parallel.patch_grid import patch_grid
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3
@@ -100,15 +100,6 @@ def test_a_band_embedded_by_diffusers_gets_wrong_positions():
     with torch.no_grad():
         sliced, recomputed = stage.embed(band_rows, grid[1]), embed(band_rows)
     assert (sliced - recomputed).abs().max().item() > 0.1
-
-
-def test_the_family_is_detected_from_model_index(tmp_path):
-    folder = save_preset_pipeline(tmp_path / "pixart")
-    assert model_spec(folder) is PIXART_SIGMA and model_spec("pixart-tiny") is PIXART_SIGMA
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    with pytest.raises(ValueError, match=r"^model: .* is a StableDiffusionPipeline folder; xfuse runs"):
-        model_spec(str(tmp_path / "other"))
 
 
 # --- the engine on real ranks against the oracle and against diffusers -----------------------------------------

@@ -62,10 +62,6 @@ def world4():
         yield w
 
 
-def test_the_family_is_detected_from_model_index(folder):
-    assert model_spec(folder) is WAN and model_spec("wan-tiny") is WAN
-
-
 def honoured_calls(reference):
     """Every ``WanPipeline.__call__`` argument, each in a call diffusers runs too."""
     with torch.no_grad():

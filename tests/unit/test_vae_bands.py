@@ -8,13 +8,13 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0, SlicedAttnProcessor
 
-from xfuse.families.common.presets import tiny_vae
+from xfuse.families.common.presets import tiny_vae, tiny_vae_config
 from xfuse.parallel.vae_decode import ParallelVAEDecode, _merged_moments, band_rows, check_decoder
 
 
 @pytest.fixture(scope="module")
 def vae():
-    return tiny_vae(64, seed=0, scaling_factor=0.13025)
+    return tiny_vae(tiny_vae_config(64, scaling_factor=0.13025), seed=0)
 
 
 @pytest.mark.parametrize("rows,parts,sizes", [(16, 2, [8, 8]), (125, 4, [32, 31, 31, 31]), (5, 4, [2, 1, 1, 1])])

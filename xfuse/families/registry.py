@@ -12,7 +12,6 @@ import json
 import os
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import tiny_vae_config
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.folder import SHIPPED_MODELS, folder_config, pipeline_transformers, resolve_model
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
@@ -95,30 +94,11 @@ def transformer_config(model: str) -> dict:
     return config
 
 
-# The presets' tiny VAEs follow their family's released layout (``xfuse.families.common.presets.tiny_vae``): the SDXL
-# VAE's quant convs for HunyuanDiT and PixArt-Σ, none for SD3 and FLUX.
-_PRESET_VAE_QUANT_CONVS = {
-    HUNYUANDIT.name: True,
-    PIXART_SIGMA.name: True,
-    STABLE_DIFFUSION_3.name: False,
-    FLUX.name: False,
-}
-
-
 def vae_config(model: str) -> dict | None:
     """The VAE config of ``model`` without loading weights: a folder's ``vae/config.json`` (``None`` when it has
-    none), or a preset's tiny VAE (``xfuse.families.common.presets.tiny_vae_config``; its latent scale left out; a
-    video family's presets: their own)."""
-    spec = _family(model)
-    if model in PRESET_MODELS and spec.video:  # a video VAE (AutoencoderKLWan), described by its family
-        return spec.preset_builders().preset_vae_config(model)
+    none), or a preset's (its family's ``presets.preset_vae_config``: the arguments its builder makes the VAE with)."""
     if model in PRESET_MODELS:
-        transformer = spec.preset_transformer_config(model)
-        return tiny_vae_config(
-            spec.default_side(transformer),
-            latent_channels=transformer["in_channels"] // spec.packing**2,  # FLUX packs 2x2 latent pixels per token
-            quant_convs=_PRESET_VAE_QUANT_CONVS[spec.name],
-        )
+        return _family(model).preset_builders().preset_vae_config(model)
     return folder_config(model, "vae")
 
 

@@ -121,31 +121,17 @@ def tiny_vae_config(
     return config | {key: value for key, value in factors.items() if value is not None}
 
 
-def tiny_vae(
-    sample_size: int,
-    seed: int,
-    *,
-    latent_channels: int = 4,
-    scaling_factor: float,
-    shift_factor: float | None = None,
-    quant_convs: bool = True,
-):
-    """A tiny ``AutoencoderKL`` with scale factor 8: four resolution levels, three 2x downsamplings, as every family's
-    released VAE (the pipelines derive the factor from ``block_out_channels``; HunyuanDiT's also hard-codes 8 when it
-    sizes the RoPE grid). Channels stay tiny so that decoding costs little next to the transformer.
+def tiny_vae(config: dict, seed: int):
+    """A tiny ``AutoencoderKL`` of :func:`tiny_vae_config`'s arguments (a family's ``preset_vae_config``) with scale
+    factor 8: four resolution levels, three 2x downsamplings, as every family's released VAE (the pipelines derive the
+    factor from ``block_out_channels``; HunyuanDiT's also hard-codes 8 when it sizes the RoPE grid). Channels stay tiny
+    so that decoding costs little next to the transformer.
 
     HunyuanDiT and PixArt-Σ use the SDXL VAE's layout (4 latent channels, quant convs, a scale only); SD3 and FLUX
     have no quant convs and normalise latents with a shift as well as a scale (``quant_convs=False``,
     ``shift_factor``)."""
     from diffusers import AutoencoderKL
 
-    config = tiny_vae_config(
-        sample_size,
-        latent_channels=latent_channels,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        quant_convs=quant_convs,
-    )
     with seeded(seed, "vae"):
         vae = AutoencoderKL(**config)
     return vae.eval()

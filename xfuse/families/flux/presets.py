@@ -29,7 +29,15 @@ import os
 from typing import Any
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import clip_text_encoder, clip_tokenizer, seeded, t5_encoder, t5_vocab, tiny_vae
+from xfuse.families.common.presets import (
+    clip_text_encoder,
+    clip_tokenizer,
+    seeded,
+    t5_encoder,
+    t5_vocab,
+    tiny_vae,
+    tiny_vae_config,
+)
 
 # The T5 tokenizer's limit in the released repositories, and FluxPipeline's default max_sequence_length.
 _T5_MAX_LENGTH = 512
@@ -112,6 +120,18 @@ def preset_transformer_config(preset: str = "flux-tiny") -> dict[str, Any]:
     return config
 
 
+def preset_vae_config(preset: str = "flux-tiny") -> dict[str, Any]:
+    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): FLUX.1's layout, 16 latent channels packed
+    2 x 2 into the transformer's, no quant convs, a scale and a shift."""
+    return tiny_vae_config(
+        PRESETS[preset]["default_size"],
+        latent_channels=preset_transformer_config(preset)["in_channels"] // 4,
+        scaling_factor=_FLUX_VAE_SCALING,
+        shift_factor=_FLUX_VAE_SHIFT,
+        quant_convs=False,
+    )
+
+
 def _build_scheduler(guidance_embeds: bool):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -145,14 +165,7 @@ def build_preset_pipeline(preset: str = "flux-tiny", seed: int = 0):
     )
     tokenizer_2 = T5Tokenizer(vocab=t5_vocab(), extra_ids=0, model_max_length=_T5_MAX_LENGTH)
     text_encoder_2 = t5_encoder(config["joint_attention_dim"], len(t5_vocab()), seed, "text_encoder_2")
-    vae = tiny_vae(
-        PRESETS[preset]["default_size"],
-        seed,
-        latent_channels=config["in_channels"] // 4,
-        scaling_factor=_FLUX_VAE_SCALING,
-        shift_factor=_FLUX_VAE_SHIFT,
-        quant_convs=False,
-    )
+    vae = tiny_vae(preset_vae_config(preset), seed)
     return FluxPipeline(
         scheduler=_build_scheduler(config["guidance_embeds"]),
         vae=vae,

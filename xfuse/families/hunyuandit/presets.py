@@ -41,6 +41,7 @@ from xfuse.families.common.presets import (
     t5_encoder,
     t5_vocab,
     tiny_vae,
+    tiny_vae_config,
 )
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 
@@ -57,6 +58,7 @@ __all__ = [
     "build_tiny_pipeline",
     "build_tiny_transformer",
     "preset_transformer_config",
+    "preset_vae_config",
     "save_tiny_pipeline",
     "tiny_transformer_config",
 ]
@@ -318,6 +320,16 @@ def _build_scheduler():
     )
 
 
+def preset_vae_config(preset: str = "tiny") -> dict[str, Any]:
+    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): the SDXL VAE's layout (4 latent channels,
+    quant convs, a scale), sized for the preset's default image."""
+    return _vae_config(tiny_transformer_config(preset)["sample_size"])
+
+
+def _vae_config(sample_size: int) -> dict[str, Any]:
+    return tiny_vae_config(sample_size * _VAE_SCALE_FACTOR, scaling_factor=SDXL_VAE_SCALING)
+
+
 def build_tiny_pipeline(
     preset: str = "tiny", seed: int = 0, extra_words: tuple[str, ...] = (), **transformer_overrides: Any
 ) -> HunyuanDiTPipeline:
@@ -349,7 +361,7 @@ def build_tiny_pipeline(
     text_encoder, text_encoder_2 = _build_text_encoders(
         dict(transformer.config), len(tokenizer), len(tokenizer_2), seed
     )
-    vae = tiny_vae(transformer.config.sample_size * _VAE_SCALE_FACTOR, seed, scaling_factor=SDXL_VAE_SCALING)
+    vae = tiny_vae(_vae_config(transformer.config.sample_size), seed)
     return HunyuanDiTPipeline(
         vae=vae,
         text_encoder=text_encoder,

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import SDXL_VAE_SCALING, seeded, t5_encoder, t5_vocab, tiny_vae
+from xfuse.families.common.presets import SDXL_VAE_SCALING, seeded, t5_encoder, t5_vocab, tiny_vae, tiny_vae_config
 from xfuse.families.pixart.spec import PIXART_SIGMA
 
 # 8 blocks: folded placement (which PixArt allows, though it defaults to linear) reaches degree 4.
@@ -66,6 +66,16 @@ def preset_transformer_config(preset: str = "pixart-tiny", **overrides: Any) -> 
     return config
 
 
+def preset_vae_config(preset: str = "pixart-tiny") -> dict[str, Any]:
+    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): the SDXL VAE's layout (4 latent channels,
+    quant convs, a scale)."""
+    return _vae_config(preset_transformer_config(preset)["sample_size"])
+
+
+def _vae_config(sample_size: int) -> dict[str, Any]:
+    return tiny_vae_config(sample_size * PIXART_SIGMA.vae_scale_factor, scaling_factor=SDXL_VAE_SCALING)
+
+
 def build_preset_pipeline(
     preset: str = "pixart-tiny", seed: int = 0, extra_words: tuple[str, ...] = (), **overrides: Any
 ):
@@ -96,7 +106,7 @@ def build_preset_pipeline(
     return PixArtSigmaPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=tiny_vae(config["sample_size"] * PIXART_SIGMA.vae_scale_factor, seed, scaling_factor=SDXL_VAE_SCALING),
+        vae=tiny_vae(_vae_config(config["sample_size"]), seed),  # the overrides' size
         transformer=transformer,
         scheduler=scheduler,
     )

@@ -24,7 +24,15 @@ import os
 from typing import Any
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import clip_text_encoder, clip_tokenizer, seeded, t5_encoder, t5_vocab, tiny_vae
+from xfuse.families.common.presets import (
+    clip_text_encoder,
+    clip_tokenizer,
+    seeded,
+    t5_encoder,
+    t5_vocab,
+    tiny_vae,
+    tiny_vae_config,
+)
 
 # Pixels per latent row/column: AutoencoderKL with four levels (three 2x downsamplings), as the released VAE.
 _VAE_SCALE_FACTOR = 8
@@ -145,6 +153,18 @@ def preset_transformer_config(preset: str = "sd3-tiny") -> dict[str, Any]:
     return config
 
 
+def preset_vae_config(preset: str = "sd3-tiny") -> dict[str, Any]:
+    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): SD3's layout, no quant convs, a scale and a
+    shift."""
+    return tiny_vae_config(
+        _check_preset(preset)["default_size"],
+        latent_channels=preset_transformer_config(preset)["in_channels"],
+        scaling_factor=_SD3_VAE_SCALING,
+        shift_factor=_SD3_VAE_SHIFT,
+        quant_convs=False,
+    )
+
+
 def build_preset_pipeline(preset: str = "sd3-tiny", seed: int = 0):
     """A complete, randomly initialised ``diffusers.StableDiffusion3Pipeline`` (CPU, float32, eval mode)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -167,14 +187,7 @@ def build_preset_pipeline(preset: str = "sd3-tiny", seed: int = 0):
     )
     tokenizer_3 = T5Tokenizer(vocab=t5_vocab(), extra_ids=0, model_max_length=_T5_MAX_LENGTH)
     text_encoder_3 = t5_encoder(config["joint_attention_dim"], len(t5_vocab()), seed, "text_encoder_3")
-    vae = tiny_vae(
-        base["default_size"],
-        seed,
-        latent_channels=config["in_channels"],
-        scaling_factor=_SD3_VAE_SCALING,
-        shift_factor=_SD3_VAE_SHIFT,
-        quant_convs=False,
-    )
+    vae = tiny_vae(preset_vae_config(preset), seed)
     # SD3's and SD3.5's released sampling configuration: a fixed shift of 3, no resolution-dependent shift.
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     return StableDiffusion3Pipeline(
