@@ -191,13 +191,13 @@ def test_the_activation_peak_is_the_cpu_allocators_within_one_percent(kwargs, he
     GroupNorm). The leftover is small allocations (norm statistics, the attention's log-sum-exp, halo rows). Measured
     on 2 ranks (per rank, the shipped VAE at 256-1024 px): within 0.7 % too.
 
-    Where oneDNN runs bf16 natively (AVX-512 BF16) the decode's convolutions reorder more than an isolated one does
-    (a float32 buffer the size of a 32-channel output at the peak), which the rule does not model: that case is not
-    compared there, and says so."""
+    Where oneDNN runs bf16 natively (AVX-512 BF16) the decode's convolutions reorder more than an isolated one does,
+    which the rule does not model: there it is a lower bound, short by less than one float32 copy of the widest
+    activation at full resolution (measured on an AVX-512 BF16 Xeon: 6.0 MiB of that 8 MiB, at the last upsampler's
+    convolution), and that is what is asserted."""
     name, scratch, per_pixel = machine_conv_scratch(dtype)
     assert scratch is not None, f"this CPU's convolution scratch ({per_pixel} B/px at 8/16/32 channels) is not modelled"
-    if dtype == torch.bfloat16 and scratch == CONV_SCRATCHES["oneDNN bf16 copy, blocks of 16 channels (AVX-512 BF16)"]:
-        pytest.skip(f"{name}: the rule does not model oneDNN's native bf16 reorders inside a decode")
+    native_bf16 = scratch == CONV_SCRATCHES["oneDNN bf16 copy, blocks of 16 channels (AVX-512 BF16)"]
     vae = autoencoder(**kwargs).to(dtype)
     shape = VaeShape.from_config(dict(vae.config))
     z = latents(vae, batch, height, width, dtype)
@@ -211,6 +211,11 @@ def test_the_activation_peak_is_the_cpu_allocators_within_one_percent(kwargs, he
     common = {"height": height, "width": width, "batch": batch, "element": element, "conv_scratch": scratch}
     (serial,) = decode_ranks(shape, **common)
     (banded,) = decode_ranks(shape, **common, band=True)
+    if native_bf16:
+        reorder = batch * max(kwargs["block_out_channels"]) * height * width * 4  # float32, the widest, full size
+        for rule, got in ((serial, measured), (banded, measured_band)):
+            assert rule.peak < got <= rule.peak + reorder, (name, rule.peak_at, rule.peak, got)
+        return
     assert serial.peak == pytest.approx(measured, rel=0.01), (name, serial.peak_at)
     assert banded.peak == pytest.approx(measured_band, rel=0.01), (name, banded.peak_at)
 
