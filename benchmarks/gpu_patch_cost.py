@@ -247,6 +247,20 @@ def families(quick: bool) -> list[Family]:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
+@contextlib.contextmanager
+def _sdpa_replaced_by(attention: Callable) -> Iterator[None]:
+    """torch's SDPA replaced by ``attention`` for the block: diffusers calls it by attribute, so each pass's
+    attention goes through it."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 class StaleKV:
     """Wraps torch's SDPA for one band's pass: every self-attention (queries and keys of one length) attends over a
     buffer of the whole image's tokens, the band's K/V copied into its first rows (``StaleKVCache.update``)."""
@@ -273,11 +287,8 @@ class StaleKV:
             v_buf[..., : value.shape[-2], :].copy_(value)
             return original(query, k_buf, v_buf, **kwargs)
 
-        F.scaled_dot_product_attention = attention
-        try:
+        with _sdpa_replaced_by(attention):
             yield
-        finally:
-            F.scaled_dot_product_attention = original
 
     def _buffer(self, key):
         """Layer ``self._call``'s K/V buffers, (B, heads, band + stale tokens, head_dim) each, kept between passes as
@@ -320,11 +331,8 @@ class UlyssesShare:
             out = original(q, k, v, **kwargs)  # (B, heads / U, L * U, d)
             return out.reshape(b, heads, length, dim).contiguous()  # back: the second all-to-all's local copy
 
-        F.scaled_dot_product_attention = attention
-        try:
+        with _sdpa_replaced_by(attention):
             yield
-        finally:
-            F.scaled_dot_product_attention = original
 
 
 class BlockTimer:
