@@ -128,8 +128,8 @@ def tiny_vae(config: dict, seed: int):
     so that decoding costs little next to the transformer.
 
     HunyuanDiT and PixArt-Σ use the SDXL VAE's layout (4 latent channels, quant convs, a scale only); SD3 and FLUX
-    have no quant convs and normalise latents with a shift as well as a scale (``quant_convs=False``,
-    ``shift_factor``)."""
+    have no quant convs and normalise latents with a shift as well as a scale (``tiny_vae_config``'s
+    ``quant_convs=False`` and ``shift_factor``)."""
     from diffusers import AutoencoderKL
 
     with seeded(seed, "vae"):
