@@ -20,7 +20,8 @@ def tiny(preset):
     return _PIPES[preset]
 
 
-def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, seed=0, generator=None):
+def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, seed=0, generator=None, prompt=PROMPT,
+                   negative_prompt=NEGATIVE):  # fmt: skip
     """What the denoising loop needs, built with the diffusers pipeline's own methods (the oracle's ``inputs``):
     SD3 with ``guidance_scale=cfg`` (batched [uncond, cond] when > 1), FLUX with ``true_cfg_scale=cfg`` and a
     negative prompt when > 1 (its guidance embedding at 3.5). ``generator``: the one to draw the latents from, where
@@ -31,7 +32,7 @@ def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, s
     with torch.no_grad():
         if type(pipe).__name__.startswith("StableDiffusion3"):  # with or without a ControlNet
             emb, neg, pooled, neg_pooled = pipe.encode_prompt(
-                PROMPT, None, None, negative_prompt=NEGATIVE, do_classifier_free_guidance=cfg > 1,
+                prompt, None, None, negative_prompt=negative_prompt, do_classifier_free_guidance=cfg > 1,
                 device="cpu", max_sequence_length=max_sequence_length,
             )  # fmt: skip
             if cfg > 1:
@@ -42,8 +43,10 @@ def prepare_inputs(pipe, *, height, width, steps, cfg, max_sequence_length=16, s
             return dict(prompt_embeds=emb, pooled_prompt_embeds=pooled, latents=latents, guidance_scale=cfg,
                         timesteps=pipe.scheduler.timesteps, extra_step_kwargs={}, generator=generator)  # fmt: skip
         text = {}
-        for prefix, prompt in (("", PROMPT), ("negative_", NEGATIVE)):
-            emb, pooled, ids = pipe.encode_prompt(prompt, None, device="cpu", max_sequence_length=max_sequence_length)
+        for prefix, text_prompt in (("", prompt), ("negative_", negative_prompt)):
+            emb, pooled, ids = pipe.encode_prompt(
+                text_prompt, None, device="cpu", max_sequence_length=max_sequence_length
+            )
             text |= {f"{prefix}prompt_embeds": emb, f"{prefix}pooled_prompt_embeds": pooled, f"{prefix}text_ids": ids}
         channels = pipe.transformer.config.in_channels // 4
         latents, image_ids = pipe.prepare_latents(1, channels, height, width, emb.dtype, "cpu", generator, None)

@@ -1,0 +1,92 @@
+"""The independent oracle (``tests.support.pipefusion_oracle``) on a pipeline call: a conformance call dict in, the
+final latents of PipeFusion with ``num_patches`` patches and ``warmup`` warm-up steps out.
+
+The oracle takes the tensors a diffusers pipeline's ``__call__`` prepares before its loop; each family's test
+support already builds them with the pipeline's own methods (``prepare_inputs``). ``ORACLE_INPUTS`` maps the diffusers
+pipeline class a family wraps to the function that turns a call into those inputs, so that a test driven by the
+registry can ask for any family's oracle. A family without an entry has no oracle: ``oracle_latents`` says so by
+name, and the conformance suite fails for it until its oracle is written. The patches are cut as the pipeline
+classes cut them (``xfuse.parallel.patch_grid.token_counts``: where the first patch carries a joint-attention text
+stream, by tokens; the cut itself is checked against hand-counted cuts in ``tests/multirank/test_mmdit.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from tests.support import mmdit_fns, pixart_fns, wan_fns
+from tests.support.pipefusion_oracle import pipefusion_reference, pipefusion_video_reference
+from xfuse.parallel.patch_grid import token_counts
+
+
+def _default(pipe, name: str):
+    """The pipeline's ``__call__`` default for ``name``."""
+    return inspect.signature(type(pipe).__call__).parameters[name].default
+
+
+def _hunyuandit(pipe, call: dict) -> dict:
+    from xfuse.families.hunyuandit.reference import prepare_inputs
+
+    return prepare_inputs(pipe, prompt=call["prompt"], negative_prompt=call.get("negative_prompt"),
+                          height=call["height"], width=call["width"], num_inference_steps=call["num_inference_steps"],
+                          guidance_scale=call["guidance_scale"], seed=call.get("seed", 0))  # fmt: skip
+
+
+def _pixart(pipe, call: dict) -> dict:
+    return pixart_fns.prepare_inputs(pipe, prompt=call["prompt"], height=call["height"], width=call["width"],
+                                     steps=call["num_inference_steps"], guidance_scale=call["guidance_scale"],
+                                     seed=call.get("seed", 0))  # fmt: skip
+
+
+def _sd3(pipe, call: dict) -> dict:
+    return mmdit_fns.prepare_inputs(pipe, height=call["height"], width=call["width"], steps=call["num_inference_steps"],
+                                    cfg=call["guidance_scale"], seed=call.get("seed", 0), prompt=call["prompt"],
+                                    negative_prompt=call.get("negative_prompt"),
+                                    max_sequence_length=_default(pipe, "max_sequence_length"))  # fmt: skip
+
+
+def _flux(pipe, call: dict) -> dict:
+    return mmdit_fns.prepare_inputs(pipe, height=call["height"], width=call["width"], steps=call["num_inference_steps"],
+                                    cfg=call.get("true_cfg_scale", 1.0), seed=call.get("seed", 0),
+                                    prompt=call["prompt"], negative_prompt=call.get("negative_prompt") or "",
+                                    max_sequence_length=_default(pipe, "max_sequence_length"))  # fmt: skip
+
+
+def _wan(pipe, call: dict) -> dict:
+    return wan_fns.prepare_inputs(pipe, height=call["height"], width=call["width"], num_frames=call["num_frames"],
+                                  steps=call["num_inference_steps"], guidance_scale=call["guidance_scale"],
+                                  prompt=call["prompt"], seed=call.get("seed", 0))  # fmt: skip
+
+
+# diffusers pipeline class -> (its oracle's inputs from a call, the oracle: image, joint (an image whose text stream
+# the first patch carries through every block) or video)
+ORACLE_INPUTS = {
+    "HunyuanDiTPipeline": (_hunyuandit, "image"),
+    "PixArtSigmaPipeline": (_pixart, "image"),
+    "StableDiffusion3Pipeline": (_sd3, "joint"),
+    "FluxPipeline": (_flux, "joint"),
+    "WanPipeline": (_wan, "video"),
+}
+
+
+def oracle_latents(pipe, call: dict, *, num_patches: int, warmup: int, video_patches: str = "temporal") -> torch.Tensor:
+    """The oracle's final latents for ``call`` (a dict of the pipeline's ``__call__`` arguments and ``seed``) on
+    ``pipe`` (diffusers' pipeline; its transformer is copied, never changed), laid out as the pipeline's
+    ``output_type="latent"`` result."""
+    name = type(pipe).__name__
+    if name not in ORACLE_INPUTS:
+        raise KeyError(f"no oracle inputs for {name}: add its entry to tests/support/oracle_inputs.ORACLE_INPUTS")
+    prepare, kind = ORACLE_INPUTS[name]
+    inputs = prepare(pipe, call)
+    if kind == "video":
+        return pipefusion_video_reference(pipe, inputs, direction=video_patches, num_patches=num_patches,
+                                          warmup=warmup)  # fmt: skip
+    counts = None  # even bands of whole token rows
+    if kind == "joint":  # the first patch carries the text: the patches are cut so that each runs as many tokens
+        # token rows: latent rows per token row 2 (SD3's patch size, FLUX's 2 x 2 packing)
+        rows, cols = (call[side] // pipe.vae_scale_factor // 2 for side in ("height", "width"))
+        counts = token_counts(rows, cols, num_patches, lead_tokens=inputs["prompt_embeds"].shape[1])
+    return pipefusion_reference(pipe, inputs, height=call["height"], width=call["width"], num_patches=num_patches,
+                                warmup=warmup, token_counts=counts)  # fmt: skip
