@@ -28,8 +28,9 @@ from xfuse.config import (
 )
 from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
-from xfuse.parallel.engine import DenoiseRequest, PipeFusionEngine
+from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.scheduler_state import draws_serial_noise
 from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage

@@ -138,7 +138,7 @@ def joint_request(
     (or this CFG group's half with ``cfg_half``), the first block's text input (``context_embedder``) computed once
     here, the text stream's shape taken from it. ``conditioning(timestep, text)`` builds a step's conditioning from
     the step's timestep expanded to the transformer batch, as both diffusers pipelines broadcast it."""
-    from xfuse.parallel.engine import DenoiseRequest
+    from xfuse.parallel.request import DenoiseRequest
 
     model_batch, model_input = cfg_batch(latents, cfg_scale, cfg_half)
     text = stage.transformer.context_embedder(prompt_embeds)  # (B', T, joint dim) -> (B', T, hidden)

@@ -160,7 +160,7 @@ def denoise_request(
     cross-attention input is computed once here, so every step and patch passes the same tensor (which lets
     ``CachedCrossAttnProcessor`` reuse the text K/V).
     """
-    from xfuse.parallel.engine import DenoiseRequest
+    from xfuse.parallel.request import DenoiseRequest
 
     model_batch, model_input = cfg_batch(latents, guidance_scale, cfg_half)
     rope = rotary_embedding(stage.config, latents.shape[-2], latents.shape[-1], device=latents.device)

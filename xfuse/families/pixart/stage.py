@@ -156,7 +156,7 @@ def denoise_request(
     with ``cfg_half`` (see ``xfuse.families.common.guidance``). The projected text and its mask bias are computed once
     here.
     """
-    from xfuse.parallel.engine import DenoiseRequest
+    from xfuse.parallel.request import DenoiseRequest
 
     model_batch, model_input = cfg_batch(latents, guidance_scale, cfg_half)
     text = stage.text_states(prompt_embeds)

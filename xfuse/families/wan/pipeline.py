@@ -20,7 +20,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.wan.spec import WAN
 from xfuse.families.wan.stage import FirstFrame, WanStage, denoise_request
-from xfuse.parallel.engine import DenoiseRequest
+from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback

@@ -257,7 +257,7 @@ def denoise_request(
 
     ``first_frame``: Wan 2.2 TI2V's image-to-video (``FirstFrame``): every transformer input has the image's latents as
     its first latent frame, whose tokens have timestep 0."""
-    from xfuse.parallel.engine import DenoiseRequest
+    from xfuse.parallel.request import DenoiseRequest
 
     grid_latents = layout.to_grid(latents).contiguous()  # (B, C, F, H, W) -> (B, C, F*H, W)
     model_batch, model_input = cfg_batch(grid_latents, guidance_scale, cfg_half)
