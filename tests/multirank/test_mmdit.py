@@ -42,7 +42,7 @@ def plan_of(preset, degree):
 
 def forward_inputs(preset, batch=2, text_len=7):
     """Random transformer inputs and diffusers' own forward output, in the engine's latent layout."""
-    from xfuse.families.flux.stage import packed_to_grid
+    from xfuse.families.common.packed import packed_to_grid
 
     gen = torch.Generator().manual_seed(1)
     pipe = tiny(preset)

@@ -65,7 +65,8 @@ def request_of(stage, inputs, scheduler, grid):
     """The engine's ``DenoiseRequest`` for ``stage`` on the oracle's ``inputs``, and how its final latents become the
     diffusers pipeline's layout (FLUX: packed)."""
     if stage.spec.name == "flux":
-        from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
+        from xfuse.families.common.packed import grid_to_packed, packed_to_grid
+        from xfuse.families.flux.stage import denoise_request
 
         cfg = inputs["true_cfg_scale"] > 1
         keys = ("prompt_embeds", "pooled_prompt_embeds")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 
 from tests.support import mmdit_fns, pixart_fns, wan_fns
@@ -54,6 +55,26 @@ def _flux(pipe, call: dict) -> dict:
                                     max_sequence_length=_default(pipe, "max_sequence_length"))  # fmt: skip
 
 
+def _flux2(pipe, call: dict) -> dict:
+    """As Flux2Pipeline.__call__ prepares them (steps 3-6): text and its ids, packed latents and their ids, the
+    timesteps with ``compute_empirical_mu``, the embedded guidance."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+
+    steps, generator = call["num_inference_steps"], torch.Generator().manual_seed(call.get("seed", 0))
+    with torch.no_grad():
+        emb, text_ids = pipe.encode_prompt(prompt=call["prompt"], device="cpu")
+        channels = pipe.transformer.config.in_channels // 4
+        latents, image_ids = pipe.prepare_latents(1, channels, call["height"], call["width"], emb.dtype, "cpu",
+                                                  generator, None)  # fmt: skip
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
+        timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
+        pipe.scheduler.set_begin_index(0)
+    guidance = torch.full([1], call.get("guidance_scale", _default(pipe, "guidance_scale")), dtype=torch.float32)
+    return dict(prompt_embeds=emb, text_ids=text_ids, latents=latents, latent_image_ids=image_ids, timesteps=timesteps,
+                guidance=guidance.expand(1), extra_step_kwargs={}, generator=generator)  # fmt: skip
+
+
 def _wan(pipe, call: dict) -> dict:
     return wan_fns.prepare_inputs(pipe, height=call["height"], width=call["width"], num_frames=call["num_frames"],
                                   steps=call["num_inference_steps"], guidance_scale=call["guidance_scale"],
@@ -67,6 +88,7 @@ ORACLE_INPUTS = {
     "PixArtSigmaPipeline": (_pixart, "image"),
     "StableDiffusion3Pipeline": (_sd3, "joint"),
     "FluxPipeline": (_flux, "joint"),
+    "Flux2Pipeline": (_flux2, "joint"),
     "WanPipeline": (_wan, "video"),
 }
 

@@ -211,9 +211,38 @@ class StaleFluxAttention:
         return out, attn.to_add_out(text_out.contiguous())
 
 
+class StaleFlux2ParallelAttention:
+    """diffusers' ``Flux2ParallelSelfAttnProcessor`` (FLUX.2's single blocks: fused q/k/v + MLP input projection over
+    [text, image], the first ``text_len`` tokens text), except that the image K/V (after q/k RMSNorm and RoPE) go
+    through ``KVBuffers``: Q = [text, band], K/V = [text, whole buffer]."""
+
+    def __init__(self, buffers: KVBuffers, layer) -> None:
+        self.buffers, self.layer = buffers, layer
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        assert attention_mask is None
+        projected = attn.to_qkv_mlp_proj(hidden_states)
+        qkv_dim = 3 * attn.inner_dim
+        qkv, mlp = projected[..., :qkv_dim], projected[..., qkv_dim:]
+        query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))  # (B, S, heads, D)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text_len = self.buffers.text_len
+        image_key, image_value = self.buffers.update(self.layer, key[:, text_len:], value[:, text_len:], dim=1)
+        if self.buffers.tokens is not None:
+            key = torch.cat([key[:, :text_len], image_key], dim=1)
+            value = torch.cat([value[:, :text_len], image_value], dim=1)
+        out = dispatch_attention_fn(query, key, value, attn_mask=None).flatten(2, 3).to(query.dtype)
+        return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
 class TextOwner:
     """Patch 0 owns the text stream: forward pre-hooks on the blocks record each block's ``encoder_hidden_states`` at
-    patch 0 and hand the recorded one to the same block at patches ``>= 1`` (whose text output is thus dropped)."""
+    patch 0 and hand the recorded one to the same block at patches ``>= 1`` (whose text output is thus dropped); a
+    block given one [text, image] sequence (FLUX.2's single blocks) has its first ``text_len`` rows recorded and
+    replaced so."""
 
     def __init__(self, buffers: KVBuffers, blocks) -> None:
         self.buffers = buffers
@@ -231,6 +260,12 @@ class TextOwner:
         assert not args and "encoder_hidden_states" in kwargs
         if self.buffers.patch is None:  # whole image: the pipeline's own text stream
             return None
+        if kwargs["encoder_hidden_states"] is None:  # FLUX.2's single blocks: one [text, image] sequence
+            hidden, text_len = kwargs["hidden_states"], self.buffers.text_len
+            if self.buffers.patch == 0:
+                self.recorded[index] = hidden[:, :text_len]
+                return None
+            return args, kwargs | {"hidden_states": torch.cat([self.recorded[index], hidden[:, text_len:]], dim=1)}
         if self.buffers.patch == 0:
             self.recorded[index] = kwargs["encoder_hidden_states"]
             return None
@@ -460,6 +495,35 @@ def _flux(transformer, inputs, buffers, token_rows, token_cols):
     return predict
 
 
+def _flux2(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of Flux2Pipeline.__call__ (step 7, no reference images) on packed latents: double blocks with FLUX's
+    stale attention, single blocks (one [text, image] sequence) with ``StaleFlux2ParallelAttention``, patch 0 owning
+    the text stream, ``img_ids`` the band's rows of the whole image's (B, tokens, 4) ids; guidance embedded, no CFG."""
+    for index, block in enumerate(transformer.transformer_blocks):
+        block.attn.set_processor(StaleFluxAttention(buffers, ("double", index)))
+    for index, block in enumerate(transformer.single_transformer_blocks):
+        block.attn.set_processor(StaleFlux2ParallelAttention(buffers, ("single", index)))
+    TextOwner(buffers, [*transformer.transformer_blocks, *transformer.single_transformer_blocks])
+    img_ids, txt_ids, prompt_embeds = inputs["latent_image_ids"], inputs["text_ids"], inputs["prompt_embeds"]
+    assert img_ids.shape[1] == token_rows * token_cols, (img_ids.shape, token_rows, token_cols)
+    buffers.text_len = prompt_embeds.shape[1]
+
+    def predict(latents, t, scheduler, tokens):
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        return transformer(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=inputs["guidance"],
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids if tokens is None else img_ids[:, tokens],
+            joint_attention_kwargs=None,
+            return_dict=False,
+        )[0]
+
+    return predict
+
+
 def _flux_controlnet(transformer, inputs, buffers, token_rows, token_cols, controlnet):
     """Lines of FluxControlNetPipeline.__call__ (step 7): the ControlNet's forward on the positive prompt, then the
     transformer's with its residuals (both halves of true CFG take the same ones). The ControlNet has stale image K/V
@@ -504,6 +568,7 @@ FAMILIES = {
     "StableDiffusion3ControlNetPipeline": (_sd3_controlnet, False),
     "FluxPipeline": (_flux, True),
     "FluxControlNetPipeline": (_flux_controlnet, True),
+    "Flux2Pipeline": (_flux2, True),
 }
 
 

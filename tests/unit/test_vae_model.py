@@ -326,7 +326,10 @@ def test_every_preset_has_a_vae_config():
     which ``xfuse plan`` reports as not modelled."""
     for preset, spec in PRESET_MODELS.items():
         if spec.video:
-            with pytest.raises(ValueError, match=r"covers diffusers' AutoencoderKL only \(got AutoencoderKLWan\)"):
+            with pytest.raises(
+                ValueError,
+                match=r"covers diffusers' AutoencoderKL and AutoencoderKLFlux2 only \(got AutoencoderKLWan\)",
+            ):
                 VaeShape.from_config(vae_config(preset))
         else:
             VaeShape.from_config(vae_config(preset))

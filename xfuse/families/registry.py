@@ -13,6 +13,7 @@ import os
 
 from xfuse.errors import ConfigError
 from xfuse.families.flux.spec import FLUX
+from xfuse.families.flux2.spec import FLUX2
 from xfuse.families.folder import SHIPPED_MODELS, folder_config, pipeline_transformers, resolve_model
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
@@ -20,7 +21,7 @@ from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.spec import ModelSpec
 from xfuse.families.wan.spec import WAN
 
-FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX, WAN)
+FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX, WAN, FLUX2)
 
 
 def _by_name(kind: str, entries) -> dict[str, ModelSpec]:

@@ -45,6 +45,9 @@ from xfuse.perf.measured import REFERENCE
 from xfuse.perf.model import Calibration, Machine
 
 FLOAT32 = 4
+# The image VAEs with AutoencoderKL's encoder and decoder: FLUX.2's AutoencoderKLFlux2 adds only a BatchNorm whose
+# running statistics its pipelines (de)normalise the latents with, outside ``decode``.
+_IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
 NORM_STATS = 3 * 8  # a GroupNorm's (count, mean, squared deviations) per (image, group), float64: vae_decode
 
 
@@ -88,12 +91,16 @@ class VaeShape:
     def from_config(cls, config: Mapping[str, Any]) -> VaeShape:
         """From a diffusers ``vae/config.json`` dict; ``ValueError`` for a VAE this model does not describe."""
         name = config.get("_class_name", "AutoencoderKL")
-        if name != "AutoencoderKL":  # e.g. Wan's causal 3-D AutoencoderKLWan
-            raise ValueError(f"the VAE model covers diffusers' AutoencoderKL only (got {name})")
+        if name not in _IMAGE_VAES:  # e.g. Wan's causal 3-D AutoencoderKLWan
+            raise ValueError(f"the VAE model covers diffusers' {' and '.join(_IMAGE_VAES)} only (got {name})")
+        decoder_channels = config.get("decoder_block_out_channels")
+        if decoder_channels is not None and list(decoder_channels) != list(config.get("block_out_channels", ())):
+            raise ValueError(f"the VAE model covers a decoder as wide as the encoder only (got {name} with "
+                             f"decoder_block_out_channels {list(decoder_channels)})")  # fmt: skip
         levels = len(config.get("block_out_channels", (64,)))
         for key, kind in (("up_block_types", "UpDecoderBlock2D"), ("down_block_types", "DownEncoderBlock2D")):
             blocks = tuple(config.get(key, (kind,) * levels))
-            if name != "AutoencoderKL" or any(b != kind for b in blocks) or len(blocks) != levels:
+            if any(b != kind for b in blocks) or len(blocks) != levels:
                 raise ValueError(
                     f"the VAE model covers diffusers' AutoencoderKL with {kind}s only (got {name}: {blocks})"
                 )

@@ -78,6 +78,13 @@ class JointStage(ShardedStage):
         """Extra keyword arguments of every block for this pass (FLUX: its RoPE rows)."""
         return {}
 
+    def call_block(
+        self, index: int, hidden: torch.Tensor, text: torch.Tensor, cond: JointConditioning, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``index`` on (image, text) -> (text, image), as the diffusers transformer's forward calls its blocks
+        (SD3's and FLUX.1's take the step's ``temb``; FLUX.2's the shared modulation: ``Flux2Stage``)."""
+        return self.blocks[index](hidden_states=hidden, encoder_hidden_states=text, temb=cond.temb, **kwargs)
+
     def run_segment(
         self,
         hidden: torch.Tensor,
@@ -111,9 +118,7 @@ class JointStage(ShardedStage):
             raise RuntimeError(f"segment {segment.blocks}: the first patch arrived without its text stream")
         kwargs = self.block_kwargs(cond, band, owner)
         for index in segment.blocks:
-            text, hidden = self.blocks[index](
-                hidden_states=hidden, encoder_hidden_states=text, temb=cond.temb, **kwargs
-            )
+            text, hidden = self.call_block(index, hidden, text, cond, kwargs)
             if controls and index in controls:
                 hidden = hidden + controls[index]
         if owner and streams is not None and text is not None:  # SD3's last block returns no text

@@ -89,7 +89,8 @@ class ShardedStage(nn.Module):
         batch-indexed tensors: ``STEP_FIELDS`` (new every step) and ``REQUEST_FIELDS`` (one tensor for the whole
         request, e.g. the text): those are sliced once per request, so every step's part passes the same tensor
         and the cross-attention K/V cache, keyed on it, computes a part's text K/V once."""
-        fields = {name: getattr(cond, name)[part.rows] for name in cond.STEP_FIELDS}
+        steps = {name: getattr(cond, name) for name in cond.STEP_FIELDS}  # None: a field this rank does not use
+        fields = {name: tensor[part.rows] for name, tensor in steps.items() if tensor is not None}
         for name in cond.REQUEST_FIELDS:
             tensor = getattr(cond, name)
             if tensor is not None:

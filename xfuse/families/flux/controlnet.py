@@ -17,8 +17,8 @@ from diffusers.pipelines.flux import pipeline_flux_controlnet as diffusers_flux_
 
 from xfuse.families.common.control import ControlCall, PerStep, check_one_controlnet
 from xfuse.families.common.controlnet import ShardedControlNetMixin
+from xfuse.families.common.packed import grid_to_packed, packed_to_grid
 from xfuse.families.flux.pipeline import PipeFusionFluxPipeline
-from xfuse.families.flux.stage import grid_to_packed, packed_to_grid
 
 
 def check_flux_controlnet(controlnet) -> None:

@@ -15,8 +15,9 @@ import torch
 from diffusers.pipelines.flux import pipeline_flux as diffusers_flux
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
+from xfuse.families.common.packed import grid_to_packed, packed_to_grid
 from xfuse.families.flux.spec import FLUX
-from xfuse.families.flux.stage import denoise_request, grid_to_packed, packed_to_grid
+from xfuse.families.flux.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin

@@ -15,31 +15,16 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxTransformer2DModel
 
 from xfuse.families.common.joint import StaleFluxAttnProcessor
-from xfuse.families.common.mmdit import JointConditioning, JointStage, joint_request
+from xfuse.families.common.mmdit import JointConditioning, joint_request
+from xfuse.families.common.packed import PackedJointStage
 from xfuse.families.flux.spec import FLUX
-from xfuse.parallel.patch_grid import PatchBand
 from xfuse.parallel.stage_plan import StagePlan
 
 
-def packed_to_grid(packed: torch.Tensor, token_rows: int) -> torch.Tensor:
-    """FluxPipeline's packed latents (B, rows * cols, C4) -> the engine's grid (B, C4, rows, cols)."""
-    batch, tokens, channels = packed.shape
-    grid = packed.reshape(batch, token_rows, tokens // token_rows, channels)  # (B, rows, cols, C4)
-    return grid.permute(0, 3, 1, 2)  # -> (B, C4, rows, cols)
-
-
-def grid_to_packed(grid: torch.Tensor) -> torch.Tensor:
-    """The engine's grid (B, C4, rows, cols) -> FluxPipeline's packed latents (B, rows * cols, C4)."""
-    return grid.permute(0, 2, 3, 1).flatten(1, 2)  # (B, rows, cols, C4) -> (B, rows * cols, C4)
-
-
-class FluxStage(JointStage):
+class FluxStage(PackedJointStage):
     """The part of a ``FluxTransformer2DModel`` that one pipeline rank runs (the ``Stage`` the engine calls)."""
 
     spec = FLUX
-    blocks_attrs = ("transformer_blocks", "single_transformer_blocks")
-    embed_modules = ("x_embedder",)
-    output_modules = ("norm_out", "proj_out")
     processor_class = StaleFluxAttnProcessor
     mirrored_processor = FluxAttnProcessor
 
@@ -47,11 +32,6 @@ class FluxStage(JointStage):
         super().__init__(transformer, plan, rank)
         if plan.skips:
             raise ValueError("FLUX's blocks are a plain chain: its stage plan cannot have long skips")
-
-    def rotary_embedding(self, text_ids: torch.Tensor, image_ids: torch.Tensor):
-        """(cos, sin), each (T + image tokens, head_dim): ``FluxPosEmbed`` over the whole image, as
-        ``FluxTransformer2DModel.forward`` computes it from ``cat(txt_ids, img_ids)``."""
-        return self.transformer.pos_embed(torch.cat((text_ids, image_ids), dim=0))
 
     def conditioning(self, timestep, guidance_value, pooled, text, rope) -> JointConditioning:
         """Per-step conditioning, as ``diffusers.FluxTransformer2DModel.forward`` builds it from FluxPipeline's
@@ -64,36 +44,6 @@ class FluxStage(JointStage):
         else:
             temb = embed(timestep, guidance_value.to(dtype) * 1000, pooled)
         return JointConditioning(temb, text, rope)
-
-    def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict:
-        """The RoPE rows of this pass's sequence: [text (owner only), the image tokens of the band (or of this
-        rank's chunk of it)]."""
-        cos, sin = cond.rope
-        text_len = cond.text.shape[1]
-        text = self.text_tokens()  # the text tokens this rank holds (all, or its SP chunk)
-        self.joint.text_tokens = text.stop - text.start if owner else 0
-        tokens = self.hidden_tokens(band)  # the image tokens this pass's hidden states are
-        if tokens == slice(0, len(cos) - text_len) and text == slice(0, text_len):
-            return {"image_rotary_emb": (cos, sin)}
-        rows = slice(text_len + tokens.start, text_len + tokens.stop)
-        if not owner:
-            return {"image_rotary_emb": (cos[rows], sin[rows])}
-        return {"image_rotary_emb": tuple(torch.cat([x[text], x[rows]]) for x in (cos, sin))}
-
-    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C4, rows, cols) packed latent rows -> (B, band tokens, hidden): ``x_embedder`` on the packed tokens."""
-        tokens = grid_to_packed(latent_rows)  # (B, rows * cols, C4)
-        return self.transformer.x_embedder(tokens if band is None else band.trim(tokens))  # (B, band tokens, hidden)
-
-    def head(
-        self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int, band: PatchBand | None = None
-    ) -> torch.Tensor:
-        """(B, band tokens, hidden) -> (B, C4, rows, token_cols) of the rows covering the band: mirrors the end of
-        ``diffusers.FluxTransformer2DModel.forward`` (packed output), as engine grid rows."""
-        model = self.transformer
-        out = model.proj_out(model.norm_out(hidden, cond.temb))  # (B, band tokens, C4)
-        out = out if band is None else band.pad(out)  # -> (B, covering rows' tokens, C4)
-        return packed_to_grid(out, out.shape[1] // token_cols)
 
 
 def denoise_request(

@@ -1,0 +1,180 @@
+"""Randomly initialised FLUX.2 [dev] pipelines built offline (the ``flux2-*`` presets).
+
+The released FLUX.2 [dev] (a 32 B-parameter transformer and Mistral Small 3.x, a 24 B-parameter text encoder) cannot
+be downloaded here. The presets keep its structure:
+
+- ``Flux2Transformer2DModel``: double-stream blocks then single-stream "parallel" blocks (q/k/v fused with the SwiGLU
+  MLP's input projection), modulation shared by every block and computed once per step from the timestep and the
+  distilled guidance scale, 4-axis RoPE over (t, row, column, l) ids, patchified latents (``in_channels`` = 4 x the
+  VAE's latent channels), no pooled text;
+- the pipeline's text wiring: a ``Mistral3ForConditionalGeneration`` whose hidden states of layers 10, 20 and 30
+  (``Flux2Pipeline``'s ``text_encoder_out_layers``) are stacked into the text tokens, so ``joint_attention_dim`` is 3 x
+  its width and it has 30 layers (thin ones: one head), with an in-memory byte-level tokenizer and a chat template
+  of Mistral's form ([SYSTEM_PROMPT] ... [INST] ... [/INST]) where the release has a ``PixtralProcessor``;
+- an ``AutoencoderKLFlux2`` with scale factor 8 (``AutoencoderKL``'s encoder and decoder) whose BatchNorm running
+  statistics, seeded here rather than left at 0 and 1, (de)normalise the patchified latents;
+- FLUX.1-dev's ``FlowMatchEulerDiscreteScheduler`` configuration, as the release ships it (resolution-dependent shift;
+  ``Flux2Pipeline`` computes its ``mu`` with ``compute_empirical_mu``).
+
+``flux2-tiny`` is for tests, ``flux2-small`` for CPU speed measurements, ``flux2-dev`` has the released transformer
+shape (random weights) for ``xfuse plan`` and GPU timings. Weights depend only on the seed (see
+``xfuse.families.common.presets``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from xfuse.errors import ConfigError
+from xfuse.families.common.presets import seeded, tiny_vae_config
+
+# Flux2Pipeline's defaults: the text is padded to 512 tokens and the hidden states of these layers are stacked.
+_MAX_LENGTH = 512
+_TEXT_LAYERS = (10, 20, 30)
+
+# Keys of a preset that are not ``Flux2Transformer2DModel`` arguments.
+_NON_TRANSFORMER_KEYS = frozenset({"default_size"})
+
+# Rules the pipeline relies on: sum(axes_dims_rope) == attention_head_dim, joint_attention_dim == 3 x the text
+# encoder's width (three stacked layers), in_channels == 4 x the VAE's latent channels (2 x 2 patchified).
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: 2 double + 3 single blocks, so stage splits fall inside either kind, and dev's guidance embedding.
+    "flux2-tiny": {
+        "num_layers": 2,
+        "num_single_layers": 3,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "axes_dims_rope": (4, 4, 4, 4),
+        "in_channels": 16,  # 4 latent channels
+        "joint_attention_dim": 48,  # 3 x a 16-wide text encoder
+        "timestep_guidance_channels": 32,
+        "default_size": 256,
+    },
+    # CPU speed: 12 blocks of width 256 (4 heads of 64) and the release's 32 latent channels, its 1:6 ratio of double
+    # to single blocks rounded.
+    "flux2-small": {
+        "num_layers": 2,
+        "num_single_layers": 10,
+        "num_attention_heads": 4,
+        "attention_head_dim": 64,
+        "axes_dims_rope": (16, 16, 16, 16),
+        "in_channels": 128,
+        "joint_attention_dim": 96,
+        "timestep_guidance_channels": 256,
+        "default_size": 256,
+    },
+    # The released transformer (diffusers' defaults are its config): 8 double + 48 single blocks of 48 heads x 128,
+    # Mistral Small's 5120-wide states stacked three deep.
+    "flux2-dev": {
+        "num_layers": 8,
+        "num_single_layers": 48,
+        "num_attention_heads": 48,
+        "attention_head_dim": 128,
+        "axes_dims_rope": (32, 32, 32, 32),
+        "in_channels": 128,
+        "joint_attention_dim": 15360,
+        "timestep_guidance_channels": 256,
+        "default_size": 1024,
+    },
+}
+
+
+def preset_transformer_config(preset: str = "flux2-tiny") -> dict[str, Any]:
+    """The ``Flux2Transformer2DModel`` constructor arguments of a preset."""
+    if preset not in PRESETS:
+        raise ConfigError("model", f"unknown FLUX.2 preset {preset!r}; allowed presets: {', '.join(PRESETS)}")
+    config = {k: v for k, v in PRESETS[preset].items() if k not in _NON_TRANSFORMER_KEYS}
+    config.update(patch_size=1, out_channels=None, mlp_ratio=3.0, rope_theta=2000, guidance_embeds=True)
+    return config
+
+
+def preset_vae_config(preset: str = "flux2-tiny") -> dict[str, Any]:
+    """The ``AutoencoderKLFlux2`` arguments of a preset's tiny VAE (no torch): ``AutoencoderKL``'s layout with quant
+    convs, as the release, and no scale or shift (the BatchNorm statistics normalise the latents)."""
+    config = tiny_vae_config(PRESETS[preset]["default_size"], latent_channels=PRESETS[preset]["in_channels"] // 4)
+    config.pop("force_upcast")  # not an AutoencoderKLFlux2 argument: it never upcasts
+    return {"_class_name": "AutoencoderKLFlux2", **config}
+
+
+def _tokenizer():
+    """A byte-level tokenizer built in memory (one token per byte: any text encodes, none is unknown) with Mistral's
+    special tokens and a chat template of the release's form (system prompt, then the user's instruction)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+    tokens = [*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    model = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[], unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    model.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>", model_max_length=_MAX_LENGTH)  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[4:]})
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer
+
+
+# The messages Flux2Pipeline builds (a system message and the prompt, each a list of {"type": "text"} parts) as
+# Mistral's instruct format writes them.
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set text = m['content'] if m['content'] is string else "
+    "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def _text_encoder(width: int, tokenizer, seed: int):
+    """A ``Mistral3ForConditionalGeneration`` of ``width`` with 30 thin layers (layer 30's states are read) and a
+    tiny Pixtral vision tower the text path never runs."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = {"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
+            "head_dim": width, "num_attention_heads": 1, "num_key_value_heads": 1,
+            "num_hidden_layers": max(_TEXT_LAYERS), "max_position_embeddings": _MAX_LENGTH, "rms_norm_eps": 1e-5,
+            "rope_theta": 1e9, "sliding_window": None, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    vision = {"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
+              "intermediate_size": 16, "image_size": 32, "patch_size": 16, "num_channels": 3}  # fmt: skip
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tokenizer.unk_token_id,
+                            vision_feature_layer=-1)  # fmt: skip
+    with seeded(seed, "text_encoder"):
+        return Mistral3ForConditionalGeneration(config).eval()
+
+
+def _scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # FLUX.1-dev's, which the FLUX.2 release ships: the shift grows with the image's token count.
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                                           base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                           max_image_seq_len=4096)  # fmt: skip
+
+
+def build_preset_pipeline(preset: str = "flux2-tiny", seed: int = 0):
+    """A complete, randomly initialised ``diffusers.Flux2Pipeline`` (CPU, float32, eval mode)."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+
+    config = preset_transformer_config(preset)
+    with seeded(seed, "transformer"):
+        transformer = Flux2Transformer2DModel(**config).eval()
+    tokenizer = _tokenizer()
+    text_encoder = _text_encoder(config["joint_attention_dim"] // len(_TEXT_LAYERS), tokenizer, seed)
+    vae_config = {k: v for k, v in preset_vae_config(preset).items() if not k.startswith("_")}
+    with seeded(seed, "vae"):
+        vae = AutoencoderKLFlux2(**vae_config).eval()
+        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+    return Flux2Pipeline(scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer)  # fmt: skip
+
+
+def save_preset_pipeline(path: str | os.PathLike, preset: str = "flux2-tiny", seed: int = 0) -> str:
+    """``save_pretrained`` the preset into ``path`` (loads with ``Flux2Pipeline.from_pretrained``)."""
+    path = os.fspath(path)
+    build_preset_pipeline(preset, seed).save_pretrained(path, safe_serialization=True)
+    return path
