@@ -56,13 +56,18 @@ def _flux(pipe, call: dict) -> dict:
 
 
 def _flux2(pipe, call: dict) -> dict:
-    """As Flux2Pipeline.__call__ prepares them (steps 3-6): text and its ids, packed latents and their ids, the
-    timesteps with ``compute_empirical_mu``, the embedded guidance."""
+    """As Flux2Pipeline.__call__ and Flux2KleinPipeline.__call__ prepare them: text and its ids (klein with guidance:
+    the empty negative prompt's too), packed latents and their ids, the timesteps with ``compute_empirical_mu``, the
+    embedded guidance ([dev]) or the CFG scale ([klein])."""
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 
     steps, generator = call["num_inference_steps"], torch.Generator().manual_seed(call.get("seed", 0))
+    scale = call.get("guidance_scale", _default(pipe, "guidance_scale"))
+    klein = type(pipe).__name__ == "Flux2KleinPipeline"
+    cfg = klein and scale > 1 and not pipe.config.is_distilled
     with torch.no_grad():
         emb, text_ids = pipe.encode_prompt(prompt=call["prompt"], device="cpu")
+        negative = pipe.encode_prompt(prompt="", device="cpu")[0] if cfg else None
         channels = pipe.transformer.config.in_channels // 4
         latents, image_ids = pipe.prepare_latents(1, channels, call["height"], call["width"], emb.dtype, "cpu",
                                                   generator, None)  # fmt: skip
@@ -70,9 +75,19 @@ def _flux2(pipe, call: dict) -> dict:
         mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
         timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
         pipe.scheduler.set_begin_index(0)
-    guidance = torch.full([1], call.get("guidance_scale", _default(pipe, "guidance_scale")), dtype=torch.float32)
-    return dict(prompt_embeds=emb, text_ids=text_ids, latents=latents, latent_image_ids=image_ids, timesteps=timesteps,
-                guidance=guidance.expand(1), extra_step_kwargs={}, generator=generator)  # fmt: skip
+    guidance = None if klein else torch.full([1], scale, dtype=torch.float32).expand(1)
+    return dict(prompt_embeds=emb, negative_prompt_embeds=negative, cfg_scale=scale if cfg else 1.0, text_ids=text_ids,
+                latents=latents, latent_image_ids=image_ids, timesteps=timesteps, guidance=guidance,
+                extra_step_kwargs={}, generator=generator)  # fmt: skip
+
+
+def _klein_output(pipe, packed: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """Flux2KleinPipeline's ``output_type="latent"`` result: unpacked, denormalised with the VAE's BatchNorm
+    statistics, unpatchified (its lines after the loop)."""
+    latents = pipe._unpack_latents_with_ids(packed, inputs["latent_image_ids"])
+    mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+    return pipe._unpatchify_latents(latents * std + mean)
 
 
 def _wan(pipe, call: dict) -> dict:
@@ -89,6 +104,7 @@ ORACLE_INPUTS = {
     "StableDiffusion3Pipeline": (_sd3, "joint"),
     "FluxPipeline": (_flux, "joint"),
     "Flux2Pipeline": (_flux2, "joint"),
+    "Flux2KleinPipeline": (_flux2, "joint"),
     "WanPipeline": (_wan, "video"),
 }
 
@@ -110,5 +126,10 @@ def oracle_latents(pipe, call: dict, *, num_patches: int, warmup: int, video_pat
         # token rows: latent rows per token row 2 (SD3's patch size, FLUX's 2 x 2 packing)
         rows, cols = (call[side] // pipe.vae_scale_factor // 2 for side in ("height", "width"))
         counts = token_counts(rows, cols, num_patches, lead_tokens=inputs["prompt_embeds"].shape[1])
-    return pipefusion_reference(pipe, inputs, height=call["height"], width=call["width"], num_patches=num_patches,
-                                warmup=warmup, token_counts=counts)  # fmt: skip
+    latents = pipefusion_reference(pipe, inputs, height=call["height"], width=call["width"], num_patches=num_patches,
+                                   warmup=warmup, token_counts=counts)  # fmt: skip
+    return _OUTPUTS[name](pipe, latents, inputs) if name in _OUTPUTS else latents
+
+
+# Pipelines whose ``output_type="latent"`` result is not the loop's latents.
+_OUTPUTS = {"Flux2KleinPipeline": _klein_output}

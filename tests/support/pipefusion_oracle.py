@@ -496,9 +496,11 @@ def _flux(transformer, inputs, buffers, token_rows, token_cols):
 
 
 def _flux2(transformer, inputs, buffers, token_rows, token_cols):
-    """Lines of Flux2Pipeline.__call__ (step 7, no reference images) on packed latents: double blocks with FLUX's
-    stale attention, single blocks (one [text, image] sequence) with ``StaleFlux2ParallelAttention``, patch 0 owning
-    the text stream, ``img_ids`` the band's rows of the whole image's (B, tokens, 4) ids; guidance embedded, no CFG."""
+    """Lines of Flux2Pipeline.__call__ / Flux2KleinPipeline.__call__ (the loop, no reference images) on packed
+    latents: double blocks with FLUX's stale attention, single blocks (one [text, image] sequence) with
+    ``StaleFlux2ParallelAttention``, patch 0 owning the text stream, ``img_ids`` the band's rows of the whole image's
+    (B, tokens, 4) ids. [dev]: guidance embedded; [klein] with ``cfg_scale > 1``: one batched call [neg, cond]
+    (diffusers makes two), combined as ``neg + cfg_scale * (cond - neg)``."""
     for index, block in enumerate(transformer.transformer_blocks):
         block.attn.set_processor(StaleFluxAttention(buffers, ("double", index)))
     for index, block in enumerate(transformer.single_transformer_blocks):
@@ -506,12 +508,16 @@ def _flux2(transformer, inputs, buffers, token_rows, token_cols):
     TextOwner(buffers, [*transformer.transformer_blocks, *transformer.single_transformer_blocks])
     img_ids, txt_ids, prompt_embeds = inputs["latent_image_ids"], inputs["text_ids"], inputs["prompt_embeds"]
     assert img_ids.shape[1] == token_rows * token_cols, (img_ids.shape, token_rows, token_cols)
+    cfg_scale = inputs.get("cfg_scale", 1.0)
+    if cfg_scale > 1:  # both padded to the same length: the same text ids
+        prompt_embeds = torch.cat([inputs["negative_prompt_embeds"], prompt_embeds])
     buffers.text_len = prompt_embeds.shape[1]
 
     def predict(latents, t, scheduler, tokens):
-        timestep = t.expand(latents.shape[0]).to(latents.dtype)
-        return transformer(
-            hidden_states=latents,
+        latent_model_input = torch.cat([latents] * 2) if cfg_scale > 1 else latents
+        timestep = t.expand(latent_model_input.shape[0]).to(latents.dtype)
+        noise_pred = transformer(
+            hidden_states=latent_model_input,
             timestep=timestep / 1000,
             guidance=inputs["guidance"],
             encoder_hidden_states=prompt_embeds,
@@ -520,6 +526,10 @@ def _flux2(transformer, inputs, buffers, token_rows, token_cols):
             joint_attention_kwargs=None,
             return_dict=False,
         )[0]
+        if cfg_scale > 1:
+            neg_noise_pred, noise_pred = noise_pred.chunk(2)
+            noise_pred = neg_noise_pred + cfg_scale * (noise_pred - neg_noise_pred)
+        return noise_pred
 
     return predict
 
@@ -569,6 +579,7 @@ FAMILIES = {
     "FluxPipeline": (_flux, True),
     "FluxControlNetPipeline": (_flux_controlnet, True),
     "Flux2Pipeline": (_flux2, True),
+    "Flux2KleinPipeline": (_flux2, True),
 }
 
 

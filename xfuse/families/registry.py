@@ -13,7 +13,7 @@ import os
 
 from xfuse.errors import ConfigError
 from xfuse.families.flux.spec import FLUX
-from xfuse.families.flux2.spec import FLUX2
+from xfuse.families.flux2.spec import FLUX2, FLUX2_KLEIN
 from xfuse.families.folder import SHIPPED_MODELS, folder_config, pipeline_transformers, resolve_model
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
@@ -21,7 +21,7 @@ from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.spec import ModelSpec
 from xfuse.families.wan.spec import WAN
 
-FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX, WAN, FLUX2)
+FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX, WAN, FLUX2, FLUX2_KLEIN)
 
 
 def _by_name(kind: str, entries) -> dict[str, ModelSpec]:

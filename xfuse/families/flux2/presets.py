@@ -1,4 +1,4 @@
-"""Randomly initialised FLUX.2 [dev] pipelines built offline (the ``flux2-*`` presets).
+"""Randomly initialised FLUX.2 [dev] and [klein] pipelines built offline (the ``flux2-*`` presets).
 
 The released FLUX.2 [dev] (a 32 B-parameter transformer and Mistral Small 3.x, a 24 B-parameter text encoder) cannot
 be downloaded here. The presets keep its structure:
@@ -16,9 +16,14 @@ be downloaded here. The presets keep its structure:
 - FLUX.1-dev's ``FlowMatchEulerDiscreteScheduler`` configuration, as the release ships it (resolution-dependent shift;
   ``Flux2Pipeline`` computes its ``mu`` with ``compute_empirical_mu``).
 
-``flux2-tiny`` is for tests, ``flux2-small`` for CPU speed measurements, ``flux2-dev`` has the released transformer
-shape (random weights) for ``xfuse plan`` and GPU timings. Weights depend only on the seed (see
-``xfuse.families.common.presets``).
+FLUX.2 [klein] (``Flux2KleinPipeline``) has the same transformer without the guidance embedding and a Qwen3 text
+encoder (``Qwen3ForCausalLM``, layers 9, 18 and 27 stacked: 27 thin layers here) with a chat template of Qwen's form;
+the released 4 B and 9 B are step-distilled (``is_distilled``: no classifier-free guidance), the tiny preset is not,
+so that its guidance batch [negative, positive] is exercised.
+
+``flux2-tiny`` and ``flux2-klein-tiny`` are for tests, ``flux2-small`` for CPU speed measurements, ``flux2-dev`` and
+``flux2-klein-4b`` / ``-9b`` have the released transformer shapes (random weights) for ``xfuse plan`` and GPU timings.
+Weights depend only on the seed (see ``xfuse.families.common.presets``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from typing import Any
 from xfuse.errors import ConfigError
 from xfuse.families.common.presets import seeded, tiny_vae_config
 
-# Flux2Pipeline's defaults: the text is padded to 512 tokens and the hidden states of these layers are stacked.
+# The pipelines' defaults: the text is padded to 512 tokens and the hidden states of these layers are stacked
+# (Flux2Pipeline's Mistral, Flux2KleinPipeline's Qwen3).
 _MAX_LENGTH = 512
-_TEXT_LAYERS = (10, 20, 30)
+_TEXT_LAYERS = {"mistral": (10, 20, 30), "qwen3": (9, 18, 27)}
 
 # Keys of a preset that are not ``Flux2Transformer2DModel`` arguments.
-_NON_TRANSFORMER_KEYS = frozenset({"default_size"})
+_NON_TRANSFORMER_KEYS = frozenset({"default_size", "text_encoder", "is_distilled"})
 
 # Rules the pipeline relies on: sum(axes_dims_rope) == attention_head_dim, joint_attention_dim == 3 x the text
 # encoder's width (three stacked layers), in_channels == 4 x the VAE's latent channels (2 x 2 patchified).
@@ -77,6 +83,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         "timestep_guidance_channels": 256,
         "default_size": 1024,
     },
+    # Tests: FLUX.2 [klein]'s pipeline on flux2-tiny's transformer without the guidance embedding, not distilled.
+    "flux2-klein-tiny": {
+        "num_layers": 2,
+        "num_single_layers": 3,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "axes_dims_rope": (4, 4, 4, 4),
+        "in_channels": 16,
+        "joint_attention_dim": 48,
+        "timestep_guidance_channels": 32,
+        "default_size": 256,
+        "text_encoder": "qwen3",
+        "is_distilled": False,
+    },
+    # The released [klein] transformers (step-distilled): 5 + 20 blocks of 24 x 128 over Qwen3-4B's 2560-wide states,
+    # and 8 + 24 blocks of 32 x 128 over Qwen3-8B's 4096-wide ones.
+    "flux2-klein-4b": {
+        "num_layers": 5,
+        "num_single_layers": 20,
+        "num_attention_heads": 24,
+        "attention_head_dim": 128,
+        "axes_dims_rope": (32, 32, 32, 32),
+        "in_channels": 128,
+        "joint_attention_dim": 7680,
+        "timestep_guidance_channels": 256,
+        "default_size": 1024,
+        "text_encoder": "qwen3",
+        "is_distilled": True,
+    },
+    "flux2-klein-9b": {
+        "num_layers": 8,
+        "num_single_layers": 24,
+        "num_attention_heads": 32,
+        "attention_head_dim": 128,
+        "axes_dims_rope": (32, 32, 32, 32),
+        "in_channels": 128,
+        "joint_attention_dim": 12288,
+        "timestep_guidance_channels": 256,
+        "default_size": 1024,
+        "text_encoder": "qwen3",
+        "is_distilled": True,
+    },
 }
 
 
@@ -85,7 +133,8 @@ def preset_transformer_config(preset: str = "flux2-tiny") -> dict[str, Any]:
     if preset not in PRESETS:
         raise ConfigError("model", f"unknown FLUX.2 preset {preset!r}; allowed presets: {', '.join(PRESETS)}")
     config = {k: v for k, v in PRESETS[preset].items() if k not in _NON_TRANSFORMER_KEYS}
-    config.update(patch_size=1, out_channels=None, mlp_ratio=3.0, rope_theta=2000, guidance_embeds=True)
+    klein = PRESETS[preset].get("text_encoder") == "qwen3"  # [klein] has no guidance embedding
+    config.update(patch_size=1, out_channels=None, mlp_ratio=3.0, rope_theta=2000, guidance_embeds=not klein)
     return config
 
 
@@ -97,44 +146,71 @@ def preset_vae_config(preset: str = "flux2-tiny") -> dict[str, Any]:
     return {"_class_name": "AutoencoderKLFlux2", **config}
 
 
-def _tokenizer():
-    """A byte-level tokenizer built in memory (one token per byte: any text encodes, none is unknown) with Mistral's
-    special tokens and a chat template of the release's form (system prompt, then the user's instruction)."""
+def _tokenizer(kind: str):
+    """A byte-level tokenizer built in memory (one token per byte: any text encodes, none is unknown) with the text
+    encoder's special tokens and a chat template of the release's form: Mistral's (system prompt, then the user's
+    instruction) or Qwen3's (the user's turn, then the assistant's with thinking off)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+    specials = _SPECIALS[kind]
     tokens = [*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())]
     model = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[], unk_token="<unk>"))
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     model.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                        pad_token="<pad>", model_max_length=_MAX_LENGTH)  # fmt: skip
+    bos, eos, unk, pad = specials[:4]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=bos, eos_token=eos, unk_token=unk,
+                                        pad_token=pad, model_max_length=_MAX_LENGTH)  # fmt: skip
     tokenizer.add_special_tokens({"additional_special_tokens": specials[4:]})
-    tokenizer.chat_template = _CHAT_TEMPLATE
+    tokenizer.chat_template = _CHAT_TEMPLATES[kind]
     return tokenizer
 
 
-# The messages Flux2Pipeline builds (a system message and the prompt, each a list of {"type": "text"} parts) as
-# Mistral's instruct format writes them.
-_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% set text = m['content'] if m['content'] is string else "
-    "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
-    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
-    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
-    "{% endfor %}"
-)
+# bos, eos, unk, pad, then the template's markers.
+_SPECIALS = {
+    "mistral": ["<s>", "</s>", "<unk>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+    "qwen3": ["<|im_start|>", "<|im_end|>", "<|unk|>", "<|endoftext|>", "<think>", "</think>"],
+}
 
 
-def _text_encoder(width: int, tokenizer, seed: int):
-    """A ``Mistral3ForConditionalGeneration`` of ``width`` with 30 thin layers (layer 30's states are read) and a
-    tiny Pixtral vision tower the text path never runs."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+_CHAT_TEMPLATES = {
+    # The messages Flux2Pipeline builds (a system message and the prompt, each a list of {"type": "text"} parts) as
+    # Mistral's instruct format writes them.
+    "mistral": (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% set text = m['content'] if m['content'] is string else "
+        "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+        "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+        "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+        "{% endfor %}"
+    ),
+    # Flux2KleinPipeline's one user message, with the generation prompt and thinking off, as Qwen3's template.
+    "qwen3": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    ),
+}
+
+
+def _text_encoder(kind: str, width: int, tokenizer, seed: int):
+    """The text encoder of ``width``, as deep as the deepest layer the pipeline reads, one head a layer: a
+    ``Mistral3ForConditionalGeneration`` (with a tiny Pixtral vision tower the text path never runs) or a
+    ``Qwen3ForCausalLM``."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+
+    layers = max(_TEXT_LAYERS[kind])
+    if kind == "qwen3":
+        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, head_dim=width,
+                             num_attention_heads=1, num_key_value_heads=1, num_hidden_layers=layers,
+                             max_position_embeddings=_MAX_LENGTH, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        with seeded(seed, "text_encoder"):
+            return Qwen3ForCausalLM(config).eval()
 
     text = {"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
             "head_dim": width, "num_attention_heads": 1, "num_key_value_heads": 1,
-            "num_hidden_layers": max(_TEXT_LAYERS), "max_position_embeddings": _MAX_LENGTH, "rms_norm_eps": 1e-5,
+            "num_hidden_layers": layers, "max_position_embeddings": _MAX_LENGTH, "rms_norm_eps": 1e-5,
             "rope_theta": 1e9, "sliding_window": None, "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
     vision = {"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
@@ -155,26 +231,31 @@ def _scheduler():
 
 
 def build_preset_pipeline(preset: str = "flux2-tiny", seed: int = 0):
-    """A complete, randomly initialised ``diffusers.Flux2Pipeline`` (CPU, float32, eval mode)."""
+    """A complete, randomly initialised ``diffusers.Flux2Pipeline`` (a [klein] preset: ``Flux2KleinPipeline``) on CPU,
+    float32, eval mode."""
     import torch
-    from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 
     config = preset_transformer_config(preset)
     with seeded(seed, "transformer"):
         transformer = Flux2Transformer2DModel(**config).eval()
-    tokenizer = _tokenizer()
-    text_encoder = _text_encoder(config["joint_attention_dim"] // len(_TEXT_LAYERS), tokenizer, seed)
+    kind = PRESETS[preset].get("text_encoder", "mistral")
+    tokenizer = _tokenizer(kind)
+    text_encoder = _text_encoder(kind, config["joint_attention_dim"] // len(_TEXT_LAYERS[kind]), tokenizer, seed)
     vae_config = {k: v for k, v in preset_vae_config(preset).items() if not k.startswith("_")}
     with seeded(seed, "vae"):
         vae = AutoencoderKLFlux2(**vae_config).eval()
         vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
         vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
-    return Flux2Pipeline(scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                         transformer=transformer)  # fmt: skip
+    components = dict(scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                      transformer=transformer)  # fmt: skip
+    if kind == "qwen3":
+        return Flux2KleinPipeline(**components, is_distilled=PRESETS[preset]["is_distilled"])
+    return Flux2Pipeline(**components)
 
 
 def save_preset_pipeline(path: str | os.PathLike, preset: str = "flux2-tiny", seed: int = 0) -> str:
-    """``save_pretrained`` the preset into ``path`` (loads with ``Flux2Pipeline.from_pretrained``)."""
+    """``save_pretrained`` the preset into ``path`` (loads with its pipeline class's ``from_pretrained``)."""
     path = os.fspath(path)
     build_preset_pipeline(preset, seed).save_pretrained(path, safe_serialization=True)
     return path

@@ -1,6 +1,13 @@
-"""FLUX.2's ``ModelSpec``: the facts xfuse's planner, checks and CLI read, written beside the family's code."""
+"""FLUX.2's ``ModelSpec``s: the facts xfuse's planner, checks and CLI read, written beside the family's code.
+
+Two pipelines run the same ``Flux2Transformer2DModel`` with different text encoders and guidance: ``Flux2Pipeline``
+(FLUX.2 [dev]: Mistral Small, guidance embedded) and ``Flux2KleinPipeline`` (FLUX.2 [klein]: Qwen3, classifier-free
+guidance unless the model is step-distilled). Each is a spec of its own, sharing this folder's stage and presets.
+"""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.families.spec import ModelSpec, no_skips
@@ -52,4 +59,17 @@ FLUX2 = ModelSpec(
     streams=("text",),
     distilled_guidance=True,  # FLUX.2 [dev] embeds guidance_scale; it has no CFG batch
     native_side=lambda config: 128 * 8,  # Flux2Pipeline.default_sample_size x its VAE factor
+)
+
+FLUX2_KLEIN = replace(
+    FLUX2,
+    name="flux2-klein",
+    diffusers_pipeline="Flux2KleinPipeline",
+    stage_name="Flux2KleinStage",
+    presets=("flux2-klein-tiny", "flux2-klein-4b", "flux2-klein-9b"),
+    crosses_per_patch="hidden states at each hand-off, plus the text stream (B, 512, hidden) with the step's first "
+    "patch only (it owns the text update; later patches reuse its text K/V); with linear placement the stepped "
+    "patchified latent rows back to rank 0. With classifier-free guidance (guidance_scale > 1, not step-distilled) "
+    "the batch is [negative, positive], which parallel.cfg_degree 2 splits",
+    distilled_guidance=False,  # guidance_scale batches [negative, positive] unless the model is step-distilled
 )

@@ -33,7 +33,7 @@ from torch import nn
 from xfuse.families.common.joint import JointKV, StaleFluxAttnProcessor, check_joint_attention
 from xfuse.families.common.mmdit import JointConditioning, joint_request
 from xfuse.families.common.packed import PackedJointStage
-from xfuse.families.flux2.spec import FLUX2
+from xfuse.families.flux2.spec import FLUX2, FLUX2_KLEIN
 from xfuse.parallel.stage_plan import StagePlan
 
 
@@ -140,6 +140,12 @@ class Flux2Stage(PackedJointStage):
                                       temb_mod_txt=cond.mod_txt, **kwargs)  # fmt: skip
         return self.blocks[index](hidden_states=hidden, encoder_hidden_states=text, temb_mod=cond.mod_single,
                                   split_hidden_states=True, **kwargs)  # fmt: skip
+
+
+class Flux2KleinStage(Flux2Stage):
+    """FLUX.2 [klein]'s stage: the same transformer class (without the guidance embedding), under its own spec."""
+
+    spec = FLUX2_KLEIN
 
 
 def denoise_request(
