@@ -454,7 +454,9 @@ class PipeFusionPipelineBase:
     def _refuse(**unsupported) -> None:
         """Raise naming the first diffusers argument given a value xfuse cannot honour (each with its reason)."""
         for name, (value, default, why) in unsupported.items():
-            if value is not default and value != default:
+            # a tensor, array or image is never a default (comparing it would be elementwise, or ambiguous)
+            plain = isinstance(value, (type(None), bool, int, float, str, tuple, list, dict))
+            if value is not default and (not plain or value != default):
                 raise ValueError(f"{name} is not supported by PipeFusion ({why}); leave it at {default!r}")
 
     def _band_decode_shape(self, recipe: CallRecipe) -> tuple[int, ...] | None:
