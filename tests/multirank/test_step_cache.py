@@ -218,19 +218,22 @@ def degree1_call(preset, threshold):
     return as_array(out), pipe.engine.cache_decisions
 
 
-def test_sd3_pipelined_with_caching_runs_the_same_decisions_on_every_rank(world4, world1, tmp_path):
-    """SD3 (no diffusers reference: its hook fails on SD3's last block): exact mode at pp4 equals xfuse's own degree-1
-    run with the same cache (the same decisions on the whole batch), and a pipelined run (M = 5) is deterministic."""
-    folder = model_spec("sd3-tiny").save_preset_pipeline(tmp_path / "sd3", "sd3-tiny")
-    call = {**_preset_call("sd3-tiny"), "seed": 0}
-    cache = {"method": "first_block", "threshold": 0.3}
+@pytest.mark.parametrize("preset,threshold", [("sd3-tiny", 0.3), ("flux2-tiny", 0.8)])
+def test_pipelined_with_caching_runs_the_same_decisions_on_every_rank(world4, world1, tmp_path, preset, threshold):
+    """SD3 and FLUX.2 (no diffusers reference: its hook fails on SD3's last block, which returns no text, and on
+    FLUX.2's single blocks, which then return one tensor): exact mode at pp4 equals xfuse's own degree-1 run with the
+    same cache (the same decisions on the whole batch), and a pipelined run (M = 5) is deterministic."""
+    folder = model_spec(preset).save_preset_pipeline(tmp_path / preset, preset)
+    call = {**_preset_call(preset), "seed": 0}
+    cache = {"method": "first_block", "threshold": threshold}
     exact = {"pipefusion_degree": 4, "warmup_steps": call["num_inference_steps"]}
-    out = world4.run_ok(run_calls, folder, exact, [call], family="sd3", cache=cache)[0][0]
-    (latents, decisions) = world1.run_ok(degree1_call, "sd3-tiny", 0.3)[0]
+    family = model_spec(preset).name
+    out = world4.run_ok(run_calls, folder, exact, [call], family=family, cache=cache)[0][0]
+    (latents, decisions) = world1.run_ok(degree1_call, preset, threshold)[0]
     assert decisions.count(False) >= 1 and out["cache_steps"] == (decisions.count(True), decisions.count(False))
     assert np.abs(out["images"] - latents).max() <= 1e-5 * max(1.0, float(np.abs(latents).max()))
     piped = {"pipefusion_degree": 4, "num_patches": 5, "warmup_steps": 1}
-    first, second = world4.run_ok(run_calls, folder, piped, [call, call], family="sd3", cache=cache)[0]
+    first, second = world4.run_ok(run_calls, folder, piped, [call, call], family=family, cache=cache)[0]
     assert np.array_equal(first["images"], second["images"]) and first["cache_steps"][1] >= 1
 
 
