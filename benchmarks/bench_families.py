@@ -5,7 +5,7 @@
 
 One preset per family, each 16 blocks of width 256 (FLUX: 4 double + 8 single blocks): HunyuanDiT ``small`` and
 PixArt-Σ ``pixart-small`` with classifier-free guidance (transformer batch 2), SD3 ``sd3-small`` with CFG, FLUX
-``flux-small`` with its embedded guidance (batch 1). Each call is the xfuse pipeline class's ``__call__`` with
+``flux-small`` with its embedded guidance (batch 1), FLUX.2 ``flux2-small`` (2 double + 10 single blocks) likewise. Each call is the xfuse pipeline class's ``__call__`` with
 ``output_type="latent"`` (text encoding, preparation and the denoising loop; no VAE), at degree 1 and at degree 2
 (M = 2, warm-up 1, the family's default placement), one torch thread per rank pinned to its own core, in worlds of
 real gloo processes set up first and then timed in turns (a round runs degree 1 then degree 2: the machine's drift
@@ -37,6 +37,7 @@ CALLS: dict[str, tuple[dict, int]] = {
     "pixart-small": ({"guidance_scale": 4.5, "use_resolution_binning": False}, 2),
     "sd3-small": ({"guidance_scale": 7.0, "max_sequence_length": 16}, 2),
     "flux-small": ({"guidance_scale": 3.5, "max_sequence_length": 16}, 1),
+    "flux2-small": ({"guidance_scale": 4.0, "max_sequence_length": 16}, 1),
 }
 
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
