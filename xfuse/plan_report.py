@@ -16,6 +16,7 @@ from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import always_computed, most_skipped
 from xfuse.parallel.vae_decode import VAE_PARALLEL_MIN_PIXELS, decodes_in_parallel, vae_on_every_rank
+from xfuse.perf.memory import stage_parameter_bytes
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
     CPU_CONV_SCRATCH,
@@ -40,21 +41,6 @@ def _ranges(blocks) -> str:
             runs.append(f"{start}" if start == b else f"{start}-{b}")
             start = None
     return ", ".join(runs) or "-"
-
-
-def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torch.dtype) -> dict[int, int]:
-    """Transformer parameter bytes each rank keeps, from the real sharding applied to a weightless (meta) model."""
-    import diffusers
-
-    model_class, stage_class = getattr(diffusers, spec.diffusers_transformer), spec.stage_class()
-    element = torch.empty((), dtype=dtype).element_size()
-    config = {k: v for k, v in model_config.items() if not k.startswith("_")}
-    result = {}
-    for rank in range(plan.degree):
-        with torch.device("meta"):
-            stage = stage_class(model_class(**config), plan, rank)
-        result[rank] = sum(p.numel() for p in stage.parameters()) * element
-    return result
 
 
 def local_machine(gpus: int, nodes: int = 1, device: str | None = None, link: str | None = None) -> Machine:

@@ -14,7 +14,10 @@ from tests.support.flux2_fns import from_pipe_call, loaded_share
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
 from tests.support.world import World
+from xfuse.config import config_from_dict
 from xfuse.families.flux2.presets import save_preset_pipeline
+from xfuse.perf.memory import rank_memory
+from xfuse.perf.planner import workload
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3
 BASE = dict(prompt="a red house by a lake", height=HEIGHT, width=WIDTH, num_inference_steps=STEPS, output_type="np")
@@ -122,7 +125,8 @@ def test_each_rank_loads_only_its_blocks_and_the_modulation_they_use(world4, fol
     """pp4 over 2 double + 3 single blocks (linear: 0-1 | 2 | 3 | 4): every parameter of the folder's transformer is
     on some rank; a block's on its rank only; x_embedder on the first rank, norm_out and proj_out on the last; the
     double blocks' shared modulation only on the rank with double blocks, the single blocks' on the others; the
-    timestep, guidance and text embedders on every rank (each computes its own conditioning)."""
+    timestep, guidance and text embedders on every rank (each computes its own conditioning). ``xfuse plan``'s
+    per-rank weights are those bytes exactly."""
     whole = Flux2Transformer2DModel.from_pretrained(folders["flux2-tiny"], subfolder="transformer")
     sizes = {name: p.numel() for name, p in whole.named_parameters()}
     per_rank = world4.run_ok(loaded_share, folders["flux2-tiny"], {"pipefusion_degree": 4}, "flux2", timeout=300)
@@ -138,6 +142,10 @@ def test_each_rank_loads_only_its_blocks_and_the_modulation_they_use(world4, fol
         expected |= {name for name in sizes if name.startswith(modulation)}
         assert set(params) == expected, rank
     assert set().union(*(params for params, _ in per_rank)) == set(sizes)
+    # xfuse plan's per-rank weights (xfuse.perf.memory, a weightless model) are exactly what the ranks loaded
+    config = config_from_dict({"model": "flux2-tiny", "parallel": {"pipefusion_degree": 4}})
+    planned = rank_memory("flux2-tiny", workload(config), config.parallel, torch.float32)
+    assert [m.param_bytes for m in planned] == [4 * sum(params.values()) for params, _ in per_rank]
 
 
 def test_from_pipe_equals_diffusers_and_refuses_another_family(world4, references):

@@ -21,6 +21,7 @@ class Device:
     memory_bandwidth: float  # bytes per second
     dtype_bytes: int = 2  # what its runs compute and send in (bf16 on GPUs, fp32 on the CPU)
     gpu: bool = True  # the model's time outside the loop (text encoders, VAE decode) is fitted for GPUs only
+    memory: float | None = None  # bytes a process can allocate (nvidia-smi's total); None: not limited by the plan
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,10 @@ class Link:
 
 
 DEVICES = {
-    "a100": Device("A100 SXM 80GB", 312e12, 2.04e12),
-    "h100": Device("H100 SXM 80GB", 989e12, 3.35e12),
-    "l40": Device("L40 48GB", 181e12, 0.864e12),
+    # memory: nvidia-smi's total of each card (MiB)
+    "a100": Device("A100 SXM 80GB", 312e12, 2.04e12, memory=81920 * 2**20),
+    "h100": Device("H100 SXM 80GB", 989e12, 3.35e12, memory=81559 * 2**20),
+    "l40": Device("L40 48GB", 181e12, 0.864e12, memory=46068 * 2**20),
     # This machine's CPU rank (one torch thread, fp32): its throughput is fitted to the measured single-rank run,
     # so the nominal peak only sets the scale of the fitted efficiency.
     "cpu": Device("CPU rank (1 thread, fp32)", 100e9, 20e9, dtype_bytes=4, gpu=False),

@@ -4,8 +4,10 @@
 A layout is ``cfg x pipefusion x ulysses x ring`` multiplying to the world (CFG only when the request batches
 [uncond, cond]), with the engine's defaults otherwise (M = pipefusion degree, the family's placement, the config's
 warm-up). Each candidate is first checked the way a run is (``ModelSpec.check_layout``: heads the Ulysses degree must
-divide, tokens per sequence chunk, rows per patch); a refused one is listed with the reason the run would give.
-Choosing needs no communication: every rank of a world computes the same ranking from the same inputs.
+divide, tokens per sequence chunk, rows per patch); a refused one is listed with the reason the run would give. On
+a device whose memory is known, a layout whose busiest rank would not hold its weights and stale K/V there
+(``xfuse.perf.memory``) is dropped, saying which rank needs how much. Choosing needs no communication: every rank of
+a world computes the same ranking from the same inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from xfuse.config import ConfigError, GenerationConfig, ParallelConfig, XfuseCon
 from xfuse.families.registry import model_spec, transformer_config
 from xfuse.perf.calibration import FITTED
 from xfuse.perf.hardware import DEVICES
+from xfuse.perf.memory import RankMemory, rank_memory
 from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
 
 
@@ -110,13 +113,31 @@ def candidates(config: XfuseConfig, world: int) -> tuple[list[ParallelConfig], l
 def rank_layouts(
     config: XfuseConfig, world: int, where: Machine, calibration: Calibration = FITTED
 ) -> tuple[list[Ranked], list[str]]:
-    """Valid layouts of ``world`` ranks on ``where``, fastest first, and why the others were refused."""
+    """Valid layouts of ``world`` ranks on ``where`` that fit its devices' memory, fastest first, and why the others
+    were refused (``does not fit``: which rank needs how much)."""
     work = workload(config)
     valid, refused = candidates(config, world)
+    if where.device.memory is not None:
+        fitting = []
+        for parallel in valid:
+            largest = busiest_rank(config.model, work, parallel, where.device.dtype_bytes)
+            if largest.total > where.device.memory:
+                refused.append(f"{layout_name(parallel)}: does not fit: {largest.describe(where.device.memory)}")
+            else:
+                fitting.append(parallel)
+        valid = fitting
     ranked = sorted(
         (Ranked(p, predict(work, p, where, calibration)) for p in valid), key=lambda r: r.prediction.seconds
     )
     return ranked, refused
+
+
+def busiest_rank(model: str, work: Workload, parallel: ParallelConfig, dtype_bytes: int) -> RankMemory:
+    """The pipeline rank of ``parallel`` that holds the most (every rank of its SP and CFG groups holds as much)."""
+    import torch
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    return max(rank_memory(model, work, parallel, dtype), key=lambda r: r.total)
 
 
 def choose(config: XfuseConfig, world: int, where: Machine) -> tuple[XfuseConfig, Ranked]:
@@ -163,6 +184,11 @@ def format_ranking(config: XfuseConfig, world: int, where: Machine, top: int = 1
         lines.append(f"... {len(ranked) - top} more")
     for reason in refused:
         lines.append(f"refused: {reason}")
+    if where.device.memory is not None:
+        lines.append(
+            f"memory per rank: transformer weights and stale K/V in bf16 against {where.device.name}'s "
+            f"{where.device.memory / 2**30:.1f} GiB (activations, text encoders and the VAE on rank 0 not counted)"
+        )
     if ranked:
         best = ranked[0]
         why = _why(best, ranked[1] if len(ranked) > 1 else None)
