@@ -190,12 +190,30 @@ def request_size(config: XfuseConfig) -> tuple[int, int, int]:
     return (*default_size(config), 1)
 
 
+def takes_negative_prompt(spec: ModelSpec) -> bool:
+    """Whether the family's pipeline takes a ``negative_prompt`` (FLUX.2's do not: [dev] has no CFG, [klein] guides
+    with the empty prompt)."""
+    import inspect
+
+    return "negative_prompt" in inspect.signature(spec.pipeline_class().__call__).parameters
+
+
+def check_negative_prompt(spec: ModelSpec, negative_prompt: str | None) -> None:
+    """``generation.negative_prompt`` refused by name for a pipeline that takes none."""
+    if negative_prompt is not None and not takes_negative_prompt(spec):
+        raise ConfigError(
+            "generation.negative_prompt",
+            f"{spec.diffusers_pipeline} takes no negative_prompt argument: leave it null (got {negative_prompt!r})",
+        )
+
+
 def _common_call_kwargs(
     *, prompt: str, negative_prompt: str | None, width: int, height: int, num_inference_steps: int,
     guidance_scale: float, seed: int, spec: ModelSpec,
 ) -> dict[str, Any]:  # fmt: skip
     import torch
 
+    check_negative_prompt(spec, negative_prompt)
     return dict(
         prompt=prompt,
         # None: the family's own default (HunyuanDiT's None, PixArt's "": PixArt cannot take None)

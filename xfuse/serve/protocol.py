@@ -83,6 +83,7 @@ class RequestLimits:
     check_size: Callable[[int, int], None]
     min_guidance_exclusive: float | None = None  # cfg_degree 2 splits the CFG batch: guidance must exceed 1
     adapters: tuple[str, ...] = ()  # the LoRA adapters loaded at start-up (serve.lora_adapters)
+    no_negative_prompt: str | None = None  # the served diffusers pipeline, where it takes no negative_prompt
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,11 @@ def parse_request(body: bytes | str, limits: RequestLimits) -> GenerationJob:
         raise _from_validation_error(err) from None
     _check_text("prompt", request.prompt, limits.max_prompt_chars, required=True)
     _check_text("negative_prompt", request.negative_prompt, limits.max_prompt_chars, required=False)
+    if request.negative_prompt is not None and limits.no_negative_prompt is not None:
+        raise RequestError(
+            f"negative_prompt is not taken by this model: its pipeline ({limits.no_negative_prompt}) has none",
+            param="negative_prompt",
+        )
     if request.model is not None and request.model not in (limits.model_name, *limits.adapters):
         raise RequestError(
             f"model {request.model[:80]!r} is not served here; this server serves {limits.model_name!r} "

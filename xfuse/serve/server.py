@@ -20,7 +20,14 @@ import threading
 import time
 from typing import NoReturn
 
-from xfuse.build import build_pipeline, check_lora_family, default_size, load_lora_adapters
+from xfuse.build import (
+    build_pipeline,
+    check_lora_family,
+    check_negative_prompt,
+    default_size,
+    load_lora_adapters,
+    takes_negative_prompt,
+)
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
 from xfuse.families.registry import model_is_preset, model_spec
@@ -101,6 +108,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
 
     width, height = default_size(config)
     check_size(width, height)  # a bad generation.width/height fails the start, naming the key
+    check_negative_prompt(pipe.spec, config.generation.negative_prompt)  # fails the start, naming the key
     serve, gen = config.serve, config.generation
     return RequestLimits(
         model_name=model_name(config),
@@ -117,6 +125,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
         check_size=check_size,
         min_guidance_exclusive=1.0 if config.parallel.cfg_degree == 2 else None,
         adapters=tuple(serve.lora_adapters),
+        no_negative_prompt=None if takes_negative_prompt(pipe.spec) else pipe.spec.diffusers_pipeline,
     )
 
 
