@@ -5,8 +5,9 @@
 
 One preset per family, each 16 blocks of width 256 (FLUX: 4 double + 8 single blocks): HunyuanDiT ``small`` and
 PixArt-Σ ``pixart-small`` with classifier-free guidance (transformer batch 2), SD3 ``sd3-small`` with CFG, FLUX
-``flux-small`` with its embedded guidance (batch 1), FLUX.2 ``flux2-small`` (2 double + 10 single blocks) likewise. Each call is the xfuse pipeline class's ``__call__`` with
-``output_type="latent"`` (text encoding, preparation and the denoising loop; no VAE), at degree 1 and at degree 2
+``flux-small`` with its embedded guidance (batch 1), FLUX.2 ``flux2-small`` (2 double + 10 single blocks)
+likewise. Each call is the xfuse pipeline class's ``__call__`` with ``output_type="latent"`` (text encoding,
+preparation and the denoising loop; no VAE), at degree 1 and at degree 2
 (M = 2, warm-up 1, the family's default placement), one torch thread per rank pinned to its own core, in worlds of
 real gloo processes set up first and then timed in turns (a round runs degree 1 then degree 2: the machine's drift
 falls on both sides of a ratio); every world's first call is in round 1. After the rounds, one traced call per world

@@ -13,7 +13,7 @@ from tests.support.world import World
 
 HEIGHT, WIDTH, STEPS = 112, 96, 3
 PRESETS = ("tiny", "pixart-tiny", "sd3-tiny", "sd35-tiny", "flux-tiny")
-CFG = {"tiny": 5.0, "pixart-tiny": 4.5, "sd3-tiny": 2.0, "sd35-tiny": 2.0, "flux-tiny": 2.0}
+CFG = {"tiny": 5.0, "pixart-tiny": 4.5, "sd3-tiny": 2.0, "sd35-tiny": 2.0, "flux-tiny": 2.0, "flux-small": 2.0}
 _ORACLE = {}
 
 
@@ -97,3 +97,17 @@ def test_oracle_catches_misplaced_shard_kv(world4, layout):
         out = world4.run_ok(run_sequence, "sd3-tiny", **layout, num_patches=2, warmup=1, height=HEIGHT, width=WIDTH,
                             steps=STEPS, cfg=CFG["sd3-tiny"], fault=fault)[0]  # fmt: skip
         assert (rel_max(out, oracle("sd3-tiny", 2, 1)) > 1e-3) == bad, fault
+
+
+@pytest.mark.parametrize("ulysses,extra", [(3, {}), (3, {"num_patches": 2}), (2, {"ring": 2})],
+                         ids=["ulysses3", "ulysses3 M2", "ulysses2xring2"])  # fmt: skip
+def test_ulysses_needs_no_degree_that_divides_the_heads(world4, ulysses, extra):
+    """``flux-small`` has 4 heads: Ulysses 3 gives its ranks 2, 1 and 1 of them (text chunked too). Exact mode equals
+    serial and the pipelined run (M = 2, warm-up 1) the oracle, as with an even split; Ulysses 2 x Ring 2 on the same
+    model is the even split's control."""
+    warmup = 1 if "num_patches" in extra else STEPS
+    results = run(world4, "flux-small", warmup, ulysses=ulysses, **extra)
+    expected = oracle("flux-small", extra.get("num_patches", 1), warmup)
+    assert rel_max(results[0], expected) <= (1e-5 if warmup == 1 else 1e-6)
+    for other in results[1 : ulysses * extra.get("ring", 1)]:
+        assert other.equal(results[0])

@@ -256,12 +256,12 @@ class ModelSpec:
             patch_size,
         )
         ulysses = parallel.ulysses_degree
-        if num_heads is not None and num_heads % ulysses:
-            fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        if num_heads is not None and ulysses > num_heads:
             raise ConfigError(
                 "parallel.ulysses_degree",
-                f"must divide the model's {num_heads} attention heads (each Ulysses rank attends with an equal share "
-                f"of them): one of {fits}, or use parallel.ring_degree (got {ulysses})",
+                f"must be at most the model's {num_heads} attention heads (each Ulysses rank attends with at least "
+                f"one of them; a degree that does not divide them gives some ranks one head more), or use "
+                f"parallel.ring_degree (got {ulysses})",
             )
         check_sequence_chunks(grid, ulysses, parallel.ring_degree)
 

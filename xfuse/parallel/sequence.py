@@ -6,7 +6,8 @@ Everything token-wise (projections, MLPs, norms, modulation, long skips) runs on
 reads other tokens:
 
 * **Ulysses** (DeepSpeed-Ulysses; xDiT's USP): an all-to-all over the Ulysses group turns (my chunk's tokens, every
-  head) into (the group's chunks' tokens, my ``heads / ulysses`` heads); attention runs whole on those heads; a
+  head) into (the group's chunks' tokens, my group of heads: as even as the head count allows, so the degree need
+  not divide it, xDiT's "Ulysses anything"); attention runs whole on those heads; a
   second all-to-all brings the output back to (my tokens, every head). The K/V buffers hold every token of the
   image for the rank's heads, so PipeFusion's stale K/V work per patch as without SP.
 * **Ring**: each ring rank keeps the K/V of its ring chunk (the chunks of its Ulysses group); the blocks travel
@@ -178,7 +179,7 @@ class SequenceParallel:
         if text is not None and text.fresh:
             text_sizes = self._chunk_sizes(slice(0, text.tokens))
         text_qkv = None if text is None else (text.query, text.key, text.value)
-        if self.ulysses > 1:  # (B, heads, my tokens, d) -> (B, heads/U, my Ulysses group's tokens, d)
+        if self.ulysses > 1:  # (B, heads, my tokens, d) -> (B, my heads, my Ulysses group's tokens, d)
             # the text's chunks travel behind the image's: [image, text] per rank
             parts = (image, text_qkv) if fresh_text else (image,)
             image_qkv, joined = self._to_heads(parts, image_sizes, text_sizes)  # type: ignore[arg-type]
@@ -195,7 +196,10 @@ class SequenceParallel:
         out_recvs = None
         if self.ulysses > 1:  # the output's receives, posted before the attention (see __init__)
             held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
-            shapes = dict.fromkeys(self._ulysses_peers(), (batch, heads // self.ulysses, held, head_dim))
+            # rank u sends me its heads' output for my tokens: (B, rank u's heads, my tokens, d)
+            groups = self._head_groups(heads)
+            shapes = {self._ulysses_peer(u): (batch, self._size(groups[u]), held, head_dim)
+                      for u in range(self.ulysses) if u != self.ulysses_index}  # fmt: skip
             out_recvs = self._post("ulysses out", {}, shapes, query.dtype)
         if self.ring == 1:
             key, value = cache.update(layer, key, value)
@@ -220,7 +224,7 @@ class SequenceParallel:
                 outs = [torch.cat(pair, dim=2) for pair in zip(outs, text_out.split(text_sizes, dim=2), strict=True)]
             held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
             assert out_recvs is not None
-            image_out = self._to_tokens(list(outs), (batch, heads // self.ulysses, held, head_dim), out_recvs)
+            image_out = self._to_tokens(list(outs), heads, held, out_recvs)
             if text_out is not None:
                 n = image_sizes[self.ulysses_index]
                 image_out, text_out = image_out[:, :, :n], image_out[:, :, n:]
@@ -230,9 +234,14 @@ class SequenceParallel:
                 self._next_qkv = (upcoming, self._post("ulysses qkv", {}, dict(upcoming), query.dtype))
         return image_out, text_out
 
+    def _head_groups(self, heads: int) -> tuple[slice, ...]:
+        """The heads each Ulysses rank attends with, by Ulysses index: contiguous groups as even as ``heads`` allows
+        (the first ``heads % ulysses`` one head larger), so a degree need not divide the head count (Z-Image's 30
+        heads over 4 ranks: 8, 8, 7, 7)."""
+        return _chunks(0, heads, self.ulysses)
+
     def _my_heads(self, heads: int) -> slice:
-        size = heads // self.ulysses
-        return slice(self.ulysses_index * size, (self.ulysses_index + 1) * size)
+        return self._head_groups(heads)[self.ulysses_index]
 
     def _ulysses_peers(self) -> list[int]:
         """SP indices of my Ulysses group's other ranks."""
@@ -254,34 +263,36 @@ class SequenceParallel:
     def _to_heads(self, parts: tuple[QKV, ...], image_sizes: list[int], text_sizes: list[int]):
         """Ulysses all-to-all: my (image, then text) q/k/v chunks, (B, heads, my tokens, d) each, -> my Ulysses
         group's image tokens and text tokens for my heads, (3, B, heads/U, tokens, d) each, in token order (rank u
-        sends ``image_sizes[u]`` then ``text_sizes[u]`` tokens)."""
+        sends ``image_sizes[u]`` then ``text_sizes[u]`` tokens). Rank u's heads are ``_head_groups``' u-th."""
         batch, heads, _, head_dim = parts[0][0].shape
-        size = heads // self.ulysses
+        groups = self._head_groups(heads)
+        mine = groups[self.ulysses_index]
         peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
         held = image_sizes[self.ulysses_index] + text_sizes[self.ulysses_index]
 
-        def pack(u: int) -> torch.Tensor:  # one copy of what rank u gets: (3, B, heads/U, my tokens, d)
-            out = parts[0][0].new_empty((3, batch, size, held, head_dim))
+        def pack(u: int) -> torch.Tensor:  # one copy of what rank u gets: (3, B, rank u's heads, my tokens, d)
+            out = parts[0][0].new_empty((3, batch, self._size(groups[u]), held, head_dim))
             start = 0
             for qkv in parts:
                 stop = start + qkv[0].shape[2]
                 for i, tensor in enumerate(qkv):
-                    out[i, :, :, start:stop].copy_(tensor[:, u * size : (u + 1) * size])
+                    out[i, :, :, start:stop].copy_(tensor[:, groups[u]])
                 start = stop
             return out
 
         sends = {self._ulysses_peer(u): pack(u) for u in peers}
-        recvs = {self._ulysses_peer(u): (3, batch, size, image_sizes[u] + text_sizes[u], head_dim) for u in peers}
+        recvs = {self._ulysses_peer(u): (3, batch, self._size(mine), image_sizes[u] + text_sizes[u], head_dim)
+                 for u in peers}  # fmt: skip
 
         def join(received: dict[int, torch.Tensor]):
-            def gather(which: int, sizes: list[int]) -> torch.Tensor:  # (3, B, heads/U, the group's tokens, d)
-                out = parts[0][0].new_empty((3, batch, size, sum(sizes), head_dim))
+            def gather(which: int, sizes: list[int]) -> torch.Tensor:  # (3, B, my heads, the group's tokens, d)
+                out = parts[0][0].new_empty((3, batch, self._size(mine), sum(sizes), head_dim))
                 start = 0
                 for u, count in enumerate(sizes):
                     slot = out[:, :, :, start : start + count]
                     if u == self.ulysses_index:  # my own chunk: my heads of it, no message
                         for i, tensor in enumerate(parts[which]):
-                            slot[i].copy_(tensor[:, u * size : (u + 1) * size])
+                            slot[i].copy_(tensor[:, mine])
                     else:  # rank u's message: [image, text] tokens
                         first = 0 if which == 0 else image_sizes[u]
                         slot.copy_(received[self._ulysses_peer(u)][:, :, :, first : first + count])
@@ -298,19 +309,19 @@ class SequenceParallel:
             raise RuntimeError(f"SequenceParallel: q/k/v receives posted as {posted_shapes}, the exchange is {recvs}")
         return self._send_after(posted, "ulysses qkv", sends, parts[0][0].dtype, join)
 
-    def _to_tokens(self, pieces: list[torch.Tensor], shape: tuple, posted) -> torch.Tensor:
-        """Ulysses all-to-all back: ``pieces[u]`` (B, heads/U, rank u's tokens, d) goes to rank u; returns my tokens
-        for every head, (B, heads, my tokens, d), as a view of a (B, my tokens, heads, d) tensor (merging heads is
-        then free); ``shape``: what each rank sends me, whose receives are ``posted`` already."""
+    def _to_tokens(self, pieces: list[torch.Tensor], heads: int, tokens: int, posted) -> torch.Tensor:
+        """Ulysses all-to-all back: ``pieces[u]`` (B, my heads, rank u's tokens, d) goes to rank u; returns my
+        ``tokens`` for all ``heads``, (B, heads, my tokens, d), as a view of a (B, my tokens, heads, d) tensor
+        (merging heads is then free); rank u's (B, its heads, my tokens, d) receives are ``posted`` already."""
         peers = [u for u in range(self.ulysses) if u != self.ulysses_index]
         sends = {self._ulysses_peer(u): pieces[u].contiguous() for u in peers}
-        batch, size, tokens, head_dim = shape
+        batch, head_dim, groups = pieces[0].shape[0], pieces[0].shape[3], self._head_groups(heads)
 
         def join(received: dict[int, torch.Tensor]) -> torch.Tensor:
-            out = pieces[0].new_empty((batch, tokens, size * self.ulysses, head_dim))  # (B, my tokens, heads, d)
+            out = pieces[0].new_empty((batch, tokens, heads, head_dim))  # (B, my tokens, heads, d)
             for u in range(self.ulysses):
                 piece = pieces[u] if u == self.ulysses_index else received[self._ulysses_peer(u)]
-                out[:, :, u * size : (u + 1) * size].copy_(piece.transpose(1, 2))  # head group u
+                out[:, :, groups[u]].copy_(piece.transpose(1, 2))  # head group u
             return out.transpose(1, 2)  # -> (B, heads, my tokens, d)
 
         return self._send_after(posted, "ulysses out", sends, pieces[0].dtype, join)
