@@ -194,16 +194,13 @@ def families(quick: bool) -> list[Family]:
     # Qwen-Image (Qwen/Qwen-Image, transformer/config.json): 24 heads x 128, Qwen2.5-VL's 3584 text width
     qwen = dict(num_attention_heads=24, attention_head_dim=128, joint_attention_dim=3584, in_channels=64,
                 out_channels=16, axes_dims_rope=(16, 56, 56))  # fmt: skip
-    # FLUX.2 [dev] (black-forest-labs/FLUX.2-dev): diffusers' defaults are its config: 48 heads x 128, Mistral's
-    # stacked 15360-wide text, 128 latent channels (the 16x VAE's 32 packed 2 x 2)
-    flux2: dict = {}
     tiny_heads = dict(num_attention_heads=2, attention_head_dim=32)
     if quick:
         qwen = dict(qwen, **tiny_heads, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
-        flux2 = dict(tiny_heads, joint_attention_dim=32, in_channels=16, axes_dims_rope=(8, 8, 8, 8))
     frames, wan_rows, wan_cols = (3, 8, 7) if quick else (21, 30, 52)  # 81 frames of 480 x 832 px: 21 x 30 x 52 tokens
-    presets = {"hunyuan": "tiny", "sd3": "sd3-tiny", "flux": "flux-tiny", "wan": "wan-tiny"} if quick else {
-        "hunyuan": "dit-g2", "sd3": "sd3.5-large", "flux": "flux-dev", "wan": "wan2.1-t2v-14b"}  # fmt: skip
+    presets = {"hunyuan": "tiny", "sd3": "sd3-tiny", "flux": "flux-tiny", "wan": "wan-tiny", "flux2": "flux2-tiny"} if (
+        quick) else {"hunyuan": "dit-g2", "sd3": "sd3.5-large", "flux": "flux-dev", "wan": "wan2.1-t2v-14b",
+                     "flux2": "flux2-dev"}  # fmt: skip
     one = ("num_layers",)
     two = ("num_layers", "num_single_layers")
     square = dict(token_rows=side, tokens_per_row=side)
@@ -231,7 +228,8 @@ def families(quick: bool) -> list[Family]:
             note="60 blocks released; 128 text tokens: a prompt of about 90 words after the template's are dropped",
         ),
         Family(
-            "FLUX.2", "black-forest-labs/FLUX.2-dev", None, Flux2Transformer2DModel, flux2, two,
+            "FLUX.2", "black-forest-labs/FLUX.2-dev", presets["flux2"], Flux2Transformer2DModel,
+            released(presets["flux2"], *two), two,
             ("transformer_blocks", "single_transformer_blocks"), partial(_flux_inputs, cols=side),
             text_tokens=512, batch=1, joint_text=True, **square,
             note="a depth of d is d double-stream and d single-stream blocks (the release has 8 + 48)",

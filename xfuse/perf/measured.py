@@ -86,20 +86,26 @@ def device_key(machine: str) -> str:
     return keys[0]
 
 
+# Rows a report measured before xfuse had the family's preset, at exactly that preset's config: the report's
+# ``model`` -> the preset (FLUX.2 [dev]: diffusers' defaults, which the flux2-dev preset is).
+MEASURED_AHEAD = {"black-forest-labs/FLUX.2-dev": "flux2-dev"}
+
+
 def curves_from_report(report: dict) -> dict[str, PassCurve]:
     """The pass curves of a GPU suite report (``gpu.json``), per family spec name; families without an xfuse preset
-    (measured ahead of their family folder) or with an error are left out."""
+    (measured ahead of their family folder and not in ``MEASURED_AHEAD``) or with an error are left out."""
     from xfuse.families.registry import model_spec, transformer_config
 
     device = device_key(report["machine"])
     section = report["patch_cost"]
     curves = {}
     for row in section["families"].values():
-        if "error" in row or row.get("preset") is None:
+        preset = row.get("preset") or MEASURED_AHEAD.get(row["model"])
+        if "error" in row or preset is None:
             continue
-        spec = model_spec(row["preset"])
+        spec = model_spec(preset)
         deep = row["depths"][1]
-        config = {**transformer_config(row["preset"]), **dict.fromkeys(row["depth_keys"], deep)}
+        config = {**transformer_config(preset), **dict.fromkeys(row["depth_keys"], deep)}
         blocks = spec.num_blocks(config)
         tokens, text = row["tokens"], row["text_tokens"]
         text_everywhere = row.get("text_in_later_patches", True) or not row["joint_text"]
@@ -128,6 +134,9 @@ CURVES: dict[str, PassCurve] = {
     ),
     "flux": PassCurve(
         "h100", ((1.6317e11, 0.0010621), (3.2625e11, 0.0011686), (6.5241e11, 0.0016669), (1.3047e12, 0.0031556))
+    ),
+    "flux2": PassCurve(
+        "h100", ((6.3055e11, 0.0013432), (1.2611e12, 0.0025258), (2.5222e12, 0.0051911), (5.0444e12, 0.0097553))
     ),
     "wan": PassCurve(
         "h100", ((1.0583e13, 0.021628), (2.1059e13, 0.04233), (4.2011e13, 0.083062), (8.3914e13, 0.16596))
