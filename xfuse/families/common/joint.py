@@ -141,22 +141,37 @@ class StaleFluxAttnProcessor:
             text_v = heads(encoder_hidden_states, attn.add_v_proj, None)
         else:  # single-stream block: the block put its text in front
             text_len = self.state.text_tokens
-            (text_q, query), (text_k, key), (text_v, value) = (x.split((text_len, x.shape[1] - text_len), dim=1)
-                                                               for x in (query, key, value))  # fmt: skip
-        if image_rotary_emb is not None:  # rows [text, image] of this pass's sequence
-            text_rope, image_rope = zip(*(x.split((text_len, x.shape[0] - text_len)) for x in image_rotary_emb),
-                                        strict=True)  # fmt: skip
-            query, key = (apply_rotary_emb(x, image_rope, sequence_dim=1) for x in (query, key))
-            if text_len:  # a later patch has none (diffusers' rotation cannot reshape zero tokens)
-                text_q, text_k = (apply_rotary_emb(x, text_rope, sequence_dim=1) for x in (text_q, text_k))
-        # (B, S, heads, d) -> (B, heads, S, d)
-        query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
-                                                                                 text_v))  # fmt: skip
-        text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first)
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
+            (text_q, query), (text_k, key), (text_v, value) = split_text((query, key, value), text_len)
+        image, text_out = attend_text_first(self.state, self.key, (query, key, value), (text_q, text_k, text_v),
+                                            image_rotary_emb)  # fmt: skip
         if encoder_hidden_states is None:
             return torch.cat((text_out, image), dim=1)  # (B, text_len + band, D): the block's MLP branch follows
         return attn.to_out[1](attn.to_out[0](image)), attn.to_add_out(text_out)
+
+
+def split_text(qkv: tuple[torch.Tensor, ...], text_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(B, S, heads, d) q/k/v of a [text, image] sequence -> (text, image) pairs, the first ``text_len`` tokens text."""
+    return [x.split((text_len, x.shape[1] - text_len), dim=1) for x in qkv]
+
+
+def attend_text_first(state: JointKV, key, image: tuple, text: tuple, image_rotary_emb) -> tuple:
+    """The FLUX families' joint attention of one pass: RoPE on the image and text q/k (``image_rotary_emb``: the rows
+    [text, image] of this pass's sequence; FLUX's real form), then the text's attention recorded or reused and the
+    image's over its buffers. ``image``, ``text``: (B, S, heads, d) q/k/v (a later patch's text: zero tokens);
+    returns the (image, text) outputs, (B, S, heads * d) each."""
+    (query, key_, value), (text_q, text_k, text_v) = image, text
+    text_len = text_q.shape[1]
+    if image_rotary_emb is not None:
+        text_rope, image_rope = zip(*(x.split((text_len, x.shape[0] - text_len)) for x in image_rotary_emb),
+                                    strict=True)  # fmt: skip
+        query, key_ = (apply_rotary_emb(x, image_rope, sequence_dim=1) for x in (query, key_))
+        if text_len:  # a later patch has none (diffusers' rotation cannot reshape zero tokens)
+            text_q, text_k = (apply_rotary_emb(x, text_rope, sequence_dim=1) for x in (text_q, text_k))
+    # (B, S, heads, d) -> (B, heads, S, d)
+    query, key_, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key_, value, text_q, text_k,
+                                                                              text_v))  # fmt: skip
+    attention = state.text_attention(key, text_q, text_k, text_v, text_first=True)
+    return state.attention.attend(key, (query, key_, value), attention)
 
 
 def check_joint_attention(attn, expected: type) -> None:

@@ -21,7 +21,6 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux2 import (
     Flux2AttnProcessor,
     Flux2ParallelSelfAttention,
@@ -30,7 +29,13 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 from torch import nn
 
-from xfuse.families.common.joint import JointKV, StaleFluxAttnProcessor, check_joint_attention
+from xfuse.families.common.joint import (
+    JointKV,
+    StaleFluxAttnProcessor,
+    attend_text_first,
+    check_joint_attention,
+    split_text,
+)
 from xfuse.families.common.mmdit import JointConditioning, joint_request
 from xfuse.families.common.packed import PackedJointStage
 from xfuse.families.flux2.spec import FLUX2, FLUX2_KLEIN
@@ -67,20 +72,9 @@ class StaleFlux2ParallelAttnProcessor:
         # (B, S, inner) -> (B, S, heads, d) each, q and k normed per head
         query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
         query, key = attn.norm_q(query), attn.norm_k(key)
-        text_len = self.state.text_tokens
-        (text_q, query), (text_k, key), (text_v, value) = (x.split((text_len, x.shape[1] - text_len), dim=1)
-                                                           for x in (query, key, value))  # fmt: skip
-        if image_rotary_emb is not None:  # rows [text, image] of this pass's sequence
-            text_rope, image_rope = zip(*(x.split((text_len, x.shape[0] - text_len)) for x in image_rotary_emb),
-                                        strict=True)  # fmt: skip
-            query, key = (apply_rotary_emb(x, image_rope, sequence_dim=1) for x in (query, key))
-            if text_len:  # a later patch has none (diffusers' rotation cannot reshape zero tokens)
-                text_q, text_k = (apply_rotary_emb(x, text_rope, sequence_dim=1) for x in (text_q, text_k))
-        # (B, S, heads, d) -> (B, heads, S, d)
-        query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
-                                                                                 text_v))  # fmt: skip
-        text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first)
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
+        (text_q, query), (text_k, key), (text_v, value) = split_text((query, key, value), self.state.text_tokens)
+        image, text_out = attend_text_first(self.state, self.key, (query, key, value), (text_q, text_k, text_v),
+                                            image_rotary_emb)  # fmt: skip
         out = torch.cat((text_out, image), dim=1).to(query.dtype)  # (B, text_len + band, inner)
         return attn.to_out(torch.cat((out, attn.mlp_act_fn(mlp)), dim=-1))  # -> (B, text_len + band, hidden)
 
