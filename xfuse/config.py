@@ -228,8 +228,8 @@ class ParallelConfig(_Section):
     ulysses_degree: Annotated[
         SequenceDegree,
         Field(
-            description=f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage splitting heads by all-to-all; must "
-            "divide the model's attention heads)"
+            description=f"1 to {MAX_SEQUENCE_DEGREE} (ranks per pipeline stage splitting heads by all-to-all; at "
+            "most the model's attention heads)"
         ),
     ] = 1
     ring_degree: Annotated[

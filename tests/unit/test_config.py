@@ -685,11 +685,11 @@ CHECK_WORLD_BAD = [
         ["2 block counts of at least 2", "a chunk each way"],
     ),
     (
-        "ulysses_not_dividing_heads",
-        dict(ulysses_degree=3),
-        dict(world_size=3),
+        "ulysses_above_the_heads",  # a degree need not divide the heads (uneven groups), but gives each one at least
+        dict(ulysses_degree=4),
+        dict(world_size=4, num_heads=2),
         "parallel.ulysses_degree",
-        ["16 attention heads", "[1, 2, 4, 8, 16]", "parallel.ring_degree", "(got 3)"],
+        ["at most the model's 2 attention heads", "parallel.ring_degree", "(got 4)"],
     ),
     (
         "sequence_world_mismatch",
