@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from xfuse.config import ConfigError, config_from_dict
+from xfuse.config import ConfigError, config_from_dict, parallel_config
 from xfuse.config_io import load_config
 from xfuse.families.registry import FAMILIES, HUNYUANDIT, model_spec, transformer_config
 from xfuse.parallel.schedule import build_schedule
@@ -202,6 +202,25 @@ def test_plan_auto_picks_on_this_cpu_the_layout_the_benchmark_measured_fastest(r
     ranked, refused = rank_layouts(config, 2, machine("cpu", "gloo", 2))
     assert refused == [] and {r.name for r in ranked} == set(measured)  # every layout of 2 ranks was measured
     assert measured[ranked[0].name] <= 1.01 * min(measured.values())
+
+
+def test_uneven_ulysses_head_groups_cost_the_busiest_ranks_attention_only():
+    """Ulysses 3 over 4 heads gives one rank 2 of them: its attention takes 1.5x an even share, so the layout's busiest
+    rank computes longer than with 6 heads of the same width (2 each); at Ulysses 2 both split evenly and cost alike."""
+    from dataclasses import replace
+
+    from xfuse.perf.model import predict
+
+    base = workload(_config("flux-small", size=512, steps=4))
+    width = 384  # 4 x 96 and 6 x 64: the same FLOPs per block, heads grouped differently
+    four, six = (replace(base, config={**base.config, "num_attention_heads": h, "attention_head_dim": width // h})
+                 for h in (4, 6))  # fmt: skip
+    where = machine("cpu", "gloo", 3)
+    uneven, even = (predict(w, parallel_config({"ulysses_degree": 3}), where, FITTED) for w in (four, six))
+    assert uneven.compute > even.compute * 1.01
+    where = machine("cpu", "gloo", 2)
+    two = [predict(w, parallel_config({"ulysses_degree": 2}), where, FITTED).compute for w in (four, six)]
+    assert two[0] == pytest.approx(two[1], rel=1e-9)
 
 
 def test_the_ranking_refuses_what_a_run_would_refuse_and_says_why():

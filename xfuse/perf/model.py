@@ -238,15 +238,20 @@ class _Costs:
         text = work.text_tokens
         tq = text if (work.joint and text_queries) else 0
         flops = batch * work.spec.block_flops(work.config, block, queries, self.grid.num_tokens, text, text_queries)
+        modules = work.spec.attentions_of_block(work.config, block)
+        u, r = self.par.ulysses_degree, self.par.ring_degree
+        heads = work.config["num_attention_heads"]
+        skew = -(-heads // u) * u / heads  # the busiest Ulysses rank's head group over an even share (uneven groups)
+        if skew > 1:  # its attention takes that much longer; the rest of the block splits by tokens, evenly
+            keys = self.grid.num_tokens + (text if work.joint else 0)
+            flops += (skew - 1) * batch * modules * attention_flops(queries + tq, keys, d)
         if self.curve is not None:  # measured: kernels, their launches and the device's use of a small pass
             compute = self.curve.seconds_on(flops / sp, self.machine.device, self.relative) + self.launch
         else:
             traffic = self.traffic * batch * (queries + tq) * d / self.machine.device.memory_bandwidth
             compute = (flops / self.flops + traffic) / sp + self.launch
         comm = 0.0
-        modules = work.spec.attentions_of_block(work.config, block)
         passing = (queries + tq) / sp  # tokens of this pass on one SP rank (an MMDiT's text is chunked too)
-        u, r = self.par.ulysses_degree, self.par.ring_degree
         if u > 1:  # q, k, v out and the output back, (u-1)/u of each rank's chunk
             nbytes = batch * passing * d * self.element * 4 * (u - 1) / u
             exchange = nbytes / self.sp_link.group_bandwidth(u) + 2 * (u - 1) * self.sp_link.latency
