@@ -10,13 +10,13 @@ from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
 from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
-from xfuse.parallel.costs import KINDS, comm_volume, kv_buffer_bytes, speedup_ceiling
+from xfuse.parallel.costs import KINDS, comm_volume, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import always_computed, most_skipped
 from xfuse.parallel.vae_decode import VAE_PARALLEL_MIN_PIXELS, decodes_in_parallel, vae_on_every_rank
-from xfuse.perf.memory import stage_parameter_bytes
+from xfuse.perf.memory import pipeline_rank_bytes
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
     CPU_CONV_SCRATCH,
@@ -187,6 +187,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
 
         control = workload(config, _controlnet(controlnet_layers)).control()
         control_counts = None if control is None else control.counts(plan)
+    held = pipeline_rank_bytes(spec, model, plan, grid, batch=batch, dtype=dtype, experts=experts)
     volume = comm_volume(
         plan,
         grid,
@@ -212,16 +213,8 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
         plan=plan,
         batch=batch,
         volume=volume,
-        kv_bytes=kv_buffer_bytes(
-            plan,
-            grid,
-            hidden_size=hidden,
-            batch=batch,
-            dtype_bytes=element,
-            attentions=lambda block: spec.attentions_of_block(model, block),
-        ),
-        # a two-expert pipeline (Wan 2.2): every rank keeps its blocks of both
-        param_bytes={rank: n * experts for rank, n in stage_parameter_bytes(spec, model, plan, dtype).items()},
+        kv_bytes=held[1],
+        param_bytes=held[0],
         experts=experts,
         ceiling=speedup_ceiling(
             plan,

@@ -96,16 +96,21 @@ def _wan(pipe, call: dict) -> dict:
                                   prompt=call["prompt"], seed=call.get("seed", 0))  # fmt: skip
 
 
+def _latents(pipe, latents: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """The ``output_type="latent"`` result of most pipelines: the loop's latents as they are."""
+    return latents
+
+
 # diffusers pipeline class -> (its oracle's inputs from a call, the oracle: image, joint (an image whose text stream
-# the first patch carries through every block) or video)
+# the first patch carries through every block) or video, its output_type="latent" result from the loop's latents)
 ORACLE_INPUTS = {
-    "HunyuanDiTPipeline": (_hunyuandit, "image"),
-    "PixArtSigmaPipeline": (_pixart, "image"),
-    "StableDiffusion3Pipeline": (_sd3, "joint"),
-    "FluxPipeline": (_flux, "joint"),
-    "Flux2Pipeline": (_flux2, "joint"),
-    "Flux2KleinPipeline": (_flux2, "joint"),
-    "WanPipeline": (_wan, "video"),
+    "HunyuanDiTPipeline": (_hunyuandit, "image", _latents),
+    "PixArtSigmaPipeline": (_pixart, "image", _latents),
+    "StableDiffusion3Pipeline": (_sd3, "joint", _latents),
+    "FluxPipeline": (_flux, "joint", _latents),
+    "Flux2Pipeline": (_flux2, "joint", _latents),
+    "Flux2KleinPipeline": (_flux2, "joint", _klein_output),
+    "WanPipeline": (_wan, "video", _latents),
 }
 
 
@@ -116,7 +121,7 @@ def oracle_latents(pipe, call: dict, *, num_patches: int, warmup: int, video_pat
     name = type(pipe).__name__
     if name not in ORACLE_INPUTS:
         raise KeyError(f"no oracle inputs for {name}: add its entry to tests/support/oracle_inputs.ORACLE_INPUTS")
-    prepare, kind = ORACLE_INPUTS[name]
+    prepare, kind, output = ORACLE_INPUTS[name]
     inputs = prepare(pipe, call)
     if kind == "video":
         return pipefusion_video_reference(pipe, inputs, direction=video_patches, num_patches=num_patches,
@@ -128,8 +133,4 @@ def oracle_latents(pipe, call: dict, *, num_patches: int, warmup: int, video_pat
         counts = token_counts(rows, cols, num_patches, lead_tokens=inputs["prompt_embeds"].shape[1])
     latents = pipefusion_reference(pipe, inputs, height=call["height"], width=call["width"], num_patches=num_patches,
                                    warmup=warmup, token_counts=counts)  # fmt: skip
-    return _OUTPUTS[name](pipe, latents, inputs) if name in _OUTPUTS else latents
-
-
-# Pipelines whose ``output_type="latent"`` result is not the loop's latents.
-_OUTPUTS = {"Flux2KleinPipeline": _klein_output}
+    return output(pipe, latents, inputs)

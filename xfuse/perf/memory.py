@@ -17,7 +17,7 @@ import torch
 from xfuse.families.registry import transformer_count
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import kv_buffer_bytes
-from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.perf.model import Workload
 
 GIB = 1024**3
@@ -58,19 +58,26 @@ class RankMemory:
         )
 
 
+def pipeline_rank_bytes(
+    spec: ModelSpec, model_config: dict, plan, grid: PatchGrid, *, batch: int, dtype: torch.dtype, experts: int
+) -> tuple[dict[int, int], dict[int, int]]:
+    """(parameter bytes, stale K/V buffer bytes) each pipeline rank of ``plan`` keeps: its share of the transformer
+    (of each of ``experts`` transformers: Wan 2.2's two) and the whole image's K/V for its blocks, a transformer
+    batch of ``batch`` (``xfuse plan`` prints them; a sequence-parallel rank holds 1/sp of the K/V)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    hidden = model_config["num_attention_heads"] * model_config["attention_head_dim"]
+    kv = kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element,
+                         attentions=lambda block: spec.attentions_of_block(model_config, block))  # fmt: skip
+    params = stage_parameter_bytes(spec, model_config, plan, dtype)
+    return {rank: n * experts for rank, n in params.items()}, kv
+
+
 def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype) -> list[RankMemory]:
     """Each pipeline rank's memory for ``work`` (the request of model ``model``) under ``parallel`` (a
-    ParallelConfig), in ``dtype``."""
-    spec, config = work.spec, work.config
-    plan = spec.plan(spec.num_blocks(config), parallel)
-    patch, scale = spec.token_patch(config), spec.latent_scale
-    grid = patch_grid(work.frames * (work.height // scale), work.width // scale, parallel.resolved_num_patches, patch)
-    element = torch.empty((), dtype=dtype).element_size()
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    batch = work.cfg_batch // parallel.cfg_degree
-    kv = kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element,
-                         attentions=lambda block: spec.attentions_of_block(config, block))  # fmt: skip
-    experts = transformer_count(model)  # Wan 2.2's two experts: every rank keeps its blocks of both
-    params = stage_parameter_bytes(spec, config, plan, dtype)
+    ParallelConfig), in ``dtype``: what ``pipeline_rank_bytes`` counts, the K/V shared by the SP group."""
+    plan = work.spec.plan(work.num_blocks, parallel)
+    params, kv = pipeline_rank_bytes(work.spec, work.config, plan, work.grid(parallel.resolved_num_patches),
+                                     batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
+                                     experts=transformer_count(model))  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
-    return [RankMemory(rank, params[rank] * experts, kv[rank] // sp) for rank in range(plan.degree)]
+    return [RankMemory(rank, params[rank], kv[rank] // sp) for rank in range(plan.degree)]
