@@ -16,7 +16,8 @@ YAML layout (every key optional)::
     model: tiny                      # local diffusers folder, a preset (xfuse.families.registry), or shapes
     parallel: {pipefusion_degree: 2, num_patches: null, warmup_steps: 1, cfg_degree: 1,
                placement: null, stage_split: null, ulysses_degree: 1, ring_degree: 1,
-               vae_parallel: auto, video_patches: temporal}   # placement null: the model family's default
+               vae_parallel: auto, video_patches: temporal,
+               text_encoder: auto}   # placement null: the model family's default
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
     cache:    {method: off, threshold: 0.05, warmup_steps: 0, max_skips: null}
     runtime:  {device: auto, dtype: float32}
@@ -47,7 +48,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from typing_extensions import Self
 
 from xfuse.errors import ConfigError
-from xfuse.types import Backend, Device, DtypeName, Placement, VaeParallel, VideoPatches, Wait
+from xfuse.types import Backend, Device, DtypeName, Placement, TextEncoderPlacement, VaeParallel, VideoPatches, Wait
 
 MAX_PIPEFUSION_DEGREE = 8
 MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
@@ -203,7 +204,13 @@ class ParallelConfig(_Section):
     ``VAE_PARALLEL_MIN_PIXELS`` pixels (``xfuse.parallel.vae_decode.decodes_in_parallel``), where it was measured to
     gain. ``video_patches``: how a video family's patches cut the clip (``xfuse.parallel.video_layout``):
     ``temporal``, runs of consecutive frames (the model's own token order), or ``spatial``, strips of rows across
-    every frame.
+    every frame. ``text_encoder``: where the text encoders run (``xfuse.perf.memory.text_encoder_placement``):
+    ``rank0``, whole on global rank 0's device; ``split``, each text encoder's layers split over the pipeline group
+    of rank 0, every rank running its layers once per prompt and handing the hidden state on
+    (``xfuse.parallel.text_encoder_split``; a text encoder whose layers cannot be split stays whole on rank 0);
+    ``offload``, on rank 0 with its weights in host memory, each module streamed to the device when it runs;
+    ``auto``, the first of these three with which every rank fits its device's memory (``rank0`` where the memory is
+    not known: a CPU).
     """
 
     SECTION: ClassVar[str] = "parallel"
@@ -238,6 +245,7 @@ class ParallelConfig(_Section):
     ] = 1
     vae_parallel: Annotated[VaeParallel, BeforeValidator(_yaml_switch)] = "auto"
     video_patches: VideoPatches = "temporal"
+    text_encoder: TextEncoderPlacement = "auto"
 
     @model_validator(mode="after")
     def _one_split_entry_per_rank(self) -> Self:

@@ -8,7 +8,13 @@ import torch
 
 from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
-from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
+from xfuse.families.registry import (
+    model_spec,
+    text_encoder_configs,
+    transformer_config,
+    transformer_count,
+    vae_config,
+)
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
@@ -16,7 +22,7 @@ from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import always_computed, most_skipped
 from xfuse.parallel.vae_decode import VAE_PARALLEL_MIN_PIXELS, decodes_in_parallel, vae_on_every_rank
-from xfuse.perf.memory import pipeline_rank_bytes
+from xfuse.perf.memory import GIB, Placed, pipeline_rank_bytes, place_text
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
     CPU_CONV_SCRATCH,
@@ -45,12 +51,13 @@ def _ranges(blocks) -> str:
 
 def local_machine(gpus: int, nodes: int = 1, device: str | None = None, link: str | None = None) -> Machine:
     """The machine a plan is costed on: ``device`` (default: this machine's, ``xfuse.perf.planner.local_device``)
-    with ``link`` between the devices of a node (default: gloo on a CPU, PCIe for L40, NVLink otherwise)."""
+    with ``link`` between the devices of a node (default: gloo on a CPU, PCIe for L40 and RTX 4090, NVLink
+    otherwise)."""
     from xfuse.perf.model import machine
     from xfuse.perf.planner import local_device
 
     device = device or local_device()
-    return machine(device, link or {"cpu": "gloo", "l40": "pcie"}.get(device, "nvlink"), gpus, nodes)
+    return machine(device, link or {"cpu": "gloo", "l40": "pcie", "rtx4090": "pcie"}.get(device, "nvlink"), gpus, nodes)
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,9 @@ class PlanReport:
     vae: VaePlan | str = "not modelled"  # the decode, or why it is not modelled
     controlnet_layers: int = 0  # a ControlNet of that many blocks run with the request (0: none)
     control_counts: dict[int, int] | None = None  # rank -> ControlNet residuals it receives per patch
+    memory: Placed | None = None  # each pipeline rank's device memory with the text encoders placed
+    device_memory: float | None = None  # bytes of ``where``'s device (None: not known, not limited)
+    device_name: str = ""
 
 
 def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_layers: int = 0) -> PlanReport:
@@ -188,6 +198,10 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
         control = workload(config, _controlnet(controlnet_layers)).control()
         control_counts = None if control is None else control.counts(plan)
     held = pipeline_rank_bytes(spec, model, plan, grid, batch=batch, dtype=dtype, experts=experts)
+    device_memory = where.device.memory if where is not None else None
+    from xfuse.perf.planner import workload
+
+    memory = place_text(config.model, workload(config), par, dtype, device_memory)
     volume = comm_volume(
         plan,
         grid,
@@ -226,6 +240,9 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
         vae=vae_plan(config, height, width, where),
         controlnet_layers=controlnet_layers,
         control_counts=control_counts,
+        memory=memory,
+        device_memory=device_memory,
+        device_name=where.device.name if where is not None else "",
     )
 
 
@@ -353,7 +370,32 @@ def format_plan_report(r: PlanReport) -> str:
             "hand-offs (its chunk of the tokens); the attention's own messages (Ulysses all-to-all, Ring K/V "
             "blocks) are not counted here"
         )
-    return "\n".join([*lines, "", *_vae_lines(r.vae)])
+    return "\n".join([*lines, "", *_memory_lines(r), "", *_vae_lines(r.vae)])
+
+
+def _memory_lines(r: PlanReport) -> list[str]:
+    """What each pipeline rank's device holds (``xfuse.perf.memory``), the text encoders placed, against the device."""
+    m = r.memory
+    if m is None:
+        return []
+    sp = r.config.parallel.sequence_degree
+    lines = [
+        f"memory per pipeline rank, {r.config.runtime.dtype} (each rank of its SP and CFG groups alike; K/V: one "
+        f"rank's{f' 1/{sp}' if sp > 1 else ''}; text encoders and VAE: the rank of rank 0's pipeline group):",
+        f"{'rank':>4}  {'transformer':>12} {'stale K/V':>12} {'text enc':>12} {'VAE':>12} {'total':>12}",
+    ]
+    for rank in m.ranks:
+        lines.append(f"{rank.pipe_rank:>4}  {_mib(rank.param_bytes):>12} {_mib(rank.kv_bytes):>12} "
+                     f"{_mib(rank.text_bytes):>12} {_mib(rank.vae_bytes):>12} {_mib(rank.total):>12}")  # fmt: skip
+    described = text_encoder_configs(r.config.model) is not None
+    text = m.words(r.config.parallel.text_encoder) if described else "text encoders: not described for this model"
+    if r.device_memory is None:
+        lines.append(f"{text}; the device's memory is not known here (give --device): activations not counted")
+    else:
+        verdict = "fits" if m.fits else f"does not fit: {m.busiest.describe(r.device_memory)}"
+        lines.append(f"{text}; against {r.device_name}'s {r.device_memory / GIB:.1f} GiB: {verdict} (activations "
+                     "not counted)")  # fmt: skip
+    return lines
 
 
 def _controlnet(layers: int) -> dict:

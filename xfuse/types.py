@@ -10,6 +10,7 @@ Wait = Literal["auto", "stream", "host"]  # how a rank waits for a message: xfus
 Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA when available
 DtypeName = Literal["float32", "bfloat16", "float16"]  # torch's names (``getattr(torch, name)``)
 VaeParallel = Literal["auto", "on", "off"]  # the VAE decode over every rank: xfuse.parallel.vae_decode
+TextEncoderPlacement = Literal["auto", "rank0", "split", "offload"]  # where text encoders run: xfuse.perf.memory
 VideoPatches = Literal["temporal", "spatial"]  # a video's patches: runs of frames or strips of rows (video_layout)
 
 PLACEMENTS: tuple[Placement, ...] = get_args(Placement)

@@ -1,6 +1,8 @@
 """FLUX.2 beyond the family contract (``tests/multirank/test_conformance.py`` runs that for ``flux2`` and
 ``flux2-klein``): every ``__call__`` argument of ``Flux2Pipeline`` and ``Flux2KleinPipeline`` against diffusers, the
-refusals, what each rank loads, and ``from_pipe``.
+refusals, what each rank loads, ``from_pipe``, and the text encoder split by layers over the pipeline group
+(``parallel.text_encoder: split``: [dev]'s ``Mistral3ForConditionalGeneration``, 30 layers and a vision tower the text
+never runs; [klein]'s ``Qwen3ForCausalLM``, 27 layers, its decoder called with ``input_ids``).
 
 Sizes are non-square (128 x 96 px: 8 x 6 token rows); the tiny presets have 2 double and 3 single blocks.
 """
@@ -10,13 +12,14 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 
-from tests.support.flux2_fns import from_pipe_call, loaded_share
+from tests.support.flux2_fns import from_pipe_call, loaded_share, text_encoder_share
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
 from tests.support.world import World
 from xfuse.config import config_from_dict
 from xfuse.families.flux2.presets import save_preset_pipeline
-from xfuse.perf.memory import rank_memory
+from xfuse.parallel.text_encoder_split import layer_share
+from xfuse.perf.memory import rank_memory, text_encoder_bytes
 from xfuse.perf.planner import workload
 
 HEIGHT, WIDTH, STEPS = 128, 96, 3
@@ -153,3 +156,58 @@ def test_from_pipe_equals_diffusers_and_refuses_another_family(world4, reference
     assert all("takes a Flux2Pipeline" in refused for refused, _ in results)
     assert all(images is None for _, images in results[1:])
     assert np.abs(results[0][1] - references["flux2-tiny"](BASE)[0]).max() <= 1e-4
+
+
+def split_calls(reference, klein: bool) -> dict:
+    with torch.no_grad():
+        emb, _ = reference.pipe.encode_prompt("a red house", device="cpu")
+    calls = {
+        "base": {},
+        "batch_and_images": dict(prompt=["a red house", "a cat"], num_images_per_prompt=2),
+        # layers 3, 8 and 27 of the stack live on three different ranks of a pp4 split
+        "text_encoder_out_layers": dict(text_encoder_out_layers=(3, 8, 27)),
+        "max_sequence_length": dict(max_sequence_length=300),
+        "prompt_embeds": dict(prompt=None, prompt_embeds=emb),  # no text-encoder call: the group's ranks just go on
+    }
+    if klein:  # classifier-free guidance: two encodes per request
+        calls["no_guidance"] = dict(guidance_scale=1.0)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "preset,parallel",
+    [("flux2-tiny", {"pipefusion_degree": 4, "num_patches": 3}),
+     ("flux2-klein-tiny", {"pipefusion_degree": 4}),
+     ("flux2-klein-tiny", {"pipefusion_degree": 2, "cfg_degree": 2}),  # the text group: ranks 0 and 1
+     ("flux2-tiny", {"pipefusion_degree": 2, "ulysses_degree": 2})],  # the text group: ranks 0 and 2
+    ids=["dev-pp4", "klein-pp4", "klein-cfg2_pp2", "dev-pp2_ulysses2"],
+)  # fmt: skip
+def test_split_text_encoder_equals_diffusers(world4, folders, references, preset, parallel):
+    klein = "klein" in preset
+    calls = split_calls(references[preset], klein)
+    if parallel.get("cfg_degree") == 2:
+        calls.pop("no_guidance")
+    family = "flux2-klein" if klein else "flux2"
+    results = world4.run_ok(run_calls, folders[preset], {**parallel, **EXACT, "text_encoder": "split"},
+                            [{**BASE, **c} for c in calls.values()], family=family, timeout=600)  # fmt: skip
+    check_against_diffusers(results, calls, references[preset])
+
+
+@pytest.mark.parametrize("preset,family,layers", [("flux2-tiny", "flux2", 30), ("flux2-klein-tiny", "flux2-klein", 27)])
+def test_each_rank_holds_its_layers_as_the_plan_counts(world4, folders, preset, family, layers):
+    """pp4 split: rank r runs layers ``layer_share(L, r, 4)`` and holds exactly what ``xfuse plan`` counts for it (rank
+    0 the embeddings, head and vision tower besides its layers; the others their layers and the final norm); with
+    ``rank0`` (the default on a CPU) rank 0 holds the whole encoder and the others nothing."""
+    parallel = {"pipefusion_degree": 4, "text_encoder": "split"}
+    held = world4.run_ok(text_encoder_share, folders[preset], parallel, family, timeout=300)
+    assert [owned for _, owned, _ in held] == [list(layer_share(layers, r, 4)) for r in range(4)]
+    assert {placement for *_, placement in held} == {"split"}
+    config = config_from_dict({"model": preset, "parallel": parallel})
+    planned = text_encoder_bytes(preset, "split", 4, torch.float32)
+    assert [4 * count for count, _, _ in held] == [planned[r] for r in range(4)]
+    assert planned[0] > planned[1] > 0 and config.parallel.text_encoder == "split"
+    whole = world4.run_ok(text_encoder_share, folders[preset], {"pipefusion_degree": 4}, family, timeout=300)
+    assert [(count > 0, owned, placement) for count, owned, placement in whole] == [
+        (True, None, "rank0"), (False, None, "rank0"), (False, None, "rank0"), (False, None, "rank0")
+    ]  # fmt: skip
+    assert 4 * whole[0][0] == text_encoder_bytes(preset, "rank0", 4, torch.float32)[0]

@@ -28,3 +28,17 @@ def from_pipe_call(parallel, call):
     call = dict(call)
     out = pipe(**call, generator=generators(call))
     return refused, None if out is None else as_array(out)
+
+
+def text_encoder_share(folder, parallel, family):
+    """What this rank's device holds of the text encoder after ``from_pretrained``: (its parameters' elements, the
+    layers it runs; ``None``: it runs the whole encoder or none of it) and the resolved placement."""
+    from xfuse.families.registry import MODEL_SPECS
+
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    group = pipe.text_group
+    if group is not None:
+        split = group.encoders["text_encoder"]
+        return sum(p.numel() for p in split.encoder.parameters()), list(split.owned), pipe.text_placement
+    encoder = pipe.pipeline.text_encoder
+    return (0 if encoder is None else sum(p.numel() for p in encoder.parameters())), None, pipe.text_placement

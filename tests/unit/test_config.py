@@ -446,6 +446,12 @@ BAD_DICTS = [
         "parallel.vae_parallel",
         ["'auto', 'on', 'off'", "(got 1)"],
     ),
+    (
+        "text_encoder_unknown",
+        {"parallel": {"text_encoder": "gpu1"}},
+        "parallel.text_encoder",
+        ["'auto', 'rank0', 'split', 'offload'", "(got 'gpu1')"],
+    ),
     ("serve_timeout_zero", {"serve": {"request_timeout_s": 0}}, "serve.request_timeout_s", ["> 0.0"]),
     ("serve_model_name_int", {"serve": {"model_name": 3}}, "serve.model_name", ["string or null"]),
     ("model_empty", {"model": ""}, "model", ["non-empty string"]),

@@ -246,7 +246,7 @@ def test_choose_returns_a_config_of_the_top_layout_for_the_world():
         machine("h100", "pcie", 8)
 
 
-@pytest.mark.parametrize("link", ["a100-nvlink", "h100-nvlink", "l40-pcie", "cpu-gloo"])
+@pytest.mark.parametrize("link", ["a100-nvlink", "h100-nvlink", "l40-pcie", "rtx4090-pcie", "cpu-gloo"])
 def test_plan_predict_uses_the_model_for_the_configs_layout(link):
     config = load_config(None, ["model=sd3-medium", "parallel.cfg_degree=2", "parallel.ulysses_degree=2"])
     line = predicted_latency(plan_report(config), link)
@@ -261,7 +261,8 @@ def test_plan_predict_uses_the_model_for_the_configs_layout(link):
 def test_plan_predict_refuses_an_unknown_link_by_its_option():
     with pytest.raises(
         ConfigError,
-        match=r"--predict: must be one of a100-nvlink, h100-nvlink, l40-pcie, a100-pcie, cpu-gloo \(got 'h100'\)",
+        match=r"--predict: must be one of a100-nvlink, h100-nvlink, l40-pcie, a100-pcie, rtx4090-pcie, cpu-gloo "
+        r"\(got 'h100'\)",
     ):
         predicted_latency(plan_report(_config("dit-g2", pipefusion_degree=2)), "h100")  # fmt: skip
 

@@ -103,6 +103,22 @@ def vae_config(model: str) -> dict | None:
     return folder_config(model, "vae")
 
 
+def text_encoder_configs(model: str) -> dict[str, dict] | None:
+    """``{component: transformers config.json}`` of ``model``'s text encoders, without loading weights: a folder's
+    ``text_encoder*/config.json``, or a preset's (its family's ``presets.preset_text_encoder_configs``); ``None`` where
+    a preset's family does not describe them."""
+    if model in PRESET_MODELS:
+        builders = _family(model).preset_builders()
+        describe = getattr(builders, "preset_text_encoder_configs", None)
+        return None if describe is None else describe(model)
+    folder = resolve_model(model)
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    names = [name for name, entry in index.items()
+             if name.startswith("text_encoder") and isinstance(entry, list) and entry[0] == "transformers"]  # fmt: skip
+    return {name: folder_config(folder, name) for name in names if folder_config(folder, name) is not None}
+
+
 def transformer_count(model: str) -> int:
     """Transformers of ``model``'s pipeline that every rank keeps its blocks of: 2 for a two-expert pipeline (a
     folder's ``pipeline_transformers``, or a preset built with one: Wan 2.2 A14B), else 1."""

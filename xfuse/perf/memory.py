@@ -1,23 +1,27 @@
 """What each rank of a layout holds on its device, and whether that fits: the memory side of ``xfuse plan`` and
-``xfuse plan --auto``.
+``xfuse plan --auto``, and the rule that places the text encoders (``parallel.text_encoder``).
 
-Counted, per rank, in the dtype the ranks run in: the transformer parameters it keeps (the family's real sharding
-applied to a weightless model: a pipeline rank's blocks and what its stage keeps besides them; every rank of a
-sequence- or CFG-parallel group a full copy of its pipeline rank's) and its stale K/V buffers (a sequence-parallel
-rank holds its chunk of the tokens' K/V). Not yet counted: activations, the text encoders and the VAE on rank 0;
-``xfuse plan --auto`` says so where it prints the figures.
+Counted, per rank, in the dtype the ranks run in, each from the real sharding applied to a weightless (meta) model:
+the transformer parameters it keeps (a pipeline rank's blocks and what its stage keeps besides them; every rank of a
+sequence- or CFG-parallel group a full copy of its pipeline rank's), its stale K/V buffers (a sequence-parallel rank
+holds its chunk of the tokens' K/V), the text encoders' weights on its device (:func:`text_encoder_bytes`: whole on
+rank 0, split by layers over the pipeline group, or offloaded: one module at a time) and the VAE's weights where it
+loads them. Not counted: activations (``xfuse plan`` prints the VAE decode's activation peak beside these).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from xfuse.families.registry import transformer_count
+from xfuse.families.registry import text_encoder_configs, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import kv_buffer_bytes
 from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.text_encoder_split import decoder_layers, shard_text_encoder
+from xfuse.parallel.vae_decode import vae_on_every_rank
 from xfuse.perf.model import Workload
 
 GIB = 1024**3
@@ -38,23 +42,86 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
     return result
 
 
+def _meta_text_encoder(config: dict) -> torch.nn.Module:
+    """A weightless text encoder of ``config`` (its transformers config.json, naming its class)."""
+    import transformers
+
+    model_class = getattr(transformers, config["architectures"][0])
+    with torch.device("meta"):
+        return model_class(model_class.config_class.from_dict(config))
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@lru_cache(maxsize=64)
+def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(parameters each pipeline rank's device holds of ``model``'s text encoders under ``placement``, the encoders
+    that stay whole on rank 0 under ``split``)."""
+    counts, whole = [0] * pipe_degree, []
+    for name, config in (text_encoder_configs(model) or {}).items():
+        encoder = _meta_text_encoder(config)
+        if placement == "offload":  # accelerate's cpu_offload: each module's own weights on the device while it runs
+            counts[0] += max(sum(p.numel() for p in m.parameters(recurse=False)) for m in encoder.modules())
+            continue
+        found = decoder_layers(encoder)
+        if placement == "rank0" or pipe_degree == 1 or found is None or len(found[1]) < pipe_degree:
+            counts[0] += _numel(encoder)
+            whole += [name] if placement == "split" else []
+            continue
+        for index in range(pipe_degree):  # the real sharding, on a fresh weightless copy per rank
+            share = encoder if index == 0 else _meta_text_encoder(config)
+            shard_text_encoder(share, index, pipe_degree)
+            counts[index] += _numel(share)
+    return tuple(counts), tuple(whole)
+
+
+def text_encoder_bytes(model: str, placement: str, pipe_degree: int, dtype: torch.dtype) -> dict[int, int] | None:
+    """Bytes of ``model``'s text-encoder weights on each pipeline rank's device under ``placement`` (``rank0``,
+    ``split`` or ``offload``; ``split`` over ``pipe_degree`` ranks); ``None`` where the model's text encoders are not
+    described (a preset whose family has no ``preset_text_encoder_configs``)."""
+    if text_encoder_configs(model) is None:
+        return None
+    element = torch.empty((), dtype=dtype).element_size()
+    counts, _ = _text_encoder_counts(model, placement, pipe_degree)
+    return {rank: n * element for rank, n in enumerate(counts)}
+
+
+def vae_weight_bytes(model: str, dtype: torch.dtype) -> int:
+    """The VAE's parameters in ``dtype`` (0 where ``xfuse.perf.vae`` does not model the model's VAE)."""
+    from xfuse.perf.vae import VaeShape
+
+    raw = vae_config(model)
+    try:
+        shape = VaeShape.from_config(raw) if raw is not None else None
+    except ValueError:
+        shape = None
+    return 0 if shape is None else shape.parameters() * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class RankMemory:
-    """What one pipeline rank of a layout holds (each rank of its SP and CFG groups alike)."""
+    """What one pipeline rank of a layout holds (each rank of its SP and CFG groups as much, but the text encoders
+    and the VAE: those are counted for the rank of the pipeline group of global rank 0, which holds the most)."""
 
     pipe_rank: int
-    param_bytes: int
-    kv_bytes: int
+    param_bytes: int  # its share of the transformer
+    kv_bytes: int  # its stale K/V buffers
+    text_bytes: int = 0  # text-encoder weights on its device
+    vae_bytes: int = 0  # the VAE's weights, where it loads them
 
     @property
     def total(self) -> int:
-        return self.param_bytes + self.kv_bytes
+        return self.param_bytes + self.kv_bytes + self.text_bytes + self.vae_bytes
 
     def describe(self, device_memory: float) -> str:
-        """``pipeline rank 0 needs 61.3 GiB (weights 58.7, stale K/V 2.6) of 45.0 GiB``."""
+        """``pipeline rank 0 needs 61.3 GiB (transformer 58.7, stale K/V 2.6, text encoders 0.0, VAE 0.0) of
+        45.0 GiB``."""
         return (
-            f"pipeline rank {self.pipe_rank} needs {self.total / GIB:.1f} GiB (weights {self.param_bytes / GIB:.1f}, "
-            f"stale K/V {self.kv_bytes / GIB:.1f}) of {device_memory / GIB:.1f} GiB"
+            f"pipeline rank {self.pipe_rank} needs {self.total / GIB:.1f} GiB (transformer {self.param_bytes / GIB:.1f}"
+            f", stale K/V {self.kv_bytes / GIB:.1f}, text encoders {self.text_bytes / GIB:.1f}, VAE "
+            f"{self.vae_bytes / GIB:.1f}) of {device_memory / GIB:.1f} GiB"
         )
 
 
@@ -72,12 +139,61 @@ def pipeline_rank_bytes(
     return {rank: n * experts for rank, n in params.items()}, kv
 
 
-def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype) -> list[RankMemory]:
+def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: str = "rank0") -> list[RankMemory]:
     """Each pipeline rank's memory for ``work`` (the request of model ``model``) under ``parallel`` (a
-    ParallelConfig), in ``dtype``: what ``pipeline_rank_bytes`` counts, the K/V shared by the SP group."""
+    ParallelConfig), in ``dtype``, with the text encoders placed by ``text`` (``rank0``, ``split``, ``offload``)."""
     plan = work.spec.plan(work.num_blocks, parallel)
     params, kv = pipeline_rank_bytes(work.spec, work.config, plan, work.grid(parallel.resolved_num_patches),
                                      batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
                                      experts=transformer_count(model))  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
-    return [RankMemory(rank, params[rank], kv[rank] // sp) for rank in range(plan.degree)]
+    texts = text_encoder_bytes(model, text, plan.degree, dtype) or {}
+    world = plan.degree * sp * parallel.cfg_degree
+    vae = vae_weight_bytes(model, dtype)
+    every = vae_on_every_rank(parallel, world)
+    return [
+        RankMemory(rank, params[rank], kv[rank] // sp, texts.get(rank, 0), vae if every or rank == 0 else 0)
+        for rank in range(plan.degree)
+    ]
+
+
+TEXT_PLACEMENTS = ("rank0", "split", "offload")  # the order ``parallel.text_encoder: auto`` tries them in
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A layout's memory with its text encoders placed: the placement, each pipeline rank's memory, and whether the
+    busiest rank fits the device (always, where the device's memory is not known)."""
+
+    text: str
+    ranks: list[RankMemory]
+    fits: bool
+
+    @property
+    def busiest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def words(self, wanted: str) -> str:
+        """How the text encoders were placed, for ``parallel.text_encoder`` = ``wanted``."""
+        where = {"rank0": "whole on rank 0", "split": "split by layers over the pipeline group",
+                 "offload": "offloaded (rank 0 streams one module at a time)"}[self.text]  # fmt: skip
+        if wanted != "auto":
+            return f"text encoders {where} (parallel.text_encoder: {wanted})"
+        why = "the first that fits" if self.fits else "none fits; the placement needing least"
+        return f"text encoders {where} (parallel.text_encoder auto: {why})"
+
+
+def place_text(model: str, work: Workload, parallel, dtype: torch.dtype, memory: float | None) -> Placed:
+    """``parallel.text_encoder`` resolved for a layout: as configured, or (``auto``) the first of ``rank0``,
+    ``split``, ``offload`` with which every rank fits ``memory`` bytes (``rank0`` where ``memory`` is ``None``: not
+    known); where none fits, the placement whose busiest rank needs the least, not fitting."""
+    wanted = parallel.text_encoder
+    tries = TEXT_PLACEMENTS if wanted == "auto" else (wanted,)
+    placed = []
+    for text in tries:
+        ranks = rank_memory(model, work, parallel, dtype, text)
+        option = Placed(text, ranks, memory is None or max(r.total for r in ranks) <= memory)
+        if option.fits:
+            return option
+        placed.append(option)
+    return min(placed, key=lambda p: p.busiest.total)

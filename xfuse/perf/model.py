@@ -142,11 +142,12 @@ def machine(device: str, link: str, gpus: int, nodes: int = 1) -> Machine:
         raise ConfigError("--device", f"must be one of {sorted(DEVICES)} (got {device!r})")
     if nodes < 1 or gpus < 1 or gpus % nodes:
         raise ConfigError("--nodes", f"must divide --gpus ({gpus}) into equal nodes (got {nodes})")
+    link_of = machine_link(device, link)
     return Machine(
-        device,
+        DEVICES[device].kin or device,  # the key of its fitted efficiency
         DEVICES[device],
-        f"{device}-{link}",
-        machine_link(device, link),
+        next(key for key, known in LINKS.items() if known is link_of),
+        link_of,
         gpus_per_node=gpus // nodes,
         network=LINKS["ethernet"] if nodes > 1 else None,
     )

@@ -5,8 +5,10 @@ A layout is ``cfg x pipefusion x ulysses x ring`` multiplying to the world (CFG 
 [uncond, cond]), with the engine's defaults otherwise (M = pipefusion degree, the family's placement, the config's
 warm-up). Each candidate is first checked the way a run is (``ModelSpec.check_layout``: heads the Ulysses degree must
 divide, tokens per sequence chunk, rows per patch); a refused one is listed with the reason the run would give. On
-a device whose memory is known, a layout whose busiest rank would not hold its weights and stale K/V there
-(``xfuse.perf.memory``) is dropped, saying which rank needs how much. Choosing needs no communication: every rank of
+a device whose memory is known, each layout's text encoders are placed as ``parallel.text_encoder`` says (``auto``:
+the first of rank 0, split over the pipeline group, offloaded, that fits) and a layout whose busiest rank would not
+hold its weights, stale K/V, text encoders and VAE there (``xfuse.perf.memory``) is dropped, saying which rank needs
+how much. Choosing needs no communication: every rank of
 a world computes the same ranking from the same inputs.
 """
 
@@ -19,7 +21,7 @@ from xfuse.config import ConfigError, GenerationConfig, ParallelConfig, XfuseCon
 from xfuse.families.registry import model_spec, transformer_config
 from xfuse.perf.calibration import FITTED
 from xfuse.perf.hardware import DEVICES
-from xfuse.perf.memory import RankMemory, rank_memory
+from xfuse.perf.memory import Placed, place_text
 from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
 
 
@@ -27,6 +29,7 @@ from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
 class Ranked:
     parallel: ParallelConfig
     prediction: Prediction
+    placed: Placed | None = None  # its memory with the text encoders placed (None: the device's memory not known)
 
     @property
     def name(self) -> str:
@@ -47,9 +50,10 @@ def local_device() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name()
-    for key in ("a100", "h100", "l40"):
+    for key in ("a100", "h100", "l40", "rtx4090"):
         if key in name.lower().replace(" ", ""):
-            return key
+            small = key == "a100" and torch.cuda.get_device_properties(0).total_memory < 50 * 2**30
+            return "a100-40gb" if small else key
     raise ConfigError("--device", f"this machine's {name!r} has no profile; give one of {sorted(DEVICES)}")
 
 
@@ -92,7 +96,8 @@ def candidates(config: XfuseConfig, world: int) -> tuple[list[ParallelConfig], l
                 try:
                     parallel = parallel_config(
                         {"pipefusion_degree": pp, "cfg_degree": cfg, "ulysses_degree": ulysses,
-                         "ring_degree": ring, "warmup_steps": base.warmup_steps}
+                         "ring_degree": ring, "warmup_steps": base.warmup_steps,
+                         "text_encoder": base.text_encoder}
                     )  # fmt: skip
                     work.spec.check_layout(
                         parallel,
@@ -117,27 +122,29 @@ def rank_layouts(
     were refused (``does not fit``: which rank needs how much)."""
     work = workload(config)
     valid, refused = candidates(config, world)
+    placed: dict[int, Placed] = {}
     if where.device.memory is not None:
         fitting = []
         for parallel in valid:
-            largest = busiest_rank(config.model, work, parallel, where.device.dtype_bytes)
-            if largest.total > where.device.memory:
-                refused.append(f"{layout_name(parallel)}: does not fit: {largest.describe(where.device.memory)}")
-            else:
+            option = place_text(config.model, work, parallel, _dtype(where.device.dtype_bytes), where.device.memory)
+            if option.fits:
                 fitting.append(parallel)
+                placed[id(parallel)] = option
+            else:
+                refused.append(f"{layout_name(parallel)}: does not fit: {option.busiest.describe(where.device.memory)}"
+                               f"; {option.words(parallel.text_encoder)}")  # fmt: skip
         valid = fitting
     ranked = sorted(
-        (Ranked(p, predict(work, p, where, calibration)) for p in valid), key=lambda r: r.prediction.seconds
+        (Ranked(p, predict(work, p, where, calibration), placed.get(id(p))) for p in valid),
+        key=lambda r: r.prediction.seconds,
     )
     return ranked, refused
 
 
-def busiest_rank(model: str, work: Workload, parallel: ParallelConfig, dtype_bytes: int) -> RankMemory:
-    """The pipeline rank of ``parallel`` that holds the most (every rank of its SP and CFG groups holds as much)."""
+def _dtype(dtype_bytes: int):
     import torch
 
-    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    return max(rank_memory(model, work, parallel, dtype), key=lambda r: r.total)
+    return {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
 
 
 def choose(config: XfuseConfig, world: int, where: Machine) -> tuple[XfuseConfig, Ranked]:
@@ -157,7 +164,7 @@ def choose(config: XfuseConfig, world: int, where: Machine) -> tuple[XfuseConfig
         "num_patches": None,
         "placement": None,
         "stage_split": None,
-    }
+    }  # text_encoder kept: each rank resolves it as the ranking did (xfuse.perf.memory.place_text)
     return config_from_dict(data), ranked[0]
 
 
@@ -175,19 +182,27 @@ def format_ranking(config: XfuseConfig, world: int, where: Machine, top: int = 1
         f"{'layout':<38} {'predicted':>9} {'loop':>8} {'compute':>8} {'SP comm':>8} {'waiting':>8}  (seconds; "
         "compute and SP comm: the busiest rank's)",
     ]
+    memory = where.device.memory is not None
+    if memory:
+        lines[-1] = lines[-1].replace("  (seconds;", f" {'text enc':>8} {'busiest':>8}  (seconds;", 1)
     for r in ranked[:top]:
         p = r.prediction
-        lines.append(
+        line = (
             f"{r.name:<38} {p.seconds:>9.2f} {p.loop:>8.2f} {p.compute:>8.2f} {p.sequence_comm:>8.2f} {p.waiting:>8.2f}"
         )
+        if r.placed is not None:
+            line += f" {r.placed.text:>8} {r.placed.busiest.total / 2**30:>6.1f} G"
+        lines.append(line)
     if len(ranked) > top:
         lines.append(f"... {len(ranked) - top} more")
     for reason in refused:
         lines.append(f"refused: {reason}")
-    if where.device.memory is not None:
+    if memory:
         lines.append(
-            f"memory per rank: transformer weights and stale K/V in bf16 against {where.device.name}'s "
-            f"{where.device.memory / 2**30:.1f} GiB (activations, text encoders and the VAE on rank 0 not counted)"
+            f"memory per rank (busiest: GiB the layout's busiest rank holds): transformer weights, stale K/V, text "
+            f"encoders placed by parallel.text_encoder ({config.parallel.text_encoder}; text enc: rank0, split over "
+            f"the pipeline group, or offload) and the VAE, in bf16, against {where.device.name}'s "
+            f"{where.device.memory / 2**30:.1f} GiB; activations not counted (xfuse.perf.memory)"
         )
     if ranked:
         best = ranked[0]

@@ -39,6 +39,7 @@ from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.parallel.vae_decode import ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
 from xfuse.pipelines.collectives import Collectives
 from xfuse.pipelines.loading import load_from_folder, shard_loaded
+from xfuse.pipelines.text_placement import place_text_encoders, text_components, text_placement
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext
 
@@ -143,6 +144,7 @@ class PipeFusionPipelineBase:
         config = (stage or pipeline.transformer).config
         self.num_blocks = self.spec.num_blocks(config)
         self.plan = self.spec.plan(self.num_blocks, self.parallel, self._control_blocks(pipeline))
+        self.text_placement = text_placement(self.config, context.device)
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
         handshake(
             {
@@ -152,6 +154,7 @@ class PipeFusionPipelineBase:
                 "model.vae_scale_factor": str(self.spec.vae_scale_factor),
                 "model.scheduler": type(pipeline.scheduler).__name__,
                 "plan.route": " ".join(f"r{s.rank}{list(s.blocks)}" for s in self.plan.route),
+                "plan.text_encoder": self.text_placement,
             },
             world_size=context.world_size,
             group=context.control_group,
@@ -162,14 +165,16 @@ class PipeFusionPipelineBase:
         # What diffusers derives from the transformer (FluxPipeline: a constant; the spec knows which).
         self.default_sample_size = self.spec.default_side(config) // self.spec.vae_scale_factor
         self.band_decode = self._band_decode(pipeline, context)
+        self.text_group = place_text_encoders(pipeline, context, self.text_placement)  # collective with split
         if not context.is_output:
             for name in self._rank0_only(context.config.parallel, context.world_size):
                 setattr(pipeline, name, None)
             if self.band_decode is None:
                 pipeline.vae = None
+        offloaded = text_components(pipeline) if self.text_placement == "offload" else []
         for name in self.rank0_components:
             module = getattr(pipeline, name, None)
-            if isinstance(module, torch.nn.Module):
+            if isinstance(module, torch.nn.Module) and name not in offloaded:
                 module.to(context.device)
         self.engine = self._engine(self.stage)
         self._interrupt, self._callback_error = False, None
@@ -371,7 +376,10 @@ class PipeFusionPipelineBase:
         span = self._tracer.span if self._tracer is not None else null_span
         # from here on every rank communicates: a failure anywhere stops everyone
         with self.context.monitor.guard(), span("call", CALL):
-            text = self.collectives.broadcast_tensors(recipe.encode, span)
+            if self.text_group is not None and not self.context.is_output:
+                with span("text encoder layers", CALL):
+                    self.text_group.serve()  # this rank's layers of rank 0's text-encoder calls
+            text = self.collectives.broadcast_tensors(self._encoding(recipe.encode), span)
             if recipe.encode_draws:
                 self.collectives.generator_of_rank0(recipe.generator)
             with span("prepare", CALL):
@@ -390,6 +398,20 @@ class PipeFusionPipelineBase:
         if self._callback_error is not None:  # a refused callback change: raised once every peer is done
             raise self._callback_error
         return result
+
+    def _encoding(self, encode: Callable[[], dict[str, torch.Tensor]]) -> Callable[[], dict[str, torch.Tensor]]:
+        """Rank 0's ``encode``, ending the text group's serving after it (with a split text encoder)."""
+        group = self.text_group
+        if group is None:
+            return encode
+
+        def encode_then_release() -> dict[str, torch.Tensor]:
+            try:
+                return encode()
+            finally:
+                group.done()
+
+        return encode_then_release
 
     def _check_call(self, recipe: CallRecipe) -> None:
         """Checks every family makes up front, on every rank, before any communication (diffusers makes some of

@@ -91,6 +91,13 @@ class ParallelContext:
         return self.rank == 0
 
 
+def pipeline_group_ranks(parallel: ParallelConfig, cfg_rank: int = 0, sp_rank: int = 0) -> list[int]:
+    """Global ranks of a pipeline group, by pipeline rank: CFG group ``cfg_rank``, index ``sp_rank`` of each
+    sequence-parallel group (the defaults: the group of global rank 0, which also runs a split text encoder)."""
+    pp, sp = parallel.pipefusion_degree, parallel.sequence_degree
+    return [(cfg_rank * pp + p) * sp + sp_rank for p in range(pp)]
+
+
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
     """The world must have exactly the ranks the parallel degrees multiply to (the one home of this rule)."""
     others = parallel.cfg_degree * parallel.sequence_degree  # ranks per PipeFusion rank
@@ -237,7 +244,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     rank = dist.get_rank() if dist.is_initialized() else 0
     sp = parallel.sequence_degree
     cfg_rank, pipe_rank, sp_rank = rank // (pp * sp), rank // sp % pp, rank % sp
-    all_pipes = [[(c * pp + p) * sp + s for p in range(pp)] for c in range(cfg) for s in range(sp)]
+    all_pipes = [pipeline_group_ranks(parallel, c, s) for c in range(cfg) for s in range(sp)]
     all_sp = [[(c * pp + p) * sp + s for s in range(sp)] for c in range(cfg) for p in range(pp)]
     cfg_peer = None if cfg == 1 else (rank + pp * sp) % (2 * pp * sp)
     channels = cfg_channels = sp_channels = world_channels = None

@@ -193,21 +193,71 @@ _CHAT_TEMPLATES = {
 }
 
 
-def _text_encoder(kind: str, width: int, tokenizer, seed: int):
-    """The text encoder of ``width``, as deep as the deepest layer the pipeline reads, one head a layer: a
-    ``Mistral3ForConditionalGeneration`` (with a tiny Pixtral vision tower the text path never runs) or a
-    ``Qwen3ForCausalLM``."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+# The released text encoders' configs (their config.json, less what does not change a weight's shape): Mistral Small
+# 3.x (24 B, with its Pixtral vision tower, FLUX.2 [dev]'s) and Qwen3-4B / Qwen3-8B (FLUX.2 [klein] 4B / 9B's).
+_QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "num_hidden_layers": 36,
+          "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6}  # fmt: skip
+_RELEASED_TEXT_ENCODERS: dict[str, dict[str, Any]] = {
+    "flux2-dev": {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": {
+            "model_type": "mistral",
+            "hidden_size": 5120,
+            "intermediate_size": 32768,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 131072,
+            "rope_theta": 1e9,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+        },  # fmt: skip
+        "vision_config": {
+            "model_type": "pixtral",
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "head_dim": 64,
+            "image_size": 1540,
+            "patch_size": 14,
+        },  # fmt: skip
+        "spatial_merge_size": 2,
+        "multimodal_projector_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "flux2-klein-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
+    "flux2-klein-9b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
+}
+
+
+def preset_text_encoder_configs(preset: str) -> dict[str, dict[str, Any]]:
+    """``{component: its transformers config.json}`` of a preset's text encoders (``xfuse plan`` counts them): the
+    released ones for the released shapes, the built ones for the others."""
+    if preset in _RELEASED_TEXT_ENCODERS:
+        return {"text_encoder": _RELEASED_TEXT_ENCODERS[preset]}
+    kind = PRESETS[preset].get("text_encoder", "mistral")
+    width = PRESETS[preset]["joint_attention_dim"] // len(_TEXT_LAYERS[kind])
+    config = _text_encoder_config(kind, width, _tokenizer(kind))
+    return {"text_encoder": {**config.to_dict(), "architectures": [_TEXT_ENCODER_CLASSES[kind]]}}
+
+
+_TEXT_ENCODER_CLASSES = {"mistral": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _text_encoder_config(kind: str, width: int, tokenizer):
+    """The built text encoder's config: ``width`` wide, as deep as the deepest layer the pipeline reads, one head a
+    layer; Mistral 3 with a tiny Pixtral vision tower the text path never runs, or Qwen3."""
+    from transformers import Mistral3Config, Qwen3Config
 
     layers = max(_TEXT_LAYERS[kind])
     if kind == "qwen3":
-        config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, head_dim=width,
-                             num_attention_heads=1, num_key_value_heads=1, num_hidden_layers=layers,
-                             max_position_embeddings=_MAX_LENGTH, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-        with seeded(seed, "text_encoder"):
-            return Qwen3ForCausalLM(config).eval()
-
+        return Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, head_dim=width,
+                           num_attention_heads=1, num_key_value_heads=1, num_hidden_layers=layers,
+                           max_position_embeddings=_MAX_LENGTH, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     text = {"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
             "head_dim": width, "num_attention_heads": 1, "num_key_value_heads": 1,
             "num_hidden_layers": layers, "max_position_embeddings": _MAX_LENGTH, "rms_norm_eps": 1e-5,
@@ -215,10 +265,18 @@ def _text_encoder(kind: str, width: int, tokenizer, seed: int):
             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
     vision = {"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1,
               "intermediate_size": 16, "image_size": 32, "patch_size": 16, "num_channels": 3}  # fmt: skip
-    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tokenizer.unk_token_id,
-                            vision_feature_layer=-1)  # fmt: skip
+    return Mistral3Config(text_config=text, vision_config=vision, image_token_index=tokenizer.unk_token_id,
+                          vision_feature_layer=-1)  # fmt: skip
+
+
+def _text_encoder(kind: str, width: int, tokenizer, seed: int):
+    """The built text encoder (:func:`_text_encoder_config`): a ``Mistral3ForConditionalGeneration`` or a
+    ``Qwen3ForCausalLM``."""
+    import transformers
+
+    config = _text_encoder_config(kind, width, tokenizer)
     with seeded(seed, "text_encoder"):
-        return Mistral3ForConditionalGeneration(config).eval()
+        return getattr(transformers, _TEXT_ENCODER_CLASSES[kind])(config).eval()
 
 
 def _scheduler():
