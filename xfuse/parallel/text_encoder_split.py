@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import inspect
 import types
+from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -78,6 +80,7 @@ def _shell(layer: nn.Module) -> nn.Module:
     for name, value in vars(layer).items():
         if name not in internal:
             setattr(shell, name, value)
+    shell.training = layer.training
     shell.forward = types.MethodType(lambda self, hidden_states, *a, **k: hidden_states, shell)
     return shell
 
@@ -100,7 +103,7 @@ def shard_text_encoder(encoder: nn.Module, index: int, count: int) -> range:
         if i not in owned:
             layers[i] = _shell(layers[i])
     if index > 0:
-        embeddings = decoder.get_input_embeddings()
+        embeddings: nn.Module = decoder.get_input_embeddings()  # type: ignore[operator]  # transformers' models
         dropped = {id(p) for p in embeddings.parameters()}
         kept = {id(p) for p in decoder.parameters()} - dropped
         for module in encoder.modules():
@@ -122,12 +125,15 @@ class SplitTextEncoder:
         self.encoder, self.name, self.index, self.ranks = encoder, name, index, ranks
         self.channels, self.group, self.device = channels, group, device
         self.owned = shard_text_encoder(encoder, index, len(ranks))
-        self.decoder, layers = decoder_layers(encoder)
+        self.decoder, layers = decoder_layers(encoder) or (encoder, nn.ModuleList())  # found: it was just sharded
         self.num_layers = len(layers)
         self.dtype = next(layers[self.owned.start].parameters()).dtype
         layers[self.owned[-1]].register_forward_hook(self._hand_on)
         self._sends: list = []
         self._call: dict | None = None  # rank 0: the call in flight (its arguments as sent)
+        self.serving = (
+            False  # rank 0: the group serves its calls (inside a pipeline call's encoding: TextGroup.leading)
+        )
         if index == 0:
             self.decoder.register_forward_pre_hook(self._lead, with_kwargs=True)
             self.decoder.register_forward_hook(self._complete)
@@ -155,6 +161,12 @@ class SplitTextEncoder:
 
     def _lead(self, module, args, kwargs):
         """Rank 0, before its decoder runs: the call's arguments to the group."""
+        if not self.serving:  # the other ranks are not listening: sending would only time out
+            raise RuntimeError(
+                f"{self.name} is split over ranks {self.ranks} (parallel.text_encoder: split): it runs inside the "
+                "pipeline's __call__ only, where every rank of the group runs its layers; call the pipeline, or use "
+                "parallel.text_encoder: rank0 to encode prompts on rank 0 alone"
+            )
         if args:
             raise ValueError(f"{self.name}: its decoder was called with positional arguments; split needs keywords")
         tokens = kwargs.get("inputs_embeds")
@@ -166,15 +178,17 @@ class SplitTextEncoder:
         _broadcast(self._call, self.group)
 
     def _width(self) -> int:
-        return self.decoder.get_input_embeddings().embedding_dim
+        decoder: Any = self.decoder  # a transformers model
+        return decoder.get_input_embeddings().embedding_dim
 
     def _wants_hidden(self, kwargs) -> bool:
-        wanted = kwargs.get("output_hidden_states")
-        return bool(self.decoder.config.output_hidden_states if wanted is None else wanted)
+        wanted, decoder = kwargs.get("output_hidden_states"), cast(Any, self.decoder)
+        return bool(decoder.config.output_hidden_states if wanted is None else wanted)
 
     def _complete(self, module, args, output):
         """Rank 0, after its decoder ran: the other ranks' layer outputs and the final output put in its output."""
         call, self._call = self._call, None
+        assert call is not None, "a decoder output without its call"  # _lead ran before this decoder forward
         self._finish_sends()
         shape = call["shape"]
         hidden = list(output.hidden_states) if call["hidden_states"] and output.hidden_states is not None else None
@@ -215,14 +229,24 @@ def _broadcast(payload, group: dist.ProcessGroup):
 
 class TextGroup:
     """Every split text encoder of a pipeline on one rank of the text group: rank 0 leads (its encoders' hooks send
-    each call; :meth:`done` ends a request's encoding), the others :meth:`serve` until it does."""
+    each call inside :meth:`leading`, which ends a request's encoding), the others :meth:`serve` until it ends."""
 
     def __init__(self, encoders: dict[str, SplitTextEncoder], index: int, group: dist.ProcessGroup):
         self.encoders, self.index, self.group = encoders, index, group
 
-    def done(self) -> None:
-        """Rank 0, after the request's prompts are encoded (or failed to be)."""
-        _broadcast(_DONE, self.group)
+    @contextmanager
+    def leading(self):
+        """Rank 0, around a request's encoding: its encoders' calls are sent to the group, which is released after
+        (also when the encoding fails: the others then stop at the call's next collective, told by the failure
+        monitor)."""
+        for encoder in self.encoders.values():
+            encoder.serving = True
+        try:
+            yield
+        finally:
+            for encoder in self.encoders.values():
+                encoder.serving = False
+            _broadcast(_DONE, self.group)
 
     def serve(self) -> None:
         """A rank other than 0: run rank 0's text-encoder calls until it is done encoding this request."""

@@ -182,8 +182,8 @@ def format_ranking(config: XfuseConfig, world: int, where: Machine, top: int = 1
         f"{'layout':<38} {'predicted':>9} {'loop':>8} {'compute':>8} {'SP comm':>8} {'waiting':>8}  (seconds; "
         "compute and SP comm: the busiest rank's)",
     ]
-    memory = where.device.memory is not None
-    if memory:
+    memory = where.device.memory
+    if memory is not None:
         lines[-1] = lines[-1].replace("  (seconds;", f" {'text enc':>8} {'busiest':>8}  (seconds;", 1)
     for r in ranked[:top]:
         p = r.prediction
@@ -197,12 +197,12 @@ def format_ranking(config: XfuseConfig, world: int, where: Machine, top: int = 1
         lines.append(f"... {len(ranked) - top} more")
     for reason in refused:
         lines.append(f"refused: {reason}")
-    if memory:
+    if memory is not None:
         lines.append(
             f"memory per rank (busiest: GiB the layout's busiest rank holds): transformer weights, stale K/V, text "
             f"encoders placed by parallel.text_encoder ({config.parallel.text_encoder}; text enc: rank0, split over "
             f"the pipeline group, or offload) and the VAE, in bf16, against {where.device.name}'s "
-            f"{where.device.memory / 2**30:.1f} GiB; activations not counted (xfuse.perf.memory)"
+            f"{memory / 2**30:.1f} GiB; activations not counted (xfuse.perf.memory)"
         )
     if ranked:
         best = ranked[0]

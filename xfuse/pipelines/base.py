@@ -406,10 +406,8 @@ class PipeFusionPipelineBase:
             return encode
 
         def encode_then_release() -> dict[str, torch.Tensor]:
-            try:
+            with group.leading():
                 return encode()
-            finally:
-                group.done()
 
         return encode_then_release
 
