@@ -51,3 +51,13 @@ def pipeline_transformers(folder: str) -> tuple[str, ...]:
     each."""
     second = component_class(folder, "transformer_2")
     return ("transformer", "transformer_2") if second is not None else ("transformer",)
+
+
+def text_encoder_components(folder: str) -> list[str]:
+    """A diffusers folder's text encoders that are transformers models, as its ``model_index.json`` lists them
+    (``text_encoder``, ``text_encoder_2``, ...)."""
+    index = os.path.join(resolve_model(folder), "model_index.json")
+    with open(index) as f:
+        entries = json.load(f)
+    return [name for name, entry in entries.items()
+            if name.startswith("text_encoder") and isinstance(entry, list) and entry[0] == "transformers"]  # fmt: skip

@@ -14,7 +14,13 @@ import os
 from xfuse.errors import ConfigError
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux2.spec import FLUX2, FLUX2_KLEIN
-from xfuse.families.folder import SHIPPED_MODELS, folder_config, pipeline_transformers, resolve_model
+from xfuse.families.folder import (
+    SHIPPED_MODELS,
+    folder_config,
+    pipeline_transformers,
+    resolve_model,
+    text_encoder_components,
+)
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
@@ -111,12 +117,8 @@ def text_encoder_configs(model: str) -> dict[str, dict] | None:
         builders = _family(model).preset_builders()
         describe = getattr(builders, "preset_text_encoder_configs", None)
         return None if describe is None else describe(model)
-    folder = resolve_model(model)
-    with open(os.path.join(folder, "model_index.json")) as f:
-        index = json.load(f)
-    names = [name for name, entry in index.items()
-             if name.startswith("text_encoder") and isinstance(entry, list) and entry[0] == "transformers"]  # fmt: skip
-    return {name: folder_config(folder, name) for name in names if folder_config(folder, name) is not None}
+    configs = {name: folder_config(model, name) for name in text_encoder_components(model)}
+    return {name: config for name, config in configs.items() if config is not None}
 
 
 def transformer_count(model: str) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from xfuse.config import RuntimeConfig, XfuseConfig, cache_config, comm_config, parallel_config
-from xfuse.pipelines.text_placement import loads_text_encoders, text_placement
+from xfuse.pipelines.text_placement import load_text_shares, text_placement
 from xfuse.runtime.world import init_parallel
 from xfuse.types import DTYPES
 
@@ -69,8 +69,6 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
-    if loads_text_encoders(context, text_placement(config, context.device)):  # a split text encoder's ranks
-        skip = {name: None for name in skip if not name.startswith("text_encoder")}
     diffusers_class = getattr(diffusers, cls.diffusers_name())
     model_class = getattr(diffusers, cls.spec.diffusers_transformer)
     transformer = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
@@ -91,6 +89,9 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
         **skip,
         **kwargs,
     )
+    # A split text encoder's other ranks read it in turn, each keeping only its share before the next reads.
+    load_text_shares(pipeline, pretrained_model_name_or_path, context, text_placement(config, context.device),
+                     torch_dtype)  # fmt: skip
     stage = stages.pop("transformer")
     return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"))
 

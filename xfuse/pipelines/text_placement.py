@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
-from xfuse.parallel.text_encoder_split import SplitTextEncoder, TextGroup, splittable
+from xfuse.parallel.text_encoder_split import SplitTextEncoder, TextGroup, shard_text_encoder, splittable
 from xfuse.runtime.world import ParallelContext, pipeline_group_ranks
 
 
@@ -54,6 +54,33 @@ def loads_text_encoders(context: ParallelContext, placement: str) -> bool:
         return True
     parallel = context.config.parallel
     return placement == "split" and context.rank in pipeline_group_ranks(parallel)
+
+
+def load_text_shares(pipeline, folder: str, context: ParallelContext, placement: str, dtype: torch.dtype) -> None:
+    """``from_pretrained``'s text encoders on the ranks of a split other than rank 0 (which loads them with the
+    pipeline): one rank at a time reads each from ``folder`` and keeps only its share (``shard_text_encoder``) before
+    the next reads, so the host holds one whole text encoder at a time, not one per rank (a 24 B encoder is 45 GiB).
+    Collective with ``split`` over more than one pipeline rank: every rank of the world takes part in each turn."""
+    ranks = pipeline_group_ranks(context.config.parallel)
+    if placement != "split" or len(ranks) == 1:
+        return
+    import transformers
+
+    from xfuse.families.folder import component_class, text_encoder_components
+
+    index = ranks.index(context.rank) if context.rank in ranks else None
+    names = text_encoder_components(folder)
+    for turn in range(1, len(ranks)):
+        dist.barrier(group=context.control_group)
+        if index != turn:
+            continue
+        for name in names:
+            model_class = getattr(transformers, component_class(folder, name))
+            module = model_class.from_pretrained(folder, subfolder=name, dtype=dtype, local_files_only=True).eval()
+            if splittable(module):  # else it stays whole on rank 0: this rank drops it
+                shard_text_encoder(module, index, len(ranks))
+                setattr(pipeline, name, module)
+    dist.barrier(group=context.control_group)
 
 
 def place_text_encoders(pipeline, context: ParallelContext, placement: str) -> TextGroup | None:
