@@ -8,13 +8,7 @@ import torch
 
 from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
-from xfuse.families.registry import (
-    model_spec,
-    text_encoder_configs,
-    transformer_config,
-    transformer_count,
-    vae_config,
-)
+from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
@@ -387,8 +381,7 @@ def _memory_lines(r: PlanReport) -> list[str]:
     for rank in m.ranks:
         lines.append(f"{rank.pipe_rank:>4}  {_mib(rank.param_bytes):>12} {_mib(rank.kv_bytes):>12} "
                      f"{_mib(rank.text_bytes):>12} {_mib(rank.vae_bytes):>12} {_mib(rank.total):>12}")  # fmt: skip
-    described = text_encoder_configs(r.config.model) is not None
-    text = m.words(r.config.parallel.text_encoder) if described else "text encoders: not described for this model"
+    text = m.words(r.config.parallel.text_encoder)
     if r.device_memory is None:
         lines.append(f"{text}; the device's memory is not known here (give --device): activations not counted")
     else:

@@ -110,7 +110,7 @@ def test_split_shares_add_up_to_the_encoder_and_each_rank_s_norm():
 
 def test_auto_keeps_text_encoders_on_rank0_where_they_fit_and_where_memory_is_unknown():
     """FLUX.2 [klein] 4B (8 GiB text encoder) fits whole beside its transformer on an 80 GB H100; the CPU's memory
-    is not limited; a model whose text encoders are not described counts none."""
+    is not limited."""
     config = _config("flux2-klein-4b", pipefusion_degree=2)
     work = workload(config)
     assert place_text(config.model, work, config.parallel, torch.bfloat16, DEVICES["h100"].memory).text == "rank0"
@@ -118,9 +118,18 @@ def test_auto_keeps_text_encoders_on_rank0_where_they_fit_and_where_memory_is_un
     assert DEVICES["cpu"].memory is None
     ranked, refused = rank_layouts(_config("flux2-small"), 2, machine("cpu", "gloo", 2))
     assert ranked and not [r for r in refused if "does not fit" in r]
-    assert (
-        text_encoder_configs("flux-dev") is None and text_encoder_bytes("flux-dev", "rank0", 2, torch.float32) is None
-    )
+
+
+def test_text_encoders_that_cannot_split_stay_whole_on_rank_0():
+    """FLUX.1 [dev]'s CLIP-L and T5-XXL (4.76 B: the released shape, counted from its published config) cannot be split
+    by layers: ``split`` leaves them whole on rank 0, as ``rank0`` does; ``offload`` keeps T5's largest module, its
+    32128 x 4096 embedding table."""
+    configs = text_encoder_configs("flux-dev")
+    assert [c["architectures"][0] for c in configs.values()] == ["CLIPTextModel", "T5EncoderModel"]
+    whole = text_encoder_bytes("flux-dev", "rank0", 4, torch.bfloat16)
+    assert text_encoder_bytes("flux-dev", "split", 4, torch.bfloat16) == whole
+    assert whole[0] == pytest.approx(2 * (4.762e9 + 0.123e9), rel=1e-3)
+    assert text_encoder_bytes("flux-dev", "offload", 4, torch.bfloat16)[0] == 2 * 32128 * 4096
 
 
 def test_a_model_that_fits_everywhere_loses_no_layout():

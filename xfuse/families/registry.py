@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from functools import cache
 
 from xfuse.errors import ConfigError
 from xfuse.families.flux.spec import FLUX
@@ -109,16 +110,22 @@ def vae_config(model: str) -> dict | None:
     return folder_config(model, "vae")
 
 
-def text_encoder_configs(model: str) -> dict[str, dict] | None:
+def text_encoder_configs(model: str) -> dict[str, dict]:
     """``{component: transformers config.json}`` of ``model``'s text encoders, without loading weights: a folder's
-    ``text_encoder*/config.json``, or a preset's (its family's ``presets.preset_text_encoder_configs``); ``None`` where
-    a preset's family does not describe them."""
+    ``text_encoder*/config.json``; a released-shape preset's released ones (its family's
+    ``presets.RELEASED_TEXT_ENCODERS``); another preset's own small ones, read from the preset built once."""
     if model in PRESET_MODELS:
-        builders = _family(model).preset_builders()
-        describe = getattr(builders, "preset_text_encoder_configs", None)
-        return None if describe is None else describe(model)
+        released = getattr(_family(model).preset_builders(), "RELEASED_TEXT_ENCODERS", {})
+        return released[model] if model in released else _built_text_encoder_configs(model)
     configs = {name: folder_config(model, name) for name in text_encoder_components(model)}
     return {name: config for name, config in configs.items() if config is not None}
+
+
+@cache
+def _built_text_encoder_configs(preset: str) -> dict[str, dict]:
+    from xfuse.families.common.text_encoders import built_text_encoder_configs
+
+    return built_text_encoder_configs(_family(preset).build_preset_pipeline(preset))
 
 
 def transformer_count(model: str) -> int:

@@ -60,10 +60,11 @@ def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[
     """(parameters each pipeline rank's device holds of ``model``'s text encoders under ``placement``, the encoders
     that stay whole on rank 0 under ``split``)."""
     counts, whole = [0] * pipe_degree, []
-    for name, config in (text_encoder_configs(model) or {}).items():
+    for name, config in text_encoder_configs(model).items():
         encoder = _meta_text_encoder(config)
-        if placement == "offload":  # accelerate's cpu_offload: each module's own weights on the device while it runs
-            counts[0] += max(sum(p.numel() for p in m.parameters(recurse=False)) for m in encoder.modules())
+        if placement == "offload":  # accelerate's cpu_offload: one module's own weights on the device while it runs
+            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in encoder.modules())
+            counts[0] = max(counts[0], largest)
             continue
         found = decoder_layers(encoder)
         if placement == "rank0" or pipe_degree == 1 or found is None or len(found[1]) < pipe_degree:
@@ -77,12 +78,9 @@ def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[
     return tuple(counts), tuple(whole)
 
 
-def text_encoder_bytes(model: str, placement: str, pipe_degree: int, dtype: torch.dtype) -> dict[int, int] | None:
+def text_encoder_bytes(model: str, placement: str, pipe_degree: int, dtype: torch.dtype) -> dict[int, int]:
     """Bytes of ``model``'s text-encoder weights on each pipeline rank's device under ``placement`` (``rank0``,
-    ``split`` or ``offload``; ``split`` over ``pipe_degree`` ranks); ``None`` where the model's text encoders are not
-    described (a preset whose family has no ``preset_text_encoder_configs``)."""
-    if text_encoder_configs(model) is None:
-        return None
+    ``split`` or ``offload``; ``split`` over ``pipe_degree`` ranks)."""
     element = torch.empty((), dtype=dtype).element_size()
     counts, _ = _text_encoder_counts(model, placement, pipe_degree)
     return {rank: n * element for rank, n in enumerate(counts)}
@@ -147,7 +145,7 @@ def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: 
                                      batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
                                      experts=transformer_count(model))  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
-    texts = text_encoder_bytes(model, text, plan.degree, dtype) or {}
+    texts = text_encoder_bytes(model, text, plan.degree, dtype)
     world = plan.degree * sp * parallel.cfg_degree
     vae = vae_weight_bytes(model, dtype)
     every = vae_on_every_rank(parallel, world)

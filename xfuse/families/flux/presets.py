@@ -38,6 +38,7 @@ from xfuse.families.common.presets import (
     tiny_vae,
     tiny_vae_config,
 )
+from xfuse.families.common.text_encoders import CLIP_L, T5_XXL
 
 # The T5 tokenizer's limit in the released repositories, and FluxPipeline's default max_sequence_length.
 _T5_MAX_LENGTH = 512
@@ -108,6 +109,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Default image size in pixels of each preset (not in the transformer config: FLUX has no sample_size).
 DEFAULT_SIZE: dict[str, int] = {name: preset["default_size"] for name, preset in PRESETS.items()}
+
+
+# The released-shape presets' text encoders (FLUX.1's CLIP-L and T5-XXL's encoder), for xfuse plan's memory (the small
+# presets' are the built ones).
+RELEASED_TEXT_ENCODERS: dict[str, dict[str, dict[str, Any]]] = {
+    **dict.fromkeys(("flux-dev", "flux-schnell"), {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL})
+}
 
 
 def preset_transformer_config(preset: str = "flux-tiny") -> dict[str, Any]:

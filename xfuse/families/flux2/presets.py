@@ -33,6 +33,7 @@ from typing import Any
 
 from xfuse.errors import ConfigError
 from xfuse.families.common.presets import seeded, tiny_vae_config
+from xfuse.families.common.text_encoders import MISTRAL_SMALL_3, QWEN3_4B, QWEN3_8B
 
 # The pipelines' defaults: the text is padded to 512 tokens and the hidden states of these layers are stacked
 # (Flux2Pipeline's Mistral, Flux2KleinPipeline's Qwen3).
@@ -193,56 +194,12 @@ _CHAT_TEMPLATES = {
 }
 
 
-# The released text encoders' configs (their config.json, less what does not change a weight's shape): Mistral Small
-# 3.x (24 B, with its Pixtral vision tower, FLUX.2 [dev]'s) and Qwen3-4B / Qwen3-8B (FLUX.2 [klein] 4B / 9B's).
-_QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "num_hidden_layers": 36,
-          "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6}  # fmt: skip
-_RELEASED_TEXT_ENCODERS: dict[str, dict[str, Any]] = {
-    "flux2-dev": {
-        "model_type": "mistral3",
-        "architectures": ["Mistral3ForConditionalGeneration"],
-        "text_config": {
-            "model_type": "mistral",
-            "hidden_size": 5120,
-            "intermediate_size": 32768,
-            "num_hidden_layers": 40,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "vocab_size": 131072,
-            "rope_theta": 1e9,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-        },  # fmt: skip
-        "vision_config": {
-            "model_type": "pixtral",
-            "hidden_size": 1024,
-            "intermediate_size": 4096,
-            "num_hidden_layers": 24,
-            "num_attention_heads": 16,
-            "head_dim": 64,
-            "image_size": 1540,
-            "patch_size": 14,
-        },  # fmt: skip
-        "spatial_merge_size": 2,
-        "multimodal_projector_bias": False,
-        "tie_word_embeddings": False,
-    },
-    "flux2-klein-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
-    "flux2-klein-9b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
+# The released text encoders: Mistral Small 3.x (FLUX.2 [dev]'s), Qwen3-4B / Qwen3-8B ([klein] 4B / 9B's).
+RELEASED_TEXT_ENCODERS: dict[str, dict[str, dict[str, Any]]] = {
+    "flux2-dev": {"text_encoder": MISTRAL_SMALL_3},
+    "flux2-klein-4b": {"text_encoder": QWEN3_4B},
+    "flux2-klein-9b": {"text_encoder": QWEN3_8B},
 }
-
-
-def preset_text_encoder_configs(preset: str) -> dict[str, dict[str, Any]]:
-    """``{component: its transformers config.json}`` of a preset's text encoders (``xfuse plan`` counts them): the
-    released ones for the released shapes, the built ones for the others."""
-    if preset in _RELEASED_TEXT_ENCODERS:
-        return {"text_encoder": _RELEASED_TEXT_ENCODERS[preset]}
-    kind = PRESETS[preset].get("text_encoder", "mistral")
-    width = PRESETS[preset]["joint_attention_dim"] // len(_TEXT_LAYERS[kind])
-    config = _text_encoder_config(kind, width, _tokenizer(kind))
-    return {"text_encoder": {**config.to_dict(), "architectures": [_TEXT_ENCODER_CLASSES[kind]]}}
-
 
 _TEXT_ENCODER_CLASSES = {"mistral": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM"}
 

@@ -43,6 +43,7 @@ from xfuse.families.common.presets import (
     tiny_vae,
     tiny_vae_config,
 )
+from xfuse.families.common.text_encoders import CHINESE_ROBERTA_LARGE, MT5_XL
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 
 if TYPE_CHECKING:
@@ -164,6 +165,13 @@ _VAE_SCALE_FACTOR = HUNYUANDIT.vae_scale_factor
 
 # Prompt lengths the pipeline pads to; recorded as the tokenizers' `model_max_length`.
 _BERT_MAX_LENGTH, _T5_MAX_LENGTH = HUNYUANDIT.text_lengths
+
+
+# The released-shape presets' text encoders (HunyuanDiT's Chinese RoBERTa-wwm-ext-large (BERT) and mT5-XL's encoder),
+# for xfuse plan's memory (the small presets' are the built ones).
+RELEASED_TEXT_ENCODERS: dict[str, dict[str, dict[str, Any]]] = {
+    "dit-g2": {"text_encoder": CHINESE_ROBERTA_LARGE, "text_encoder_2": MT5_XL}
+}
 
 
 def _check_preset(preset: str) -> dict[str, Any]:

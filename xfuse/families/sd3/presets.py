@@ -33,6 +33,7 @@ from xfuse.families.common.presets import (
     tiny_vae,
     tiny_vae_config,
 )
+from xfuse.families.common.text_encoders import CLIP_G_PROJECTION, CLIP_L_PROJECTION, T5_XXL
 
 # Pixels per latent row/column: AutoencoderKL with four levels (three 2x downsamplings), as the released VAE.
 _VAE_SCALE_FACTOR = 8
@@ -132,6 +133,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Default image size in pixels of each preset (the pipeline's default is ``sample_size * vae_scale_factor``).
 DEFAULT_SIZE: dict[str, int] = {name: preset["default_size"] for name, preset in PRESETS.items()}
+
+
+# The released-shape presets' text encoders (SD3 / SD3.5's CLIP-L and OpenCLIP bigG (with projections) and T5-XXL's
+# encoder), for xfuse plan's memory (the small presets' are the built ones).
+_SD3_TEXT = {"text_encoder": CLIP_L_PROJECTION, "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL}
+RELEASED_TEXT_ENCODERS: dict[str, dict[str, dict[str, Any]]] = {
+    **dict.fromkeys(("sd3-medium", "sd3.5-medium", "sd3.5-large"), _SD3_TEXT)
+}
 
 
 def _check_preset(preset: str) -> dict[str, Any]:

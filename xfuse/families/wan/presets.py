@@ -37,6 +37,7 @@ from typing import Any
 
 from xfuse.errors import ConfigError
 from xfuse.families.common.presets import seeded, t5_encoder, t5_vocab
+from xfuse.families.common.text_encoders import UMT5_XXL
 
 # WanPipeline's default max_sequence_length: prompts are cut to, and their states zero-padded to, 512 tokens.
 _T5_MAX_LENGTH = 512
@@ -157,6 +158,15 @@ PRESETS["wan2.2-ti2v-tiny"] = {**PRESETS["wan-tiny"], "in_channels": 8, **_TI2V}
 # Default video size of each preset: (height, width, num_frames) (not in the transformer config: Wan has no
 # sample_size).
 DEFAULT_SIZE: dict[str, tuple[int, int, int]] = {name: preset["default_size"] for name, preset in PRESETS.items()}
+
+
+# The released-shape presets' text encoders (Wan 2.1 / 2.2's UMT5-XXL encoder), for xfuse plan's memory (the small
+# presets' are the built ones).
+RELEASED_TEXT_ENCODERS: dict[str, dict[str, dict[str, Any]]] = {
+    **dict.fromkeys(
+        ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-t2v-a14b", "wan2.2-ti2v-5b"), {"text_encoder": UMT5_XXL}
+    )
+}
 
 
 def preset_transformer_config(preset: str = "wan-tiny") -> dict[str, Any]:
