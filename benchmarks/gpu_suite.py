@@ -26,7 +26,9 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
    NCCL_SHM_DISABLE=1``, sockets on loopback), so NCCL may treat the ranks as separate hosts. First NCCL alone
    (``benchmarks/gpu_nccl_probe.py``: collectives and batched P2P without xfuse), then xfuse. If it starts: exact mode
    at degrees 2 and 4 against degree 1 (the PNGs compared), a killed rank and a stalled rank (every rank's exit code,
-   the time to the end, the reports); if not, what NCCL said.
+   the time to the end, the reports); if not, what NCCL said. With the first degree also the text encoder's
+   placements on CUDA (``parallel.text_encoder``): FLUX.2 [klein]'s tiny Qwen3 split over the ranks and offloaded,
+   each against it kept on rank 0.
 
 ``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
 
@@ -188,6 +190,9 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
                 "identical": bool((image == reference).all()),
             }
             progress(result)
+            if degree == degrees[0]:
+                result.update(text_encoder_placements(tmp, steps, degree, env))
+                progress(result)
             for fault, timeout_s in (("kill", 30), ("stall", 5)):
                 faulty = {**env, "XFUSE_FAULT": f"{fault}:1:2"}
                 rc, wall, err = _generate(
@@ -201,6 +206,27 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
                 }
                 progress(result)
     return result
+
+
+def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dict:
+    """``parallel.text_encoder`` over NCCL and CUDA: FLUX.2 [klein]'s Qwen3 split over ``degree`` ranks and offloaded
+    (accelerate's ``cpu_offload``) at degree 1, each against the text encoder kept on rank 0 (the PNGs compared)."""
+    import numpy as np
+    from PIL import Image
+
+    sets = ["model=flux2-klein-tiny", "parallel.placement=linear", f"parallel.warmup_steps={steps}",
+            f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}"]  # fmt: skip
+    runs = {"text_rank0": (1, "rank0"), "text_offload": (1, "offload"), f"text_split_pp{degree}": (degree, "split")}
+    rows: dict = {}
+    for name, (ranks, placement) in runs.items():
+        png = f"{tmp}/{name}.png"
+        rc, wall, out = _generate(ranks, png, steps, [*sets, f"parallel.text_encoder={placement}"], env,
+                                  LAUNCH_TIMEOUT_S)  # fmt: skip
+        rows[name] = {"rc": rc, "seconds": wall} if rc == 0 else {"rc": rc, "output": out[-2000:]}
+        if rc == 0 and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:
+            image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
+            rows[name]["max_abs_pixel_diff_vs_rank0"] = int(np.abs(image - reference).max())
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- report

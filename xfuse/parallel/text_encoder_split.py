@@ -146,7 +146,7 @@ class SplitTextEncoder:
     def _hand_on(self, module, args, output) -> None:
         """After this rank's last layer: its output to the next rank."""
         if not self.last:
-            send = Send(self.ranks[self.index + 1], "text", output.contiguous(), None, None)
+            send = Send(self.ranks[self.index + 1], "text-encoder", output.contiguous(), None, None)
             self._sends += self.channels.exchange([send])[0]
 
     def _recv(self, peer: int, kind: str, shape: tuple) -> torch.Tensor:
@@ -195,10 +195,10 @@ class SplitTextEncoder:
         for index in range(1, len(self.ranks)):
             layers = layer_share(self.num_layers, index, len(self.ranks))
             if hidden is not None:
-                stacked = self._recv(self.ranks[index], "text-layers", (len(layers), *shape))
+                stacked = self._recv(self.ranks[index], "text-encoder-layers", (len(layers), *shape))
                 for i, layer in enumerate(layers):
                     hidden[layer + 1] = stacked[i]  # hidden_states[0] are the embeddings
-        final = self._recv(self.ranks[-1], "text-out", shape)
+        final = self._recv(self.ranks[-1], "text-encoder-out", shape)
         output.last_hidden_state = final
         if hidden is not None:
             output.hidden_states = tuple(hidden)
@@ -207,16 +207,16 @@ class SplitTextEncoder:
     def serve_one(self, call: dict) -> None:
         """A rank other than 0: run its layers for one of rank 0's calls."""
         shape = call["shape"]
-        hidden = self._recv(self.ranks[self.index - 1], "text", shape)
+        hidden = self._recv(self.ranks[self.index - 1], "text-encoder", shape)
         arguments = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in call["arguments"].items()}
         with torch.no_grad():
             output = self.decoder(input_ids=None, inputs_embeds=hidden, **arguments)
         sends = []
         if call["hidden_states"]:
             stacked = torch.stack([output.hidden_states[i + 1] for i in self.owned]).contiguous()
-            sends.append(Send(self.ranks[0], "text-layers", stacked, None, None))
+            sends.append(Send(self.ranks[0], "text-encoder-layers", stacked, None, None))
         if self.last:
-            sends.append(Send(self.ranks[0], "text-out", output.last_hidden_state.contiguous(), None, None))
+            sends.append(Send(self.ranks[0], "text-encoder-out", output.last_hidden_state.contiguous(), None, None))
         self._sends += self.channels.exchange(sends)[0]
         self._finish_sends()
 
