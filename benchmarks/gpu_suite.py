@@ -223,6 +223,7 @@ def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dic
         rc, wall, out = _generate(ranks, png, steps, [*sets, f"parallel.text_encoder={placement}"], env,
                                   LAUNCH_TIMEOUT_S)  # fmt: skip
         rows[name] = {"rc": rc, "seconds": wall} if rc == 0 else {"rc": rc, "output": out[-2000:]}
+        rows[name]["peaks"] = [line.strip() for line in out.splitlines() if "peak" in line][:8]  # each rank's memory
         if rc == 0 and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:
             image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
             rows[name]["max_abs_pixel_diff_vs_rank0"] = int(np.abs(image - reference).max())

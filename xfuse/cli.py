@@ -294,7 +294,7 @@ def cmd_generate(args) -> int:
             f"wrote {output}: {what}, {gen.num_inference_steps} steps in "
             f"{wall:.2f} s on {config.world_size} rank(s) (pipefusion {par.pipefusion_degree} x cfg "
             f"{par.cfg_degree}, {pipe.plan.placement}, {par.resolved_num_patches} patches, warm-up "
-            f"{par.warmup_steps}; VAE decode on {pipe.decode_ranks} rank(s))"
+            f"{par.warmup_steps}; VAE decode on {pipe.decode_ranks} rank(s); text encoders {pipe.text_placement})"
         )
         for rank, stat in enumerate(stats):
             sent = stat["sent"]

@@ -166,6 +166,24 @@ def test_generate_with_ulysses_under_torchrun_draws_the_degree_1_image(tmp_path)
     assert a.shape == b.shape and np.abs(a - b).max() <= 1
 
 
+def test_generate_with_the_text_encoder_split_draws_the_same_image(tmp_path):
+    """``parallel.text_encoder: split`` from the command line (a preset: ``from_pipe`` shards the loaded encoder):
+    FLUX.2 [klein]'s Qwen3 over the two pipeline ranks, its messages in the summary, the PNG of the encoder kept on
+    rank 0 bit for bit; the summary names the placement."""
+    common = ["--config", "configs/tiny/pp2.yaml", "--set", "model=flux2-klein-tiny", "--set",
+              "parallel.placement=linear", "--set", "generation.num_inference_steps=2", "--set",
+              "parallel.warmup_steps=2"]  # fmt: skip
+    runs = {}
+    for placement in ("rank0", "split"):
+        runs[placement] = torchrun("-m", "xfuse", "generate", *common, "--set", f"parallel.text_encoder={placement}",
+                                   "--output", str(tmp_path / f"{placement}.png"))  # fmt: skip
+        assert runs[placement].returncode == 0, runs[placement].stderr[-3000:]
+        assert f"; text encoders {placement})" in runs[placement].stdout
+    assert "text-encoder-layers" in runs["split"].stdout and "text-encoder" not in runs["rank0"].stdout
+    a, b = (np.asarray(Image.open(tmp_path / f"{name}.png")) for name in ("rank0", "split"))
+    assert np.array_equal(a, b)
+
+
 def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
     target = tmp_path / "pp2.png"
     out = torchrun(
@@ -397,13 +415,13 @@ def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_mem
               "--set", "generation.height=512", "--set", "generation.width=512"]  # fmt: skip
     bands = torchrun("-m", "xfuse", "generate", *common, "--output", str(tmp_path / "bands.png"))
     assert bands.returncode == 0, bands.stderr[-3000:]
-    assert "; VAE decode on 2 rank(s))" in bands.stdout
+    assert "; VAE decode on 2 rank(s); text encoders rank0)" in bands.stdout
     for rank in (0, 1):
         line = next(line for line in bands.stdout.splitlines() if line.startswith(f"  rank {rank} sent"))
         assert "vae halo" in line and "vae kv" in line and re.search(r"peak RSS \d+ MiB", line), line
     alone = torchrun("-m", "xfuse", "generate", *common, "--set", "parallel.vae_parallel=off",
                      "--output", str(tmp_path / "alone.png"))  # fmt: skip
     assert alone.returncode == 0, alone.stderr[-3000:]
-    assert "; VAE decode on 1 rank(s))" in alone.stdout and "vae halo" not in alone.stdout
+    assert "; VAE decode on 1 rank(s); text encoders rank0)" in alone.stdout and "vae halo" not in alone.stdout
     a, b = (np.asarray(Image.open(tmp_path / name)).astype(int) for name in ("bands.png", "alone.png"))
     assert a.shape == b.shape == (512, 512, 3) and np.abs(a - b).max() <= 1
