@@ -114,13 +114,14 @@ def _command_overrides(args) -> list[str]:
 
 def _auto_args(parser: argparse.ArgumentParser, *, plan: bool) -> None:
     """The options that pick the layout by the performance model (``xfuse.perf.planner``)."""
-    from xfuse.perf.hardware import DEVICES, LINK_KINDS
+    from xfuse.perf.hardware import DEVICE_ALIASES, DEVICES, LINK_KINDS
 
     what = "rank every layout of --gpus devices" if plan else "run the layout the performance model ranks first"
     parser.add_argument("--auto", action="store_true", help=f"{what} (replaces the config's parallel degrees)")
     parser.add_argument("--link", choices=LINK_KINDS, help="between the devices of a node (default: gloo on a CPU, "
                         "nvlink for A100/H100, pcie for L40)")  # fmt: skip
-    parser.add_argument("--device", choices=sorted(DEVICES), help="the device kind (default: this machine's)")
+    parser.add_argument("--device", choices=sorted([*DEVICES, *DEVICE_ALIASES]),
+                        help="the device kind (default: this machine's)")  # fmt: skip
     if plan:
         parser.add_argument("--gpus", type=int, help="devices (ranks) of the world to plan for, with --auto")
         parser.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (100 GbE between)")

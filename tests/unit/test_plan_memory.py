@@ -136,3 +136,29 @@ def test_a_model_that_fits_everywhere_loses_no_layout():
     config = _config("flux-dev")  # FLUX.1 [dev]: 12 B, 22 GiB in bf16, fits an L40 whole
     ranked, refused = rank_layouts(config, 4, machine("l40", "pcie", 4))
     assert len(ranked) == 6 and not [r for r in refused if "does not fit" in r]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "pixart-tiny", "sd3-tiny", "flux-tiny", "wan-tiny", "flux2-tiny"])
+def test_the_planned_vae_weights_are_the_built_vae_s(preset):
+    """Whatever the VAE's class (``AutoencoderKL``, ``AutoencoderKLWan``, ``AutoencoderKLFlux2``), the plan counts
+    exactly the parameters of the VAE the preset builds."""
+    from xfuse.families.registry import load_pipeline
+    from xfuse.perf.memory import vae_weight_bytes
+
+    vae = load_pipeline(preset).vae
+    assert vae_weight_bytes(preset, torch.float32) == 4 * sum(p.numel() for p in vae.parameters()) > 0
+
+
+def test_an_offloaded_text_encoder_costs_its_copy_from_host_memory_every_request():
+    """On four 40 GB A100s FLUX.2 [dev] fits as PipeFusion 4 with the text encoder split, or with two pipeline
+    stages and the 44.7 GiB encoder offloaded: those pay its copy over PCIe (25 GB/s) every request, 1.9 s, and rank
+    after PipeFusion 4, whose loop alone would be no faster."""
+    where = machine("a100-40gb", "nvlink", 4)
+    assert where.device.memory == 40960 * 2**20 and machine("a100-80gb", "nvlink", 4).device.name == "A100 SXM 80GB"
+    ranked, _ = rank_layouts(_config("flux2-dev"), 4, where)
+    assert (ranked[0].name, ranked[0].placed.text) == ("pipefusion 4", "split")
+    copy = text_encoder_bytes("flux2-dev", "rank0", 1, torch.bfloat16)[0] / 25e9
+    assert copy == pytest.approx(1.92, abs=0.01)
+    offloaded = [r for r in ranked if r.placed.text == "offload"]
+    assert offloaded and all(r.prediction.outside >= copy for r in offloaded)
+    assert min(r.prediction.loop for r in offloaded) <= ranked[0].prediction.loop + 0.01

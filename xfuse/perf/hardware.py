@@ -25,6 +25,9 @@ class Device:
     # A device no published point measures takes the fitted efficiency of its kin (the same chip: an RTX 4090 and
     # an L40 are both AD102; an A100 40GB the A100 80GB's SMs), and its links where it has none of its own.
     kin: str | None = None
+    # Host-to-device copy rate (an offloaded text encoder's weights cross it every prompt): PCIe 4.0 x16's effective
+    # rate, PCIe 5.0's for the H100. An assumption from the bus, not measured here.
+    host_bandwidth: float = 25e9
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Link:
 DEVICES = {
     # memory: nvidia-smi's total of each card (MiB)
     "a100": Device("A100 SXM 80GB", 312e12, 2.04e12, memory=81920 * 2**20),
-    "h100": Device("H100 SXM 80GB", 989e12, 3.35e12, memory=81559 * 2**20),
+    "h100": Device("H100 SXM 80GB", 989e12, 3.35e12, memory=81559 * 2**20, host_bandwidth=50e9),
     "a100-40gb": Device("A100 SXM 40GB", 312e12, 1.555e12, memory=40960 * 2**20, kin="a100"),
     "l40": Device("L40 48GB", 181e12, 0.864e12, memory=46068 * 2**20),
     # GeForce: dense bf16 with fp32 accumulation (the Ada whitepaper's 165.2 TFLOPS), no P2P between the cards.
@@ -62,6 +65,9 @@ DEVICES = {
     # so the nominal peak only sets the scale of the fitted efficiency.
     "cpu": Device("CPU rank (1 thread, fp32)", 100e9, 20e9, dtype_bytes=4, gpu=False),
 }
+
+# Other names a user may give --device (the issue tracker's and vendors' own): the A100 without a size is the 80 GB.
+DEVICE_ALIASES = {"a100-80gb": "a100"}
 
 LINKS = {
     "a100-nvlink": Link("A100 NVLink 3 / NVSwitch", 200e9, 10e-6),

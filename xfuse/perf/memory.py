@@ -87,15 +87,17 @@ def text_encoder_bytes(model: str, placement: str, pipe_degree: int, dtype: torc
 
 
 def vae_weight_bytes(model: str, dtype: torch.dtype) -> int:
-    """The VAE's parameters in ``dtype`` (0 where ``xfuse.perf.vae`` does not model the model's VAE)."""
-    from xfuse.perf.vae import VaeShape
+    """The VAE's parameters in ``dtype``: its diffusers class (the config's ``_class_name``) built weightless from
+    its config (0 where the model has no VAE config)."""
+    import diffusers
 
     raw = vae_config(model)
-    try:
-        shape = VaeShape.from_config(raw) if raw is not None else None
-    except ValueError:
-        shape = None
-    return 0 if shape is None else shape.parameters() * torch.empty((), dtype=dtype).element_size()
+    if raw is None:
+        return 0
+    vae_class = getattr(diffusers, raw.get("_class_name", "AutoencoderKL"))
+    with torch.device("meta"):
+        vae = vae_class(**{key: value for key, value in raw.items() if not key.startswith("_")})
+    return _numel(vae) * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)

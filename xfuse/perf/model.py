@@ -35,7 +35,7 @@ from xfuse.families.spec import ModelSpec
 from xfuse.parallel.control import ControlResiduals
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
-from xfuse.perf.hardware import DEVICES, LINKS, Device, Link, machine_link
+from xfuse.perf.hardware import DEVICE_ALIASES, DEVICES, LINKS, Device, Link, machine_link
 from xfuse.perf.measured import REFERENCE, PassCurve
 
 
@@ -138,6 +138,7 @@ class Machine:
 
 def machine(device: str, link: str, gpus: int, nodes: int = 1) -> Machine:
     """``gpus`` devices of kind ``device`` over ``nodes`` nodes (evenly), ``link`` inside a node, 100 GbE between."""
+    device = DEVICE_ALIASES.get(device, device)
     if device not in DEVICES:
         raise ConfigError("--device", f"must be one of {sorted(DEVICES)} (got {device!r})")
     if nodes < 1 or gpus < 1 or gpus % nodes:

@@ -14,14 +14,14 @@ a world computes the same ranking from the same inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, ParallelConfig, XfuseConfig, config_from_dict, parallel_config
 from xfuse.families.registry import model_spec, transformer_config
 from xfuse.perf.calibration import FITTED
 from xfuse.perf.hardware import DEVICES
-from xfuse.perf.memory import Placed, place_text
+from xfuse.perf.memory import Placed, place_text, text_encoder_bytes
 from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
 
 
@@ -134,11 +134,20 @@ def rank_layouts(
                 refused.append(f"{layout_name(parallel)}: does not fit: {option.busiest.describe(where.device.memory)}"
                                f"; {option.words(parallel.text_encoder)}")  # fmt: skip
         valid = fitting
-    ranked = sorted(
-        (Ranked(p, predict(work, p, where, calibration), placed.get(id(p))) for p in valid),
-        key=lambda r: r.prediction.seconds,
-    )
+    predicted = {id(p): _with_offload(predict(work, p, where, calibration), placed.get(id(p)), config, where)
+                 for p in valid}  # fmt: skip
+    ranked = sorted((Ranked(p, predicted[id(p)], placed.get(id(p))) for p in valid), key=lambda r: r.prediction.seconds)
     return ranked, refused
+
+
+def _with_offload(prediction: Prediction, placed: Placed | None, config: XfuseConfig, where: Machine) -> Prediction:
+    """``prediction`` plus, where the text encoders are offloaded, their weights' copy from host memory once per
+    request (``Device.host_bandwidth``), outside the loop."""
+    if placed is None or placed.text != "offload" or not where.device.gpu:
+        return prediction
+    whole = text_encoder_bytes(config.model, "rank0", 1, _dtype(where.device.dtype_bytes))[0]
+    copy = whole / where.device.host_bandwidth
+    return replace(prediction, seconds=prediction.seconds + copy, outside=prediction.outside + copy)
 
 
 def _dtype(dtype_bytes: int):
