@@ -242,7 +242,7 @@ def cmd_generate(args) -> int:
     if os.environ.get("XFUSE_FAULT"):  # failure drills: see xfuse/runtime/faults.py
         from xfuse.runtime.faults import install
 
-        install(pipe.stage, pipe.context.rank, vae=pipe.pipeline.vae)
+        install(pipe.stage, pipe.context.rank, vae=pipe.pipeline.vae, text=pipe.text_group)
     if args.trace:
         pipe.enable_trace()
     request = dict(

@@ -21,7 +21,9 @@ from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 from xfuse.runtime.monitor import LEFT, TERMINATED_KEY, FailureMonitor
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
-FAULT = re.compile(r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at (step \d+|the VAE decode)")
+FAULT = re.compile(
+    r"\[xfuse-fault (\d\d:\d\d:\d\d\.\d{3})\] rank (\d+): (\w+) at (step \d+|the VAE decode|the text encoder)"
+)
 
 
 def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
@@ -148,6 +150,33 @@ def test_stalled_rank_inside_the_vae_decode_times_out_naming_the_op(tmp_path):
     assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
     halo = r"recv of vae halo \(1, \d+, 1, 32\) float32, \d+ bytes, from rank 1 timed out after 3.0 s"
     assert re.search(rf"rank 0: {halo}", text), text
+    assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
+    assert when - fault_t < timeout_s + 2
+    assert end_t - fault_t < timeout_s + 10
+
+
+# The text encoder split over the pipeline group (FLUX.2 [klein]'s Qwen3): the victim stops as it starts its layers,
+# so rank 0, which handed it the hidden state, waits for its layers' hidden states.
+TEXT = ["model=flux2-klein-tiny", "parallel.placement=linear", "parallel.text_encoder=split"]
+
+
+def test_killed_rank_inside_the_split_text_encoder_is_named(tmp_path):
+    timeout_s = 30
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "kill:1:text", timeout_s, steps=2, settings=TEXT)
+    assert rc != 0
+    assert end_t - fault_t < timeout_s + 5
+    when, text = reports[0]
+    assert when - fault_t < 5 and "rank 1" in text, stderr[-3000:]
+
+
+def test_stalled_rank_inside_the_split_text_encoder_times_out_naming_the_op(tmp_path):
+    timeout_s = 3
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "stall:1:text", timeout_s, steps=2, settings=TEXT)
+    assert rc != 0
+    when, text = reports[0]
+    assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
+    layers = r"recv of text-encoder-layers \(\d+, 1, \d+, 16\) float32, \d+ bytes, from rank 1 timed out after 3.0 s"
+    assert re.search(rf"rank 0: {layers} at prompt encoding", text), text
     assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
     assert when - fault_t < timeout_s + 2
     assert end_t - fault_t < timeout_s + 10

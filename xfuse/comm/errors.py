@@ -43,9 +43,12 @@ def describe_op(*, rank, op, kind, shape, dtype, nbytes, peer) -> str:
 def describe_place(step, patch, part=None) -> str:
     """Where in the schedule: ``step 3, patch 1``, ``step 0, whole image``, ``step 0, whole image, batch part 1``
     (a whole-image step streamed in batch parts, see ``xfuse.parallel.schedule.batch_parts``); ``start-up`` for
-    the connection exchange (step None, ``P2PChannels.connect``)."""
+    the connection exchange (step None, ``P2PChannels.connect``); a phase outside the loop by its name (a ``str``
+    step: ``prompt encoding``)."""
     if step is None:
         return "start-up"
+    if isinstance(step, str):
+        return step
     where = f"step {step}, " + ("whole image" if patch is None else f"patch {patch}")
     return where if part is None else f"{where}, batch part {part}"
 

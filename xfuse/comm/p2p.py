@@ -77,7 +77,7 @@ class Send:
     peer: int
     kind: str
     tensor: torch.Tensor
-    step: int | None  # None: the start-up connection exchange (``P2PChannels.connect``)
+    step: int | str | None  # None: the start-up connection exchange (``P2PChannels.connect``); str: a named phase
     patch: int | None  # None: a whole-image step
     part: int | None = None  # batch part of a whole-image step streamed in parts (None: the whole batch)
 
@@ -90,7 +90,7 @@ class Recv:
     kind: str
     shape: tuple
     dtype: torch.dtype
-    step: int | None  # None: the start-up connection exchange (``P2PChannels.connect``)
+    step: int | str | None  # None: the start-up connection exchange (``P2PChannels.connect``); str: a named phase
     patch: int | None  # None: a whole-image step
     part: int | None = None  # batch part of a whole-image step streamed in parts (None: the whole batch)
 

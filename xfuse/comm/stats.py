@@ -70,7 +70,7 @@ class OpRecord:
     shape: tuple
     dtype: torch.dtype
     nbytes: int
-    step: int | None  # None: the start-up connection exchange (P2PChannels.connect)
+    step: int | str | None  # None: the start-up connection exchange (P2PChannels.connect); str: a named phase
     patch: int | None  # None: a whole-image step
     t_post: float
     part: int | None = None  # batch part of a whole-image step streamed in parts
@@ -98,7 +98,7 @@ class WaitState:
     direction: str  # "send" | "recv"
     kind: str
     peer: int
-    step: int | None  # None: the start-up connection exchange
+    step: int | str | None  # None: the start-up connection exchange; str: a named phase
     patch: int | None  # None: a whole-image step
     part: int | None  # batch part of a whole-image step streamed in parts
     waited_s: float

@@ -34,6 +34,8 @@ from xfuse.comm.p2p import P2PChannels, Recv, Send
 
 # What rank 0 sends to end the group's serving of one call's encodes.
 _DONE = None
+# Where the split's messages happen, for their reports (``xfuse.comm.errors.describe_place``).
+ENCODING = "prompt encoding"
 
 
 def decoder_layers(encoder: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
@@ -129,6 +131,7 @@ class SplitTextEncoder:
         self.num_layers = len(layers)
         self.dtype = next(layers[self.owned.start].parameters()).dtype
         layers[self.owned[-1]].register_forward_hook(self._hand_on)
+        self.first_layer = layers[self.owned.start]  # where a fault drill stops this rank (xfuse.runtime.faults)
         self._sends: list = []
         self._call: dict | None = None  # rank 0: the call in flight (its arguments as sent)
         self.serving = (
@@ -146,11 +149,11 @@ class SplitTextEncoder:
     def _hand_on(self, module, args, output) -> None:
         """After this rank's last layer: its output to the next rank."""
         if not self.last:
-            send = Send(self.ranks[self.index + 1], "text-encoder", output.contiguous(), None, None)
+            send = Send(self.ranks[self.index + 1], "text-encoder", output.contiguous(), ENCODING, None)
             self._sends += self.channels.exchange([send])[0]
 
     def _recv(self, peer: int, kind: str, shape: tuple) -> torch.Tensor:
-        (pending,) = self.channels.exchange([], [Recv(peer, kind, shape, self.dtype, None, None)])[1]
+        (pending,) = self.channels.exchange([], [Recv(peer, kind, shape, self.dtype, ENCODING, None)])[1]
         with pending as tensor:
             return tensor.clone()
 
@@ -214,9 +217,9 @@ class SplitTextEncoder:
         sends = []
         if call["hidden_states"]:
             stacked = torch.stack([output.hidden_states[i + 1] for i in self.owned]).contiguous()
-            sends.append(Send(self.ranks[0], "text-encoder-layers", stacked, None, None))
+            sends.append(Send(self.ranks[0], "text-encoder-layers", stacked, ENCODING, None))
         if self.last:
-            sends.append(Send(self.ranks[0], "text-encoder-out", output.last_hidden_state.contiguous(), None, None))
+            sends.append(Send(self.ranks[0], "text-encoder-out", output.last_hidden_state.contiguous(), ENCODING, None))
         self._sends += self.channels.exchange(sends)[0]
         self._finish_sends()
 
@@ -236,9 +239,9 @@ class TextGroup:
 
     @contextmanager
     def leading(self):
-        """Rank 0, around a request's encoding: its encoders' calls are sent to the group, which is released after
-        (also when the encoding fails: the others then stop at the call's next collective, told by the failure
-        monitor)."""
+        """Rank 0, around a request's encoding: its encoders' calls are sent to the group, which is released after.
+        Where the encoding fails nothing more is sent (a peer may be the cause: lost, or stalled in its layers); the
+        error goes on to the failure monitor, which stops the others."""
         for encoder in self.encoders.values():
             encoder.serving = True
         try:
@@ -246,7 +249,7 @@ class TextGroup:
         finally:
             for encoder in self.encoders.values():
                 encoder.serving = False
-            _broadcast(_DONE, self.group)
+        _broadcast(_DONE, self.group)
 
     def serve(self) -> None:
         """A rank other than 0: run rank 0's text-encoder calls until it is done encoding this request."""

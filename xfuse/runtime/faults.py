@@ -3,7 +3,8 @@
 ``kind`` is ``kill`` (the rank SIGKILLs itself), ``stall`` (it sleeps for an hour) or ``raise`` (a RuntimeError
 inside its forward). The fault fires when global rank ``rank`` starts its first block on the first pass of diffusion
 step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in parts). With ``step``
-``decode`` it fires when the rank starts its band of a band-parallel VAE decode (the decoder's first convolution).
+``decode`` it fires when the rank starts its band of a band-parallel VAE decode (the decoder's first convolution);
+with ``text`` when it starts its layers of a split text encoder (``parallel.text_encoder: split``).
 ``xfuse generate`` installs it when the variable is set.
 """
 
@@ -20,6 +21,7 @@ KINDS = ("kill", "stall", "raise")
 
 
 DECODE = "decode"  # the step of a fault in the VAE decode
+TEXT = "text"  # the step of a fault in a split text encoder
 
 
 def parse(spec: str) -> tuple[str, int, int | str]:
@@ -27,10 +29,11 @@ def parse(spec: str) -> tuple[str, int, int | str]:
         kind, rank, step = spec.split(":")
         if kind not in KINDS:
             raise ValueError
-        return kind, int(rank), step if step == DECODE else int(step)
+        return kind, int(rank), step if step in (DECODE, TEXT) else int(step)
     except ValueError:
         raise ValueError(
-            f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} and STEP a step or {DECODE!r} (got {spec!r})"
+            f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} and STEP a step, {DECODE!r} or {TEXT!r} "
+            f"(got {spec!r})"
         ) from None
 
 
@@ -44,9 +47,9 @@ def _fire(kind: str, rank: int, place: str) -> None:
         raise RuntimeError(f"injected fault: rank {rank} raised in its forward at {place}")
 
 
-def install(stage, rank: int, spec: str | None = None, vae=None) -> bool:
-    """Arm the fault of ``spec`` (default: ``$XFUSE_FAULT``) on ``stage`` (or, for a ``decode`` fault, on ``vae``,
-    this rank's VAE) if it targets ``rank``.
+def install(stage, rank: int, spec: str | None = None, vae=None, text=None) -> bool:
+    """Arm the fault of ``spec`` (default: ``$XFUSE_FAULT``) on ``stage`` (for a ``decode`` fault on ``vae``, this
+    rank's VAE; for a ``text`` fault on ``text``, its split text encoders' ``TextGroup``) if it targets ``rank``.
 
     The step is counted from what the engine hands the stage for each pass (``run_segment``'s band and the
     conditioning's batch part), not from a number of passes per step: a whole-image step takes one pass per batch
@@ -61,6 +64,12 @@ def install(stage, rank: int, spec: str | None = None, vae=None) -> bool:
         if vae is None:
             raise ValueError(f"XFUSE_FAULT={spec!r}: rank {rank} holds no VAE (parallel.vae_parallel is off)")
         vae.decoder.conv_in.register_forward_pre_hook(lambda module, args: _fire(kind, rank, "the VAE decode"))
+        return True
+    if step == TEXT:
+        if text is None:
+            raise ValueError(f"XFUSE_FAULT={spec!r}: rank {rank} runs no split text encoder (parallel.text_encoder)")
+        for encoder in text.encoders.values():
+            encoder.first_layer.register_forward_pre_hook(lambda *_: _fire(kind, rank, "the text encoder"))
         return True
     now = {"step": -1, "pass": (None, None)}  # the step of the first block's last pass; this run_segment's pass
     begin, run_segment = stage.begin_request, stage.run_segment
