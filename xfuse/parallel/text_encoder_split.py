@@ -134,9 +134,8 @@ class SplitTextEncoder:
         self.first_layer = layers[self.owned.start]  # where a fault drill stops this rank (xfuse.runtime.faults)
         self._sends: list = []
         self._call: dict | None = None  # rank 0: the call in flight (its arguments as sent)
-        self.serving = (
-            False  # rank 0: the group serves its calls (inside a pipeline call's encoding: TextGroup.leading)
-        )
+        # rank 0: whether the group serves its calls (inside a pipeline call's encoding: TextGroup.leading)
+        self.serving = False
         if index == 0:
             self.decoder.register_forward_pre_hook(self._lead, with_kwargs=True)
             self.decoder.register_forward_hook(self._complete)
@@ -153,6 +152,7 @@ class SplitTextEncoder:
             self._sends += self.channels.exchange([send])[0]
 
     def _recv(self, peer: int, kind: str, shape: tuple) -> torch.Tensor:
+        """A ``shape`` tensor of ``kind`` from global rank ``peer``, copied out of the pooled receive buffer."""
         (pending,) = self.channels.exchange([], [Recv(peer, kind, shape, self.dtype, ENCODING, None)])[1]
         with pending as tensor:
             return tensor.clone()
@@ -172,7 +172,7 @@ class SplitTextEncoder:
             )
         if args:
             raise ValueError(f"{self.name}: its decoder was called with positional arguments; split needs keywords")
-        tokens = kwargs.get("inputs_embeds")
+        tokens = kwargs.get("inputs_embeds")  # (B, S, width), or input_ids (B, S) the decoder embeds itself
         shape = tuple(tokens.shape) if tokens is not None else (*kwargs["input_ids"].shape, self._width())
         arguments = {key: (value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in kwargs.items()
                      if key not in ("input_ids", "inputs_embeds")}  # fmt: skip
@@ -216,6 +216,7 @@ class SplitTextEncoder:
             output = self.decoder(input_ids=None, inputs_embeds=hidden, **arguments)
         sends = []
         if call["hidden_states"]:
+            # (own layers, B, S, width): hidden_states[i + 1] is layer i's output
             stacked = torch.stack([output.hidden_states[i + 1] for i in self.owned]).contiguous()
             sends.append(Send(self.ranks[0], "text-encoder-layers", stacked, ENCODING, None))
         if self.last:
