@@ -42,3 +42,30 @@ def test_a_presets_vae_config_is_the_one_its_builder_makes(spec):
     given = {key: value for key, value in planned.items() if not key.startswith("_")}
     as_json = lambda config: json.loads(json.dumps(config))  # noqa: E731 - tuples and lists alike
     assert as_json({key: built[key] for key in given}) == as_json(given)
+
+
+# A preset whose transformer is this large is a released shape: its text encoders must be described by their
+# published configs (``RELEASED_TEXT_ENCODERS``), not read by building the preset (a full-size random model).
+RELEASED_PARAMETERS = 500e6
+
+
+@pytest.mark.parametrize("spec", FAMILIES, ids=IDS)
+def test_every_released_shape_describes_its_text_encoders_and_a_small_preset_its_built_ones(spec):
+    """``xfuse plan`` counts every preset's text encoders: a released shape's from the family's table (a new family
+    cannot forget one), a small preset's as its builder makes them (the classes and widths of the built pipeline)."""
+    import diffusers
+    import torch
+
+    from xfuse.families.registry import text_encoder_configs, transformer_config
+
+    released = getattr(spec.preset_builders(), "RELEASED_TEXT_ENCODERS", {})
+    for preset in spec.presets:
+        config = {k: v for k, v in transformer_config(preset).items() if not k.startswith("_")}
+        with torch.device("meta"):
+            model = getattr(diffusers, spec.diffusers_transformer)(**config)
+        large = sum(p.numel() for p in model.parameters()) > RELEASED_PARAMETERS
+        assert (preset in released) == large, preset
+    small = spec.presets[0]
+    built = load_pipeline(small)
+    configs = text_encoder_configs(small)
+    assert configs and all(configs[name]["architectures"] == [type(getattr(built, name)).__name__] for name in configs)
