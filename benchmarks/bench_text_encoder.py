@@ -77,7 +77,7 @@ def encode_rank(layers: int, tokens: int, repeats: int) -> dict:
         group = dist.new_group(ranks=ranks, backend="gloo")
         split = SplitTextEncoder(encoder, name="text_encoder", index=rank, ranks=ranks, channels=context.channels,
                                  group=group, device=torch.device("cpu"))  # fmt: skip
-        text = TextGroup({"text_encoder": split}, rank, group)
+        text = TextGroup({"text_encoder": split}, group)
     gc.collect()
     held = _status_mib("VmRSS")
     params = sum(p.numel() for p in encoder.parameters())

@@ -128,55 +128,45 @@ def test_stalled_rank_inside_sequence_parallel_attention_times_out_naming_the_op
     assert end_t - fault_t < timeout_s + 10
 
 
-# The band-parallel VAE decode (after the loop): the victim stops as it starts its band, so rank 0, which scattered
-# the latent, waits for the victim's halo rows of the decoder's first convolution.
-DECODE = ["parallel.vae_parallel=on"]
+# Phases outside the denoising loop, each stopped as the victim (rank 1) starts its share, with the settings that run
+# it over both ranks and the message rank 0 then waits for:
+# - the band-parallel VAE decode: rank 0, which scattered the latent, waits for the victim's halo rows of the
+#   decoder's first convolution;
+# - the text encoder split over the pipeline group (FLUX.2 [klein]'s Qwen3): rank 0, which handed the victim the
+#   hidden state, waits for its layers' hidden states, the place named "prompt encoding".
+PHASES = {
+    "decode": (
+        ["parallel.vae_parallel=on"],
+        r"recv of vae halo \(1, \d+, 1, 32\) float32, \d+ bytes, from rank 1 timed out after 3.0 s",
+    ),
+    "text": (
+        ["model=flux2-klein-tiny", "parallel.placement=linear", "parallel.text_encoder=split"],
+        r"recv of text-encoder-layers \(\d+, 1, \d+, 16\) float32, \d+ bytes, from rank 1 timed out after 3.0 s "
+        r"at prompt encoding",
+    ),
+}
 
 
-def test_killed_rank_inside_the_vae_decode_is_named(tmp_path):
+@pytest.mark.parametrize("phase", PHASES)
+def test_killed_rank_outside_the_loop_is_named(tmp_path, phase):
     timeout_s = 30
-    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "kill:1:decode", timeout_s, steps=2, settings=DECODE)
+    settings, _ = PHASES[phase]
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, f"kill:1:{phase}", timeout_s, steps=2, settings=settings)
     assert rc != 0
     assert end_t - fault_t < timeout_s + 5
     when, text = reports[0]
     assert when - fault_t < 5 and "rank 1" in text, stderr[-3000:]
 
 
-def test_stalled_rank_inside_the_vae_decode_times_out_naming_the_op(tmp_path):
+@pytest.mark.parametrize("phase", PHASES)
+def test_stalled_rank_outside_the_loop_times_out_naming_the_op(tmp_path, phase):
     timeout_s = 3
-    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "stall:1:decode", timeout_s, steps=2, settings=DECODE)
+    settings, waited = PHASES[phase]
+    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, f"stall:1:{phase}", timeout_s, steps=2, settings=settings)
     assert rc != 0
     when, text = reports[0]
     assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
-    halo = r"recv of vae halo \(1, \d+, 1, 32\) float32, \d+ bytes, from rank 1 timed out after 3.0 s"
-    assert re.search(rf"rank 0: {halo}", text), text
-    assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
-    assert when - fault_t < timeout_s + 2
-    assert end_t - fault_t < timeout_s + 10
-
-
-# The text encoder split over the pipeline group (FLUX.2 [klein]'s Qwen3): the victim stops as it starts its layers,
-# so rank 0, which handed it the hidden state, waits for its layers' hidden states.
-TEXT = ["model=flux2-klein-tiny", "parallel.placement=linear", "parallel.text_encoder=split"]
-
-
-def test_killed_rank_inside_the_split_text_encoder_is_named(tmp_path):
-    timeout_s = 30
-    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "kill:1:text", timeout_s, steps=2, settings=TEXT)
-    assert rc != 0
-    assert end_t - fault_t < timeout_s + 5
-    when, text = reports[0]
-    assert when - fault_t < 5 and "rank 1" in text, stderr[-3000:]
-
-
-def test_stalled_rank_inside_the_split_text_encoder_times_out_naming_the_op(tmp_path):
-    timeout_s = 3
-    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, "stall:1:text", timeout_s, steps=2, settings=TEXT)
-    assert rc != 0
-    when, text = reports[0]
-    assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]
-    layers = r"recv of text-encoder-layers \(\d+, 1, \d+, 16\) float32, \d+ bytes, from rank 1 timed out after 3.0 s"
-    assert re.search(rf"rank 0: {layers} at prompt encoding", text), text
+    assert re.search(rf"rank 0: {waited}", text), text
     assert "rank 1: not communicating" in text  # who-waits-for-whom ends at the stalled rank
     assert when - fault_t < timeout_s + 2
     assert end_t - fault_t < timeout_s + 10

@@ -46,7 +46,7 @@ def split_against_whole(kind: str):
     group = dist.new_group(ranks=ranks, backend="gloo")
     split = SplitTextEncoder(encoder, name="text_encoder", index=context.rank, ranks=ranks, channels=context.channels,
                              group=group, device=torch.device("cpu"))  # fmt: skip
-    text = TextGroup({"text_encoder": split}, context.rank, group)
+    text = TextGroup({"text_encoder": split}, group)
     if context.rank != 0:
         text.serve()
         return None

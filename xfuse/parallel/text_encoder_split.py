@@ -235,8 +235,8 @@ class TextGroup:
     """Every split text encoder of a pipeline on one rank of the text group: rank 0 leads (its encoders' hooks send
     each call inside :meth:`leading`, which ends a request's encoding), the others :meth:`serve` until it ends."""
 
-    def __init__(self, encoders: dict[str, SplitTextEncoder], index: int, group: dist.ProcessGroup):
-        self.encoders, self.index, self.group = encoders, index, group
+    def __init__(self, encoders: dict[str, SplitTextEncoder], group: dist.ProcessGroup):
+        self.encoders, self.group = encoders, group
 
     @contextmanager
     def leading(self):

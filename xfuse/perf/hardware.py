@@ -86,13 +86,14 @@ LINKS = {
 LINK_KINDS = ("nvlink", "pcie", "gloo")
 
 
-def machine_link(device: str, link: str) -> Link:
-    """The link between two ``device``s of one node over ``link`` (``nvlink``, ``pcie``, or ``gloo`` for CPU ranks);
-    ``ConfigError`` naming ``--link`` with the pairs that exist."""
+def link_key(device: str, link: str) -> str:
+    """The ``LINKS`` key of the link between two ``device``s of one node over ``link`` (``nvlink``, ``pcie``, or
+    ``gloo`` for CPU ranks; a device without links of its own takes its kin's); ``ConfigError`` naming ``--link``
+    with the pairs that exist."""
     key = f"{device}-{link}"
     if key not in LINKS and DEVICES[device].kin is not None:
         key = f"{DEVICES[device].kin}-{link}"
     if key not in LINKS:
         pairs = sorted(k for k in LINKS if k.split("-")[0] in DEVICES)
         raise ConfigError("--link", f"no {link!r} link is known for {device!r}; one of {pairs} (device-link)")
-    return LINKS[key]
+    return key

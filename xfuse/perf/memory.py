@@ -11,7 +11,7 @@ loads them. Not counted: activations (``xfuse plan`` prints the VAE decode's act
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -56,11 +56,11 @@ def _numel(module: torch.nn.Module) -> int:
 
 
 @lru_cache(maxsize=64)
-def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(parameters each pipeline rank's device holds of ``model``'s text encoders under ``placement``, the encoders
-    that stay whole on rank 0 under ``split``)."""
-    counts, whole = [0] * pipe_degree, []
-    for name, config in text_encoder_configs(model).items():
+def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[int, ...]:
+    """Parameters each pipeline rank's device holds of ``model``'s text encoders under ``placement`` (an encoder
+    that cannot be split stays whole on rank 0 under ``split``)."""
+    counts = [0] * pipe_degree
+    for config in text_encoder_configs(model).values():
         encoder = _meta_text_encoder(config)
         if placement == "offload":  # accelerate's cpu_offload: one module's own weights on the device while it runs
             largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in encoder.modules())
@@ -69,23 +69,23 @@ def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[
         found = decoder_layers(encoder)
         if placement == "rank0" or pipe_degree == 1 or found is None or len(found[1]) < pipe_degree:
             counts[0] += _numel(encoder)
-            whole += [name] if placement == "split" else []
             continue
         for index in range(pipe_degree):  # the real sharding, on a fresh weightless copy per rank
             share = encoder if index == 0 else _meta_text_encoder(config)
             shard_text_encoder(share, index, pipe_degree)
             counts[index] += _numel(share)
-    return tuple(counts), tuple(whole)
+    return tuple(counts)
 
 
 def text_encoder_bytes(model: str, placement: str, pipe_degree: int, dtype: torch.dtype) -> dict[int, int]:
     """Bytes of ``model``'s text-encoder weights on each pipeline rank's device under ``placement`` (``rank0``,
     ``split`` or ``offload``; ``split`` over ``pipe_degree`` ranks)."""
     element = torch.empty((), dtype=dtype).element_size()
-    counts, _ = _text_encoder_counts(model, placement, pipe_degree)
+    counts = _text_encoder_counts(model, placement, pipe_degree)
     return {rank: n * element for rank, n in enumerate(counts)}
 
 
+@lru_cache(maxsize=64)
 def vae_weight_bytes(model: str, dtype: torch.dtype) -> int:
     """The VAE's parameters in ``dtype``: its diffusers class (the config's ``_class_name``) built weightless from
     its config (0 where the model has no VAE config)."""
@@ -142,19 +142,26 @@ def pipeline_rank_bytes(
 def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: str = "rank0") -> list[RankMemory]:
     """Each pipeline rank's memory for ``work`` (the request of model ``model``) under ``parallel`` (a
     ParallelConfig), in ``dtype``, with the text encoders placed by ``text`` (``rank0``, ``split``, ``offload``)."""
+    return _with_text(_without_text(model, work, parallel, dtype), model, text, dtype)
+
+
+def _with_text(ranks: list[RankMemory], model: str, text: str, dtype: torch.dtype) -> list[RankMemory]:
+    """``ranks`` with the text encoders' weights each holds under placement ``text``."""
+    texts = text_encoder_bytes(model, text, len(ranks), dtype)
+    return [replace(rank, text_bytes=texts[rank.pipe_rank]) for rank in ranks]
+
+
+def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> list[RankMemory]:
+    """Each pipeline rank's transformer share, stale K/V and VAE weights: what no text placement changes."""
     plan = work.spec.plan(work.num_blocks, parallel)
     params, kv = pipeline_rank_bytes(work.spec, work.config, plan, work.grid(parallel.resolved_num_patches),
                                      batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
                                      experts=transformer_count(model))  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
-    texts = text_encoder_bytes(model, text, plan.degree, dtype)
-    world = plan.degree * sp * parallel.cfg_degree
     vae = vae_weight_bytes(model, dtype)
-    every = vae_on_every_rank(parallel, world)
-    return [
-        RankMemory(rank, params[rank], kv[rank] // sp, texts.get(rank, 0), vae if every or rank == 0 else 0)
-        for rank in range(plan.degree)
-    ]
+    every = vae_on_every_rank(parallel, plan.degree * sp * parallel.cfg_degree)
+    return [RankMemory(rank, params[rank], kv[rank] // sp, vae_bytes=vae if every or rank == 0 else 0)
+            for rank in range(plan.degree)]  # fmt: skip
 
 
 TEXT_PLACEMENTS = ("rank0", "split", "offload")  # the order ``parallel.text_encoder: auto`` tries them in
@@ -189,9 +196,10 @@ def place_text(model: str, work: Workload, parallel, dtype: torch.dtype, memory:
     known); where none fits, the placement whose busiest rank needs the least, not fitting."""
     wanted = parallel.text_encoder
     tries = TEXT_PLACEMENTS if wanted == "auto" else (wanted,)
+    held = _without_text(model, work, parallel, dtype)  # the same under every placement
     placed = []
     for text in tries:
-        ranks = rank_memory(model, work, parallel, dtype, text)
+        ranks = _with_text(held, model, text, dtype)
         option = Placed(text, ranks, memory is None or max(r.total for r in ranks) <= memory)
         if option.fits:
             return option

@@ -35,7 +35,7 @@ from xfuse.families.spec import ModelSpec
 from xfuse.parallel.control import ControlResiduals
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task, batch_parts, build_schedule
-from xfuse.perf.hardware import DEVICE_ALIASES, DEVICES, LINKS, Device, Link, machine_link
+from xfuse.perf.hardware import DEVICE_ALIASES, DEVICES, LINKS, Device, Link, link_key
 from xfuse.perf.measured import REFERENCE, PassCurve
 
 
@@ -143,12 +143,12 @@ def machine(device: str, link: str, gpus: int, nodes: int = 1) -> Machine:
         raise ConfigError("--device", f"must be one of {sorted(DEVICES)} (got {device!r})")
     if nodes < 1 or gpus < 1 or gpus % nodes:
         raise ConfigError("--nodes", f"must divide --gpus ({gpus}) into equal nodes (got {nodes})")
-    link_of = machine_link(device, link)
+    key = link_key(device, link)
     return Machine(
         DEVICES[device].kin or device,  # the key of its fitted efficiency
         DEVICES[device],
-        next(key for key, known in LINKS.items() if known is link_of),
-        link_of,
+        key,
+        LINKS[key],
         gpus_per_node=gpus // nodes,
         network=LINKS["ethernet"] if nodes > 1 else None,
     )

@@ -39,7 +39,8 @@ from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.parallel.vae_decode import ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
 from xfuse.pipelines.collectives import Collectives
 from xfuse.pipelines.loading import load_from_folder, shard_loaded
-from xfuse.pipelines.text_placement import place_text_encoders, text_components, text_placement
+from xfuse.pipelines.text_placement import place_text_encoders, text_components
+from xfuse.pipelines.text_placement import text_placement as resolve_text_placement
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.world import ParallelContext
 
@@ -127,9 +128,8 @@ class PipeFusionPipelineBase:
         or another of its pipelines on the same transformer (``WanImageToVideoPipeline``)."""
         return cls.diffusers_pipeline or cls.spec.diffusers_pipeline
 
-    def __init__(
-        self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None, vae_config=None
-    ):
+    def __init__(self, pipeline, context: ParallelContext, dtype: torch.dtype, stage=None, extra_stages=None,
+                 vae_config=None, text_placement: str | None = None):  # fmt: skip
         self.pipeline, self.context, self.dtype = pipeline, context, dtype
         self.collectives = Collectives(context)
         # The model's own VAE factor where the family reads it from the VAE (Wan 2.2's 16 px). Ranks that did not
@@ -144,7 +144,8 @@ class PipeFusionPipelineBase:
         config = (stage or pipeline.transformer).config
         self.num_blocks = self.spec.num_blocks(config)
         self.plan = self.spec.plan(self.num_blocks, self.parallel, self._control_blocks(pipeline))
-        self.text_placement = text_placement(self.config, context.device)
+        # parallel.text_encoder resolved (from_pretrained resolved it before loading the text ranks' shares)
+        self.text_placement = text_placement or resolve_text_placement(self.config, context.device)
         # Second handshake, now that the model is loaded: same weights' config, dtype and plan everywhere.
         handshake(
             {

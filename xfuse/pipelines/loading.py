@@ -90,10 +90,11 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
         **kwargs,
     )
     # A split text encoder's other ranks read it in turn, each keeping only its share before the next reads.
-    load_text_shares(pipeline, pretrained_model_name_or_path, context, text_placement(config, context.device),
-                     torch_dtype)  # fmt: skip
+    placement = text_placement(config, context.device)
+    load_text_shares(pipeline, pretrained_model_name_or_path, context, placement, torch_dtype)
     stage = stages.pop("transformer")
-    return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"))
+    return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"),
+               text_placement=placement)  # fmt: skip
 
 
 def shard_loaded(cls, pipeline, parallel, comm, device, config, cache):

@@ -110,4 +110,4 @@ def place_text_encoders(pipeline, context: ParallelContext, placement: str) -> T
             module.to(context.device)
         if index > 0:
             setattr(pipeline, name, None)  # this rank runs its layers through the group, never the pipeline's encode
-    return TextGroup(encoders, index, group) if encoders else None
+    return TextGroup(encoders, group) if encoders else None

@@ -51,7 +51,7 @@ class ShardedControlNetMixin:
         with open(config) as f:
             return cls.spec.num_blocks(json.load(f))  # type: ignore[attr-defined]
 
-    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
+    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None, **kwargs):
         controlnet = getattr(pipeline, "controlnet", None)
         self.check_controlnet(controlnet)
         if controlnet.dtype != dtype:  # its residuals join hidden states that keep the transformer's dtype
@@ -65,7 +65,7 @@ class ShardedControlNetMixin:
             raise ConfigError(key, "a ControlNet runs without sequence parallelism: use 1")
         if config.cache.enabled:
             raise ConfigError("cache.method", "step caching does not run with a ControlNet: use off")
-        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)  # type: ignore[call-arg]
+        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config, **kwargs)  # type: ignore[call-arg]
         self.control_config = dict(controlnet.config)
         self.collectives.same_everywhere("controlnet config", config_hash(self.control_config))
         self.control_model = None

@@ -63,7 +63,7 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
     spec = WAN
     rank0_components = ("tokenizer", "text_encoder", "vae")
 
-    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
+    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None, **kwargs):
         config = pipeline.config
         extra_stages = dict(extra_stages or {})
         second = extra_stages.pop("transformer_2", None) or getattr(pipeline, "transformer_2", None)
@@ -71,7 +71,9 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             raise ValueError("a two-expert Wan pipeline needs both transformer_2 and boundary_ratio (got one of them)")
         if second is not None and dict(second.config) != dict((stage or pipeline.transformer).config):
             raise ValueError("xfuse splits Wan's two experts alike: transformer_2 must have transformer's config")
-        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)  # anything left is refused there
+        super().__init__(
+            pipeline, context, dtype, stage, extra_stages, vae_config, **kwargs
+        )  # anything left is refused there
         # diffusers takes 8 where the pipeline has no VAE (ranks other than 0): every rank draws the model's latents.
         pipeline.vae_scale_factor_spatial = self.spec.vae_scale_factor
         self.stage_2, self.engine_2 = None, None
@@ -353,14 +355,14 @@ class PipeFusionWanImageToVideoPipeline(PipeFusionWanPipeline):
     diffusers_pipeline = "WanImageToVideoPipeline"
     rank0_components = ("tokenizer", "text_encoder", "vae", "image_encoder", "image_processor")
 
-    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None):
+    def __init__(self, pipeline, context, dtype, stage=None, extra_stages=None, vae_config=None, **kwargs):
         if not pipeline.config.get("expand_timesteps"):
             raise ValueError(
                 "xfuse runs image-to-video with Wan 2.2 TI2V folders (expand_timesteps: the image is the first latent "
                 "frame); Wan 2.1 and A14B image-to-video transformers (an image context, or the image concatenated "
                 "to the latents) are not supported"
             )
-        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config)
+        super().__init__(pipeline, context, dtype, stage, extra_stages, vae_config, **kwargs)
 
     @torch.no_grad()
     def __call__(
