@@ -48,3 +48,34 @@ def test_merge_in_bfloat16_keeps_float32_weights():
     assert merged.dtype == torch.bfloat16
     whole = F.scaled_dot_product_attention(query.float(), key.float(), value.float())
     assert (merged.float() - whole).abs().max().item() <= 2e-2
+
+
+def padding_mask(batch: int, keys: int, kept: list[int]) -> torch.Tensor:
+    """(batch, keys) bool: row b attends to its first ``kept[b]`` keys (the rest: a shorter prompt's padding)."""
+    return torch.arange(keys)[None, :] < torch.tensor(kept)[:, None]
+
+
+@pytest.mark.parametrize("cuts", [[13], [6, 7], [3, 4, 6], [2, 11]])
+def test_masked_key_blocks_merge_to_attention_over_the_kept_keys(cuts):
+    """Row 0 keeps 5 of 13 keys, row 1 all: merged blocks equal each row's attention over its kept keys alone (a
+    shorter prompt unpadded), with blocks whose keys are all masked for row 0 (lse -inf, weight 0)."""
+    query, key, value = qkv()
+    mask = padding_mask(2, 13, [5, 13])
+    blocks = zip(key.split(cuts, 2), value.split(cuts, 2), mask.split(cuts, 1), strict=True)
+    merged = merge_partials([attention_with_lse(query, k, v, m) for k, v, m in blocks])
+    for row, kept in enumerate((5, 13)):
+        alone = F.scaled_dot_product_attention(query[row:row + 1], key[row:row + 1, :, :kept],
+                                               value[row:row + 1, :, :kept])  # fmt: skip
+        assert (merged[row : row + 1] - alone).abs().max().item() <= 1e-6, (cuts, row)
+    assert torch.isfinite(merged).all()
+    unmasked = merge_partials(
+        [attention_with_lse(query, k, v) for k, v in zip(key.split(cuts, 2), value.split(cuts, 2), strict=True)]
+    )
+    assert (unmasked[0] - merged[0]).abs().max().item() > 1e-3  # the padding would have mattered
+
+
+def test_a_block_with_every_key_masked_weighs_nothing():
+    query, key, value = qkv(keys=4)
+    out, lse = attention_with_lse(query, key, value, padding_mask(2, 4, [0, 4]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(torch.isneginf(lse[0]).all())
+    assert torch.isfinite(lse[1]).all()

@@ -15,20 +15,41 @@ import math
 import torch
 
 
-def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       key_mask: torch.Tensor | None = None):  # fmt: skip
     """(B, heads, S_q, d) x (B, heads, S_kv, d) -> (output (B, heads, S_q, d) in the query's dtype, lse (B, heads,
-    S_q) float32). Neither side may be empty (the CPU kernel divides by the token count)."""
+    S_q) float32). Neither side may be empty (the CPU kernel divides by the token count). ``key_mask``: (B, S_kv)
+    bool, the keys attended to (``None``: all); a batch row with none attended gives output 0 and lse ``-inf``, which
+    ``merge_partials`` weighs by 0."""
     if query.shape[2] == 0 or key.shape[2] == 0:
         raise ValueError(f"attention_with_lse: empty queries or keys ({tuple(query.shape)}, {tuple(key.shape)})")
+    bias = None
+    if key_mask is not None:  # additive: 0 where attended, -inf at a masked key, in the query's dtype
+        bias = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~key_mask, -math.inf)
+        bias = bias[:, None, None, :]  # (B, S_kv) -> (B, 1, 1, S_kv): every head and query
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False)
-        return out, lse.float()
-    if query.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True)[:2]
-        return out, lse[..., : query.shape[2]].float()  # the kernel pads lse's token axis to a multiple of 32
-    scores = (query.float() @ key.float().transpose(-1, -2)) / math.sqrt(query.shape[-1])  # (B, heads, S_q, S_kv)
-    lse = scores.logsumexp(dim=-1)
-    return (torch.softmax(scores, dim=-1) @ value.float()).to(query.dtype), lse
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False,
+                                                                              attn_mask=bias)  # fmt: skip
+        lse = lse.float()
+    elif query.device.type == "cuda":
+        if bias is not None:  # the kernel reads a full (B, heads, S_q, S_kv) bias, its rows 16-element aligned
+            padded = -(-key.shape[2] // 16) * 16
+            full = bias.new_zeros((*query.shape[:3], padded))
+            full[..., : key.shape[2]] = bias
+            bias = full[..., : key.shape[2]]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True)[:2]
+        lse = lse[..., : query.shape[2]].float()  # the kernel pads lse's token axis to a multiple of 32
+    else:
+        scores = (query.float() @ key.float().transpose(-1, -2)) / math.sqrt(query.shape[-1])  # (B, heads, S_q, S_kv)
+        if bias is not None:
+            scores = scores + bias.float()
+        lse = scores.logsumexp(dim=-1)
+        out = (torch.softmax(scores, dim=-1) @ value.float()).to(query.dtype)
+    if key_mask is not None:
+        empty = ~key_mask.any(dim=1)  # (B,): rows whose block holds no attended key (no host sync to ask)
+        lse = lse.masked_fill(empty[:, None, None], -math.inf)
+        out = out.masked_fill(empty[:, None, None, None], 0.0)
+    return out, lse
 
 
 def merge_partials(partials: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

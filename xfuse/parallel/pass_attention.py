@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from xfuse.parallel.joint_sdpa import QKV, TextAttention, join_text, joint_sdpa, split_text
+from xfuse.parallel.joint_sdpa import QKV, TextAttention, join_text, joint_key_mask, joint_sdpa, split_text
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.stale_kv import StaleKVCache
 
@@ -57,12 +57,13 @@ class PassAttention:
         text_kv = text.record(text.key, text.value)
         joint = self.cache.joint(layer, *text_kv, text.fresh)
         if joint is None:
-            return joint_sdpa(query, key, value, (text.query, *text_kv), text.text_first)
+            return joint_sdpa(query, key, value, (text.query, *text_kv), text.text_first, text.key_mask)
         if text.fresh:  # the step's record is the slots themselves: the text K/V are held once
             text.record(*self.cache.text_kv(layer))
         text_len = text.query.shape[2]  # zero for a patch that reuses its step's text K/V
         joint_query = join_text(query, text.query, text.text_first) if text_len else query
-        out = F.scaled_dot_product_attention(joint_query, *joint)  # (B, heads, image + text queries, head_dim)
+        mask = joint_key_mask(text.key_mask, key.shape[2], text.text_first)
+        out = F.scaled_dot_product_attention(joint_query, *joint, attn_mask=mask)  # (B, heads, image + text q, d)
         return split_text(out, text_len, text.text_first)
 
     # --- where this rank's tokens sit ------------------------------------------------------------------------

@@ -203,7 +203,8 @@ class SequenceParallel:
             out_recvs = self._post("ulysses out", {}, shapes, query.dtype)
         if self.ring == 1:
             key, value = cache.update(layer, key, value)
-            image_out, text_out = joint_sdpa(query, key, value, text_qkv, text is not None and text.text_first)
+            image_out, text_out = joint_sdpa(query, key, value, text_qkv, text is not None and text.text_first,
+                                             None if text is None else text.key_mask)  # fmt: skip
         else:
             if cache.tokens is None:  # a whole-image pass attends to its own K/V; the patches' layout is kept apart
                 if cache.store_whole and len(self._bands) > 1:
@@ -213,10 +214,15 @@ class SequenceParallel:
                 key, value = cache.update(layer, key, value)  # every patch's ring chunk kept so far, stale or fresh
                 kept = len([r for r in self._layout[self.ring_index] if r.stop <= key.shape[2]])
                 sizes = [layout[kept - 1].stop for layout in self._layout]  # every ring rank has kept as many
+            masks = None
             if text is not None:  # every ring rank's block leads with its ring chunk of the text
-                sizes = [n + self._size(self.ring_chunk(slice(0, text.tokens), r)) for r, n in enumerate(sizes)]
+                chunks = [self.ring_chunk(slice(0, text.tokens), r) for r in range(self.ring)]
+                if text.key_mask is not None:  # the attended keys of each ring rank's block: its text chunk's, then all
+                    masks = [torch.cat((text.key_mask[:, chunk], text.key_mask.new_ones((batch, n))), dim=1)
+                             for chunk, n in zip(chunks, sizes, strict=True)]  # fmt: skip
+                sizes = [n + self._size(chunk) for chunk, n in zip(chunks, sizes, strict=True)]
             image_out, text_out = self._ring_attention(query, key, value, sizes, text_qkv,
-                                                       text is not None and text.text_first)  # fmt: skip
+                                                       text is not None and text.text_first, masks)  # fmt: skip
         if self.ulysses > 1:  # back to (B, heads, my tokens, d)
             outs = image_out.split(image_sizes, dim=2)
             if fresh_text:  # each rank's text output travels behind its image output
@@ -369,10 +375,12 @@ class SequenceParallel:
 
         self._finish(self._post("ring store", sends, recvs, packed.dtype), store)
 
-    def _ring_attention(self, query, key, value, sizes: list[int], text: QKV | None, text_first: bool):
+    def _ring_attention(self, query, key, value, sizes: list[int], text: QKV | None, text_first: bool,
+                        masks: list[torch.Tensor] | None = None):  # fmt: skip
         """Ring: my queries (and my text queries) over every ring rank's K/V block (ring rank r's: its ring chunk of
         the text, then of the image, ``sizes[r]`` tokens), passed around the ring while the block held is attended
-        to; the partial results merged by log-sum-exp in ring order."""
+        to; the partial results merged by log-sum-exp in ring order. ``masks[r]``: (B, sizes[r]) bool, the keys of
+        ring rank r's block attended to (a padded text's), ``None``: all."""
         if text is not None:
             query = join_text(query, text[0], text_first)
             key, value = torch.cat((text[1], key), dim=2), torch.cat((text[2], value), dim=2)
@@ -383,14 +391,15 @@ class SequenceParallel:
         peer_before = self._ring_peer((self.ring_index - 1) % self.ring)
         for hop in range(self.ring):
             holder = (self.ring_index - hop) % self.ring  # whose block this rank holds at this hop
+            mask = None if masks is None else masks[holder]
             if hop == self.ring - 1:
-                partials[holder] = attention_with_lse(query, block[0], block[1])
+                partials[holder] = attention_with_lse(query, block[0], block[1], mask)
                 break
             source = (holder - 1) % self.ring  # the block arriving next: the one the previous rank holds now
             shape = (2, batch, heads, sizes[source], head_dim)
             # The next block travels while this one is attended to.
             pending = self._post("ring kv", {peer_after: block.contiguous()}, {peer_before: shape}, block.dtype)
-            partials[holder] = attention_with_lse(query, block[0], block[1])
+            partials[holder] = attention_with_lse(query, block[0], block[1], mask)
             block = self._finish(pending, _only_copy)  # a copy: the pooled buffer takes the next message
         out = merge_partials(partials)  # (B, heads, [text +] my queries, d)
         return (out, None) if text is None else split_text(out, text[0].shape[2], text_first)

@@ -70,11 +70,12 @@ class JointKV:
         self.text.clear()
         self.reuse_text, self.text_tokens, self.text_total = False, 0, 0
 
-    def text_attention(self, key, query, text_k, text_v, text_first: bool) -> TextAttention:
+    def text_attention(self, key, query, text_k, text_v, text_first: bool, key_mask=None) -> TextAttention:
         """The text part of attention module ``key``'s pass: this rank's text queries, keys and values
-        (B, heads, T, head_dim), recorded as the owner's or replaced by them (``text_kv``)."""
+        (B, heads, T, head_dim), recorded as the owner's or replaced by them (``text_kv``). ``key_mask``: (B, the
+        whole text's tokens) bool, False at padding no query attends to (``TextAttention.key_mask``)."""
         return TextAttention(query, text_k, text_v, self.text_total, not self.reuse_text, text_first,
-                             partial(self.text_kv, key))  # fmt: skip
+                             partial(self.text_kv, key), key_mask)  # fmt: skip
 
 
 def _norm(norm, x):
