@@ -24,11 +24,21 @@ from xfuse.families.folder import (
 )
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.pixart.spec import PIXART_SIGMA
+from xfuse.families.qwenimage.spec import QWEN_IMAGE
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.spec import ModelSpec
 from xfuse.families.wan.spec import WAN
 
-FAMILIES: tuple[ModelSpec, ...] = (HUNYUANDIT, PIXART_SIGMA, STABLE_DIFFUSION_3, FLUX, WAN, FLUX2, FLUX2_KLEIN)
+FAMILIES: tuple[ModelSpec, ...] = (
+    HUNYUANDIT,
+    PIXART_SIGMA,
+    STABLE_DIFFUSION_3,
+    FLUX,
+    WAN,
+    FLUX2,
+    FLUX2_KLEIN,
+    QWEN_IMAGE,
+)
 
 
 def _by_name(kind: str, entries) -> dict[str, ModelSpec]:

@@ -45,7 +45,10 @@ class ModelSpec:
         presets: built-in random-weight models of this family (``model: <preset>``); the first is the smallest, the
             one the conformance suite (``tests/multirank/test_conformance.py``) runs the family's contract on.
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
-        text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s).
+        text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s); with
+            ``text_padded`` False, the most a prompt may have.
+        text_padded: the pipeline pads every prompt to ``text_lengths`` (False: a prompt keeps its own length, as
+            Qwen-Image's; prompts of different lengths in one batch are padded to the longest and masked).
         skip_pairs: ``num_blocks -> ((producer, consumer), ...)``, the long skips between blocks; raises
             ``ConfigError("model", ...)`` for a block count the family cannot have.
         default_placement: used when ``parallel.placement`` is not set. Long skips: ``balanced`` (folded's route, which
@@ -106,6 +109,7 @@ class ModelSpec:
     packing: int = 1
     streams: tuple[str, ...] = ()
     distilled_guidance: bool = False
+    text_padded: bool = True
     native_side: Callable[[dict], int] | None = None
     attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
     resolution_binning: bool = False

@@ -553,13 +553,18 @@ class PipeFusionPipelineBase:
     def _cfg_split(self, tensors: dict[str, torch.Tensor], half: int):
         """With ``cfg_degree: 2``: this CFG group's half of every [uncond | cond] batched tensor, and the
         ``(cfg_rank, exchange)`` pair a request uses to swap noise predictions. Otherwise the tensors as they are."""
-        if self.parallel.cfg_degree == 1:
+        cfg_half = self._cfg_half()
+        if cfg_half is None:
             return tensors, None
-        rank = self.context.cfg_rank
-        return {k: v[rank * half : (rank + 1) * half] for k, v in tensors.items()}, (
-            rank,
-            self.collectives.cfg_exchange,
-        )
+        rank = cfg_half[0]
+        return {k: v[rank * half : (rank + 1) * half] for k, v in tensors.items()}, cfg_half
+
+    def _cfg_half(self):
+        """With ``cfg_degree: 2``: ``(cfg_rank, exchange)``, this CFG group's half (0: uncond, 1: cond) and how a
+        request swaps noise predictions with the other group; ``None`` otherwise."""
+        if self.parallel.cfg_degree == 1:
+            return None
+        return self.context.cfg_rank, self.collectives.cfg_exchange
 
     def _observer(self) -> bool:
         """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""

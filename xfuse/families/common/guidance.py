@@ -30,6 +30,7 @@ def guidance(
     learned_sigma: bool,
     guidance_rescale: float = 0.0,
     batched: bool | None = None,
+    keep_cond_norm: bool = False,
 ) -> Callable[[torch.Tensor, int, int | None], torch.Tensor]:
     """The request's ``guide(output, step, patch)``: transformer output rows -> the noise the scheduler steps with.
 
@@ -39,7 +40,9 @@ def guidance(
     is this rank's half (0: uncond, 1: cond) and ``exchange(noise, step, patch)`` returns the other half's rows.
     ``guidance_rescale`` needs whole-image statistics: pipelines allow it in whole-image steps only. ``batched``:
     whether the output is [uncond | cond] when that is not ``guidance_scale > 1`` (Wan 2.2's second expert combines
-    with its own ``guidance_scale_2`` the batch the first expert's scale decided).
+    with its own ``guidance_scale_2`` the batch the first expert's scale decided). ``keep_cond_norm``: each token's
+    guided prediction rescaled to the conditional prediction's norm over the channels, as ``QwenImagePipeline``
+    combines them (per token: a patch's rows are combined as the whole image's).
     """
     do_cfg = do_classifier_free_guidance(guidance_scale) if batched is None else batched
     if guidance_rescale > 0.0:
@@ -56,6 +59,8 @@ def guidance(
             other = exchange(noise.contiguous(), step, patch)
             uncond, cond = (noise, other) if cfg_rank == 0 else (other, noise)
         guided = uncond + guidance_scale * (cond - uncond)
+        if keep_cond_norm:  # as QwenImagePipeline.__call__: comb_pred * (cond_norm / noise_norm), over channels
+            guided = guided * (torch.norm(cond, dim=1, keepdim=True) / torch.norm(guided, dim=1, keepdim=True))
         if guidance_rescale > 0.0:
             guided = rescale_noise_cfg(guided, cond, guidance_rescale=guidance_rescale)
         return guided

@@ -74,6 +74,11 @@ class JointStage(ShardedStage):
         tokens = self.attention.hidden_tokens(slice(0, shape[1]))
         return (shape[0], tokens.stop - tokens.start, *shape[2:])
 
+    def embed_text(self, prompt_embeds: torch.Tensor) -> torch.Tensor:
+        """The first block's text input (B', T, joint dim) -> (B', T, hidden), once per request: the transformer's
+        ``context_embedder`` (Qwen-Image: ``txt_in(txt_norm(.))``)."""
+        return self.transformer.context_embedder(prompt_embeds)
+
     def block_kwargs(self, cond: JointConditioning, band: PatchBand | None, owner: bool) -> dict[str, Any]:
         """Extra keyword arguments of every block for this pass (FLUX: its RoPE rows)."""
         return {}
@@ -138,22 +143,24 @@ def joint_request(
     cfg_half=None,
     generator=None,
     on_step_end=None,
+    keep_cond_norm: bool = False,
 ):
     """The engine's ``DenoiseRequest`` of an MMDiT family: the text batched [uncond, cond] when ``cfg_scale > 1``
-    (or this CFG group's half with ``cfg_half``), the first block's text input (``context_embedder``) computed once
-    here, the text stream's shape taken from it. ``conditioning(timestep, text)`` builds a step's conditioning from
-    the step's timestep expanded to the transformer batch, as both diffusers pipelines broadcast it."""
+    (or this CFG group's half with ``cfg_half``), the first block's text input (``JointStage.embed_text``) computed
+    once here, the text stream's shape taken from it. ``conditioning(timestep, text)`` builds a step's conditioning
+    from the step's timestep expanded to the transformer batch, as both diffusers pipelines broadcast it.
+    ``keep_cond_norm``: the guided prediction is rescaled to the conditional one's norm (``guidance``)."""
     from xfuse.parallel.request import DenoiseRequest
 
     model_batch, model_input = cfg_batch(latents, cfg_scale, cfg_half)
-    text = stage.transformer.context_embedder(prompt_embeds)  # (B', T, joint dim) -> (B', T, hidden)
+    text = stage.embed_text(prompt_embeds)  # (B', T, joint dim) -> (B', T, hidden)
     return DenoiseRequest(
         latents=latents,
         timesteps=timesteps,
         scheduler=scheduler,
         conditioning=lambda step, t: conditioning(t.expand(model_batch), text),
         model_input=model_input,
-        guide=guidance(cfg_scale, cfg_half, learned_sigma=False),
+        guide=guidance(cfg_scale, cfg_half, learned_sigma=False, keep_cond_norm=keep_cond_norm),
         model_batch=model_batch,
         generator=generator,
         on_step_end=on_step_end,

@@ -96,6 +96,18 @@ def prefetch_modulation(modulations: list[Modulation], emb: torch.Tensor) -> Non
             m.linear(m.silu(emb))
 
 
+def memoize_sequential(modules: list[nn.Module]) -> list[Modulation]:
+    """The same memo for modulations written as ``nn.Sequential(nn.SiLU(), nn.Linear(...))`` outside an adaptive norm
+    (Qwen-Image's per-block ``img_mod`` and ``txt_mod``); returns what it memoised."""
+    modulations = []
+    for sequential in modules:
+        silu, linear = sequential[0], sequential[1]
+        if len(sequential) == 2 and type(silu) is nn.SiLU and type(linear) is nn.Linear:
+            silu.__class__, linear.__class__ = MemoSiLU, MemoLinear
+            modulations.append(Modulation(silu, linear, None))
+    return modulations
+
+
 def memoize_modulation(root: nn.Module) -> list[Modulation]:
     """Give every adaptive norm in ``root`` (``ADAPTIVE_NORMS``) the per-step memo; returns what it memoised, for
     ``prefetch_modulation`` (found once here, not by a walk of the model every step). A norm that embeds a timestep

@@ -58,9 +58,11 @@ class PackedJointStage(JointStage):
         return {"image_rotary_emb": tuple(torch.cat([x[text], x[rows]]) for x in (cos, sin))}
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        """(B, C4, rows, cols) packed latent rows -> (B, band tokens, hidden): ``x_embedder`` on the packed tokens."""
+        """(B, C4, rows, cols) packed latent rows -> (B, band tokens, hidden): the patch embedding (``x_embedder``;
+        Qwen-Image's ``img_in``: ``embed_modules[0]``) on the packed tokens."""
         tokens = grid_to_packed(latent_rows)  # (B, rows * cols, C4)
-        return self.transformer.x_embedder(tokens if band is None else band.trim(tokens))  # (B, band tokens, hidden)
+        embedder = getattr(self.transformer, self.embed_modules[0])
+        return embedder(tokens if band is None else band.trim(tokens))  # (B, band tokens, hidden)
 
     def head(
         self, hidden: torch.Tensor, cond: JointConditioning, token_cols: int, band: PatchBand | None = None

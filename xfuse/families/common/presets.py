@@ -210,3 +210,24 @@ def clip_text_encoder(width: int, tokenizer, seed: int, component: str, *, with_
     model_class = CLIPTextModelWithProjection if with_projection else CLIPTextModel
     with seeded(seed, component):
         return model_class(config).eval()
+
+
+def byte_level_tokenizer(specials: list[str], max_length: int, chat_template: str | None = None):
+    """A byte-level tokenizer built in memory (one token per byte: any text encodes, none is unknown) with a
+    decoder-only text encoder's special tokens (``specials``: bos, eos, unk, pad, then the template's markers, each
+    one token wherever it appears in a text) and, where the pipeline applies one, a chat template of the release's
+    form."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    model = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[], unk_token=specials[2]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    model.decoder = decoders.ByteLevel()
+    bos, eos, unk, pad = specials[:4]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=bos, eos_token=eos, unk_token=unk,
+                                        pad_token=pad, model_max_length=max_length)  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[4:]})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer

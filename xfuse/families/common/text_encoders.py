@@ -4,7 +4,8 @@ built preset's own text encoders.
 
 Parameter counts (transformers' models built from these, weightless): CLIP ViT-L/14's text tower 123 M, OpenCLIP
 bigG's 695 M, T5-XXL's encoder 4.76 B, UMT5-XXL's 5.68 B, mT5-XL's 1.67 B, Chinese RoBERTa-wwm-ext-large 352 M,
-Mistral Small 3.x 24.01 B (with its Pixtral vision tower), Qwen3-4B 4.02 B, Qwen3-8B 8.19 B.
+Mistral Small 3.x 24.01 B (with its Pixtral vision tower), Qwen3-4B 4.02 B, Qwen3-8B 8.19 B, Qwen2.5-VL-7B
+8.29 B (with its vision tower).
 """
 
 from __future__ import annotations
@@ -62,6 +63,38 @@ _QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_s
           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6}  # fmt: skip
 QWEN3_4B: dict[str, Any] = {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True}
 QWEN3_8B: dict[str, Any] = {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False}
+
+# Qwen2.5-VL-7B-Instruct (Qwen-Image's): a Qwen2 decoder with multimodal RoPE and a 32-block vision tower.
+QWEN2_5_VL_7B: dict[str, Any] = {
+    "model_type": "qwen2_5_vl",
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "text_config": {
+        "model_type": "qwen2_5_vl_text",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "rope_theta": 1e6,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": False,
+    },  # fmt: skip
+    "vision_config": {
+        "model_type": "qwen2_5_vl",
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    },  # fmt: skip
+    "tie_word_embeddings": False,
+}
 
 
 def built_text_encoder_configs(pipeline) -> dict[str, dict[str, Any]]:

@@ -32,7 +32,7 @@ import os
 from typing import Any
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import seeded, tiny_vae_config
+from xfuse.families.common.presets import byte_level_tokenizer, seeded, tiny_vae_config
 from xfuse.families.common.text_encoders import MISTRAL_SMALL_3, QWEN3_4B, QWEN3_8B
 
 # The pipelines' defaults: the text is padded to 512 tokens and the hidden states of these layers are stacked
@@ -148,23 +148,9 @@ def preset_vae_config(preset: str = "flux2-tiny") -> dict[str, Any]:
 
 
 def _tokenizer(kind: str):
-    """A byte-level tokenizer built in memory (one token per byte: any text encodes, none is unknown) with the text
-    encoder's special tokens and a chat template of the release's form: Mistral's (system prompt, then the user's
-    instruction) or Qwen3's (the user's turn, then the assistant's with thinking off)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = _SPECIALS[kind]
-    tokens = [*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())]
-    model = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[], unk_token="<unk>"))
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    model.decoder = decoders.ByteLevel()
-    bos, eos, unk, pad = specials[:4]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=bos, eos_token=eos, unk_token=unk,
-                                        pad_token=pad, model_max_length=_MAX_LENGTH)  # fmt: skip
-    tokenizer.add_special_tokens({"additional_special_tokens": specials[4:]})
-    tokenizer.chat_template = _CHAT_TEMPLATES[kind]
-    return tokenizer
+    """The text encoder's byte-level tokenizer with a chat template of the release's form: Mistral's (system prompt,
+    then the user's instruction) or Qwen3's (the user's turn, then the assistant's with thinking off)."""
+    return byte_level_tokenizer(_SPECIALS[kind], _MAX_LENGTH, _CHAT_TEMPLATES[kind])
 
 
 # bos, eos, unk, pad, then the template's markers.

@@ -1,0 +1,1 @@
+"""Qwen-Image (diffusers `QwenImageTransformer2DModel` / `QwenImagePipeline`): spec, adapter, pipeline, presets."""
