@@ -16,6 +16,7 @@ import inspect
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tests.support import mmdit_fns, pixart_fns, wan_fns
 from tests.support.pipefusion_oracle import pipefusion_reference, pipefusion_video_reference
@@ -96,6 +97,38 @@ def _wan(pipe, call: dict) -> dict:
                                   prompt=call["prompt"], seed=call.get("seed", 0))  # fmt: skip
 
 
+def _qwen_image(pipe, call: dict) -> dict:
+    """As QwenImagePipeline.__call__ prepares them: the prompt's embeddings and, with true CFG, the negative prompt's,
+    batched [negative, positive] here (the shorter zero-padded, ``prompt_embeds_mask`` False at its padding), packed
+    latents, the timesteps with ``mu`` from the image's token count."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+    steps, generator = call["num_inference_steps"], torch.Generator().manual_seed(call.get("seed", 0))
+    scale = call.get("true_cfg_scale", _default(pipe, "true_cfg_scale"))
+    cfg = scale > 1 and call.get("negative_prompt") is not None
+    with torch.no_grad():
+        texts = [pipe.encode_prompt(prompt=call["prompt"], device="cpu")]
+        if cfg:
+            texts.insert(0, pipe.encode_prompt(prompt=call["negative_prompt"], device="cpu"))
+        length = max(emb.shape[1] for emb, _ in texts)
+        embeds = torch.cat([F.pad(emb, (0, 0, 0, length - emb.shape[1])) for emb, _ in texts])
+        masks = [torch.ones(emb.shape[:2], dtype=torch.bool) if m is None else m.bool() for emb, m in texts]
+        mask = torch.cat([F.pad(m, (0, length - m.shape[1]), value=False) for m in masks])
+        channels = pipe.transformer.config.in_channels // 4
+        latents = pipe.prepare_latents(1, channels, call["height"], call["width"], embeds.dtype, "cpu", generator,
+                                       None)  # fmt: skip
+        config = pipe.scheduler.config
+        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))  # fmt: skip
+        timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps),
+                                          mu=mu)  # fmt: skip
+        pipe.scheduler.set_begin_index(0)
+    return dict(prompt_embeds=embeds, prompt_embeds_mask=None if bool(mask.all()) else mask,
+                negative_prompt_embeds=texts[0][0] if cfg else None, true_cfg_scale=scale if cfg else 1.0,
+                latents=latents, timesteps=timesteps, extra_step_kwargs={}, generator=generator)  # fmt: skip
+
+
 def _latents(pipe, latents: torch.Tensor, inputs: dict) -> torch.Tensor:
     """The ``output_type="latent"`` result of most pipelines: the loop's latents as they are."""
     return latents
@@ -111,6 +144,7 @@ ORACLE_INPUTS = {
     "Flux2Pipeline": (_flux2, "joint", _latents),
     "Flux2KleinPipeline": (_flux2, "joint", _klein_output),
     "WanPipeline": (_wan, "video", _latents),
+    "QwenImagePipeline": (_qwen_image, "joint", _latents),
 }
 
 

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed, get_2d_sincos_pos_embed
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
 
 
@@ -236,6 +237,56 @@ class StaleFlux2ParallelAttention:
             value = torch.cat([value[:, :text_len], image_value], dim=1)
         out = dispatch_attention_fn(query, key, value, attn_mask=None).flatten(2, 3).to(query.dtype)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
+class StaleQwenAttention:
+    """diffusers' ``QwenDoubleStreamAttnProcessor2_0`` ([text, image], complex RoPE, the text's padding masked from
+    every query), except that the image K/V (after q/k RMSNorm and RoPE) go through ``KVBuffers``: Q = [text, band],
+    K/V = [text, whole buffer]."""
+
+    def __init__(self, buffers: KVBuffers, layer) -> None:
+        self.buffers, self.layer = buffers, layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                 attention_mask=None, image_rotary_emb=None):  # fmt: skip
+        assert attention_mask is None and encoder_hidden_states is not None
+
+        def heads(x):  # (B, S, heads * D) -> (B, S, heads, D)
+            return x.unflatten(-1, (attn.heads, -1))
+
+        query, key = attn.norm_q(heads(attn.to_q(hidden_states))), attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        text_query = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
+        text_key = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
+        text_value = heads(attn.add_v_proj(encoder_hidden_states))
+        image_freqs, text_freqs = image_rotary_emb
+        query, key = (apply_rotary_emb_qwen(x, image_freqs, use_real=False) for x in (query, key))
+        text_query, text_key = (apply_rotary_emb_qwen(x, text_freqs, use_real=False) for x in (text_query, text_key))
+        key, value = self.buffers.update(self.layer, key, value, dim=1)
+        text_len = text_query.shape[1]
+        mask = None
+        if encoder_hidden_states_mask is not None:  # (B, T) -> (B, 1, 1, T + image keys)
+            image = torch.ones(key.shape[:2], dtype=torch.bool)
+            mask = torch.cat([encoder_hidden_states_mask.bool(), image], dim=1)[:, None, None, :]
+        out = dispatch_attention_fn(torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1),
+                                    torch.cat([text_value, value], dim=1), attn_mask=mask)  # (B, S, heads, D)
+        out = out.flatten(2, 3).to(query.dtype)
+        text_out, out = out[:, :text_len], out[:, text_len:]
+        return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(text_out.contiguous())
+
+
+class BandRope(torch.nn.Module):
+    """Qwen-Image's ``pos_embed`` for a pass: the whole image's (image, text) RoPE, the image rows the pass's tokens
+    (never the band's own centred table)."""
+
+    def __init__(self, pos_embed, buffers: KVBuffers, token_rows: int, token_cols: int) -> None:
+        super().__init__()
+        self.pos_embed, self.buffers, self.shape = pos_embed, buffers, (1, token_rows, token_cols)
+
+    def forward(self, img_shapes, max_txt_seq_len, device=None):
+        image, text = self.pos_embed([self.shape], max_txt_seq_len=max_txt_seq_len, device=device)
+        tokens = self.buffers.tokens
+        return (image if tokens is None else image[tokens]), text
 
 
 class TextOwner:
@@ -570,6 +621,41 @@ def _flux_controlnet(transformer, inputs, buffers, token_rows, token_cols, contr
     return predict
 
 
+def _qwen_image(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of QwenImagePipeline.__call__ (the loop) on packed latents: stale image K/V after RoPE, patch 0 owning the
+    text stream, the band's rows of the whole image's RoPE. True CFG is one batched call [neg, cond], the shorter text
+    zero-padded and masked (diffusers makes two calls, each at its own length), combined as diffusers does: ``neg +
+    scale * (cond - neg)`` rescaled per token to the conditional prediction's norm."""
+    for index, block in enumerate(transformer.transformer_blocks):
+        block.attn.set_processor(StaleQwenAttention(buffers, index))
+    TextOwner(buffers, transformer.transformer_blocks)
+    transformer.pos_embed = BandRope(transformer.pos_embed, buffers, token_rows, token_cols)
+    scale, embeds, mask = inputs["true_cfg_scale"], inputs["prompt_embeds"], inputs["prompt_embeds_mask"]
+    cfg = scale > 1 and inputs.get("negative_prompt_embeds") is not None
+
+    def predict(latents, t, scheduler, tokens):
+        latent_model_input = torch.cat([latents] * 2) if cfg else latents
+        timestep = t.expand(latent_model_input.shape[0]).to(latents.dtype)
+        noise_pred = transformer(
+            hidden_states=latent_model_input,
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=[[(1, token_rows, token_cols)]] * latent_model_input.shape[0],
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+        if cfg:
+            neg_noise_pred, noise_pred = noise_pred.chunk(2)
+            comb_pred = neg_noise_pred + scale * (noise_pred - neg_noise_pred)
+            noise_pred = comb_pred * (torch.norm(noise_pred, dim=-1, keepdim=True) /
+                                      torch.norm(comb_pred, dim=-1, keepdim=True))  # fmt: skip
+        return noise_pred
+
+    return predict
+
+
 # family, and whether its latents are FLUX's packed (B, tokens, 4 C) rather than (B, C, H, W)
 FAMILIES = {
     "HunyuanDiTPipeline": (_hunyuandit, False),
@@ -580,6 +666,7 @@ FAMILIES = {
     "FluxControlNetPipeline": (_flux_controlnet, True),
     "Flux2Pipeline": (_flux2, True),
     "Flux2KleinPipeline": (_flux2, True),
+    "QwenImagePipeline": (_qwen_image, True),
 }
 
 

@@ -87,7 +87,8 @@ def check_decoder(vae) -> None:
     """Raise ValueError naming the first module of ``vae.decoder`` that the band decode cannot run exactly."""
 
     def refuse(name: str, why: str) -> None:
-        raise ValueError(f"the parallel VAE decode cannot run vae.decoder.{name} exactly: {why}")
+        where = f"vae.decoder.{name}" if name else "vae.decoder"
+        raise ValueError(f"the parallel VAE decode cannot run {where} exactly: {why}")
 
     for name, module in vae.decoder.named_modules():
         kind = type(module).__name__
