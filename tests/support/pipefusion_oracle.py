@@ -268,8 +268,12 @@ class StaleQwenAttention:
         if encoder_hidden_states_mask is not None:  # (B, T) -> (B, 1, 1, T + image keys)
             image = torch.ones(key.shape[:2], dtype=torch.bool)
             mask = torch.cat([encoder_hidden_states_mask.bool(), image], dim=1)[:, None, None, :]
-        out = dispatch_attention_fn(torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1),
-                                    torch.cat([text_value, value], dim=1), attn_mask=mask)  # (B, S, heads, D)
+        out = dispatch_attention_fn(
+            torch.cat([text_query, query], dim=1),
+            torch.cat([text_key, key], dim=1),
+            torch.cat([text_value, value], dim=1),
+            attn_mask=mask,
+        )  # (B, S, heads, D)
         out = out.flatten(2, 3).to(query.dtype)
         text_out, out = out[:, :text_len], out[:, text_len:]
         return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(text_out.contiguous())

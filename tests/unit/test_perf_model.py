@@ -34,7 +34,7 @@ def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
     so that the counter sees the matrix products): every block, per batch element, exactly, for every family in the
     registry (its first preset) and SD3.5's layout. HunyuanDiT's tiny preset has 16 blocks, so the long skips'
     ``skip_linear`` (blocks 9-15) is counted; SD3's last block is ``context_pre_only``; SD3.5's first two are
-    dual-attention; FLUX has both block kinds; Wan's clip is 3 latent frames."""
+    dual-attention; FLUX has both block kinds; Wan's clip is 3 latent frames; Qwen-Image's prompt keeps its own length."""
     spec, config = model_spec(preset), transformer_config(preset)
     pipe = spec.build_preset_pipeline(preset)
     side = 64
@@ -45,6 +45,11 @@ def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
     if spec.video:
         kwargs["num_frames"] = 1 + 2 * spec.vae_temporal_factor
         frames = spec.latent_frames(kwargs["num_frames"])
+    text = [sum(spec.text_lengths)]
+    if not spec.text_padded:  # a prompt at its own length (Qwen-Image): what the transformer was given
+        pipe.transformer.register_forward_pre_hook(
+            lambda module, args, kwargs: text.__setitem__(0, kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True
+        )
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter, torch.no_grad():
         pipe(**kwargs)
@@ -57,7 +62,7 @@ def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
         kind, index = name.split(".")[1:]
         block = int(index) + (config["num_layers"] if kind == "single_transformer_blocks" else 0)
         counted = sum(counts[name].values()) / batch
-        assert spec.block_flops(config, block, tokens, tokens, sum(spec.text_lengths), True) == counted, name
+        assert spec.block_flops(config, block, tokens, tokens, text[0], True) == counted, name
 
 
 @pytest.mark.parametrize(

@@ -322,15 +322,16 @@ def test_vae_config_without_weights_is_the_built_vaes(preset):
 
 
 def test_every_preset_has_a_vae_config():
-    """Every image preset's VAE is modelled; a video preset's (Wan's causal 3-D AutoencoderKLWan) is refused by name,
-    which ``xfuse plan`` reports as not modelled."""
+    """Every AutoencoderKL-layout preset's VAE is modelled; a causal 3-D VAE (Wan's AutoencoderKLWan, Qwen-Image's
+    AutoencoderKLQwenImage) is refused by name, which ``xfuse plan`` reports as not modelled."""
     for preset, spec in PRESET_MODELS.items():
-        if spec.video:
+        config = vae_config(preset)
+        if "temperal_downsample" in config:
+            name = config["_class_name"]
             with pytest.raises(
-                ValueError,
-                match=r"covers diffusers' AutoencoderKL and AutoencoderKLFlux2 only \(got AutoencoderKLWan\)",
+                ValueError, match=rf"covers diffusers' AutoencoderKL and AutoencoderKLFlux2 only \(got {name}\)"
             ):
-                VaeShape.from_config(vae_config(preset))
+                VaeShape.from_config(config)
         else:
             VaeShape.from_config(vae_config(preset))
 
