@@ -183,7 +183,7 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
     dtype = config.runtime.torch_dtype()
     element = torch.empty((), dtype=dtype).element_size()
     # diffusers batches [uncond, cond] for classifier-free guidance; FLUX.1-dev embeds its guidance_scale instead
-    cfg_batch = 2 if generation.guidance_scale > 1 and not spec.distilled_guidance else 1
+    cfg_batch = spec.cfg_batch(generation.guidance_scale, generation.negative_prompt)
     batch = cfg_batch // par.cfg_degree  # each CFG group runs its half
     control_counts = None
     if controlnet_layers:

@@ -106,8 +106,8 @@ def test_refusals_name_the_argument_on_every_rank(world4, folder):
     results = world4.run_ok(run_calls, folder, {"pipefusion_degree": 2, "cfg_degree": 2}, [BASE], family="qwen-image",
                             timeout=300)  # fmt: skip
     assert {r[0]["message"] for r in results} == {
-        "guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the classifier-free-guidance batch "
-        "(got 1.0)"
+        "parallel.cfg_degree 2 splits true CFG's [negative, positive] batch, which QwenImagePipeline runs only with "
+        "true_cfg_scale > 1 and a negative prompt (got true_cfg_scale=4.0, no negative prompt)"
     }
 
 

@@ -47,6 +47,9 @@ class ModelSpec:
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
         text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s); with
             ``text_padded`` False, the most a prompt may have.
+        negative_prompt_guides: the pipeline's classifier-free guidance is true CFG whose default scale is above 1
+            (Qwen-Image's ``true_cfg_scale`` 4.0): a request with a negative prompt batches [negative, positive],
+            one without does not, whatever ``guidance_scale`` (``cfg_batch``).
         text_padded: the pipeline pads every prompt to ``text_lengths`` (False: a prompt keeps its own length, as
             Qwen-Image's; prompts of different lengths in one batch are padded to the longest and masked).
         skip_pairs: ``num_blocks -> ((producer, consumer), ...)``, the long skips between blocks; raises
@@ -109,6 +112,7 @@ class ModelSpec:
     packing: int = 1
     streams: tuple[str, ...] = ()
     distilled_guidance: bool = False
+    negative_prompt_guides: bool = False
     text_padded: bool = True
     native_side: Callable[[dict], int] | None = None
     attentions_of_block: Callable[[dict, int], int] = lambda config, block: 1
@@ -170,6 +174,15 @@ class ModelSpec:
         if factor is None or factor == self.vae_scale_factor:
             return self
         return replace(self, vae_scale_factor=int(factor))
+
+    def cfg_batch(self, guidance_scale: float, negative_prompt: str | None) -> int:
+        """The transformer batch per image of a request that ``xfuse generate`` or ``xfuse serve`` makes (they pass
+        ``guidance_scale`` and the negative prompt, never ``true_cfg_scale``): 2 where the pipeline batches
+        [uncond, cond] (``guidance_scale > 1``; none for an embedded guidance; a negative prompt where it turns on
+        true CFG), else 1."""
+        if self.negative_prompt_guides:
+            return 2 if negative_prompt is not None else 1
+        return 2 if guidance_scale > 1 and not self.distilled_guidance else 1
 
     @property
     def latent_scale(self) -> int:

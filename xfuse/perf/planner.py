@@ -62,7 +62,7 @@ def workload(config: XfuseConfig, controlnet: dict | None = None) -> Workload:
     ``controlnet`` (its block counts) a ControlNet run with it (``Workload.controlnet``)."""
     spec, model = model_spec(config.model), transformer_config(config.model)
     gen = config.generation if config.generation is not None else GenerationConfig()
-    cfg_batch = 2 if gen.guidance_scale > 1 and not spec.distilled_guidance else 1
+    cfg_batch = spec.cfg_batch(gen.guidance_scale, gen.negative_prompt)
     width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
     return Workload(
         spec,

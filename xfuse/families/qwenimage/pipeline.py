@@ -117,7 +117,13 @@ class PipeFusionQwenImagePipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         # Mirrors ``diffusers.QwenImagePipeline.__call__``: true CFG needs a negative prompt (or its embeddings).
         has_neg_prompt = negative_prompt is not None or negative_prompt_embeds is not None
         do_true_cfg = true_cfg_scale > 1 and has_neg_prompt
-        if guidance_scale is not None:
+        if self.parallel.cfg_degree == 2 and not do_true_cfg:
+            raise ValueError(
+                "parallel.cfg_degree 2 splits true CFG's [negative, positive] batch, which QwenImagePipeline runs only "
+                f"with true_cfg_scale > 1 and a negative prompt (got true_cfg_scale={true_cfg_scale}, "
+                f"{'a' if has_neg_prompt else 'no'} negative prompt)"
+            )
+        if guidance_scale is not None and self.context.is_output:  # diffusers' warning, once per call
             logger.warning("guidance_scale is passed as %s, but ignored since the model is not guidance-distilled.",
                            guidance_scale)  # fmt: skip
         cfg_scale = true_cfg_scale if do_true_cfg else 1.0  # what batches [negative, positive]

@@ -42,5 +42,6 @@ QWEN_IMAGE = ModelSpec(
     token_patch=lambda config: 1,
     streams=("text",),
     distilled_guidance=True,  # guidance_scale never batches [uncond, cond]: its CFG is true_cfg_scale
+    negative_prompt_guides=True,  # true_cfg_scale defaults to 4.0: a negative prompt turns CFG on
     native_side=lambda config: 128 * 8,  # QwenImagePipeline.default_sample_size x its VAE factor
 )
