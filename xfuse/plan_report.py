@@ -106,7 +106,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
     else:
         side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
         why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
-    holders = tuple(range(world)) if vae_on_every_rank(par, world) else (0,)
+    holders = tuple(range(world)) if vae_on_every_rank(par, world, raw.get("_class_name", "AutoencoderKL")) else (0,)
     scratch = CPU_CONV_SCRATCH if where is not None and not where.device.gpu else None  # a CPU's convolution copies
 
     def seconds(ranks: int) -> DecodeTime | None:  # as the performance model costs the device: in its dtype

@@ -15,7 +15,7 @@ from tests.support.flux2_fns import loaded_share
 from tests.support.oracle_inputs import oracle_latents
 from tests.support.pipeline_fns import check_against_diffusers as check
 from tests.support.pipeline_fns import log_callback, reference_runner, run_calls
-from tests.support.qwenimage_fns import from_pipe_call, pipelined_forgetting_the_padding
+from tests.support.qwenimage_fns import from_pipe_call, holds_vae, pipelined_forgetting_the_padding
 from tests.support.world import World
 from xfuse.config import config_from_dict
 from xfuse.families.qwenimage.presets import save_preset_pipeline
@@ -114,7 +114,7 @@ def test_refusals_name_the_argument_on_every_rank(world4, folder):
 def test_each_rank_loads_only_its_blocks(world4, folder):
     """pp4 over 4 blocks: a block's parameters (its own modulation with them) on its rank only, ``img_in`` on the
     first rank, ``norm_out`` and ``proj_out`` on the last, the timestep embedding and the text input layers on every
-    rank; ``xfuse plan``'s per-rank weights are those bytes exactly."""
+    rank; ``xfuse plan``'s per-rank weights are those bytes exactly, and the VAE is rank 0's alone."""
     whole = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
     sizes = {name: p.numel() for name, p in whole.named_parameters()}
     per_rank = world4.run_ok(loaded_share, folder, {"pipefusion_degree": 4}, "qwen-image", timeout=300)
@@ -130,6 +130,9 @@ def test_each_rank_loads_only_its_blocks(world4, folder):
     config = config_from_dict({"model": "qwen-image-tiny", "parallel": {"pipefusion_degree": 4}})
     planned = rank_memory("qwen-image-tiny", workload(config), config.parallel, torch.float32)
     assert [m.param_bytes for m in planned] == [4 * sum(params.values()) for params, _ in per_rank]
+    # the causal 3-D VAE decodes on rank 0 (vae_parallel auto): no other rank loads it, nor does the plan count it
+    assert world4.run_ok(holds_vae, folder, {"pipefusion_degree": 4}, timeout=300) == [True, False, False, False]
+    assert [m.vae_bytes > 0 for m in planned] == [True, False, False, False]
 
 
 def test_from_pipe_equals_diffusers_and_refuses_another_family(world4, reference):

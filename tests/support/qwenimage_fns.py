@@ -40,3 +40,12 @@ def from_pipe_call(parallel, call):
     call = dict(call)
     out = pipe(**call, generator=generators(call))
     return refused, None if out is None else as_array(out)
+
+
+def holds_vae(folder, parallel):
+    """Whether this rank holds the VAE after ``from_pretrained`` (``parallel.vae_parallel`` auto or on: every rank,
+    for a VAE the band decode runs)."""
+    from xfuse import PipeFusionQwenImagePipeline
+
+    pipe = PipeFusionQwenImagePipeline.from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    return pipe.pipeline.vae is not None

@@ -877,7 +877,9 @@ def test_which_calls_decode_over_the_world(mode, world, height, width, rows, par
 
     config = ParallelConfig(vae_parallel=mode)
     assert decodes_in_parallel(config, world, height, width, rows) is parallel
-    assert vae_on_every_rank(config, world) is (mode != "off" and world > 1)
+    assert vae_on_every_rank(config, world, "AutoencoderKL") is (mode != "off" and world > 1)
+    # a causal 3-D VAE (Wan's, Qwen-Image's) stays on rank 0 whatever the mode; no VAE, nowhere
+    assert not vae_on_every_rank(config, world, "AutoencoderKLQwenImage") and not vae_on_every_rank(config, world, None)
 
 
 def test_vae_parallel_on_needs_a_latent_row_per_rank():

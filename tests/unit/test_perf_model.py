@@ -34,7 +34,8 @@ def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
     so that the counter sees the matrix products): every block, per batch element, exactly, for every family in the
     registry (its first preset) and SD3.5's layout. HunyuanDiT's tiny preset has 16 blocks, so the long skips'
     ``skip_linear`` (blocks 9-15) is counted; SD3's last block is ``context_pre_only``; SD3.5's first two are
-    dual-attention; FLUX has both block kinds; Wan's clip is 3 latent frames; Qwen-Image's prompt keeps its own length."""
+    dual-attention; FLUX has both block kinds; Wan's clip is 3 latent frames; Qwen-Image's prompt keeps its own
+    length."""
     spec, config = model_spec(preset), transformer_config(preset)
     pipe = spec.build_preset_pipeline(preset)
     side = 64

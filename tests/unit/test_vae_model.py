@@ -324,7 +324,7 @@ def test_vae_config_without_weights_is_the_built_vaes(preset):
 def test_every_preset_has_a_vae_config():
     """Every AutoencoderKL-layout preset's VAE is modelled; a causal 3-D VAE (Wan's AutoencoderKLWan, Qwen-Image's
     AutoencoderKLQwenImage) is refused by name, which ``xfuse plan`` reports as not modelled."""
-    for preset, spec in PRESET_MODELS.items():
+    for preset in PRESET_MODELS:
         config = vae_config(preset)
         if "temperal_downsample" in config:
             name = config["_class_name"]

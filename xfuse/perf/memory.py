@@ -158,8 +158,9 @@ def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> l
                                      batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
                                      experts=transformer_count(model))  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
-    vae = vae_weight_bytes(model, dtype)
-    every = vae_on_every_rank(parallel, plan.degree * sp * parallel.cfg_degree)
+    vae, raw = vae_weight_bytes(model, dtype), vae_config(model)
+    vae_class = None if raw is None else raw.get("_class_name", "AutoencoderKL")
+    every = vae_on_every_rank(parallel, plan.degree * sp * parallel.cfg_degree, vae_class)
     return [RankMemory(rank, params[rank], kv[rank] // sp, vae_bytes=vae if every or rank == 0 else 0)
             for rank in range(plan.degree)]  # fmt: skip
 

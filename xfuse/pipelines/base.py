@@ -36,7 +36,7 @@ from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.step_cache import check_decisions
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
-from xfuse.parallel.vae_decode import ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
+from xfuse.parallel.vae_decode import BAND_DECODED_VAES, ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
 from xfuse.pipelines.collectives import Collectives
 from xfuse.pipelines.loading import load_from_folder, shard_loaded
 from xfuse.pipelines.text_placement import place_text_encoders, text_components
@@ -136,6 +136,7 @@ class PipeFusionPipelineBase:
         # load the VAE have its config from the folder (``vae_config``).
         vae = getattr(pipeline, "vae", None)
         self.spec = self.spec.for_vae(dict(vae.config) if vae is not None else vae_config)
+        self._vae_class = type(vae).__name__ if vae is not None else (vae_config or {}).get("_class_name")
         if extra_stages:  # a family with several transformers (Wan 2.2's experts) takes its own before calling here
             raise ValueError(f"{type(self).__name__} runs one transformer; the folder also has {sorted(extra_stages)}")
         self.config: XfuseConfig = context.config
@@ -168,7 +169,7 @@ class PipeFusionPipelineBase:
         self.band_decode = self._band_decode(pipeline, context)
         self.text_group = place_text_encoders(pipeline, context, self.text_placement)  # collective with split
         if not context.is_output:
-            for name in self._rank0_only(context.config.parallel, context.world_size):
+            for name in self._rank0_only(context.config.parallel, context.world_size, self._vae_class):
                 setattr(pipeline, name, None)
             if self.band_decode is None:
                 pipeline.vae = None
@@ -219,17 +220,23 @@ class PipeFusionPipelineBase:
         )
 
     @classmethod
-    def _rank0_only(cls, parallel: ParallelConfig, world_size: int) -> tuple[str, ...]:
+    def _rank0_only(cls, parallel: ParallelConfig, world_size: int, vae_class: str | None) -> tuple[str, ...]:
         """The components ranks other than 0 do not load: ``rank0_components``, less the VAE when every rank may
-        decode a band of the image (``parallel.vae_parallel`` not ``off``)."""
-        if not vae_on_every_rank(parallel, world_size):
+        decode a band of the image (``parallel.vae_parallel`` not ``off``, a VAE the bands run: ``vae_class``)."""
+        if not vae_on_every_rank(parallel, world_size, vae_class):
             return cls.rank0_components
         return tuple(name for name in cls.rank0_components if name != "vae")
 
     def _band_decode(self, pipeline, context: ParallelContext) -> ParallelVAEDecode | None:
         """This rank's share of the band-parallel VAE decode, or ``None`` where rank 0 decodes alone (one rank,
         ``vae_parallel: off``, or ``auto`` with a decoder the bands cannot run exactly)."""
-        if not vae_on_every_rank(self.parallel, context.world_size):
+        if self.parallel.vae_parallel == "off" or context.world_size == 1:
+            return None
+        if self._vae_class not in BAND_DECODED_VAES:
+            if self.parallel.vae_parallel == "on":
+                raise ConfigError("parallel.vae_parallel", f"is on, but the parallel VAE decode runs "
+                                  f"{' and '.join(BAND_DECODED_VAES)} only (this model's VAE: {self._vae_class}); "
+                                  "use auto or off")  # fmt: skip
             return None
         try:
             return ParallelVAEDecode(

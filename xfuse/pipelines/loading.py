@@ -68,7 +68,9 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-    skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size))
+    vae = folder_config(pretrained_model_name_or_path, "vae")
+    vae_class = None if vae is None else vae.get("_class_name", "AutoencoderKL")
+    skip = {} if context.is_output else dict.fromkeys(cls._rank0_only(config.parallel, context.world_size, vae_class))
     diffusers_class = getattr(diffusers, cls.diffusers_name())
     model_class = getattr(diffusers, cls.spec.diffusers_transformer)
     transformer = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
@@ -93,8 +95,7 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
     placement = text_placement(config, context.device)
     load_text_shares(pipeline, pretrained_model_name_or_path, context, placement, torch_dtype)
     stage = stages.pop("transformer")
-    return cls(pipeline, context, torch_dtype, stage, stages, folder_config(pretrained_model_name_or_path, "vae"),
-               text_placement=placement)  # fmt: skip
+    return cls(pipeline, context, torch_dtype, stage, stages, vae, text_placement=placement)
 
 
 def shard_loaded(cls, pipeline, parallel, comm, device, config, cache):
