@@ -34,6 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_pipefusion import pin_to_core, speedups  # noqa: E402  (after the path insert, as run directly)
 
 PROMPT = "a red house by a lake"
+# Qwen-Image's prompts keep their own length, and diffusers' Ulysses shards the text evenly (EquipartitionSharder):
+# it refuses a prompt of an odd number of tokens on 2 ranks, which the default prompt (149 tokens in the presets'
+# byte-level tokenizer, after the template's 34) and the model card's negative " " (129) are. These have 150 and 130.
+EVEN_PROMPT, EVEN_NEGATIVE = "a red house by a lake.", "  "
 # name -> (ranks, how the pipeline is built: "diffusers" or xfuse's ParallelConfig keywords)
 CONFIGS: dict[str, tuple[int, str | dict]] = {
     "diffusers serial": (1, "diffusers"),
@@ -58,7 +62,7 @@ def configs(preset: str) -> dict[str, tuple[int, str | dict]]:
     from xfuse.families.registry import model_spec
 
     spec = model_spec(preset)
-    drop = {"xfuse cfg 2"} if spec.distilled_guidance else set()
+    drop = {"xfuse cfg 2"} if spec.distilled_guidance and not spec.negative_prompt_guides else set()
     if not getattr(getattr(diffusers, spec.diffusers_transformer), "_cp_plan", None):  # no context-parallel plan
         drop.add("diffusers ulysses 2")
     if not spec.video:
@@ -67,12 +71,16 @@ def configs(preset: str) -> dict[str, tuple[int, str | dict]]:
 
 
 def call_kwargs(preset: str, frames: int) -> dict:
-    """The call's family-specific arguments: FLUX's distilled guidance, the others' batched CFG (and no binning), a
-    video family's ``frames``."""
+    """The call's family-specific arguments: FLUX's distilled guidance, the others' batched CFG (and no binning),
+    Qwen-Image's true CFG (its default scale 4.0, turned on by a negative prompt; both prompts of an even length: see
+    ``EVEN_PROMPT``), a video family's ``frames``."""
     from xfuse.families.registry import model_spec
 
     spec = model_spec(preset)
-    kwargs: dict = {"guidance_scale": 3.5 if spec.distilled_guidance else 5.0}
+    if spec.negative_prompt_guides:
+        kwargs: dict = {"prompt": EVEN_PROMPT, "negative_prompt": EVEN_NEGATIVE}
+    else:
+        kwargs = {"guidance_scale": 3.5 if spec.distilled_guidance else 5.0}
     if spec.resolution_binning:
         kwargs["use_resolution_binning"] = False
     if spec.video:
@@ -115,14 +123,14 @@ def call_rank(preset: str, steps: int, size: int, frames: int = 1) -> dict:
 
     dist.barrier()
     start = time.perf_counter()
+    kwargs = {"prompt": PROMPT, **call_kwargs(preset, frames)}
     out = _PIPE["pipe"](
-        prompt=PROMPT,
         height=size,
         width=size,
         num_inference_steps=steps,
         generator=torch.Generator().manual_seed(0),
         output_type="latent",
-        **call_kwargs(preset, frames),
+        **kwargs,
     )
     seconds = time.perf_counter() - start
     dist.barrier()
@@ -132,16 +140,32 @@ def call_rank(preset: str, steps: int, size: int, frames: int = 1) -> dict:
     return dict(seconds=seconds, latents=latents, sent=None if sent is None else [s["sent"] for s in sent])
 
 
+def prompt_tokens(preset: str, prompt: str) -> int:
+    """The tokens of ``prompt``'s embedding in ``preset``'s pipeline (its own ``encode_prompt``)."""
+    from xfuse.families.registry import load_pipeline
+
+    embeds = load_pipeline(preset).encode_prompt(prompt, device="cpu")[0]
+    return embeds.shape[1]
+
+
 def predicted_bytes(preset: str, how: dict, steps: int, size: int, frames: int) -> list[dict[str, int]]:
     """The bytes each pipeline rank sends in one call as ``xfuse.parallel.costs.comm_volume`` counts them (per step,
     times the steps): PipeFusion's hand-offs and stepped latent; sequence parallelism's own messages are not in it."""
     from xfuse.config import config_from_dict
     from xfuse.plan_report import plan_report
 
+    from xfuse.families.registry import model_spec
+
+    kwargs = call_kwargs(preset, frames)
     generation = {"height": size, "width": size, "num_inference_steps": steps}
+    generation |= {key: kwargs[key] for key in ("guidance_scale", "negative_prompt") if key in kwargs}
     if frames > 1:
         generation["num_frames"] = frames
-    report = plan_report(config_from_dict({"model": preset, "parallel": how, "generation": generation}))
+    text = None
+    if not model_spec(preset).text_padded:  # the prompt's own tokens (Qwen-Image: the longer of the CFG pair's)
+        text = max(prompt_tokens(preset, kwargs.get(key, PROMPT)) for key in ("prompt", "negative_prompt"))
+    report = plan_report(config_from_dict({"model": preset, "parallel": how, "generation": generation}),
+                         text_tokens=text)  # fmt: skip
     return [{k: v * steps for k, v in report.volume[r].items() if v} for r in sorted(report.volume)]
 
 

@@ -221,7 +221,9 @@ def _common_call_kwargs(
         height=height,
         width=width,
         num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale,
+        # a true-CFG family's guidance_scale is a guidance embedding its releases do not have (Qwen-Image: diffusers
+        # warns and ignores it); its CFG is the negative prompt's (ModelSpec.negative_prompt_guides)
+        **({} if spec.negative_prompt_guides else {"guidance_scale": guidance_scale}),
         generator=torch.Generator().manual_seed(seed),
         # the size asked for, not the nearest of the model's trained sizes
         **({"use_resolution_binning": False} if spec.resolution_binning else {}),

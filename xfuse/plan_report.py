@@ -155,11 +155,15 @@ class PlanReport:
     device_name: str = ""
 
 
-def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_layers: int = 0) -> PlanReport:
+def plan_report(
+    config: XfuseConfig, where: Machine | None = None, controlnet_layers: int = 0, text_tokens: int | None = None
+) -> PlanReport:
     """Blocks, patches, skips, bytes per step and memory per rank for ``config`` (validated first), and its VAE
     decode costed on ``where`` (default: this machine's device, :func:`local_machine`; a GPU without a profile
     leaves the decode's times out). ``controlnet_layers``: a ControlNet of that many blocks runs with the request
-    (its residuals counted as ``control`` bytes)."""
+    (its residuals counted as ``control`` bytes). ``text_tokens``: the tokens the first patch's stream carries, where
+    the family keeps a prompt at its own length (``ModelSpec.text_padded`` False) and the prompt is known; default
+    ``sum(spec.text_lengths)``, the most."""
     if where is None:
         try:
             where = local_machine(config.world_size)
@@ -167,17 +171,18 @@ def plan_report(config: XfuseConfig, where: Machine | None = None, controlnet_la
             where = None
     spec, model = model_spec(config.model), transformer_config(config.model)
     patch_size, num_blocks, vae = spec.token_patch(model), spec.num_blocks(model), spec.latent_scale
-    hidden = model["num_attention_heads"] * model["attention_head_dim"]
+    hidden = spec.width(model)
     # A config built in Python without a request section plans the default request, as a YAML file without one does.
     generation = config.generation if config.generation is not None else GenerationConfig()
     width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
     frames = spec.latent_frames(num_frames)  # a video's latent frames, stacked into the grid's rows
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
-                      num_heads=model["num_attention_heads"], latent_frames=frames)  # fmt: skip
+                      num_heads=spec.num_heads(model), latent_frames=frames)  # fmt: skip
     par = config.parallel
     plan = spec.plan(num_blocks, par, controlnet_layers)
     experts = transformer_count(config.model)
-    stream_tokens = {stream: sum(spec.text_lengths) for stream in plan.streams}  # the text the first patch carries
+    text = sum(spec.text_lengths) if text_tokens is None else text_tokens
+    stream_tokens = {stream: text for stream in plan.streams}  # the text the first patch carries
     lead = sum(stream_tokens.values())
     grid = patch_grid(frames * (height // vae), width // vae, par.resolved_num_patches, patch_size, lead)
     dtype = config.runtime.torch_dtype()
