@@ -152,9 +152,8 @@ def predicted_bytes(preset: str, how: dict, steps: int, size: int, frames: int) 
     """The bytes each pipeline rank sends in one call as ``xfuse.parallel.costs.comm_volume`` counts them (per step,
     times the steps): PipeFusion's hand-offs and stepped latent; sequence parallelism's own messages are not in it."""
     from xfuse.config import config_from_dict
-    from xfuse.plan_report import plan_report
-
     from xfuse.families.registry import model_spec
+    from xfuse.plan_report import plan_report
 
     kwargs = call_kwargs(preset, frames)
     generation = {"height": size, "width": size, "num_inference_steps": steps}

@@ -84,7 +84,7 @@ def rel_max(actual, expected) -> float:
 
 
 def heads(spec) -> int:
-    return transformer_config(spec.presets[0])["num_attention_heads"]
+    return spec.num_heads(transformer_config(spec.presets[0]))
 
 
 CASES = [

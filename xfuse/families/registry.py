@@ -28,6 +28,7 @@ from xfuse.families.qwenimage.spec import QWEN_IMAGE
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.spec import ModelSpec
 from xfuse.families.wan.spec import WAN
+from xfuse.families.zimage.spec import Z_IMAGE
 
 FAMILIES: tuple[ModelSpec, ...] = (
     HUNYUANDIT,
@@ -38,6 +39,7 @@ FAMILIES: tuple[ModelSpec, ...] = (
     FLUX2,
     FLUX2_KLEIN,
     QWEN_IMAGE,
+    Z_IMAGE,
 )
 
 

@@ -47,6 +47,8 @@ class ModelSpec:
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
         text_lengths: tokens the pipeline pads each text encoder's prompt to (its ``max_sequence_length``s); with
             ``text_padded`` False, the most a prompt may have.
+        cfg_above: ``guidance_scale`` above this batches [uncond, cond] (diffusers' ``do_classifier_free_guidance``:
+            ``> 1``; ZImagePipeline's ``> 0``).
         negative_prompt_guides: the pipeline's classifier-free guidance is true CFG whose default scale is above 1
             (Qwen-Image's ``true_cfg_scale`` 4.0): a request with a negative prompt batches [negative, positive],
             one without does not, whatever ``guidance_scale`` (``cfg_batch``).
@@ -82,6 +84,8 @@ class ModelSpec:
         native_width: pixels of the pipeline's default width where it is not its default height (Wan: 832).
         token_patch: ``transformer config -> `` latent rows (and columns) per token, the engine's patch size
             (Wan's ``patch_size`` is (1, p, p): p).
+        num_heads: ``transformer config -> `` attention heads (``num_attention_heads``; Z-Image's ``n_heads``).
+        width: ``transformer config -> `` the hidden states' width, heads x head dim (Z-Image's ``dim``).
         image_to_video: the diffusers pipeline of the family's image-to-video on the same transformers, which xfuse
             also runs (Wan: ``WanImageToVideoPipeline``, for Wan 2.2 TI2V); its xfuse class (``PipeFusion`` + the
             name) is in ``pipeline.py`` too.
@@ -112,6 +116,7 @@ class ModelSpec:
     packing: int = 1
     streams: tuple[str, ...] = ()
     distilled_guidance: bool = False
+    cfg_above: float = 1.0
     negative_prompt_guides: bool = False
     text_padded: bool = True
     native_side: Callable[[dict], int] | None = None
@@ -121,6 +126,8 @@ class ModelSpec:
     native_frames: int = 1
     native_width: int | None = None
     token_patch: Callable[[dict], int] = lambda config: config["patch_size"]
+    num_heads: Callable[[dict], int] = lambda config: config["num_attention_heads"]
+    width: Callable[[dict], int] = lambda config: config["num_attention_heads"] * config["attention_head_dim"]
     vae_factor_key: str | None = None
     image_to_video: str | None = None
     controlnet: str | None = None
@@ -178,11 +185,11 @@ class ModelSpec:
     def cfg_batch(self, guidance_scale: float, negative_prompt: str | None) -> int:
         """The transformer batch per image of a request that ``xfuse generate`` or ``xfuse serve`` makes (they pass
         ``guidance_scale`` and the negative prompt, never ``true_cfg_scale``): 2 where the pipeline batches
-        [uncond, cond] (``guidance_scale > 1``; none for an embedded guidance; a negative prompt where it turns on
-        true CFG), else 1."""
+        [uncond, cond] (``guidance_scale > cfg_above``; none for an embedded guidance; a negative prompt where it
+        turns on true CFG), else 1."""
         if self.negative_prompt_guides:
             return 2 if negative_prompt is not None else 1
-        return 2 if guidance_scale > 1 and not self.distilled_guidance else 1
+        return 2 if guidance_scale > self.cfg_above and not self.distilled_guidance else 1
 
     @property
     def latent_scale(self) -> int:

@@ -132,7 +132,7 @@ def pipeline_rank_bytes(
     (of each of ``experts`` transformers: Wan 2.2's two) and the whole image's K/V for its blocks, a transformer
     batch of ``batch`` (``xfuse plan`` prints them; a sequence-parallel rank holds 1/sp of the K/V)."""
     element = torch.empty((), dtype=dtype).element_size()
-    hidden = model_config["num_attention_heads"] * model_config["attention_head_dim"]
+    hidden = spec.width(model_config)
     kv = kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element,
                          attentions=lambda block: spec.attentions_of_block(model_config, block))  # fmt: skip
     params = stage_parameter_bytes(spec, model_config, plan, dtype)

@@ -102,7 +102,7 @@ class Workload:
 
     @property
     def hidden(self) -> int:
-        return self.config["num_attention_heads"] * self.config["attention_head_dim"]
+        return self.spec.width(self.config)
 
     @property
     def num_blocks(self) -> int:
@@ -242,7 +242,7 @@ class _Costs:
         flops = batch * work.spec.block_flops(work.config, block, queries, self.grid.num_tokens, text, text_queries)
         modules = work.spec.attentions_of_block(work.config, block)
         u, r = self.par.ulysses_degree, self.par.ring_degree
-        heads = work.config["num_attention_heads"]
+        heads = work.spec.num_heads(work.config)
         skew = -(-heads // u) * u / heads  # the busiest Ulysses rank's head group over an even share (uneven groups)
         if skew > 1:  # its attention takes that much longer; the rest of the block splits by tokens, evenly
             keys = self.grid.num_tokens + (text if work.joint else 0)

@@ -105,7 +105,7 @@ def candidates(config: XfuseConfig, world: int) -> tuple[list[ParallelConfig], l
                         patch_size=work.spec.token_patch(work.config),
                         height=work.height,
                         width=work.width,
-                        num_heads=work.config["num_attention_heads"],
+                        num_heads=work.spec.num_heads(work.config),
                         latent_frames=work.frames,
                     )
                 except ConfigError as err:

@@ -70,6 +70,8 @@ class CallRecipe:
         num_images_per_prompt: as diffusers' argument.
         guidance_scale: the scale that batches [uncond, cond] when it is > 1 (FLUX: ``true_cfg_scale`` when true
             CFG runs, else 1).
+        do_cfg: whether the call batches [uncond, cond] where that is not ``guidance_scale > 1`` (ZImagePipeline:
+            ``guidance_scale > 0``); ``None``: ``guidance_scale > 1``.
         generator, latents, output_type: the caller's arguments, checked here on every rank.
         encode: ``() -> {name: tensor}``, rank 0 only: the prompt embeddings (broadcast to every rank).
         timesteps: ``() -> timesteps``, every rank: the scheduler's timesteps, set before the latents are drawn
@@ -101,6 +103,7 @@ class CallRecipe:
     decode: Callable[[torch.Tensor], Any]
     latent_frames: int = 1
     encode_draws: bool = False
+    do_cfg: bool | None = None
 
 
 class PipeFusionPipelineBase:
@@ -435,7 +438,7 @@ class PipeFusionPipelineBase:
             patch_size=self.stage.patch_size,
             height=recipe.height,
             width=recipe.width,
-            num_heads=self.stage.config.num_attention_heads,
+            num_heads=self.spec.num_heads(self.stage.config),
             latent_frames=recipe.latent_frames,
         )
         if recipe.latents is not None:
@@ -445,7 +448,8 @@ class PipeFusionPipelineBase:
                     f"latents must be a tensor of shape {shape} for this request "
                     f"(got {getattr(recipe.latents, 'shape', type(recipe.latents).__name__)})"
                 )
-        if par.cfg_degree == 2 and not recipe.guidance_scale > 1:
+        do_cfg = recipe.guidance_scale > 1 if recipe.do_cfg is None else recipe.do_cfg
+        if par.cfg_degree == 2 and not do_cfg:
             raise ValueError(
                 f"guidance_scale must be > 1 with parallel.cfg_degree=2, which splits the "
                 f"classifier-free-guidance batch (got {recipe.guidance_scale})"

@@ -103,7 +103,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
             patch_size=stage.patch_size,
             height=height,
             width=width,
-            num_heads=stage.num_attention_heads,
+            num_heads=pipe.spec.num_heads(stage),
         )
 
     width, height = default_size(config)

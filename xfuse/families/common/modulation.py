@@ -81,7 +81,7 @@ class Modulation:
     put in the norm later wraps), and the dtype its ``forward`` hands ``silu`` the conditioning in (``None``: as
     given)."""
 
-    silu: MemoSiLU
+    silu: MemoSiLU | None  # None: the linear takes the conditioning itself
     linear: MemoLinear
     cast: torch.dtype | None  # AdaLayerNormShift: float32
 
@@ -93,18 +93,22 @@ def prefetch_modulation(modulations: list[Modulation], emb: torch.Tensor) -> Non
     AdaLayerNormContinuous to the hidden states'), which makes a new tensor each time and is left to its pass."""
     for m in modulations:
         if emb.dtype == (m.cast or m.linear.weight.dtype):
-            m.linear(m.silu(emb))
+            m.linear(emb if m.silu is None else m.silu(emb))
 
 
 def memoize_sequential(modules: list[nn.Module]) -> list[Modulation]:
-    """The same memo for modulations written as ``nn.Sequential(nn.SiLU(), nn.Linear(...))`` outside an adaptive norm
-    (Qwen-Image's per-block ``img_mod`` and ``txt_mod``); returns what it memoised."""
+    """The same memo for modulations written as ``nn.Sequential([nn.SiLU(),] nn.Linear(...))`` outside an adaptive
+    norm (Qwen-Image's per-block ``img_mod`` and ``txt_mod``; Z-Image's blocks' ``adaLN_modulation``, a linear of the
+    step's embedding alone, and its final layer's); returns what it memoised."""
     modulations = []
     for sequential in modules:
-        silu, linear = sequential[0], sequential[1]
-        if len(sequential) == 2 and type(silu) is nn.SiLU and type(linear) is nn.Linear:
-            silu.__class__, linear.__class__ = MemoSiLU, MemoLinear
-            modulations.append(Modulation(silu, linear, None))
+        *silu, linear = sequential
+        if len(silu) > 1 or type(linear) is not nn.Linear or (silu and type(silu[0]) is not nn.SiLU):
+            continue
+        linear.__class__ = MemoLinear
+        if silu:
+            silu[0].__class__ = MemoSiLU
+        modulations.append(Modulation(silu[0] if silu else None, linear, None))
     return modulations
 
 

@@ -231,3 +231,14 @@ def byte_level_tokenizer(specials: list[str], max_length: int, chat_template: st
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+# Qwen3's special tokens (bos, eos, unk, pad, then its thinking markers) and its chat template's form: the messages,
+# then with the generation prompt the assistant's turn, an empty thinking block where thinking is off (FLUX.2 [klein]'s
+# pipeline turns it off, Z-Image's on).
+QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|unk|>", "<|endoftext|>", "<think>", "</think>"]
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)

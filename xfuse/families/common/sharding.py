@@ -143,7 +143,7 @@ class ShardedStage(nn.Module):
 
     @property
     def hidden_size(self) -> int:
-        return self.transformer.config.num_attention_heads * self.transformer.config.attention_head_dim
+        return self.spec.width(self.transformer.config)
 
     @classmethod
     def from_pretrained(cls, folder: str, plan: StagePlan, rank: int, torch_dtype=None, subfolder: str = "transformer"):

@@ -32,7 +32,13 @@ import os
 from typing import Any
 
 from xfuse.errors import ConfigError
-from xfuse.families.common.presets import byte_level_tokenizer, seeded, tiny_vae_config
+from xfuse.families.common.presets import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_SPECIALS,
+    byte_level_tokenizer,
+    seeded,
+    tiny_vae_config,
+)
 from xfuse.families.common.text_encoders import MISTRAL_SMALL_3, QWEN3_4B, QWEN3_8B
 
 # The pipelines' defaults: the text is padded to 512 tokens and the hidden states of these layers are stacked
@@ -156,7 +162,7 @@ def _tokenizer(kind: str):
 # bos, eos, unk, pad, then the template's markers.
 _SPECIALS = {
     "mistral": ["<s>", "</s>", "<unk>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
-    "qwen3": ["<|im_start|>", "<|im_end|>", "<|unk|>", "<|endoftext|>", "<think>", "</think>"],
+    "qwen3": QWEN3_SPECIALS,
 }
 
 
@@ -171,12 +177,7 @@ _CHAT_TEMPLATES = {
         "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
         "{% endfor %}"
     ),
-    # Flux2KleinPipeline's one user message, with the generation prompt and thinking off, as Qwen3's template.
-    "qwen3": (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n"
-        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-    ),
+    "qwen3": QWEN3_CHAT_TEMPLATE,  # Flux2KleinPipeline's one user message, the generation prompt, thinking off
 }
 
 

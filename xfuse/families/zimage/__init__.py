@@ -1,0 +1,1 @@
+"""Z-Image (diffusers `ZImageTransformer2DModel` / `ZImagePipeline`): spec, adapter, pipeline, presets."""
