@@ -129,6 +129,38 @@ def _qwen_image(pipe, call: dict) -> dict:
                 latents=latents, timesteps=timesteps, extra_step_kwargs={}, generator=generator)  # fmt: skip
 
 
+def _z_image(pipe, call: dict) -> dict:
+    """As ZImagePipeline.__call__ prepares them: each prompt's and (CFG at ``guidance_scale > 0``) each negative
+    prompt's valid tokens, float32 latents, the timesteps with Z-Image's default sigmas; ``stream_tokens``: what the
+    first patch carries beside its image rows (the image's pad tokens and the longest caption, each up to a multiple
+    of 32), by which the patches are cut."""
+    from diffusers.pipelines.z_image.pipeline_z_image import (
+        calculate_shift,
+        get_default_z_image_sigmas,
+        retrieve_timesteps,
+    )
+
+    steps, generator = call["num_inference_steps"], torch.Generator().manual_seed(call.get("seed", 0))
+    scale = call.get("guidance_scale", _default(pipe, "guidance_scale"))
+    with torch.no_grad():
+        positive, negative = pipe.encode_prompt(prompt=call["prompt"], device="cpu",
+                                                do_classifier_free_guidance=scale > 0,
+                                                negative_prompt=call.get("negative_prompt"))  # fmt: skip
+        latents = pipe.prepare_latents(1, pipe.transformer.in_channels, call["height"], call["width"], torch.float32,
+                                       "cpu", generator, None)  # fmt: skip
+        config = pipe.scheduler.config
+        tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
+        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))  # fmt: skip
+        timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, "cpu", sigmas=get_default_z_image_sigmas(steps),
+                                          mu=mu)  # fmt: skip
+        pipe.scheduler.set_begin_index(0)
+    captions = max(len(c) + (-len(c)) % 32 for c in positive + negative)
+    return dict(prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=scale, latents=latents,
+                timesteps=timesteps, cfg_truncation=call.get("cfg_truncation", 1.0), extra_step_kwargs={},
+                generator=generator, stream_tokens=(-tokens) % 32 + captions)  # fmt: skip
+
+
 def _latents(pipe, latents: torch.Tensor, inputs: dict) -> torch.Tensor:
     """The ``output_type="latent"`` result of most pipelines: the loop's latents as they are."""
     return latents
@@ -145,6 +177,7 @@ ORACLE_INPUTS = {
     "Flux2KleinPipeline": (_flux2, "joint", _klein_output),
     "WanPipeline": (_wan, "video", _latents),
     "QwenImagePipeline": (_qwen_image, "joint", _latents),
+    "ZImagePipeline": (_z_image, "joint", _latents),
 }
 
 
@@ -164,7 +197,8 @@ def oracle_latents(pipe, call: dict, *, num_patches: int, warmup: int, video_pat
     if kind == "joint":  # the first patch carries the text: the patches are cut so that each runs as many tokens
         # token rows: latent rows per token row 2 (SD3's patch size, FLUX's 2 x 2 packing)
         rows, cols = (call[side] // pipe.vae_scale_factor // 2 for side in ("height", "width"))
-        counts = token_counts(rows, cols, num_patches, lead_tokens=inputs["prompt_embeds"].shape[1])
+        lead = inputs["stream_tokens"] if "stream_tokens" in inputs else inputs["prompt_embeds"].shape[1]
+        counts = token_counts(rows, cols, num_patches, lead_tokens=lead)
     latents = pipefusion_reference(pipe, inputs, height=call["height"], width=call["width"], num_patches=num_patches,
                                    warmup=warmup, token_counts=counts)  # fmt: skip
     return output(pipe, latents, inputs)

@@ -279,6 +279,38 @@ class StaleQwenAttention:
         return attn.to_out[1](attn.to_out[0](out.contiguous())), attn.to_add_out(text_out.contiguous())
 
 
+class StaleZImageAttention:
+    """diffusers' ``ZSingleStreamAttnProcessor`` (per-head RMS norm, complex RoPE, the mask over keys), except that the
+    first ``buffers.image_len`` tokens of the sequence (the pass's image tokens) have their K/V (after norm and RoPE)
+    go through ``KVBuffers``: Q = [pass's image tokens, rest], K/V = [whole buffer, rest]. A patch pass's mask covers
+    [its image tokens, rest]: the buffer's keys are all attended."""
+
+    def __init__(self, buffers: KVBuffers, layer) -> None:
+        self.buffers, self.layer = buffers, layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
+        assert encoder_hidden_states is None
+
+        def heads(x):  # (B, S, heads * D) -> (B, S, heads, D)
+            return x.unflatten(-1, (attn.heads, -1))
+
+        def rotate(x):  # as the processor's apply_rotary_emb
+            rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs_cis.unsqueeze(2)
+            return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+        query = rotate(attn.norm_q(heads(attn.to_q(hidden_states))))
+        key = rotate(attn.norm_k(heads(attn.to_k(hidden_states))))
+        value = heads(attn.to_v(hidden_states))
+        image = self.buffers.image_len
+        image_key, image_value = self.buffers.update(self.layer, key[:, :image], value[:, :image], dim=1)
+        key, value = torch.cat([image_key, key[:, image:]], dim=1), torch.cat([image_value, value[:, image:]], dim=1)
+        if attention_mask is not None:  # (B, S) over [pass's image, rest] -> (B, 1, 1, buffer + rest)
+            ones = torch.ones(attention_mask.shape[0], image_key.shape[1], dtype=torch.bool)
+            attention_mask = torch.cat([ones, attention_mask[:, image:].bool()], dim=1)[:, None, None, :]
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask)  # (B, S, heads, D)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(query.dtype)))
+
+
 class BandRope(torch.nn.Module):
     """Qwen-Image's ``pos_embed`` for a pass: the whole image's (image, text) RoPE, the image rows the pass's tokens
     (never the band's own centred table)."""
@@ -660,6 +692,97 @@ def _qwen_image(transformer, inputs, buffers, token_rows, token_cols):
     return predict
 
 
+def _z_image(transformer, inputs, buffers, token_rows, token_cols):
+    """Lines of ZImagePipeline.__call__ (the loop): a whole-image pass is diffusers' transformer forward; a patch pass
+    is that forward's layers written out for the band's covering rows: the band's image tokens embedded, the noise
+    refiner's blocks on [them, the image's pad tokens] (no caption), the main layers on [them, pads, caption, batch
+    padding] (masked), the final layer on the image tokens; every position the whole image's (diffusers' own position
+    ids and ``rope_embedder``). Patch 0 owns the stream (the pads and the caption): each block's stream input is
+    recorded at patch 0 and given to the same block at later patches, whose stream output is dropped. CFG is
+    diffusers' batch [positive, negative], combined as ``pos + s (pos - neg)`` with the step's scale (0 past
+    ``cfg_truncation``), negated."""
+    layers = [*transformer.noise_refiner, *transformer.layers]
+    for index, block in enumerate(layers):
+        block.attention.set_processor(StaleZImageAttention(buffers, index))
+    scale, positive, negative = inputs["guidance_scale"], inputs["prompt_embeds"], inputs["negative_prompt_embeds"]
+    cfg = scale > 0
+    captions = positive + negative if cfg else positive
+    batch = len(captions)
+    tokens_whole = token_rows * token_cols
+    dtype = next(transformer.parameters()).dtype
+    # the request's sequence, as ZImageTransformer2DModel.forward builds it (stand-in images of zeros for the ids)
+    stand_in = torch.zeros(transformer.config.in_channels, 1, 2 * token_rows, 2 * token_cols)
+    _, caps, _, x_pos, cap_pos, _, cap_pad = transformer.patchify_and_embed([stand_in] * batch, list(captions), 2, 1)
+    pads = (-tokens_whole) % 32
+    cap_lens = [len(c) for c in caps]
+    x_freqs = torch.stack([transformer.rope_embedder(ids) for ids in x_pos])  # (B, image + pads, d / 2)
+    cap_embedded = transformer.cap_embedder(torch.cat(caps))
+    cap, cap_freqs, cap_mask, _, _ = transformer._prepare_sequence(
+        list(cap_embedded.split(cap_lens)), cap_pos, cap_pad, transformer.cap_pad_token, None, "cpu"
+    )
+    with torch.no_grad():
+        for layer in transformer.context_refiner:
+            cap = layer(cap, cap_mask, cap_freqs)
+    longest = max(cap_lens)
+    unified_mask = None
+    if len(set(cap_lens)) > 1:  # (B, image + pads + longest caption) over the unified sequence
+        lengths = torch.tensor([tokens_whole + pads + n for n in cap_lens])
+        unified_mask = torch.arange(tokens_whole + pads + longest)[None, :] < lengths[:, None]
+    recorded: dict[int, torch.Tensor] = {}
+
+    def pass_on_band(latents, adaln, tokens):
+        """The forward's layers on the band's covering rows (``tokens``: their token range)."""
+        rows = tokens.stop // token_cols - tokens.start // token_cols
+        x = (
+            latents.view(batch, -1, rows, 2, token_cols, 2)
+            .permute(0, 2, 4, 3, 5, 1)
+            .reshape(batch, rows * token_cols, -1)
+        )
+        img = transformer.all_x_embedder["2-1"](x)  # (B, covering tokens, dim)
+        stream = torch.cat([transformer.x_pad_token.expand(batch, pads, -1), cap[:, :longest]], dim=1)
+        image_freqs = x_freqs[:, tokens]
+        stream_freqs = torch.cat([x_freqs[:, tokens_whole:], cap_freqs[:, :longest]], dim=1)
+        buffers.image_len = img.shape[1]
+        for index, block in enumerate(layers):
+            if buffers.patch == 0:
+                recorded[index] = stream
+            stream = recorded[index]
+            refiner = index < len(transformer.noise_refiner)
+            own = stream[:, :pads] if refiner else stream  # the refiner sees the image's pads only
+            freqs = torch.cat([image_freqs, stream_freqs[:, : own.shape[1]]], dim=1)
+            mask = None
+            if not refiner and unified_mask is not None:  # [band, stream] positions of the unified mask
+                mask = torch.cat([torch.ones(batch, img.shape[1], dtype=torch.bool), unified_mask[:, tokens_whole:]], 1)
+            out = block(torch.cat([img, own], dim=1), mask, freqs, adaln)
+            img, new = out[:, : img.shape[1]], out[:, img.shape[1] :]
+            stream = torch.cat([new, stream[:, pads:]], dim=1) if refiner else new
+        out = transformer.all_final_layer["2-1"](img, c=adaln)  # (B, covering tokens, 4 C)
+        out = out.view(batch, rows, token_cols, 2, 2, -1).permute(0, 5, 1, 3, 2, 4)
+        return out.reshape(batch, -1, rows * 2, token_cols * 2)  # (B, C, covering latent rows, W)
+
+    t_norms = ((1000 - inputs["timesteps"].float()) / 1000).tolist()
+    truncation = inputs["cfg_truncation"]
+
+    def predict(latents, t, scheduler, tokens):
+        step = int((inputs["timesteps"] == t).nonzero()[0, 0])
+        step_scale = 0.0 if truncation is not None and truncation <= 1 and t_norms[step] > truncation else scale
+        model_input = latents.to(dtype).repeat(2, 1, 1, 1) if cfg else latents.to(dtype)
+        timestep = ((1000 - t.expand(latents.shape[0])) / 1000).repeat(2 if cfg else 1)
+        if tokens is None:
+            buffers.image_len = tokens_whole
+            out = transformer(list(model_input.unsqueeze(2).unbind(0)), timestep, list(captions), return_dict=False)[0]
+            out = torch.stack([o.float() for o in out]).squeeze(2)
+        else:
+            adaln = transformer.t_embedder(timestep * transformer.t_scale).type_as(model_input)
+            out = pass_on_band(model_input, adaln, tokens).float()
+        if cfg:
+            pos, neg = out.chunk(2)
+            out = pos + step_scale * (pos - neg)
+        return -out
+
+    return predict
+
+
 # family, and whether its latents are FLUX's packed (B, tokens, 4 C) rather than (B, C, H, W)
 FAMILIES = {
     "HunyuanDiTPipeline": (_hunyuandit, False),
@@ -671,6 +794,7 @@ FAMILIES = {
     "Flux2Pipeline": (_flux2, True),
     "Flux2KleinPipeline": (_flux2, True),
     "QwenImagePipeline": (_qwen_image, True),
+    "ZImagePipeline": (_z_image, False),
 }
 
 
@@ -810,7 +934,8 @@ def pipefusion_reference(
     transformer = copy.deepcopy(pipe.transformer)
     buffers = KVBuffers()
     family, packed = FAMILIES[type(pipe).__name__]
-    patch_size = 2 if packed else transformer.config.patch_size  # latent rows per token row
+    config = transformer.config  # latent rows per token row (Z-Image's patch sizes are a list; the pipeline's is 2)
+    patch_size = 2 if packed else config.get("patch_size") or config["all_patch_size"][0]
     vae_scale_factor = pipe.vae_scale_factor
     token_rows, token_cols = height // vae_scale_factor // patch_size, width // vae_scale_factor // patch_size
     buffers.num_tokens = token_rows * token_cols
