@@ -28,6 +28,16 @@ from xfuse.plan_report import format_plan_report, plan_report, predicted_latency
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# The diffusers transformers' lists of the blocks a plan places, and where each list starts in the chain (FLUX's
+# single blocks after its double ones; Z-Image's main layers after its noise refiner; its context refiner runs once
+# per request, outside the chain).
+BLOCK_LISTS = ("blocks", "transformer_blocks", "single_transformer_blocks", "noise_refiner", "layers")
+BLOCK_OFFSETS = {
+    "single_transformer_blocks": lambda config: config["num_layers"],
+    "layers": lambda config: config["n_refiner_layers"],
+}
+
+
 @pytest.mark.parametrize("preset", [*(spec.presets[0] for spec in FAMILIES), "sd35-tiny"])
 def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
     """``ModelSpec.block_flops`` against ``FlopCounterMode`` on the diffusers pipeline's own call (math attention,
@@ -47,21 +57,32 @@ def test_block_flops_equal_torchs_flop_counter_on_every_block(preset):
         kwargs["num_frames"] = 1 + 2 * spec.vae_temporal_factor
         frames = spec.latent_frames(kwargs["num_frames"])
     text = [sum(spec.text_lengths)]
-    if not spec.text_padded:  # a prompt at its own length (Qwen-Image): what the transformer was given
-        pipe.transformer.register_forward_pre_hook(
-            lambda module, args, kwargs: text.__setitem__(0, kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True
-        )
+
+    def given_text(module, args, kwargs) -> None:
+        """A prompt at its own length: the text the transformer was given (Qwen-Image), or the stream its main
+        layers see beside the image (Z-Image: the image's pad tokens and the longest padded caption, from
+        diffusers' own ``patchify_and_embed``)."""
+        if "encoder_hidden_states" in kwargs:
+            text[0] = kwargs["encoder_hidden_states"].shape[1]
+            return
+        images, captions = args[0], args[2]
+        _, caps, _, x_pos, _, _, _ = module.patchify_and_embed(images, captions, 2, 1)
+        tokens = images[0].shape[-2] * images[0].shape[-1] // 4
+        text[0] = len(x_pos[0]) - tokens + max(len(c) for c in caps)
+
+    if not spec.text_padded:
+        pipe.transformer.register_forward_pre_hook(given_text, with_kwargs=True)
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter, torch.no_grad():
         pipe(**kwargs)
     counts = counter.get_flop_counts()
     tokens = frames * (side // spec.latent_scale // spec.token_patch(config)) ** 2
     batch = 1 if spec.distilled_guidance else 2  # guidance batches [uncond, cond]
-    blocks = [name for name in counts if name.count(".") == 2 and "blocks." in name]
+    blocks = [name for name in counts if name.count(".") == 2 and name.split(".")[1] in BLOCK_LISTS]
     assert len(blocks) == spec.num_blocks(config)
     for name in blocks:
         kind, index = name.split(".")[1:]
-        block = int(index) + (config["num_layers"] if kind == "single_transformer_blocks" else 0)
+        block = int(index) + BLOCK_OFFSETS.get(kind, lambda config: 0)(config)
         counted = sum(counts[name].values()) / batch
         assert spec.block_flops(config, block, tokens, tokens, text[0], True) == counted, name
 
