@@ -6,7 +6,8 @@
 One preset per family, each 16 blocks of width 256 (FLUX: 4 double + 8 single blocks): HunyuanDiT ``small`` and
 PixArt-Σ ``pixart-small`` with classifier-free guidance (transformer batch 2), SD3 ``sd3-small`` with CFG, FLUX
 ``flux-small`` with its embedded guidance (batch 1), FLUX.2 ``flux2-small`` (2 double + 10 single blocks)
-likewise, Qwen-Image ``qwen-image-small`` (12 blocks) with true CFG on the negative prompt " " (batch 2). Each
+likewise, Qwen-Image ``qwen-image-small`` (12 blocks) with true CFG on the negative prompt " " (batch 2), Z-Image
+``z-image-small`` (2 noise refiner + 10 main blocks) with CFG (batch 2). Each
 call is the xfuse pipeline class's ``__call__`` with ``output_type="latent"`` (text encoding, preparation and the
 denoising loop; no VAE), at degree 1 and at degree 2
 (M = 2, warm-up 1, the family's default placement), one torch thread per rank pinned to its own core, in worlds of
@@ -42,6 +43,8 @@ CALLS: dict[str, tuple[dict, int]] = {
     "flux2-small": ({"guidance_scale": 4.0, "max_sequence_length": 16}, 1),
     # true CFG (its default true_cfg_scale 4.0, on with a negative prompt): [negative, positive], the shorter padded
     "qwen-image-small": ({"negative_prompt": " "}, 2),
+    # CFG at the pipeline's default scale 5 (ZImagePipeline guides above 0) on the empty negative prompt
+    "z-image-small": ({"guidance_scale": 5.0}, 2),
 }
 
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
