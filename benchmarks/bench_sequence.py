@@ -140,12 +140,27 @@ def call_rank(preset: str, steps: int, size: int, frames: int = 1) -> dict:
     return dict(seconds=seconds, latents=latents, sent=None if sent is None else [s["sent"] for s in sent])
 
 
-def prompt_tokens(preset: str, prompt: str) -> int:
-    """The tokens of ``prompt``'s embedding in ``preset``'s pipeline (its own ``encode_prompt``)."""
+def stream_tokens(preset: str, kwargs: dict, size: int) -> int:
+    """The tokens the first patch's stream carries in this call, where the family keeps a prompt at its own length,
+    from diffusers' own code: Qwen-Image's ``encode_prompt`` (the longer of the prompt and the negative prompt);
+    Z-Image's ``encode_prompt`` and its transformer's ``patchify_and_embed`` (the image's pad tokens and the longest
+    caption, padded)."""
+    import torch
+
     from xfuse.families.registry import load_pipeline
 
-    embeds = load_pipeline(preset).encode_prompt(prompt, device="cpu")[0]
-    return embeds.shape[1]
+    pipe = load_pipeline(preset)
+    prompt = kwargs.get("prompt", PROMPT)
+    if not hasattr(pipe.transformer, "patchify_and_embed"):
+        prompts = [prompt, *([kwargs["negative_prompt"]] if "negative_prompt" in kwargs else [])]
+        return max(pipe.encode_prompt(p, device="cpu")[0].shape[1] for p in prompts)
+    guided = kwargs.get("guidance_scale", 5.0) > 0
+    positive, negative = pipe.encode_prompt(prompt, device="cpu", do_classifier_free_guidance=guided)
+    side = size // pipe.vae_scale_factor
+    image = torch.zeros(pipe.transformer.in_channels, 1, side, side)
+    captions = positive + negative
+    _, caps, _, x_pos, _, _, _ = pipe.transformer.patchify_and_embed([image] * len(captions), captions, 2, 1)
+    return len(x_pos[0]) - (side // 2) ** 2 + max(len(c) for c in caps)
 
 
 def predicted_bytes(preset: str, how: dict, steps: int, size: int, frames: int) -> list[dict[str, int]]:
@@ -160,9 +175,7 @@ def predicted_bytes(preset: str, how: dict, steps: int, size: int, frames: int) 
     generation |= {key: kwargs[key] for key in ("guidance_scale", "negative_prompt") if key in kwargs}
     if frames > 1:
         generation["num_frames"] = frames
-    text = None
-    if not model_spec(preset).text_padded:  # the prompt's own tokens (Qwen-Image: the longer of the CFG pair's)
-        text = max(prompt_tokens(preset, kwargs.get(key, PROMPT)) for key in ("prompt", "negative_prompt"))
+    text = None if model_spec(preset).text_padded else stream_tokens(preset, kwargs, size)
     report = plan_report(config_from_dict({"model": preset, "parallel": how, "generation": generation}),
                          text_tokens=text)  # fmt: skip
     return [{k: v * steps for k, v in report.volume[r].items() if v} for r in sorted(report.volume)]

@@ -88,7 +88,8 @@ class StaleZSingleStreamAttnProcessor:
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Mirrors the ``apply_rotary_emb`` inside ``diffusers.models.transformers.transformer_z_image.ZSingleStreamAttnProcessor.__call__``:
+    """Mirrors the ``apply_rotary_emb`` inside
+    ``diffusers.models.transformers.transformer_z_image.ZSingleStreamAttnProcessor.__call__``:
     (B, S, heads, d) by (B, S, d / 2) complex."""
     with torch.amp.autocast("cuda", enabled=False):
         rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs.unsqueeze(2)
@@ -97,7 +98,8 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
     """(B, C, H, W) latent rows -> (B, H/p * W/p, p * p * C) tokens, row-major, features (p, p, C): mirrors
-    ``diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel._patchify_image`` for one frame (``f_patch_size`` 1)."""
+    ``diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel._patchify_image``
+    for one frame (``f_patch_size`` 1)."""
     batch, channels, height, width = latents.shape
     x = latents.view(batch, channels, height // patch, patch, width // patch, patch)  # (B, C, h, p, w, q)
     return x.permute(0, 2, 4, 3, 5, 1).reshape(batch, -1, patch * patch * channels)  # (B, h, w, p, q, C) -> tokens
