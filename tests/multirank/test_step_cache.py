@@ -179,13 +179,14 @@ def test_cfg_groups_decide_on_their_own_halves(world4, folder):
         ("flux-tiny", 0.5, {"pipefusion_degree": 4}),
         ("flux-tiny", 0.5, {"pipefusion_degree": 2, "ulysses_degree": 2}),
         ("wan-tiny", 0.1, {"pipefusion_degree": 4}),
+        ("qwen-image-tiny", 0.5, {"pipefusion_degree": 2, "ring_degree": 2}),
     ],
-    ids=["flux-pp4", "flux-pp2xulysses2", "wan-pp4"],
+    ids=["flux-pp4", "flux-pp2xulysses2", "wan-pp4", "qwen-image-pp2xring2"],
 )
 def test_exact_mode_with_caching_equals_diffusers_on_mmdit_and_video(world4, tmp_path, preset, threshold, layout):
     """Exact mode: FLUX (the text stream's residual handed on with the step's first patch; under Ulysses each rank
-    keeps its chunk of the text's) and Wan (pp4, 4 blocks: rank 0's segment is block 0 alone) equal diffusers' hook on
-    the same model."""
+    keeps its chunk of the text's), Wan (pp4, 4 blocks: rank 0's segment is block 0 alone) and Qwen-Image (pp2 x Ring 2:
+    each ring rank's chunk of the text) equal diffusers' hook on the same model."""
     folder = model_spec(preset).save_preset_pipeline(tmp_path / preset, preset)
     call = {**_preset_call(preset), "seed": 0}
     parallel = {**layout, "warmup_steps": call["num_inference_steps"]}
@@ -218,11 +219,13 @@ def degree1_call(preset, threshold):
     return as_array(out), pipe.engine.cache_decisions
 
 
-@pytest.mark.parametrize("preset,threshold", [("sd3-tiny", 0.3), ("flux2-tiny", 0.8)])
+@pytest.mark.parametrize("preset,threshold", [("sd3-tiny", 0.3), ("flux2-tiny", 0.8), ("z-image-tiny", 0.8)])
 def test_pipelined_with_caching_runs_the_same_decisions_on_every_rank(world4, world1, tmp_path, preset, threshold):
-    """SD3 and FLUX.2 (no diffusers reference: its hook fails on SD3's last block, which returns no text, and on
-    FLUX.2's single blocks, which then return one tensor): exact mode at pp4 equals xfuse's own degree-1 run with the
-    same cache (the same decisions on the whole batch), and a pipelined run (M = 5) is deterministic."""
+    """SD3, FLUX.2 and Z-Image (no diffusers reference: its hook fails on SD3's last block, which returns no text, on
+    FLUX.2's single blocks, which then return one tensor, and on Z-Image's blocks, whose input is not named
+    ``hidden_states``; Z-Image's cached residual starts at the noise refiner's first block, the chain's first): exact
+    mode at pp4 equals xfuse's own degree-1 run with the same cache (the same decisions on the whole batch), and a
+    pipelined run (M = 5) is deterministic."""
     folder = model_spec(preset).save_preset_pipeline(tmp_path / preset, preset)
     call = {**_preset_call(preset), "seed": 0}
     cache = {"method": "first_block", "threshold": threshold}
@@ -244,12 +247,12 @@ def _preset_call(preset):
 
 @pytest.mark.parametrize(
     "preset,threshold",
-    [("tiny", 0.3), ("pixart-tiny", 0.1), ("flux-tiny", 0.5), ("wan-tiny", 0.1)],
+    [("tiny", 0.3), ("pixart-tiny", 0.1), ("flux-tiny", 0.5), ("wan-tiny", 0.1), ("qwen-image-tiny", 0.5)],
 )
 def test_degree_1_equals_diffusers_first_block_cache(world1, preset, threshold):
     """The same threshold on the same model: HunyuanDiT (its block described to diffusers' hooks), PixArt-Σ (run
-    inside one cache context), FLUX and Wan (their pipelines set the contexts; Wan's CFG: diffusers decides per call,
-    xfuse on the batch, and here both decide alike). SD3 is not compared: diffusers' hook fails on SD3's last block,
+    inside one cache context), FLUX, Wan and Qwen-Image (their pipelines set the contexts; Wan's CFG: diffusers decides
+    per call, xfuse on the batch, and here both decide alike). SD3 is not compared: diffusers' hook fails on SD3's last block,
     which returns no text."""
     (latents, decisions) = world1.run_ok(degree1_call, preset, threshold)[0]
     expected = diffusers_first_block_cache(load_pipeline(preset), threshold, {**_preset_call(preset), "seed": 0})
