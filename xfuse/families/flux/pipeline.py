@@ -16,6 +16,7 @@ from diffusers.pipelines.flux import pipeline_flux as diffusers_flux
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
 from xfuse.families.common.packed import grid_to_packed, packed_to_grid
+from xfuse.families.common.timesteps import shifted_timesteps
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
@@ -191,20 +192,9 @@ class PipeFusionFluxPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             steps_sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps) if sigmas is None else sigmas
             if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
                 steps_sigmas = None
-            config = pipe.scheduler.config
             scale = self.spec.latent_scale
-            mu = diffusers_flux.calculate_shift(
-                (height // scale) * (width // scale),  # the whole image's packed tokens, never a band's
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
-            steps = diffusers_flux.retrieve_timesteps(
-                pipe.scheduler, num_inference_steps, device, sigmas=steps_sigmas, mu=mu
-            )[0]
-            pipe.scheduler.set_begin_index(0)
-            return steps
+            tokens = (height // scale) * (width // scale)  # the whole image's packed tokens, never a band's
+            return shifted_timesteps(diffusers_flux, pipe.scheduler, num_inference_steps, device, steps_sigmas, tokens)
 
         def prepare_latents(generator) -> torch.Tensor:
             channels = self.stage.config.in_channels // 4

@@ -17,6 +17,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage as diffusers_qwenim
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
 from xfuse.families.common.packed import grid_to_packed, packed_to_grid
+from xfuse.families.common.timesteps import shifted_timesteps
 from xfuse.families.qwenimage.spec import QWEN_IMAGE
 from xfuse.families.qwenimage.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
@@ -149,19 +150,10 @@ class PipeFusionQwenImagePipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         def timesteps() -> torch.Tensor:
             # As ``diffusers.QwenImagePipeline.__call__``: mu from the whole image's packed tokens, never a band's.
             steps_sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps) if sigmas is None else sigmas
-            config, scale = pipe.scheduler.config, self.spec.latent_scale
-            mu = diffusers_qwenimage.calculate_shift(
-                (height // scale) * (width // scale),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
-            steps = diffusers_qwenimage.retrieve_timesteps(
-                pipe.scheduler, num_inference_steps, device, sigmas=steps_sigmas, mu=mu
-            )[0]
-            pipe.scheduler.set_begin_index(0)
-            return steps
+            scale = self.spec.latent_scale
+            tokens = (height // scale) * (width // scale)
+            return shifted_timesteps(diffusers_qwenimage, pipe.scheduler, num_inference_steps, device, steps_sigmas,
+                                     tokens)  # fmt: skip
 
         def prepare_latents(generator) -> torch.Tensor:
             channels = self.stage.config.in_channels // 4

@@ -13,6 +13,7 @@ import torch
 from diffusers.pipelines.z_image import pipeline_z_image as diffusers_z_image
 from diffusers.pipelines.z_image.pipeline_output import ZImagePipelineOutput
 
+from xfuse.families.common.timesteps import shifted_timesteps
 from xfuse.families.zimage.spec import Z_IMAGE
 from xfuse.families.zimage.stage import denoise_request
 from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
@@ -128,19 +129,10 @@ class PipeFusionZImagePipeline(ShardedLoraMixin, PipeFusionPipelineBase):
 
         def timesteps() -> torch.Tensor:
             # As ``diffusers.ZImagePipeline.__call__``: mu from the whole image's tokens, Z-Image's default sigmas.
-            config, factor = pipe.scheduler.config, self.spec.vae_scale_factor * 2
-            mu = diffusers_z_image.calculate_shift(
-                (height // factor) * (width // factor),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
+            factor = self.spec.vae_scale_factor * 2
             schedule = diffusers_z_image.get_default_z_image_sigmas(num_inference_steps) if sigmas is None else sigmas
-            steps = diffusers_z_image.retrieve_timesteps(pipe.scheduler, num_inference_steps, device, sigmas=schedule,
-                                                         mu=mu)[0]  # fmt: skip
-            pipe.scheduler.set_begin_index(0)
-            return steps
+            tokens = (height // factor) * (width // factor)
+            return shifted_timesteps(diffusers_z_image, pipe.scheduler, num_inference_steps, device, schedule, tokens)
 
         def prepare_latents(generator) -> torch.Tensor:
             channels = self.stage.config.in_channels
