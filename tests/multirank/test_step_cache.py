@@ -252,8 +252,8 @@ def _preset_call(preset):
 def test_degree_1_equals_diffusers_first_block_cache(world1, preset, threshold):
     """The same threshold on the same model: HunyuanDiT (its block described to diffusers' hooks), PixArt-Σ (run
     inside one cache context), FLUX, Wan and Qwen-Image (their pipelines set the contexts; Wan's CFG: diffusers decides
-    per call, xfuse on the batch, and here both decide alike). SD3 is not compared: diffusers' hook fails on SD3's last block,
-    which returns no text."""
+    per call, xfuse on the batch, and here both decide alike). SD3 is not compared: diffusers' hook fails on SD3's last
+    block, which returns no text."""
     (latents, decisions) = world1.run_ok(degree1_call, preset, threshold)[0]
     expected = diffusers_first_block_cache(load_pipeline(preset), threshold, {**_preset_call(preset), "seed": 0})
     assert decisions.count(False) >= 1, decisions
