@@ -121,6 +121,19 @@ def tiny_vae_config(
     return config | {key: value for key, value in factors.items() if value is not None}
 
 
+# The released image VAEs' widths: SDXL's (HunyuanDiT, PixArt-Σ), SD3's, FLUX.1's (Z-Image's) and FLUX.2's
+# AutoencoderKL decoders alike have four levels of (128, 256, 512, 512) channels, two resnets a level and 32 norm
+# groups (their config.json; 83.7-84 M parameters). The released-shape presets carry them, so that xfuse plan counts
+# the VAE's bytes and costs its decode as released; the test presets keep the tiny widths.
+RELEASED_VAE_WIDTHS = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "norm_num_groups": 32}
+
+
+def released_vae(config: dict, released: bool) -> dict:
+    """A preset's ``AutoencoderKL``-layout VAE arguments (``tiny_vae_config``'s) at the release's widths where the
+    preset has the release's shape (``released``: it is in its family's ``RELEASED_TEXT_ENCODERS``)."""
+    return config | RELEASED_VAE_WIDTHS if released else config
+
+
 def tiny_vae(config: dict, seed: int):
     """A tiny ``AutoencoderKL`` of :func:`tiny_vae_config`'s arguments (a family's ``preset_vae_config``) with scale
     factor 8: four resolution levels, three 2x downsamplings, as every family's released VAE (the pipelines derive the

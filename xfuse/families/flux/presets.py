@@ -32,6 +32,7 @@ from xfuse.errors import ConfigError
 from xfuse.families.common.presets import (
     clip_text_encoder,
     clip_tokenizer,
+    released_vae,
     seeded,
     t5_encoder,
     t5_vocab,
@@ -129,15 +130,16 @@ def preset_transformer_config(preset: str = "flux-tiny") -> dict[str, Any]:
 
 
 def preset_vae_config(preset: str = "flux-tiny") -> dict[str, Any]:
-    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): FLUX.1's layout, 16 latent channels packed
-    2 x 2 into the transformer's, no quant convs, a scale and a shift."""
-    return tiny_vae_config(
+    """The ``AutoencoderKL`` arguments of a preset's VAE (no torch): FLUX.1's layout, 16 latent channels packed
+    2 x 2 into the transformer's, no quant convs, a scale and a shift; tiny, or the release's widths."""
+    config = tiny_vae_config(
         PRESETS[preset]["default_size"],
         latent_channels=preset_transformer_config(preset)["in_channels"] // 4,
         scaling_factor=_FLUX_VAE_SCALING,
         shift_factor=_FLUX_VAE_SHIFT,
         quant_convs=False,
     )
+    return released_vae(config, preset in RELEASED_TEXT_ENCODERS)
 
 
 def _build_scheduler(guidance_embeds: bool):

@@ -36,6 +36,7 @@ from xfuse.families.common.presets import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_SPECIALS,
     byte_level_tokenizer,
+    released_vae,
     seeded,
     tiny_vae_config,
 )
@@ -146,11 +147,12 @@ def preset_transformer_config(preset: str = "flux2-tiny") -> dict[str, Any]:
 
 
 def preset_vae_config(preset: str = "flux2-tiny") -> dict[str, Any]:
-    """The ``AutoencoderKLFlux2`` arguments of a preset's tiny VAE (no torch): ``AutoencoderKL``'s layout with quant
-    convs, as the release, and no scale or shift (the BatchNorm statistics normalise the latents)."""
+    """The ``AutoencoderKLFlux2`` arguments of a preset's VAE (no torch): ``AutoencoderKL``'s layout with quant
+    convs, as the release, and no scale or shift (the BatchNorm statistics normalise the latents); tiny, or the
+    release's widths."""
     config = tiny_vae_config(PRESETS[preset]["default_size"], latent_channels=PRESETS[preset]["in_channels"] // 4)
     config.pop("force_upcast")  # not an AutoencoderKLFlux2 argument: it never upcasts
-    return {"_class_name": "AutoencoderKLFlux2", **config}
+    return {"_class_name": "AutoencoderKLFlux2", **released_vae(config, preset in RELEASED_TEXT_ENCODERS)}
 
 
 def _tokenizer(kind: str):

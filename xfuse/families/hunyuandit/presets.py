@@ -37,6 +37,7 @@ from xfuse.families.common.presets import (
     SDXL_VAE_SCALING,
     WORDS,
     divisor_heads,
+    released_vae,
     seeded,
     t5_encoder,
     t5_vocab,
@@ -329,9 +330,9 @@ def _build_scheduler():
 
 
 def preset_vae_config(preset: str = "tiny") -> dict[str, Any]:
-    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): the SDXL VAE's layout (4 latent channels,
-    quant convs, a scale), sized for the preset's default image."""
-    return _vae_config(tiny_transformer_config(preset)["sample_size"])
+    """The ``AutoencoderKL`` arguments of a preset's VAE (no torch): the SDXL VAE's layout (4 latent channels,
+    quant convs, a scale), sized for the preset's default image; tiny, or the release's widths."""
+    return released_vae(_vae_config(tiny_transformer_config(preset)["sample_size"]), preset in RELEASED_TEXT_ENCODERS)
 
 
 def _vae_config(sample_size: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ _MAX_LENGTH = 1024 + 34
 _SPECIALS = ["<|im_start|>", "<|im_end|>", "<|unk|>", "<|endoftext|>"]  # bos, eos, unk, pad (as the tokenizer's)
 
 # Keys of a preset that are not ``QwenImageTransformer2DModel`` arguments.
-_NON_TRANSFORMER_KEYS = frozenset({"default_size", "text_layers", "released"})
+_NON_TRANSFORMER_KEYS = frozenset({"default_size", "text_layers"})
 
 # Rules the pipeline relies on: sum(axes_dims_rope) == attention_head_dim, joint_attention_dim == the text encoder's
 # width, in_channels == 4 x the VAE's latent channels (2 x 2 packed) == 4 x out_channels.
@@ -75,7 +75,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "joint_attention_dim": 3584,
         "text_layers": 28,
         "default_size": 1024,
-        "released": True,  # the release's VAE too (preset_vae_config)
     },
 }
 
@@ -104,7 +103,7 @@ def preset_vae_config(preset: str = "qwen-image-tiny") -> dict[str, Any]:
     released-shape preset's at the release's width (base_dim 96, two residual blocks per level: 127 M parameters,
     what ``xfuse plan`` counts), the others at a 24th of it (base_dim 4) with one residual block per level."""
     z_dim = PRESETS[preset]["out_channels"]
-    base_dim, res_blocks = (96, 2) if PRESETS[preset].get("released") else (4, 1)
+    base_dim, res_blocks = (96, 2) if preset in RELEASED_TEXT_ENCODERS else (4, 1)
     return {"_class_name": "AutoencoderKLQwenImage", "base_dim": base_dim, "z_dim": z_dim, "dim_mult": [1, 2, 4, 4],
             "num_res_blocks": res_blocks, "attn_scales": [], "temperal_downsample": [False, True, True],
             "dropout": 0.0, "latents_mean": list(_LATENTS_MEAN[:z_dim]),

@@ -27,6 +27,7 @@ from xfuse.errors import ConfigError
 from xfuse.families.common.presets import (
     clip_text_encoder,
     clip_tokenizer,
+    released_vae,
     seeded,
     t5_encoder,
     t5_vocab,
@@ -163,15 +164,16 @@ def preset_transformer_config(preset: str = "sd3-tiny") -> dict[str, Any]:
 
 
 def preset_vae_config(preset: str = "sd3-tiny") -> dict[str, Any]:
-    """The ``AutoencoderKL`` arguments of a preset's tiny VAE (no torch): SD3's layout, no quant convs, a scale and a
-    shift."""
-    return tiny_vae_config(
+    """The ``AutoencoderKL`` arguments of a preset's VAE (no torch): SD3's layout, no quant convs, a scale and a
+    shift; tiny, or the release's widths."""
+    config = tiny_vae_config(
         _check_preset(preset)["default_size"],
         latent_channels=preset_transformer_config(preset)["in_channels"],
         scaling_factor=_SD3_VAE_SCALING,
         shift_factor=_SD3_VAE_SHIFT,
         quant_convs=False,
     )
+    return released_vae(config, preset in RELEASED_TEXT_ENCODERS)
 
 
 def build_preset_pipeline(preset: str = "sd3-tiny", seed: int = 0):

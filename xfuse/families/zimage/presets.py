@@ -30,6 +30,7 @@ from xfuse.families.common.presets import (
     QWEN3_CHAT_TEMPLATE,
     QWEN3_SPECIALS,
     byte_level_tokenizer,
+    released_vae,
     seeded,
     tiny_vae_config,
 )
@@ -40,7 +41,7 @@ _MAX_LENGTH = 512  # ZImagePipeline's max_sequence_length: the tokenizer pads to
 _VAE_SCALING, _VAE_SHIFT = 0.3611, 0.1159
 
 # Keys of a preset that are not ``ZImageTransformer2DModel`` arguments.
-_NON_TRANSFORMER_KEYS = frozenset({"default_size", "text_layers", "released"})
+_NON_TRANSFORMER_KEYS = frozenset({"default_size", "text_layers"})
 
 # Rules the model relies on: sum(axes_dims) == dim / n_heads, cap_feat_dim == the text encoder's width.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -83,7 +84,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "axes_dims": [32, 48, 48],
         "text_layers": 36,
         "default_size": 1024,
-        "released": True,  # the release's VAE too (preset_vae_config)
     },
 }
 
@@ -104,9 +104,7 @@ def preset_vae_config(preset: str = "z-image-tiny") -> dict[str, Any]:
     released-shape preset's at the release's width (84 M parameters, what ``xfuse plan`` counts), the others tiny."""
     config = tiny_vae_config(PRESETS[preset]["default_size"], latent_channels=PRESETS[preset]["in_channels"],
                              scaling_factor=_VAE_SCALING, shift_factor=_VAE_SHIFT, quant_convs=False)  # fmt: skip
-    if PRESETS[preset].get("released"):
-        config |= {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "norm_num_groups": 32}
-    return config
+    return released_vae(config, preset in RELEASED_TEXT_ENCODERS)
 
 
 def _text_encoder(width: int, layers: int, tokenizer, seed: int):
