@@ -123,7 +123,8 @@ class QwenImageStage(PackedJointStage):
     def rotary_embedding(self, token_rows: int, token_cols: int, text_len: int):
         """(image freqs (rows * cols, d / 2), text freqs (text_len, d / 2)), complex: ``QwenEmbedRope`` over the whole
         image, as ``QwenImageTransformer2DModel.forward`` computes it from ``img_shapes`` and the text's length."""
-        device = self.transformer.pos_embed.pos_freqs.device
+        # the model's device: pos_embed keeps its tables as plain attributes (on the CPU), moved per device on demand
+        device = self.transformer.txt_in.weight.device
         return self.transformer.pos_embed([(1, token_rows, token_cols)], device=device, max_txt_seq_len=text_len)
 
     def block_kwargs(self, cond: QwenImageConditioning, band: PatchBand | None, owner: bool) -> dict:
