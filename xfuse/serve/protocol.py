@@ -81,7 +81,7 @@ class RequestLimits:
     max_steps: int
     max_prompt_chars: int
     check_size: Callable[[int, int], None]
-    min_guidance_exclusive: float | None = None  # cfg_degree 2 splits the CFG batch: guidance must exceed 1
+    min_guidance_exclusive: float | None = None  # cfg_degree 2 splits the CFG batch: guidance must exceed this
     adapters: tuple[str, ...] = ()  # the LoRA adapters loaded at start-up (serve.lora_adapters)
     no_negative_prompt: str | None = None  # the served diffusers pipeline, where it takes no negative_prompt
 

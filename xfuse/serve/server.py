@@ -123,7 +123,11 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
         max_steps=serve.max_steps,
         max_prompt_chars=serve.max_prompt_chars,
         check_size=check_size,
-        min_guidance_exclusive=1.0 if config.parallel.cfg_degree == 2 else None,
+        # cfg_degree 2 needs each request to batch [uncond, cond]: guidance above the family's threshold (Z-Image's 0);
+        # a true-CFG family's batch comes from the negative prompt instead (its pipeline refuses a request without)
+        min_guidance_exclusive=pipe.spec.cfg_above
+        if config.parallel.cfg_degree == 2 and not pipe.spec.negative_prompt_guides
+        else None,
         adapters=tuple(serve.lora_adapters),
         no_negative_prompt=None if takes_negative_prompt(pipe.spec) else pipe.spec.diffusers_pipeline,
     )
