@@ -82,3 +82,5 @@ def test_a_patch_pass_over_the_joint_buffers_masks_the_padding(text_first):
             if fresh:
                 text_row = text_out[row : row + 1, :kept].unflatten(-1, (HEADS, DIM)).transpose(1, 2)
                 assert (text_row - text_ref).abs().max() <= 1e-6
+    # the patches attended over the buffers' joint slots (the first wrote its text K/V there), not a fallback join
+    assert torch.equal(cache.text_kv(0)[0], tk) and torch.equal(cache.text_kv(0)[1], tv)

@@ -60,18 +60,24 @@ _ATTENTION_PROCESSORS = {"AttnProcessor2_0", "AttnProcessor"}  # softmax over th
 BAND_DECODED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
 
 
+def world_decodes(parallel: ParallelConfig, world_size: int) -> bool:
+    """Whether a call may decode over the world at all: ``parallel.vae_parallel`` not ``off`` and more than one
+    rank (which VAEs and requests then do: ``vae_on_every_rank``, ``decodes_in_parallel``)."""
+    return parallel.vae_parallel != "off" and world_size > 1
+
+
 def vae_on_every_rank(parallel: ParallelConfig, world_size: int, vae_class: str | None) -> bool:
     """Whether every rank loads the VAE (``vae_class``: its diffusers class name; ``None``: the model has none) to
     decode its band when a call decodes in parallel: unless ``parallel.vae_parallel`` is ``off``, the world has one
     rank or the VAE is not one the bands run (``BAND_DECODED_VAES``), where rank 0 alone holds it."""
-    return parallel.vae_parallel != "off" and world_size > 1 and vae_class in BAND_DECODED_VAES
+    return world_decodes(parallel, world_size) and vae_class in BAND_DECODED_VAES
 
 
 def decodes_in_parallel(parallel: ParallelConfig, world_size: int, height: int, width: int, latent_rows: int) -> bool:
     """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent) is decoded over every rank
     (``parallel.vae_parallel``). ``on`` with fewer latent rows than ranks is refused (:class:`ConfigError`): a band
     needs at least one row."""
-    if parallel.vae_parallel == "off" or world_size == 1:  # (the callers hold a VAE of BAND_DECODED_VAES)
+    if not world_decodes(parallel, world_size):  # (the callers hold a VAE of BAND_DECODED_VAES)
         return False
     if latent_rows < world_size:
         if parallel.vae_parallel == "on":

@@ -36,7 +36,13 @@ from xfuse.parallel.sequence import SequenceParallel
 from xfuse.parallel.sequence_stage import SequenceParallelStage
 from xfuse.parallel.step_cache import check_decisions
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
-from xfuse.parallel.vae_decode import BAND_DECODED_VAES, ParallelVAEDecode, decodes_in_parallel, vae_on_every_rank
+from xfuse.parallel.vae_decode import (
+    BAND_DECODED_VAES,
+    ParallelVAEDecode,
+    decodes_in_parallel,
+    vae_on_every_rank,
+    world_decodes,
+)
 from xfuse.pipelines.collectives import Collectives
 from xfuse.pipelines.loading import load_from_folder, shard_loaded
 from xfuse.pipelines.text_placement import place_text_encoders, text_components
@@ -233,7 +239,7 @@ class PipeFusionPipelineBase:
     def _band_decode(self, pipeline, context: ParallelContext) -> ParallelVAEDecode | None:
         """This rank's share of the band-parallel VAE decode, or ``None`` where rank 0 decodes alone (one rank,
         ``vae_parallel: off``, or ``auto`` with a decoder the bands cannot run exactly)."""
-        if self.parallel.vae_parallel == "off" or context.world_size == 1:
+        if not world_decodes(self.parallel, context.world_size):
             return None
         if self._vae_class not in BAND_DECODED_VAES:
             if self.parallel.vae_parallel == "on":
