@@ -38,6 +38,9 @@ class Collectives:
         """``make()`` on global rank 0 (a dict of tensors), broadcast, on this rank's device everywhere (traced as
         "encode" on rank 0 and "wait for text" on the others when ``span`` is a tracer's)."""
         payload = None
+        if self.context.world_size == 1:  # nothing to send: the embeddings stay where they were made
+            with span("encode", CALL):
+                return {k: v.to(self.context.device) for k, v in make().items()}
         if self.context.is_output:
             with span("encode", CALL):
                 payload = {k: v.cpu() for k, v in make().items()}
@@ -104,4 +107,6 @@ class Collectives:
         Every rank runs ``prepare()``: drawing the latents advances the generator, and the rank that steps the
         scheduler (not rank 0 with linear placement) must continue from the same generator state as diffusers."""
         latents = prepare()
+        if self.context.world_size == 1:  # nothing to send: the latents stay on the device
+            return latents.to(self.context.device)
         return self.broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)

@@ -198,6 +198,15 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
 atexit.register(shutdown)
 
 
+def one_process_context(config: XfuseConfig, device: torch.device) -> ParallelContext:
+    """The context of a world of one process on ``device``, joining no process group: what ``init_parallel`` gives
+    a degree-1 config, on any device (``xfuse.perf.activations`` runs a pipeline on the meta device with it)."""
+    check_world_size(config.parallel, 1)
+    return ParallelContext(config=config, rank=0, world_size=1, pipe_rank=0, cfg_rank=0, pipe_ranks=[0],
+                           cfg_peer=None, device=device, backend=None, channels=None, cfg_channels=None,
+                           control_group=None, monitor=FailureMonitor(0, None, world_size=1))  # fmt: skip
+
+
 def init_parallel(config: XfuseConfig) -> ParallelContext:
     """Join (or create) the process group, compare every rank's whole ``config`` (handshake), check the world size
     and build the topology. The context holds the config: everything below reads its sections from there."""

@@ -1,0 +1,299 @@
+"""What a rank allocates while it works: the activation peaks of one request, traced through xfuse's own pipeline of
+the family on a weightless model.
+
+The other terms of a rank's memory are counted from the sharded model (``xfuse.perf.memory``). Activations depend
+on every op of a forward, so they are not written down per family: the family's diffusers pipeline is built on the
+meta device (no weights, no arithmetic, only shapes), wrapped in its xfuse pipeline on one rank (every step a
+whole-image pass, the largest a rank runs) and called at the request's size under :class:`LiveBytes`, a dispatch
+mode that holds the bytes of every tensor an op makes until Python frees it, as the allocator would. Peaks
+(:class:`RequestActivations`): while each text encoder runs, while each block of the chain runs (what the call
+holds beside it included), the rest of the denoising loop, and on request the VAE decode.
+
+Values a pipeline reads back from its own small tensors (the tokenizer's mask, the schedule) are kept beside their
+meta copies, so that a prompt keeps its own length (Qwen-Image, Z-Image); other data-dependent scalars read as for
+an unpadded prompt (every token attended). Attention is counted as a flash kernel allocates it (the output and its
+log-sum-exp). Not seen: a kernel's own workspace (a CPU attention's per-thread blocks, cuDNN's) and the allocator's
+rounding. Not yet in ``xfuse plan``'s totals (issue 55): the per-rank rule from these peaks is the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from unittest import mock
+
+import torch
+from torch.fx.experimental import _config as fx_config
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from xfuse.families.registry import PRESET_MODELS, model_spec, text_encoder_configs
+from xfuse.families.spec import ModelSpec
+
+PROMPT = "a photo of a red house by a lake at sunset"  # the request a plan is for: one prompt, unpadded
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors made by ops while the mode is on and still alive, after every op: the peak overall and
+    per ``label`` (set by the caller: the block that runs). Views and in-place results share a storage and count
+    once; tensors made before the mode count nothing.
+
+    Small values a pipeline moves to the meta device (token ids, masks, timesteps) keep a CPU copy beside them, and
+    ops whose meta inputs all have one are computed on the copies too, so that what a pipeline reads back (a mask's
+    lengths, a schedule's values) is the real value; other meta scalars read back as 1 (a mask: all attended)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage -> (its weak reference, bytes)
+        self.current = self.peak = self.base = 0
+        self.label: object = None
+        self.peaks: dict[object, int] = {}
+        self.values = WeakIdKeyDictionary()  # meta tensor -> its CPU copy
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        metas = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
+        known = bool(metas) and all(t in self.values for t in metas)
+        if known and (func is torch.ops.aten._local_scalar_dense.default or _to_cpu(func, kwargs)):
+            return func(*tree_map(self._value, args), **tree_map(self._value, kwargs))
+        if func is torch.ops.aten._local_scalar_dense.default and metas:  # not known: a mask's all(), attended
+            return True if args[0].dtype == torch.bool else 1
+        if known:  # computed on the copies too (on the CPU); the result on the meta device, with its copy
+            on_cpu = {k: torch.device("cpu") if k == "device" else self._value(v) for k, v in kwargs.items()}
+            value = func(*tree_map(self._value, args), **on_cpu)
+            out = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, value)
+            for meta, cpu in zip(tree_leaves(out), tree_leaves(value), strict=True):
+                if isinstance(meta, torch.Tensor):
+                    self.values[meta] = cpu
+        else:
+            if func is torch.ops.aten.index.Tensor:  # a known mask selects the tokens it keeps, not all of them
+                args = (args[0], [self._positions(i) for i in args[1]], *args[2:])
+                args = (args[0], [i for group in args[1] for i in (group if isinstance(group, tuple) else (group,))])
+            out = func(*args, **kwargs)
+            if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.is_meta:
+                source = args[0]
+                if not source.is_meta and source.numel() <= SMALL:
+                    self.values[out] = source.to(out.dtype)
+        given = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }  # a view or an in-place result is not a new tensor
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self.live and ref.cdata not in given:
+                    self.live[ref.cdata] = (ref, storage.nbytes())
+        self._count()
+        return out
+
+    def _positions(self, index):
+        """A known bool index as the positions it selects (one long tensor per dimension), on the meta device."""
+        if index is None or index.dtype != torch.bool or index not in self.values:
+            return index
+        return tuple(p.to("meta") for p in self.values[index].nonzero().unbind(1))
+
+    def _value(self, x):
+        return self.values[x] if isinstance(x, torch.Tensor) and x.is_meta else x
+
+    def _count(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]
+        self.current = sum(n for _, n in self.live.values())
+        self.peak = max(self.peak, self.current - self.base)
+        self.peaks[self.label] = max(self.peaks.get(self.label, 0), self.current - self.base)
+
+    def restart(self) -> None:
+        """Peaks from now on, above what is alive now (a tensor alive now and freed later lowers the count, as the
+        allocator's would)."""
+        self._count()
+        self.base, self.peak, self.peaks = self.current, 0, {}
+
+
+SMALL = 1 << 16  # elements of a CPU tensor moved to the meta device whose values are kept (ids, masks, timesteps)
+
+
+def _to_cpu(func, kwargs) -> bool:
+    device = kwargs.get("device")
+    return func is torch.ops.aten._to_copy.default and device is not None and torch.device(device).type == "cpu"
+
+
+@contextlib.contextmanager
+def _labelled(mode: LiveBytes, modules: dict):
+    """``mode.label`` set to a module's key while that module's forward runs (and back to what it was after)."""
+    handles, before = [], []
+    for key, module in modules.items():
+
+        def enter(_module, _args, key=key):
+            mode._count()
+            before.append(mode.label)
+            mode.label = key
+
+        def leave(_module, _args, _out):
+            mode._count()
+            mode.label = before.pop()
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` as a flash kernel allocates (the output and its log-sum-exp, not the
+    (B, H, N, N) weights the meta device's math path would make), for meta tensors."""
+    if not query.is_meta:
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # (B, H_kv, N, d) -> (B, H, N, d), as the kernels expand
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # made additive, as torch does for a bool mask
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out
+
+
+@contextlib.contextmanager
+def _traced():
+    """What a trace runs under: no autograd, flash attention, a meta ``nonzero`` that counts every element (a
+    mask's: all attended)."""
+    nonzero = fx_config.patch(meta_nonzero_assume_all_nonzero=True)  # type: ignore[attr-defined]
+    with torch.no_grad(), nonzero, mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash_sdpa):
+        yield
+
+
+@dataclass(frozen=True)
+class RequestActivations:
+    """The traced peaks of one request run whole on one rank, in bytes: every tensor the call made and still held
+    at that moment, but the stale K/V buffers (a rank keeps them between requests: ``xfuse.perf.memory`` counts
+    them) and the weights."""
+
+    batch: int  # the transformer batch of the whole-image passes
+    encode: int  # peak while a text encoder runs (what the call holds then included)
+    blocks: tuple[int, ...]  # chain block -> peak while it runs in a whole-image pass
+    outside: int  # peak of the denoising loop outside the blocks (embedding, output layer, scheduler step)
+    decode: int = 0  # the traced vae.decode of one image's (clip's) latents (0 unless asked for)
+
+
+def _meta_pipeline(model: str, dtype: torch.dtype):
+    """The model's diffusers pipeline on the meta device, in ``dtype``: its preset built weightless, with the
+    released text encoders where the preset names them (``RELEASED_TEXT_ENCODERS``)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    if model not in PRESET_MODELS:
+        raise ValueError(f"activations are traced for the presets; {model!r} is a folder")
+    spec = model_spec(model)
+    with init_empty_weights():  # parameters and buffers on the meta device; a scheduler's tensors stay real
+        pipe = spec.build_preset_pipeline(model)
+        for name, config in text_encoder_configs(model).items():
+            current = getattr(pipe, name, None)
+            if current is None or current.config.to_dict() == config:
+                continue
+            model_class = getattr(transformers, config["architectures"][0])
+            setattr(pipe, name, model_class(model_class.config_class.from_dict(config)).eval())
+    pipe = pipe.to("meta")
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def call_peaks(xp, call: dict) -> RequestActivations:
+    """The peaks of the second of two ``xp(**call)`` (a one-rank xfuse pipeline, on the meta device or a real one),
+    above what the first left alive: its stale K/V buffers, reused, and what a family keeps from one request until
+    the next replaces it, as a serving rank's allocator sees it. Labelled by text encoder, block and the rest of the
+    denoising loop."""
+    encoders = {name: getattr(xp.pipeline, name) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
+                if getattr(xp.pipeline, name, None) is not None}  # fmt: skip
+    stages = [xp.stage, *getattr(xp, "extra_stages", {}).values()]  # Wan 2.2's second expert: its blocks too
+    blocks = {("block", index): stage.blocks[index] for stage in stages for index in stage.block_ids}
+    mode, batches, denoise = LiveBytes(), [], xp._denoise
+
+    def traced_denoise(request, *args, **kwargs):
+        batches.append(request.model_batch)
+        mode.label = "outside"
+        try:
+            return denoise(request, *args, **kwargs)
+        finally:
+            mode.label = None
+
+    xp._denoise = traced_denoise
+    try:
+        with _traced(), mode, _labelled(mode, {**blocks, **encoders}):
+            xp(**call)
+            mode.restart()
+            xp(**call)
+    finally:
+        del xp._denoise  # the class's again
+    chain = xp.plan.num_blocks
+    return RequestActivations(
+        batch=max(batches),
+        encode=max((mode.peaks.get(name, 0) for name in encoders), default=0),
+        blocks=tuple(mode.peaks.get(("block", index), 0) for index in range(chain)),
+        outside=mode.peaks.get("outside", 0),
+    )
+
+
+def trace_call(model: str, height: int, width: int, num_frames: int | None = None, *,
+               negative_prompt: bool = False) -> dict:  # fmt: skip
+    """The ``__call__`` arguments of the request traced for ``model``: one prompt, two whole-image steps, latents
+    out."""
+    spec = model_spec(model)
+    kwargs = {"prompt": PROMPT, "height": height, "width": width, "num_inference_steps": 2, "output_type": "latent"}
+    if spec.resolution_binning:
+        kwargs["use_resolution_binning"] = False
+    if num_frames is not None:
+        kwargs["num_frames"] = num_frames
+    if negative_prompt:
+        kwargs["negative_prompt"] = "blurry"
+    return kwargs
+
+
+TRACE_PARALLEL = {"warmup_steps": 1000}  # one rank, every step a whole-image pass (a rank's largest)
+
+
+@lru_cache(maxsize=32)
+def request_activations(model: str, height: int, width: int, num_frames: int | None = None, *,
+                        negative_prompt: bool = False, dtype: torch.dtype = torch.float32,
+                        trace_decode: bool = False) -> RequestActivations:  # fmt: skip
+    """Trace one ``height`` x ``width`` px request (``num_frames``: a clip's; ``negative_prompt``: with one) of
+    preset ``model`` in ``dtype``: xfuse's own pipeline of the family on one rank of the meta device
+    (:func:`call_peaks`), and with ``trace_decode`` its VAE decode."""
+    from xfuse.pipelines.loading import one_config, runtime_section
+    from xfuse.runtime.world import one_process_context
+
+    spec = model_spec(model)
+    pipe = _meta_pipeline(model, dtype)
+    config = one_config(None, model, TRACE_PARALLEL, None, lambda: runtime_section(dtype, "cpu"))
+    xp = spec.pipeline_class()(pipe, one_process_context(config, torch.device("meta")), dtype)
+    xp.set_progress_bar_config(disable=True)
+    peaks = call_peaks(xp, trace_call(model, height, width, num_frames, negative_prompt=negative_prompt))
+    if not trace_decode:
+        return peaks
+    return replace(peaks, decode=_traced_decode(pipe, spec, height, width, num_frames))
+
+
+def _traced_decode(pipe, spec: ModelSpec, height: int, width: int, num_frames: int | None) -> int:
+    """The peak of ``vae.decode`` on one image's (clip's) latents, traced (the 3-D VAEs: a frame axis)."""
+    vae = pipe.vae
+    factor, config = spec.vae_scale_factor, vae.config
+    rows = (height // factor, width // factor)
+    shape: tuple[int, ...]
+    if "z_dim" in config:  # the causal 3-D VAEs (Wan's, Qwen-Image's): (B, C, frames, h, w)
+        shape = (1, config["z_dim"], spec.latent_frames(num_frames), *rows)
+    else:
+        shape = (1, config["latent_channels"], *rows)
+    latents = torch.zeros(shape, device="meta", dtype=next(vae.parameters()).dtype)
+    mode = LiveBytes()
+    with _traced(), mode:
+        vae.decode(latents, return_dict=False)
+    return mode.peak
