@@ -61,7 +61,7 @@ def test_a_patch_pass_over_the_joint_buffers_masks_the_padding(text_first):
     recorded = {}
 
     def record(fresh):
-        def keep(key, value):
+        def keep(key, value, own=True):  # as JointKV.text_kv (own: copy a view; the test keeps them as given)
             if fresh:
                 recorded["kv"] = (key, value)
             return recorded["kv"]

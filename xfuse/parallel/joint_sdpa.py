@@ -27,7 +27,7 @@ class TextAttention:
     tokens: int  # the text's tokens (all chunks)
     fresh: bool  # this pass owns the text update: its K/V are recorded (else the recorded ones are reused)
     text_first: bool  # the family's order: FLUX [text, image], SD3 [image, text]
-    record: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # record or reuse the K/V
+    record: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (k, v, own=True): record or reuse the K/V
     # (B, tokens) bool over the whole text (every chunk), False at a padding token no query may attend to (Qwen-Image:
     # prompts of different lengths in one batch); None: every text token is attended to
     key_mask: torch.Tensor | None = None

@@ -59,7 +59,7 @@ class PassAttention:
         if joint is None:
             return joint_sdpa(query, key, value, (text.query, *text_kv), text.text_first, text.key_mask)
         if text.fresh:  # the step's record is the slots themselves: the text K/V are held once
-            text.record(*self.cache.text_kv(layer))
+            text.record(*self.cache.text_kv(layer), own=False)
         text_len = text.query.shape[2]  # zero for a patch that reuses its step's text K/V
         joint_query = join_text(query, text.query, text.text_first) if text_len else query
         mask = joint_key_mask(text.key_mask, key.shape[2], text.text_first)

@@ -204,42 +204,56 @@ def _meta_pipeline(model: str, dtype: torch.dtype):
             model_class = getattr(transformers, config["architectures"][0])
             setattr(pipe, name, model_class(model_class.config_class.from_dict(config)).eval())
     pipe = pipe.to("meta")
+    for module in pipe.transformer.modules():  # tensors kept as plain attributes (Qwen-Image's RoPE tables): the
+        for name, value in list(vars(module).items()):  # model's constants, not made by a call
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, value.to("meta"))
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
 def call_peaks(xp, call: dict) -> RequestActivations:
-    """The peaks of the second of two ``xp(**call)`` (a one-rank xfuse pipeline, on the meta device or a real one),
-    above what the first left alive: its stale K/V buffers, reused, and what a family keeps from one request until
-    the next replaces it, as a serving rank's allocator sees it. Labelled by text encoder, block and the rest of the
-    denoising loop."""
+    """The peaks of the second of two ``xp(**call)`` on this rank (an xfuse pipeline: one rank on the meta device,
+    or any rank of a real world), above what the first left alive: its stale K/V buffers, reused, and what a family
+    keeps from one request until the next replaces it, as a serving rank's allocator sees it. Labelled by text
+    encoder, block, the rest of the denoising loop and the VAE decode (rank 0's, or this rank's band)."""
     encoders = {name: getattr(xp.pipeline, name) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
                 if getattr(xp.pipeline, name, None) is not None}  # fmt: skip
     stages = [xp.stage, *getattr(xp, "extra_stages", {}).values()]  # Wan 2.2's second expert: its blocks too
     blocks = {("block", index): stage.blocks[index] for stage in stages for index in stage.block_ids}
-    mode, batches, denoise = LiveBytes(), [], xp._denoise
+    mode, batches = LiveBytes(), []
 
-    def traced_denoise(request, *args, **kwargs):
-        batches.append(request.model_batch)
-        mode.label = "outside"
-        try:
-            return denoise(request, *args, **kwargs)
-        finally:
-            mode.label = None
+    def within(label, run, request=False):
+        def labelled(*args, **kwargs):
+            if request:
+                batches.append(args[0].model_batch)
+            before, mode.label = mode.label, label
+            try:
+                return run(*args, **kwargs)
+            finally:
+                mode._count()
+                mode.label = before
 
-    xp._denoise = traced_denoise
+        return labelled
+
+    wrapped = [(xp, "_denoise", within("outside", xp._denoise, request=True))]
+    for decoder in (getattr(xp.pipeline, "vae", None), xp.band_decode):
+        if decoder is not None:
+            wrapped.append((decoder, "decode", within("decode", decoder.decode)))
+    for owner, name, method in wrapped:
+        setattr(owner, name, method)
     try:
         with _traced(), mode, _labelled(mode, {**blocks, **encoders}):
             xp(**call)
-            mode.restart()
             xp(**call)
     finally:
-        del xp._denoise  # the class's again
-    chain = xp.plan.num_blocks
+        for owner, name, _ in wrapped:
+            delattr(owner, name)  # the class's again
     return RequestActivations(
         batch=max(batches),
         encode=max((mode.peaks.get(name, 0) for name in encoders), default=0),
-        blocks=tuple(mode.peaks.get(("block", index), 0) for index in range(chain)),
+        blocks=tuple(mode.peaks.get(("block", index), 0) for index in range(xp.plan.num_blocks)),
         outside=mode.peaks.get("outside", 0),
+        decode=mode.peaks.get("decode", 0),
     )
 
 

@@ -32,6 +32,16 @@ from xfuse.parallel.pass_attention import PassAttention
 from xfuse.parallel.stale_kv import StaleKVCache
 
 
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself where it is all of its storage, else a copy: a recorded text K/V that is a view of a fused
+    projection's output (FLUX.2's single blocks: q, k, v and the MLP input of every token in one tensor) would keep
+    that whole output alive until the record is replaced — for every block of the rank through a whole-image step,
+    and between requests."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
+
+
 @dataclass
 class JointKV:
     """The K/V state every joint-attention processor of one stage shares.
@@ -53,11 +63,12 @@ class JointKV:
     def __post_init__(self) -> None:
         self.attention = PassAttention(self.image)
 
-    def text_kv(self, key, text_k: torch.Tensor, text_v: torch.Tensor):
+    def text_kv(self, key, text_k: torch.Tensor, text_v: torch.Tensor, own: bool = True):
         """(B, heads, T, head_dim) text K/V of this pass: recorded by the owner, replaced by the owner's for a
-        later patch (whose own text has zero tokens)."""
+        later patch (whose own text has zero tokens). ``own``: record a copy where they are a view of a larger
+        tensor (``_own``); ``False``: they are the stale K/V buffers' text slots, held there anyway."""
         if not self.reuse_text:
-            self.text[key] = (text_k, text_v)
+            self.text[key] = (_own(text_k), _own(text_v)) if own else (text_k, text_v)
             return text_k, text_v
         if text_k.shape[2] != 0:
             raise RuntimeError(f"joint attention {key}: a later patch must carry no text tokens")
