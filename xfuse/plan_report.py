@@ -200,7 +200,8 @@ def plan_report(
     device_memory = where.device.memory if where is not None else None
     from xfuse.perf.planner import workload
 
-    memory = place_text(config.model, workload(config), par, dtype, device_memory)
+    cpu = where is not None and not where.device.gpu  # a CPU's convolution scratch in the decode
+    memory = place_text(config.model, workload(config), par, dtype, device_memory, cpu=cpu)
     volume = comm_volume(
         plan,
         grid,
@@ -381,18 +382,24 @@ def _memory_lines(r: PlanReport) -> list[str]:
     lines = [
         f"memory per pipeline rank, {r.config.runtime.dtype} (each rank of its SP and CFG groups alike; K/V: one "
         f"rank's{f' 1/{sp}' if sp > 1 else ''}; text encoders and VAE: the rank of rank 0's pipeline group):",
-        f"{'rank':>4}  {'transformer':>12} {'stale K/V':>12} {'text enc':>12} {'VAE':>12} {'total':>12}",
+        f"{'rank':>4}  {'transformer':>12} {'stale K/V':>12} {'text enc':>12} {'VAE':>12} {'activations':>12} "
+        f"{'total':>12}",
     ]
     for rank in m.ranks:
         lines.append(f"{rank.pipe_rank:>4}  {_mib(rank.param_bytes):>12} {_mib(rank.kv_bytes):>12} "
-                     f"{_mib(rank.text_bytes):>12} {_mib(rank.vae_bytes):>12} {_mib(rank.total):>12}")  # fmt: skip
+                     f"{_mib(rank.text_bytes):>12} {_mib(rank.vae_bytes):>12} {_mib(rank.activation_bytes):>12} "
+                     f"{_mib(rank.total):>12}")  # fmt: skip
     text = m.words(r.config.parallel.text_encoder)
+    if any(rank.activation_bytes for rank in m.ranks):
+        how = ("activations: the request traced on the meta device (xfuse.perf.activations) and the decode "
+               "(xfuse.perf.vae); a kernel's own workspace not counted")  # fmt: skip
+    else:
+        how = "activations not counted (a model folder is not traced)"
     if r.device_memory is None:
-        lines.append(f"{text}; the device's memory is not known here (give --device): activations not counted")
+        lines.append(f"{text}; the device's memory is not known here (give --device); {how}")
     else:
         verdict = "fits" if m.fits else f"does not fit: {m.busiest.describe(r.device_memory)}"
-        lines.append(f"{text}; against {r.device_name}'s {r.device_memory / GIB:.1f} GiB: {verdict} (activations "
-                     "not counted)")  # fmt: skip
+        lines.append(f"{text}; against {r.device_name}'s {r.device_memory / GIB:.1f} GiB: {verdict}; {how}")
     return lines
 
 

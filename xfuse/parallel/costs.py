@@ -86,6 +86,35 @@ def kv_buffer_bytes(
     return {rank: per_module * sum(attentions(b) for b in plan.blocks_of(rank)) for rank in range(plan.degree)}
 
 
+def receive_buffer_bytes(
+    plan: StagePlan,
+    grid: PatchGrid,
+    *,
+    hidden_size: int,
+    batch: int,
+    latent_batch: int,
+    in_channels: int,
+    dtype_bytes: int = 4,
+    stream_tokens: dict[str, int] | None = None,
+) -> dict[int, int]:
+    """Bytes of the receive buffers each rank's pool keeps (``xfuse.comm.buffers``: one per message shape in flight,
+    kept for the next request of the shape): per hand-off, skip or latent it receives, one for a whole-image pass
+    and the patches' (together at most a whole image in flight): twice a whole image's (B, tokens, hidden), and the
+    plan's streams (B, T, hidden) with them."""
+    stream_tokens = stream_tokens or {}
+    image = batch * grid.num_tokens * hidden_size * dtype_bytes
+    streams = sum(batch * stream_tokens[s] * hidden_size * dtype_bytes for s in plan.streams)
+    held = dict.fromkeys(range(plan.degree), 0)
+    for handoff in plan.handoffs:
+        held[handoff.dst_rank] += 2 * (image + streams)
+    for skip in plan.cross_rank_skips:
+        held[skip.dst_rank] += 2 * image
+    if plan.output_rank != plan.embed_rank:  # linear: the stepped latent rows come back to the embedding rank
+        rows = sum(band.num_rows for band in grid) * grid.patch_size
+        held[plan.embed_rank] += 2 * latent_batch * in_channels * rows * grid.latent_width * dtype_bytes
+    return held
+
+
 def speedup_ceiling(
     plan: StagePlan, patch_tokens: tuple[int, ...], *, num_steps: int, warmup_steps: int, batch_parts: int
 ) -> float:

@@ -13,12 +13,13 @@ Values a pipeline reads back from its own small tensors (the tokenizer's mask, t
 meta copies, so that a prompt keeps its own length (Qwen-Image, Z-Image); other data-dependent scalars read as for
 an unpadded prompt (every token attended). Attention is counted as a flash kernel allocates it (the output and its
 log-sum-exp). Not seen: a kernel's own workspace (a CPU attention's per-thread blocks, cuDNN's) and the allocator's
-rounding. Not yet in ``xfuse plan``'s totals (issue 55): the per-rank rule from these peaks is the next step.
+rounding. ``xfuse.perf.memory.activation_bytes`` turns these into each rank's share of a layout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from unittest import mock
@@ -32,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from xfuse.families.registry import PRESET_MODELS, model_spec, text_encoder_configs
 from xfuse.families.spec import ModelSpec
+from xfuse.parallel.engine import PipeFusionEngine
 
 PROMPT = "a photo of a red house by a lake at sunset"  # the request a plan is for: one prompt, unpadded
 
@@ -47,7 +49,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage -> (its weak reference, bytes)
+        self.live: dict[int, tuple[StorageWeakRef, int, object]] = {}  # storage -> (weak reference, bytes, label)
         self.current = self.peak = self.base = 0
         self.label: object = None
         self.peaks: dict[object, int] = {}
@@ -55,7 +57,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        metas = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
+        leaves = tree_leaves((args, kwargs))
+        metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_meta]
         known = bool(metas) and all(t in self.values for t in metas)
         if known and (func is torch.ops.aten._local_scalar_dense.default or _to_cpu(func, kwargs)):
             return func(*tree_map(self._value, args), **tree_map(self._value, kwargs))
@@ -77,18 +80,17 @@ class LiveBytes(TorchDispatchMode):
                 source = args[0]
                 if not source.is_meta and source.numel() <= SMALL:
                     self.values[out] = source.to(out.dtype)
-        given = {
-            StorageWeakRef(t.untyped_storage()).cdata
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }  # a view or an in-place result is not a new tensor
-        for t in tree_leaves(out):
+        given = {t.untyped_storage()._cdata for t in leaves if isinstance(t, torch.Tensor)}  # a view or an in-place
+        for t in tree_leaves(out):  # result is not a new tensor
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                ref = StorageWeakRef(storage)
-                if ref.cdata not in self.live and ref.cdata not in given:
-                    self.live[ref.cdata] = (ref, storage.nbytes())
-        self._count()
+                key = storage._cdata
+                if key not in self.live and key not in given:
+                    nbytes = storage.nbytes()
+                    self.live[key] = (StorageWeakRef(storage), nbytes, self.label)
+                    self.current += nbytes  # an upper bound until the next count (frees are seen by counting)
+        if self.current - self.base > self.peaks.get(self.label, -1):  # only then may this op be a new peak
+            self._count()
         return out
 
     def _positions(self, index):
@@ -101,11 +103,20 @@ class LiveBytes(TorchDispatchMode):
         return self.values[x] if isinstance(x, torch.Tensor) and x.is_meta else x
 
     def _count(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its two Python layers
+        for key in [k for k in self.live if expired(k)]:
             del self.live[key]
-        self.current = sum(n for _, n in self.live.values())
+        self.current = sum(n for _, n, _ in self.live.values())
         self.peak = max(self.peak, self.current - self.base)
         self.peaks[self.label] = max(self.peaks.get(self.label, 0), self.current - self.base)
+
+    def alive_by_label(self) -> dict[object, int]:
+        """Bytes alive now, by the label that was current when each tensor was made."""
+        self._count()
+        alive: dict[object, int] = {}
+        for _, nbytes, label in self.live.values():
+            alive[label] = alive.get(label, 0) + nbytes
+        return alive
 
     def restart(self) -> None:
         """Peaks from now on, above what is alive now (a tensor alive now and freed later lowers the count, as the
@@ -175,15 +186,23 @@ def _traced():
 
 @dataclass(frozen=True)
 class RequestActivations:
-    """The traced peaks of one request run whole on one rank, in bytes: every tensor the call made and still held
-    at that moment, but the stale K/V buffers (a rank keeps them between requests: ``xfuse.perf.memory`` counts
-    them) and the weights."""
+    """What one request holds beside the weights, in bytes, from :func:`call_peaks`: what each block leaves alive
+    once the request is done (until the next request replaces it: its text K/V record, K/V it keeps by reference),
+    and the peaks of a second request above what the first left (a tensor of the first freed during the second
+    lowers the count, as the allocator's would)."""
 
     batch: int  # the transformer batch of the whole-image passes
-    encode: int  # peak while a text encoder runs (what the call holds then included)
-    blocks: tuple[int, ...]  # chain block -> peak while it runs in a whole-image pass
+    kept: tuple[int, ...]  # chain block -> bytes its passes leave alive after the request
+    kept_rest: int  # bytes the rest of the request leaves alive (the loop's, the text encoders')
+    encode: int  # peak while a text encoder runs
+    blocks: tuple[int, ...]  # chain block -> peak while it runs
     outside: int  # peak of the denoising loop outside the blocks (embedding, output layer, scheduler step)
-    decode: int = 0  # the traced vae.decode of one image's (clip's) latents (0 unless asked for)
+    decode: int = 0  # peak while the VAE decodes (rank 0's decode, or this rank's band)
+
+    def total(self) -> int:
+        """The request's peak on one rank holding every block, beside the weights."""
+        return sum(self.kept) + self.kept_rest + max(self.encode, max(self.blocks, default=0), self.outside,
+                                                     self.decode)  # fmt: skip
 
 
 def _meta_pipeline(model: str, dtype: torch.dtype):
@@ -204,11 +223,15 @@ def _meta_pipeline(model: str, dtype: torch.dtype):
             model_class = getattr(transformers, config["architectures"][0])
             setattr(pipe, name, model_class(model_class.config_class.from_dict(config)).eval())
     pipe = pipe.to("meta")
+    if dtype != torch.float32:  # each model cast (the pipeline's own .to warns about modules it would keep)
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.to(dtype=dtype)
     for module in pipe.transformer.modules():  # tensors kept as plain attributes (Qwen-Image's RoPE tables): the
         for name, value in list(vars(module).items()):  # model's constants, not made by a call
             if isinstance(value, torch.Tensor):
                 setattr(module, name, value.to("meta"))
-    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+    return pipe
 
 
 def call_peaks(xp, call: dict) -> RequestActivations:
@@ -235,7 +258,8 @@ def call_peaks(xp, call: dict) -> RequestActivations:
 
         return labelled
 
-    wrapped = [(xp, "_denoise", within("outside", xp._denoise, request=True))]
+    engines = [value for value in vars(xp).values() if isinstance(value, PipeFusionEngine)]  # Wan 2.2: two experts'
+    wrapped = [(engine, "denoise", within("outside", engine.denoise, request=True)) for engine in engines]
     for decoder in (getattr(xp.pipeline, "vae", None), xp.band_decode):
         if decoder is not None:
             wrapped.append((decoder, "decode", within("decode", decoder.decode)))
@@ -243,15 +267,22 @@ def call_peaks(xp, call: dict) -> RequestActivations:
         setattr(owner, name, method)
     try:
         with _traced(), mode, _labelled(mode, {**blocks, **encoders}):
-            xp(**call)
+            with warnings.catch_warnings():  # a one-step schedule divides by its zero span (a shift's) in numpy
+                warnings.simplefilter("ignore", RuntimeWarning)
+                xp(**{**call, "num_inference_steps": 1})  # what a request leaves: each step replaces the last's
+            alive = mode.alive_by_label()
+            mode.restart()
             xp(**call)
     finally:
         for owner, name, _ in wrapped:
             delattr(owner, name)  # the class's again
+    chain = range(xp.plan.num_blocks)
     return RequestActivations(
         batch=max(batches),
+        kept=tuple(alive.pop(("block", index), 0) for index in chain),
+        kept_rest=sum(alive.values()),
         encode=max((mode.peaks.get(name, 0) for name in encoders), default=0),
-        blocks=tuple(mode.peaks.get(("block", index), 0) for index in range(xp.plan.num_blocks)),
+        blocks=tuple(mode.peaks.get(("block", index), 0) for index in chain),
         outside=mode.peaks.get("outside", 0),
         decode=mode.peaks.get("decode", 0),
     )
@@ -262,17 +293,21 @@ def trace_call(model: str, height: int, width: int, num_frames: int | None = Non
     """The ``__call__`` arguments of the request traced for ``model``: one prompt, two whole-image steps, latents
     out."""
     spec = model_spec(model)
-    kwargs = {"prompt": PROMPT, "height": height, "width": width, "num_inference_steps": 2, "output_type": "latent"}
+    # A family that keeps a prompt at its own length is traced with one at the most it takes, as the plan counts it.
+    prompt = PROMPT if spec.text_padded else " ".join([PROMPT] * (sum(spec.text_lengths) // len(PROMPT) + 1))
+    kwargs = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": TRACE_STEPS,
+              "output_type": "latent"}  # fmt: skip
     if spec.resolution_binning:
         kwargs["use_resolution_binning"] = False
     if num_frames is not None:
         kwargs["num_frames"] = num_frames
-    if negative_prompt:
-        kwargs["negative_prompt"] = "blurry"
+    if negative_prompt:  # as long as the prompt: a CFG group's text at the most
+        kwargs["negative_prompt"] = prompt
     return kwargs
 
 
-TRACE_PARALLEL = {"warmup_steps": 1000}  # one rank, every step a whole-image pass (a rank's largest)
+TRACE_STEPS = 2  # a step after the first, holding what a step keeps for the next, as most of a request's steps
+TRACE_PARALLEL = {"warmup_steps": TRACE_STEPS}  # one rank, every step a whole-image pass (a rank's largest)
 
 
 @lru_cache(maxsize=32)
@@ -282,12 +317,13 @@ def request_activations(model: str, height: int, width: int, num_frames: int | N
     """Trace one ``height`` x ``width`` px request (``num_frames``: a clip's; ``negative_prompt``: with one) of
     preset ``model`` in ``dtype``: xfuse's own pipeline of the family on one rank of the meta device
     (:func:`call_peaks`), and with ``trace_decode`` its VAE decode."""
-    from xfuse.pipelines.loading import one_config, runtime_section
+    from xfuse.config import config_from_dict
     from xfuse.runtime.world import one_process_context
 
     spec = model_spec(model)
     pipe = _meta_pipeline(model, dtype)
-    config = one_config(None, model, TRACE_PARALLEL, None, lambda: runtime_section(dtype, "cpu"))
+    runtime = {"device": "cpu", "dtype": str(dtype).removeprefix("torch.")}  # the meta device: the context's
+    config = config_from_dict({"model": model, "parallel": TRACE_PARALLEL, "runtime": runtime})
     xp = spec.pipeline_class()(pipe, one_process_context(config, torch.device("meta")), dtype)
     xp.set_progress_bar_config(disable=True)
     peaks = call_peaks(xp, trace_call(model, height, width, num_frames, negative_prompt=negative_prompt))

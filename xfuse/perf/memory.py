@@ -5,8 +5,9 @@ Counted, per rank, in the dtype the ranks run in, each from the real sharding ap
 the transformer parameters it keeps (a pipeline rank's blocks and what its stage keeps besides them; every rank of a
 sequence- or CFG-parallel group a full copy of its pipeline rank's), its stale K/V buffers (a sequence-parallel rank
 holds its chunk of the tokens' K/V), the text encoders' weights on its device (:func:`text_encoder_bytes`: whole on
-rank 0, split by layers over the pipeline group, or offloaded: one module at a time) and the VAE's weights where it
-loads them. Not counted: activations (``xfuse plan`` prints the VAE decode's activation peak beside these).
+rank 0, split by layers over the pipeline group, or offloaded: one module at a time), the VAE's weights where it
+loads them, and what a request makes beside them at its peak (:func:`activation_bytes`: the request traced through
+xfuse's own pipeline on the meta device, ``xfuse.perf.activations``, and the VAE decode's peak, ``xfuse.perf.vae``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from functools import lru_cache
 
 import torch
 
-from xfuse.families.registry import text_encoder_configs, transformer_count, vae_config
+from xfuse.families.registry import PRESET_MODELS, text_encoder_configs, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
-from xfuse.parallel.costs import kv_buffer_bytes
+from xfuse.parallel.costs import kv_buffer_bytes, receive_buffer_bytes
 from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.text_encoder_split import decoder_layers, shard_text_encoder
-from xfuse.parallel.vae_decode import vae_on_every_rank
+from xfuse.parallel.vae_decode import BAND_DECODED_VAES, decodes_in_parallel, vae_on_every_rank
+from xfuse.perf.activations import RequestActivations, request_activations
 from xfuse.perf.model import Workload
+from xfuse.perf.vae import CPU_CONV_SCRATCH, VaeShape, decode_ranks
 
 GIB = 1024**3
 
@@ -110,18 +114,20 @@ class RankMemory:
     kv_bytes: int  # its stale K/V buffers
     text_bytes: int = 0  # text-encoder weights on its device
     vae_bytes: int = 0  # the VAE's weights, where it loads them
+    activation_bytes: int = 0  # what a request makes beside all these at its peak (activation_bytes)
 
     @property
     def total(self) -> int:
-        return self.param_bytes + self.kv_bytes + self.text_bytes + self.vae_bytes
+        return self.param_bytes + self.kv_bytes + self.text_bytes + self.vae_bytes + self.activation_bytes
 
     def describe(self, device_memory: float) -> str:
-        """``pipeline rank 0 needs 61.3 GiB (transformer 58.7, stale K/V 2.6, text encoders 0.0, VAE 0.0) of
-        45.0 GiB``."""
+        """``pipeline rank 0 needs 61.3 GiB (transformer 58.7, stale K/V 2.6, text encoders 0.0, VAE 0.0,
+        activations 1.2) of 45.0 GiB``."""
         return (
             f"pipeline rank {self.pipe_rank} needs {self.total / GIB:.1f} GiB (transformer {self.param_bytes / GIB:.1f}"
             f", stale K/V {self.kv_bytes / GIB:.1f}, text encoders {self.text_bytes / GIB:.1f}, VAE "
-            f"{self.vae_bytes / GIB:.1f}) of {device_memory / GIB:.1f} GiB"
+            f"{self.vae_bytes / GIB:.1f}, activations {self.activation_bytes / GIB:.1f}) of {device_memory / GIB:.1f} "
+            "GiB"
         )
 
 
@@ -139,16 +145,96 @@ def pipeline_rank_bytes(
     return {rank: n * experts for rank, n in params.items()}, kv
 
 
-def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: str = "rank0") -> list[RankMemory]:
+def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: str = "rank0", *,
+                cpu: bool = False) -> list[RankMemory]:  # fmt: skip
     """Each pipeline rank's memory for ``work`` (the request of model ``model``) under ``parallel`` (a
-    ParallelConfig), in ``dtype``, with the text encoders placed by ``text`` (``rank0``, ``split``, ``offload``)."""
-    return _with_text(_without_text(model, work, parallel, dtype), model, text, dtype)
+    ParallelConfig), in ``dtype``, with the text encoders placed by ``text`` (``rank0``, ``split``, ``offload``);
+    ``cpu``: the ranks are CPU processes (a convolution's scratch counted in the decode, ``xfuse.perf.vae``)."""
+    return _with_text(_without_text(model, work, parallel, dtype), model, work, parallel, text, dtype, cpu)
 
 
-def _with_text(ranks: list[RankMemory], model: str, text: str, dtype: torch.dtype) -> list[RankMemory]:
-    """``ranks`` with the text encoders' weights each holds under placement ``text``."""
+def _with_text(ranks: list[RankMemory], model: str, work: Workload, parallel, text: str, dtype: torch.dtype,
+               cpu: bool) -> list[RankMemory]:  # fmt: skip
+    """``ranks`` with the text encoders' weights each holds under placement ``text``, and its activations."""
     texts = text_encoder_bytes(model, text, len(ranks), dtype)
-    return [replace(rank, text_bytes=texts[rank.pipe_rank]) for rank in ranks]
+    made = activation_bytes(model, work, parallel, dtype, text, cpu=cpu)
+    return [replace(rank, text_bytes=texts[rank.pipe_rank], activation_bytes=made.get(rank.pipe_rank, 0))
+            for rank in ranks]  # fmt: skip
+
+
+def _traced(model: str, work: Workload, dtype: torch.dtype) -> RequestActivations | None:
+    """The request traced (``xfuse.perf.activations``); ``None`` for a model folder (only presets are traced)."""
+    if model not in PRESET_MODELS:
+        return None
+    spec = work.spec
+    frames = None if not spec.video else (work.frames - 1) * spec.vae_temporal_factor + 1
+    negative = spec.negative_prompt_guides and work.cfg_batch == 2
+    raw = vae_config(model)
+    traced_decode = raw is not None and raw.get("_class_name", "AutoencoderKL") not in BAND_DECODED_VAES
+    return request_activations(model, work.height, work.width, frames, negative_prompt=negative, dtype=dtype,
+                               trace_decode=traced_decode)  # fmt: skip
+
+
+def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *, cpu: bool = False) -> dict[int, int]:
+    """Pipeline rank -> the activation peak of its part of the VAE decode (one image): rank 0 decoding alone, or
+    each rank its band where the request decodes over the world (``xfuse.perf.vae``: the VAEs the bands run);
+    empty where the model has no VAE or its decode is not modelled (the 3-D VAEs: traced, :func:`activation_bytes`)."""
+    raw = vae_config(model)
+    if raw is None or raw.get("_class_name", "AutoencoderKL") not in BAND_DECODED_VAES:
+        return {}
+    shape = VaeShape.from_config(raw)
+    element = torch.empty((), dtype=dtype).element_size()
+    world, rows = parallel.cfg_degree * parallel.pipefusion_degree * parallel.sequence_degree, work.height
+    rows //= shape.scale_factor
+    scratch = CPU_CONV_SCRATCH if cpu else None
+    if not decodes_in_parallel(parallel, world, work.height, work.width, rows):
+        (alone,) = decode_ranks(shape, height=work.height, width=work.width, element=element, conv_scratch=scratch)
+        return {0: alone.peak}
+    bands = decode_ranks(shape, height=work.height, width=work.width, ranks=world, element=element,
+                         conv_scratch=scratch)  # fmt: skip
+    sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
+    return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
+
+
+def activation_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, text: str, *,
+                     cpu: bool = False) -> dict[int, int]:  # fmt: skip
+    """Pipeline rank -> what a request makes on it beside the weights and the stale K/V buffers at its peak, from
+    the request traced on one rank (``xfuse.perf.activations``): what its blocks leave alive through the request
+    (their text K/V records), what the rest leaves and its receive buffers (``receive_buffer_bytes``), plus the
+    largest of: its blocks' peak in its largest pass, the loop's outside the blocks on the embedding and output
+    ranks, the text encoders' on the ranks that run them (``text``: rank 0, or each rank of a split: an upper bound,
+    the whole encoder's) and its part of the decode (``decode_bytes``, or the traced decode of a 3-D VAE). What a
+    pass makes is per token and sample: this CFG group's batch, 1/sp of the tokens under sequence parallelism.
+    Checked against real worlds in ``tests/multirank/test_memory.py``. Empty for a model folder (not traced)."""
+    acts = _traced(model, work, dtype)
+    if acts is None:
+        return {}
+    plan = work.spec.plan(work.num_blocks, parallel)
+    sp, model_batch = parallel.sequence_degree, max(1, work.cfg_batch // parallel.cfg_degree)  # a CFG group's
+    element, grid = torch.empty((), dtype=dtype).element_size(), work.grid(parallel.resolved_num_patches)
+    received = receive_buffer_bytes(plan, grid, hidden_size=work.hidden,
+                                    batch=model_batch, latent_batch=1, in_channels=work.config["in_channels"],
+                                    dtype_bytes=element,
+                                    stream_tokens=dict.fromkeys(plan.streams, work.text_tokens))  # fmt: skip
+    kept_share = model_batch / acts.batch / sp
+    # A rank's largest pass: a warm-up step's whole image in batch parts, or a pipelined step's largest patch (the
+    # first carries the whole text) at the whole batch; what a pass makes is per token and sample.
+    whole = grid.num_tokens + grid[0].lead_tokens
+    pipelined = parallel.warmup_steps < work.steps and grid.num_patches > 1
+    largest = max(1 / batch_parts(model_batch, plan.degree), max(grid.cost_tokens) / whole if pipelined else 0)
+    pass_share = kept_share * largest
+    decode = decode_bytes(model, work, parallel, dtype, cpu=cpu) or {0: acts.decode}
+    made = {}
+    for rank in range(plan.degree):
+        blocks = plan.blocks_of(rank)
+        peaks = [max((acts.blocks[b] for b in blocks), default=0) * pass_share, decode.get(rank, 0)]
+        if rank in (plan.embed_rank, plan.output_rank):
+            peaks.append(acts.outside * pass_share)
+        if rank == 0 or text == "split":
+            peaks.append(acts.encode)
+        kept = sum(acts.kept[b] for b in blocks) * kept_share + acts.kept_rest + received[rank] / sp
+        made[rank] = int(kept + max(peaks))
+    return made
 
 
 def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> list[RankMemory]:
@@ -191,7 +277,8 @@ class Placed:
         return f"text encoders {where} (parallel.text_encoder auto: {why})"
 
 
-def place_text(model: str, work: Workload, parallel, dtype: torch.dtype, memory: float | None) -> Placed:
+def place_text(model: str, work: Workload, parallel, dtype: torch.dtype, memory: float | None, *,
+               cpu: bool = False) -> Placed:  # fmt: skip
     """``parallel.text_encoder`` resolved for a layout: as configured, or (``auto``) the first of ``rank0``,
     ``split``, ``offload`` with which every rank fits ``memory`` bytes (``rank0`` where ``memory`` is ``None``: not
     known); where none fits, the placement whose busiest rank needs the least, not fitting."""
@@ -200,7 +287,7 @@ def place_text(model: str, work: Workload, parallel, dtype: torch.dtype, memory:
     held = _without_text(model, work, parallel, dtype)  # the same under every placement
     placed = []
     for text in tries:
-        ranks = _with_text(held, model, text, dtype)
+        ranks = _with_text(held, model, work, parallel, text, dtype, cpu)
         option = Placed(text, ranks, memory is None or max(r.total for r in ranks) <= memory)
         if option.fits:
             return option

@@ -126,7 +126,8 @@ def rank_layouts(
     if where.device.memory is not None:
         fitting = []
         for parallel in valid:
-            option = place_text(config.model, work, parallel, _dtype(where.device.dtype_bytes), where.device.memory)
+            option = place_text(config.model, work, parallel, _dtype(where.device.dtype_bytes), where.device.memory,
+                                cpu=not where.device.gpu)  # fmt: skip
             if option.fits:
                 fitting.append(parallel)
                 placed[id(parallel)] = option
@@ -210,8 +211,8 @@ def format_ranking(config: XfuseConfig, world: int, where: Machine, top: int = 1
         lines.append(
             f"memory per rank (busiest: GiB the layout's busiest rank holds): transformer weights, stale K/V, text "
             f"encoders placed by parallel.text_encoder ({config.parallel.text_encoder}; text enc: rank0, split over "
-            f"the pipeline group, or offload) and the VAE, in bf16, against {where.device.name}'s "
-            f"{memory / 2**30:.1f} GiB; activations not counted (xfuse.perf.memory)"
+            f"the pipeline group, or offload), the VAE and the request's activations (traced for a preset), in bf16, "
+            f"against {where.device.name}'s {memory / 2**30:.1f} GiB (xfuse.perf.memory)"
         )
     if ranked:
         best = ranked[0]

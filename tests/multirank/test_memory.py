@@ -1,0 +1,70 @@
+"""``xfuse plan``'s per-rank memory against what the ranks of a real world hold, for the 2026 families' tiny presets:
+each rank of global rank 0's pipeline group (what the plan's table lists) runs a request twice, and what it holds
+beside its weights at its peak (``xfuse.perf.activations.call_peaks`` on real CPU tensors: what its blocks and the
+loop keep between requests, its stale K/V and receive buffers among them, plus its largest transient: a text
+encoder's forward, a block, the loop, the VAE decode) is the plan's stale K/V plus activations within 10 %. The
+weights are exact (``tests/multirank/test_flux2.py``, ``test_qwenimage.py``, ``test_zimage.py``).
+
+The count is of tensors; each CPU kernel's own workspace (the CPU flash attention's per-thread blocks) is not a
+tensor and is not counted on either side (``tests/unit/test_activations.py``).
+"""
+
+import pytest
+import torch
+
+from tests.support.memory_fns import held_peaks
+from tests.support.world import World
+from xfuse.config import config_from_dict
+from xfuse.perf.activations import trace_call
+from xfuse.perf.memory import rank_memory
+from xfuse.perf.planner import workload
+
+SIDE, STEPS = 256, 4
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2, start_timeout=240) as w:
+        yield w
+
+
+CASES = [
+    ("flux2-tiny", {"pipefusion_degree": 2}, False),
+    ("flux2-tiny", {"pipefusion_degree": 2, "vae_parallel": "on"}, False),  # every rank decodes a band
+    ("flux2-tiny", {"ulysses_degree": 2}, False),
+    ("flux2-klein-tiny", {"pipefusion_degree": 2}, False),  # CFG batched on each rank, whole images in 2 parts
+    ("flux2-klein-tiny", {"cfg_degree": 2}, False),
+    ("qwen-image-tiny", {"pipefusion_degree": 2}, False),
+    ("qwen-image-tiny", {"ulysses_degree": 2}, False),
+    ("qwen-image-tiny", {"cfg_degree": 2}, True),  # true CFG: a negative prompt
+    ("z-image-tiny", {"pipefusion_degree": 2}, False),
+    ("z-image-tiny", {"ulysses_degree": 2}, False),
+    ("z-image-tiny", {"cfg_degree": 2}, True),
+]
+
+
+@pytest.mark.parametrize("preset,parallel,negative", CASES,
+                         ids=[f"{p}-{'_'.join(f'{k}{v}' for k, v in par.items())}" for p, par, _ in CASES])  # fmt: skip
+def test_the_plan_holds_what_each_rank_holds(world2, preset, parallel, negative):
+    call = {
+        **trace_call(preset, SIDE, SIDE, negative_prompt=negative),
+        "output_type": "np",
+        "num_inference_steps": STEPS,
+    }
+    generation = {"height": SIDE, "width": SIDE, "num_inference_steps": STEPS}
+    if negative:
+        generation["negative_prompt"] = call["negative_prompt"]
+    config = config_from_dict({"model": preset, "parallel": parallel, "generation": generation})
+    planned = rank_memory(preset, workload(config), config.parallel, torch.float32)
+    held = world2.run_ok(held_peaks, preset, parallel, call, timeout=600)
+    pp, sp = config.parallel.pipefusion_degree, config.parallel.sequence_degree
+    for rank, peaks in enumerate(held):
+        if rank // (pp * sp) or rank % sp:  # not in global rank 0's pipeline group: the plan lists those
+            continue
+        plan = planned[rank // sp % pp]
+        planned_bytes = plan.kv_bytes + plan.activation_bytes
+        print(
+            f"{preset} {parallel} rank {rank}: held {peaks.total() / 2**20:.2f} MiB, planned "
+            f"{planned_bytes / 2**20:.2f} ({planned_bytes / peaks.total() - 1:+.1%})"
+        )
+        assert planned_bytes == pytest.approx(peaks.total(), rel=0.10), (rank, peaks, plan)
