@@ -264,6 +264,11 @@ class ParallelConfig(_Section):
         return self.ulysses_degree * self.ring_degree
 
     @property
+    def world_size(self) -> int:
+        """Ranks this layout needs: ``cfg_degree * pipefusion_degree * ulysses_degree * ring_degree``."""
+        return self.cfg_degree * self.pipefusion_degree * self.sequence_degree
+
+    @property
     def resolved_num_patches(self) -> int:
         """Number of patches M the engine uses: ``num_patches`` if set, else ``pipefusion_degree``."""
         return self.pipefusion_degree if self.num_patches is None else self.num_patches
@@ -511,9 +516,8 @@ class XfuseConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        """Ranks this config needs: ``cfg_degree * pipefusion_degree * ulysses_degree * ring_degree``."""
-        par = self.parallel
-        return par.cfg_degree * par.pipefusion_degree * par.sequence_degree
+        """Ranks this config needs (``ParallelConfig.world_size``)."""
+        return self.parallel.world_size
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

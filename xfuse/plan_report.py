@@ -19,12 +19,12 @@ from xfuse.parallel.vae_decode import VAE_PARALLEL_MIN_PIXELS, decodes_in_parall
 from xfuse.perf.memory import GIB, Placed, pipeline_rank_bytes, place_text
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
-    CPU_CONV_SCRATCH,
     DecodeTime,
     RankDecode,
     VaeShape,
     WholeTensor,
     band_rows,
+    conv_scratch_on,
     decode_ranks,
     predict_decode,
     whole_image_tensors,
@@ -107,7 +107,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
         side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
         why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
     holders = tuple(range(world)) if vae_on_every_rank(par, world, raw.get("_class_name", "AutoencoderKL")) else (0,)
-    scratch = CPU_CONV_SCRATCH if where is not None and not where.device.gpu else None  # a CPU's convolution copies
+    scratch = conv_scratch_on(where)
 
     def seconds(ranks: int) -> DecodeTime | None:  # as the performance model costs the device: in its dtype
         if where is None:
@@ -200,8 +200,7 @@ def plan_report(
     device_memory = where.device.memory if where is not None else None
     from xfuse.perf.planner import workload
 
-    cpu = where is not None and not where.device.gpu  # a CPU's convolution scratch in the decode
-    memory = place_text(config.model, workload(config), par, dtype, device_memory, cpu=cpu)
+    memory = place_text(config.model, workload(config), par, dtype, device_memory, conv_scratch=conv_scratch_on(where))
     volume = comm_volume(
         plan,
         grid,

@@ -13,7 +13,7 @@ xfuse's own pipeline on the meta device, ``xfuse.perf.activations``, and the VAE
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -26,7 +26,7 @@ from xfuse.parallel.text_encoder_split import decoder_layers, shard_text_encoder
 from xfuse.parallel.vae_decode import BAND_DECODED_VAES, decodes_in_parallel, vae_on_every_rank
 from xfuse.perf.activations import RequestActivations, request_activations
 from xfuse.perf.model import Workload
-from xfuse.perf.vae import CPU_CONV_SCRATCH, VaeShape, decode_ranks
+from xfuse.perf.vae import ConvScratch, VaeShape, decode_ranks
 
 GIB = 1024**3
 
@@ -146,23 +146,24 @@ def pipeline_rank_bytes(
 
 
 def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: str = "rank0", *,
-                cpu: bool = False) -> list[RankMemory]:  # fmt: skip
+                conv_scratch: ConvScratch | None = None) -> list[RankMemory]:  # fmt: skip
     """Each pipeline rank's memory for ``work`` (the request of model ``model``) under ``parallel`` (a
     ParallelConfig), in ``dtype``, with the text encoders placed by ``text`` (``rank0``, ``split``, ``offload``);
-    ``cpu``: the ranks are CPU processes (a convolution's scratch counted in the decode, ``xfuse.perf.vae``)."""
-    return _with_text(_without_text(model, work, parallel, dtype), model, work, parallel, text, dtype, cpu)
+    ``conv_scratch``: what a convolution allocates beside its output on the ranks' device (``xfuse.perf.vae``)."""
+    made = layout_activations(model, work, parallel, dtype, conv_scratch=conv_scratch)
+    return _with_text(_without_text(model, work, parallel, dtype), made, model, text, dtype)
 
 
-def _with_text(ranks: list[RankMemory], model: str, work: Workload, parallel, text: str, dtype: torch.dtype,
-               cpu: bool) -> list[RankMemory]:  # fmt: skip
+def _with_text(ranks: list[RankMemory], made: LayoutActivations | None, model: str, text: str,
+               dtype: torch.dtype) -> list[RankMemory]:  # fmt: skip
     """``ranks`` with the text encoders' weights each holds under placement ``text``, and its activations."""
     texts = text_encoder_bytes(model, text, len(ranks), dtype)
-    made = activation_bytes(model, work, parallel, dtype, text, cpu=cpu)
-    return [replace(rank, text_bytes=texts[rank.pipe_rank], activation_bytes=made.get(rank.pipe_rank, 0))
+    return [replace(rank, text_bytes=texts[rank.pipe_rank],
+                    activation_bytes=0 if made is None else made.on(rank.pipe_rank, text))
             for rank in ranks]  # fmt: skip
 
 
-def _traced(model: str, work: Workload, dtype: torch.dtype) -> RequestActivations | None:
+def _request_traced(model: str, work: Workload, dtype: torch.dtype) -> RequestActivations | None:
     """The request traced (``xfuse.perf.activations``); ``None`` for a model folder (only presets are traced)."""
     if model not in PRESET_MODELS:
         return None
@@ -175,40 +176,53 @@ def _traced(model: str, work: Workload, dtype: torch.dtype) -> RequestActivation
                                trace_decode=traced_decode)  # fmt: skip
 
 
-def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *, cpu: bool = False) -> dict[int, int]:
+def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *,
+                 conv_scratch: ConvScratch | None = None) -> dict[int, int]:  # fmt: skip
     """Pipeline rank -> the activation peak of its part of the VAE decode (one image): rank 0 decoding alone, or
     each rank its band where the request decodes over the world (``xfuse.perf.vae``: the VAEs the bands run);
-    empty where the model has no VAE or its decode is not modelled (the 3-D VAEs: traced, :func:`activation_bytes`)."""
+    empty where the model has no VAE or its decode is not modelled (the 3-D VAEs: traced instead,
+    :func:`layout_activations`)."""
     raw = vae_config(model)
     if raw is None or raw.get("_class_name", "AutoencoderKL") not in BAND_DECODED_VAES:
         return {}
-    shape = VaeShape.from_config(raw)
-    element = torch.empty((), dtype=dtype).element_size()
-    world, rows = parallel.cfg_degree * parallel.pipefusion_degree * parallel.sequence_degree, work.height
-    rows //= shape.scale_factor
-    scratch = CPU_CONV_SCRATCH if cpu else None
-    if not decodes_in_parallel(parallel, world, work.height, work.width, rows):
-        (alone,) = decode_ranks(shape, height=work.height, width=work.width, element=element, conv_scratch=scratch)
-        return {0: alone.peak}
-    bands = decode_ranks(shape, height=work.height, width=work.width, ranks=world, element=element,
-                         conv_scratch=scratch)  # fmt: skip
+    shape, world = VaeShape.from_config(raw), parallel.world_size
+    walk = partial(decode_ranks, shape, height=work.height, width=work.width, conv_scratch=conv_scratch,
+                   element=torch.empty((), dtype=dtype).element_size())  # fmt: skip
+    if not decodes_in_parallel(parallel, world, work.height, work.width, work.height // shape.scale_factor):
+        return {0: walk()[0].peak}
+    bands = walk(ranks=world)
     sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
     return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
 
 
-def activation_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, text: str, *,
-                     cpu: bool = False) -> dict[int, int]:  # fmt: skip
-    """Pipeline rank -> what a request makes on it beside the weights and the stale K/V buffers at its peak, from
+@dataclass(frozen=True)
+class LayoutActivations:
+    """A layout's activations per pipeline rank before its text encoders are placed (:func:`layout_activations`)."""
+
+    kept: dict[int, int]  # bytes held through the request: its blocks' records, the rest's, its receive buffers
+    peaks: dict[int, int]  # its largest transient but a text encoder's: its blocks', the loop's, its decode's
+    encode: int  # a text encoder's peak, on each rank that runs one
+
+    def on(self, rank: int, text: str) -> int:
+        """Pipeline rank ``rank``'s activations with the text encoders placed by ``text`` (they run on rank 0, or
+        on every rank of a split: an upper bound there, the whole encoder's peak)."""
+        runs_text = rank == 0 or text == "split"
+        return self.kept[rank] + max(self.peaks[rank], self.encode if runs_text else 0)
+
+
+def layout_activations(model: str, work: Workload, parallel, dtype: torch.dtype, *,
+                       conv_scratch: ConvScratch | None = None) -> LayoutActivations | None:  # fmt: skip
+    """What a request makes on each pipeline rank beside the weights and the stale K/V buffers at its peak, from
     the request traced on one rank (``xfuse.perf.activations``): what its blocks leave alive through the request
     (their text K/V records), what the rest leaves and its receive buffers (``receive_buffer_bytes``), plus the
     largest of: its blocks' peak in its largest pass, the loop's outside the blocks on the embedding and output
-    ranks, the text encoders' on the ranks that run them (``text``: rank 0, or each rank of a split: an upper bound,
-    the whole encoder's) and its part of the decode (``decode_bytes``, or the traced decode of a 3-D VAE). What a
-    pass makes is per token and sample: this CFG group's batch, 1/sp of the tokens under sequence parallelism.
-    Checked against real worlds in ``tests/multirank/test_memory.py``. Empty for a model folder (not traced)."""
-    acts = _traced(model, work, dtype)
+    ranks, its part of the decode (``decode_bytes``, or the traced decode of a 3-D VAE) and, where they run, the
+    text encoders'. What a pass makes is per token and sample: this CFG group's batch, 1/sp of the tokens under
+    sequence parallelism. Checked against real worlds in ``tests/multirank/test_memory.py``. ``None`` for a model
+    folder (not traced)."""
+    acts = _request_traced(model, work, dtype)
     if acts is None:
-        return {}
+        return None
     plan = work.spec.plan(work.num_blocks, parallel)
     sp, model_batch = parallel.sequence_degree, max(1, work.cfg_batch // parallel.cfg_degree)  # a CFG group's
     element, grid = torch.empty((), dtype=dtype).element_size(), work.grid(parallel.resolved_num_patches)
@@ -223,18 +237,16 @@ def activation_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, t
     pipelined = parallel.warmup_steps < work.steps and grid.num_patches > 1
     largest = max(1 / batch_parts(model_batch, plan.degree), max(grid.cost_tokens) / whole if pipelined else 0)
     pass_share = kept_share * largest
-    decode = decode_bytes(model, work, parallel, dtype, cpu=cpu) or {0: acts.decode}
-    made = {}
+    decode = decode_bytes(model, work, parallel, dtype, conv_scratch=conv_scratch) or {0: acts.decode}
+    kept, peaks = {}, {}
     for rank in range(plan.degree):
         blocks = plan.blocks_of(rank)
-        peaks = [max((acts.blocks[b] for b in blocks), default=0) * pass_share, decode.get(rank, 0)]
+        mine = [max((acts.blocks[b] for b in blocks), default=0) * pass_share, decode.get(rank, 0)]
         if rank in (plan.embed_rank, plan.output_rank):
-            peaks.append(acts.outside * pass_share)
-        if rank == 0 or text == "split":
-            peaks.append(acts.encode)
-        kept = sum(acts.kept[b] for b in blocks) * kept_share + acts.kept_rest + received[rank] / sp
-        made[rank] = int(kept + max(peaks))
-    return made
+            mine.append(acts.outside * pass_share)
+        kept[rank] = int(sum(acts.kept[b] for b in blocks) * kept_share + acts.kept_rest + received[rank] / sp)
+        peaks[rank] = int(max(mine))
+    return LayoutActivations(kept, peaks, acts.encode)
 
 
 def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> list[RankMemory]:
@@ -246,7 +258,7 @@ def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> l
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
     vae, raw = vae_weight_bytes(model, dtype), vae_config(model)
     vae_class = None if raw is None else raw.get("_class_name", "AutoencoderKL")
-    every = vae_on_every_rank(parallel, plan.degree * sp * parallel.cfg_degree, vae_class)
+    every = vae_on_every_rank(parallel, parallel.world_size, vae_class)
     return [RankMemory(rank, params[rank], kv[rank] // sp, vae_bytes=vae if every or rank == 0 else 0)
             for rank in range(plan.degree)]  # fmt: skip
 
@@ -278,16 +290,17 @@ class Placed:
 
 
 def place_text(model: str, work: Workload, parallel, dtype: torch.dtype, memory: float | None, *,
-               cpu: bool = False) -> Placed:  # fmt: skip
+               conv_scratch: ConvScratch | None = None) -> Placed:  # fmt: skip
     """``parallel.text_encoder`` resolved for a layout: as configured, or (``auto``) the first of ``rank0``,
     ``split``, ``offload`` with which every rank fits ``memory`` bytes (``rank0`` where ``memory`` is ``None``: not
     known); where none fits, the placement whose busiest rank needs the least, not fitting."""
     wanted = parallel.text_encoder
     tries = TEXT_PLACEMENTS if wanted == "auto" else (wanted,)
     held = _without_text(model, work, parallel, dtype)  # the same under every placement
+    made = layout_activations(model, work, parallel, dtype, conv_scratch=conv_scratch)  # and these but the encode
     placed = []
     for text in tries:
-        ranks = _with_text(held, model, work, parallel, text, dtype, cpu)
+        ranks = _with_text(held, made, model, text, dtype)
         option = Placed(text, ranks, memory is None or max(r.total for r in ranks) <= memory)
         if option.fits:
             return option

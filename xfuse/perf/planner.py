@@ -23,6 +23,7 @@ from xfuse.perf.calibration import FITTED
 from xfuse.perf.hardware import DEVICES
 from xfuse.perf.memory import Placed, place_text, text_encoder_bytes
 from xfuse.perf.model import Calibration, Machine, Prediction, Workload, predict
+from xfuse.perf.vae import conv_scratch_on
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def rank_layouts(
         fitting = []
         for parallel in valid:
             option = place_text(config.model, work, parallel, _dtype(where.device.dtype_bytes), where.device.memory,
-                                cpu=not where.device.gpu)  # fmt: skip
+                                conv_scratch=conv_scratch_on(where))  # fmt: skip
             if option.fits:
                 fitting.append(parallel)
                 placed[id(parallel)] = option

@@ -73,6 +73,12 @@ class ConvScratch:
 CPU_CONV_SCRATCH = ConvScratch(block=16, element=FLOAT32)
 
 
+def conv_scratch_on(where) -> ConvScratch | None:
+    """What a convolution allocates beside its output on ``where``'s device (a ``Machine``; ``None``: not known, as
+    on a GPU): a CPU's copy of its input (``CPU_CONV_SCRATCH``), nothing counted on a GPU."""
+    return CPU_CONV_SCRATCH if where is not None and not where.device.gpu else None
+
+
 @dataclass(frozen=True)
 class VaeShape:
     """The sizes of an ``AutoencoderKL`` that its costs depend on (diffusers' defaults for missing keys)."""
@@ -474,7 +480,7 @@ def predict_decode(vae: VaeShape, *, height: int, width: int, batch: int, ranks:
         batch=batch,
         ranks=ranks,
         element=element,
-        conv_scratch=None if machine.device.gpu else CPU_CONV_SCRATCH,
+        conv_scratch=conv_scratch_on(machine),
     )
     return decode_time(shares, flops_rate=rate, memory_bandwidth=machine.device.memory_bandwidth, link=link)
 

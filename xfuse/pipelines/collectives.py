@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from xfuse.comm.p2p import Recv, Send
 from xfuse.parallel.trace import CALL, null_span
@@ -34,19 +35,26 @@ class Collectives:
         dist.broadcast_object_list(box, src=0, group=self.context.control_group)
         return box[0]
 
+    def from_rank0(self, tensors):
+        """Global rank 0's ``tensors`` (a tensor or a dict of them; ``None`` on the other ranks) on this rank's
+        device everywhere: through the host where they are sent; as they are in a world of one (no copy to the
+        host and back, and a meta-device pipeline's tensors, which have no data, never leave it)."""
+        if self.context.world_size == 1:
+            received = tensors
+        else:
+            host = tree_map(lambda t: t.cpu(), tensors) if self.context.is_output else None
+            received = self.broadcast(host)
+        return tree_map(lambda t: t.to(self.context.device), received)
+
     def broadcast_tensors(self, make, span=null_span) -> dict[str, torch.Tensor]:
         """``make()`` on global rank 0 (a dict of tensors), broadcast, on this rank's device everywhere (traced as
         "encode" on rank 0 and "wait for text" on the others when ``span`` is a tracer's)."""
-        payload = None
-        if self.context.world_size == 1:  # nothing to send: the embeddings stay where they were made
-            with span("encode", CALL):
-                return {k: v.to(self.context.device) for k, v in make().items()}
+        made = None
         if self.context.is_output:
             with span("encode", CALL):
-                payload = {k: v.cpu() for k, v in make().items()}
-        with span("wait for text" if payload is None else "broadcast text", CALL):
-            received = self.broadcast(payload)
-        return {k: v.to(self.context.device) for k, v in received.items()}
+                made = make()
+        with span("wait for text" if made is None else "broadcast text", CALL):
+            return self.from_rank0(made)
 
     def same_everywhere(self, name: str, value) -> None:
         """Raise the same ValueError on every rank if ``value`` differs between ranks."""
@@ -107,6 +115,4 @@ class Collectives:
         Every rank runs ``prepare()``: drawing the latents advances the generator, and the rank that steps the
         scheduler (not rank 0 with linear placement) must continue from the same generator state as diffusers."""
         latents = prepare()
-        if self.context.world_size == 1:  # nothing to send: the latents stay on the device
-            return latents.to(self.context.device)
-        return self.broadcast(latents.cpu() if self.context.is_output else None).to(self.context.device)
+        return self.from_rank0(latents if self.context.is_output else None)

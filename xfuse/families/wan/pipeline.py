@@ -310,8 +310,7 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             final = super()._denoise(request.high, self.engine)
             if request.low is None:
                 return final
-            if self.context.world_size > 1:  # (B, C, F*H, W), grid layout, from rank 0
-                final = self.collectives.broadcast(final.cpu() if self.context.is_output else None)
+            final = self.collectives.from_rank0(final if self.context.is_output else None)  # (B, C, F*H, W), grid
         assert request.low is not None and self.engine_2 is not None
         return super()._denoise(request.low(final), self.engine_2)
 
