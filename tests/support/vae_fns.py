@@ -57,3 +57,60 @@ def _own_band_moments(index):
         return mean, m2 / count
 
     return moments
+
+
+# ------------------------------------------------------------------------------------------ Wan's causal 3-D VAE
+@functools.lru_cache(maxsize=4)
+def wan_vae(preset: str):
+    """A Wan preset's ``AutoencoderKLWan`` (``wan-tiny``: Wan 2.1's layout; ``wan2.2-ti2v-tiny``: Wan 2.2's residual,
+    2 x 2-patch layout), built alone (no transformer or text encoder) and once per rank."""
+    from diffusers import AutoencoderKLWan
+
+    from xfuse.families.wan.presets import preset_vae_config
+
+    config = {k: v for k, v in preset_vae_config(preset).items() if k != "_class_name"}
+    torch.manual_seed(0)
+    return AutoencoderKLWan(**config).eval()
+
+
+def video_latents_for(vae, batch: int, frames: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Latents as Wan's pipeline hands them to ``vae.decode``: (B, z_dim, latent frames, rows, cols)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((batch, vae.config.z_dim, frames, rows, cols), generator=generator)
+
+
+def video_band_decode(preset, *, ranks, frames, rows, cols, batch=1, approximation=None, timeout_s=30.0):
+    """Decode a Wan VAE's latents on ``ranks`` (the others return None): on the first of them, ``(parallel video,
+    diffusers' video)``. ``approximation``: ``"no halo"`` (each band's convolutions read zeros beyond its rows) or
+    ``"own keys"`` (each band's attention sees its own keys and values only), injected to show the test catches it."""
+    from xfuse.comm.p2p import P2PChannels
+    from xfuse.parallel.video_vae_decode import ParallelWanDecode
+
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    vae = wan_vae(preset)
+    channels = P2PChannels(rank=rank, timeout_s=timeout_s, max_inflight=2, device="cpu")
+    decoder = ParallelWanDecode(vae, ranks=list(ranks), rank=rank, channels=channels)
+    if approximation == "no halo":  # the halos still travel (the ranks stay in step); the edge rows keep their zeros
+        decoder._convolve_rows = lambda conv, stacked: _own_rows_only(decoder, conv, stacked)
+    elif approximation == "own keys":
+        decoder._all_bands_tokens = lambda tokens: tokens
+    latents = video_latents_for(vae, batch, frames, rows, cols)
+    video = decoder.decode(latents if rank == ranks[0] else None, tuple(latents.shape))
+    if rank != ranks[0]:
+        return None
+    with torch.no_grad():
+        expected = vae.decode(latents, return_dict=False)[0]
+    return video, expected
+
+
+def _own_rows_only(decoder, conv, stacked):
+    """The edge rows a band computes from zero halos: the injected "no halo" approximation."""
+    halo = decoder._halo_of(conv)
+    zeros = stacked.clone()
+    if decoder.index > 0:
+        zeros[..., :halo, :] = 0
+    if decoder.index < decoder.degree - 1:
+        zeros[..., -halo:, :] = 0
+    return type(decoder)._convolve_rows(decoder, conv, zeros)

@@ -148,8 +148,10 @@ class ParallelVAEDecode:
         channels: this rank's P2P channels to every other rank of ``ranks`` (``None`` with a single rank).
     """
 
+    check = staticmethod(check_decoder)  # raises ValueError naming a module the bands cannot run exactly
+
     def __init__(self, vae, *, ranks: list[int], rank: int, channels: P2PChannels | None):
-        check_decoder(vae)
+        self.check(vae)
         if len(ranks) > 1 and channels is None:
             raise ValueError("a parallel VAE decode over several ranks needs their P2P channels")
         self.vae, self.ranks, self.channels = vae, list(ranks), channels
@@ -170,24 +172,28 @@ class ParallelVAEDecode:
     def decode(self, latents: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
         """``vae.decode(latents)``'s sample, exactly, with the work split over the ranks.
 
-        Collective over ``ranks``: the first rank passes the scaled latents (``shape``: (B, C, h, w)), the others
-        ``None`` and the same ``shape``. Returns the decoded (B, 3, 8h, 8w) image on the first rank, ``None``
-        elsewhere."""
-        bands = band_rows(shape[2], self.degree)
+        Collective over ``ranks``: the first rank passes the scaled latents (``shape``: (B, C, h, w); a video's
+        (B, C, frames, h, w)), the others ``None`` and the same ``shape``. Returns the decoded (B, 3, 8h, 8w) image
+        (a video's frames: (B, 3, T, H, W)) on the first rank, ``None`` elsewhere."""
+        bands = band_rows(shape[-2], self.degree)
         if min(band.stop - band.start for band in bands) < 1:
             raise ValueError(f"a parallel VAE decode over {self.degree} ranks needs >= {self.degree} latent rows")
         self._rows, self._layer = [band.stop - band.start for band in bands], 0
         dtype = self.vae.dtype
         band = self._scatter(latents, bands, shape, dtype)
         with torch.no_grad(), self._installed():
-            # Mirrors ``diffusers.AutoencoderKL._decode`` (tiling off: the bands are the exact alternative).
-            if self.vae.post_quant_conv is not None:
-                band = self.vae.post_quant_conv(band)
-            image = self.vae.decoder(band)
-        image = self._gather_image(image)
+            decoded = self._decode_band(band)
+        image = self._gather_image(decoded)
         if self.channels is not None:  # (after a failure the buffers stay: the channels are dead anyway)
             self.channels.reset_buffers()  # the K/V and image buffers are the size of the request: not kept
         return image
+
+    def _decode_band(self, band: torch.Tensor) -> torch.Tensor:
+        """The decoder run on this rank's band of the latent (its layers band-aware: ``_installed``)."""
+        # Mirrors ``diffusers.AutoencoderKL._decode`` (tiling off: the bands are the exact alternative).
+        if self.vae.post_quant_conv is not None:
+            band = self.vae.post_quant_conv(band)
+        return self.vae.decoder(band)
 
     def _scatter(self, latents, bands: list[slice], shape, dtype) -> torch.Tensor:
         """This rank's band of the latent: the first rank cuts and sends the others theirs."""
@@ -195,36 +201,35 @@ class ParallelVAEDecode:
         if self.index == 0:
             latents = latents.to(dtype)
             sends = [
-                Send(self.ranks[j], "vae latent", latents[:, :, bands[j]].contiguous(), self._layer, j)
+                Send(self.ranks[j], "vae latent", latents[..., bands[j], :].contiguous(), self._layer, j)
                 for j in range(1, self.degree)
             ]
             handles = self._exchange(sends)[0] if sends else []
             for handle in handles:
                 handle.wait()
-            return latents[:, :, mine]
-        band_shape = (shape[0], shape[1], mine.stop - mine.start, shape[3])
+            return latents[..., mine, :]
+        band_shape = (*shape[:-2], mine.stop - mine.start, shape[-1])  # (B, C, [frames,] rows, w)
         (recv,) = self._exchange([], [Recv(self.ranks[0], "vae latent", band_shape, dtype, 0, self.index)])[1]
         with recv as received:
             return received.clone()
 
     def _gather_image(self, image: torch.Tensor) -> torch.Tensor | None:
-        """The decoded bands on the first rank, in row order; every other rank sends its own."""
-        scale = image.shape[2] // self._rows[self.index]  # pixel rows per latent row
+        """The decoded bands on the first rank, in row order (rows: the second-last dimension); every other rank sends
+        its own."""
+        scale = image.shape[-2] // self._rows[self.index]  # pixel rows per latent row
         self._layer += 1
         if self.index != 0:
             (send,) = self._exchange([Send(self.ranks[0], "vae image", image.contiguous(), self._layer, self.index)])[0]
             send.wait()
             return None
-        batch, channels, _, width = image.shape
+        *lead, _, width = image.shape  # (B, 3, [frames,] band rows, W)
         recvs = [
-            Recv(
-                self.ranks[j], "vae image", (batch, channels, self._rows[j] * scale, width), image.dtype, self._layer, j
-            )
+            Recv(self.ranks[j], "vae image", (*lead, self._rows[j] * scale, width), image.dtype, self._layer, j)
             for j in range(1, self.degree)
         ]
         handles = self._exchange([], recvs)[1] if recvs else []
         parts = [image] + [handle.wait() for handle in handles]
-        whole = torch.cat(parts, dim=2)  # (B, 3, H, W)
+        whole = torch.cat(parts, dim=-2)  # (B, 3, [frames,] H, W)
         for handle in handles:
             handle.release()
         return whole
@@ -253,57 +258,73 @@ class ParallelVAEDecode:
             for module in norms:
                 del module.forward
 
-    def _post_halo(self, conv: torch.nn.Conv2d, args: tuple) -> None:
-        """Forward pre-hook of a k×k convolution (halo p = k // 2 rows): post the exchange of the band's first and
-        last p rows with the neighbours; they travel while the band's own convolution runs."""
-        (x,) = args
-        halo, (batch, channels, rows, width) = conv.kernel_size[0] // 2, x.shape
+    def _post_halo(self, conv: Any, args: tuple) -> None:
+        """Forward pre-hook of a convolution that reads p = k // 2 rows either side: post the exchange of the band's
+        first and last p rows (as the convolution reads them: ``_input_rows``) with the neighbours; they travel while
+        the band's own convolution runs."""
+        halo, rows = self._halo_of(conv), args[0].shape[-2]
         if rows < halo:
             raise ValueError(f"a band of {rows} rows cannot lend a {halo}-row halo to its neighbours")
         i, self._layer = self.index, self._layer + 1
-        shape = (batch, channels, halo, width)
         sends, recvs = [], []
         for peer, rows_sent in ((i - 1, slice(0, halo)), (i + 1, slice(rows - halo, rows))):
             if 0 <= peer < self.degree:
-                sends.append(Send(self.ranks[peer], "vae halo", x[:, :, rows_sent].contiguous(), self._layer, i))
-                recvs.append(Recv(self.ranks[peer], "vae halo", shape, x.dtype, self._layer, peer))
+                sent = self._input_rows(conv, args, rows_sent).contiguous()  # (B, C, [frames,] p, W)
+                sends.append(Send(self.ranks[peer], "vae halo", sent, self._layer, i))
+                recvs.append(Recv(self.ranks[peer], "vae halo", sent.shape, sent.dtype, self._layer, peer))
         self._halo = self._exchange(sends, recvs) if sends else None
 
-    def _edge_rows(self, conv: torch.nn.Conv2d, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        """Forward hook of a k×k convolution: the band's convolution read zeros beyond its first and last rows (its
+    def _edge_rows(self, conv: Any, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """Forward hook of a halo convolution: the band's convolution read zeros beyond its first and last rows (its
         own padding); where a neighbour's rows lie there instead, recompute those p output rows from the received
         halo and the band's first (last) 2p rows — what the whole-image convolution computes for them."""
-        (x,) = args
-        halo, rows = conv.kernel_size[0] // 2, x.shape[2]
+        halo, rows = self._halo_of(conv), args[0].shape[-2]
         if self._halo is None:
             return out
         send_handles, recv_handles = self._halo
         self._halo = None
         received = iter(recv_handles)
-        width_only = (0, conv.padding[1])  # the rows are all given; the columns keep the zero padding
 
-        def rows_from(stacked: torch.Tensor) -> torch.Tensor:  # (B, C, r + 2p, W) -> (B, C_out, r, W)
-            return F.conv2d(stacked, conv.weight, conv.bias, conv.stride, width_only, conv.dilation, conv.groups)
+        def own(rows_read: slice) -> torch.Tensor:  # (B, C, [frames,] r, W) as the convolution reads them
+            return self._input_rows(conv, args, rows_read)
 
         above = next(received) if self.index > 0 else None
         below = next(received) if self.index < self.degree - 1 else None
         if rows < 2 * halo:  # a band thinner than two halos: every row reads a neighbour's, so recompute it whole
-            zeros = x.new_zeros(x.shape[0], x.shape[1], halo, x.shape[3])  # beyond the image's edges
+            mine = own(slice(0, rows))
+            zeros = mine.new_zeros(*mine.shape[:-2], halo, mine.shape[-1])  # beyond the image's edges
 
             def rows_of(handle):
                 return zeros if handle is None else handle.wait()
 
-            out = rows_from(torch.cat([rows_of(above), x, rows_of(below)], dim=2))  # (B, C_out, rows, W)
+            out = self._convolve_rows(conv, torch.cat([rows_of(above), mine, rows_of(below)], dim=-2))
         else:
             if above is not None:
-                out[:, :, :halo] = rows_from(torch.cat([above.wait(), x[:, :, : 2 * halo]], dim=2))
+                stacked = torch.cat([above.wait(), own(slice(0, 2 * halo))], dim=-2)  # (.., 3p, W)
+                out[..., :halo, :] = self._convolve_rows(conv, stacked)
             if below is not None:
-                out[:, :, rows - halo :] = rows_from(torch.cat([x[:, :, rows - 2 * halo :], below.wait()], dim=2))
+                stacked = torch.cat([own(slice(rows - 2 * halo, rows)), below.wait()], dim=-2)  # (.., 3p, W)
+                out[..., rows - halo :, :] = self._convolve_rows(conv, stacked)
         for handle in recv_handles:
             handle.release()
         for handle in send_handles:
             handle.wait()
         return out
+
+    # What a halo convolution reads and computes, by kind (a subclass adds its decoder's convolutions).
+    def _halo_of(self, conv: Any) -> int:
+        """Rows either side of an output row that ``conv`` reads (a k x k ``Conv2d``: k // 2)."""
+        return conv.kernel_size[0] // 2
+
+    def _input_rows(self, conv: Any, args: tuple, rows: slice) -> torch.Tensor:
+        """``rows`` of the band's input to ``conv``, as the convolution reads them (a ``Conv2d``: as given)."""
+        return args[0][..., rows, :]
+
+    def _convolve_rows(self, conv: Any, stacked: torch.Tensor) -> torch.Tensor:
+        """``conv`` of input rows that are all given, (B, C, r + 2p, W) -> (B, C_out, r, W): the columns keep their
+        zero padding."""
+        width_only = (0, conv.padding[1])
+        return F.conv2d(stacked, conv.weight, conv.bias, conv.stride, width_only, conv.dilation, conv.groups)
 
     def _group_norm_of(self, norm: torch.nn.GroupNorm):
         """``norm``'s forward with the statistics of the whole image."""
