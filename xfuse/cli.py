@@ -303,7 +303,7 @@ def cmd_generate(args) -> int:
             memory = f"peak RSS {stat['peak_rss_mib']:.0f} MiB" + (
                 "" if stat["peak_cuda_mib"] is None else f", peak CUDA {stat['peak_cuda_mib']:.0f} MiB"
             )
-            print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}")
+            print(f"  rank {rank} sent {sum(sent.values()) / 2**20:.2f} MiB ({kinds}); {memory}{_decode_share(stat)}")
         if gen.lora:
             print("LoRA: " + ", ".join(f"{path} ({weight:g})" for path, weight in gen.lora.items()))
         if gen.controlnet is not None:
@@ -322,6 +322,17 @@ def cmd_generate(args) -> int:
         if events is not None:
             print(f"wrote {args.trace}: {events} trace events (open in https://ui.perfetto.dev)")
     return 0
+
+
+def _decode_share(stat: dict) -> str:
+    """``; decode: ...`` for a rank's summary line: the bytes its part of the VAE decode sent and what it added to the
+    rank's memory at its peak (``local_stats``' ``decode_peak``); empty where the rank did not decode."""
+    if stat.get("decode_peak") is None:
+        return ""
+    kind, mib = stat["decode_peak"]
+    sent = sum(nbytes for name, nbytes in stat["sent"].items() if name.startswith("vae "))
+    peak = "not measurable here" if mib is None else f"+{mib:.0f} MiB {kind} at its peak"
+    return f"; decode: sent {sent / 2**20:.2f} MiB, {peak}"
 
 
 def _shutdown_or_exit(code: int) -> int:

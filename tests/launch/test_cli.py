@@ -419,6 +419,7 @@ def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_mem
     for rank in (0, 1):
         line = next(line for line in bands.stdout.splitlines() if line.startswith(f"  rank {rank} sent"))
         assert "vae halo" in line and "vae kv" in line and re.search(r"peak RSS \d+ MiB", line), line
+        assert re.search(r"; decode: sent \d+\.\d\d MiB, \+\d+ MiB resident at its peak$", line), line
     alone = torchrun("-m", "xfuse", "generate", *common, "--set", "parallel.vae_parallel=off",
                      "--output", str(tmp_path / "alone.png"))  # fmt: skip
     assert alone.returncode == 0, alone.stderr[-3000:]

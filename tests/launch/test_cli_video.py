@@ -7,6 +7,7 @@ compared with the pipeline's own frames. With ``HIDE_IMAGEIO_FFMPEG=1`` it first
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,32 @@ def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(tmp_path):
     assert _psnr(decoded[0], own[0]) > 25 and np.abs(decoded[0].astype(int) - own[0]).mean() < 12
     assert min(_psnr(decoded[k], own[k]) for k in range(9)) > 19
     assert max(_psnr(decoded[0], own[k]) for k in range(1, 9)) < 21  # it is frame 0, not any frame
+
+
+def test_generate_decodes_the_clip_over_both_ranks_and_reports_each_ranks_share(tmp_path):
+    """``parallel.vae_parallel=on``: the summary says the decode ran on both ranks, and each rank's line its decode's
+    bytes sent (halo rows, keys and values; rank 1 its band of the clip) and what the decode added to its memory at
+    its peak; the frames are those of rank 0 decoding alone (``off``), up to one level of rounding."""
+    frames = {}
+    for mode in ("on", "off"):
+        npy = tmp_path / f"{mode}.npy"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", _child(tmp_path),
+               "generate", "--config", CONFIG, *SETS, "--set", f"parallel.vae_parallel={mode}",
+               "--output", str(tmp_path / f"{mode}.mp4")]  # fmt: skip
+        out = _run(cmd, {"FRAMES_NPY": str(npy)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"; VAE decode on {2 if mode == 'on' else 1} rank(s); text encoders rank0)" in out.stdout, out.stdout
+        lines = [next(line for line in out.stdout.splitlines() if line.startswith(f"  rank {r} sent")) for r in (0, 1)]
+        for rank, line in enumerate(lines):
+            share = re.search(r"; decode: sent (\d+\.\d\d) MiB, \+(\d+) MiB resident at its peak$", line)
+            if mode == "off":  # rank 0 decodes alone, sending nothing; rank 1 takes no part
+                assert (share is not None and float(share[1]) == 0) if rank == 0 else "decode:" not in line, line
+                continue
+            assert share is not None and float(share[1]) > 0 and "vae halo" in line and "vae kv" in line, line
+            assert ("vae image" in line) is (rank == 1) and ("vae latent" in line) is (rank == 0), line
+        frames[mode] = np.load(npy)
+    assert frames["on"].shape == frames["off"].shape == (9, 64, 96, 3)
+    assert np.abs(frames["on"].astype(int) - frames["off"].astype(int)).max() <= 1
 
 
 def test_generate_without_imageio_ffmpeg_writes_a_gif_and_says_so(tmp_path):

@@ -26,9 +26,9 @@ FAULT = re.compile(
 )
 
 
-def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
-    """torchrun a PipeFusion generation with a fault armed; return (returncode, stderr, fault time, end time,
-    {rank: (report time, report text)})."""
+def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=(), config="configs/tiny/pp2.yaml"):
+    """torchrun a PipeFusion generation of ``config`` with a fault armed; return (returncode, stderr, fault time, end
+    time, {rank: (report time, report text)})."""
     cmd = [
         sys.executable,
         "-m",
@@ -39,7 +39,7 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=()):
         "xfuse",
         "generate",
         "--config",
-        "configs/tiny/pp2.yaml",
+        config,
         "--set",
         f"parallel.pipefusion_degree={degree}",
         "--set",
@@ -131,13 +131,17 @@ def test_stalled_rank_inside_sequence_parallel_attention_times_out_naming_the_op
 # Phases outside the denoising loop, each stopped as the victim (rank 1) starts its share, with the settings that run
 # it over both ranks and the message rank 0 then waits for:
 # - the band-parallel VAE decode: rank 0, which scattered the latent, waits for the victim's halo rows of the
-#   decoder's first convolution;
+#   decoder's first convolution (a video's: Wan's causal convolution, its rows with the two causal zero frames);
 # - the text encoder split over the pipeline group (FLUX.2 [klein]'s Qwen3): rank 0, which handed the victim the
 #   hidden state, waits for its layers' hidden states, the place named "prompt encoding".
 PHASES = {
     "decode": (
         ["parallel.vae_parallel=on"],
         r"recv of vae halo \(1, \d+, 1, 32\) float32, \d+ bytes, from rank 1 timed out after 3.0 s",
+    ),
+    "decode_video": (
+        ["config=configs/wan/pp2.yaml", "parallel.vae_parallel=on"],
+        r"recv of vae halo \(1, 4, 3, 1, 28\) float32, \d+ bytes, from rank 1 timed out after 3.0 s",
     ),
     "text": (
         ["model=flux2-klein-tiny", "parallel.placement=linear", "parallel.text_encoder=split"],
@@ -147,11 +151,21 @@ PHASES = {
 }
 
 
+def phase_settings(phase: str) -> tuple[str, list[str], str]:
+    """(config file, --set settings, the message rank 0 waits for) of a ``PHASES`` entry."""
+    settings, waited = PHASES[phase]
+    config = next((s.removeprefix("config=") for s in settings if s.startswith("config=")), "configs/tiny/pp2.yaml")
+    return config, [s for s in settings if not s.startswith("config=")], waited
+
+
 @pytest.mark.parametrize("phase", PHASES)
 def test_killed_rank_outside_the_loop_is_named(tmp_path, phase):
     timeout_s = 30
-    settings, _ = PHASES[phase]
-    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, f"kill:1:{phase}", timeout_s, steps=2, settings=settings)
+    config, settings, _ = phase_settings(phase)
+    where = phase.removesuffix("_video")
+    rc, stderr, fault_t, end_t, reports = launch(
+        tmp_path, 2, f"kill:1:{where}", timeout_s, steps=2, settings=settings, config=config
+    )
     assert rc != 0
     assert end_t - fault_t < timeout_s + 5
     when, text = reports[0]
@@ -161,8 +175,11 @@ def test_killed_rank_outside_the_loop_is_named(tmp_path, phase):
 @pytest.mark.parametrize("phase", PHASES)
 def test_stalled_rank_outside_the_loop_times_out_naming_the_op(tmp_path, phase):
     timeout_s = 3
-    settings, waited = PHASES[phase]
-    rc, stderr, fault_t, end_t, reports = launch(tmp_path, 2, f"stall:1:{phase}", timeout_s, steps=2, settings=settings)
+    config, settings, waited = phase_settings(phase)
+    where = phase.removesuffix("_video")
+    rc, stderr, fault_t, end_t, reports = launch(
+        tmp_path, 2, f"stall:1:{where}", timeout_s, steps=2, settings=settings, config=config
+    )
     assert rc != 0
     when, text = reports[0]
     assert text.startswith("rank 0 failed: CommTimeout: "), stderr[-3000:]

@@ -354,3 +354,40 @@ def test_image_to_video_refusals_name_the_argument_on_every_rank(world4, folder_
     refused = world4.run_ok(load_error, folder, I2V)
     assert all(message == refused[0] for message in refused)
     assert refused[0].startswith("xfuse runs image-to-video with Wan 2.2 TI2V folders (expand_timesteps")
+
+
+# ---------------------------------------------------------------------------------- the decode over the world
+def assert_same_levels(levels: np.ndarray, expected: np.ndarray) -> None:
+    """uint8 frames equal up to float rounding: one level at most (a pixel within 1e-4 of a rounding boundary)."""
+    diff = np.abs(levels.astype(int) - expected.astype(int))
+    assert diff.max() <= 1, (diff.max(), int((diff > 0).sum()))
+
+
+DECODES = {  # (folder fixture, call, pipeline, layout): latent rows 8 for 4 ranks in both (Wan 2.1's 8 px, 2.2's 16)
+    "t2v_cfg2_pp2": ("folder", BASE, None, LAYOUTS["cfg2_pp2"]),
+    "i2v_pp4": ("folder_ti2v", dict(TI2V, image=IMAGE), I2V, I2V_LAYOUTS["pp4_spatial"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODES))
+def test_decoding_over_the_world_equals_rank_0_alone(world4, request, case):
+    """``vae_parallel: on`` decodes the clip in bands on all 4 ranks (Wan 2.1's VAE; Wan 2.2's for image-to-video)
+    and gives the frames of ``off``, where rank 0 decodes alone: float frames within 1e-4, uint8 frames within one
+    level; a batch of two videos."""
+    name, base, pipeline, layout = DECODES[case]
+    folder = request.getfixturevalue(name)
+    calls = [{**base, "output_type": "np"}, {**base, "output_type": "pil", "num_videos_per_prompt": 2}]
+    frames = {}
+    for mode in ("on", "off"):
+        parallel = {**layout, "video_patches": "spatial", "warmup_steps": 1, "vae_parallel": mode}
+        results = world4.run_ok(run_calls, folder, parallel, calls, family="wan", pipeline=pipeline, timeout=600)
+        assert [r["kind"] for r in results[0]] == ["ok", "ok"], results[0]
+        bands = mode == "on"  # on: every rank decoded its band and sent halo rows; off: no decode message anywhere
+        assert all(r["decode_ranks"] == (4 if bands else 1) for rank in results for r in rank)
+        assert all(("vae halo" in r["sent"]) is bands and ("vae kv" in r["sent"]) is bands for rank in results
+                   for r in rank)  # fmt: skip
+        frames[mode] = [r["images"] for r in results[0]]
+    (unit_on, levels_on), (unit_off, levels_off) = frames["on"], frames["off"]
+    assert unit_on.shape == unit_off.shape and levels_on.shape == levels_off.shape == (2, FRAMES, *unit_on.shape[2:])
+    assert np.abs(unit_on - unit_off).max() <= 1e-4
+    assert_same_levels(levels_on, levels_off)

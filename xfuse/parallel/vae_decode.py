@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 # shipped VAE, 2 ranks over gloo, docs/performance.md): 0.70x of rank 0 alone at 256 x 256 px (the messages of ~50
 # layers cost more than half a small decode), 1.08x at 384 x 384, 1.55x at 512 x 512. A wider VAE gains sooner.
 VAE_PARALLEL_MIN_PIXELS = 384 * 384
+# The same for a video's frames (per frame: a clip's messages and work both grow with its frames). Measured
+# (benchmarks/bench_vae.py --vae wan2.1, the released Wan 2.1 VAE's widths, 5 frames, 2 ranks over gloo): see
+# docs/performance.md.
+VIDEO_VAE_PARALLEL_MIN_PIXELS = 128 * 128
 
 # The decoder's modules the bands are proven exact for (by class name: diffusers' import paths move); any other
 # module is refused. Convolutions, norms and attention get the treatment above; the rest is per pixel.
@@ -56,8 +60,12 @@ _ATTENTION_PROCESSORS = {"AttnProcessor2_0", "AttnProcessor"}  # softmax over th
 
 # The diffusers VAE classes with AutoencoderKL's decoder, which the bands run (``check_decoder`` checks the modules):
 # FLUX.2's AutoencoderKLFlux2 adds only a BatchNorm whose running statistics its pipelines (de)normalise the latents
-# with, outside ``decode``. The causal 3-D VAEs (AutoencoderKLWan, AutoencoderKLQwenImage) decode on rank 0.
-BAND_DECODED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
+# with, outside ``decode``.
+IMAGE_BAND_DECODED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
+# The causal 3-D VAEs the bands run (``xfuse.parallel.video_vae_decode``); Qwen-Image's (AutoencoderKLQwenImage, a
+# copy of Wan's under other class names, decoding one frame) decodes on rank 0.
+VIDEO_BAND_DECODED_VAES = ("AutoencoderKLWan",)
+BAND_DECODED_VAES = IMAGE_BAND_DECODED_VAES + VIDEO_BAND_DECODED_VAES
 
 
 def world_decodes(parallel: ParallelConfig, world_size: int) -> bool:
@@ -73,10 +81,12 @@ def vae_on_every_rank(parallel: ParallelConfig, world_size: int, vae_class: str 
     return world_decodes(parallel, world_size) and vae_class in BAND_DECODED_VAES
 
 
-def decodes_in_parallel(parallel: ParallelConfig, world_size: int, height: int, width: int, latent_rows: int) -> bool:
-    """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent) is decoded over every rank
-    (``parallel.vae_parallel``). ``on`` with fewer latent rows than ranks is refused (:class:`ConfigError`): a band
-    needs at least one row."""
+def decodes_in_parallel(
+    parallel: ParallelConfig, world_size: int, height: int, width: int, latent_rows: int, *, video: bool = False
+) -> bool:
+    """Whether a ``height`` x ``width`` px request (``latent_rows`` rows of latent; ``video``: a clip's frames) is
+    decoded over every rank (``parallel.vae_parallel``). ``on`` with fewer latent rows than ranks is refused
+    (:class:`ConfigError`): a band needs at least one row."""
     if not world_decodes(parallel, world_size):  # (the callers hold a VAE of BAND_DECODED_VAES)
         return False
     if latent_rows < world_size:
@@ -87,7 +97,18 @@ def decodes_in_parallel(parallel: ParallelConfig, world_size: int, height: int, 
                 "use auto or off, or a taller image",
             )
         return False
-    return parallel.vae_parallel == "on" or height * width >= VAE_PARALLEL_MIN_PIXELS
+    least = VIDEO_VAE_PARALLEL_MIN_PIXELS if video else VAE_PARALLEL_MIN_PIXELS
+    return parallel.vae_parallel == "on" or height * width >= least
+
+
+def band_decoder(vae, *, ranks: list[int], rank: int, channels: P2PChannels | None) -> ParallelVAEDecode:
+    """This rank's share of the band decode of ``vae`` (an image VAE's, or a causal 3-D VAE's); ValueError naming
+    a module the bands cannot run exactly."""
+    if type(vae).__name__ in VIDEO_BAND_DECODED_VAES:
+        from xfuse.parallel.video_vae_decode import ParallelWanDecode
+
+        return ParallelWanDecode(vae, ranks=ranks, rank=rank, channels=channels)
+    return ParallelVAEDecode(vae, ranks=ranks, rank=rank, channels=channels)
 
 
 def band_rows(latent_rows: int, parts: int) -> list[slice]:
@@ -163,6 +184,11 @@ class ParallelVAEDecode:
     @property
     def degree(self) -> int:
         return len(self.ranks)
+
+    def latent_shape(self, batch: int, frames: int, rows: int, cols: int) -> tuple[int, ...]:
+        """The latents ``decode`` takes for ``batch`` images of ``rows`` x ``cols`` latent pixels: (B, C, h, w)
+        (``frames``: 1 for an image VAE)."""
+        return (batch, self.vae.config.latent_channels, rows, cols)
 
     def _exchange(self, sends: list[Send], recvs: list[Recv] | None = None):
         assert self.channels is not None  # __init__: more than one rank has channels, and one rank sends nothing

@@ -96,6 +96,10 @@ class ParallelWanDecode(ParallelVAEDecode):
 
     check = staticmethod(check_wan_decoder)
 
+    def latent_shape(self, batch: int, frames: int, rows: int, cols: int) -> tuple[int, ...]:
+        """(B, z_dim, latent frames, h, w)."""
+        return (batch, self.vae.config.z_dim, frames, rows, cols)
+
     def _decode_band(self, band: torch.Tensor) -> torch.Tensor:
         # Mirrors ``diffusers.AutoencoderKLWan._decode`` (tiling off: the bands are the exact alternative) on the
         # band: latent frame by latent frame through the decoder, the causal caches carrying the band's rows.

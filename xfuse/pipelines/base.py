@@ -13,7 +13,6 @@ prompts, set its timesteps, draw its latents, build the engine's request and dec
 from __future__ import annotations
 
 import hashlib
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,7 +37,9 @@ from xfuse.parallel.step_cache import check_decisions
 from xfuse.parallel.trace import CALL, Tracer, null_span, write_trace
 from xfuse.parallel.vae_decode import (
     BAND_DECODED_VAES,
+    VIDEO_BAND_DECODED_VAES,
     ParallelVAEDecode,
+    band_decoder,
     decodes_in_parallel,
     vae_on_every_rank,
     world_decodes,
@@ -48,6 +49,7 @@ from xfuse.pipelines.loading import load_from_folder, shard_loaded
 from xfuse.pipelines.text_placement import place_text_encoders, text_components
 from xfuse.pipelines.text_placement import text_placement as resolve_text_placement
 from xfuse.runtime.handshake import config_hash, handshake
+from xfuse.runtime.peak import PhasePeak, peak_cuda_mib, peak_rss_mib, phase_peak
 from xfuse.runtime.world import ParallelContext
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
@@ -192,6 +194,7 @@ class PipeFusionPipelineBase:
         self._cache_counts: tuple[int, int] = (0, 0)
         self._tracer: Tracer | None = None
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
+        self._decode_peak: PhasePeak | None = None  # the last call's decode on this rank (xfuse.runtime.peak)
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
 
     def _control_blocks(self, pipeline) -> int:
@@ -248,7 +251,7 @@ class PipeFusionPipelineBase:
                                   "use auto or off")  # fmt: skip
             return None
         try:
-            return ParallelVAEDecode(
+            return band_decoder(
                 pipeline.vae, ranks=list(range(context.world_size)), rank=context.rank, channels=context.world_channels
             )
         except ValueError as exc:
@@ -344,8 +347,9 @@ class PipeFusionPipelineBase:
     def local_stats(self) -> dict:
         """This rank's bytes sent in the last call by kind (``hidden``, ``skip``, ``latent``, ``cfg``), with step
         caching the last call's (steps computed, steps skipped) (``cache_steps``; every patch of a step takes its
-        step's branch), and its peak memory (``peak_rss_mib``: the process's peak resident memory;
-        ``peak_cuda_mib``: the peak CUDA allocation)."""
+        step's branch), its peak memory (``peak_rss_mib``: the process's peak resident memory; ``peak_cuda_mib``: the
+        peak CUDA allocation) and what its part of the last call's VAE decode added at its peak (``decode_peak``:
+        ``(what was measured, MiB)``, ``xfuse.runtime.peak``; ``None`` where this rank did not decode)."""
         sent: dict[str, int] = {}
         for channels in self.context.all_channels:
             for kind, nbytes in channels.counters.sent_bytes.items():
@@ -353,8 +357,9 @@ class PipeFusionPipelineBase:
         return dict(
             sent=sent,
             cache_steps=self._cache_counts if self.engine.cache is not None else None,
-            peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            peak_cuda_mib=torch.cuda.max_memory_allocated() / 2**20 if self.context.device.type == "cuda" else None,
+            peak_rss_mib=peak_rss_mib(),
+            peak_cuda_mib=peak_cuda_mib(self.context.device) if self.context.device.type == "cuda" else None,
+            decode_peak=None if self._decode_peak is None else (self._decode_peak.kind, self._decode_peak.mib),
         )
 
     def rank_stats(self) -> list[dict] | None:
@@ -407,10 +412,10 @@ class PipeFusionPipelineBase:
             final = self._denoise(request)
             self.collectives.sync_generator(recipe.generator, self._observer())
             if self.context.is_output:
-                with span("decode", CALL):
+                with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
                     result = recipe.decode(final)  # the family's decode calls _decode_latents
             elif self._decode_shape is not None:
-                with span("decode", CALL):
+                with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
                     self.band_decode.decode(None, self._decode_shape)
         if self._callback_error is not None:  # a refused callback change: raised once every peer is done
             raise self._callback_error
@@ -498,17 +503,19 @@ class PipeFusionPipelineBase:
                 raise ValueError(f"{name} is not supported by PipeFusion ({why}); leave it at {default!r}")
 
     def _band_decode_shape(self, recipe: CallRecipe) -> tuple[int, ...] | None:
-        """The (B, C, h, w) latents every rank decodes a band of in this call, or ``None`` where rank 0 decodes
-        alone; the same on every rank, without communication (``ConfigError`` for ``vae_parallel: on`` with fewer
-        latent rows than ranks)."""
+        """The (B, C, h, w) latents (a video's (B, C, frames, h, w)) every rank decodes a band of in this call, or
+        ``None`` where rank 0 decodes alone; the same on every rank, without communication (``ConfigError`` for
+        ``vae_parallel: on`` with fewer latent rows than ranks)."""
         if self.band_decode is None or recipe.output_type == "latent":
             return None
         factor = self.spec.vae_scale_factor
         rows, cols = recipe.height // factor, recipe.width // factor
-        if not decodes_in_parallel(self.parallel, self.context.world_size, recipe.height, recipe.width, rows):
+        video = self._vae_class in VIDEO_BAND_DECODED_VAES
+        world = self.context.world_size
+        if not decodes_in_parallel(self.parallel, world, recipe.height, recipe.width, rows, video=video):
             return None
         batch = recipe.batch_size * recipe.num_images_per_prompt
-        return (batch, self.band_decode.vae.config.latent_channels, rows, cols)
+        return self.band_decode.latent_shape(batch, recipe.latent_frames, rows, cols)
 
     def _decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Rank 0: diffusers' ``vae.decode(latents, return_dict=False)[0]`` — over every rank's band of the latent
@@ -529,6 +536,7 @@ class PipeFusionPipelineBase:
     # ------------------------------------------------------------------------------- the driver's steps, in order
     def _begin_call(self) -> None:
         self._interrupt, self._callback_error = False, None
+        self._decode_peak = None  # what this rank's part of the call's decode added at its peak
         self._cache_counts = (0, 0)  # (steps computed, skipped) by step caching in this call
         for channels in self.context.all_channels:
             channels.counters.reset()  # rank_stats() reports the last call
