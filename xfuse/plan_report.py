@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -15,8 +16,14 @@ from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import always_computed, most_skipped
-from xfuse.parallel.vae_decode import VAE_PARALLEL_MIN_PIXELS, decodes_in_parallel, vae_on_every_rank
-from xfuse.perf.memory import GIB, Placed, pipeline_rank_bytes, place_text
+from xfuse.parallel.vae_decode import (
+    VAE_PARALLEL_MIN_PIXELS,
+    VIDEO_BAND_DECODED_VAES,
+    VIDEO_VAE_PARALLEL_MIN_PIXELS,
+    decodes_in_parallel,
+    vae_on_every_rank,
+)
+from xfuse.perf.memory import GIB, Placed, pipeline_rank_bytes, place_text, vae_weight_bytes
 from xfuse.perf.model import Machine
 from xfuse.perf.vae import (
     DecodeTime,
@@ -29,6 +36,7 @@ from xfuse.perf.vae import (
     predict_decode,
     whole_image_tensors,
 )
+from xfuse.perf.video_vae import predict_video_decode, traced_decode_ranks
 
 
 def _ranges(blocks) -> str:
@@ -95,17 +103,7 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
     element = torch.empty((), dtype=config.runtime.torch_dtype()).element_size()
     rows = height // shape.scale_factor
     parallel = decodes_in_parallel(par, world, height, width, rows)  # ConfigError where a run would refuse it
-    if world == 1:
-        why = "one rank"
-    elif par.vae_parallel == "off":
-        why = "parallel.vae_parallel off"
-    elif rows < world:
-        why = f"auto, and the latent's {rows} rows are fewer than the {world} ranks"
-    elif par.vae_parallel == "on":
-        why = "parallel.vae_parallel on"
-    else:
-        side = round(VAE_PARALLEL_MIN_PIXELS**0.5)
-        why = f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
+    why = _decode_rule(config, height, width, rows, parallel, VAE_PARALLEL_MIN_PIXELS)
     holders = tuple(range(world)) if vae_on_every_rank(par, world, raw.get("_class_name", "AutoencoderKL")) else (0,)
     scratch = conv_scratch_on(where)
 
@@ -124,6 +122,71 @@ def vae_plan(config: XfuseConfig, height: int, width: int, where: Machine | None
     whole = whole_image_tensors(shape, height=height, width=width, batch=batch, element=element)
     return VaePlan(shape, batch, element, world, parallel, why, holders, where, serial, bands, seconds(1),
                    seconds(world) if bands else None, whole)  # fmt: skip
+
+
+def _decode_rule(config: XfuseConfig, height: int, width: int, rows: int, parallel: bool, least: int) -> str:
+    """Why a request decodes over the world or on rank 0 alone, in words (``least``: auto's pixels per image)."""
+    par, world = config.parallel, config.world_size
+    if world == 1:
+        return "one rank"
+    if par.vae_parallel == "off":
+        return "parallel.vae_parallel off"
+    if rows < world:
+        return f"auto, and the latent's {rows} rows are fewer than the {world} ranks"
+    if par.vae_parallel == "on":
+        return "parallel.vae_parallel on"
+    side = round(least**0.5)
+    return f"auto: {height}x{width} px is {'at least' if parallel else 'below'} {side}x{side}"
+
+
+@dataclass(frozen=True)
+class VideoVaePlan:
+    """A clip's decode by a causal 3-D VAE, each rank's share traced (``xfuse.perf.video_vae``): rank 0 alone and
+    in row bands over every rank of the world (``xfuse.parallel.video_vae_decode``); times on ``where``, memory in
+    the config's dtype."""
+
+    vae_class: str
+    latent: tuple[int, int, int]  # latent frames, rows, columns of one clip
+    pixels: tuple[int, int, int]  # its frames, height, width
+    weight_bytes: int  # the VAE's parameters (encoder and decoder) on each rank that loads it
+    world: int
+    parallel: bool  # this config decodes this request over the world (``parallel.vae_parallel``)
+    why: str
+    holders: tuple[int, ...]  # ranks that load the VAE's weights
+    where: Machine | None
+    serial: RankDecode  # rank 0 decoding alone
+    bands: list[RankDecode]  # each rank's share over the world; empty with one rank or too few latent rows
+    serial_time: DecodeTime | None
+    band_time: DecodeTime | None
+    clip_bytes: int  # the decoded clip, (1, 3, frames, H, W) in the config's dtype: on rank 0 however it is split
+
+
+def video_vae_plan(config: XfuseConfig, height: int, width: int, frames: int, where: Machine | None) -> VideoVaePlan:
+    """The decode of one ``frames``-latent-frame clip of ``height`` x ``width`` px of ``config``'s model (a causal 3-D
+    VAE the bands run) on ``where`` (None: no times)."""
+    from xfuse.perf.calibration import FITTED
+
+    model, par, world = config.model, config.parallel, config.world_size
+    spec, dtype = model_spec(model), config.runtime.torch_dtype()
+    rows, cols = height // spec.vae_scale_factor, width // spec.vae_scale_factor
+    parallel = decodes_in_parallel(par, world, height, width, rows, video=True)  # ConfigError as a run would
+    why = _decode_rule(config, height, width, rows, parallel, VIDEO_VAE_PARALLEL_MIN_PIXELS)
+    raw = vae_config(model) or {}
+    holders = tuple(range(world)) if vae_on_every_rank(par, world, raw.get("_class_name")) else (0,)
+    trace = partial(traced_decode_ranks, model, frames=frames, rows=rows, cols=cols, dtype=dtype)
+    (serial,), bands = trace(ranks=1), list(trace(ranks=world)) if 1 < world <= rows else []
+
+    def seconds(ranks: int) -> DecodeTime | None:
+        if where is None:
+            return None
+        return predict_video_decode(model, frames=frames, rows=rows, cols=cols, ranks=ranks, machine=where,
+                                    calibration=FITTED, dtype=dtype)  # fmt: skip
+
+    pixel_frames = spec.pixel_frames(frames)
+    clip = 3 * pixel_frames * height * width * torch.empty((), dtype=dtype).element_size()
+    return VideoVaePlan(raw.get("_class_name", "?"), (frames, rows, cols), (pixel_frames, height, width),
+                        vae_weight_bytes(model, dtype), world, parallel, why, holders, where, serial, bands,
+                        seconds(1), seconds(world) if bands else None, clip)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -147,7 +210,7 @@ class PlanReport:
     param_bytes: dict[int, int]  # rank -> transformer parameter bytes it keeps
     ceiling: float  # the schedule's speedup over one rank when only the blocks cost (``speedup_ceiling``)
     experts: int = 1  # transformers each rank keeps its blocks of (Wan 2.2's two experts: 2)
-    vae: VaePlan | str = "not modelled"  # the decode, or why it is not modelled
+    vae: VaePlan | VideoVaePlan | str = "not modelled"  # the decode, or why it is not modelled
     controlnet_layers: int = 0  # a ControlNet of that many blocks run with the request (0: none)
     control_counts: dict[int, int] | None = None  # rank -> ControlNet residuals it receives per patch
     memory: Placed | None = None  # each pipeline rank's device memory with the text encoders placed
@@ -181,6 +244,7 @@ def plan_report(
     par = config.parallel
     plan = spec.plan(num_blocks, par, controlnet_layers)
     experts = transformer_count(config.model)
+    video_vae = (vae_config(config.model) or {}).get("_class_name") in VIDEO_BAND_DECODED_VAES
     text = sum(spec.text_lengths) if text_tokens is None else text_tokens
     stream_tokens = {stream: text for stream in plan.streams}  # the text the first patch carries
     lead = sum(stream_tokens.values())
@@ -236,7 +300,9 @@ def plan_report(
             warmup_steps=par.warmup_steps,
             batch_parts=batch_parts(batch, par.pipefusion_degree),
         ),
-        vae=vae_plan(config, height, width, where),
+        vae=video_vae_plan(config, height, width, frames, where)
+        if video_vae
+        else vae_plan(config, height, width, where),
         controlnet_layers=controlnet_layers,
         control_counts=control_counts,
         memory=memory,
@@ -287,7 +353,7 @@ def _geometry(r: PlanReport) -> str:
             f"{grid.token_rows}x{grid.token_cols} tokens"
         )
     frames, rows = r.frames, grid.latent_height // r.frames
-    num_frames = (frames - 1) * r.spec.vae_temporal_factor + 1
+    num_frames = r.spec.pixel_frames(frames)
     return (
         f"video {num_frames} frames of {r.height}x{r.width} px -> latent {frames}x{rows}x{grid.latent_width} -> "
         f"{frames}x{rows // r.patch_size}x{grid.token_cols} = {grid.num_tokens} tokens, patches "
@@ -390,8 +456,9 @@ def _memory_lines(r: PlanReport) -> list[str]:
                      f"{_mib(rank.total):>12}")  # fmt: skip
     text = m.words(r.config.parallel.text_encoder)
     if any(rank.activation_bytes for rank in m.ranks):
+        decode = "xfuse.perf.video_vae: traced" if isinstance(r.vae, VideoVaePlan) else "xfuse.perf.vae"
         how = ("activations: the request traced on the meta device (xfuse.perf.activations) and the decode "
-               "(xfuse.perf.vae); a kernel's own workspace not counted")  # fmt: skip
+               f"({decode}); a kernel's own workspace not counted")  # fmt: skip
     else:
         how = "activations not counted (a model folder is not traced)"
     if r.device_memory is None:
@@ -434,8 +501,51 @@ def _tensor(t: WholeTensor) -> str:
     return f"{t.name} {tuple(t.shape)} {_mib(t.nbytes)}"
 
 
-def _vae_lines(v: VaePlan | str) -> list[str]:
+def _video_vae_lines(v: VideoVaePlan) -> list[str]:
+    """The plan's VAE decode section for a clip."""
+    (frames, rows, cols), (pixel_frames, height, width), world = v.latent, v.pixels, v.world
+    lines = [
+        f"VAE decode: {v.vae_class} (causal 3-D), latent {frames}x{rows}x{cols} -> {pixel_frames} frames of "
+        f"{height}x{width} px; {v.serial.flops / 1e12:.2f} TFLOP per clip; weights {_mib(v.weight_bytes)} on "
+        f"rank(s) {_ranges(v.holders)}",
+        f"this request decodes {f'in row bands over the {world} ranks' if v.parallel else 'on rank 0 alone'} "
+        f"({v.why}; xfuse.parallel.video_vae_decode)",
+    ]
+    if v.where is None or v.serial_time is None:
+        lines.append("predicted decode: none (this machine's GPU has no profile in xfuse.perf.hardware; give --device)")
+    else:
+        timing = f"predicted decode ({v.where.device.name}, {v.where.link.name}): rank 0 alone "
+        timing += _seconds(v.serial_time.seconds)
+        t = v.band_time
+        if t is not None:
+            timing += (
+                f"; over {world} ranks {_seconds(t.seconds)} = compute {_seconds(t.compute)} + {t.layers} exchanges "
+                f"{_seconds(t.exchange)} ({_mib(t.sent)} sent by the busiest rank)"
+            )
+        elif world > 1:
+            timing += f"; not over {world} ranks: a band needs a latent row"
+        lines.append(timing + " (traced: xfuse.perf.video_vae; not fitted to decodes)")
+    lines.append(f"{'rank':>4}  {'latent rows':<12} {'weights':>12} {'alone':>12} {'in bands':>12}   "
+                 "(activation peak of the decode, traced; alone: rank 0 decoding the whole clip)")  # fmt: skip
+    start = 0
+    for rank in range(world):
+        span = "-"
+        if v.bands:
+            span, start = f"[{start},{start + v.bands[rank].rows})", start + v.bands[rank].rows
+        weights = _mib(v.weight_bytes) if rank in v.holders else "-"
+        alone = _mib(v.serial.peak) if rank == 0 else "-"
+        banded = _mib(v.bands[rank].peak) if v.bands else "-"
+        lines.append(f"{rank:>4}  {span:<12} {weights:>12} {alone:>12} {banded:>12}")
+    joined = " (twice while rank 0 joins the bands: counted in its peak)" if v.bands else ""
+    lines.append(f"the decoded clip (1, 3, {pixel_frames}, {height}, {width}) {_mib(v.clip_bytes)} on rank 0 "
+                 f"only{joined}; a kernel's workspace not counted")  # fmt: skip
+    return lines
+
+
+def _vae_lines(v: VaePlan | VideoVaePlan | str) -> list[str]:
     """The plan's VAE decode section."""
+    if isinstance(v, VideoVaePlan):
+        return _video_vae_lines(v)
     if isinstance(v, str):
         return [f"VAE decode: {v}"]
     shape, world, where = v.shape, v.world, v.where

@@ -114,3 +114,26 @@ def _own_rows_only(decoder, conv, stacked):
     if decoder.index < decoder.degree - 1:
         zeros[..., -halo:, :] = 0
     return type(decoder)._convolve_rows(decoder, conv, zeros)
+
+
+def video_band_costs(preset, *, ranks, frames, rows, cols):
+    """Decode on ``ranks`` of the world under the counters ``xfuse.perf.video_vae`` traces with, on real CPU tensors:
+    each rank's (activation peak, FLOPs, bytes sent, communicating layers); None on the other ranks."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from xfuse.comm.p2p import P2PChannels
+    from xfuse.parallel.video_vae_decode import ParallelWanDecode
+    from xfuse.perf.activations import LiveBytes
+
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    vae = wan_vae(preset)
+    channels = P2PChannels(rank=rank, timeout_s=60, max_inflight=2, device="cpu")
+    decoder = ParallelWanDecode(vae, ranks=list(ranks), rank=rank, channels=channels)
+    latents = video_latents_for(vae, 1, frames, rows, cols)
+    live, flops = LiveBytes(), FlopCounterMode(display=False)
+    with torch.no_grad(), flops, live:
+        decoder.decode(latents if rank == ranks[0] else None, tuple(latents.shape))
+    sent = sum(channels.counters.sent_bytes.values())
+    return live.peak, flops.get_total_flops(), sent, decoder._layer

@@ -226,6 +226,10 @@ class ModelSpec:
         frames = self.native_frames if num_frames is None else num_frames
         return (frames - 1) // self.vae_temporal_factor + 1
 
+    def pixel_frames(self, latent_frames: int) -> int:
+        """Frames the VAE decodes ``latent_frames`` into (the inverse of :meth:`latent_frames` on ``4k + 1``)."""
+        return (latent_frames - 1) * self.vae_temporal_factor + 1
+
     def check_num_frames(self, num_frames, key: str = "num_frames") -> None:
         """Raise :class:`ConfigError` naming ``key`` for a ``num_frames`` this family's VAE cannot take (Wan: 4k + 1;
         diffusers rounds it with a warning instead)."""

@@ -101,16 +101,6 @@ def decodes_in_parallel(
     return parallel.vae_parallel == "on" or height * width >= least
 
 
-def band_decoder(vae, *, ranks: list[int], rank: int, channels: P2PChannels | None) -> ParallelVAEDecode:
-    """This rank's share of the band decode of ``vae`` (an image VAE's, or a causal 3-D VAE's); ValueError naming
-    a module the bands cannot run exactly."""
-    if type(vae).__name__ in VIDEO_BAND_DECODED_VAES:
-        from xfuse.parallel.video_vae_decode import ParallelWanDecode
-
-        return ParallelWanDecode(vae, ranks=ranks, rank=rank, channels=channels)
-    return ParallelVAEDecode(vae, ranks=ranks, rank=rank, channels=channels)
-
-
 def band_rows(latent_rows: int, parts: int) -> list[slice]:
     """The latent rows of each rank's band: ``parts`` contiguous bands, the first ``latent_rows % parts`` one row
     taller."""

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from xfuse.parallel.vae_decode import ParallelVAEDecode
+from xfuse.comm.p2p import P2PChannels
+from xfuse.parallel.vae_decode import VIDEO_BAND_DECODED_VAES, ParallelVAEDecode
 
 # The decoder modules the bands run exactly, besides those the checks below look into: containers and per-position
 # layers (class names: diffusers' import paths move).
@@ -198,3 +199,11 @@ class ParallelWanDecode(ParallelVAEDecode):
         lead, count, width = tokens.shape[:2], tokens.shape[2], tokens.shape[3]
         shapes = [(*lead, count * rows // mine, width) for rows in self._rows]
         return self._all_gather("vae kv", tokens.contiguous(), shapes, lambda parts: torch.cat(parts, dim=2))
+
+
+def band_decoder(vae, *, ranks: list[int], rank: int, channels: P2PChannels | None) -> ParallelVAEDecode:
+    """This rank's share of the band decode of ``vae``, by its class: a causal 3-D VAE's (:class:`ParallelWanDecode`)
+    or an image VAE's (:class:`~xfuse.parallel.vae_decode.ParallelVAEDecode`); ValueError naming a module the bands
+    cannot run exactly."""
+    decode = ParallelWanDecode if type(vae).__name__ in VIDEO_BAND_DECODED_VAES else ParallelVAEDecode
+    return decode(vae, ranks=ranks, rank=rank, channels=channels)

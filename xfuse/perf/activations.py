@@ -176,7 +176,7 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 
 @contextlib.contextmanager
-def _traced():
+def traced():
     """What a trace runs under: no autograd, flash attention, a meta ``nonzero`` that counts every element (a
     mask's: all attended)."""
     nonzero = fx_config.patch(meta_nonzero_assume_all_nonzero=True)  # type: ignore[attr-defined]
@@ -266,7 +266,7 @@ def call_peaks(xp, call: dict) -> RequestActivations:
     for owner, name, method in wrapped:
         setattr(owner, name, method)
     try:
-        with _traced(), mode, _labelled(mode, {**blocks, **encoders}):
+        with traced(), mode, _labelled(mode, {**blocks, **encoders}):
             with warnings.catch_warnings():  # a one-step schedule divides by its zero span (a shift's) in numpy
                 warnings.simplefilter("ignore", RuntimeWarning)
                 xp(**{**call, "num_inference_steps": 1})  # what a request leaves: each step replaces the last's
@@ -344,6 +344,6 @@ def _traced_decode(pipe, spec: ModelSpec, height: int, width: int, num_frames: i
         shape = (1, config["latent_channels"], *rows)
     latents = torch.zeros(shape, device="meta", dtype=next(vae.parameters()).dtype)
     mode = LiveBytes()
-    with _traced(), mode:
+    with traced(), mode:
         vae.decode(latents, return_dict=False)
     return mode.peak

@@ -23,10 +23,16 @@ from xfuse.parallel.costs import kv_buffer_bytes, receive_buffer_bytes
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.text_encoder_split import decoder_layers, shard_text_encoder
-from xfuse.parallel.vae_decode import BAND_DECODED_VAES, decodes_in_parallel, vae_on_every_rank
+from xfuse.parallel.vae_decode import (
+    IMAGE_BAND_DECODED_VAES,
+    VIDEO_BAND_DECODED_VAES,
+    decodes_in_parallel,
+    vae_on_every_rank,
+)
 from xfuse.perf.activations import RequestActivations, request_activations
 from xfuse.perf.model import Workload
 from xfuse.perf.vae import ConvScratch, VaeShape, decode_ranks
+from xfuse.perf.video_vae import traced_decode_ranks
 
 GIB = 1024**3
 
@@ -168,22 +174,25 @@ def _request_traced(model: str, work: Workload, dtype: torch.dtype) -> RequestAc
     if model not in PRESET_MODELS:
         return None
     spec = work.spec
-    frames = None if not spec.video else (work.frames - 1) * spec.vae_temporal_factor + 1
+    frames = None if not spec.video else spec.pixel_frames(work.frames)
     negative = spec.negative_prompt_guides and work.cfg_batch == 2
     raw = vae_config(model)
-    traced_decode = raw is not None and raw.get("_class_name", "AutoencoderKL") not in BAND_DECODED_VAES
+    traced_decode = raw is not None and raw.get("_class_name", "AutoencoderKL") not in IMAGE_BAND_DECODED_VAES
     return request_activations(model, work.height, work.width, frames, negative_prompt=negative, dtype=dtype,
                                trace_decode=traced_decode)  # fmt: skip
 
 
 def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *,
                  conv_scratch: ConvScratch | None = None) -> dict[int, int]:  # fmt: skip
-    """Pipeline rank -> the activation peak of its part of the VAE decode (one image): rank 0 decoding alone, or
-    each rank its band where the request decodes over the world (``xfuse.perf.vae``: the VAEs the bands run);
-    empty where the model has no VAE or its decode is not modelled (the 3-D VAEs: traced instead,
-    :func:`layout_activations`)."""
+    """Pipeline rank -> the activation peak of its part of the VAE decode (one image or clip): rank 0 decoding
+    alone, or each rank its band where the request decodes over the world (``xfuse.perf.vae``: the image VAEs the
+    bands run; ``xfuse.perf.video_vae``: a 3-D VAE's bands, traced); empty where the model has no VAE or rank 0
+    decodes a 3-D VAE alone (traced with the request instead, :func:`layout_activations`)."""
     raw = vae_config(model)
-    if raw is None or raw.get("_class_name", "AutoencoderKL") not in BAND_DECODED_VAES:
+    vae_class = None if raw is None else raw.get("_class_name", "AutoencoderKL")
+    if vae_class in VIDEO_BAND_DECODED_VAES:
+        return _video_decode_bytes(model, work, parallel, dtype)
+    if raw is None or vae_class not in IMAGE_BAND_DECODED_VAES:
         return {}
     shape, world = VaeShape.from_config(raw), parallel.world_size
     walk = partial(decode_ranks, shape, height=work.height, width=work.width, conv_scratch=conv_scratch,
@@ -191,6 +200,18 @@ def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *,
     if not decodes_in_parallel(parallel, world, work.height, work.width, work.height // shape.scale_factor):
         return {0: walk()[0].peak}
     bands = walk(ranks=world)
+    sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
+    return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
+
+
+def _video_decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype) -> dict[int, int]:
+    """:func:`decode_bytes` of a 3-D VAE: each rank's band traced where the clip decodes over the world (rank 0's with
+    the latent it scatters and the clip it gathers), else empty."""
+    factor, world = work.spec.vae_scale_factor, parallel.world_size
+    rows, cols = work.height // factor, work.width // factor
+    if not decodes_in_parallel(parallel, world, work.height, work.width, rows, video=True):
+        return {}
+    bands = traced_decode_ranks(model, frames=work.frames, rows=rows, cols=cols, ranks=world, dtype=dtype)
     sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
     return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
 

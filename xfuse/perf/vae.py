@@ -40,14 +40,14 @@ from typing import Any
 
 from xfuse.families.common.flops import attention_flops, linear_flops
 from xfuse.parallel.patch_grid import even_split
-from xfuse.parallel.vae_decode import BAND_DECODED_VAES
+from xfuse.parallel.vae_decode import IMAGE_BAND_DECODED_VAES
 from xfuse.perf.hardware import Link
 from xfuse.perf.measured import REFERENCE
 from xfuse.perf.model import Calibration, Machine
 
 FLOAT32 = 4
 # The image VAEs with AutoencoderKL's encoder and decoder, which this model describes: those the band decode runs.
-_IMAGE_VAES = BAND_DECODED_VAES
+_IMAGE_VAES = IMAGE_BAND_DECODED_VAES
 NORM_STATS = 3 * 8  # a GroupNorm's (count, mean, squared deviations) per (image, group), float64: vae_decode
 
 

@@ -39,11 +39,11 @@ from xfuse.parallel.vae_decode import (
     BAND_DECODED_VAES,
     VIDEO_BAND_DECODED_VAES,
     ParallelVAEDecode,
-    band_decoder,
     decodes_in_parallel,
     vae_on_every_rank,
     world_decodes,
 )
+from xfuse.parallel.video_vae_decode import band_decoder
 from xfuse.pipelines.collectives import Collectives
 from xfuse.pipelines.loading import load_from_folder, shard_loaded
 from xfuse.pipelines.text_placement import place_text_encoders, text_components

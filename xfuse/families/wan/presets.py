@@ -20,9 +20,9 @@ The released Wan2.1-T2V-1.3B / -14B (a 1.3 B / 14 B-parameter transformer, the 5
 ``wan-tiny`` (and ``wan2.2-tiny``, two experts; ``wan2.2-ti2v-tiny``, TI2V on a 16 px VAE) is for tests,
 ``wan-small`` for CPU speed measurements, ``wan2.1-t2v-1.3b`` / ``wan2.1-t2v-14b`` / ``wan2.2-t2v-a14b`` (two experts
 of the 14B's shape) / ``wan2.2-ti2v-5b`` (Wan 2.2's VAE, 48 latent channels) have the released
-transformer shapes (random weights; diffusers' ``scripts/convert_wan_to_diffusers.py`` configs) for
-``xfuse plan`` and GPU timings; their text encoder is 2 layers deep at the released width 4096 and their VAE is tiny
-with the released latent channels (16; the 5B's 48), so the pipeline runs end to end. Weights depend only on the
+transformer shapes (random weights; diffusers' ``scripts/convert_wan_to_diffusers.py`` configs) and the released
+VAEs' (Wan 2.1's 127 M-parameter one; the 5B's Wan 2.2 VAE, 48 latent channels, a 256-wide decoder) for ``xfuse
+plan`` and GPU timings; their text encoder is 2 layers deep at the released width 4096. Weights depend only on the
 seed (see ``xfuse.families.common.presets``).
 
 ``WanTransformer3DModel`` has no ``sample_size`` and ``WanPipeline`` always defaults to 480 x 832 px and 81 frames, so a
@@ -208,7 +208,19 @@ def _vae_config(preset: str) -> dict[str, Any]:
     if wan22:
         config |= {"is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2}
         config |= {"scale_factor_spatial": 16}
-    return config
+    return config | RELEASED_VAE_WIDTHS.get(preset, {})
+
+
+# The released VAEs' widths (the diffusers folders' vae/config.json: Wan2.1-T2V-*-Diffusers, also Wan 2.2 A14B's;
+# Wan2.2-TI2V-5B-Diffusers), for the released-shape presets: the decode's memory and time in xfuse plan are theirs.
+_WAN21_VAE = {"base_dim": 96, "num_res_blocks": 2}
+_WAN22_VAE = {"base_dim": 160, "decoder_base_dim": 256, "num_res_blocks": 2}
+RELEASED_VAE_WIDTHS: dict[str, dict[str, Any]] = {
+    "wan2.1-t2v-1.3b": _WAN21_VAE,
+    "wan2.1-t2v-14b": _WAN21_VAE,
+    "wan2.2-t2v-a14b": _WAN21_VAE,
+    "wan2.2-ti2v-5b": _WAN22_VAE,
+}
 
 
 def _build_scheduler(flow_shift: float = 3.0):
