@@ -4,6 +4,8 @@ peak resident memory per rank, and how far each image is from the serial one.
 
     python benchmarks/bench_vae.py --vae shapes   --sizes 1024 2048 4096 --repeats 3
     python benchmarks/bench_vae.py --vae released --sizes 1024 2048 4096 --repeats 3 --skip-serial-above 2048
+    python benchmarks/bench_vae.py --vae wan2.1 --frames 5 --sizes 64 128 192 256 --repeats 3
+    python benchmarks/bench_vae.py --vae wan-tiny --frames 9 --sizes 720x1280 --repeats 3
 
 What is decoded: one image (batch 1) of ``size`` x ``size`` px from the same latents for every variant: a standard
 normal (B, 4, size/8, size/8) drawn with seed ``--seed``, divided by the VAE's ``scaling_factor`` (what a pipeline
@@ -17,6 +19,15 @@ The VAEs (``--vae``):
   512), 2 layers per block, 32 norm groups, 4 latent channels, sample_size 1024 as in its config, so tiles of 1024 px
   with 25 % overlap when tiled) and random weights (seed 0). The time and memory are those of the real network; the
   tiled PSNR measures the seams tiling leaves in this random network's output, not on a real image.
+* ``wan2.1``, ``wan2.2``: Wan's causal 3-D ``AutoencoderKLWan`` with the released widths (the ``wan2.1-t2v-14b`` and
+  ``wan2.2-ti2v-5b`` presets' VAEs: base width 96, and 160 with a 256-wide decoder) and random weights (seed 0),
+  decoding a clip of ``--frames`` frames (4k + 1): latents (1, z_dim, 1 + (frames - 1) / 4, size / f, size / f),
+  a standard normal (f: 8, Wan 2.2's 16). The parallel variant is ``ParallelWanDecode``
+  (``xfuse.parallel.video_vae_decode``); tiled is diffusers' own ``enable_tiling`` (256 px tiles, 192 px stride).
+* ``wan-tiny``: the ``wan-tiny`` preset's VAE (the release's layout at a 24th of its width), for memory at large
+  frames on this CPU.
+
+A size is a side in px (a square) or ``HxW``.
 
 The variants, each decode run in a fresh world of its own (one torch thread per rank, every rank pinned to its own
 core, gloo over loopback), timed in turns: a round decodes serial, parallel 2, tiled, in that order, so the machine's
@@ -91,8 +102,21 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # ------------------------------------------------------------------------------------------------ in a rank
+VIDEO_VAES = {"wan2.1": "wan2.1-t2v-14b", "wan2.2": "wan2.2-ti2v-5b", "wan-tiny": "wan-tiny"}  # --vae -> its preset
+
+
 def build_vae(name: str, seed: int = 0):
     """The VAE ``--vae`` names (module docstring), float32, in eval mode."""
+    if name in VIDEO_VAES:
+        import torch
+        from diffusers import AutoencoderKLWan
+
+        from xfuse.families.wan.presets import preset_vae_config
+
+        config = {k: v for k, v in preset_vae_config(VIDEO_VAES[name]).items() if not k.startswith("_")}
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return AutoencoderKLWan(**config).eval()
     if name == "shapes":
         from xfuse.families.registry import load_pipeline
 
@@ -107,13 +131,19 @@ def build_vae(name: str, seed: int = 0):
     raise ValueError(f"unknown VAE {name!r}: shapes or released")
 
 
-def latents_for(vae, size: int, seed: int):
-    """(1, latent channels, size/8, size/8): a standard normal divided by the VAE's scaling factor."""
+def latents_for(vae, size: tuple[int, int], seed: int, frames: int = 1):
+    """An image VAE's (1, latent channels, h/8, w/8): a standard normal divided by the VAE's scaling factor; a video
+    VAE's (1, z_dim, latent frames, h/f, w/f) for a clip of ``frames`` frames: a standard normal."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    shape = (1, vae.config.latent_channels, size // 8, size // 8)
-    return torch.randn(shape, generator=generator) / vae.config.scaling_factor
+    (height, width), config = size, vae.config
+    if "z_dim" in config:
+        factor = config.scale_factor_spatial
+        shape = (1, config.z_dim, (frames - 1) // 4 + 1, height // factor, width // factor)
+        return torch.randn(shape, generator=generator)
+    shape = (1, config.latent_channels, height // 8, width // 8)
+    return torch.randn(shape, generator=generator) / config.scaling_factor
 
 
 def _status_mib(key: str) -> float:
@@ -136,16 +166,22 @@ def _reset_peak() -> bool:
 
 
 def _vae_facts(vae) -> dict:
-    return dict(
+    facts = dict(
         config={k: list(v) if isinstance(v, tuple) else v for k, v in vae.config.items() if not k.startswith("_")},
         decoder_parameters=sum(p.numel() for p in vae.decoder.parameters()),
-        tile_px=vae.tile_sample_min_size,
-        tile_latent=vae.tile_latent_min_size,
-        tile_overlap=vae.tile_overlap_factor,
     )
+    if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL's square tiles
+        facts |= dict(tile_px=vae.tile_sample_min_size, tile_latent=vae.tile_latent_min_size,
+                      tile_overlap=vae.tile_overlap_factor)  # fmt: skip
+    else:  # AutoencoderKLWan's
+        factor = vae.config.scale_factor_spatial
+        facts |= dict(tile_px=vae.tile_sample_min_height, tile_latent=vae.tile_sample_min_height // factor,
+                      tile_stride_px=vae.tile_sample_stride_height)  # fmt: skip
+    return facts
 
 
-def decode_rank(vae_name: str, variant: str, size: int, seed: int, image_path: str, p2p_timeout_s: float) -> dict:
+def decode_rank(vae_name: str, variant: str, size: tuple[int, int], seed: int, image_path: str, p2p_timeout_s: float,
+                frames: int = 1) -> dict:  # fmt: skip
     """On every rank of a fresh world: build the VAE, a warm-up decode, then the measured one (module docstring).
     Rank 0 saves the image to ``image_path``. Returns the time (rank 0's), the memory and the VAE's facts."""
     import gc
@@ -165,10 +201,10 @@ def decode_rank(vae_name: str, variant: str, size: int, seed: int, image_path: s
     parallel = None
     if variant == PARALLEL:
         from xfuse.comm.p2p import P2PChannels
-        from xfuse.parallel.vae_decode import ParallelVAEDecode
+        from xfuse.parallel.video_vae_decode import band_decoder
 
         channels = P2PChannels(rank=rank, timeout_s=p2p_timeout_s, max_inflight=2, device="cpu")
-        parallel = ParallelVAEDecode(vae, ranks=list(range(world)), rank=rank, channels=channels)
+        parallel = band_decoder(vae, ranks=list(range(world)), rank=rank, channels=channels)
 
     def decode(latents):
         if parallel is not None:
@@ -176,8 +212,8 @@ def decode_rank(vae_name: str, variant: str, size: int, seed: int, image_path: s
         with torch.no_grad():
             return vae.decode(latents, return_dict=False)[0]
 
-    decode(latents_for(vae, WARMUP_PX, seed))
-    latents = latents_for(vae, size, seed)
+    decode(latents_for(vae, (WARMUP_PX, WARMUP_PX), seed, frames))
+    latents = latents_for(vae, size, seed, frames)
     gc.collect()
     dist.barrier()
     reset = _reset_peak()
@@ -203,13 +239,14 @@ def decode_rank(vae_name: str, variant: str, size: int, seed: int, image_path: s
 
 
 # ------------------------------------------------------------------------------------------------ the parent
-def run_decode(vae_name: str, variant: str, size: int, seed: int, image_path: str, timeout_s: float) -> list[dict]:
+def run_decode(vae_name: str, variant: str, size: tuple[int, int], seed: int, image_path: str, timeout_s: float,
+               frames: int = 1) -> list[dict]:  # fmt: skip
     """One measured decode in a fresh world of ``RANKS[variant]`` processes; per rank, ``decode_rank``'s dict."""
     from tests.support.world import World
 
     with World(RANKS[variant], threads_per_rank=1, env=QUIET, start_timeout=600) as world:
         return world.run_ok(
-            decode_rank, vae_name, variant, size, seed, image_path, min(timeout_s, 1800), timeout=timeout_s
+            decode_rank, vae_name, variant, size, seed, image_path, min(timeout_s, 1800), frames, timeout=timeout_s
         )
 
 
@@ -238,15 +275,15 @@ def ratios(rows: dict, over: str, under: str) -> dict | None:
     )
 
 
-def skip_reason(variant: str, size: int, args) -> str | None:
+def skip_reason(variant: str, size: tuple[int, int], args) -> str | None:
     limit = {SERIAL: args.skip_serial_above, PARALLEL: args.skip_parallel_above}.get(variant)
-    if limit is not None and size > limit:
+    if limit is not None and max(size) > limit:
         flag = "--skip-serial-above" if variant == SERIAL else "--skip-parallel-above"
-        return f"skipped: {size} px > {flag} {limit}"
+        return f"skipped: {max(size)} px > {flag} {limit}"
     return None
 
 
-def measure_size(args, size: int, workdir: str) -> tuple[dict, dict | None]:
+def measure_size(args, size: tuple[int, int], workdir: str) -> tuple[dict, dict | None]:
     """Every variant at ``size``, ``args.repeats`` rounds in turns; the result and the VAE's facts (None: no decode
     ran)."""
     import torch
@@ -262,13 +299,13 @@ def measure_size(args, size: int, workdir: str) -> tuple[dict, dict | None]:
             if row["skipped"] or row["error"]:
                 row["times"].append(None)
                 continue
-            path = os.path.join(workdir, f"{variant.replace(' ', '_')}_{size}.pt")
+            path = os.path.join(workdir, f"{variant.replace(' ', '_')}_{size[0]}x{size[1]}.pt")
             try:
-                results = run_decode(args.vae, variant, size, args.seed, path, args.timeout_s)
+                results = run_decode(args.vae, variant, size, args.seed, path, args.timeout_s, args.frames)
             except Exception as exc:  # a rank killed for memory, a timeout: recorded, the others go on
                 row["error"] = f"round {round_ + 1}: {type(exc).__name__}: {exc}"[:2000]
                 row["times"].append(None)
-                print(f"  {size} px {variant}: FAILED ({row['error'].splitlines()[0]})", flush=True)
+                print(f"  {size[0]}x{size[1]} px {variant}: FAILED ({row['error'].splitlines()[0]})", flush=True)
                 continue
             row["times"].append(results[0]["seconds"])
             row["ranks"].append([{k: v for k, v in r.items() if k != "vae"} for r in results])
@@ -277,7 +314,7 @@ def measure_size(args, size: int, workdir: str) -> tuple[dict, dict | None]:
             os.remove(path)
             memory = " / ".join(f"{r['peak_rss_mib']:.0f} (+{r['increase_mib']:.0f})" for r in results)
             print(
-                f"  {size} px round {round_ + 1} {variant}: {results[0]['seconds']:.2f} s, "
+                f"  {size[0]}x{size[1]} px round {round_ + 1} {variant}: {results[0]['seconds']:.2f} s, "
                 f"peak RSS per rank {memory} MiB",
                 flush=True,
             )
@@ -300,9 +337,15 @@ def measure_size(args, size: int, workdir: str) -> tuple[dict, dict | None]:
         row["worst_max_abs"] = max(row["max_abs"]) if row["max_abs"] else None
         row["worst_psnr_db"] = min(psnrs) if psnrs else None
         row["identical"] = bool(row["max_abs"]) and max(row["max_abs"]) == 0
-    out = dict(latent=[1, 4, size // 8, size // 8], reference=sorted({r for r in references if r}), variants=rows)
+    out = dict(reference=sorted({r for r in references if r}), variants=rows)
     if facts is not None:
-        out["tiling_applied"] = size // 8 > facts["tile_latent"]
+        config = facts["config"]
+        if "z_dim" in config:  # a clip's latents
+            f = config["scale_factor_spatial"]
+            out["latent"] = [1, config["z_dim"], (args.frames - 1) // 4 + 1, size[0] // f, size[1] // f]
+        else:
+            out["latent"] = [1, config["latent_channels"], size[0] // 8, size[1] // 8]
+        out["tiling_applied"] = max(out["latent"][-2:]) > facts["tile_latent"]
     out["serial_over_parallel"] = ratios(rows, SERIAL, PARALLEL)
     out["tiled_over_parallel"] = ratios(rows, TILED, PARALLEL)
     return out, facts
@@ -378,12 +421,20 @@ def table(report: dict) -> str:
     return "\n".join(out)
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """``1024`` -> (1024, 1024); ``720x1280`` -> (720, 1280)."""
+    height, _, width = text.partition("x")
+    return int(height), int(width or height)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vae", choices=("shapes", "released"), default="shapes")
+    parser.add_argument("--vae", choices=("shapes", "released", *VIDEO_VAES), default="shapes")
     parser.add_argument(
-        "--sizes", type=int, nargs="+", default=[1024, 2048, 4096], help="image side, px (multiples of 8)"
-    )
+        "--sizes", type=parse_size, nargs="+", default=[(1024, 1024), (2048, 2048), (4096, 4096)],
+        help="side or HxW, px (multiples of the VAE's factor)",
+    )  # fmt: skip
+    parser.add_argument("--frames", type=int, default=1, help="a video VAE's clip: 4k + 1 frames")
     parser.add_argument("--repeats", type=int, default=3, help="rounds in turns")
     parser.add_argument("--skip-serial-above", type=int, default=None, metavar="PX")
     parser.add_argument("--skip-parallel-above", type=int, default=None, metavar="PX")
@@ -391,13 +442,17 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=6 * 3600, help="per decode, world start-up included")
     parser.add_argument("--json", default=None, help="default: benchmarks/results/vae_<vae>.json")
     args = parser.parse_args()
-    if any(size % 8 or size < 16 for size in args.sizes):
-        parser.error("every size must be a multiple of 8 and at least 16 px (a latent row per band)")
+    factor = 16 if args.vae == "wan2.2" else 8
+    if any(side % factor or side < 2 * factor for size in args.sizes for side in size):
+        parser.error(f"every side must be a multiple of {factor} and at least {2 * factor} px (a latent row per band)")
+    if args.frames % 4 != 1 or (args.frames > 1 and args.vae not in VIDEO_VAES):
+        parser.error("--frames: 4k + 1 frames, for a video VAE (wan2.1, wan2.2, wan-tiny)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import diffusers
     import torch
 
-    path = args.json or os.path.join(RESULTS, f"vae_{args.vae}.json")
+    clip = f"_{args.frames}f" if args.vae in VIDEO_VAES else ""
+    path = args.json or os.path.join(RESULTS, f"vae_{args.vae}{clip}.json")
     report = dict(
         vae=args.vae,
         machine=f"{_cpu_model()}, {os.cpu_count()} cores, {_memory_gib() or 0:.1f} GiB, CPU only",
@@ -407,7 +462,9 @@ def main() -> None:
         python=platform.python_version(),
         repeats=args.repeats,
         seed=args.seed,
-        latents="standard normal (seed) / scaling_factor, float32, batch 1",
+        latents="standard normal (seed), float32, batch 1"
+        + (f", a clip of {args.frames} frames" if args.vae in VIDEO_VAES else " / scaling_factor"),
+        frames=args.frames,
         memory_method="VmHWM after clear_refs",
         skip_serial_above=args.skip_serial_above,
         skip_parallel_above=args.skip_parallel_above,
@@ -416,9 +473,10 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="xfuse-bench-vae-") as workdir:
         for size in args.sizes:
-            print(f"{size} px:", flush=True)
+            name = str(size[0]) if size[0] == size[1] else f"{size[0]}x{size[1]}"
+            print(f"{name} px:", flush=True)
             result, facts = measure_size(args, size, workdir)
-            report["sizes"][str(size)] = result
+            report["sizes"][name] = result
             report["vae_facts"] = report["vae_facts"] or facts
             methods = {row.get("memory_method") for row in result["variants"].values()} - {None}
             if methods - {"VmHWM after clear_refs"}:

@@ -859,26 +859,30 @@ def test_comm_wait_resolves_per_device(wait, device, stream_ordered):
     assert CommConfig(wait=wait).stream_ordered(device) is stream_ordered
 
 
-# parallel.vae_parallel: (mode, world size, height, width, latent rows) -> decoded over the world
+# parallel.vae_parallel: (mode, world size, height, width, latent rows, a clip) -> decoded over the world
 VAE_PARALLEL = [
-    ("auto", 2, 384, 384, 48, True),  # from VAE_PARALLEL_MIN_PIXELS on
-    ("auto", 2, 384, 376, 48, False),  # below it: the messages cost more than the split saves
-    ("auto", 1, 2048, 2048, 256, False),  # one rank: nothing to split
-    ("auto", 8, 2048, 48, 6, False),  # fewer latent rows than ranks: rank 0 alone
-    ("on", 2, 64, 64, 8, True),
-    ("on", 1, 64, 64, 8, False),
-    ("off", 8, 4096, 4096, 512, False),
+    ("auto", 2, 384, 384, 48, False, True),  # from VAE_PARALLEL_MIN_PIXELS on
+    ("auto", 2, 384, 376, 48, False, False),  # below it: the messages cost more than the split saves
+    ("auto", 2, 96, 96, 12, True, True),  # a clip: from VIDEO_VAE_PARALLEL_MIN_PIXELS per frame on
+    ("auto", 2, 96, 88, 11, True, False),
+    ("auto", 1, 2048, 2048, 256, False, False),  # one rank: nothing to split
+    ("auto", 8, 2048, 48, 6, False, False),  # fewer latent rows than ranks: rank 0 alone
+    ("on", 2, 64, 64, 8, False, True),
+    ("on", 2, 64, 64, 8, True, True),
+    ("on", 1, 64, 64, 8, False, False),
+    ("off", 8, 4096, 4096, 512, True, False),
 ]
 
 
-@pytest.mark.parametrize("mode,world,height,width,rows,parallel", VAE_PARALLEL)
-def test_which_calls_decode_over_the_world(mode, world, height, width, rows, parallel):
+@pytest.mark.parametrize("mode,world,height,width,rows,video,parallel", VAE_PARALLEL)
+def test_which_calls_decode_over_the_world(mode, world, height, width, rows, video, parallel):
     from xfuse.parallel.vae_decode import decodes_in_parallel, vae_on_every_rank
 
     config = ParallelConfig(vae_parallel=mode)
-    assert decodes_in_parallel(config, world, height, width, rows) is parallel
+    assert decodes_in_parallel(config, world, height, width, rows, video=video) is parallel
     assert vae_on_every_rank(config, world, "AutoencoderKL") is (mode != "off" and world > 1)
-    # a causal 3-D VAE (Wan's, Qwen-Image's) stays on rank 0 whatever the mode; no VAE, nowhere
+    assert vae_on_every_rank(config, world, "AutoencoderKLWan") is (mode != "off" and world > 1)
+    # Qwen-Image's 3-D VAE stays on rank 0 whatever the mode; no VAE, nowhere
     assert not vae_on_every_rank(config, world, "AutoencoderKLQwenImage") and not vae_on_every_rank(config, world, None)
 
 

@@ -90,3 +90,69 @@ def test_the_default_attention_processor_is_accepted(vae):
     changed = copy.deepcopy(vae)
     changed.decoder.mid_block.attentions[0].set_processor(AttnProcessor2_0())
     check_decoder(changed)
+
+
+# ---------------------------------------------------------------------------------------- Wan's causal 3-D VAE
+def _first(vae, kind: str):
+    """The first module of class ``kind`` in ``vae.decoder`` and its name there (Wan 2.1's up blocks hold
+    ``upsamplers``, Wan 2.2's residual ones an ``upsampler``)."""
+    return next((name, module) for name, module in vae.decoder.named_modules() if type(module).__name__ == kind)
+
+
+def _strided_causal(vae):
+    vae.decoder.conv_in.stride = (1, 2, 1)
+    return "conv_in"
+
+
+def _rms_over_rows(vae):
+    vae.decoder.norm_out.channel_first = False
+    return "norm_out"
+
+
+def _downsampler(vae):
+    name, resample = _first(vae, "WanResample")
+    resample.mode = "downsample2d"
+    return name
+
+
+def _bilinear(vae):
+    name, upsample = _first(vae, "WanUpsample")
+    upsample.mode = "bilinear"
+    return name
+
+
+def _attention_outside_the_mid_block(vae):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock
+
+    vae.decoder.up_blocks[1].attention = WanAttentionBlock(8)
+    return "up_blocks.1.attention"
+
+
+def _unknown_activation(vae):
+    vae.decoder.conv_act = torch.nn.GELU()
+    return "conv_act"
+
+
+WAN_REFUSALS = [
+    (_strided_causal, "stride"),
+    (_rms_over_rows, "the last dimension"),
+    (_downsampler, "'downsample2d'"),
+    (_bilinear, "nearest x2"),
+    (_attention_outside_the_mid_block, "outside the mid block"),
+    (_unknown_activation, "GELU is not a module"),
+]
+
+
+@pytest.mark.parametrize("change,reason", WAN_REFUSALS, ids=[c[0].__name__.strip("_") for c in WAN_REFUSALS])
+@pytest.mark.parametrize("preset", ["wan-tiny", "wan2.2-ti2v-tiny"])
+def test_wan_decoders_the_bands_cannot_run_exactly_are_refused_by_name(preset, change, reason):
+    """The released layouts pass ``check_wan_decoder``; each change is refused naming the module and why."""
+    from tests.support.vae_fns import wan_vae
+    from xfuse.parallel.video_vae_decode import check_wan_decoder
+
+    check_wan_decoder(wan_vae(preset))
+    changed = copy.deepcopy(wan_vae(preset))
+    name = change(changed)
+    with pytest.raises(ValueError) as e:
+        check_wan_decoder(changed)
+    assert f"cannot run vae.decoder.{name} exactly" in str(e.value) and reason in str(e.value), str(e.value)

@@ -56,7 +56,7 @@ def test_plan_of_the_released_14b_at_480p_81_frames(direction):
     # 15 latent rows each, each band's peak about a quarter of rank 0's alone (its own rows' work; rank 0's also
     # the whole clip it gathers).
     assert "VAE decode: AutoencoderKLWan (causal 3-D), latent 21x60x104 -> 81 frames of 480x832 px; " in text
-    assert "this request decodes in row bands over the 4 ranks (auto: 480x832 px is at least 128x128;" in text
+    assert "this request decodes in row bands over the 4 ranks (auto: 480x832 px is at least 96x96;" in text
     vae = report.vae
     assert [band.rows for band in vae.bands] == [15] * 4 and vae.clip_bytes == 3 * 81 * 480 * 832 * 2
     assert all(0.2 < band.peak / vae.serial.peak < 0.3 for band in vae.bands), [b.peak for b in vae.bands]

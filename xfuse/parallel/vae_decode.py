@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 # shipped VAE, 2 ranks over gloo, docs/performance.md): 0.70x of rank 0 alone at 256 x 256 px (the messages of ~50
 # layers cost more than half a small decode), 1.08x at 384 x 384, 1.55x at 512 x 512. A wider VAE gains sooner.
 VAE_PARALLEL_MIN_PIXELS = 384 * 384
-# The same for a video's frames (per frame: a clip's messages and work both grow with its frames). Measured
-# (benchmarks/bench_vae.py --vae wan2.1, the released Wan 2.1 VAE's widths, 5 frames, 2 ranks over gloo): see
-# docs/performance.md.
-VIDEO_VAE_PARALLEL_MIN_PIXELS = 128 * 128
+# The same for a clip, per frame (its messages and its work both grow with its frames). Measured (benchmarks/
+# bench_vae.py --vae wan2.1 --frames 5: the released Wan 2.1 VAE's widths, 2 ranks over gloo, docs/performance.md):
+# 0.97x of rank 0 alone at 64 x 64 px, 1.25x at 96 x 96, 1.87x at 192 x 192; a wide 3-D VAE gains early.
+VIDEO_VAE_PARALLEL_MIN_PIXELS = 96 * 96
 
 # The decoder's modules the bands are proven exact for (by class name: diffusers' import paths move); any other
 # module is refused. Convolutions, norms and attention get the treatment above; the rest is per pixel.

@@ -333,7 +333,8 @@ def request_activations(model: str, height: int, width: int, num_frames: int | N
 
 
 def _traced_decode(pipe, spec: ModelSpec, height: int, width: int, num_frames: int | None) -> int:
-    """The peak of ``vae.decode`` on one image's (clip's) latents, traced (the 3-D VAEs: a frame axis)."""
+    """The peak of ``vae.decode`` on one image's (clip's) latents, traced (for Qwen-Image's 3-D VAE, which the bands do
+    not run: a frame axis; Wan's: ``xfuse.perf.video_vae``)."""
     vae = pipe.vae
     factor, config = spec.vae_scale_factor, vae.config
     rows = (height // factor, width // factor)

@@ -24,6 +24,7 @@ from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.text_encoder_split import decoder_layers, shard_text_encoder
 from xfuse.parallel.vae_decode import (
+    BAND_DECODED_VAES,
     IMAGE_BAND_DECODED_VAES,
     VIDEO_BAND_DECODED_VAES,
     decodes_in_parallel,
@@ -177,7 +178,7 @@ def _request_traced(model: str, work: Workload, dtype: torch.dtype) -> RequestAc
     frames = None if not spec.video else spec.pixel_frames(work.frames)
     negative = spec.negative_prompt_guides and work.cfg_batch == 2
     raw = vae_config(model)
-    traced_decode = raw is not None and raw.get("_class_name", "AutoencoderKL") not in IMAGE_BAND_DECODED_VAES
+    traced_decode = raw is not None and raw.get("_class_name", "AutoencoderKL") not in BAND_DECODED_VAES
     return request_activations(model, work.height, work.width, frames, negative_prompt=negative, dtype=dtype,
                                trace_decode=traced_decode)  # fmt: skip
 
@@ -186,8 +187,8 @@ def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *,
                  conv_scratch: ConvScratch | None = None) -> dict[int, int]:  # fmt: skip
     """Pipeline rank -> the activation peak of its part of the VAE decode (one image or clip): rank 0 decoding
     alone, or each rank its band where the request decodes over the world (``xfuse.perf.vae``: the image VAEs the
-    bands run; ``xfuse.perf.video_vae``: a 3-D VAE's bands, traced); empty where the model has no VAE or rank 0
-    decodes a 3-D VAE alone (traced with the request instead, :func:`layout_activations`)."""
+    bands run; ``xfuse.perf.video_vae``: Wan's 3-D VAE, traced); empty where the model has no VAE or the bands cannot
+    run its VAE (Qwen-Image's 3-D VAE: traced with the request instead, :func:`layout_activations`)."""
     raw = vae_config(model)
     vae_class = None if raw is None else raw.get("_class_name", "AutoencoderKL")
     if vae_class in VIDEO_BAND_DECODED_VAES:
@@ -205,13 +206,14 @@ def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *,
 
 
 def _video_decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype) -> dict[int, int]:
-    """:func:`decode_bytes` of a 3-D VAE: each rank's band traced where the clip decodes over the world (rank 0's with
-    the latent it scatters and the clip it gathers), else empty."""
+    """:func:`decode_bytes` of a 3-D VAE the bands run: each rank's band traced where the clip decodes over the world
+    (rank 0's with the latent it scatters and the clip it gathers), else rank 0's whole decode."""
     factor, world = work.spec.vae_scale_factor, parallel.world_size
     rows, cols = work.height // factor, work.width // factor
+    trace = partial(traced_decode_ranks, model, frames=work.frames, rows=rows, cols=cols, dtype=dtype)
     if not decodes_in_parallel(parallel, world, work.height, work.width, rows, video=True):
-        return {}
-    bands = traced_decode_ranks(model, frames=work.frames, rows=rows, cols=cols, ranks=world, dtype=dtype)
+        return {0: trace(ranks=1)[0].peak}
+    bands = trace(ranks=world)
     sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
     return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
 
