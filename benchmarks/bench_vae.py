@@ -83,6 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import pin_to_core, spread  # noqa: E402  (after the path insert, as run directly)
 from xfuse.families.common.presets import SDXL_VAE_SCALING, tiny_vae_config  # noqa: E402
+from xfuse.runtime.peak import reset_rss_peak, status_mib  # noqa: E402
 
 SERIAL, PARALLEL, TILED = "diffusers serial", "xfuse parallel 2", "diffusers tiled"
 RANKS = {SERIAL: 1, PARALLEL: 2, TILED: 1}  # the order of a round
@@ -146,25 +147,6 @@ def latents_for(vae, size: tuple[int, int], seed: int, frames: int = 1):
     return torch.randn(shape, generator=generator) / config.scaling_factor
 
 
-def _status_mib(key: str) -> float:
-    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``: kB) in MiB."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak resident size to its current one; False where the kernel does not let us."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _vae_facts(vae) -> dict:
     facts = dict(
         config={k: list(v) if isinstance(v, tuple) else v for k, v in vae.config.items() if not k.startswith("_")},
@@ -216,13 +198,13 @@ def decode_rank(vae_name: str, variant: str, size: tuple[int, int], seed: int, i
     latents = latents_for(vae, size, seed, frames)
     gc.collect()
     dist.barrier()
-    reset = _reset_peak()
-    rss_before = _status_mib("VmRSS")
+    reset = reset_rss_peak()
+    rss_before = status_mib("VmRSS")
     start = time.perf_counter()
     image = decode(latents)
     seconds = time.perf_counter() - start
     if reset:
-        peak = _status_mib("VmHWM")
+        peak = status_mib("VmHWM")
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dist.barrier()

@@ -501,6 +501,22 @@ def _tensor(t: WholeTensor) -> str:
     return f"{t.name} {tuple(t.shape)} {_mib(t.nbytes)}"
 
 
+def _decode_timing(where: Machine | None, serial: DecodeTime | None, bands: DecodeTime | None, world: int,
+                   source: str) -> str:  # fmt: skip
+    """The plan's line of predicted decode times: rank 0 alone and over the world's ranks."""
+    if where is None or serial is None:
+        return "predicted decode: none (this machine's GPU has no profile in xfuse.perf.hardware; give --device)"
+    timing = f"predicted decode ({where.device.name}, {where.link.name}): rank 0 alone {_seconds(serial.seconds)}"
+    if bands is not None:
+        timing += (
+            f"; over {world} ranks {_seconds(bands.seconds)} = compute {_seconds(bands.compute)} + {bands.layers} "
+            f"exchanges {_seconds(bands.exchange)} ({_mib(bands.sent)} sent by the busiest rank)"
+        )
+    elif world > 1:
+        timing += f"; not over {world} ranks: a band needs a latent row"
+    return timing + f" ({source}; not fitted to decodes)"
+
+
 def _video_vae_lines(v: VideoVaePlan) -> list[str]:
     """The plan's VAE decode section for a clip."""
     (frames, rows, cols), (pixel_frames, height, width), world = v.latent, v.pixels, v.world
@@ -511,20 +527,7 @@ def _video_vae_lines(v: VideoVaePlan) -> list[str]:
         f"this request decodes {f'in row bands over the {world} ranks' if v.parallel else 'on rank 0 alone'} "
         f"({v.why}; xfuse.parallel.video_vae_decode)",
     ]
-    if v.where is None or v.serial_time is None:
-        lines.append("predicted decode: none (this machine's GPU has no profile in xfuse.perf.hardware; give --device)")
-    else:
-        timing = f"predicted decode ({v.where.device.name}, {v.where.link.name}): rank 0 alone "
-        timing += _seconds(v.serial_time.seconds)
-        t = v.band_time
-        if t is not None:
-            timing += (
-                f"; over {world} ranks {_seconds(t.seconds)} = compute {_seconds(t.compute)} + {t.layers} exchanges "
-                f"{_seconds(t.exchange)} ({_mib(t.sent)} sent by the busiest rank)"
-            )
-        elif world > 1:
-            timing += f"; not over {world} ranks: a band needs a latent row"
-        lines.append(timing + " (traced: xfuse.perf.video_vae; not fitted to decodes)")
+    lines.append(_decode_timing(v.where, v.serial_time, v.band_time, world, "traced: xfuse.perf.video_vae"))
     lines.append(f"{'rank':>4}  {'latent rows':<12} {'weights':>12} {'alone':>12} {'in bands':>12}   "
                  "(activation peak of the decode, traced; alone: rank 0 decoding the whole clip)")  # fmt: skip
     start = 0
@@ -556,20 +559,7 @@ def _vae_lines(v: VaePlan | VideoVaePlan | str) -> list[str]:
         f"this request decodes {f'in row bands over the {world} ranks' if v.parallel else 'on rank 0 alone'} "
         f"({v.why}; xfuse.parallel.vae_decode)",
     ]
-    if where is None or v.serial_time is None:
-        lines.append("predicted decode: none (this machine's GPU has no profile in xfuse.perf.hardware; give --device)")
-    else:
-        timing = f"predicted decode ({where.device.name}, {where.link.name}): rank 0 alone "
-        timing += _seconds(v.serial_time.seconds)
-        t = v.band_time
-        if t is not None:
-            timing += (
-                f"; over {world} ranks {_seconds(t.seconds)} = compute {_seconds(t.compute)} + {t.layers} exchanges "
-                f"{_seconds(t.exchange)} ({_mib(t.sent)} sent by the busiest rank)"
-            )
-        elif world > 1:
-            timing += f"; not over {world} ranks: a band needs a latent row"
-        lines.append(timing + " (xfuse.perf.vae: not fitted to decodes)")
+    lines.append(_decode_timing(where, v.serial_time, v.band_time, world, "xfuse.perf.vae"))
     lines.append(f"{'rank':>4}  {'latent rows':<12} {'weights':>12} {'alone':>12} {'in bands':>12}   "
                  "(activation peak of the decode; alone: rank 0 decoding the whole image)")  # fmt: skip
     bands = band_rows(v.whole[0].shape[2], world) if v.bands else []

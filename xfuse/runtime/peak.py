@@ -27,7 +27,7 @@ def peak_rss_mib() -> float:
     return max(_seen_rss_mib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def _status_mib(key: str) -> float:
+def status_mib(key: str) -> float:
     """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``: kB) in MiB."""
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -36,7 +36,9 @@ def _status_mib(key: str) -> float:
     raise KeyError(key)
 
 
-def _reset_rss_peak() -> bool:
+def reset_rss_peak() -> bool:
+    """Lower the process's resident-size high-water mark (``VmHWM``) to its current size, remembering the earlier peak
+    (:func:`peak_rss_mib`); False where ``/proc/self/clear_refs`` cannot be written."""
     global _seen_rss_mib
     _seen_rss_mib = peak_rss_mib()
     try:
@@ -72,13 +74,13 @@ def phase_peak(device: torch.device) -> Iterator[PhasePeak]:
             _cuda_peaks[index] = max(_cuda_peaks.get(index, 0), before)
         return
     result = PhasePeak("resident")
-    measurable = _reset_rss_peak()
-    start = _status_mib("VmRSS") if measurable else 0.0
+    measurable = reset_rss_peak()
+    start = status_mib("VmRSS") if measurable else 0.0
     try:
         yield result
     finally:
         if measurable:
-            result.mib = _status_mib("VmHWM") - start
+            result.mib = status_mib("VmHWM") - start
 
 
 def peak_cuda_mib(device: torch.device) -> float:

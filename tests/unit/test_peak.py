@@ -1,0 +1,19 @@
+"""``xfuse.runtime.peak``: what a phase adds to the process's memory at its peak, and the process's peak kept across
+the reset the measurement needs (Linux: ``/proc/self/clear_refs``)."""
+
+import pytest
+import torch
+
+from xfuse.runtime import peak
+
+
+@pytest.mark.skipif(not peak.reset_rss_peak(), reason="/proc/self/clear_refs is not writable here (not Linux)")
+def test_a_phase_under_an_earlier_larger_peak_is_measured_and_the_process_peak_kept():
+    big = torch.ones(96 * 2**20 // 4)  # 96 MiB touched: the process's peak before the phase
+    del big
+    before = peak.peak_rss_mib()
+    with peak.phase_peak(torch.device("cpu")) as measured:
+        small = torch.ones(48 * 2**20 // 4)  # 48 MiB touched, under the earlier peak (above glibc's mmap threshold)
+        del small
+    assert measured.kind == "resident" and 46 <= measured.mib <= 56, measured
+    assert peak.peak_rss_mib() >= before  # the reset lowered VmHWM, not the process's peak as reported
