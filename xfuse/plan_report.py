@@ -11,7 +11,7 @@ from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
 from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
-from xfuse.parallel.costs import KINDS, comm_volume, speedup_ceiling
+from xfuse.parallel.costs import KINDS, comm_volume, keeps_stale_kv, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
@@ -260,7 +260,9 @@ def plan_report(
 
         control = workload(config, _controlnet(controlnet_layers)).control()
         control_counts = None if control is None else control.counts(plan)
-    held = pipeline_rank_bytes(spec, model, plan, grid, batch=batch, dtype=dtype, experts=experts)
+    stale_kv = keeps_stale_kv(grid.num_patches, par.warmup_steps, generation.num_inference_steps,
+                              config.cache.enabled)  # fmt: skip
+    held = pipeline_rank_bytes(spec, model, plan, grid, batch=batch, dtype=dtype, experts=experts, stale_kv=stale_kv)
     device_memory = where.device.memory if where is not None else None
     from xfuse.perf.planner import workload
 

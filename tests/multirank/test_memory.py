@@ -12,7 +12,7 @@ tensor and is not counted on either side (``tests/unit/test_activations.py``).
 import pytest
 import torch
 
-from tests.support.memory_fns import held_peaks
+from tests.support.memory_fns import held_peaks, stale_kv_held
 from tests.support.world import World
 from xfuse.config import config_from_dict
 from xfuse.perf.activations import trace_call
@@ -68,3 +68,19 @@ def test_the_plan_holds_what_each_rank_holds(world2, preset, parallel, negative)
             f"{planned_bytes / 2**20:.2f} ({planned_bytes / peaks.total() - 1:+.1%})"
         )
         assert planned_bytes == pytest.approx(peaks.total(), rel=0.10), (rank, peaks, plan)
+
+
+@pytest.mark.parametrize("parallel", [{"pipefusion_degree": 2}, {"ulysses_degree": 2}, {"cfg_degree": 2},
+                                      {"pipefusion_degree": 2, "num_patches": 1}])  # fmt: skip
+def test_the_plan_counts_stale_kv_only_where_the_engine_keeps_it(world2, parallel):
+    """One patch (a sequence- or CFG-parallel layout's default, or ``num_patches: 1``): every step a whole-image
+    pass, nothing stale, no K/V kept, and the plan counts none (``xfuse.parallel.costs.keeps_stale_kv``); with more
+    patches both hold some (Z-Image's engine 3x the plan's count here: see the plan's K/V for a single-stream model)."""
+    call = {**trace_call("z-image-tiny", SIDE, SIDE), "output_type": "np", "num_inference_steps": STEPS}
+    generation = {"height": SIDE, "width": SIDE, "num_inference_steps": STEPS}
+    config = config_from_dict({"model": "z-image-tiny", "parallel": parallel, "generation": generation})
+    planned = rank_memory("z-image-tiny", workload(config), config.parallel, torch.float32)
+    held = world2.run_ok(stale_kv_held, "z-image-tiny", parallel, call, timeout=600)
+    pipelined = config.parallel.resolved_num_patches > 1
+    assert all((n > 0) is pipelined for n in held), held
+    assert all((rank.kv_bytes > 0) is pipelined for rank in planned), planned

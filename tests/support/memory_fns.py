@@ -10,3 +10,16 @@ def held_peaks(model, parallel, call):
     pipe = model_spec(model).pipeline_class().from_pipe(load_pipeline(model), parallel=parallel)
     pipe.set_progress_bar_config(disable=True)
     return call_peaks(pipe, call)
+
+
+def stale_kv_held(model, parallel, call):
+    """Bytes of stale K/V this rank's engine holds after ``call`` (every ``StaleKVCache`` of its stage's blocks)."""
+    import gc
+
+    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.parallel.stale_kv import StaleKVCache
+
+    pipe = model_spec(model).pipeline_class().from_pipe(load_pipeline(model), parallel=parallel)
+    pipe.set_progress_bar_config(disable=True)
+    pipe(**call)
+    return sum(cache.nbytes() for cache in gc.get_objects() if isinstance(cache, StaleKVCache))

@@ -71,6 +71,13 @@ def comm_volume(
     return volume
 
 
+def keeps_stale_kv(num_patches: int, warmup_steps: int, num_steps: int, cached: bool) -> bool:
+    """Whether a request's passes keep the whole image's stale K/V buffers at all (``PipeFusionEngine``'s
+    ``keep_kv``): only with more than one patch, where some step is pipelined or step caching has every computed
+    whole-image step store them. One patch (a sequence-parallel layout's default) or exact mode: none."""
+    return num_patches > 1 and (warmup_steps < num_steps or cached)
+
+
 def kv_buffer_bytes(
     plan: StagePlan,
     grid: PatchGrid,

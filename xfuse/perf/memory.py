@@ -19,7 +19,7 @@ import torch
 
 from xfuse.families.registry import PRESET_MODELS, text_encoder_configs, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
-from xfuse.parallel.costs import kv_buffer_bytes, receive_buffer_bytes
+from xfuse.parallel.costs import keeps_stale_kv, kv_buffer_bytes, receive_buffer_bytes
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.text_encoder_split import decoder_layers, shard_text_encoder
@@ -139,17 +139,19 @@ class RankMemory:
 
 
 def pipeline_rank_bytes(
-    spec: ModelSpec, model_config: dict, plan, grid: PatchGrid, *, batch: int, dtype: torch.dtype, experts: int
-) -> tuple[dict[int, int], dict[int, int]]:
+    spec: ModelSpec, model_config: dict, plan, grid: PatchGrid, *, batch: int, dtype: torch.dtype, experts: int,
+    stale_kv: bool = True,
+) -> tuple[dict[int, int], dict[int, int]]:  # fmt: skip
     """(parameter bytes, stale K/V buffer bytes) each pipeline rank of ``plan`` keeps: its share of the transformer
-    (of each of ``experts`` transformers: Wan 2.2's two) and the whole image's K/V for its blocks, a transformer
-    batch of ``batch`` (``xfuse plan`` prints them; a sequence-parallel rank holds 1/sp of the K/V)."""
+    (of each of ``experts`` transformers: Wan 2.2's two) and, where the request keeps them at all (``stale_kv``:
+    ``xfuse.parallel.costs.keeps_stale_kv``), the whole image's K/V for its blocks, a transformer batch of ``batch``
+    (``xfuse plan`` prints them; a sequence-parallel rank holds 1/sp of the K/V)."""
     element = torch.empty((), dtype=dtype).element_size()
     hidden = spec.width(model_config)
     kv = kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element,
                          attentions=lambda block: spec.attentions_of_block(model_config, block))  # fmt: skip
     params = stage_parameter_bytes(spec, model_config, plan, dtype)
-    return {rank: n * experts for rank, n in params.items()}, kv
+    return {rank: n * experts for rank, n in params.items()}, (kv if stale_kv else dict.fromkeys(kv, 0))
 
 
 def rank_memory(model: str, work: Workload, parallel, dtype: torch.dtype, text: str = "rank0", *,
@@ -274,10 +276,12 @@ def layout_activations(model: str, work: Workload, parallel, dtype: torch.dtype,
 
 def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> list[RankMemory]:
     """Each pipeline rank's transformer share, stale K/V and VAE weights: what no text placement changes."""
-    plan = work.spec.plan(work.num_blocks, parallel)
-    params, kv = pipeline_rank_bytes(work.spec, work.config, plan, work.grid(parallel.resolved_num_patches),
+    plan, grid = work.spec.plan(work.num_blocks, parallel), work.grid(parallel.resolved_num_patches)
+    params, kv = pipeline_rank_bytes(work.spec, work.config, plan, grid,
                                      batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
-                                     experts=transformer_count(model))  # fmt: skip
+                                     experts=transformer_count(model),
+                                     stale_kv=keeps_stale_kv(grid.num_patches, parallel.warmup_steps, work.steps,
+                                                             work.cached))  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
     vae, raw = vae_weight_bytes(model, dtype), vae_config(model)
     vae_class = None if raw is None else raw.get("_class_name", "AutoencoderKL")

@@ -81,6 +81,7 @@ class Workload:
     text: int | None = None  # prompt tokens; None: the family's default lengths
     frames: int = 1  # latent frames of a video (stacked into one tall image: xfuse.parallel.video_layout)
     controlnet: dict | None = None  # a ControlNet's block counts (``num_layers``; FLUX: ``num_single_layers``)
+    cached: bool = False  # step caching on (``cache.enabled``): every computed whole-image step stores K/V
 
     def control(self) -> ControlResiduals | None:
         """The ControlNet's residual routing (``xfuse.parallel.control``), or ``None`` without one."""

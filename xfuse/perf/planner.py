@@ -74,6 +74,7 @@ def workload(config: XfuseConfig, controlnet: dict | None = None) -> Workload:
         cfg_batch,
         frames=spec.latent_frames(num_frames),
         controlnet=controlnet,
+        cached=config.cache.enabled,
     )
 
 
