@@ -95,7 +95,7 @@ def video_band_decode(preset, *, ranks, frames, rows, cols, batch=1, approximati
     if approximation == "no halo":  # the halos still travel (the ranks stay in step); the edge rows keep their zeros
         decoder._convolve_rows = lambda conv, stacked: _own_rows_only(decoder, conv, stacked)
     elif approximation == "own keys":
-        decoder._all_bands_tokens = lambda tokens: tokens
+        decoder._every_band = lambda tokens, dim: tokens
     latents = video_latents_for(vae, batch, frames, rows, cols)
     video = decoder.decode(latents if rank == ranks[0] else None, tuple(latents.shape))
     if rank != ranks[0]:

@@ -382,9 +382,13 @@ class ParallelVAEDecode:
     def _all_tokens(self, linear: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         """Forward hook of the mid-block attention's ``to_k``/``to_v``: (B, my tokens, C) -> (B, the image's
         tokens, C), every band's in row order."""
-        mine = self._rows[self.index]
-        shapes = [(out.shape[0], out.shape[1] * rows // mine, out.shape[2]) for rows in self._rows]
-        return self._all_gather("vae kv", out.contiguous(), shapes, lambda parts: torch.cat(parts, dim=1))
+        return self._every_band(out, dim=1)
+
+    def _every_band(self, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+        """This band's tokens (row-major, along ``dim``) -> every band's, in row order (keys and values)."""
+        mine, before, after = self._rows[self.index], tokens.shape[:dim], tokens.shape[dim + 1 :]
+        shapes = [(*before, tokens.shape[dim] * rows // mine, *after) for rows in self._rows]
+        return self._all_gather("vae kv", tokens.contiguous(), shapes, lambda parts: torch.cat(parts, dim=dim))
 
     def _all_gather(self, kind: str, tensor: torch.Tensor, shapes: list, join: Callable[[list], Any]) -> Any:
         """``join`` of every band's ``tensor`` (band j's of ``shapes[j]``) in band order, called before the received

@@ -184,7 +184,7 @@ class ParallelWanDecode(ParallelVAEDecode):
             qkv = qkv.reshape(batch * time, 1, channels * 3, -1)  # (B T, 1, 3 C, r W)
             qkv = qkv.permute(0, 1, 3, 2).contiguous()  # (B T, 1, r W, 3 C)
             q, k, v = qkv.chunk(3, dim=-1)  # (B T, 1, r W, C) each
-            k, v = self._all_bands_tokens(k), self._all_bands_tokens(v)  # (B T, 1, H W, C) each
+            k, v = self._every_band(k, dim=2), self._every_band(v, dim=2)  # (B T, 1, H W, C) each
             x = F.scaled_dot_product_attention(q, k, v)  # (B T, 1, r W, C)
             x = x.squeeze(1).permute(0, 2, 1).reshape(batch * time, channels, rows, width)  # (B T, C, r, W)
             x = block.proj(x)
@@ -192,13 +192,6 @@ class ParallelWanDecode(ParallelVAEDecode):
             return x + identity
 
         return forward
-
-    def _all_bands_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B T, 1, my rows x W, C) -> (B T, 1, every row x W, C), every band's in row order."""
-        mine = self._rows[self.index]
-        lead, count, width = tokens.shape[:2], tokens.shape[2], tokens.shape[3]
-        shapes = [(*lead, count * rows // mine, width) for rows in self._rows]
-        return self._all_gather("vae kv", tokens.contiguous(), shapes, lambda parts: torch.cat(parts, dim=2))
 
 
 def band_decoder(vae, *, ranks: list[int], rank: int, channels: P2PChannels | None) -> ParallelVAEDecode:

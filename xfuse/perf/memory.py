@@ -202,9 +202,7 @@ def decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype, *,
                    element=torch.empty((), dtype=dtype).element_size())  # fmt: skip
     if not decodes_in_parallel(parallel, world, work.height, work.width, work.height // shape.scale_factor):
         return {0: walk()[0].peak}
-    bands = walk(ranks=world)
-    sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
-    return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
+    return _by_pipeline_rank(walk(ranks=world), parallel)
 
 
 def _video_decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype) -> dict[int, int]:
@@ -215,7 +213,11 @@ def _video_decode_bytes(model: str, work: Workload, parallel, dtype: torch.dtype
     trace = partial(traced_decode_ranks, model, frames=work.frames, rows=rows, cols=cols, dtype=dtype)
     if not decodes_in_parallel(parallel, world, work.height, work.width, rows, video=True):
         return {0: trace(ranks=1)[0].peak}
-    bands = trace(ranks=world)
+    return _by_pipeline_rank(trace(ranks=world), parallel)
+
+
+def _by_pipeline_rank(bands, parallel) -> dict[int, int]:
+    """The decode peaks of global rank 0's pipeline group, by pipeline rank, from every global rank's band."""
     sp = parallel.sequence_degree  # pipeline rank r of the first group is global rank r * sp
     return {rank: bands[rank * sp].peak for rank in range(parallel.pipefusion_degree)}
 
