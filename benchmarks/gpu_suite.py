@@ -28,7 +28,9 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
    at degrees 2 and 4 against degree 1 (the PNGs compared), a killed rank and a stalled rank (every rank's exit code,
    the time to the end, the reports); if not, what NCCL said. With the first degree also the text encoder's
    placements on CUDA (``parallel.text_encoder``): FLUX.2 [klein]'s tiny Qwen3 split over the ranks and offloaded,
-   each against it kept on rank 0.
+   each against it kept on rank 0, and FLUX.2 [klein] at that degree with it on rank 0 (the second GPU run's stop).
+   Every launch sets ``comm.host_timeout_s`` well inside its limit; one that reaches the limit all the same gets
+   SIGUSR1 first, so that its output ends with every rank's stacks.
 
 ``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
 
@@ -47,9 +49,11 @@ when there is no GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,6 +99,10 @@ NCCL_ONE_GPU_ENV = {
     "NCCL_DEBUG": "WARN",  # NCCL's own reason, if it refuses, in the captured output
 }
 EXACT_COMM_TIMEOUT_S = 30  # the exact runs' comm.timeout_s: a refusing NCCL is reported well inside LAUNCH_TIMEOUT_S
+# ... and their comm.host_timeout_s: a host stopped outside its waits (FLUX.2 [klein] at degree 2 on one H200, the
+# second GPU run) is named by xfuse well inside LAUNCH_TIMEOUT_S too
+EXACT_HOST_TIMEOUT_S = 20
+EXACT = [f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}", f"comm.host_timeout_s={EXACT_HOST_TIMEOUT_S}"]
 
 
 PROBE_TIMEOUT_S = 90  # the probe's four steps take seconds; its groups' own timeout is 30 s
@@ -131,12 +139,34 @@ def _generate(degree: int, out_png: str, steps: int, extra: list[str], env: dict
         cmd += [os.path.abspath(__file__), "--rank-entry", *args]
     start = time.monotonic()
     print(f"nccl_one_gpu: degree {degree}, {' '.join(extra)}", flush=True)  # a call cut off at its limit shows how far
-    try:  # stdout and stderr in one stream: NCCL_DEBUG writes to stdout, xfuse's reports to stderr
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, **env}, timeout=timeout)  # fmt: skip
-        return out.returncode, time.monotonic() - start, out.stdout
-    except subprocess.TimeoutExpired as exc:
-        return "timeout", time.monotonic() - start, (exc.stdout or b"").decode(errors="replace")
+    # stdout and stderr in one stream: NCCL_DEBUG writes to stdout, xfuse's reports to stderr
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **env}) as proc:  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return proc.returncode, time.monotonic() - start, out
+        except subprocess.TimeoutExpired:
+            out = _stacks_then_kill(proc)
+            return "timeout", time.monotonic() - start, out
+
+
+def _stacks_then_kill(proc: subprocess.Popen) -> str:
+    """A launch past its limit: SIGUSR1 to each of its ranks in turn (torchrun's children, or the process itself at
+    degree 1: ``xfuse`` writes every thread's stack on it and goes on, ``register_stack_dump``), then the whole launch
+    killed; the output, ending with the xfuse frames of those stacks."""
+    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+    ranks = [int(pid) for pid in open(children).read().split()] if os.path.exists(children) else []
+    for pid in ranks or [proc.pid]:  # one at a time: ranks writing together interleave their lines
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)
+    proc.kill()  # torchrun: its agent dies, and the ranks' pipes close behind them
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    frames = [line.strip() for line in out.splitlines() if "/xfuse/" in line and line.strip().startswith("File")]
+    return out + "\nxfuse frames of the stacks at the limit:\n" + "\n".join(frames[:40])
 
 
 def _report_lines(stderr: str) -> list[str]:
@@ -171,7 +201,7 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
     result["nccl_alone"] = nccl_alone(env)
     progress(result)
     with tempfile.TemporaryDirectory() as tmp:
-        exact = [f"parallel.warmup_steps={steps}", f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}"]
+        exact = [f"parallel.warmup_steps={steps}", *EXACT]
         rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, LAUNCH_TIMEOUT_S)
         if rc != 0:
             return {**result, "error": f"degree 1 on CUDA failed (rc {rc}): {err[-2000:]}"}
@@ -214,17 +244,21 @@ def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dic
     import numpy as np
     from PIL import Image
 
-    sets = ["model=flux2-klein-tiny", "parallel.placement=linear", f"parallel.warmup_steps={steps}",
-            f"comm.timeout_s={EXACT_COMM_TIMEOUT_S}"]  # fmt: skip
-    runs = {"text_rank0": (1, "rank0"), "text_offload": (1, "offload"), f"text_split_pp{degree}": (degree, "split")}
+    sets = ["model=flux2-klein-tiny", "parallel.placement=linear", f"parallel.warmup_steps={steps}", *EXACT]
+    # FLUX.2 [klein] at degree with its text encoder on rank 0 first: the second GPU run stopped there (both hosts
+    # inside kernel launches at step 0), with the text encoder split or not; and the tiny model of the exact rows in
+    # the same linear placement (theirs is folded), which tells a FLUX.2 exchange from a linear one
+    runs = {"text_rank0": (1, ["parallel.text_encoder=rank0"]), "text_offload": (1, ["parallel.text_encoder=offload"]),
+            f"text_rank0_pp{degree}": (degree, ["parallel.text_encoder=rank0"]),
+            f"text_split_pp{degree}": (degree, ["parallel.text_encoder=split"]),
+            f"tiny_linear_pp{degree}": (degree, ["model=tiny"])}  # fmt: skip
     rows: dict = {}
-    for name, (ranks, placement) in runs.items():
+    for name, (ranks, extra) in runs.items():
         png = f"{tmp}/{name}.png"
-        rc, wall, out = _generate(ranks, png, steps, [*sets, f"parallel.text_encoder={placement}"], env,
-                                  LAUNCH_TIMEOUT_S)  # fmt: skip
+        rc, wall, out = _generate(ranks, png, steps, [*sets, *extra], env, LAUNCH_TIMEOUT_S)
         rows[name] = {"rc": rc, "seconds": wall} if rc == 0 else {"rc": rc, "output": out[-2000:]}
         rows[name]["peaks"] = [line.strip() for line in out.splitlines() if "peak" in line][:8]  # each rank's memory
-        if rc == 0 and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:
+        if rc == 0 and name.startswith("text_") and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:
             image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
             rows[name]["max_abs_pixel_diff_vs_rank0"] = int(np.abs(image - reference).max())
     return rows

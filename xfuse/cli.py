@@ -222,7 +222,9 @@ def cmd_generate(args) -> int:
         video_call_kwargs,
     )
     from xfuse.families.registry import model_spec
+    from xfuse.runtime.host_deadline import register_stack_dump
 
+    register_stack_dump()  # kill -USR1: this rank's stacks on stderr, and it goes on
     config = _auto_layout(args, _run_config(args))
     gen, par = config.generation, config.parallel
     video = model_spec(config.model).video
@@ -349,7 +351,10 @@ def _shutdown_or_exit(code: int) -> int:
 
 def cmd_serve(args) -> int:
     """Serve the OpenAI Images API on rank 0 until stopped (every rank runs this under torchrun)."""
+    from xfuse.runtime.host_deadline import register_stack_dump
     from xfuse.serve.server import serve
+
+    register_stack_dump()  # kill -USR1: this rank's stacks on stderr, and it goes on
 
     config = _auto_layout(args, _run_config(args))
     return serve(config, api_key=args.api_key or os.environ.get("XFUSE_API_KEY") or None)

@@ -18,7 +18,8 @@ YAML layout (every key optional)::
                placement: null, stage_split: null, ulysses_degree: 1, ring_degree: 1,
                vae_parallel: auto, video_patches: temporal,
                text_encoder: auto}   # placement null: the model family's default
-    comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto}
+    comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto,
+               host_timeout_s: auto}
     cache:    {method: off, threshold: 0.05, warmup_steps: 0, max_skips: null}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
@@ -282,6 +283,11 @@ class CommConfig(_Section):
     bounded by ``timeout_s`` (on CUDA one host/device synchronisation per message); ``auto``: stream on CUDA, host on
     CPU. ``stream`` on CPU runs the watchdog path over gloo (whose waits block anyway): a drill of the GPU path's
     failure handling.
+
+    ``host_timeout_s``: how long a rank's host may go without finishing a task of the denoising loop outside its waits
+    for messages before it reports ``HostStalled`` and the world stops (``xfuse.runtime.host_deadline``: a host blocked
+    inside CUDA, where no wait runs to time out). ``auto``: twice ``timeout_s`` on CUDA, ``off`` on CPU, where the host
+    computes each task itself and a large model's task has no bound.
     """
 
     SECTION: ClassVar[str] = "comm"
@@ -290,6 +296,15 @@ class CommConfig(_Section):
     max_inflight: PositiveInt = 2
     socket_ifname: NonEmptyStr | None = None
     wait: Wait = "auto"
+    host_timeout_s: Annotated[
+        Seconds | Literal["auto", "off"], Field(description="'auto', 'off' or a finite number of seconds > 0")
+    ] = "auto"
+
+    def resolved_host_timeout_s(self, device_type: str) -> float | None:
+        """``host_timeout_s`` on a device type (``"cuda"`` or ``"cpu"``): seconds, or None for off; pure."""
+        if self.host_timeout_s == "off" or (self.host_timeout_s == "auto" and device_type != "cuda"):
+            return None
+        return 2 * self.timeout_s if self.host_timeout_s == "auto" else float(self.host_timeout_s)
 
     def stream_ordered(self, device_type: str) -> bool:
         """Whether waits are stream-ordered on a device type (``"cuda"`` or ``"cpu"``); pure, no device query."""

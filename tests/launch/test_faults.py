@@ -210,6 +210,47 @@ def test_stalled_rank_with_stream_ordered_waits_is_named_by_the_watchdog(tmp_pat
     assert end_t - fault_t < timeout_s + 10
 
 
+def test_a_host_stopped_outside_its_waits_is_named_by_the_host_deadline(tmp_path):
+    # A host blocked where no wait of xfuse's runs (on CUDA: inside a kernel launch behind a device queue that never
+    # drains; here: the stall fault, whose sleep lets the other threads run) is named by comm.host_timeout_s, well
+    # before comm.timeout_s would end the peers' waits. Rank 0 waits on rank 1 all that time: its bounded wait is not
+    # aged, so the stalled rank, not the waiting one, is named.
+    host_timeout_s, comm_timeout_s = 3, 60
+    rc, stderr, fault_t, end_t, reports = launch(
+        tmp_path, 2, "stall:1:2", comm_timeout_s, settings=[f"comm.host_timeout_s={host_timeout_s}"]
+    )
+    assert rc != 0
+    when, text = reports[1]
+    assert re.match(
+        r"rank 1 failed: HostStalled: rank 1: no task of the denoising loop finished for 3\.\d s "
+        r"\(comm.host_timeout_s: 3\) outside a wait for a message; the last one finished was "
+        r"(the wait for the sends of )?s\d (p\d|whole)",
+        text,
+    ), stderr[-3000:]
+    assert "xfuse/runtime/faults.py" in text and "in _fire" in text  # where the host is: the stalled call
+    assert "first failure in the world: rank 1: HostStalled" in reports[0][1], stderr[-3000:]
+    assert host_timeout_s < when - fault_t < host_timeout_s + 1.5  # one poll of 0.25 s, and the start of a report
+    assert end_t - fault_t < host_timeout_s + 10 < comm_timeout_s
+
+
+def test_a_host_frozen_holding_the_interpreter_lock_is_ended_by_faulthandler(tmp_path):
+    # No Python thread of the frozen rank runs again, the deadline's neither: faulthandler's own timer, re-armed by
+    # that thread while it ran, ends the process with every thread's stack; its peer loses it and names it.
+    host_timeout_s, comm_timeout_s = 2, 60
+    rc, stderr, fault_t, end_t, reports = launch(
+        tmp_path, 2, "freeze:1:2", comm_timeout_s, settings=[f"comm.host_timeout_s={host_timeout_s}"]
+    )
+    assert rc != 0
+    assert re.search(r"Timeout \(0:00:1[2-9]\)!", stderr), stderr[-3000:]  # host_timeout_s + 2 x BACKSTOP_S
+    dump = stderr[stderr.index("Timeout (0:00:1") :]
+    assert re.search(r'File ".*xfuse/runtime/faults.py", line \d+ in _fire', dump), dump[:3000]
+    when, text = reports[0]
+    assert re.match(r"rank 0 failed: PeerLost: rank 0: (recv|send) of hidden .* rank 1 failed: peer lost", text), text
+    # fired between host_timeout_s + BACKSTOP_S and host_timeout_s + 2 x BACKSTOP_S after the freeze
+    assert host_timeout_s + 5 < when - fault_t < host_timeout_s + 10 + 3
+    assert end_t - fault_t < comm_timeout_s
+
+
 @pytest.mark.parametrize("degree", [2, 4])
 def test_exception_in_a_forward_stops_every_rank_naming_it(tmp_path, degree):
     rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, "raise:1:1", 30)

@@ -235,3 +235,19 @@ def test_a_ulysses_share_attends_all_its_tokens_with_a_part_of_the_heads():
 def test_the_nccl_section_states_its_outcome_plainly(nccl, outcome):
     assert gpu_suite.nccl_outcome(nccl) == outcome
     assert f"Outcome: {outcome}" in gpu_suite.markdown({"machine": "NVIDIA H100", "nccl_one_gpu": nccl})
+
+
+def test_a_launch_past_its_limit_ends_with_the_stacks_of_its_ranks():
+    # Under torchrun, as the suite's NCCL launches run: each rank is stalled in an xfuse frame; past the limit the
+    # suite has each rank write its stacks (SIGUSR1, one rank at a time) and kills the launch, keeping what it wrote.
+    script = REPO / "tests" / "support" / "stall_forever.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as proc:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.communicate(timeout=8)
+        out = gpu_suite._stacks_then_kill(proc)
+    assert proc.returncode is not None  # the launch is over
+    head, _, frames = out.partition("xfuse frames of the stacks at the limit:\n")
+    # both ranks wrote their stacks, each whole: the stalled main thread's innermost frame first
+    assert head.count("Current thread") == 2, head[-3000:]
+    assert frames.count("xfuse/runtime/faults.py") == 2 and frames.count("in _fire") == 2, frames

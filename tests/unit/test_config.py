@@ -364,6 +364,18 @@ BAD_DICTS = [
     ("max_inflight_zero", {"comm": {"max_inflight": 0}}, "comm.max_inflight", [">= 1", "(got 0)"]),
     ("socket_ifname_int", {"comm": {"socket_ifname": 0}}, "comm.socket_ifname", ["string or null"]),
     (
+        "host_timeout_zero",
+        {"comm": {"host_timeout_s": 0}},
+        "comm.host_timeout_s",
+        ["'auto', 'off' or a finite number of seconds > 0", "(got 0.0)"],
+    ),
+    (
+        "host_timeout_word",
+        {"comm": {"host_timeout_s": "never"}},
+        "comm.host_timeout_s",
+        ["'auto', 'off'", "(got 'never')"],
+    ),
+    (
         "device",
         {"runtime": {"device": "gpu"}},
         "runtime.device",
@@ -857,6 +869,21 @@ def test_hunyuandit_sweep_configs():
 )
 def test_comm_wait_resolves_per_device(wait, device, stream_ordered):
     assert CommConfig(wait=wait).stream_ordered(device) is stream_ordered
+
+
+@pytest.mark.parametrize(
+    "host_timeout_s,timeout_s,device,resolved",
+    [
+        ("auto", 60.0, "cuda", 120.0),  # twice the comm timeout: a task's wait for a message, and its launches
+        ("auto", 60.0, "cpu", None),  # the CPU host computes each task: no bound on a large model's
+        ("off", 60.0, "cuda", None),
+        (5.0, 60.0, "cpu", 5.0),  # set: on any device (the failure drills run it on CPU)
+        (300.0, 10.0, "cuda", 300.0),
+    ],
+)
+def test_comm_host_timeout_resolves_per_device(host_timeout_s, timeout_s, device, resolved):
+    comm = CommConfig(host_timeout_s=host_timeout_s, timeout_s=timeout_s)
+    assert comm.resolved_host_timeout_s(device) == resolved
 
 
 # parallel.vae_parallel: (mode, world size, height, width, latent rows, a clip) -> decoded over the world

@@ -14,6 +14,7 @@ conditioning crosses ranks. A request's model-specific inputs: ``xfuse.parallel.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +31,7 @@ from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import CachedSegments, StepCache, first_pipelined_step
 from xfuse.parallel.trace import COMM, COMPUTE, LOOP, Tracer, null_span
+from xfuse.runtime.host_deadline import HostDeadline
 
 MAX_CACHED_PROGRAMS = 8  # request shapes (steps, warm-up, patches, batch parts, patch costs) whose programs are kept
 
@@ -59,6 +61,7 @@ class PipeFusionEngine:
         warmup_steps: int,
         lookahead: int = 2,
         cache: CacheConfig | None = None,
+        host_deadline: HostDeadline | None = None,
     ):
         if plan.degree > 1 and channels is None:
             raise ValueError("a pipeline of more than one rank needs channels")
@@ -67,6 +70,7 @@ class PipeFusionEngine:
         self.warmup_steps, self.lookahead = warmup_steps, lookahead
         self.cache = cache if cache is not None and cache.enabled else None
         self.cache_decisions: list[bool] = []
+        self.host_deadline = host_deadline  # ages the host between tasks (comm.host_timeout_s)
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
 
@@ -103,8 +107,10 @@ class PipeFusionEngine:
             control_ranks = () if request.control is None else request.control.ranks(self.plan)
             schedule, program, messages = self._program(len(request.timesteps), grid, parts, control_ranks)
             run = _Run(self, request, grid, schedule, messages, tracer)
+            aged = self.host_deadline.request() if self.host_deadline is not None else contextlib.nullcontext()
             try:
-                return run.execute(program)
+                with aged:
+                    return run.execute(program)
             finally:
                 decisions = {} if run.cache is None else run.cache.decisions
                 self.cache_decisions = [decisions.get(step, True) for step in range(len(request.timesteps))]
@@ -208,6 +214,7 @@ class _Run:
     def execute(self, program) -> torch.Tensor | None:
         last_of_step = {t.step: t for t in self.schedule.orders[self.pipe_rank] if t.hop != COLLECT}
         prepare: int | None = None  # the pipelined step whose per-step work is due once the sends are posted
+        deadline = self.engine.host_deadline
         i = 0
         while i < len(program):
             action, task = program[i]
@@ -227,9 +234,13 @@ class _Run:
                 with self.span("send wait", COMM, step=task.step, patch=task.patch):
                     for handle in self.sends.pop(task):
                         handle.wait()
+                if deadline is not None:
+                    deadline.beat(f"the wait for the sends of {self._label(task)}")
             elif action == Action.COMPUTE:
                 self._compute(task, self._received(task))
                 self._release(task)
+                if deadline is not None:
+                    deadline.beat(self._label(task))
                 if last_of_step.get(task.step) == task:
                     if self.request.on_progress is not None:
                         self.request.on_progress(task.step)

@@ -229,6 +229,7 @@ class PipeFusionPipelineBase:
             warmup_steps=self.parallel.warmup_steps,
             lookahead=self.comm.max_inflight,
             cache=self.config.cache,
+            host_deadline=context.host_deadline,
         )
 
     @classmethod

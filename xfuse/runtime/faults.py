@@ -1,15 +1,18 @@
 """Fault injection for failure drills (and xfuse's own fault tests), driven by ``XFUSE_FAULT="kind:rank:step"``.
 
-``kind`` is ``kill`` (the rank SIGKILLs itself), ``stall`` (it sleeps for an hour) or ``raise`` (a RuntimeError
-inside its forward). The fault fires when global rank ``rank`` starts its first block on the first pass of diffusion
-step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in parts). With ``step``
-``decode`` it fires when the rank starts its band of a band-parallel VAE decode (the decoder's first convolution);
-with ``text`` when it starts its layers of a split text encoder (``parallel.text_encoder: split``).
-``xfuse generate`` installs it when the variable is set.
+``kind`` is ``kill`` (the rank SIGKILLs itself), ``stall`` (it sleeps for an hour: a host blocked where Python's
+other threads still run, as inside a CUDA kernel launch behind a device queue that does not drain), ``freeze`` (it
+sleeps for an hour inside a C call that holds the interpreter lock: no Python thread of the process runs again) or
+``raise`` (a RuntimeError inside its forward). The fault fires when global rank ``rank`` starts its first block on the
+first pass of diffusion step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in
+parts). With ``step`` ``decode`` it fires when the rank starts its band of a band-parallel VAE decode (the decoder's
+first convolution); with ``text`` when it starts its layers of a split text encoder (``parallel.text_encoder:
+split``). ``xfuse generate`` installs it when the variable is set.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -17,7 +20,7 @@ import time
 from xfuse.comm.errors import describe_place
 from xfuse.stderr import clock, write_stderr
 
-KINDS = ("kill", "stall", "raise")
+KINDS = ("kill", "stall", "freeze", "raise")
 
 
 DECODE = "decode"  # the step of a fault in the VAE decode
@@ -43,6 +46,8 @@ def _fire(kind: str, rank: int, place: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stall":
         time.sleep(3600)
+    elif kind == "freeze":  # libc's sleep through a PyDLL: called without releasing the interpreter lock
+        ctypes.PyDLL(None).sleep(3600)
     else:
         raise RuntimeError(f"injected fault: rank {rank} raised in its forward at {place}")
 

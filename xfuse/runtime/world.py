@@ -41,6 +41,7 @@ from xfuse.comm.groups import DirectionGroups, make_direction_groups
 from xfuse.comm.p2p import P2PChannels
 from xfuse.config import MAX_PIPEFUSION_DEGREE, CommConfig, ConfigError, ParallelConfig, RuntimeConfig, XfuseConfig
 from xfuse.runtime.handshake import flatten, handshake, versions
+from xfuse.runtime.host_deadline import HostDeadline
 from xfuse.runtime.monitor import FailureMonitor, default_store
 from xfuse.runtime.netprobe import check_reachability
 
@@ -78,6 +79,7 @@ class ParallelContext:
     sp_ranks: list[int] = field(default_factory=list)  # global ranks of that group, by SP index (empty: no SP)
     sp_channels: P2PChannels | None = None  # the SP group's other ranks
     world_channels: P2PChannels | None = None  # every other rank of the world (the band-parallel VAE decode)
+    host_deadline: HostDeadline | None = None  # bounds the denoising loop's host outside its waits (None: off)
 
     @property
     def all_channels(self) -> list[P2PChannels]:
@@ -153,6 +155,7 @@ class _ProcessResources:
     def __init__(self) -> None:
         self.monitors: dict[tuple[int, int], FailureMonitor] = {}  # (rank, world size) -> its monitor
         self.channels: weakref.WeakSet[P2PChannels] = weakref.WeakSet()  # weak: a dropped pipeline frees them
+        self.deadlines: weakref.WeakSet[HostDeadline] = weakref.WeakSet()
         self.owns_default_group = False
 
 
@@ -182,6 +185,9 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
         thread alive: the CLI leaves with ``os._exit``.
     """
     stopped = True
+    for deadline in list(_RESOURCES.deadlines):
+        deadline.stop()
+    _RESOURCES.deadlines = weakref.WeakSet()
     for monitor in list(_RESOURCES.monitors.values()):
         stopped = monitor.stop(join_timeout_s) and stopped
     _RESOURCES.monitors.clear()
@@ -292,6 +298,12 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     for c in every:
         if c.watchdog is not None:  # a stuck device: tell the other ranks, then end the process
             c.watchdog.on_stuck = monitor.fail_from_thread
+    host_timeout_s = comm.resolved_host_timeout_s(device.type)
+    deadline = None
+    if host_timeout_s is not None:
+        deadline = HostDeadline(rank, host_timeout_s, waiting=lambda: any(c.wait_state() is not None for c in every),
+                                on_stuck=monitor.fail_from_thread)  # fmt: skip
+        _RESOURCES.deadlines.add(deadline)
     # Every pair that streams to each other connected now, in the same order on every rank (pipeline, sequence, CFG):
     # NCCL would connect a pair at its first message, blocking the host (see P2PChannels.connect).
     if channels is not None:
@@ -318,4 +330,5 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
         sp_ranks=all_sp[cfg_rank * pp + pipe_rank] if sp > 1 else [],
         sp_channels=sp_channels,
         world_channels=world_channels,
+        host_deadline=deadline,
     )
