@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks.quality import psnr, ssim  # noqa: E402
 from tests.support.world import World  # noqa: E402
 from xfuse.assets import shapes_world as shapes  # noqa: E402
-from xfuse.families.folder import SHIPPED_MODELS  # noqa: E402
+from xfuse.families.folder import SHIPPED_IMAGE_MODELS, SHIPPED_MODELS  # noqa: E402
 from xfuse.families.registry import model_spec  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -119,7 +119,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=sorted(SHIPPED_MODELS), default=sorted(SHIPPED_MODELS))
+    parser.add_argument("--models", nargs="+", choices=SHIPPED_IMAGE_MODELS, default=list(SHIPPED_IMAGE_MODELS))
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--steps", type=int, nargs="+", default=[20, 50])
     parser.add_argument("--out", default=RESULTS)

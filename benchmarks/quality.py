@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from tests.support.world import World  # noqa: E402
 from xfuse.assets import shapes_world as shapes  # noqa: E402
-from xfuse.families.folder import SHIPPED_MODELS  # noqa: E402
+from xfuse.families.folder import SHIPPED_IMAGE_MODELS, SHIPPED_MODELS  # noqa: E402
 from xfuse.families.registry import load_pipeline, model_spec  # noqa: E402
 
 CALL = shapes.SCORING_CALL
@@ -179,7 +179,7 @@ def measure(model: str, scenes: list[shapes.Scene], configs: list[tuple[str, dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=sorted(SHIPPED_MODELS), default=sorted(SHIPPED_MODELS))
+    parser.add_argument("--models", nargs="+", choices=SHIPPED_IMAGE_MODELS, default=list(SHIPPED_IMAGE_MODELS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--sheets", default=DOCS, help="folder for each model's <model>.png contact sheet")

@@ -169,3 +169,13 @@ def test_demo_start_up_has_no_deprecation_warning():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "wrote outputs/demo.png" in out.stdout and "on 2 rank(s)" in out.stdout
     assert "deprecat" not in (out.stdout + out.stderr).lower(), (out.stdout + out.stderr)[-3000:]
+
+
+def test_the_video_demo_writes_the_trained_models_clip():
+    """``bash scripts/demo.sh --video``: the plan, then the 2-rank generate of ``shapes-video`` to an MP4."""
+    out = subprocess.run(
+        ["bash", "scripts/demo.sh", "--video"], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "wrote outputs/demo.mp4: 13 frames of 64x64 at 8 fps (1.62 s), 20 steps" in out.stdout, out.stdout
+    assert "on 2 rank(s)" in out.stdout and "deprecat" not in (out.stdout + out.stderr).lower()

@@ -14,10 +14,13 @@ import os
 from xfuse.errors import ConfigError
 
 # Trained models shipped inside the package (diffusers folders in xfuse/assets/): ``model: shapes`` is that folder.
-# Both are trained on ``xfuse.assets.shapes_world``'s captioned scenes by scripts/train_tiny.py, on one VAE:
-# ``shapes`` a HunyuanDiT (its folder also holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ.
+# The image models are trained on ``xfuse.assets.shapes_world``'s captioned scenes by scripts/train_tiny.py, on one
+# VAE: ``shapes`` a HunyuanDiT (its folder also holds the attribute classifier), ``shapes-pixart`` a PixArt-Σ. The
+# video model ``shapes-video`` (a Wan 2.1 text-to-video model with its own Wan VAE and clip classifier) on
+# ``xfuse.assets.shapes_video_world``'s captioned clips by scripts/train_video.py.
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-SHIPPED_MODELS: dict[str, str] = {name: os.path.join(_ASSETS, name) for name in ("shapes", "shapes-pixart")}
+SHIPPED_IMAGE_MODELS = ("shapes", "shapes-pixart")
+SHIPPED_MODELS: dict[str, str] = {name: os.path.join(_ASSETS, name) for name in (*SHIPPED_IMAGE_MODELS, "shapes-video")}
 
 
 def resolve_model(model: str) -> str:

@@ -233,23 +233,36 @@ def _build_scheduler(flow_shift: float = 3.0):
     )
 
 
-def build_preset_pipeline(preset: str = "wan-tiny", seed: int = 0):
-    """A complete, randomly initialised ``diffusers.WanPipeline`` (CPU, float32, eval mode)."""
+def build_preset_pipeline(
+    preset: str = "wan-tiny",
+    seed: int = 0,
+    extra_words: tuple[str, ...] = (),
+    vae_overrides: dict[str, Any] | None = None,
+    **transformer_overrides: Any,
+):
+    """A complete, randomly initialised ``diffusers.WanPipeline`` (CPU, float32, eval mode).
+
+    ``extra_words``: whole words added after the built-in vocabulary of the tokenizer (a training set's caption words,
+    one token each; the built-in ids do not move). ``vae_overrides`` and ``transformer_overrides``: constructor
+    arguments of ``AutoencoderKLWan`` and ``WanTransformer3DModel`` replacing the preset's (``out_channels`` follows
+    ``in_channels``, the VAE's ``z_dim`` the transformer's ``in_channels``)."""
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from transformers import T5Tokenizer
 
-    config, boundary = preset_transformer_config(preset), PRESETS[preset].get("boundary_ratio")
+    config, boundary = preset_transformer_config(preset) | transformer_overrides, PRESETS[preset].get("boundary_ratio")
+    config["out_channels"] = config["in_channels"]
     with seeded(seed, "transformer"):
         transformer = WanTransformer3DModel(**config).eval()
     experts = {}
     if boundary is not None:  # Wan 2.2: the low-noise expert, same shape, its own weights
         with seeded(seed, "transformer_2"):
             experts = {"transformer_2": WanTransformer3DModel(**config).eval(), "boundary_ratio": boundary}
-    vocab = t5_vocab()
+    vocab = t5_vocab(extra_words)
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
     text_encoder = t5_encoder(config["text_dim"], len(vocab), seed, "text_encoder", umt5=True)
+    vae_config = _vae_config(preset) | {"z_dim": config["in_channels"]} | (vae_overrides or {})
     with seeded(seed, "vae"):
-        vae = AutoencoderKLWan(**_vae_config(preset)).eval()
+        vae = AutoencoderKLWan(**vae_config).eval()
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,

@@ -1,0 +1,222 @@
+"""Train the shipped ``shapes-video`` model on this CPU: a clip classifier, a Wan VAE and a Wan transformer.
+
+    python scripts/train_video.py --steps 3000 --out /tmp/shapes-video | tee vae_log.jsonl   # classifier, VAE
+    python scripts/train_video.py --vae-from /tmp/shapes-video --steps 8000 | tee transformer_log.jsonl
+    python scripts/train_video.py --quick        # a few steps of each stage, to check the script runs
+
+The shipped folder is the second command's (its ``train_log.jsonl``: the first run's lines, then the second's): the
+transformer trains in minutes once the VAE exists (17 of the first run's 23 minutes), so it was trained longer on
+that VAE.
+
+Stages (each logged with its time and losses, seed fixed), on clips of ``xfuse.assets.shapes_video_world`` (13
+frames of 64 px: a coloured shape crossing a plain background in the captioned direction):
+
+1. the attribute classifier (colour, shape, background, direction) on rendered clips, lightly blurred and noised so
+   it also reads decoded ones;
+2. an ``AutoencoderKLWan`` of Wan 2.1's layout (8x spatial and 4x temporal compression, causal 3-D convolutions,
+   ``wan-tiny``'s levels at base width 8, 4 latent channels) on whole clips: 13 frames -> 4 latent frames of 8 x 8,
+   an autoencoder on the posterior's mean with the shape's pixels weighted 10x (``train_vae`` says why);
+   then its ``latents_mean`` / ``latents_std`` per channel from the training clips' latents (what ``WanPipeline``
+   normalises with);
+3. the transformer (``WanTransformer3DModel``, 4 blocks of 4 heads x 16): every training clip encoded once, its
+   caption encoded by the frozen tiny UMT5 encoder exactly as ``WanPipeline.encode_prompt`` does; flow matching
+   (the ``flow_prediction`` of the folder's UniPC scheduler: the model predicts noise - clip) at the scheduler's own
+   shifted sigmas, 10 % of captions replaced by the empty prompt (``WanPipeline``'s negative prompt for guidance).
+
+Never run by CI: the shipped weights are its output. The tokenizer holds every word of the captions' grammar as one
+token (``shapes_video_world.VOCABULARY``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+from torch import nn
+
+from xfuse.assets import shapes_video_world as world
+from xfuse.families.wan.presets import build_preset_pipeline
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "xfuse", "assets", "shapes-video")
+TRANSFORMER = dict(num_layers=4, num_attention_heads=4, attention_head_dim=16, ffn_dim=256)  # in 4 latent channels
+VAE = dict(base_dim=8)  # wan-tiny's levels (dim_mult 1, 2, 4, 4; one residual block each) twice as wide
+FLOW_SHIFT = 3.0  # the folder's UniPC scheduler's (wan-tiny's, as Wan 2.1's 480p release)
+
+
+def log(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def clips_and_tensor(n: int, seed: int):
+    rng = random.Random(seed)
+    clips = [world.random_clip(rng) for _ in range(n)]
+    return clips, world.to_tensor([world.render(clip, rng) for clip in clips])  # (n, 3, 13, 64, 64)
+
+
+def degrade(clips: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """What a VAE does to flat shapes, roughly: soft edges per frame and a little noise."""
+    b, c, t, h, w = clips.shape
+    frames = clips.transpose(1, 2).reshape(b * t, c, h, w)  # (B, 3, T, H, W) -> (B T, 3, H, W)
+    blurred = nn.functional.avg_pool2d(frames, 3, stride=1, padding=1, count_include_pad=False)
+    blurred = blurred.reshape(b, t, c, h, w).transpose(1, 2)  # (B T, 3, H, W) -> (B, 3, T, H, W)
+    return blurred + 0.05 * torch.randn(clips.shape, generator=generator)
+
+
+def train_classifier(steps: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model, generator = world.classifier(), torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    start = time.time()
+    for step in range(steps):
+        clips, tensor = clips_and_tensor(32, seed * 100_000 + step)
+        logits = model(degrade(tensor, generator))
+        labels = {name: torch.tensor([c.labels()[name] for c in clips]) for name in world.ATTRIBUTES}
+        loss = sum(nn.functional.cross_entropy(logits[name], labels[name]) for name in world.ATTRIBUTES)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            log({"stage": "classifier", "step": step, "loss": round(loss.item(), 4), "s": round(time.time() - start)})
+    return model.eval()
+
+
+def train_vae(vae, steps: int, batch: int, seed: int):
+    """An autoencoder on the posterior's mean (what the transformer is trained on and the pipeline decodes), the
+    shape's pixels weighted 10x: with plain MSE the VAE settles on the background alone (MSE 0.10-0.15 for 600 steps:
+    the shape is ~8 % of a frame)."""
+    torch.manual_seed(seed)
+    vae.train()
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    start = time.time()
+    for step in range(steps):
+        _, clips = clips_and_tensor(batch, seed * 100_000 + 50_000 + step)
+        recon = vae.decode(vae.encode(clips).latent_dist.mode()).sample  # (B, 3, 13, 64, 64)
+        error = (recon - clips) ** 2
+        # the shape: pixels away from the background (the top-left pixel of the first frame, never the shape's)
+        shape = (clips - clips[:, :, :1, :1, :1]).abs().sum(dim=1, keepdim=True) > 0.1  # (B, 1, 13, 64, 64)
+        loss = (error * (1 + 9 * shape)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 25 == 0 or step == steps - 1:
+            log({"stage": "vae", "step": step, "loss": round(loss.item(), 5), "mse": round(error.mean().item(), 5),
+                 "s": round(time.time() - start)})  # fmt: skip
+    return vae.eval()
+
+
+@torch.no_grad()
+def encode_clips(vae, n_clips: int, seed: int, fit_statistics: bool):
+    """``n_clips`` training clips and their latents normalised as ``WanPipeline`` reads them, by the VAE's
+    ``latents_mean`` / ``latents_std`` (first fitted per channel to these latents, for a VAE trained in this run)."""
+    clips, latents = [], []
+    for chunk in range(0, n_clips, 32):
+        chunk_clips, tensor = clips_and_tensor(min(32, n_clips - chunk), seed * 100_000 + 90_000 + chunk)
+        clips += chunk_clips
+        latents.append(vae.encode(tensor).latent_dist.mean)  # (b, 3, 13, 64, 64) -> (b, 4, 4, 8, 8)
+    latents = torch.cat(latents)
+    if fit_statistics:
+        vae.register_to_config(latents_mean=[round(v, 5) for v in latents.mean(dim=(0, 2, 3, 4)).tolist()],
+                               latents_std=[round(v, 5) for v in latents.std(dim=(0, 2, 3, 4)).tolist()])  # fmt: skip
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)  # per channel
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return clips, (latents - mean) / std  # as WanPipeline's decode undoes: latents / (1 / std) + mean
+
+
+@torch.no_grad()
+def encode_caption(pipe, caption: str) -> torch.Tensor:
+    """The prompt embeddings (512, text_dim), as ``WanPipeline.encode_prompt`` gives them (padding zeroed)."""
+    embeds, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False, device="cpu")
+    return embeds[0]
+
+
+def train_transformer(pipe, vae, steps: int, n_clips: int, batch: int, seed: int, fit_statistics: bool):
+    torch.manual_seed(seed)
+    transformer = pipe.transformer
+    clips, latents = encode_clips(vae, n_clips, seed, fit_statistics)
+    captions = sorted({c.caption for c in clips} | {""})
+    text = {caption: encode_caption(pipe, caption) for caption in captions}
+    log({"stage": "transformer", "clips": n_clips, "captions": len(captions),
+         "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std,
+         "parameters": sum(p.numel() for p in transformer.parameters()),
+         "prediction_type": pipe.scheduler.config.prediction_type})  # fmt: skip
+    transformer.train()
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=5e-4, weight_decay=0.0)
+    # 200 steps of warm-up, then a cosine to zero
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / 200, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    )
+    start, generator = time.time(), torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        index = torch.randint(0, len(clips), (batch,), generator=generator)
+        x0 = latents[index]  # (B, 4, 4, 8, 8)
+        words = [clips[i].caption if torch.rand((), generator=generator) > 0.1 else "" for i in index.tolist()]
+        embeds = torch.stack([text[w] for w in words])  # (B, 512, text_dim)
+        # the UniPC scheduler's flow sigmas: uniform, then shifted as FlowMatch / UniPC's flow_shift shifts them
+        u = torch.rand(batch, generator=generator)
+        sigma = FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)
+        noise = torch.randn(x0.shape, generator=generator)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        noisy = (1 - s) * x0 + s * noise
+        target = noise - x0  # flow_prediction: the scheduler's x0 is sample - sigma * output
+        pred = transformer(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=embeds,
+                           return_dict=False)[0]  # fmt: skip
+        loss = nn.functional.mse_loss(pred, target)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            log({"stage": "transformer", "step": step, "loss": round(loss.item(), 4), "s": round(time.time() - start)})
+    return transformer.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=OUT, help="the diffusers folder to write")
+    parser.add_argument("--vae-from", help="take the VAE (its latents' statistics included) and the classifier of this "
+                        "trained folder instead of training them")  # fmt: skip
+    parser.add_argument("--classifier-steps", type=int, default=300)
+    parser.add_argument("--vae-steps", type=int, default=1000)
+    parser.add_argument("--vae-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3000, help="transformer steps")
+    parser.add_argument("--clips", type=int, default=2000, help="clips encoded for the transformer")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a few steps of each stage")
+    args = parser.parse_args()
+    if args.quick:
+        args.classifier_steps, args.vae_steps, args.steps, args.clips, args.batch = 3, 3, 3, 64, 4
+    torch.set_num_threads(args.threads)
+    start = time.time()
+    log({"stage": "start", **vars(args), "torch": torch.__version__})
+    pipe = build_preset_pipeline("wan-tiny", args.seed, extra_words=world.VOCABULARY, vae_overrides=VAE,
+                                 **TRANSFORMER)  # fmt: skip
+    if args.vae_from:
+        from diffusers import AutoencoderKLWan
+
+        classifier = world.load_classifier(args.vae_from)
+        vae = AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae").eval()
+        pipe.register_modules(vae=vae)
+    else:
+        classifier = train_classifier(args.classifier_steps, args.seed)
+        vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed)
+    train_transformer(pipe, vae, args.steps, args.clips, args.batch, args.seed, fit_statistics=not args.vae_from)
+    os.makedirs(args.out, exist_ok=True)
+    pipe.save_pretrained(args.out, safe_serialization=True)
+    from safetensors.torch import save_file
+
+    save_file(classifier.state_dict(), os.path.join(args.out, "attribute_classifier.safetensors"))
+    log({"stage": "done", "out": os.path.abspath(args.out), "minutes": round((time.time() - start) / 60, 1)})
+
+
+if __name__ == "__main__":
+    main()
