@@ -245,9 +245,12 @@ def test_a_host_frozen_holding_the_interpreter_lock_is_ended_by_faulthandler(tmp
     dump = stderr[stderr.index("Timeout (0:00:1") :]
     assert re.search(r'File ".*xfuse/runtime/faults.py", line \d+ in _fire', dump), dump[:3000]
     when, text = reports[0]
-    assert re.match(r"rank 0 failed: PeerLost: rank 0: (recv|send) of hidden .* rank 1 failed: peer lost", text), text
-    # fired between host_timeout_s + BACKSTOP_S and host_timeout_s + 2 x BACKSTOP_S after the freeze
-    assert host_timeout_s + 5 < when - fault_t < host_timeout_s + 10 + 3
+    # its peer loses it and names it, unless torchrun, seeing rank 1 exit, terminates rank 0 first
+    lost = r"rank 0 failed: PeerLost: rank 0: (recv|send) of hidden .* rank 1 failed: peer lost"
+    assert re.match(lost, text) or text.startswith("rank 0 terminated by the launcher (SIGTERM)"), text
+    # faulthandler's timer fires host_timeout_s + 2 x BACKSTOP_S after its last re-arming, which came at most
+    # BACKSTOP_S and one poll (0.25 s) before the freeze
+    assert host_timeout_s + 5 - 0.25 < when - fault_t < host_timeout_s + 10 + 3
     assert end_t - fault_t < comm_timeout_s
 
 
