@@ -107,7 +107,7 @@ class PipeFusionEngine:
             control_ranks = () if request.control is None else request.control.ranks(self.plan)
             schedule, program, messages = self._program(len(request.timesteps), grid, parts, control_ranks)
             run = _Run(self, request, grid, schedule, messages, tracer)
-            aged = self.host_deadline.request() if self.host_deadline is not None else contextlib.nullcontext()
+            aged = contextlib.nullcontext() if self.host_deadline is None else self.host_deadline.request(run.describe)
             try:
                 with aged:
                     return run.execute(program)
@@ -235,12 +235,12 @@ class _Run:
                     for handle in self.sends.pop(task):
                         handle.wait()
                 if deadline is not None:
-                    deadline.beat(f"the wait for the sends of {self._label(task)}")
+                    deadline.beat((Action.WAIT_SEND, task))
             elif action == Action.COMPUTE:
                 self._compute(task, self._received(task))
                 self._release(task)
                 if deadline is not None:
-                    deadline.beat(self._label(task))
+                    deadline.beat((Action.COMPUTE, task))
                 if last_of_step.get(task.step) == task:
                     if self.request.on_progress is not None:
                         self.request.on_progress(task.step)
@@ -251,6 +251,11 @@ class _Run:
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
         return self.latents.finish()
+
+    def describe(self, place) -> str:
+        """A host deadline's place, (action, task), in words (formatted only when reported)."""
+        action, task = place
+        return self._label(task) if action == Action.COMPUTE else f"the wait for the sends of {self._label(task)}"
 
     def _label(self, task: Task) -> str:
         where = "whole" if task.patch is None else f"p{task.patch}"

@@ -78,7 +78,8 @@ class HostDeadline:
         self.rank, self.timeout_s, self.poll_s = rank, timeout_s, poll_s
         self.waiting, self.on_stuck = waiting, on_stuck
         self._since = 0.0  # the last beat (or bounded wait seen)
-        self._place = ""  # what the last beat finished
+        self._place: object = None  # what the last beat finished (None: nothing yet in this request)
+        self._describe: Callable[[object], str] = str
         self._armed_at = 0.0  # when faulthandler's timer was last set
         self._active = False
         self._lock = threading.Lock()
@@ -86,11 +87,13 @@ class HostDeadline:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def request(self):
-        """Age the host from now until the block ends (one request's denoising loop)."""
+    def request(self, describe: Callable[[object], str] = str):
+        """Age the host from now until the block ends (one request's denoising loop); ``describe(place)`` names a
+        beat's place in a report only (the loop beats with its task objects: nothing is formatted per task)."""
+        self._describe = describe
         with self._lock:
             self._active = True
-            self._since, self._place = time.monotonic(), "the start of the request"
+            self._since, self._place = time.monotonic(), None
             self._arm(self._since)
         if self._thread is None:
             # daemon: a deadline nobody stopped must not keep a finished process alive
@@ -103,7 +106,7 @@ class HostDeadline:
                 self._active = False
                 faulthandler.cancel_dump_traceback_later()
 
-    def beat(self, place: str) -> None:
+    def beat(self, place: object) -> None:
         """The host finished ``place`` (a task of the loop): start aging again."""
         with self._lock:
             self._since, self._place = time.monotonic(), place
@@ -135,11 +138,12 @@ class HostDeadline:
                 if idle > self.timeout_s:
                     faulthandler.cancel_dump_traceback_later()  # this report instead of the bare stacks
             if idle > self.timeout_s:
+                last = "none yet" if place is None else self._describe(place)
                 self.on_stuck(
                     HostStalled(
                         f"rank {self.rank}: no task of the denoising loop finished for {idle:.1f} s "
                         f"(comm.host_timeout_s: {self.timeout_s:g}) outside a wait for a message; the last one "
-                        f"finished was {place}; the host is inside {main_thread_frames()}"
+                        f"finished was {last}; the host is inside {main_thread_frames()}"
                     )
                 )
                 return
