@@ -8,6 +8,14 @@ as ``rank R: <step> ok`` or ``rank R: <step> FAILED <error>``: an all-reduce on 
 in one batch on it; two eager ``new_group`` direction groups as xfuse makes them; a send on one and a receive on the
 other, each in a batch of its own, issued in the opposite order on the two ranks (every pair's first message: the
 connection is made then).
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/gpu_nccl_probe.py --grouped-unlike
+
+makes the groups, then the first messages of FLUX.2 [klein] at degree 2 as xfuse posted them before it cut its
+batches to one operation per peer (``xfuse.comm.p2p.one_per_peer``; they stopped both ranks on one H200): rank 0 a
+batch of two sends (hidden, text) to rank 1 on "up" with a receive from rank 1 on "down", then a batch of the next two
+sends; rank 1 one batch of all four receives, then its send on "down". NCCL leaves batches grouped unlike on the two
+sides undefined (NVIDIA/nccl#1279): this says what it does here (``ok``, an error, or the suite's time limit).
 """
 
 from __future__ import annotations
@@ -66,6 +74,29 @@ def main() -> int:
         for work in works:
             work.wait()
 
+    def grouped_unlike() -> None:
+        hidden, text, back = 8192, 16384, 4096  # float32 elements: the tiny FLUX.2 [klein]'s first messages
+        up, down = groups["up"], groups["down"]
+        if rank == 0:
+            sent = [torch.full((n,), float(i), device=device) for i, n in enumerate((hidden, text, hidden, text))]
+            received = torch.zeros(back, device=device)
+            first = [dist.P2POp(dist.isend, t, 1, up) for t in sent[:2]]
+            works = dist.batch_isend_irecv(first) + dist.batch_isend_irecv([dist.P2POp(dist.irecv, received, 1, down)])
+            works += dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1, up) for t in sent[2:]])
+        else:
+            received_all = [torch.zeros(n, device=device) for n in (hidden, text, hidden, text)]
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0, up) for t in received_all])
+            works += dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(back, device=device), 0, down)])
+        for work in works:
+            work.wait()
+        if rank == 1 and [int(t[0]) for t in received_all] != [0, 1, 2, 3]:
+            raise RuntimeError(f"received {[float(t[0]) for t in received_all]}, not [0, 1, 2, 3]")
+
+    if "--grouped-unlike" in sys.argv:
+        step("two eager direction groups", direction_groups)
+        step("batches grouped unlike on the two ranks", grouped_unlike)
+        dist.destroy_process_group()
+        return 0
     step("all_reduce on the default group", all_reduce)
     step("send + recv in one batch on the default group", batched_on_default)
     step("two eager direction groups", direction_groups)

@@ -175,14 +175,15 @@ def _report_lines(stderr: str) -> list[str]:
     return [line.strip() for line in stderr.splitlines() if any(k in line for k in keep)][:20]
 
 
-def nccl_alone(env: dict) -> dict:
-    """``benchmarks/gpu_nccl_probe.py`` on two ranks: NCCL's own collectives and batched P2P, without xfuse."""
+def nccl_alone(env: dict, *args: str, timeout: float = PROBE_TIMEOUT_S) -> dict:
+    """``benchmarks/gpu_nccl_probe.py`` on two ranks: NCCL's own collectives and batched P2P, without xfuse (with
+    ``--grouped-unlike``: its batches grouped unlike on the two ranks)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd.append(os.path.join(ROOT, "benchmarks", "gpu_nccl_probe.py"))
-    print("nccl_one_gpu: NCCL alone (benchmarks/gpu_nccl_probe.py)", flush=True)
+    cmd += [os.path.join(ROOT, "benchmarks", "gpu_nccl_probe.py"), *args]
+    print(f"nccl_one_gpu: NCCL alone (benchmarks/gpu_nccl_probe.py {' '.join(args)})", flush=True)
     try:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, **env}, timeout=PROBE_TIMEOUT_S)  # fmt: skip
+                             env={**os.environ, **env}, timeout=timeout)  # fmt: skip
         rc, text = out.returncode, out.stdout
     except subprocess.TimeoutExpired as exc:
         rc, text = "timeout", (exc.stdout or b"").decode(errors="replace")
@@ -222,7 +223,9 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
             progress(result)
             if degree == degrees[0]:
                 result.update(text_encoder_placements(tmp, steps, degree, env))
-                progress(result)
+            else:  # the joint family (hidden and text stream per patch) at this degree too
+                result[f"flux2_pp{degree}"] = flux2_at(tmp, steps, degree, env)
+            progress(result)
             for fault, timeout_s in (("kill", 30), ("stall", 5)):
                 faulty = {**env, "XFUSE_FAULT": f"{fault}:1:2"}
                 rc, wall, err = _generate(
@@ -235,7 +238,31 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
                     "reports": _report_lines(err),
                 }
                 progress(result)
+    # last, as it may take its whole time limit: NCCL alone with the batches xfuse posted before ``one_per_peer``
+    result["nccl_grouped_unlike"] = nccl_alone(env, "--grouped-unlike", timeout=GROUPED_UNLIKE_TIMEOUT_S)
+    progress(result)
     return result
+
+
+GROUPED_UNLIKE_TIMEOUT_S = 50  # the probe's groups time out after 30 s; a stop past that is NCCL's kernel not ending
+FLUX2 = ["model=flux2-klein-tiny", "parallel.placement=linear", "parallel.text_encoder=rank0"]
+
+
+def flux2_at(tmp: str, steps: int, degree: int, env: dict) -> dict:
+    """FLUX.2 [klein] exact at ``degree``, against the placements' degree-1 run (``text_rank0``)."""
+    import numpy as np
+    from PIL import Image
+
+    png = f"{tmp}/flux2_pp{degree}.png"
+    rc, wall, out = _generate(degree, png, steps, [*FLUX2, f"parallel.warmup_steps={steps}", *EXACT], env,
+                              LAUNCH_TIMEOUT_S)  # fmt: skip
+    if rc != 0:
+        return {"rc": rc, "output": out[-2000:]}
+    row: dict = {"rc": rc, "seconds": wall}
+    if os.path.exists(f"{tmp}/text_rank0.png"):
+        image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
+        row["max_abs_pixel_diff_vs_degree1"] = int(np.abs(image - reference).max())
+    return row
 
 
 def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dict:
@@ -246,8 +273,9 @@ def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dic
 
     sets = ["model=flux2-klein-tiny", "parallel.placement=linear", f"parallel.warmup_steps={steps}", *EXACT]
     # FLUX.2 [klein] at degree with its text encoder on rank 0 first: the second GPU run stopped there (both hosts
-    # inside kernel launches at step 0), with the text encoder split or not; and the tiny model of the exact rows in
-    # the same linear placement (theirs is folded), which tells a FLUX.2 exchange from a linear one
+    # inside kernel launches at step 0; batches grouped unlike on the two ranks, cut since by ``one_per_peer``), with
+    # the text encoder split or not; and the tiny model of the exact rows in the same linear placement (theirs is
+    # folded)
     runs = {"text_rank0": (1, ["parallel.text_encoder=rank0"]), "text_offload": (1, ["parallel.text_encoder=offload"]),
             f"text_rank0_pp{degree}": (degree, ["parallel.text_encoder=rank0"]),
             f"text_split_pp{degree}": (degree, ["parallel.text_encoder=split"]),
@@ -261,6 +289,9 @@ def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dic
         if rc == 0 and name.startswith("text_") and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:
             image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
             rows[name]["max_abs_pixel_diff_vs_rank0"] = int(np.abs(image - reference).max())
+        if rc == 0 and name.startswith("tiny_"):  # the exact rows' degree 1 (folded there, linear here)
+            image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/d1.png"))
+            rows[name]["max_abs_pixel_diff_vs_degree1"] = int(np.abs(image - reference).max())
     return rows
 
 

@@ -26,6 +26,7 @@ from xfuse.comm import (
     TrafficCounters,
 )
 from xfuse.comm.errors import error_from_backend
+from xfuse.comm.p2p import one_per_peer
 from xfuse.comm.watchdog import CommWatchdog
 
 FIELDS = dict(
@@ -172,6 +173,25 @@ class _Op:
         self.retired_at = now
 
 
+@pytest.mark.parametrize(
+    "peers, batches",
+    [
+        ([], []),
+        ([1, 2], [[1, 2]]),  # one operation per peer: one call, as before
+        ([1, 1, 1, 1], [[1], [1], [1], [1]]),  # two patches' hidden and text from one peer: a call each
+        ([0, 0, 2, 2, 0], [[0, 2], [0, 2], [0]]),  # the k-th with each peer go together, in issue order
+        ([3, 1, 3, 1], [[3, 1], [3, 1]]),
+    ],
+)
+def test_one_per_peer_cuts_a_groups_operations_into_calls_of_one_per_peer(peers, batches):
+    items = [(peer, i) for i, peer in enumerate(peers)]
+    cut = one_per_peer(items, lambda item: item[0])
+    assert [[peer for peer, _ in batch] for batch in cut] == batches
+    assert sorted(item for batch in cut for item in batch) == sorted(items)  # nothing lost, nothing twice
+    for batch in cut:  # within a call, and across the calls for one peer, the issue order is kept
+        assert [i for _, i in batch] == sorted(i for _, i in batch)
+
+
 @pytest.mark.parametrize("main_thread_raises", [True, False], ids=["main-thread-raises", "stuck-main-thread"])
 def test_watchdog_retires_completed_ops_and_fails_the_first_expired_one(main_thread_raises):
     # The CUDA path of the watchdog (the wait returned at once; the device completes the op later). Its gloo path
@@ -263,6 +283,19 @@ def test_stream_ordered_waits_deliver_the_same_and_the_watchdog_retires_every_op
         assert r["bad"] == [] and r["counters"] == _ring_expected(steps, patches)
         assert r["watchdog"] == {"outstanding": 0, "state": None, "thread_stopped": True}
         assert "QUEUED" not in r["op_log"] and "POSTED" not in r["op_log"]
+
+
+@pytest.mark.parametrize("separate_groups", [False, True], ids=["one-group", "direction-groups"])
+def test_a_batch_call_holds_one_operation_per_peer_whatever_the_exchanges_hold(world, separate_groups):
+    """NCCL leaves it undefined when two ranks group the operations between them differently (the stop of FLUX.2
+    [klein] at degree 2 on one H200): however an exchange's messages differ from its peer's, each
+    ``batch_isend_irecv`` call holds at most one operation per peer, in the pair's order, and everything arrives."""
+    zero, one, two = world.run_ok(fns.grouped_unlike, separate_groups, timeout=60)
+    assert zero["calls"] == [[("send", 1)]] * 4  # one call per message, two exchanges of two
+    # rank 1's one exchange: its k-th receive from rank 0 with its k-th send to rank 2 (receives first)
+    assert one["calls"] == [[("recv", 0), ("send", 2)]] * 4
+    assert two["calls"] == [[("recv", 1)]] * 4
+    assert zero["bad"] == one["bad"] == two["bad"] == []
 
 
 def test_counters_count_completed_ops_and_reset(world):

@@ -101,6 +101,56 @@ def ring_exchange(
     }
 
 
+def grouped_unlike(separate_groups: bool) -> dict:
+    """Exchanges that hold different messages on the two sides of a pair (the engine's first posts: a rank posts two
+    patches' receives at once, its peer sends one patch per exchange): rank 0 sends patches 0 and 1 (hidden and text
+    each) to rank 1 one exchange per patch; rank 1 receives both in one exchange that also sends both on to rank 2;
+    rank 2 receives one patch per exchange. Every ``batch_isend_irecv`` call of this rank is recorded (the real one
+    runs) as its ops' (op, peer) pairs; the received tensors are compared with what was sent."""
+    rank = dist.get_rank()
+    ch = P2PChannels(rank=rank, timeout_s=20.0, max_inflight=2, device="cpu", groups=_groups(separate_groups))
+    specs = [("hidden", (2, 4, 8)), ("text", (2, 6, 8))]  # two sizes, as the joint families' streams
+    calls: list[list[tuple[str, int]]] = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        calls.append([("send" if op.op is dist.isend else "recv", op.peer) for op in ops])
+        return real(ops)
+
+    def sends(dst: int, patch: int) -> list[Send]:
+        return [Send(dst, k, payload(0, k, shape, "float32", 0, patch), 0, patch) for k, shape in specs]
+
+    def recvs(src: int, patch: int) -> list[Recv]:
+        return [Recv(src, k, shape, torch.float32, 0, patch) for k, shape in specs]
+
+    bad: list = []
+    dist.batch_isend_irecv = recording
+    try:
+        if rank == 0:
+            for patch in (0, 1):
+                for h in ch.exchange(sends(1, patch))[0]:
+                    h.wait()
+        elif rank == 1:
+            send_h, recv_h = ch.exchange(sends(2, 0) + sends(2, 1), recvs(0, 0) + recvs(0, 1))
+            for i, h in enumerate(recv_h):
+                (kind, shape), patch = specs[i % 2], i // 2
+                if not torch.equal(h.wait(), payload(0, kind, shape, "float32", 0, patch)):
+                    bad.append((kind, patch))
+                h.release()
+            for h in send_h:
+                h.wait()
+        else:
+            for patch in (0, 1):
+                for i, h in enumerate(ch.exchange(recvs=recvs(1, patch))[1]):
+                    kind, shape = specs[i]
+                    if not torch.equal(h.wait(), payload(0, kind, shape, "float32", 0, patch)):
+                        bad.append((kind, patch))
+                    h.release()
+    finally:
+        dist.batch_isend_irecv = real
+    return {"calls": calls, "bad": bad}
+
+
 def counters_reset() -> dict:
     """Counters only count completed ops, per kind, and reset to zero."""
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -44,6 +44,10 @@ Rules this module enforces or makes natural (see docs/design.md §5):
   current stream, and the next receive into that buffer is queued behind it.
   NCCL coalesces a batch into one Work, so waiting on one receive of a batch also
   orders the stream after that batch's sends.
+* A batch (one NCCL group) holds at most one operation per peer (``one_per_peer``):
+  NCCL does not define what happens when two ranks group the operations between
+  them differently, and one rank's exchange may hold several patches' receives
+  from a peer that sends them one exchange at a time.
 
 Not thread-safe: one engine thread drives the channels.
 """
@@ -51,10 +55,10 @@ Not thread-safe: one engine thread drives the channels.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,7 +71,9 @@ from .groups import DirectionGroups
 from .stats import OpLog, OpRecord, TrafficCounters, WaitState
 from .watchdog import CommWatchdog
 
-__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels"]
+__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels", "one_per_peer"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise makes no sense here
@@ -96,6 +102,28 @@ class Recv:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+def one_per_peer(items: Sequence[T], peer_of: Callable[[T], int]) -> list[list[T]]:
+    """``items`` (operations of one process group, in issue order) cut into batches, one ``batch_isend_irecv`` call
+    (one NCCL group) each, that hold at most one operation per peer: batch k holds every peer's k-th operation.
+
+    NCCL leaves it undefined when two ranks group the operations between them differently (NVIDIA/nccl#1279): a rank
+    that posts the receives of two patches (hidden and text stream each) in one group while its peer sends them one
+    patch at a time stopped both ranks at the first exchange (FLUX.2 [klein] at degree 2 on one H200,
+    ``docs/performance/gpu.md``). With one operation per peer in a group, the operations between two ranks are
+    grouped alike on both sides whatever each side's exchanges hold: a pair's messages match one by one, in order.
+    """
+    batches: list[list[T]] = []
+    count: dict[int, int] = {}  # peer -> operations with it placed so far
+    for item in items:
+        peer = peer_of(item)
+        k = count.get(peer, 0)
+        count[peer] = k + 1
+        if k == len(batches):
+            batches.append([])
+        batches[k].append(item)
+    return batches
 
 
 def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
@@ -257,9 +285,9 @@ class P2PChannels:
     ) -> tuple[list[PendingSend], list[PendingRecv]]:
         """Post all ``recvs`` and ``sends`` at once (receives first); return their handles in the same order.
 
-        Ops are grouped by direction group and each group's ops go out in one
-        ``batch_isend_irecv`` call, "up" group first, so the issue order is the
-        same on every rank. Raises InflightLimitError / ValueError before posting anything.
+        Ops are grouped by direction group, "up" group first, so the issue order is the same on every rank; each
+        group's ops go out in ``batch_isend_irecv`` calls of at most one op per peer (``one_per_peer``). Raises
+        InflightLimitError / ValueError before posting anything.
         """
         self._raise_expired()
         if self.failure is not None:
@@ -298,8 +326,7 @@ class P2PChannels:
             self.op_log.add(pending.record)
 
         for group in dict.fromkeys([self.groups.up, self.groups.down]):  # up first; once if shared
-            batch = [(op, h) for g, op, h in posted if g is group]
-            if batch:
+            for batch in one_per_peer([(op, h) for g, op, h in posted if g is group], lambda item: item[1].record.peer):
                 self._post(batch)
         return send_handles, recv_handles
 
