@@ -297,7 +297,9 @@ class CommConfig(_Section):
     socket_ifname: NonEmptyStr | None = None
     wait: Wait = "auto"
     host_timeout_s: Annotated[
-        Seconds | Literal["auto", "off"], Field(description="'auto', 'off' or a finite number of seconds > 0")
+        Seconds | Literal["auto", "off"],
+        BeforeValidator(_yaml_switch),  # ``--set comm.host_timeout_s=off`` arrives as False
+        Field(description="'auto', 'off' or a finite number of seconds > 0"),
     ] = "auto"
 
     def resolved_host_timeout_s(self, device_type: str) -> float | None:
@@ -330,7 +332,7 @@ class CacheConfig(_Section):
     """
 
     SECTION: ClassVar[str] = "cache"
-    method: Literal["off", "first_block", "taylor"] = "off"
+    method: Annotated[Literal["off", "first_block", "taylor"], BeforeValidator(_yaml_switch)] = "off"
     threshold: Annotated[float, Field(ge=0.0)] = 0.05
     warmup_steps: Annotated[int, Field(ge=0)] = 0
     max_skips: PositiveInt | None = None

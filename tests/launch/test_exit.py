@@ -126,3 +126,28 @@ def test_closed_channels_refuse_work_by_name():
     with pytest.raises(CommError, match=r"rank 0: channels closed \(xfuse.runtime.world.shutdown\)"):
         channels.exchange(sends=[], recvs=[])
     assert channels.num_buffers == 0
+
+
+TEARDOWN_NEVER_RETURNS = """
+import sys, threading, time
+import torch.distributed as dist
+from xfuse.runtime import world
+
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+world._RESOURCES.owns_default_group = True  # as init_parallel leaves it when xfuse made the default group
+# NCCL's destroy on a device stopped by a kernel that never ends (NVIDIA/nccl#829) cannot run here: one that blocks
+dist.destroy_process_group = lambda: threading.Event().wait()
+start = time.monotonic()
+print(world.shutdown(join_timeout_s=0.5), round(time.monotonic() - start, 2), flush=True)
+"""
+
+
+def test_shutdown_leaves_a_process_group_destroy_that_never_returns_behind(tmp_path):
+    """The second GPU runs' ranks reported their failure, then hung in ``destroy_process_group``: ``shutdown`` gives
+    it ``join_timeout_s`` and returns False (the CLI then leaves with ``os._exit``), and the process can end."""
+    out = subprocess.run([sys.executable, "-c", TEARDOWN_NEVER_RETURNS, str(tmp_path / "store")], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    stopped, seconds = out.stdout.split()
+    assert stopped == "False" and 0.5 <= float(seconds) < 3.0, out.stdout
+    assert "destroying the process groups did not return within 0.5 s (NCCL waits for the device)" in out.stderr

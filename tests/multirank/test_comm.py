@@ -24,7 +24,9 @@ from xfuse.comm import (
     Recv,
     RecvBufferPool,
     TrafficCounters,
+    p2p,
 )
+from xfuse.comm.bounded_call import call_bounded
 from xfuse.comm.errors import error_from_backend
 from xfuse.comm.p2p import one_per_peer
 from xfuse.comm.watchdog import CommWatchdog
@@ -148,6 +150,49 @@ def test_channel_arguments_are_validated():
     with pytest.raises(InflightLimitError, match="max_inflight=1"):
         ch.exchange(recvs=[Recv(1, "hidden", (1,), torch.float32, 0, i) for i in range(2)])
     assert ch.outstanding(1, "hidden") == 0 and ch.num_buffers == 1
+
+
+def test_call_bounded_returns_what_happened_within_its_bound():
+    assert call_bounded(lambda: None, 5.0, "quick") is True
+    with pytest.raises(ZeroDivisionError):  # an exception of the call is the caller's
+        call_bounded(lambda: 1 / 0, 5.0, "raises")
+    never = threading.Event()
+    start = time.monotonic()
+    assert call_bounded(never.wait, 0.2, "xfuse-test-never") is False
+    assert 0.2 <= time.monotonic() - start < 2.0
+    left = next(t for t in threading.enumerate() if t.name == "xfuse-test-never")
+    assert left.daemon  # left behind, it does not keep the process alive
+    never.set()
+
+
+def test_an_abort_that_never_returns_is_given_up_after_its_bound(monkeypatch, capfd):
+    """NCCL's abort on a stopped device (NVIDIA/nccl#829) held the comm watchdog for good in the third GPU run, so
+    the failure it had found never ended the process; the abort now gets ``ABORT_WAIT_S``."""
+    monkeypatch.setattr(p2p, "ABORT_WAIT_S", 0.2)
+    channels = P2PChannels(rank=3, timeout_s=1.0, max_inflight=1, device="cpu")
+    start = time.monotonic()
+    channels.abort_bounded(threading.Event().wait)
+    assert time.monotonic() - start < 2.0
+    assert "rank 3: aborting the communicators did not return within 0.2 s" in capfd.readouterr().err
+    channels.abort_bounded(lambda: 1 / 0)
+    assert "rank 3: aborting the communicators failed: division by zero" in capfd.readouterr().err
+
+
+def test_a_wait_excuses_the_host_only_within_the_channels_bound():
+    """``in_bounded_wait`` is what the host deadline does not count: a wait inside ``timeout_s`` and the grace,
+    on healthy channels."""
+    channels = P2PChannels(rank=0, timeout_s=2.0, max_inflight=1, device="cpu", stream_ordered=True,
+                           watchdog_grace_s=1.0)  # fmt: skip
+    record = OpRecord("recv", "latent", 1, (1, 4), torch.float32, 16, 0, None, time.monotonic())
+    assert channels.in_bounded_wait() is False  # not waiting
+    channels.waiting_on = (record, time.monotonic() - 2.5)
+    assert channels.in_bounded_wait() is True  # 2.5 s: within timeout_s + grace
+    channels.waiting_on = (record, time.monotonic() - 3.5)
+    assert channels.in_bounded_wait() is False  # past them: the comm timeout should have ended it
+    channels.waiting_on = (record, time.monotonic())
+    channels.failure = CommTimeout.for_op(what="timed out after 2.0 s", **FIELDS)
+    assert channels.in_bounded_wait() is False  # failed channels excuse nothing
+    channels.close()
 
 
 class _DeviceWork:

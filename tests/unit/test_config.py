@@ -922,10 +922,25 @@ def test_vae_parallel_on_needs_a_latent_row_per_rank():
     assert "6 rows for 8 ranks" in str(e.value) and "use auto or off" in str(e.value)
 
 
-@pytest.mark.parametrize("written,read", [("on", "on"), ("off", "off"), ("auto", "auto")])
-def test_vae_parallel_as_yaml_reads_it(tmp_path, written, read):
-    """YAML 1.1 reads a bare on / off as a boolean; the key takes them as written."""
+@pytest.mark.parametrize(
+    "section,key,written,read",
+    [
+        ("parallel", "vae_parallel", "on", "on"),
+        ("parallel", "vae_parallel", "off", "off"),
+        ("parallel", "vae_parallel", "auto", "auto"),
+        ("comm", "host_timeout_s", "off", "off"),  # the third GPU run's --set comm.host_timeout_s=off was refused
+        ("comm", "host_timeout_s", "auto", "auto"),
+        ("cache", "method", "off", "off"),
+    ],
+)
+def test_an_off_switch_as_yaml_reads_as_written(tmp_path, section, key, written, read):
+    """YAML 1.1 reads a bare on / off as a boolean; the keys that take ``off`` take it as written."""
     path = tmp_path / "c.yaml"
-    path.write_text(f"parallel:\n  vae_parallel: {written}\n")
-    assert load_config(str(path)).parallel.vae_parallel == read
-    assert load_config(None, [f"parallel.vae_parallel={written}"]).parallel.vae_parallel == read
+    path.write_text(f"{section}:\n  {key}: {written}\n")
+    assert getattr(getattr(load_config(str(path)), section), key) == read
+    assert getattr(getattr(load_config(None, [f"{section}.{key}={written}"]), section), key) == read
+
+
+def test_on_is_no_host_timeout():
+    with pytest.raises(ConfigError, match=r"comm.host_timeout_s: must be 'auto', 'off' or a finite number"):
+        load_config(None, ["comm.host_timeout_s=on"])

@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from xfuse.stderr import write_stderr
 
+from .bounded_call import call_bounded
 from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, describe_place, error_from_backend
 from .groups import DirectionGroups
@@ -74,6 +75,8 @@ from .watchdog import CommWatchdog
 __all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels", "one_per_peer"]
 
 T = TypeVar("T")
+
+ABORT_WAIT_S = 10.0  # how long a failure waits for NCCL to abort the communicators before it goes on
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise makes no sense here
@@ -393,6 +396,17 @@ class P2PChannels:
         record, since = waiting
         return WaitState.of(record, since, time.monotonic())
 
+    def in_bounded_wait(self) -> bool:
+        """Whether this rank is inside a wait of these channels that their bound still covers (what the host deadline
+        does not count, ``xfuse.runtime.host_deadline``): not once the channels failed, nor past ``timeout_s`` and the
+        watchdog's grace, where the comm timeout should have ended it (an abort that never returns must not excuse
+        the host for ever). Safe to call from another thread."""
+        state = self.wait_state()
+        if state is None or self.failure is not None:
+            return False
+        grace = self.watchdog.grace_s if self.watchdog is not None else 0.0
+        return state.waited_s <= self.timeout_s + grace
+
     def format_op_log(self) -> str:
         """The recent operations, with state and timing, for failure reports."""
         state = "healthy" if self.failure is None else f"FAILED: {self.failure}"
@@ -573,12 +587,21 @@ class P2PChannels:
         if not dist.is_initialized() or dist.get_backend() != "nccl":
             return
         groups = {self.groups.up, self.groups.down}
+
+        def abort() -> None:
+            for group in [None] if None in groups else groups:
+                dist.distributed_c10d._abort_process_group(group)
+
+        self.abort_bounded(abort)
+
+    def abort_bounded(self, abort: Callable[[], object]) -> None:
+        """``abort()`` given ``ABORT_WAIT_S``: NCCL's abort synchronises the communicator's stream (NVIDIA/nccl#829),
+        so on a device stopped by a kernel that never ends it never returns (FLUX.2 [klein] at degree 2 on one H100,
+        ``docs/performance/gpu.md``); past the bound the failure goes on to its report and the end of the process."""
         try:
-            if None in groups:
-                dist.distributed_c10d._abort_process_group()
-            else:
-                for group in groups:
-                    dist.distributed_c10d._abort_process_group(group)
+            if not call_bounded(abort, ABORT_WAIT_S, f"xfuse-abort-{self.rank}"):
+                write_stderr(f"rank {self.rank}: aborting the communicators did not return within {ABORT_WAIT_S:g} s "
+                             "(NCCL's abort waits for the device); going on without it")  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the report matters more; the process ends anyway
             write_stderr(f"rank {self.rank}: aborting the communicators failed: {exc}")
 

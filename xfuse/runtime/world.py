@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from xfuse.comm.bounded_call import call_bounded
 from xfuse.comm.groups import DirectionGroups, make_direction_groups
 from xfuse.comm.p2p import P2PChannels
 from xfuse.config import MAX_PIPEFUSION_DEGREE, CommConfig, ConfigError, ParallelConfig, RuntimeConfig, XfuseConfig
@@ -44,6 +45,7 @@ from xfuse.runtime.handshake import flatten, handshake, versions
 from xfuse.runtime.host_deadline import HostDeadline
 from xfuse.runtime.monitor import FailureMonitor, default_store
 from xfuse.runtime.netprobe import check_reachability
+from xfuse.stderr import write_stderr
 
 # NCCL's own diagnostics, on unless the user set them: async error handling tears a failed communicator down instead
 # of hanging, and the flight recorder dumps the last collectives/P2P ops of every rank on a timeout.
@@ -181,8 +183,9 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
 
     Returns:
         `bool`: False if a monitor's watcher thread could not be joined within ``join_timeout_s`` (it is inside a
-        store call whose host does not answer). The process must then not finalize the interpreter with that
-        thread alive: the CLI leaves with ``os._exit``.
+        store call whose host does not answer), or destroying the process groups did not return within it (NCCL on
+        a stopped device). The process must then not finalize the interpreter with that thread alive: the CLI
+        leaves with ``os._exit``.
     """
     stopped = True
     for deadline in list(_RESOURCES.deadlines):
@@ -195,7 +198,13 @@ def shutdown(join_timeout_s: float = 10.0) -> bool:
         channels.close()
     _RESOURCES.channels = weakref.WeakSet()
     if _RESOURCES.owns_default_group and dist.is_initialized():
-        dist.destroy_process_group()  # the default group and every subgroup xfuse created in it
+        # the default group and every subgroup xfuse created in it; on a device stopped by a kernel that never ends
+        # NCCL's destroy never returns (NVIDIA/nccl#829): past the bound the process must leave without it
+        destroyed = call_bounded(dist.destroy_process_group, join_timeout_s, "xfuse-destroy-process-group")
+        if not destroyed:
+            write_stderr(f"destroying the process groups did not return within {join_timeout_s:g} s (NCCL waits for "
+                         "the device); leaving without it")  # fmt: skip
+        stopped = destroyed and stopped
     _RESOURCES.owns_default_group = False
     return stopped
 
@@ -301,7 +310,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     host_timeout_s = comm.resolved_host_timeout_s(device.type)
     deadline = None
     if host_timeout_s is not None:
-        deadline = HostDeadline(rank, host_timeout_s, waiting=lambda: any(c.wait_state() is not None for c in every),
+        deadline = HostDeadline(rank, host_timeout_s, waiting=lambda: any(c.in_bounded_wait() for c in every),
                                 on_stuck=monitor.fail_from_thread)  # fmt: skip
         _RESOURCES.deadlines.add(deadline)
     # Every pair that streams to each other connected now, in the same order on every rank (pipeline, sequence, CFG):
