@@ -28,9 +28,11 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
    at degrees 2 and 4 against degree 1 (the PNGs compared), a killed rank and a stalled rank (every rank's exit code,
    the time to the end, the reports); if not, what NCCL said. With the first degree also the text encoder's
    placements on CUDA (``parallel.text_encoder``): FLUX.2 [klein]'s tiny Qwen3 split over the ranks and offloaded,
-   each against it kept on rank 0, and FLUX.2 [klein] at that degree with it on rank 0 (the second GPU run's stop).
-   Every launch sets ``comm.host_timeout_s`` well inside its limit; one that reaches the limit all the same gets
-   SIGUSR1 first, so that its output ends with every rank's stacks.
+   each against it kept on rank 0, and FLUX.2 [klein] at that degree with it on rank 0 (the second and third GPU
+   runs' stop), again with ``CUDA_MODULE_LOADING=EAGER``; FLUX.2 [klein] at every later degree. Last, NCCL alone with
+   batches grouped unlike on the two ranks (``gpu_nccl_probe.py --grouped-unlike``). Every launch sets
+   ``comm.host_timeout_s`` well inside its limit; one that reaches the limit all the same gets SIGUSR1 first, so that
+   its output ends with every rank's stacks.
 
 ``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
 
@@ -272,18 +274,25 @@ def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dic
     from PIL import Image
 
     sets = ["model=flux2-klein-tiny", "parallel.placement=linear", f"parallel.warmup_steps={steps}", *EXACT]
-    # FLUX.2 [klein] at degree with its text encoder on rank 0 first: the second GPU run stopped there (both hosts
-    # inside kernel launches at step 0; batches grouped unlike on the two ranks, cut since by ``one_per_peer``), with
-    # the text encoder split or not; and the tiny model of the exact rows in the same linear placement (theirs is
-    # folded)
-    runs = {"text_rank0": (1, ["parallel.text_encoder=rank0"]), "text_offload": (1, ["parallel.text_encoder=offload"]),
-            f"text_rank0_pp{degree}": (degree, ["parallel.text_encoder=rank0"]),
-            f"text_split_pp{degree}": (degree, ["parallel.text_encoder=split"]),
-            f"tiny_linear_pp{degree}": (degree, ["model=tiny"])}  # fmt: skip
+    # FLUX.2 [klein] at degree with its text encoder on rank 0 first: the second and third GPU runs stopped there (one
+    # rank's device queue does not drain while its peer's matching operation is enqueued: docs/performance/gpu.md);
+    # then the same with CUDA's modules loaded eagerly (a lazily loaded kernel's first launch waits for the context's
+    # queue, which holds the receives posted ahead), and the text encoder split only once rank 0's run finished; and
+    # the tiny model of the exact rows in the same linear placement (theirs is folded)
+    rank0, eager, split = (f"text_rank0_pp{degree}", f"text_rank0_eager_modules_pp{degree}", f"text_split_pp{degree}")
+    runs = {"text_rank0": (1, ["parallel.text_encoder=rank0"], {}),
+            "text_offload": (1, ["parallel.text_encoder=offload"], {}),
+            rank0: (degree, ["parallel.text_encoder=rank0"], {}),
+            eager: (degree, ["parallel.text_encoder=rank0"], {"CUDA_MODULE_LOADING": "EAGER"}),
+            split: (degree, ["parallel.text_encoder=split"], {}),
+            f"tiny_linear_pp{degree}": (degree, ["model=tiny"], {})}  # fmt: skip
     rows: dict = {}
-    for name, (ranks, extra) in runs.items():
+    for name, (ranks, extra, more_env) in runs.items():
+        if name == split and rows[rank0]["rc"] != 0:  # the same stop again would only spend the device's time
+            rows[name] = {"skipped": f"{rank0} did not finish"}
+            continue
         png = f"{tmp}/{name}.png"
-        rc, wall, out = _generate(ranks, png, steps, [*sets, *extra], env, LAUNCH_TIMEOUT_S)
+        rc, wall, out = _generate(ranks, png, steps, [*sets, *extra], {**env, **more_env}, LAUNCH_TIMEOUT_S)
         rows[name] = {"rc": rc, "seconds": wall} if rc == 0 else {"rc": rc, "output": out[-2000:]}
         rows[name]["peaks"] = [line.strip() for line in out.splitlines() if "peak" in line][:8]  # each rank's memory
         if rc == 0 and name.startswith("text_") and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:

@@ -332,9 +332,9 @@ def test_stream_ordered_waits_deliver_the_same_and_the_watchdog_retires_every_op
 
 @pytest.mark.parametrize("separate_groups", [False, True], ids=["one-group", "direction-groups"])
 def test_a_batch_call_holds_one_operation_per_peer_whatever_the_exchanges_hold(world, separate_groups):
-    """NCCL leaves it undefined when two ranks group the operations between them differently (the stop of FLUX.2
-    [klein] at degree 2 on one H200): however an exchange's messages differ from its peer's, each
-    ``batch_isend_irecv`` call holds at most one operation per peer, in the pair's order, and everything arrives."""
+    """NCCL leaves it undefined when two ranks group the operations between them differently (NVIDIA/nccl#1279):
+    however an exchange's messages differ from its peer's, each ``batch_isend_irecv`` call holds at most one
+    operation per peer, in the pair's order, and everything arrives."""
     zero, one, two = world.run_ok(fns.grouped_unlike, separate_groups, timeout=60)
     assert zero["calls"] == [[("send", 1)]] * 4  # one call per message, two exchanges of two
     # rank 1's one exchange: its k-th receive from rank 0 with its k-th send to rank 2 (receives first)

@@ -46,7 +46,7 @@ Rules this module enforces or makes natural (see docs/design.md §5):
   orders the stream after that batch's sends.
 * A batch (one NCCL group) holds at most one operation per peer (``one_per_peer``):
   NCCL does not define what happens when two ranks group the operations between
-  them differently, and one rank's exchange may hold several patches' receives
+  them differently, and one rank's exchange may hold several parts' receives
   from a peer that sends them one exchange at a time.
 
 Not thread-safe: one engine thread drives the channels.
@@ -111,11 +111,13 @@ def one_per_peer(items: Sequence[T], peer_of: Callable[[T], int]) -> list[list[T
     """``items`` (operations of one process group, in issue order) cut into batches, one ``batch_isend_irecv`` call
     (one NCCL group) each, that hold at most one operation per peer: batch k holds every peer's k-th operation.
 
-    NCCL leaves it undefined when two ranks group the operations between them differently (NVIDIA/nccl#1279): a rank
-    that posts the receives of two patches (hidden and text stream each) in one group while its peer sends them one
-    patch at a time stopped both ranks at the first exchange (FLUX.2 [klein] at degree 2 on one H200,
-    ``docs/performance/gpu.md``). With one operation per peer in a group, the operations between two ranks are
-    grouped alike on both sides whatever each side's exchanges hold: a pair's messages match one by one, in order.
+    NCCL leaves it undefined when two ranks group the operations between them differently (NVIDIA/nccl#1279), and
+    the engine's exchanges do: a rank posts the receives of two parts (hidden and text stream each) in one exchange
+    while its peer sends them one part per exchange. That grouping ran on one H100 at two ranks
+    (``benchmarks/gpu_nccl_probe.py --grouped-unlike``), and was not what stopped FLUX.2 [klein] there
+    (``docs/performance/gpu.md``), but NCCL does not promise it. With one operation per peer in a group, the
+    operations between two ranks are grouped alike on both sides whatever each side's exchanges hold: a pair's
+    messages match one by one, in order.
     """
     batches: list[list[T]] = []
     count: dict[int, int] = {}  # peer -> operations with it placed so far
