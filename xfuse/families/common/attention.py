@@ -66,8 +66,13 @@ class StaleKVSelfAttnProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb)
             key = apply_rotary_emb(key, image_rotary_emb)
-        out, _ = self.attention.attend(self.layer, (query, key, value))  # (B, S, heads * head_dim)
+        out, _ = self.attend((query, key, value))  # (B, S, heads * head_dim)
         return attn.to_out[1](attn.to_out[0](out))
+
+    def attend(self, qkv):
+        """This pass's attention through the stage's K/V (``PassAttention.attend``): the eager region of a compiled
+        block (``xfuse.parallel.regional_compile``: the bookkeeping keyed by the block stays out of the graph)."""
+        return self.attention.attend(self.layer, qkv)
 
 
 class CachedCrossAttnProcessor:
@@ -92,6 +97,15 @@ class CachedCrossAttnProcessor:
         """The text's keys and values, each (B, heads, S_text, head_dim) (diffusers' ``Attention``: per-head norm)."""
         return _heads(attn, text, attn.to_k, attn.norm_k), _heads(attn, text, attn.to_v, None)
 
+    def cached(self, attn: Attention, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``text_kv`` of ``text``, computed at its first pass of the request (see the class docstring)."""
+        entry = self._kv.get(id(text))
+        if entry is None:
+            entry = self._kv[id(text)] = (text, self.text_kv(attn, text))
+            if len(self._kv) > self.MAX_TEXTS:
+                self._kv.popitem(last=False)
+        return entry[1]
+
     def queries(self, attn: Attention, hidden_states: torch.Tensor) -> torch.Tensor:
         """The image tokens' queries, (B, heads, S, head_dim)."""
         return _heads(attn, hidden_states, attn.to_q, attn.norm_q)
@@ -105,15 +119,7 @@ class CachedCrossAttnProcessor:
         temb=None,
         image_rotary_emb=None,
     ):
-        entry = self._kv.get(id(encoder_hidden_states))
-        if entry is None:
-            entry = self._kv[id(encoder_hidden_states)] = (
-                encoder_hidden_states,
-                self.text_kv(attn, encoder_hidden_states),
-            )
-            if len(self._kv) > self.MAX_TEXTS:
-                self._kv.popitem(last=False)
-        text_kv = entry[1]
+        text_kv = self.cached(attn, encoder_hidden_states)
         query = self.queries(attn, hidden_states)
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb)

@@ -36,8 +36,10 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself where it is all of its storage, else a copy: a recorded text K/V that is a view of a fused
     projection's output (FLUX.2's single blocks: q, k, v and the MLP input of every token in one tensor) would keep
     that whole output alive until the record is replaced — for every block of the rank through a whole-image step,
-    and between requests."""
-    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+    and between requests. Inside a compiled region (``xfuse.parallel.regional_compile``) always a copy: its storage
+    is not the program's to inspect, and asking would split the region."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
         return tensor
     return tensor.clone()
 
@@ -93,7 +95,24 @@ def _norm(norm, x):
     return x if norm is None else norm(x)
 
 
-class StaleJointAttnProcessor:
+class JointAttention:
+    """What every joint-attention processor shares: ``state`` (the stage's ``JointKV``), ``key`` (its attention
+    module's) and ``attend``, the eager region of a compiled block."""
+
+    state: JointKV
+    key: object
+    text_first: bool
+
+    def attend(self, image: tuple, text: tuple | None, key_mask=None):
+        """This pass's joint attention: the text's q/k/v (B, heads, T, d) recorded or reused (``JointKV.
+        text_attention``; ``None``: image-only), the image's through the K/V buffers (``PassAttention.attend``).
+        Compiled (``xfuse.parallel.regional_compile``), this stays eager: the bookkeeping keyed by the block would
+        make a graph per block."""
+        attention = None if text is None else self.state.text_attention(self.key, *text, self.text_first, key_mask)
+        return self.state.attention.attend(self.key, image, attention)
+
+
+class StaleJointAttnProcessor(JointAttention):
     """Mirrors ``diffusers.models.attention_processor.JointAttnProcessor2_0.__call__`` (SD3/SD3.5: [image, text] order,
     optional per-head RMSNorm, ``context_pre_only`` last block, and SD3.5's image-only ``attn2``) with PipeFusion's
     K/V."""
@@ -114,16 +133,16 @@ class StaleJointAttnProcessor:
             text_q = _norm(attn.norm_added_q, project_heads(attn, encoder_hidden_states, attn.add_q_proj))
             text_k = _norm(attn.norm_added_k, project_heads(attn, encoder_hidden_states, attn.add_k_proj))
             text_v = project_heads(attn, encoder_hidden_states, attn.add_v_proj)
-            text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first)
+            text = (text_q, text_k, text_v)
         # the band's K/V fresh, the rest stale; [image, text] order; (B, S, D) each
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
+        image, text_out = self.attend((query, key, value), text)
         image = attn.to_out[1](attn.to_out[0](image))
         if text_out is None:
             return image
         return image, (text_out if attn.context_pre_only else attn.to_add_out(text_out))
 
 
-class StaleFluxAttnProcessor:
+class StaleFluxAttnProcessor(JointAttention):
     """Mirrors ``diffusers.models.transformers.transformer_flux.FluxAttnProcessor.__call__`` (FLUX: [text, image] order,
     per-head RMSNorm, RoPE on every token) with PipeFusion's K/V. In a single-stream block the sequence is [text, image]
     already concatenated; the stage says how many text tokens lead it (``JointKV.text_tokens``)."""
@@ -154,8 +173,7 @@ class StaleFluxAttnProcessor:
         else:  # single-stream block: the block put its text in front
             text_len = self.state.text_tokens
             (text_q, query), (text_k, key), (text_v, value) = split_text((query, key, value), text_len)
-        image, text_out = attend_text_first(self.state, self.key, (query, key, value), (text_q, text_k, text_v),
-                                            image_rotary_emb)  # fmt: skip
+        image, text_out = attend_text_first(self, (query, key, value), (text_q, text_k, text_v), image_rotary_emb)
         if encoder_hidden_states is None:
             return torch.cat((text_out, image), dim=1)  # (B, text_len + band, D): the block's MLP branch follows
         return attn.to_out[1](attn.to_out[0](image)), attn.to_add_out(text_out)
@@ -166,7 +184,7 @@ def split_text(qkv: tuple[torch.Tensor, ...], text_len: int) -> list[tuple[torch
     return [x.split((text_len, x.shape[1] - text_len), dim=1) for x in qkv]
 
 
-def attend_text_first(state: JointKV, key, image: tuple, text: tuple, image_rotary_emb) -> tuple:
+def attend_text_first(processor: JointAttention, image: tuple, text: tuple, image_rotary_emb) -> tuple:
     """The FLUX families' joint attention of one pass: RoPE on the image and text q/k (``image_rotary_emb``: the rows
     [text, image] of this pass's sequence; FLUX's real form), then the text's attention recorded or reused and the
     image's over its buffers. ``image``, ``text``: (B, S, heads, d) q/k/v (a later patch's text: zero tokens);
@@ -182,8 +200,7 @@ def attend_text_first(state: JointKV, key, image: tuple, text: tuple, image_rota
     # (B, S, heads, d) -> (B, heads, S, d)
     query, key_, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key_, value, text_q, text_k,
                                                                               text_v))  # fmt: skip
-    attention = state.text_attention(key, text_q, text_k, text_v, text_first=True)
-    return state.attention.attend(key, (query, key_, value), attention)
+    return processor.attend((query, key_, value), (text_q, text_k, text_v))
 
 
 def check_joint_attention(attn, expected: type) -> None:

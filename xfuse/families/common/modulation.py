@@ -57,7 +57,7 @@ class _IdentityMemo(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # not memoised: under autograd (an output belongs to one graph), or for inference tensors (no version
         # counter to see an in-place change by)
-        if torch.is_grad_enabled() or x.is_inference():
+        if torch.compiler.is_compiling() or torch.is_grad_enabled() or x.is_inference():
             return super().forward(x)
         memo = self._memo
         if memo is not None and memo[0] is x and memo[1] == x._version and memo[3] == memo[2]._version:

@@ -30,6 +30,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 from torch import nn
 
 from xfuse.families.common.joint import (
+    JointAttention,
     JointKV,
     StaleFluxAttnProcessor,
     attend_text_first,
@@ -53,7 +54,7 @@ class Flux2Conditioning(JointConditioning):
     STEP_FIELDS: ClassVar = ("temb", "mod_img", "mod_txt", "mod_single")
 
 
-class StaleFlux2ParallelAttnProcessor:
+class StaleFlux2ParallelAttnProcessor(JointAttention):
     """Mirrors ``diffusers.models.transformers.transformer_flux2.Flux2ParallelSelfAttnProcessor.__call__`` (a single
     block's [text, image] sequence: fused q/k/v + MLP input projection, per-head RMSNorm, RoPE on every token, fused
     output projection of [attention, SwiGLU MLP]) with PipeFusion's K/V; the stage says how many text tokens lead
@@ -73,8 +74,7 @@ class StaleFlux2ParallelAttnProcessor:
         query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
         query, key = attn.norm_q(query), attn.norm_k(key)
         (text_q, query), (text_k, key), (text_v, value) = split_text((query, key, value), self.state.text_tokens)
-        image, text_out = attend_text_first(self.state, self.key, (query, key, value), (text_q, text_k, text_v),
-                                            image_rotary_emb)  # fmt: skip
+        image, text_out = attend_text_first(self, (query, key, value), (text_q, text_k, text_v), image_rotary_emb)
         out = torch.cat((text_out, image), dim=1).to(query.dtype)  # (B, text_len + band, inner)
         return attn.to_out(torch.cat((out, attn.mlp_act_fn(mlp)), dim=-1))  # -> (B, text_len + band, hidden)
 

@@ -28,7 +28,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from torch import nn
 
-from xfuse.families.common.joint import JointKV, check_joint_attention
+from xfuse.families.common.joint import JointAttention, JointKV, check_joint_attention
 from xfuse.families.common.mmdit import JointConditioning, joint_request
 from xfuse.families.common.modulation import memoize_sequential
 from xfuse.families.common.packed import PackedJointStage
@@ -55,7 +55,7 @@ class QwenImageConditioning(JointConditioning):
     REQUEST_FIELDS: ClassVar = ("text", "text_mask")
 
 
-class StaleQwenDoubleStreamAttnProcessor:
+class StaleQwenDoubleStreamAttnProcessor(JointAttention):
     """Mirrors ``diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0.__call__``
     ([text, image] joint attention: per-stream q/k/v, per-head RMSNorm, complex RoPE on every token, the text's
     padding masked from every query) with PipeFusion's K/V."""
@@ -88,9 +88,7 @@ class StaleQwenDoubleStreamAttnProcessor:
         # (B, S, heads, d) -> (B, heads, S, d)
         query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
                                                                                  text_v))  # fmt: skip
-        text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first,
-                                         encoder_hidden_states_mask)  # fmt: skip
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
+        image, text_out = self.attend((query, key, value), (text_q, text_k, text_v), encoder_hidden_states_mask)
         return attn.to_out[1](attn.to_out[0](image)), attn.to_add_out(text_out)
 
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanTransformer3DModel
 
-from xfuse.families.common.attention import CachedCrossAttnProcessor
+from xfuse.families.common.attention import CachedCrossAttnProcessor, StaleKVSelfAttnProcessor
 from xfuse.families.common.guidance import cfg_batch, guidance
 from xfuse.families.common.layers import project_heads, unpatchify
 from xfuse.families.common.sharding import ShardedStage
@@ -119,8 +119,10 @@ class WanStaleKVSelfAttnProcessor:
         value = _heads(attn, hidden_states, attn.to_v, None)
         if rotary_emb is not None:
             query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        out, _ = self.attention.attend(self.layer, (query, key, value))  # (B, S, heads * head_dim)
+        out, _ = self.attend((query, key, value))  # (B, S, heads * head_dim)
         return attn.to_out[1](attn.to_out[0](out))
+
+    attend = StaleKVSelfAttnProcessor.attend  # the eager region of a compiled block
 
 
 class WanCachedCrossAttnProcessor(CachedCrossAttnProcessor):

@@ -31,7 +31,7 @@ from diffusers.models.transformers.transformer_z_image import ZImageTransformer2
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from xfuse.families.common.joint import JointKV, check_joint_attention
+from xfuse.families.common.joint import JointAttention, JointKV, check_joint_attention
 from xfuse.families.common.mmdit import JointConditioning, JointStage
 from xfuse.families.common.modulation import memoize_sequential
 from xfuse.families.zimage.spec import Z_IMAGE
@@ -55,7 +55,7 @@ class ZImageConditioning(JointConditioning):
     REQUEST_FIELDS: ClassVar = ("text", "image_freqs", "stream_freqs", "stream_mask", "refiner_mask")
 
 
-class StaleZSingleStreamAttnProcessor:
+class StaleZSingleStreamAttnProcessor(JointAttention):
     """Mirrors ``diffusers.models.transformers.transformer_z_image.ZSingleStreamAttnProcessor.__call__`` (per-head RMS
     norm of q and k, complex RoPE on every token, the mask over keys) with PipeFusion's K/V: the sequence is [image
     band, this pass's stream tokens], the stage says how many stream tokens end it (``JointKV.text_tokens``), and
@@ -81,8 +81,7 @@ class StaleZSingleStreamAttnProcessor:
         # (B, S, heads, d) -> (B, heads, S, d)
         query, key, value, text_q, text_k, text_v = (x.transpose(1, 2) for x in (query, key, value, text_q, text_k,
                                                                                  text_v))  # fmt: skip
-        text = self.state.text_attention(self.key, text_q, text_k, text_v, self.text_first, attention_mask)
-        image, text_out = self.state.attention.attend(self.key, (query, key, value), text)
+        image, text_out = self.attend((query, key, value), (text_q, text_k, text_v), attention_mask)
         out = torch.cat((image, text_out), dim=1)  # (B, band + stream tokens, heads * d)
         return attn.to_out[1](attn.to_out[0](out))
 
