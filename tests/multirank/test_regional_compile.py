@@ -16,13 +16,14 @@ from xfuse.parallel.regional_compile import compile_blocks
 CALL = dict(prompt="a red house", num_inference_steps=2, height=128, width=128, output_type="latent")
 
 
-def _latents(pipe):
-    out = pipe(**CALL, generator=torch.Generator().manual_seed(0))
+def _latents(pipe, preset):
+    extra = {"num_frames": 5} if preset.startswith("wan") else {}
+    out = pipe(**CALL, **extra, generator=torch.Generator().manual_seed(0))
     return out.frames if hasattr(out, "frames") else out.images
 
 
 @pytest.mark.parametrize("preset", ["tiny", "pixart-tiny", "sd3-tiny", "flux-tiny", "flux2-tiny", "qwen-image-tiny",
-                                    "z-image-tiny"])  # fmt: skip
+                                    "z-image-tiny", "wan-tiny"])  # fmt: skip
 def test_compiled_blocks_equal_eager_and_no_graph_is_a_blocks_own(preset):
     base = load_pipeline(preset)
     pipes = []
@@ -35,7 +36,7 @@ def test_compiled_blocks_equal_eager_and_no_graph_is_a_blocks_own(preset):
             dynamo_utils.guard_failures.clear()
             assert compile_blocks(pipe.stage, backend="aot_eager") == list(pipe.stage.block_ids)
         pipes.append(pipe)
-    eager, compiled = (_latents(pipe) for pipe in pipes)
+    eager, compiled = (_latents(pipe, preset) for pipe in pipes)
     scale = eager.abs().max().item()
     assert (compiled - eager).abs().max().item() <= 1e-5 * max(scale, 1.0)
     assert dynamo_utils.counters["stats"]["unique_graphs"] > 0  # the blocks did compile
