@@ -21,6 +21,7 @@ YAML layout (every key optional)::
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto,
                host_timeout_s: auto}
     cache:    {method: off, threshold: 0.05, warmup_steps: 0, max_skips: null}
+    compile:  {mode: off, backend: inductor, dynamic: false, max_shapes: 8, timeout_s: 900.0}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
                  num_inference_steps: 20, guidance_scale: 5.0, seed: 0,
@@ -342,6 +343,29 @@ class CacheConfig(_Section):
         return self.method != "off"
 
 
+class CompileConfig(_Section):
+    """Regional ``torch.compile`` of each rank's blocks (``xfuse.parallel.regional_compile``): every block a rank keeps
+    compiled in place, the blocks of one class sharing their graphs, the attention's K/V bookkeeping left eager.
+
+    ``mode``: ``off`` or ``regional``. ``backend``: ``torch.compile``'s (``inductor``; ``aot_eager`` traces without
+    generating code). ``dynamic``: ``torch.compile``'s (false: a graph per shape, and a rank sees few: the whole
+    image, its patches, the text's lengths). ``max_shapes``: graphs per block class at most (torch's
+    ``recompile_limit``); a shape beyond it runs that block eagerly. ``timeout_s``: how long a request that meets new
+    shapes may take to compile them: every wait for a message and the host deadline get that long for it.
+    """
+
+    SECTION: ClassVar[str] = "compile"
+    mode: Annotated[Literal["off", "regional"], BeforeValidator(_yaml_switch)] = "off"
+    backend: NonEmptyStr = "inductor"
+    dynamic: bool = False
+    max_shapes: PositiveInt = 8
+    timeout_s: Seconds = 900.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
 class RuntimeConfig(_Section):
     """Device and dtype. ``device: auto`` means CUDA when available (resolved at launch, not here)."""
 
@@ -479,11 +503,12 @@ class XfuseConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     generation: GenerationConfig | None = Field(default_factory=GenerationConfig)
     serve: ServeConfig | None = Field(default_factory=ServeConfig)
 
-    @field_validator("parallel", "comm", "cache", "runtime", mode="before")
+    @field_validator("parallel", "comm", "cache", "compile", "runtime", mode="before")
     @classmethod
     def _none_is_the_defaults(cls, value: Any) -> Any:
         return {} if value is None else value
@@ -541,7 +566,8 @@ class XfuseConfig(_Section):
 
 
 SECTIONS = {
-    c.SECTION: c for c in (ParallelConfig, CommConfig, CacheConfig, RuntimeConfig, GenerationConfig, ServeConfig)
+    c.SECTION: c
+    for c in (ParallelConfig, CommConfig, CacheConfig, CompileConfig, RuntimeConfig, GenerationConfig, ServeConfig)
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = tuple(XfuseConfig.model_fields)
 
@@ -561,5 +587,13 @@ def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
 
 
 __all__ = ["MAX_PIPEFUSION_DEGREE", "MAX_SEED", "MAX_SEQUENCE_DEGREE", "SECTIONS", "TOP_LEVEL_KEYS", "ConfigError"]
-__all__ += ["CacheConfig", "CommConfig", "GenerationConfig", "ParallelConfig", "RuntimeConfig", "ServeConfig"]
+__all__ += [
+    "CacheConfig",
+    "CommConfig",
+    "CompileConfig",
+    "GenerationConfig",
+    "ParallelConfig",
+    "RuntimeConfig",
+    "ServeConfig",
+]
 __all__ += ["XfuseConfig", "cache_config", "comm_config", "config_from_dict", "parallel_config"]

@@ -426,3 +426,23 @@ def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_mem
     assert "; VAE decode on 1 rank(s); text encoders rank0)" in alone.stdout and "vae halo" not in alone.stdout
     a, b = (np.asarray(Image.open(tmp_path / name)).astype(int) for name in ("bands.png", "alone.png"))
     assert a.shape == b.shape == (512, 512, 3) and np.abs(a - b).max() <= 1
+
+
+@pytest.mark.parametrize("model", ["tiny", "flux-tiny"])
+def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_compiled(tmp_path, model):
+    """``compile.mode: regional`` under torchrun (``aot_eager``: dynamo's capture without code generation, so the
+    test takes seconds): the pipelined image of the eager run, and each rank's line of the graphs its first
+    request compiled."""
+    common = ["--config", "configs/tiny/pp2.yaml", "--set", f"model={model}", "--set", "parallel.placement=linear",
+              "--set", "generation.num_inference_steps=3", "--set", "compile.backend=aot_eager"]  # fmt: skip
+    runs = {}
+    for mode in ("off", "regional"):
+        runs[mode] = torchrun("-m", "xfuse", "generate", *common, "--set", f"compile.mode={mode}", "--output",
+                              str(tmp_path / f"{mode}.png"))  # fmt: skip
+        assert runs[mode].returncode == 0, runs[mode].stderr[-3000:]
+    lines = re.findall(r"rank (\d): compile.mode regional: (\d+) graph\(s\) compiled for a new request shape",
+                       runs["regional"].stderr)  # fmt: skip
+    assert sorted(rank for rank, _ in lines) == ["0", "1"] and all(int(n) > 0 for _, n in lines), lines
+    assert "compile.mode regional" not in runs["off"].stderr
+    a, b = (np.asarray(Image.open(tmp_path / f"{mode}.png"), dtype=np.int16) for mode in ("off", "regional"))
+    assert np.abs(a - b).max() <= 1

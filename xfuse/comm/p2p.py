@@ -54,6 +54,7 @@ Not thread-safe: one engine thread drives the channels.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -397,6 +398,21 @@ class P2PChannels:
             return None
         record, since = waiting
         return WaitState.of(record, since, time.monotonic())
+
+    @contextlib.contextmanager
+    def bounded_by(self, timeout_s: float):
+        """Every wait bounded by ``timeout_s`` instead of ``self.timeout_s`` inside the block (a request whose peers
+        compile new shapes first: ``compile.timeout_s``); every rank of a message's pair must use the same bound."""
+        saved = self.timeout_s
+        self.timeout_s = float(timeout_s)
+        if self.watchdog is not None:
+            self.watchdog.timeout_s = self.timeout_s
+        try:
+            yield self
+        finally:
+            self.timeout_s = saved
+            if self.watchdog is not None:
+                self.watchdog.timeout_s = saved
 
     def in_bounded_wait(self) -> bool:
         """Whether this rank is inside a wait of these channels that their bound still covers (what the host deadline

@@ -12,7 +12,10 @@ prompts, set its timesteps, draw its latents, build the engine's request and dec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,6 +32,7 @@ from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.regional_compile import compile_blocks
 from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.scheduler_state import draws_serial_noise
 from xfuse.parallel.sequence import SequenceParallel
@@ -51,6 +55,7 @@ from xfuse.pipelines.text_placement import text_placement as resolve_text_placem
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.peak import PhasePeak, peak_cuda_mib, peak_rss_mib, phase_peak
 from xfuse.runtime.world import ParallelContext
+from xfuse.stderr import write_stderr
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -175,6 +180,9 @@ class PipeFusionPipelineBase:
         stage_class = self.spec.stage_class()
         self.stage = (stage or stage_class(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
+        self._compiled_shapes: set[tuple] = set()  # (engine, request shape) whose graphs compile.mode compiled
+        if self.config.compile.enabled:
+            self._compile(self.stage)
         # What diffusers derives from the transformer (FluxPipeline: a constant; the spec knows which).
         self.default_sample_size = self.spec.default_side(config) // self.spec.vae_scale_factor
         self.band_decode = self._band_decode(pipeline, context)
@@ -196,6 +204,29 @@ class PipeFusionPipelineBase:
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
         self._decode_peak: PhasePeak | None = None  # the last call's decode on this rank (xfuse.runtime.peak)
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
+
+    def _compile(self, stage) -> None:
+        """``compile.mode: regional``: this rank's blocks of ``stage`` compiled in place, at most
+        ``compile.max_shapes`` graphs per block class (``xfuse.parallel.regional_compile``); the graphs are made in
+        the first request of each shape (``_denoise`` bounds it by ``compile.timeout_s``)."""
+        import torch._dynamo
+
+        section = self.config.compile
+        torch._dynamo.config.recompile_limit = section.max_shapes  # per code object: a block class's forward
+        compile_blocks(stage, section.backend, section.dynamic)
+
+    def _compile_bounds(self, compiling: bool) -> contextlib.ExitStack:
+        """While a request compiles new shapes: every wait for a message on every rank, and this rank's host
+        deadline, bounded by ``compile.timeout_s`` (every rank decides alike: the request's shape is the same
+        everywhere)."""
+        stack = contextlib.ExitStack()
+        if compiling:
+            bound = max(self.comm.timeout_s, self.config.compile.timeout_s)
+            for channels in self.context.all_channels:
+                stack.enter_context(channels.bounded_by(bound))
+            if self.context.host_deadline is not None:
+                stack.enter_context(self.context.host_deadline.bounded_by(bound))
+        return stack
 
     def _control_blocks(self, pipeline) -> int:
         """Blocks of a ControlNet the embedding rank runs beside its stage (``ShardedControlNetMixin``); 0: none."""
@@ -560,11 +591,20 @@ class PipeFusionPipelineBase:
         if progress is not None:
             request.on_progress = lambda step: progress.update()
         engine = engine or self.engine
+        key = (id(engine), shape)
+        compiling = self.config.compile.enabled and key not in self._compiled_shapes
+        graphs, start = _compiled_graphs(), time.monotonic()
         try:
-            final = engine.denoise(request, grid, self._tracer)
+            with self._compile_bounds(compiling):
+                final = engine.denoise(request, grid, self._tracer)
         finally:
             if progress is not None:
                 progress.close()
+        if compiling:
+            self._compiled_shapes.add(key)
+            made, took = _compiled_graphs() - graphs, time.monotonic() - start
+            write_stderr(f"rank {self.context.rank}: compile.mode regional: {made} graph(s) compiled for a new "
+                         f"request shape; its denoising took {took:.1f} s")  # fmt: skip
         if engine.cache is not None:
             computed, skipped = _counts(engine.cache_decisions)  # two experts: two runs in one call
             self._cache_counts = (self._cache_counts[0] + computed, self._cache_counts[1] + skipped)
@@ -596,3 +636,9 @@ class PipeFusionPipelineBase:
         """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""
         context = self.context
         return context.cfg_rank == 0 and context.pipe_rank == self.plan.output_rank and context.sp_rank == 0
+
+
+def _compiled_graphs() -> int:
+    """Graphs ``torch.compile`` made in this process so far (dynamo's own count; 0 before it was imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])

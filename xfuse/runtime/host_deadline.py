@@ -106,6 +106,23 @@ class HostDeadline:
                 self._active = False
                 faulthandler.cancel_dump_traceback_later()
 
+    @contextlib.contextmanager
+    def bounded_by(self, timeout_s: float):
+        """``timeout_s`` (if longer) instead of ``self.timeout_s`` inside the block: a request that compiles new
+        shapes first (``compile.timeout_s``), where the host finishes no task while a block compiles."""
+        with self._lock:
+            saved = self.timeout_s
+            self.timeout_s = max(saved, float(timeout_s))
+            if self._active:
+                self._arm(time.monotonic())
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self.timeout_s = saved
+                if self._active:
+                    self._arm(time.monotonic())
+
     def beat(self, place: object) -> None:
         """The host finished ``place`` (a task of the loop): start aging again."""
         with self._lock:
