@@ -576,6 +576,7 @@ TOP_LEVEL_KEYS: tuple[str, ...] = tuple(XfuseConfig.model_fields)
 parallel_config = ParallelConfig.model_validate
 comm_config = CommConfig.model_validate
 cache_config = CacheConfig.model_validate
+compile_config = CompileConfig.model_validate
 
 
 def config_from_dict(d: Mapping[str, Any] | None) -> XfuseConfig:
@@ -596,4 +597,4 @@ __all__ += [
     "RuntimeConfig",
     "ServeConfig",
 ]
-__all__ += ["XfuseConfig", "cache_config", "comm_config", "config_from_dict", "parallel_config"]
+__all__ += ["XfuseConfig", "cache_config", "comm_config", "compile_config", "config_from_dict", "parallel_config"]

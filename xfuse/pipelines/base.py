@@ -304,6 +304,7 @@ class PipeFusionPipelineBase:
         config: XfuseConfig | None = None,
         dtype=None,
         cache=None,
+        compile=None,
         **kwargs,
     ):
         r"""
@@ -320,6 +321,8 @@ class PipeFusionPipelineBase:
                 rank uses `cuda:LOCAL_RANK`).
             cache ([`~xfuse.config.CacheConfig`] or `dict`, *optional*): step caching (`method`, `threshold`,
                 `warmup_steps`, `max_skips`; default off).
+            compile ([`~xfuse.config.CompileConfig`] or `dict`, *optional*): regional `torch.compile` of each rank's
+                blocks (`mode`, `backend`, `dynamic`, `max_shapes`, `timeout_s`; default off).
             config ([`~xfuse.config.XfuseConfig`], *optional*): the whole config instead of the arguments
                 above (what `xfuse generate` and `xfuse serve` pass). Every rank must hold the same: it is compared
                 at start-up with the versions, model config and plan, and a difference raises on every rank.
@@ -329,21 +332,39 @@ class PipeFusionPipelineBase:
         transformer blocks from the checkpoint (`transformer/*.safetensors`).
         """
         return load_from_folder(
-            cls, pretrained_model_name_or_path, parallel, comm, torch_dtype, device, config, dtype, cache, kwargs
+            cls,
+            pretrained_model_name_or_path,
+            parallel,
+            comm,
+            torch_dtype,
+            device,
+            config,
+            dtype,
+            cache,
+            kwargs,
+            compile,
         )
 
     @classmethod
     def from_pipe(
-        cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None, cache=None
+        cls,
+        pipeline,
+        parallel=None,
+        comm=None,
+        device=None,
+        *,
+        config: XfuseConfig | None = None,
+        cache=None,
+        compile=None,
     ):
         """Parallelise an already loaded diffusers pipeline of this family (the same object on every rank).
 
-        ``config``: the whole config instead of ``parallel``, ``comm``, ``cache`` and ``device`` (its
+        ``config``: the whole config instead of ``parallel``, ``comm``, ``cache``, ``compile`` and ``device`` (its
         ``runtime.dtype`` must be the pipeline's). The pipeline's transformer is sharded in place (blocks of other
         ranks are dropped) and ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline``
         itself afterwards.
         """
-        return shard_loaded(cls, pipeline, parallel, comm, device, config, cache)
+        return shard_loaded(cls, pipeline, parallel, comm, device, config, cache, compile)
 
     # ----------------------------------------------------------------------------------------------- properties
     @property

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from xfuse.config import RuntimeConfig, XfuseConfig, cache_config, comm_config, parallel_config
+from xfuse.config import RuntimeConfig, XfuseConfig, cache_config, comm_config, compile_config, parallel_config
 from xfuse.pipelines.text_placement import load_text_shares, text_placement
 from xfuse.runtime.world import init_parallel
 from xfuse.types import DTYPES
@@ -26,7 +26,13 @@ def runtime_section(torch_dtype, device) -> RuntimeConfig:
 
 
 def one_config(
-    config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig], cache=None
+    config: XfuseConfig | None,
+    model: str,
+    parallel,
+    comm,
+    runtime: Callable[[], RuntimeConfig],
+    cache=None,
+    compile=None,
 ):
     """The whole config of a pipeline: ``config`` as given (the CLI and the server pass theirs), or one built from
     diffusers-style keyword arguments (the sections given, defaults elsewhere). Not both."""
@@ -36,17 +42,18 @@ def one_config(
             parallel=parallel_config(parallel),
             comm=comm_config(comm),
             cache=cache_config(cache),
+            compile=compile_config(compile),
             runtime=runtime(),
             generation=None,  # a pipeline built from Python: its calls carry their own arguments
             serve=None,
         )
-    if parallel is not None or comm is not None or cache is not None:
-        raise ValueError("pass either config= or the parallel= / comm= / cache= sections, not both")
+    if parallel is not None or comm is not None or cache is not None or compile is not None:
+        raise ValueError("pass either config= or the parallel= / comm= / cache= / compile= sections, not both")
     return config
 
 
 def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, torch_dtype, device, config, dtype,
-                     cache, kwargs: dict):  # fmt: skip
+                     cache, kwargs: dict, compile=None):  # fmt: skip
     """``cls.from_pretrained``'s work (its docstring says what each argument is)."""
     import diffusers
 
@@ -59,7 +66,13 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
     if config is not None and (torch_dtype is not None or device is not None):
         raise ValueError("pass either config= or torch_dtype= / device=, not both")
     config = one_config(
-        config, pretrained_model_name_or_path, parallel, comm, lambda: runtime_section(torch_dtype, device), cache
+        config,
+        pretrained_model_name_or_path,
+        parallel,
+        comm,
+        lambda: runtime_section(torch_dtype, device),
+        cache,
+        compile,
     )
     torch_dtype = config.runtime.torch_dtype()
     context = init_parallel(config)
@@ -98,7 +111,7 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
     return cls(pipeline, context, torch_dtype, stage, stages, vae, text_placement=placement)
 
 
-def shard_loaded(cls, pipeline, parallel, comm, device, config, cache):
+def shard_loaded(cls, pipeline, parallel, comm, device, config, cache, compile=None):
     """``cls.from_pipe``'s work (its docstring says what each argument is)."""
     if type(pipeline).__name__ != cls.diffusers_name():
         raise TypeError(f"{cls.__name__}.from_pipe takes a {cls.diffusers_name()} (got {type(pipeline)})")
@@ -107,7 +120,7 @@ def shard_loaded(cls, pipeline, parallel, comm, device, config, cache):
         raise ValueError("pass either config= or device=, not both")
     # What the pipeline was loaded from, when diffusers recorded it (a built preset has no folder).
     source = pipeline.config.get("_name_or_path") or cls.diffusers_name()
-    config = one_config(config, source, parallel, comm, lambda: runtime_section(dtype, device), cache)
+    config = one_config(config, source, parallel, comm, lambda: runtime_section(dtype, device), cache, compile)
     if config.runtime.torch_dtype() != dtype:
         raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
     return cls(pipeline, init_parallel(config), dtype)
