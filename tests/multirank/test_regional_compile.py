@@ -45,3 +45,22 @@ def test_compiled_blocks_equal_eager_and_no_graph_is_a_blocks_own(preset):
     reasons = [reason for failures in dynamo_utils.guard_failures.values() for reason in failures]
     per_block = [r for r in map(str, reasons) if ".key ==" in r or ".layer ==" in r or "_kv" in r]
     assert per_block == [], per_block[:3]
+
+
+def test_from_pipe_takes_the_compile_section_and_compiles_only_what_the_rank_keeps():
+    """``compile=`` as diffusers-style sections go (``from_pipe`` / ``from_pretrained``), refused beside ``config=``;
+    a bad value names its key."""
+    from xfuse.config import XfuseConfig
+    from xfuse.errors import ConfigError
+
+    spec = model_spec("flux-tiny")
+    pipe = spec.pipeline_class().from_pipe(load_pipeline("flux-tiny"), parallel={"pipefusion_degree": 1},
+                                           compile={"mode": "regional", "backend": "aot_eager"})  # fmt: skip
+    assert pipe.config.compile.mode == "regional" and pipe.config.compile.backend == "aot_eager"
+    kept = [pipe.stage.blocks[i] for i in pipe.stage.block_ids]
+    assert kept and all(block._compiled_call_impl is not None for block in kept)
+    with pytest.raises(ValueError, match="pass either config= or the parallel= / comm= / cache= / compile= sections"):
+        spec.pipeline_class().from_pipe(load_pipeline("flux-tiny"), config=XfuseConfig(model="flux-tiny"),
+                                        compile={"mode": "regional"})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"compile.mode"):
+        spec.pipeline_class().from_pipe(load_pipeline("flux-tiny"), compile={"mode": "full"})
