@@ -196,9 +196,6 @@ def nccl_alone(env: dict, *args: str, timeout: float = PROBE_TIMEOUT_S) -> dict:
 def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict], None] = lambda partial: None) -> dict:
     """The section (e in the module docstring); ``progress(result so far)`` after every launch, so that a device call
     cut off at its time limit keeps what finished."""
-    import numpy as np
-    from PIL import Image
-
     env = dict(NCCL_ONE_GPU_ENV)
     result: dict = {"env": env, "note": "every rank on GPU 0, NCCL_HOSTID per rank"}
     result["nccl_alone"] = nccl_alone(env)
@@ -208,19 +205,18 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
         rc, wall, err = _generate(1, f"{tmp}/d1.png", steps, exact, env, LAUNCH_TIMEOUT_S)
         if rc != 0:
             return {**result, "error": f"degree 1 on CUDA failed (rc {rc}): {err[-2000:]}"}
-        reference = np.asarray(Image.open(f"{tmp}/d1.png"), dtype=np.int16)
         for degree in degrees:
             rc, wall, err = _generate(degree, f"{tmp}/d{degree}.png", steps, exact, env, LAUNCH_TIMEOUT_S)
             if rc != 0:
                 result[f"exact_pp{degree}"] = {"rc": rc, "started": False, "nccl_said": err[-3000:]}
                 progress(result)
                 return result  # NCCL refused: nothing else can run over it
-            image = np.asarray(Image.open(f"{tmp}/d{degree}.png"), dtype=np.int16)
+            diff = max_pixel_diff(f"{tmp}/d{degree}.png", f"{tmp}/d1.png")
             result[f"exact_pp{degree}"] = {
                 "rc": rc,
                 "seconds": wall,
-                "max_abs_pixel_diff_vs_degree1": int(np.abs(image - reference).max()),
-                "identical": bool((image == reference).all()),
+                "max_abs_pixel_diff_vs_degree1": diff,
+                "identical": diff == 0,
             }
             progress(result)
             if degree == degrees[0]:
@@ -247,33 +243,35 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
 
 
 GROUPED_UNLIKE_TIMEOUT_S = 50  # the probe's groups time out after 30 s; a stop past that is NCCL's kernel not ending
-FLUX2 = ["model=flux2-klein-tiny", "parallel.placement=linear", "parallel.text_encoder=rank0"]
+FLUX2 = ["model=flux2-klein-tiny", "parallel.placement=linear"]  # the joint family of the NCCL rows
+
+
+def max_pixel_diff(png: str, reference: str) -> int:
+    """The largest difference of one channel of one pixel between two PNGs of one size (0-255)."""
+    import numpy as np
+    from PIL import Image
+
+    image, ref = (np.asarray(Image.open(path), dtype=np.int16) for path in (png, reference))
+    return int(np.abs(image - ref).max())
 
 
 def flux2_at(tmp: str, steps: int, degree: int, env: dict) -> dict:
     """FLUX.2 [klein] exact at ``degree``, against the placements' degree-1 run (``text_rank0``)."""
-    import numpy as np
-    from PIL import Image
-
     png = f"{tmp}/flux2_pp{degree}.png"
-    rc, wall, out = _generate(degree, png, steps, [*FLUX2, f"parallel.warmup_steps={steps}", *EXACT], env,
-                              LAUNCH_TIMEOUT_S)  # fmt: skip
+    sets = [*FLUX2, "parallel.text_encoder=rank0", f"parallel.warmup_steps={steps}", *EXACT]
+    rc, wall, out = _generate(degree, png, steps, sets, env, LAUNCH_TIMEOUT_S)
     if rc != 0:
         return {"rc": rc, "output": out[-2000:]}
     row: dict = {"rc": rc, "seconds": wall}
     if os.path.exists(f"{tmp}/text_rank0.png"):
-        image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
-        row["max_abs_pixel_diff_vs_degree1"] = int(np.abs(image - reference).max())
+        row["max_abs_pixel_diff_vs_degree1"] = max_pixel_diff(png, f"{tmp}/text_rank0.png")
     return row
 
 
 def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dict:
     """``parallel.text_encoder`` over NCCL and CUDA: FLUX.2 [klein]'s Qwen3 split over ``degree`` ranks and offloaded
     (accelerate's ``cpu_offload``) at degree 1, each against the text encoder kept on rank 0 (the PNGs compared)."""
-    import numpy as np
-    from PIL import Image
-
-    sets = ["model=flux2-klein-tiny", "parallel.placement=linear", f"parallel.warmup_steps={steps}", *EXACT]
+    sets = [*FLUX2, f"parallel.warmup_steps={steps}", *EXACT]
     # FLUX.2 [klein] at degree with its text encoder on rank 0 first: the second and third GPU runs stopped there (one
     # rank's device queue does not drain while its peer's matching operation is enqueued: docs/performance/gpu.md);
     # then the same with CUDA's modules loaded eagerly (a lazily loaded kernel's first launch waits for the context's
@@ -296,11 +294,9 @@ def text_encoder_placements(tmp: str, steps: int, degree: int, env: dict) -> dic
         rows[name] = {"rc": rc, "seconds": wall} if rc == 0 else {"rc": rc, "output": out[-2000:]}
         rows[name]["peaks"] = [line.strip() for line in out.splitlines() if "peak" in line][:8]  # each rank's memory
         if rc == 0 and name.startswith("text_") and name != "text_rank0" and rows["text_rank0"]["rc"] == 0:
-            image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/text_rank0.png"))
-            rows[name]["max_abs_pixel_diff_vs_rank0"] = int(np.abs(image - reference).max())
+            rows[name]["max_abs_pixel_diff_vs_rank0"] = max_pixel_diff(png, f"{tmp}/text_rank0.png")
         if rc == 0 and name.startswith("tiny_"):  # the exact rows' degree 1 (folded there, linear here)
-            image, reference = (np.asarray(Image.open(f), dtype=np.int16) for f in (png, f"{tmp}/d1.png"))
-            rows[name]["max_abs_pixel_diff_vs_degree1"] = int(np.abs(image - reference).max())
+            rows[name]["max_abs_pixel_diff_vs_degree1"] = max_pixel_diff(png, f"{tmp}/d1.png")
     return rows
 
 

@@ -508,6 +508,12 @@ class XfuseConfig(_Section):
     generation: GenerationConfig | None = Field(default_factory=GenerationConfig)
     serve: ServeConfig | None = Field(default_factory=ServeConfig)
 
+    @property
+    def longest_wait_s(self) -> float:
+        """The bound of the longest wait for a message: ``comm.timeout_s``, or with ``compile.mode: regional``
+        ``compile.timeout_s`` if longer (the waits of a request whose peers compile new shapes first)."""
+        return max(self.comm.timeout_s, self.compile.timeout_s if self.compile.enabled else 0.0)
+
     @field_validator("parallel", "comm", "cache", "compile", "runtime", mode="before")
     @classmethod
     def _none_is_the_defaults(cls, value: Any) -> Any:

@@ -34,7 +34,9 @@ def test_compiled_blocks_equal_eager_and_no_graph_is_a_blocks_own(preset):
             torch._dynamo.reset()
             dynamo_utils.counters.clear()
             dynamo_utils.guard_failures.clear()
-            assert compile_blocks(pipe.stage, backend="aot_eager") == list(pipe.stage.block_ids)
+            compile_blocks(pipe.stage, backend="aot_eager")
+            kept = [pipe.stage.blocks[i] for i in pipe.stage.block_ids]
+            assert kept and all(block._compiled_call_impl is not None for block in kept)
         pipes.append(pipe)
     eager, compiled = (_latents(pipe, preset) for pipe in pipes)
     scale = eager.abs().max().item()

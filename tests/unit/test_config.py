@@ -944,3 +944,17 @@ def test_an_off_switch_as_yaml_reads_as_written(tmp_path, section, key, written,
 def test_on_is_no_host_timeout():
     with pytest.raises(ConfigError, match=r"comm.host_timeout_s: must be 'auto', 'off' or a finite number"):
         load_config(None, ["comm.host_timeout_s=on"])
+
+
+@pytest.mark.parametrize(
+    "compile_section,timeout_s,longest",
+    [
+        ({}, 60.0, 60.0),  # compile off: the comm timeout, whatever compile.timeout_s says
+        ({"timeout_s": 5000.0}, 60.0, 60.0),
+        ({"mode": "regional"}, 60.0, 900.0),  # a compiling request's waits: compile.timeout_s
+        ({"mode": "regional", "timeout_s": 30.0}, 60.0, 60.0),  # never shorter than a plain wait
+    ],
+)
+def test_the_longest_wait_is_the_comm_timeout_or_a_compiling_requests(compile_section, timeout_s, longest):
+    config = XfuseConfig(compile=compile_section, comm={"timeout_s": timeout_s})
+    assert config.longest_wait_s == longest

@@ -20,9 +20,8 @@ __all__ = ["EAGER_REGIONS", "compile_blocks"]
 EAGER_REGIONS = ("attend", "cached")  # the methods of xfuse's processors that stay eager inside a compiled block
 
 
-def _eager_regions(block: nn.Module) -> int:
-    """Wrap the eager regions of the xfuse processors in ``block`` (once each); returns how many."""
-    wrapped = 0
+def _eager_regions(block: nn.Module) -> None:
+    """Wrap the eager regions of the xfuse processors in ``block`` in ``torch.compiler.disable`` (once each)."""
     for module in block.modules():
         processor = getattr(module, "processor", None)
         if processor is None or not type(processor).__module__.startswith("xfuse."):
@@ -31,16 +30,12 @@ def _eager_regions(block: nn.Module) -> int:
             method = getattr(processor, name, None)
             if method is not None and name not in vars(processor):  # an instance attribute: wrapped already
                 setattr(processor, name, torch.compiler.disable(method))
-                wrapped += 1
-    return wrapped
 
 
-def compile_blocks(stage, backend: str = "inductor", dynamic: bool | None = False) -> list[int]:
-    """Compile each block ``stage`` keeps (its ``block_ids``) in place with ``torch.compile(backend=..., dynamic=...)``
-    and its processors' eager regions left out; returns the indices compiled. The graphs are made at the first call
-    of each shape."""
+def compile_blocks(stage, backend: str = "inductor", dynamic: bool | None = False) -> None:
+    """Compile each block ``stage`` keeps (its ``block_ids``) in place with ``torch.compile(backend=..., dynamic=...)``,
+    its processors' eager regions left out. The graphs are made at the first call of each shape."""
     for index in stage.block_ids:
         block = stage.blocks[index]
         _eager_regions(block)
         block.compile(backend=backend, dynamic=dynamic)
-    return list(stage.block_ids)

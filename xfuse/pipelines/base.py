@@ -217,15 +217,14 @@ class PipeFusionPipelineBase:
 
     def _compile_bounds(self, compiling: bool) -> contextlib.ExitStack:
         """While a request compiles new shapes: every wait for a message on every rank, and this rank's host
-        deadline, bounded by ``compile.timeout_s`` (every rank decides alike: the request's shape is the same
-        everywhere)."""
+        deadline, bounded by ``XfuseConfig.longest_wait_s`` (every rank decides alike: the request's shape is the
+        same everywhere)."""
         stack = contextlib.ExitStack()
         if compiling:
-            bound = max(self.comm.timeout_s, self.config.compile.timeout_s)
             for channels in self.context.all_channels:
-                stack.enter_context(channels.bounded_by(bound))
+                stack.enter_context(channels.bounded_by(self.config.longest_wait_s))
             if self.context.host_deadline is not None:
-                stack.enter_context(self.context.host_deadline.bounded_by(bound))
+                stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
         return stack
 
     def _control_blocks(self, pipeline) -> int:
@@ -331,32 +330,12 @@ class PipeFusionPipelineBase:
         Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank reads only its own
         transformer blocks from the checkpoint (`transformer/*.safetensors`).
         """
-        return load_from_folder(
-            cls,
-            pretrained_model_name_or_path,
-            parallel,
-            comm,
-            torch_dtype,
-            device,
-            config,
-            dtype,
-            cache,
-            kwargs,
-            compile,
-        )
+        return load_from_folder(cls, pretrained_model_name_or_path, parallel, comm, torch_dtype, device, config, dtype,
+                                cache, kwargs, compile)  # fmt: skip
 
     @classmethod
-    def from_pipe(
-        cls,
-        pipeline,
-        parallel=None,
-        comm=None,
-        device=None,
-        *,
-        config: XfuseConfig | None = None,
-        cache=None,
-        compile=None,
-    ):
+    def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None,
+                  cache=None, compile=None):  # fmt: skip
         """Parallelise an already loaded diffusers pipeline of this family (the same object on every rank).
 
         ``config``: the whole config instead of ``parallel``, ``comm``, ``cache``, ``compile`` and ``device`` (its
@@ -614,7 +593,7 @@ class PipeFusionPipelineBase:
         engine = engine or self.engine
         key = (id(engine), shape)
         compiling = self.config.compile.enabled and key not in self._compiled_shapes
-        graphs, start = _compiled_graphs(), time.monotonic()
+        graphs, start = (_compiled_graphs(), time.monotonic()) if compiling else (0, 0.0)
         try:
             with self._compile_bounds(compiling):
                 final = engine.denoise(request, grid, self._tracer)

@@ -26,14 +26,9 @@ def runtime_section(torch_dtype, device) -> RuntimeConfig:
 
 
 def one_config(
-    config: XfuseConfig | None,
-    model: str,
-    parallel,
-    comm,
-    runtime: Callable[[], RuntimeConfig],
-    cache=None,
+    config: XfuseConfig | None, model: str, parallel, comm, runtime: Callable[[], RuntimeConfig], cache=None,
     compile=None,
-):
+):  # fmt: skip
     """The whole config of a pipeline: ``config`` as given (the CLI and the server pass theirs), or one built from
     diffusers-style keyword arguments (the sections given, defaults elsewhere). Not both."""
     if config is None:
@@ -66,14 +61,9 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
     if config is not None and (torch_dtype is not None or device is not None):
         raise ValueError("pass either config= or torch_dtype= / device=, not both")
     config = one_config(
-        config,
-        pretrained_model_name_or_path,
-        parallel,
-        comm,
-        lambda: runtime_section(torch_dtype, device),
-        cache,
+        config, pretrained_model_name_or_path, parallel, comm, lambda: runtime_section(torch_dtype, device), cache,
         compile,
-    )
+    )  # fmt: skip
     torch_dtype = config.runtime.torch_dtype()
     context = init_parallel(config)
     if not context.is_output:  # the loading progress bars once, on rank 0, not once per rank

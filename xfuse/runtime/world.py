@@ -172,11 +172,10 @@ def _process_monitor(rank: int, world: int) -> FailureMonitor:
     return _RESOURCES.monitors[key]
 
 
-def _group_timeout(comm, backend: str | None, compile_section=None) -> timedelta:
-    """A process group's own bound: xfuse's deadline (a wait's, or with ``compile.mode: regional`` a compiling
-    request's, ``compile.timeout_s``), and for NCCL a backstop behind it (``NCCL_BACKSTOP_S``)."""
-    bound = max(comm.timeout_s, compile_section.timeout_s if compile_section and compile_section.enabled else 0.0)
-    return timedelta(seconds=max(bound, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0))
+def _group_timeout(config: XfuseConfig, backend: str | None) -> timedelta:
+    """A process group's own bound: xfuse's longest deadline (``XfuseConfig.longest_wait_s``), and for NCCL a
+    backstop behind it (``NCCL_BACKSTOP_S``)."""
+    return timedelta(seconds=max(config.longest_wait_s, 1.0) + (NCCL_BACKSTOP_S if backend == "nccl" else 0.0))
 
 
 def shutdown(join_timeout_s: float = 10.0) -> bool:
@@ -242,7 +241,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
             for key, value in NCCL_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        timeout = _group_timeout(comm, backend, config.compile)
+        timeout = _group_timeout(config, backend)
         if "MASTER_ADDR" in os.environ:  # env:// (torchrun): rendezvous first, so the probe runs before gloo connects
             # Mirrors torch.distributed.init_process_group's own env:// path (rendezvous, set_timeout, "default_pg").
             store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -277,7 +276,7 @@ def init_parallel(config: XfuseConfig) -> ParallelContext:
     if world > 1:
         separate = backend != "gloo"
         device_id = device if backend == "nccl" else None
-        group_timeout = _group_timeout(comm, backend, config.compile)  # the default group's
+        group_timeout = _group_timeout(config, backend)  # the default group's
 
         def groups_of(all_groups: list[list[int]], size: int) -> DirectionGroups:
             mine = DirectionGroups()

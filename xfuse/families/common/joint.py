@@ -99,9 +99,10 @@ class JointAttention:
     """What every joint-attention processor shares: ``state`` (the stage's ``JointKV``), ``key`` (its attention
     module's) and ``attend``, the eager region of a compiled block."""
 
-    state: JointKV
-    key: object
-    text_first: bool
+    text_first: bool  # the processor's sequence order: [text, image] (FLUX, Qwen-Image) or [image, text]
+
+    def __init__(self, state: JointKV, key):
+        self.state, self.key = state, key
 
     def attend(self, image: tuple, text: tuple | None, key_mask=None):
         """This pass's joint attention: the text's q/k/v (B, heads, T, d) recorded or reused (``JointKV.
@@ -118,9 +119,6 @@ class StaleJointAttnProcessor(JointAttention):
     K/V."""
 
     text_first = False  # the joint sequence is [image, text]
-
-    def __init__(self, state: JointKV, key):
-        self.state, self.key = state, key
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
         if attention_mask is not None or kwargs:
@@ -148,9 +146,6 @@ class StaleFluxAttnProcessor(JointAttention):
     already concatenated; the stage says how many text tokens lead it (``JointKV.text_tokens``)."""
 
     text_first = True  # the joint sequence is [text, image]
-
-    def __init__(self, state: JointKV, key):
-        self.state, self.key = state, key
 
     def __call__(
         self, attn: FluxAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None

@@ -31,7 +31,6 @@ from torch import nn
 
 from xfuse.families.common.joint import (
     JointAttention,
-    JointKV,
     StaleFluxAttnProcessor,
     attend_text_first,
     check_joint_attention,
@@ -61,9 +60,6 @@ class StaleFlux2ParallelAttnProcessor(JointAttention):
     the sequence (``JointKV.text_tokens``)."""
 
     text_first = True  # the joint sequence is [text, image]
-
-    def __init__(self, state: JointKV, key):
-        self.state, self.key = state, key
 
     def __call__(self, attn: Flux2ParallelSelfAttention, hidden_states, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:

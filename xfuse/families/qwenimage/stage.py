@@ -28,7 +28,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from torch import nn
 
-from xfuse.families.common.joint import JointAttention, JointKV, check_joint_attention
+from xfuse.families.common.joint import JointAttention, check_joint_attention
 from xfuse.families.common.mmdit import JointConditioning, joint_request
 from xfuse.families.common.modulation import memoize_sequential
 from xfuse.families.common.packed import PackedJointStage
@@ -61,9 +61,6 @@ class StaleQwenDoubleStreamAttnProcessor(JointAttention):
     padding masked from every query) with PipeFusion's K/V."""
 
     text_first = True  # the joint sequence is [text, image]
-
-    def __init__(self, state: JointKV, key):
-        self.state, self.key = state, key
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                  attention_mask=None, image_rotary_emb=None):  # fmt: skip

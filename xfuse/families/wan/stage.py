@@ -23,7 +23,6 @@ from xfuse.families.common.guidance import cfg_batch, guidance
 from xfuse.families.common.layers import project_heads, unpatchify
 from xfuse.families.common.sharding import ShardedStage
 from xfuse.families.wan.spec import WAN
-from xfuse.parallel.pass_attention import PassAttention
 from xfuse.parallel.patch_grid import PatchBand
 from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment, StagePlan
@@ -100,14 +99,12 @@ def check_wan_attention(attn: WanAttention, cross: bool) -> None:
         raise ValueError(f"expected {'cross' if cross else 'self'}-attention")
 
 
-class WanStaleKVSelfAttnProcessor:
+class WanStaleKVSelfAttnProcessor(StaleKVSelfAttnProcessor):
     """Wan's self-attention through the stage's ``PassAttention`` (stale K/V, and sequence parallelism where the
-    stage has it). Mirrors ``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__`` without an
-    image context: q/k/v projections, RMSNorm of q
-    and k across heads, RoPE of this pass's tokens (K rotated before it is stored), SDPA, output projection."""
-
-    def __init__(self, attention: PassAttention, layer: int):
-        self.attention, self.layer = attention, layer
+    stage has it; ``attend``, the eager region of a compiled block, as every family's). Mirrors
+    ``diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__`` without an image context: q/k/v
+    projections, RMSNorm of q and k across heads, RoPE of this pass's tokens (K rotated before it is stored), SDPA,
+    output projection."""
 
     def __call__(
         self, attn: WanAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None
@@ -121,8 +118,6 @@ class WanStaleKVSelfAttnProcessor:
             query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
         out, _ = self.attend((query, key, value))  # (B, S, heads * head_dim)
         return attn.to_out[1](attn.to_out[0](out))
-
-    attend = StaleKVSelfAttnProcessor.attend  # the eager region of a compiled block
 
 
 class WanCachedCrossAttnProcessor(CachedCrossAttnProcessor):

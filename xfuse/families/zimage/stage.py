@@ -31,7 +31,7 @@ from diffusers.models.transformers.transformer_z_image import ZImageTransformer2
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from xfuse.families.common.joint import JointAttention, JointKV, check_joint_attention
+from xfuse.families.common.joint import JointAttention, check_joint_attention
 from xfuse.families.common.mmdit import JointConditioning, JointStage
 from xfuse.families.common.modulation import memoize_sequential
 from xfuse.families.zimage.spec import Z_IMAGE
@@ -62,9 +62,6 @@ class StaleZSingleStreamAttnProcessor(JointAttention):
     ``attention_mask`` is the stream's key mask (B, the whole stream)."""
 
     text_first = False  # the sequence is [image, stream]
-
-    def __init__(self, state: JointKV, key):
-        self.state, self.key = state, key
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
         if encoder_hidden_states is not None:
