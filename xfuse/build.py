@@ -290,3 +290,24 @@ def control_call_kwargs(generation, control_image) -> dict[str, Any]:
         control_guidance_start=generation.control_guidance_start,
         control_guidance_end=generation.control_guidance_end,
     )
+
+
+def warm_up_compile(pipe, call: dict[str, Any], sizes: list[tuple[int, int]]) -> None:
+    """``compile.mode: regional`` before the first request: ``call`` (a request's arguments) once at each of
+    ``sizes`` ((width, height) pairs), with steps enough to meet every shape a request of that size meets (the
+    warm-up steps' whole image, then the patches), to latents only and with a generator of its own (``call``'s is
+    left as it was). Each rank prints one line per size (``StageCompiler``). Collective: every rank calls it alike."""
+    import torch
+
+    compiler = pipe.compiler
+    if compiler is None:
+        return
+    steps = pipe.parallel.warmup_steps + 2
+    for index, (width, height) in enumerate(sizes, 1):
+        compiler.label = f"shape {index} of {len(sizes)} ({width}x{height})"
+        warm = dict(call, width=width, height=height, num_inference_steps=steps, output_type="latent",
+                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+        try:
+            pipe(**warm)
+        finally:
+            compiler.label = None

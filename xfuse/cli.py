@@ -220,6 +220,7 @@ def cmd_generate(args) -> int:
         image_call_kwargs,
         load_lora_adapters,
         video_call_kwargs,
+        warm_up_compile,
     )
     from xfuse.families.registry import model_spec
     from xfuse.runtime.host_deadline import register_stack_dump
@@ -257,7 +258,6 @@ def cmd_generate(args) -> int:
         seed=gen.seed,
         spec=pipe.spec,
     )
-    start = time.perf_counter()
     if video:  # image-to-video: every rank reads the first frame (diffusers checks it on every rank)
         from PIL import Image
 
@@ -266,13 +266,18 @@ def cmd_generate(args) -> int:
     else:
         call = image_call_kwargs(**request)
     if gen.controlnet is not None:  # every rank reads the control image (diffusers checks it on rank 0, which encodes)
-        import torch
         from PIL import Image
 
         call |= control_call_kwargs(gen, Image.open(gen.control_image).convert("RGB"))
+    # compile.mode regional: the configured sizes (default: this request's) compiled first, each rank saying so
+    warm_up_compile(pipe, call, config.compile.warmup or [(call["width"], call["height"])])
+    if gen.controlnet is not None:
+        import torch
+
         # SD3's pipeline draws the control image's VAE sample from torch's global generator: seeded with the run's
         # seed, so the config reproduces the run (FLUX draws from the run's generator)
         torch.manual_seed(gen.seed)
+    start = time.perf_counter()
     out = pipe(**call)
     wall = time.perf_counter() - start
     stats = pipe.rank_stats()

@@ -349,21 +349,33 @@ class CompileConfig(_Section):
 
     ``mode``: ``off`` or ``regional``. ``backend``: ``torch.compile``'s (``inductor``; ``aot_eager`` traces without
     generating code). ``dynamic``: ``torch.compile``'s (false: a graph per shape, and a rank sees few: the whole
-    image, its patches, the text's lengths). ``max_shapes``: graphs per block class at most (torch's
-    ``recompile_limit``); a shape beyond it runs that block eagerly. ``timeout_s``: how long a request that meets new
-    shapes may take to compile them: every wait for a message and the host deadline get that long for it.
+    image, its patches, the text's lengths). ``warmup_sizes``: the request sizes (``WIDTHxHEIGHT``) compiled before
+    the first request (empty: ``xfuse generate`` its request's size, ``xfuse serve`` its default size).
+    ``max_shapes``: request shapes compiled per denoising engine at most; a request of a further shape runs eagerly
+    on every rank and is counted. ``cache_dir``: where each rank keeps its compiled artefacts between launches (keyed
+    by torch, model, layout and backend; null: none kept). ``timeout_s``: how long one rank may spend compiling one
+    request shape; past it the rank names itself and the world stops.
     """
 
     SECTION: ClassVar[str] = "compile"
     mode: Annotated[Literal["off", "regional"], BeforeValidator(_yaml_switch)] = "off"
     backend: NonEmptyStr = "inductor"
     dynamic: bool = False
+    warmup_sizes: list[Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]] = Field(
+        default_factory=list, description="a list of request sizes 'WIDTHxHEIGHT' in pixels, e.g. ['1024x1024']"
+    )
     max_shapes: PositiveInt = 8
+    cache_dir: NonEmptyStr | None = None
     timeout_s: Seconds = 900.0
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def warmup(self) -> list[tuple[int, int]]:
+        """``warmup_sizes`` as (width, height) pairs."""
+        return [(int(w), int(h)) for w, h in (size.split("x") for size in self.warmup_sizes)]
 
 
 class RuntimeConfig(_Section):
@@ -510,9 +522,10 @@ class XfuseConfig(_Section):
 
     @property
     def longest_wait_s(self) -> float:
-        """The bound of the longest wait for a message: ``comm.timeout_s``, or with ``compile.mode: regional``
-        ``compile.timeout_s`` if longer (the waits of a request whose peers compile new shapes first)."""
-        return max(self.comm.timeout_s, self.compile.timeout_s if self.compile.enabled else 0.0)
+        """The bound of the longest wait for a message: ``comm.timeout_s``, and with ``compile.mode: regional``
+        ``compile.timeout_s`` on top (the waits of a request whose peers compile new shapes first: a peer's compile
+        bound ends the world naming that peer before a wait for it runs out)."""
+        return self.comm.timeout_s + (self.compile.timeout_s if self.compile.enabled else 0.0)
 
     @field_validator("parallel", "comm", "cache", "compile", "runtime", mode="before")
     @classmethod

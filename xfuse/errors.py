@@ -22,3 +22,7 @@ class StartupMismatch(ValueError):
 
 class WorldFailure(RuntimeError):
     """This rank stopped because a rank of the world failed; the message names the first failure."""
+
+
+class CompileTimeout(RuntimeError):
+    """A rank spent longer than ``compile.timeout_s`` compiling one request shape; the world stops, naming it."""

@@ -20,10 +20,11 @@ def xfuse(*args, timeout=120):
     )
 
 
-def torchrun(*args, nproc=2, timeout=180, cwd=None):
-    """``torchrun --standalone --nproc_per_node=nproc ARGS`` (a script path, or ``-m xfuse ...``)."""
+def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):
+    """``torchrun --standalone --nproc_per_node=nproc ARGS`` (a script path, or ``-m xfuse ...``); ``env``: variables
+    added to the tests' environment."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV | (env or {}), timeout=timeout, cwd=cwd)
 
 
 def test_plan_prints_ranks_blocks_skips_and_bytes():
@@ -431,18 +432,71 @@ def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_mem
 @pytest.mark.parametrize("model", ["tiny", "flux-tiny"])
 def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_compiled(tmp_path, model):
     """``compile.mode: regional`` under torchrun (``aot_eager``: dynamo's capture without code generation, so the
-    test takes seconds): the pipelined image of the eager run, and each rank's line of the graphs its first
-    request compiled."""
+    test takes seconds): the request's size compiled before it runs, each rank saying so in one line, and the
+    pipelined image of the eager run. With FLUX.1, rank 1's first compile made 8 s slower (a fault drill): rank 0,
+    waiting on it, names it and what it compiles, and the run ends well (the bound is 60 s)."""
     common = ["--config", "configs/tiny/pp2.yaml", "--set", f"model={model}", "--set", "parallel.placement=linear",
-              "--set", "generation.num_inference_steps=3", "--set", "compile.backend=aot_eager"]  # fmt: skip
+              "--set", "generation.num_inference_steps=3", "--set", "compile.backend=aot_eager",
+              "--set", "compile.timeout_s=60"]  # fmt: skip
+    slow = {"XFUSE_FAULT": "slow_compile:1:8"} if model == "flux-tiny" else {}
     runs = {}
     for mode in ("off", "regional"):
         runs[mode] = torchrun("-m", "xfuse", "generate", *common, "--set", f"compile.mode={mode}", "--output",
-                              str(tmp_path / f"{mode}.png"))  # fmt: skip
+                              str(tmp_path / f"{mode}.png"), env=slow if mode == "regional" else None)  # fmt: skip
         assert runs[mode].returncode == 0, runs[mode].stderr[-3000:]
-    lines = re.findall(r"rank (\d): compile.mode regional: (\d+) graph\(s\) compiled for a new request shape",
-                       runs["regional"].stderr)  # fmt: skip
-    assert sorted(rank for rank, _ in lines) == ["0", "1"] and all(int(n) > 0 for _, n in lines), lines
+    stderr = runs["regional"].stderr
+    lines = re.findall(r"rank (\d): compile.mode regional: shape 1 of 1 \(256x256\): (\d+) graph\(s\) in ([\d.]+) s of "
+                       r"compiling; its denoising took", stderr)  # fmt: skip
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"] and all(int(n) > 0 for _, n, _ in lines), lines
     assert "compile.mode regional" not in runs["off"].stderr
+    if slow:
+        assert float(dict((rank, took) for rank, _, took in lines)["1"]) >= 8.0  # the drill's seconds are counted
+        said = re.search(r"rank 0: waiting ([\d.]+) s: recv of \w+ from rank 1 at step \d+[^;]*; rank 1 is compiling "
+                         r"shape 1 of 1 \(256x256\) for ([\d.]+) s", stderr)  # fmt: skip
+        assert said and float(said.group(1)) >= 5.0, stderr[-3000:]
     a, b = (np.asarray(Image.open(tmp_path / f"{mode}.png"), dtype=np.int16) for mode in ("off", "regional"))
     assert np.abs(a - b).max() <= 1
+
+
+def test_a_rank_compiling_past_compile_timeout_s_ends_the_world_naming_itself(tmp_path):
+    """The fault drill past the bound: rank 1's first compile would take 60 s more, ``compile.timeout_s`` is 6 s.
+    Rank 1 names itself, the shape and the bound within a poll of it; rank 0 (waiting on it) ends naming rank 1's
+    failure as the world's first; every rank exits non-zero, long before the 60 s."""
+    args = [
+        "-m",
+        "xfuse",
+        "generate",
+        "--config",
+        "configs/tiny/pp2.yaml",
+        "--set",
+        "model=flux-tiny",
+        "--set",
+        "parallel.placement=linear",
+        "--set",
+        "generation.num_inference_steps=3",
+        "--set",
+        "compile.mode=regional",
+        "--set",
+        "compile.backend=aot_eager",
+        "--set",
+        "compile.timeout_s=6",
+        "--output",
+        str(tmp_path / "x.png"),
+    ]
+    run = torchrun(*args, env={"XFUSE_FAULT": "slow_compile:1:60"}, timeout=120)  # fmt: skip
+    assert run.returncode != 0
+    stderr = run.stderr
+    named = ("rank 1: CompileTimeout: rank 1: compiling shape 1 of 1 (256x256) took more than compile.timeout_s = 6 s "
+             "(6.")  # fmt: skip
+    assert f"rank 1 failed: {named[8:]}" in stderr, stderr[-4000:]
+    assert re.search(r"rank 0 (failed|stopped|terminated)[^\n]*\n(.*\n)*?  first failure in the world: "
+                     + re.escape(named), stderr), stderr[-4000:]  # fmt: skip
+    slowed = _clock(stderr, r"\[xfuse-fault ([\d:.]+)\] rank 1: slow_compile")
+    ended = _clock(stderr, r"\[xfuse ([\d:.]+)\] rank 1 failed")
+    assert 0 <= ended - slowed <= 6.0 + 1.0, (slowed, ended)  # the bound, and a poll of it
+
+
+def _clock(text: str, pattern: str) -> float:
+    """Seconds of the day of the ``HH:MM:SS.mmm`` ``pattern`` captures in ``text``."""
+    hours, minutes, seconds = re.search(pattern, text).group(1).split(":")
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
+from tests.support.compile_fns import compile_counts_over_requests
+from tests.support.world import World
 from xfuse.families.registry import load_pipeline, model_spec
 from xfuse.parallel.regional_compile import compile_blocks
 
@@ -66,3 +68,28 @@ def test_from_pipe_takes_the_compile_section_and_compiles_only_what_the_rank_kee
                                         compile={"mode": "regional"})  # fmt: skip
     with pytest.raises(ConfigError, match=r"compile.mode"):
         spec.pipeline_class().from_pipe(load_pipeline("flux-tiny"), compile={"mode": "full"})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as world:
+        yield world
+
+
+def test_compiles_are_bounded_by_the_shapes_a_served_life_meets(world2):
+    """A 2-stage pipelined world (2 patches, one warm-up step), ``max_shapes`` 2, torch's own counters per rank: the
+    warm-up of a size compiles every graph a 20-step request of that size needs (the whole image, then the patches:
+    nothing compiles after it); ten requests over two sizes compile the second size once and nothing after it; a
+    third size compiles nothing, runs eagerly, is counted, and still answers."""
+    parallel = {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1, "placement": "linear"}
+    sizes, third = [(128, 128), (128, 96)], (96, 96)
+    results = world2.run_ok(compile_counts_over_requests, "flux-tiny", parallel, sizes, third, timeout=300)
+    for rank, (graphs, compiled, eager, frames, _) in enumerate(results):
+        assert graphs["warm-up"] > graphs["start"], (rank, graphs)  # it compiled
+        assert graphs["20 steps"] == graphs["warm-up"], (rank, graphs)  # a request of the warmed size: nothing new
+        assert graphs["each size once"] > graphs["20 steps"], (rank, graphs)  # the second size compiled
+        assert graphs["10 requests"] == graphs["each size once"], (rank, graphs)  # and neither again
+        assert graphs["third size"] == graphs["10 requests"], (rank, graphs)  # past max_shapes: nothing compiled
+        assert list(compiled.values()) == [2] and eager == 1, (rank, compiled, eager)
+        assert frames["total"] >= frames["ok"] > 0, frames
+    assert results[0][4] is not None and results[1][4] is None  # rank 0 answered the eager request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -951,10 +952,28 @@ def test_on_is_no_host_timeout():
     [
         ({}, 60.0, 60.0),  # compile off: the comm timeout, whatever compile.timeout_s says
         ({"timeout_s": 5000.0}, 60.0, 60.0),
-        ({"mode": "regional"}, 60.0, 900.0),  # a compiling request's waits: compile.timeout_s
-        ({"mode": "regional", "timeout_s": 30.0}, 60.0, 60.0),  # never shorter than a plain wait
+        ({"mode": "regional"}, 60.0, 960.0),  # a compiling request's waits: a peer's compile bound, then a wait's
+        ({"mode": "regional", "timeout_s": 30.0}, 60.0, 90.0),
     ],
 )
 def test_the_longest_wait_is_the_comm_timeout_or_a_compiling_requests(compile_section, timeout_s, longest):
     config = XfuseConfig(compile=compile_section, comm={"timeout_s": timeout_s})
     assert config.longest_wait_s == longest
+
+
+@pytest.mark.parametrize(
+    "sizes,error",
+    [
+        (["1024x768", "512x512"], None),
+        (["1024"], "compile.warmup_sizes"),
+        (["0x512"], "compile.warmup_sizes"),
+        ("1024x1024", "compile.warmup_sizes"),  # a list, not one size
+    ],
+)
+def test_warmup_sizes_are_width_x_height(sizes, error):
+    if error is None:
+        assert XfuseConfig(compile={"warmup_sizes": sizes}).compile.warmup == [(1024, 768), (512, 512)]
+        return
+    with pytest.raises(ConfigError, match=re.escape(error)) as caught:
+        XfuseConfig(compile={"warmup_sizes": sizes})
+    assert "'WIDTHxHEIGHT'" in str(caught.value)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,7 +30,6 @@ from xfuse.errors import ConfigError
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
-from xfuse.parallel.regional_compile import compile_blocks
 from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.scheduler_state import draws_serial_noise
 from xfuse.parallel.sequence import SequenceParallel
@@ -50,12 +47,13 @@ from xfuse.parallel.vae_decode import (
 from xfuse.parallel.video_vae_decode import band_decoder
 from xfuse.pipelines.collectives import Collectives
 from xfuse.pipelines.loading import load_from_folder, shard_loaded
+from xfuse.pipelines.stage_compiler import StageCompiler
 from xfuse.pipelines.text_placement import place_text_encoders, text_components
 from xfuse.pipelines.text_placement import text_placement as resolve_text_placement
+from xfuse.runtime.compile_cache import CompileCache
 from xfuse.runtime.handshake import config_hash, handshake
 from xfuse.runtime.peak import PhasePeak, peak_cuda_mib, peak_rss_mib, phase_peak
 from xfuse.runtime.world import ParallelContext
-from xfuse.stderr import write_stderr
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -180,9 +178,10 @@ class PipeFusionPipelineBase:
         stage_class = self.spec.stage_class()
         self.stage = (stage or stage_class(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
-        self._compiled_shapes: set[tuple] = set()  # (engine, request shape) whose graphs compile.mode compiled
+        self.compiler: StageCompiler | None = None  # compile.mode: regional
         if self.config.compile.enabled:
-            self._compile(self.stage)
+            self.compiler = self._compiler(config_hash(dict(config)), dtype)
+            self.compiler.compile(self.stage)
         # What diffusers derives from the transformer (FluxPipeline: a constant; the spec knows which).
         self.default_sample_size = self.spec.default_side(config) // self.spec.vae_scale_factor
         self.band_decode = self._band_decode(pipeline, context)
@@ -205,26 +204,27 @@ class PipeFusionPipelineBase:
         self._decode_peak: PhasePeak | None = None  # the last call's decode on this rank (xfuse.runtime.peak)
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
 
-    def _compile(self, stage) -> None:
-        """``compile.mode: regional``: this rank's blocks of ``stage`` compiled in place, at most
-        ``compile.max_shapes`` graphs per block class (``xfuse.parallel.regional_compile``); the graphs are made in
-        the first request of each shape (``_denoise`` bounds it by ``compile.timeout_s``)."""
-        import torch._dynamo
+    def _compiler(self, model_config_hash: str, dtype) -> StageCompiler:
+        """``compile.mode: regional``'s compiler of this rank's stage, with ``compile.cache_dir``'s folder for this
+        torch, model, dtype, device, backend and ``dynamic``."""
+        section, cache = self.config.compile, None
+        if section.cache_dir is not None:
+            cache = CompileCache(section.cache_dir, torch=torch.__version__, family=self.spec.name,
+                                 model_config_hash=model_config_hash, dtype=str(dtype),
+                                 device=self.context.device.type, backend=section.backend,
+                                 dynamic=section.dynamic)  # fmt: skip
+        monitor, patches = self.context.monitor, self.parallel.resolved_num_patches
+        return StageCompiler(section, self.context.rank, monitor, patches, cache)
 
-        section = self.config.compile
-        torch._dynamo.config.recompile_limit = section.max_shapes  # per code object: a block class's forward
-        compile_blocks(stage, section.backend, section.dynamic)
-
-    def _compile_bounds(self, compiling: bool) -> contextlib.ExitStack:
+    def _compile_bounds(self) -> contextlib.ExitStack:
         """While a request compiles new shapes: every wait for a message on every rank, and this rank's host
         deadline, bounded by ``XfuseConfig.longest_wait_s`` (every rank decides alike: the request's shape is the
         same everywhere)."""
         stack = contextlib.ExitStack()
-        if compiling:
-            for channels in self.context.all_channels:
-                stack.enter_context(channels.bounded_by(self.config.longest_wait_s))
-            if self.context.host_deadline is not None:
-                stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
+        for channels in self.context.all_channels:
+            stack.enter_context(channels.bounded_by(self.config.longest_wait_s))
+        if self.context.host_deadline is not None:
+            stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
         return stack
 
     def _control_blocks(self, pipeline) -> int:
@@ -591,20 +591,16 @@ class PipeFusionPipelineBase:
         if progress is not None:
             request.on_progress = lambda step: progress.update()
         engine = engine or self.engine
-        key = (id(engine), shape)
-        compiling = self.config.compile.enabled and key not in self._compiled_shapes
-        graphs, start = (_compiled_graphs(), time.monotonic()) if compiling else (0, 0.0)
+        framed = contextlib.nullcontext()
+        if self.compiler is not None:
+            latents_shape = "x".join(map(str, latents.shape))
+            framed = self.compiler.request(engine, shape, self._compile_bounds(), f"latents {latents_shape}")
         try:
-            with self._compile_bounds(compiling):
+            with framed:
                 final = engine.denoise(request, grid, self._tracer)
         finally:
             if progress is not None:
                 progress.close()
-        if compiling:
-            self._compiled_shapes.add(key)
-            made, took = _compiled_graphs() - graphs, time.monotonic() - start
-            write_stderr(f"rank {self.context.rank}: compile.mode regional: {made} graph(s) compiled for a new "
-                         f"request shape; its denoising took {took:.1f} s")  # fmt: skip
         if engine.cache is not None:
             computed, skipped = _counts(engine.cache_decisions)  # two experts: two runs in one call
             self._cache_counts = (self._cache_counts[0] + computed, self._cache_counts[1] + skipped)
@@ -636,9 +632,3 @@ class PipeFusionPipelineBase:
         """Whether this rank runs step callbacks: the rank that steps the scheduler, in CFG group 0."""
         context = self.context
         return context.cfg_rank == 0 and context.pipe_rank == self.plan.output_rank and context.sp_rank == 0
-
-
-def _compiled_graphs() -> int:
-    """Graphs ``torch.compile`` made in this process so far (dynamo's own count; 0 before it was imported)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])

@@ -7,7 +7,9 @@ sleeps for an hour inside a C call that holds the interpreter lock: no Python th
 first pass of diffusion step ``step``: patch 0, or the whole image (its first batch part when the step is streamed in
 parts). With ``step`` ``decode`` it fires when the rank starts its band of a band-parallel VAE decode (the decoder's
 first convolution); with ``text`` when it starts its layers of a split text encoder (``parallel.text_encoder:
-split``). ``xfuse generate`` installs it when the variable is set.
+split``). ``slow_compile:RANK:SECONDS`` makes the rank's first ``torch.compile`` of a frame take ``SECONDS`` longer
+(with ``compile.mode: regional``: a compile that runs long, inside the compiler, where the compile bound counts it).
+``xfuse generate`` installs it when the variable is set.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from xfuse.comm.errors import describe_place
 from xfuse.stderr import clock, write_stderr
 
 KINDS = ("kill", "stall", "freeze", "raise")
+SLOW_COMPILE = "slow_compile"  # its third field is seconds, not a step
 
 
 DECODE = "decode"  # the step of a fault in the VAE decode
@@ -30,13 +33,13 @@ TEXT = "text"  # the step of a fault in a split text encoder
 def parse(spec: str) -> tuple[str, int, int | str]:
     try:
         kind, rank, step = spec.split(":")
-        if kind not in KINDS:
+        if kind not in (*KINDS, SLOW_COMPILE):
             raise ValueError
-        return kind, int(rank), step if step in (DECODE, TEXT) else int(step)
+        return kind, int(rank), step if step in (DECODE, TEXT) and kind != SLOW_COMPILE else int(step)
     except ValueError:
         raise ValueError(
-            f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} and STEP a step, {DECODE!r} or {TEXT!r} "
-            f"(got {spec!r})"
+            f"XFUSE_FAULT must be KIND:RANK:STEP with KIND in {KINDS} and STEP a step, {DECODE!r} or {TEXT!r}, or "
+            f"{SLOW_COMPILE}:RANK:SECONDS (got {spec!r})"
         ) from None
 
 
@@ -65,6 +68,9 @@ def install(stage, rank: int, spec: str | None = None, vae=None, text=None) -> b
     kind, target, step = parse(spec)
     if target != rank:
         return False
+    if kind == SLOW_COMPILE:
+        _slow_first_compile(rank, int(step))
+        return True
     if step == DECODE:
         if vae is None:
             raise ValueError(f"XFUSE_FAULT={spec!r}: rank {rank} holds no VAE (parallel.vae_parallel is off)")
@@ -101,3 +107,19 @@ def install(stage, rank: int, spec: str | None = None, vae=None, text=None) -> b
     stage.run_segment = run_segment_noting_the_pass
     stage.blocks[stage.block_ids[0]].register_forward_pre_hook(pre_hook)
     return True
+
+
+def _slow_first_compile(rank: int, seconds: int) -> None:
+    """A dynamo start-of-compile callback that sleeps ``seconds`` once (``CompileWatch``'s clock starts before it)."""
+    from torch._dynamo.callback import callback_handler
+
+    fired = []
+
+    def slow(args) -> None:  # left registered (removing it while dynamo iterates its callbacks would skip one)
+        if fired:
+            return
+        fired.append(True)
+        write_stderr(f"[xfuse-fault {clock()}] rank {rank}: slow_compile: {seconds} s more in its first compile")
+        time.sleep(seconds)
+
+    callback_handler.register_start_callback(slow)

@@ -44,6 +44,9 @@ ALIVE_KEY = "xfuse/alive"  # + "/<rank>": the time of that rank's last heartbeat
 LEFT = "left"
 # A healthy store answers in milliseconds; one that has not answered in this long has lost its host (or we ours).
 STORE_CALL_TIMEOUT_S = 3.0
+# A rank waiting this long on a peer that is compiling says so (and again at each doubling of the wait): the world is
+# not stalled, and stderr names the rank it waits for and what that rank compiles.
+WAIT_LINE_AFTER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class RankState:
 
     waits: tuple[WaitState, ...]
     idle_s: float  # since this rank last waited on anything
+    activity: str = ""  # what it does besides communicating, where that explains a wait (``compiling shape 1 ...``)
 
     @property
     def waits_for(self) -> int | None:
@@ -95,11 +99,13 @@ class RankState:
     @classmethod
     def from_json(cls, raw: bytes | str) -> RankState:
         data = json.loads(raw)
-        return cls(tuple(WaitState(**w) for w in data["waits"]), data["idle_s"])
+        return cls(tuple(WaitState(**w) for w in data["waits"]), data["idle_s"], data["activity"])
 
     def sentence(self) -> str:
         if self.waits:
             return "; ".join(w.sentence() for w in self.waits)
+        if self.activity:
+            return self.activity
         return f"not communicating for {self.idle_s:.1f} s (computing, or stalled)"
 
 
@@ -175,6 +181,9 @@ class FailureMonitor:
         self.store = None if store is None else BoundedStore(store, timeout_s=STORE_CALL_TIMEOUT_S)
         # What this rank's channels wait for (None when not waiting): ``P2PChannels.wait_state`` of each channel.
         self.state_sources: list[Callable[[], WaitState | None]] = []
+        # What this rank does besides communicating (``CompileWatch.activity``: "compiling shape 1 of 2 ..."), or None.
+        self.activity_source: Callable[[], str | None] | None = None
+        self._next_wait_line_s = WAIT_LINE_AFTER_S  # a wait on a compiling peer this long is said on stderr
         self._last_wait = time.monotonic()
         self.grace_s, self.poll_s = grace_s, poll_s
         self.active = 0  # >0 while this rank is inside a guarded (communicating) section
@@ -328,18 +337,49 @@ class FailureMonitor:
         os._exit(1)  # from this thread: the main thread waits in the device and cannot unwind
 
     # --- the watcher --------------------------------------------------------------------------------------
-    def publish_state(self) -> None:
-        """Tell the other ranks what this rank is doing (read by ``diagnose`` when a wait times out)."""
+    def publish_state(self) -> RankState:
+        """Tell the other ranks what this rank is doing (read by ``diagnose`` when a wait times out, and by a rank
+        that waits on a compiling one); returns what it published."""
         waits = tuple(wait for source in self.state_sources if (wait := source()) is not None)
         now = time.monotonic()
         if waits:
             self._last_wait = now
-        state = RankState(waits, idle_s=round(now - self._last_wait, 3))
+        activity = (self.activity_source() if self.activity_source is not None else None) or ""
+        state = RankState(waits, idle_s=round(now - self._last_wait, 3), activity=activity)
         try:
             self._watch_store.set(f"{STATE_KEY}/{self.rank}", state.to_json())
             self._watch_store.set(f"{ALIVE_KEY}/{self.rank}", f"{time.time():.3f}")
         except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
             pass
+        return state
+
+    def say_long_wait(self, state: RankState) -> None:
+        """On stderr, once a wait passes ``WAIT_LINE_AFTER_S`` (and at each doubling), if the ranks it waits for
+        end at one with an activity: ``rank 0: waiting 5.1 s: recv of hidden from rank 1 ...; rank 1 is compiling
+        shape 1 of 2 (64x64) for 5.3 s``. A wait on a rank that computes or stalls says nothing here: the comm
+        timeout and ``diagnose`` own that."""
+        if not state.waits:
+            self._next_wait_line_s = WAIT_LINE_AFTER_S
+            return
+        wait = max(state.waits, key=lambda w: w.waited_s)
+        if wait.waited_s < self._next_wait_line_s:
+            return
+        self._next_wait_line_s = 2 * max(wait.waited_s, self._next_wait_line_s)
+        peer, seen = wait.peer, {self.rank}
+        try:
+            while peer is not None and peer not in seen:  # who-waits-for-whom, to the rank that does something else
+                seen.add(peer)
+                key = f"{STATE_KEY}/{peer}"
+                if not self._watch_store.check([key]):
+                    return
+                theirs = RankState.from_json(self._watch_store.get(key))
+                if theirs.activity:
+                    said = f"rank {self.rank}: {wait.sentence()}; rank {peer} is {theirs.activity}"
+                    write_stderr(f"[xfuse {clock()}] {said}")
+                    return
+                peer = theirs.waits_for
+        except Exception:  # noqa: BLE001 - the store is gone: the failure path reports that
+            return
 
     def _silence(self, peer: int, now: float) -> float | None:
         """How long ``peer``'s heartbeat has been stale beyond ``max(1 s, 4 poll_s)`` (None: fresh, never
@@ -428,7 +468,7 @@ class FailureMonitor:
         stuck_since = None
         self.publish_state()  # at once: a rank that dies right after start-up must still have a heartbeat to go stale
         while not self._stop.wait(self.poll_s):
-            self.publish_state()
+            self.say_long_wait(self.publish_state())
             first = None if self._stop.is_set() else self.first(self._watch_store)
             if first is None or first.rank == self.rank or not self.active:
                 stuck_since = None

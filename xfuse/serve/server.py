@@ -25,8 +25,10 @@ from xfuse.build import (
     check_lora_family,
     check_negative_prompt,
     default_size,
+    image_call_kwargs,
     load_lora_adapters,
     takes_negative_prompt,
+    warm_up_compile,
 )
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
@@ -245,6 +247,25 @@ def load_adapters(pipe, adapters: dict[str, str]) -> None:
         pipe.disable_lora()
 
 
+def warm_up(pipe, config: XfuseConfig, limits: RequestLimits) -> None:
+    """``compile.mode: regional``: compile ``compile.warmup_sizes`` (default: the default size) with the default
+    request's arguments before serving; a size the model's layout cannot take fails the start, naming the key."""
+    if pipe.compiler is None:
+        return
+    sizes = config.compile.warmup or [(limits.default_width, limits.default_height)]
+    for width, height in sizes:
+        try:
+            limits.check_size(width, height)
+        except ConfigError as err:
+            raise ConfigError("compile.warmup_sizes", f"{width}x{height} cannot be served: {err}") from None
+    if pipe.context.rank == 0:
+        print(f"xfuse serve: compiling {len(sizes)} size(s) before the first request", flush=True)
+    call = image_call_kwargs(prompt="warm-up", negative_prompt=limits.default_negative_prompt, width=sizes[0][0],
+                             height=sizes[0][1], num_inference_steps=limits.default_steps,
+                             guidance_scale=limits.default_guidance, seed=0, spec=pipe.spec)  # fmt: skip
+    warm_up_compile(pipe, call, sizes)
+
+
 def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     """Run this rank's part of the service until it is drained (returns 0) or fails (exits non-zero)."""
     refuse_video_model(config)
@@ -286,6 +307,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         pipe.set_progress_bar_config(disable=True)
         load_adapters(pipe, config.serve.lora_adapters)
         limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
+        warm_up(pipe, config, limits)  # compile.mode regional: before the first request (/health says "starting")
     except BaseException as err:
         if service is not None:
             service.set_broken(f"start-up failed: {type(err).__name__}: {err}")

@@ -81,8 +81,8 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
             if not isinstance(second, WanStage):  # from_pipe: the diffusers model, sharded here
                 second = WanStage(second, self.plan, context.pipe_rank)
             self.stage_2 = second.to(context.device)
-            if self.config.compile.enabled:
-                self._compile(self.stage_2)
+            if self.compiler is not None:
+                self.compiler.compile(self.stage_2)
             self.engine_2 = self._engine(self.stage_2)
             pipeline.transformer_2 = None  # the stage owns what is left of it
 

@@ -1,0 +1,41 @@
+"""Rank functions for the regional-compile tests (importable by spawned ranks)."""
+
+
+def compile_counts_over_requests(preset, parallel, sizes, third):
+    """``compile.mode: regional`` (``aot_eager``, ``max_shapes`` = len(sizes)) on ``preset``: torch's own counters
+    (``StageCompiler``'s ``compile_counts``: graphs dynamo made) after each phase of a served life: the warm-up of
+    ``sizes[0]``, one 20-step request of it, ten requests alternating over ``sizes``, then one of ``third`` size;
+    with the compiler's record of what it compiled and ran eagerly."""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+
+    from xfuse.build import image_call_kwargs, warm_up_compile
+    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.pipelines.stage_compiler import compile_counts
+
+    spec = model_spec(preset)
+    section = {"mode": "regional", "backend": "aot_eager", "max_shapes": len(sizes)}
+    pipe = spec.pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel, compile=section)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call(size, steps):
+        width, height = size
+        return image_call_kwargs(prompt="a red house", negative_prompt=None, width=width, height=height,
+                                 num_inference_steps=steps, guidance_scale=4.0, seed=3, spec=spec)  # fmt: skip
+
+    graphs = {"start": compile_counts()["graphs"]}
+    warm_up_compile(pipe, call(sizes[0], 1), [sizes[0]])
+    graphs["warm-up"] = compile_counts()["graphs"]
+    pipe(**call(sizes[0], 20), output_type="latent")
+    graphs["20 steps"] = compile_counts()["graphs"]
+    for index in range(10):
+        pipe(**call(sizes[index % len(sizes)], 4), output_type="latent")
+        if index == len(sizes) - 1:
+            graphs["each size once"] = compile_counts()["graphs"]
+    graphs["10 requests"] = compile_counts()["graphs"]
+    out = pipe(**call(third, 4), output_type="latent")
+    graphs["third size"] = compile_counts()["graphs"]
+    compiled = {engine: len(shapes) for engine, shapes in pipe.compiler.shapes.items()}
+    frames = dict(dynamo_utils.counters["frames"])  # dynamo's own: frames it was asked to compile ("total", "ok")
+    third_latents = None if out is None else torch.as_tensor(out.images).shape
+    return graphs, compiled, pipe.compiler.eager_requests, frames, third_latents
