@@ -372,7 +372,7 @@ def cmd_doctor(args) -> int:
         return doctor.listen(args.listen)
     if args.peer is not None:
         return doctor.check_peer(args.peer, args.timeout)
-    return doctor.main(args.timeout)
+    return doctor.main(args.timeout, args.compile_cache)
 
 
 def main(argv=None) -> int:
@@ -436,6 +436,7 @@ def main(argv=None) -> int:
     srv.set_defaults(func=cmd_serve)
     doctor = sub.add_parser("doctor", help="versions, devices, backends, interfaces, attention; 2-rank self-test")
     doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for each self-test wait / connect")
+    doctor.add_argument("--compile-cache", metavar="DIR", help="report what compile.cache_dir DIR holds, per key")
     where = doctor.add_mutually_exclusive_group()
     where.add_argument(
         "--listen", type=int, metavar="PORT", help="answer `xfuse doctor --peer` from other hosts on PORT until stopped"

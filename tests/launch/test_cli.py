@@ -500,3 +500,38 @@ def _clock(text: str, pattern: str) -> float:
     """Seconds of the day of the ``HH:MM:SS.mmm`` ``pattern`` captures in ``text``."""
     hours, minutes, seconds = re.search(pattern, text).group(1).split(":")
     return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+def test_a_second_launch_with_a_warm_compile_cache_generates_nothing(tmp_path):
+    """``compile.cache_dir`` with Inductor (the backend whose artefacts a cache keeps): the first launch generates
+    every graph's code, the second finds every graph in the cache and generates none, and draws the same image;
+    ``xfuse doctor --compile-cache`` reports the key, its torch and the request shape. (How much faster the warm
+    start is, is measured by ``benchmarks/bench_compile.py --cache``, not timed here.)"""
+    cache = tmp_path / "compile-cache"
+    args = ["-m", "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", "--set", "model=flux-tiny", "--set",
+            "parallel.placement=linear", "--set", "generation.num_inference_steps=3", "--set", "compile.mode=regional",
+            "--set", f"compile.cache_dir={cache}"]  # fmt: skip
+    counts = {}
+    for launch in ("cold", "warm"):
+        run = torchrun(*args, "--output", str(tmp_path / f"{launch}.png"), timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        found = re.findall(r"rank (\d): compile.mode regional: shape 1 of 1 \(256x256\): (\d+) graph\(s\), (\d+) from "
+                           r"compile.cache_dir, (\d+) generated", run.stderr)  # fmt: skip
+        assert sorted(rank for rank, *_ in found) == ["0", "1"], run.stderr[-3000:]
+        counts[launch] = {rank: tuple(map(int, numbers)) for rank, *numbers in found}
+    for rank in ("0", "1"):
+        (graphs, cached, generated), (warm_graphs, warm_cached, warm_generated) = (
+            counts["cold"][rank],
+            counts["warm"][rank],
+        )
+        # cold: each graph generated, or found where the other rank had just put it (the ranks of a node share it)
+        assert graphs > 0 and cached + generated == graphs, counts
+        assert warm_graphs == graphs and warm_cached == graphs and warm_generated == 0, counts
+    assert sum(generated for _, _, generated in counts["cold"].values()) > 0, counts
+    a, b = (np.asarray(Image.open(tmp_path / f"{launch}.png"), dtype=np.int16) for launch in ("cold", "warm"))
+    assert np.array_equal(a, b)
+    doctor = xfuse("doctor", "--compile-cache", str(cache), "--timeout", "20")
+    assert doctor.returncode == 0, doctor.stderr
+    assert f"compile cache {cache}: 1 key(s)" in doctor.stdout
+    assert re.search(r": flux \(model config \w+\), torch.float32 on cpu, inductor, dynamic false; torch \S+ \(this "
+                     r"torch\); 1 request shape\(s\): latents 1x16x16x16;", doctor.stdout), doctor.stdout  # fmt: skip

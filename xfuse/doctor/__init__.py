@@ -145,9 +145,35 @@ def lines() -> list[str]:
     return out
 
 
-def main(timeout_s: float = 30.0) -> int:
+def compile_cache_lines(cache_dir: str) -> list[str]:
+    """What ``compile.cache_dir`` holds: one line per key (``xfuse.runtime.compile_cache``), and whether this
+    torch would use it (a key of another torch is never looked up: its launches compile cold)."""
+    import torch
+
+    from xfuse.runtime.compile_cache import entries
+
+    found = entries(cache_dir)
+    if not found:
+        return [f"compile cache {cache_dir}: empty (a launch with it as compile.cache_dir compiles cold and fills it)"]
+    total = sum(size for _, size in found)
+    out = [f"compile cache {cache_dir}: {len(found)} key(s), {total / 2**20:.1f} MiB"]
+    for entry, size in found:
+        usable = "this torch" if entry.torch == torch.__version__ else f"not this torch {torch.__version__}: unused"
+        out.append(
+            f"  {entry.key}: {entry.family} (model config {entry.model_config_hash}), {entry.dtype} on {entry.device}, "
+            f"{entry.backend}, dynamic {str(entry.dynamic).lower()}; torch {entry.torch} ({usable}); "
+            f"{len(entry.shapes)} request shape(s): {', '.join(entry.shapes) or 'none'}; {size / 2**20:.1f} MiB; "
+            f"updated {entry.updated}"
+        )
+    return out
+
+
+def main(timeout_s: float = 30.0, compile_cache: str | None = None) -> int:
     for line in lines():
         print(line, flush=True)
+    if compile_cache is not None:
+        for line in compile_cache_lines(compile_cache):
+            print(line, flush=True)
     start = time.perf_counter()
     try:
         summary = run_self_test(timeout_s)

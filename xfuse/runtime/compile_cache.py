@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 
 __all__ = ["CacheEntry", "CompileCache", "cache_key", "entries"]
 
@@ -68,7 +68,7 @@ class CompileCache:
 
     def record(self, shape: str) -> None:
         """Note ``shape`` in the folder's record (atomically: ranks of one node share the folder)."""
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         entry = self.read() or CacheEntry(key=self.key, created=now, **self._parts)  # type: ignore[arg-type]
         shapes = entry.shapes if shape in entry.shapes else [*entry.shapes, shape]
         data = asdict(entry) | {"shapes": shapes, "updated": now}
