@@ -3,8 +3,8 @@
     python benchmarks/gpu_suite.py [--out benchmarks/results] [--repeats 5] [--quick] [--only SECTION,...]
     python benchmarks/gpu_suite.py --merge A.json B.json [--out DIR]   # join the reports of split runs
 
-Sections (``--only`` names them: patch_cost = p, degree1 = a-c, cpu_speedups = d, nccl_one_gpu = e); a GPU section
-without a CUDA device is recorded as skipped, with the reason:
+Sections (``--only`` names them: patch_cost = p, degree1 = a-c, cpu_speedups = d, nccl_one_gpu = e, compiled = f); a
+GPU section without a CUDA device is recorded as skipped, with the reason:
 
 p. a patch's cost (``benchmarks/gpu_patch_cost.py``): per family at its released transformer shape (HunyuanDiT
    DiT-g/2, SD3.5-large, FLUX.1-dev, Qwen-Image, FLUX.2-dev at 1024 px; Wan 2.1 14B at 480 x 832 px, 81 frames),
@@ -33,6 +33,9 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
    batches grouped unlike on the two ranks (``gpu_nccl_probe.py --grouped-unlike``). Every launch sets
    ``comm.host_timeout_s`` well inside its limit; one that reaches the limit all the same gets SIGUSR1 first, so that
    its output ends with every rank's stacks.
+f. compiled stages (``benchmarks/gpu_compiled.py``): FLUX.1-dev at 1024 px, 20 steps, degree 1, eager against
+   ``compile.mode: regional`` (Inductor), the cold compile and a warm ``compile.cache_dir``'s start, each in a process
+   of its own (~3-4 min: last, so that a cut-off run keeps the rest).
 
 ``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
 
@@ -66,6 +69,8 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups  # noqa: E402 (no torch at import time)
+from benchmarks.gpu_compiled import compiled_stages  # noqa: E402
+from benchmarks.gpu_compiled import markdown as compiled_markdown  # noqa: E402
 from benchmarks.gpu_degree1 import degree1, fmt  # noqa: E402
 from benchmarks.gpu_degree1 import markdown as degree1_markdown  # noqa: E402
 from benchmarks.gpu_patch_cost import markdown as patch_cost_markdown  # noqa: E402
@@ -74,7 +79,7 @@ from benchmarks.gpu_patch_cost import patch_cost  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red house by a lake"
 
-SECTIONS = ("patch_cost", "degree1", "cpu_speedups", "nccl_one_gpu")  # in the order a full run takes them
+SECTIONS = ("patch_cost", "degree1", "cpu_speedups", "nccl_one_gpu", "compiled")  # the order a full run takes
 
 
 def no_cuda() -> str | None:
@@ -328,6 +333,11 @@ def markdown(r: dict) -> str:
         for degree, row in cpu["degrees"].items():
             out.append(f"| {degree} | {fmt(row)} | {row['speedup']:.2f}x | {row['ideal']:.2f}x |")
         out.append("")
+    compiled = r.get("compiled")
+    if compiled is not None and "stages" not in compiled:
+        out += [f"Compiled stages: {compiled.get('skipped') or compiled.get('error')}", ""]
+    elif compiled is not None:
+        out += [*compiled_markdown(compiled), ""]
     nccl = r.get("nccl_one_gpu")
     if nccl is not None:
         out += ["NCCL, several ranks on one GPU (`NCCL_HOSTID` per rank):", ""]
@@ -433,9 +443,10 @@ def main(argv=None) -> None:
             (2,) if quick else (2, 4),
             lambda partial: write({**report, "nccl_one_gpu": {**partial, "unfinished": True}}, args.out),
         ),
+        "compiled": lambda: compiled_stages(quick, 1 if quick else 3),
     }
     for name in only:
-        if skipped and name != "cpu_speedups" and not (quick and name in ("patch_cost", "degree1")):
+        if skipped and name != "cpu_speedups" and not (quick and name in ("patch_cost", "degree1", "compiled")):
             report[name] = {"skipped": skipped}
             continue
         start = time.monotonic()

@@ -79,6 +79,21 @@ def test_degree1_runs_every_familys_diffusers_and_xfuse_call_on_the_cpu(quick_re
     assert "| Wan 2.1 T2V 14B (`wan-tiny`) | 64 x 64 px, 5 frames, 2 steps," in md
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU form of the compiled-stages section")
+def test_the_compiled_section_runs_eager_cold_and_warm_in_processes_of_their_own(quick_report):
+    """FLUX's tiny preset through the section's own path (``aot_eager`` on the CPU): the cold stage compiles graphs,
+    the warm one (the same ``compile.cache_dir``, a new process) makes the same graphs, and the report says so."""
+    report, md = quick_report
+    stages = report["compiled"]["stages"]
+    assert list(stages) == ["eager", "cold", "warm"] and all("error" not in row for row in stages.values()), stages
+    assert stages["eager"]["graphs"] == 0 and stages["cold"]["graphs"] == stages["warm"]["graphs"] > 0
+    assert "seconds" in stages["cold"] and "seconds" not in stages["warm"]  # a warm launch's start is its first call
+    assert report["compiled"]["speedup"] == pytest.approx(
+        stages["eager"]["seconds"]["median"] / stages["cold"]["seconds"]["median"]
+    )
+    assert "Compiled stages, `flux-tiny` at degree 1," in md and "| warm | " in md
+
+
 def test_markdown_of_the_gpu_sections():
     timing = {"median": 2.0, "min": 1.9, "max": 2.2, "runs": [1.9, 2.0, 2.2]}
     row = dict(model="FLUX.1-dev", preset="flux-dev", repeats=3, note="batch of 1",
@@ -139,7 +154,10 @@ def test_bad_section_names_are_refused_naming_the_allowed_ones():
         timeout=120,
     )
     assert run.returncode == 2
-    assert "--only: unknown section(s) ['nccl']; allowed: patch_cost, degree1, cpu_speedups, nccl_one_gpu" in run.stderr
+    assert (
+        "--only: unknown section(s) ['nccl']; allowed: patch_cost, degree1, cpu_speedups, nccl_one_gpu, compiled"
+        in run.stderr
+    )
 
 
 def test_patch_cost_runs_every_family_with_a_later_patchs_text_as_the_engine_carries_it(quick_report):

@@ -307,7 +307,9 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         pipe.set_progress_bar_config(disable=True)
         load_adapters(pipe, config.serve.lora_adapters)
         limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
-        warm_up(pipe, config, limits)  # compile.mode regional: before the first request (/health says "starting")
+        if service is not None and pipe.compiler is not None:  # /health: 503 "starting (compiling ...)" meanwhile
+            service.reason = "compiling the configured sizes before the first request (compile.mode: regional)"
+        warm_up(pipe, config, limits)
     except BaseException as err:
         if service is not None:
             service.set_broken(f"start-up failed: {type(err).__name__}: {err}")

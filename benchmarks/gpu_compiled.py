@@ -1,0 +1,129 @@
+"""Compiled stages on a GPU: FLUX.1-dev at 1024 px, 20 steps, degree 1, eager against ``compile.mode: regional``
+(Inductor), and the start of a launch on a warm ``compile.cache_dir``.
+
+Three processes on the same random bf16 model (``gpu_degree1.build_on_device``), each timed with CUDA events:
+
+* eager: one warm-up call, then ``repeats`` calls (median, min-max);
+* compiled, cold: ``compile.cache_dir`` a fresh folder; the first call (the compile: how long a launch's start
+  takes) and then ``repeats`` calls; the graphs made and generated (``StageCompiler``'s counters);
+* compiled, warm: a new process on that folder; its first call, and the graphs it generated (0: all from the cache).
+
+CUDA graphs (``torch.compile``'s ``reduce-overhead``) are not measured: a compiled block's graphs are cut by the
+attention's eager region (``xfuse.parallel.regional_compile``), so each block would capture several graphs around
+host code that updates the K/V buffers; ``compile.mode`` offers no such mode.
+
+``quick``: the tiny FLUX preset at 64 px, 2 steps, ``aot_eager`` (dynamo's capture without code generation), on the
+CPU where there is no GPU, so a test runs the section's three processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+from benchmarks.bench_pipefusion import spread
+from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, ROOT, build_on_device, fmt
+
+STAGES = ("eager", "cold", "warm")
+STAGE_TIMEOUT_S = 420  # a stage's process: the build, the compile (FLUX.1-dev's blocks on an H100) and the calls
+
+
+def _stage_main() -> None:
+    """One stage in this process: its row as the last line of stdout."""
+    import torch
+
+    from xfuse.families.registry import model_spec
+    from xfuse.pipelines.stage_compiler import compile_counts
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("stage", choices=STAGES)
+    parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = "flux-tiny" if args.quick else "flux-dev"
+    side, steps = (QUICK_SIZE, 2) if args.quick else (1024, 20)
+    call = dict(prompt=PROMPT, height=side, width=side, guidance_scale=3.5, num_inference_steps=steps,
+                output_type="latent")  # fmt: skip
+    try:
+        pipe = build_on_device(preset, device, dtype)
+        section = None
+        if args.stage != "eager":
+            section = {"mode": "regional", "cache_dir": args.cache_dir,
+                       "backend": "aot_eager" if args.quick else "inductor"}  # fmt: skip
+        xfuse_pipe = model_spec(preset).pipeline_class().from_pipe(pipe, parallel={"pipefusion_degree": 1},
+                                                                   device=str(device), compile=section)  # fmt: skip
+        xfuse_pipe.set_progress_bar_config(disable=True)
+
+        def timed() -> float:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            xfuse_pipe(**call, generator=torch.Generator(device).manual_seed(0))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        first = timed()
+        row = {"preset": preset, "call": {k: v for k, v in call.items() if k != "prompt"}, "first_s": first}
+        row |= compile_counts()
+        if args.stage != "warm":
+            row["seconds"] = spread([timed() for _ in range(args.repeats)])
+    except Exception as exc:  # noqa: BLE001 - recorded in the report, with where it came from
+        row = {"error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()}
+    print(json.dumps(row, default=str), flush=True)
+
+
+def compiled_stages(quick: bool, repeats: int) -> dict:
+    """The three stages, each in a process of its own (a compile's state must not reach the next stage)."""
+    out: dict = {"stages": {}}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for stage in STAGES:
+            start = time.monotonic()
+            cmd = [sys.executable, "-m", "benchmarks.gpu_compiled", stage, "--cache-dir", cache_dir, "--repeats",
+                   str(repeats), *["--quick"] * quick]  # fmt: skip
+            try:
+                run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
+                if run.returncode == 0:
+                    row = json.loads(run.stdout.splitlines()[-1])
+                else:
+                    row = {"error": f"rc {run.returncode}: {run.stderr[-1000:]}"}
+            except subprocess.TimeoutExpired:
+                row = {"error": f"did not finish in {STAGE_TIMEOUT_S} s"}
+            out["stages"][stage] = {**row, "stage_seconds": time.monotonic() - start}
+            print(f"compiled {stage}: {time.monotonic() - start:.0f} s", flush=True)
+    stages = out["stages"]
+    if all("seconds" in stages[s] for s in ("eager", "cold")):
+        out["speedup"] = stages["eager"]["seconds"]["median"] / stages["cold"]["seconds"]["median"]
+    if all("first_s" in stages[s] for s in ("cold", "warm")):
+        out["warm_start_factor"] = stages["cold"]["first_s"] / stages["warm"]["first_s"]
+    return out
+
+
+def markdown(section: dict) -> list[str]:
+    stages = section["stages"]
+    cold = stages.get("cold", {})
+    lines = [f"Compiled stages, `{cold.get('preset', '?')}` at degree 1, {json.dumps(cold.get('call', {}))}:", ""]
+    lines += ["| stage | first call | steady call | graphs (generated) |", "|---|---|---|---|"]
+    for name, row in stages.items():
+        if "error" in row:
+            lines.append(f"| {name} | {row['error'][:200]} | | |")
+            continue
+        steady = fmt(row["seconds"]) if "seconds" in row else "-"
+        lines.append(f"| {name} | {row['first_s']:.2f} s | {steady} | {row['graphs']} ({row['generated']}) |")
+    if "speedup" in section:
+        lines.append(f"\nCompiled over eager: {section['speedup']:.2f}x.")
+    if "warm_start_factor" in section:
+        lines.append(f"A warm launch's first call: {section['warm_start_factor']:.1f}x faster than the cold one's.")
+    return lines
+
+
+if __name__ == "__main__":
+    _stage_main()
