@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
 from benchmarks.bench_pipefusion import spread
-from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, ROOT, build_on_device, fmt
+from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, build_on_device, fmt, row_of_process
 
 STAGES = ("eager", "cold", "warm")
 STAGE_TIMEOUT_S = 420  # a stage's process: the build, the compile (FLUX.1-dev's blocks on an H100) and the calls
@@ -89,14 +88,7 @@ def compiled_stages(quick: bool, repeats: int) -> dict:
             start = time.monotonic()
             cmd = [sys.executable, "-m", "benchmarks.gpu_compiled", stage, "--cache-dir", cache_dir, "--repeats",
                    str(repeats), *["--quick"] * quick]  # fmt: skip
-            try:
-                run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
-                if run.returncode == 0:
-                    row = json.loads(run.stdout.splitlines()[-1])
-                else:
-                    row = {"error": f"rc {run.returncode}: {run.stderr[-1000:]}"}
-            except subprocess.TimeoutExpired:
-                row = {"error": f"did not finish in {STAGE_TIMEOUT_S} s"}
+            row = row_of_process(cmd, STAGE_TIMEOUT_S)
             out["stages"][stage] = {**row, "stage_seconds": time.monotonic() - start}
             print(f"compiled {stage}: {time.monotonic() - start:.0f} s", flush=True)
     stages = out["stages"]

@@ -178,18 +178,21 @@ def degree1(quick: bool, repeats: int) -> dict:
     for case in CASES:
         start = time.monotonic()
         cmd = [sys.executable, "-m", "benchmarks.gpu_degree1", case.name, "--repeats", str(repeats)]
-        try:
-            cmd += ["--quick"] * quick
-            run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
-            if run.returncode == 0:
-                row = json.loads(run.stdout.splitlines()[-1])
-            else:
-                row = {"error": f"rc {run.returncode}: {run.stderr[-1000:]}"}
-        except subprocess.TimeoutExpired:
-            row = {"error": f"did not finish in {CASE_TIMEOUT_S} s"}
+        row = row_of_process([*cmd, *["--quick"] * quick], CASE_TIMEOUT_S)
         out["models"][case.name] = {**row, "case_seconds": time.monotonic() - start}
         print(f"degree1 {case.name}: {time.monotonic() - start:.0f} s", flush=True)
     return out
+
+
+def row_of_process(cmd: list[str], timeout_s: float) -> dict:
+    """Run ``cmd`` in the repository root; its row is the last line of its stdout (or the error it ended with)."""
+    try:
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {timeout_s} s"}
+    if run.returncode != 0:
+        return {"error": f"rc {run.returncode}: {run.stderr[-1000:]}"}
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 def _case_main() -> None:
