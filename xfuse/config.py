@@ -21,14 +21,16 @@ YAML layout (every key optional)::
     comm:     {backend: auto, timeout_s: 60.0, max_inflight: 2, socket_ifname: null, wait: auto,
                host_timeout_s: auto}
     cache:    {method: off, threshold: 0.05, warmup_steps: 0, max_skips: null}
-    compile:  {mode: off, backend: inductor, dynamic: false, max_shapes: 8, timeout_s: 900.0}
+    compile:  {mode: off, backend: inductor, dynamic: false, warmup_sizes: [], max_shapes: 8, cache_dir: null,
+               timeout_s: 900.0}
     runtime:  {device: auto, dtype: float32}
     generation: {prompt: "...", negative_prompt: null, height: null, width: null,
                  num_inference_steps: 20, guidance_scale: 5.0, seed: 0,
                  num_frames: null, fps: 16, image: null,     # num_frames, fps, image: video models only (Wan)
                  lora: {}, controlnet: null, control_image: null, controlnet_conditioning_scale: 1.0,
                  control_guidance_start: 0.0, control_guidance_end: 1.0}   # xfuse generate's LoRA and ControlNet
-    serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_images_per_request: 4,
+    serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_queued_work: auto,
+               max_images_per_request: 4,
                max_side: 2048, max_pixels: 4194304, max_steps: 100, max_prompt_chars: 4000,
                max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
                heartbeat_timeout_s: 2.0, lora_adapters: {}}   # xfuse serve only; generation: the requests' defaults
@@ -98,8 +100,13 @@ def _allowed(schema: dict[str, Any], base: dict[str, Any]) -> str:
 def _hint(error: Mapping[str, Any], value: Any, base: dict[str, Any], inner: list[Any]) -> str:
     """What is wrong beyond the range: an entry of a list or mapping, a wrong type, a near miss of a choice."""
     kind = base.get("type")
-    if inner:
-        problem = "must be a non-empty string" if error["type"] == "string_pattern_mismatch" else error["msg"]
+    if inner and kind in ("array", "object"):  # (a union's member tag is no entry: its description says it all)
+        problem = error["msg"]
+        if error["type"] == "string_pattern_mismatch":  # NonEmptyStr's pattern, or a format the key names
+            pattern = error.get("ctx", {}).get("pattern")
+            problem = (
+                "must be a non-empty string" if pattern == r"\S" else f"{error['input']!r} does not match {pattern}"
+            )
         return f"; entry {inner[0]!r}: {problem[0].lower()}{problem[1:]}"
     if error["type"] == "literal_error" and isinstance(value, str):
         guess = _ALIASES.get(value.lower())
@@ -469,6 +476,12 @@ class ServeConfig(_Section):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0: any free port (printed at start-up)
     model_name: NonEmptyStr | None = None  # the id in /v1/models and the requests' ``model``; null: the model's name
     max_queue: PositiveInt = 8  # requests waiting behind the running one; more get 429 + Retry-After
+    # the work waiting behind the running request, in megapixel-steps (width x height x steps x images / 10^6);
+    # auto: max_queue requests of the default size and steps. A request that would pass it gets 429 + Retry-After
+    max_queued_work: Annotated[
+        Annotated[float, Field(gt=0.0)] | Literal["auto"],
+        Field(description="'auto' or a number of megapixel-steps > 0"),
+    ] = "auto"
     max_images_per_request: PositiveInt = 4  # the largest ``n``
     max_side: Annotated[int, Field(ge=16)] = 2048  # pixels, width and height alike
     max_pixels: Annotated[int, Field(ge=256)] = 2048 * 2048  # width x height

@@ -1,6 +1,8 @@
 """Rank 0's service state without processes: the bounded queue, Retry-After, deadlines, drain and broken states,
 and ``/health``'s verdicts (the same objects the HTTP thread and the engine loop share)."""
 
+import dataclasses
+import math
 import time
 
 import pytest
@@ -32,17 +34,50 @@ def test_starting_refuses_with_503_then_ready_accepts():
     assert future.result(timeout=1).images == ["image"]
 
 
-def test_full_queue_is_429_with_retry_after_from_recent_generation_times():
+def test_full_queue_is_429_with_retry_after_from_the_measured_seconds_per_work():
     s = service()
     s.set_ready(LIMITS)
-    first = s.submit(JOB)
-    s.finish(s.next_request(0.1), GenerationResult([], 1, 0.0, 3.0))  # mean generation time moves towards 3 s
-    assert first.done()
+    with pytest.raises(QueueFull) as err:  # nothing measured yet: a second per request
+        s.submit(JOB), s.submit(JOB), s.submit(JOB)
+    assert err.value.retry_after_s == 3 and "the queue is full (2 requests wait" in str(err.value)
+    s.finish(s.next_request(0.1), GenerationResult([], 1, 0.0, 3.0))  # 3 s for 64 x 64 x 4 steps
+    s.finish(s.next_request(0.1), GenerationResult([], 1, 0.0, 3.0))
+    assert s.health()[1]["queued_work"] == 0
     s.submit(JOB)
     s.submit(JOB)
     with pytest.raises(QueueFull) as err:
         s.submit(JOB)
-    assert err.value.status == 429 and err.value.retry_after_s == 5  # ceil(3 waiting x 1.4 s)
+    assert err.value.status == 429
+    # two queued requests of 3 s each as measured, and the running one's mean (1.0 -> 1.4 -> 1.72 s)
+    assert err.value.retry_after_s == math.ceil(2 * 3.0 + 1.72)
+
+
+def test_admission_by_work_lets_small_requests_in_where_a_large_one_does_not_fit():
+    """``serve.max_queued_work`` (megapixel-steps): a request is queued while its work fits in what the queued ones
+    leave; an empty queue takes any servable request; a request leaving the queue frees its work."""
+    small, large = (
+        GenerationJob("s", None, 512, 512, 1, 10, 5.0, 1),
+        GenerationJob("l", None, 1024, 1024, 2, 20, 5.0, 1),
+    )
+    assert (small.work, large.work) == (2.62144, 41.94304)
+    s = service(max_queue=8)
+    s.set_ready(dataclasses.replace(LIMITS, max_queued_work=10.0))
+    s.submit(large)  # the queue was empty: taken though it alone is past the budget
+    said = (
+        r"the queue holds 41.9 of its 10 megapixel-steps of work \(serve.max_queued_work\) and this request needs 2.62"
+    )
+    with pytest.raises(QueueFull, match=said):
+        s.submit(small)
+    assert s.next_request(0.1).job is large and s.health()[1]["queued_work"] == 0
+    for _ in range(3):  # 3 x 2.62 = 7.9 of 10
+        s.submit(small)
+    with pytest.raises(QueueFull, match="needs 2.62"):
+        s.submit(small)
+    assert s.health()[1]["queued_work"] == pytest.approx(3 * small.work)
+    assert s.metrics.queued_work._value.get() == pytest.approx(3 * small.work)
+    s.next_request(0.1)
+    s.submit(small)  # one left the queue: its work is free again
+    assert s.start_draining() == 3 and s.health()[1]["queued_work"] == 0
 
 
 def test_request_past_its_deadline_is_answered_503_and_never_taken():
@@ -97,3 +132,25 @@ def test_request_whose_client_hung_up_while_queued_is_never_taken():
     assert taken.future is kept and not kept.cancel()  # taken: it runs to the end, answering it cannot fail
     s.finish(taken, GenerationResult([], 1, 0.0, 0.1))
     assert kept.result(timeout=1).seed == 1
+
+
+@pytest.mark.parametrize("setting,budget", [("auto", 8 * 128 * 96 * 4 / 1e6), (12.5, 12.5)])
+def test_the_work_budget_is_a_full_queue_of_default_requests_unless_set(setting, budget):
+    from xfuse.config import XfuseConfig
+    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.serve.server import request_limits
+
+    config = XfuseConfig(model="tiny", parallel={"pipefusion_degree": 1},
+                         generation={"width": 128, "height": 96, "num_inference_steps": 4},
+                         serve={"max_queue": 8, "max_queued_work": setting})  # fmt: skip
+    pipe = model_spec("tiny").pipeline_class().from_pipe(load_pipeline("tiny"), config=config)
+    assert request_limits(config, pipe).max_queued_work == pytest.approx(budget)
+
+
+@pytest.mark.parametrize("setting", [0, -1.0, "half", None])
+def test_a_bad_work_budget_names_the_key_and_what_it_takes(setting):
+    from xfuse.config import XfuseConfig
+    from xfuse.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"serve.max_queued_work: .*'auto' or a number of megapixel-steps > 0"):
+        XfuseConfig(serve={"max_queued_work": setting})

@@ -31,6 +31,11 @@ class ServeMetrics:
             "xfuse_generation_seconds", "Time every rank spent on one request", buckets=LATENCY_BUCKETS, registry=reg
         )
         self.queue_depth = Gauge("xfuse_queue_depth", "Requests waiting behind the running one", registry=reg)
+        self.queued_work = Gauge(
+            "xfuse_queued_work",
+            "Megapixel-steps waiting behind the running request (serve.max_queued_work)",
+            registry=reg,
+        )
         self.running = Gauge("xfuse_requests_running", "Requests being generated (0 or 1)", registry=reg)
         self.ready = Gauge("xfuse_ready", "1 while /health answers 200", registry=reg)
         self.sent_bytes = Counter(

@@ -84,6 +84,7 @@ class RequestLimits:
     min_guidance_exclusive: float | None = None  # cfg_degree 2 splits the CFG batch: guidance must exceed this
     adapters: tuple[str, ...] = ()  # the LoRA adapters loaded at start-up (serve.lora_adapters)
     no_negative_prompt: str | None = None  # the served diffusers pipeline, where it takes no negative_prompt
+    max_queued_work: float = float("inf")  # megapixel-steps waiting behind the running request (serve.max_queued_work)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,17 @@ class GenerationJob:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def work(self) -> float:
+        """What the request costs the world, in megapixel-steps (``serve.max_queued_work``'s unit): a denoising
+        step's cost grows with the image's tokens, so width x height x steps x images, over 10^6."""
+        return work_of(self.width, self.height, self.num_inference_steps, self.num_images)
+
+
+def work_of(width: int, height: int, steps: int, images: int = 1) -> float:
+    """Megapixel-steps of ``images`` images of ``width`` x ``height`` pixels denoised for ``steps`` steps."""
+    return width * height * steps * images / 1e6
 
 
 def _from_validation_error(err: ValidationError) -> RequestError:

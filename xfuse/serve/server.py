@@ -36,7 +36,7 @@ from xfuse.families.registry import model_is_preset, model_spec
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
 from xfuse.serve.metrics import ServeMetrics
-from xfuse.serve.protocol import RequestLimits
+from xfuse.serve.protocol import RequestLimits, work_of
 from xfuse.serve.service import Service
 from xfuse.stderr import clock, write_stderr
 
@@ -110,6 +110,9 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
 
     width, height = default_size(config)
     check_size(width, height)  # a bad generation.width/height fails the start, naming the key
+    queued_work = config.serve.max_queued_work
+    if queued_work == "auto":  # a full queue of default requests
+        queued_work = config.serve.max_queue * work_of(width, height, config.generation.num_inference_steps)
     check_negative_prompt(pipe.spec, config.generation.negative_prompt)  # fails the start, naming the key
     serve, gen = config.serve, config.generation
     return RequestLimits(
@@ -125,6 +128,7 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
         max_steps=serve.max_steps,
         max_prompt_chars=serve.max_prompt_chars,
         check_size=check_size,
+        max_queued_work=queued_work,
         # cfg_degree 2 needs each request to batch [uncond, cond]: guidance above the family's threshold (Z-Image's 0);
         # a true-CFG family's batch comes from the negative prompt instead (its pipeline refuses a request without)
         min_guidance_exclusive=pipe.spec.cfg_above

@@ -2,6 +2,10 @@
 thread (which takes requests, resolves their futures and changes the state). Nothing here touches
 ``torch.distributed``.
 
+Admission: a request is queued while the queue holds fewer than ``serve.max_queue`` requests and its work
+(``GenerationJob.work``, megapixel-steps) fits in what ``serve.max_queued_work`` leaves (an empty queue takes any
+servable request); otherwise 429 with ``Retry-After`` from the measured seconds per megapixel-step.
+
 States: ``starting`` (the model loads) -> ``ready`` -> ``draining`` (SIGTERM/SIGINT: no new requests, the running one
 finishes, queued ones get 503) or ``broken`` (a rank died or stalled: every pending request gets 503 and the process
 exits non-zero so the launcher restarts the world).
@@ -80,7 +84,9 @@ class Service:
         self.running: PendingRequest | None = None
         self._queue: queue.Queue[PendingRequest] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
-        self._mean_generation_s = 1.0  # for Retry-After; updated after every request
+        self._mean_generation_s = 1.0  # for Retry-After until a request measured the seconds per work unit
+        self._seconds_per_work: float | None = None  # seconds per megapixel-step, updated after every request
+        self._queued_work = 0.0  # megapixel-steps of the queued requests (under the lock)
 
     # ------------------------------------------------------------------------------------------ HTTP thread
     def submit(self, job: GenerationJob) -> concurrent.futures.Future:
@@ -89,18 +95,33 @@ class Service:
             self.check_accepting()
             now = time.monotonic()
             pending = PendingRequest(job, now, now + self.request_timeout_s)
+            budget = self.limits.max_queued_work if self.limits is not None else math.inf
+            if self._queued_work > 0 and self._queued_work + job.work > budget * (1 + 1e-9):  # (sums of floats)
+                retry = self._retry_after_s()
+                raise QueueFull(
+                    f"the queue holds {self._queued_work:.3g} of its {budget:.3g} megapixel-steps of work "
+                    f"(serve.max_queued_work) and this request needs {job.work:.3g}; retry in {retry} s",
+                    retry,
+                )
             try:
                 self._queue.put_nowait(pending)
             except queue.Full:
-                waiting = self._queue.qsize() + 1
-                retry = max(1, math.ceil(waiting * self._mean_generation_s))
+                retry = self._retry_after_s()
                 raise QueueFull(
                     f"the queue is full ({self._queue.maxsize} requests wait behind the running one); retry in "
                     f"{retry} s",
                     retry,
                 ) from None
+            self._queued_work += job.work
             self.metrics.queue_depth.set(self._queue.qsize())
+            self.metrics.queued_work.set(self._queued_work)
         return pending.future
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the queued work (and the running request, about one more) is done, as measured so far."""
+        if self._seconds_per_work is None:  # nothing measured yet: the recent mean per request
+            return max(1, math.ceil((self._queue.qsize() + 1) * self._mean_generation_s))
+        return max(1, math.ceil(self._queued_work * self._seconds_per_work + self._mean_generation_s))
 
     def check_accepting(self) -> None:
         if self.state == BROKEN:
@@ -126,6 +147,7 @@ class Service:
             "world_size": self.world_size,
             "ranks": [{"rank": r, "heartbeat_age_s": round(age, 3)} for r, age in enumerate(ages)],
             "queue": self._queue.qsize(),
+            "queued_work": round(self._queued_work, 6),  # megapixel-steps
             "running": self.running is not None,
         }
         return (200 if state == READY else 503), body
@@ -148,7 +170,7 @@ class Service:
                 if self.drain_requested or time.monotonic() >= deadline:
                     return None
                 continue
-            self.metrics.queue_depth.set(self._queue.qsize())
+            self._dequeued(pending)
             if time.monotonic() > pending.deadline:
                 waited = time.monotonic() - pending.enqueued
                 _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
@@ -159,8 +181,19 @@ class Service:
                 self.metrics.running.set(1)
                 return pending
 
+    def _dequeued(self, pending: PendingRequest) -> None:
+        """``pending`` left the queue (taken, or answered without running): its work no longer waits."""
+        with self._lock:
+            self._queued_work = max(0.0, self._queued_work - pending.job.work) if self._queue.qsize() else 0.0
+            self.metrics.queue_depth.set(self._queue.qsize())
+            self.metrics.queued_work.set(self._queued_work)
+
     def finish(self, pending: PendingRequest, result: GenerationResult) -> None:
         self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s
+        per_work = result.generation_s / max(pending.job.work, 1e-9)
+        self._seconds_per_work = (
+            per_work if self._seconds_per_work is None else (0.8 * self._seconds_per_work + 0.2 * per_work)
+        )
         self.running = None
         self.metrics.running.set(0)
         self.metrics.queue_wait.observe(result.queue_wait_s)
@@ -193,7 +226,9 @@ class Service:
             try:
                 failed += _fail(self._queue.get_nowait(), error)
             except queue.Empty:
+                self._queued_work = 0.0
                 self.metrics.queue_depth.set(0)
+                self.metrics.queued_work.set(0)
                 return failed
 
 
