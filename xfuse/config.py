@@ -483,6 +483,10 @@ class ServeConfig(_Section):
         Field(description="'auto' or a number of megapixel-steps > 0"),
     ] = "auto"
     max_images_per_request: PositiveInt = 4  # the largest ``n``
+    # requests the loop runs in one pipeline call (one image each, the same size, steps, guidance, negative prompt and
+    # adapters, at most batch_max_pixels pixels); 1: one request at a time
+    max_batch: PositiveInt = 1
+    batch_max_pixels: Annotated[int, Field(ge=256)] = 256 * 256
     max_side: Annotated[int, Field(ge=16)] = 2048  # pixels, width and height alike
     max_pixels: Annotated[int, Field(ge=256)] = 2048 * 2048  # width x height
     max_steps: PositiveInt = 100  # the largest ``num_inference_steps``

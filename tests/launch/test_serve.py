@@ -361,6 +361,34 @@ def test_the_mmdit_families_serve_under_torchrun(tmp_path, preset):
         assert served.wait(timeout=60) == 0, served.stderr()[-3000:]
 
 
+def test_batched_requests_each_equal_the_same_request_served_alone(tmp_path):
+    """``serve.max_batch: 4``: requests that queue together behind a running one and share a size, steps, guidance
+    and adapters run as one pipeline call, each with its own seed's noise, so each image equals the same request
+    served alone (pipelined, 2 ranks, PNGs within one level); a request of another size, or of two images, runs
+    alone; each response says how many requests its call held."""
+    bodies = {seed: {"prompt": f"a lake {seed}", "seed": seed} for seed in (1, 2, 3, 4)}
+    bodies[5] = {"prompt": "a lake 5", "seed": 5, "size": "128x96"}
+    bodies[6] = {"prompt": "a lake 6", "seed": 6, "n": 2}
+    with ServedWorld(tmp_path, nproc=2, settings=("serve.max_batch=4", "serve.max_queue=8")) as served:
+        alone = {seed: _generate(served.url, body).json() for seed, body in bodies.items()}  # one at a time
+        assert {reply["batch"] for reply in alone.values()} == {1}
+        blocker = {"prompt": "busy", "seed": 0, "size": "384x384", "num_inference_steps": 20}  # ~2 s here
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            running = pool.submit(_generate, served.url, blocker)
+            time.sleep(0.3)  # the blocker runs; the others queue together behind it
+            replies_in_order = pool.map(lambda body: _generate(served.url, body), bodies.values())
+            together = dict(zip(bodies, replies_in_order, strict=True))
+            assert running.result().status_code == 200
+    replies = {seed: response.json() for seed, response in together.items()}
+    assert [replies[seed]["batch"] for seed in (1, 2, 3, 4)] == [4] * 4, replies
+    assert replies[5]["batch"] == replies[6]["batch"] == 1
+    for seed, reply in replies.items():
+        assert reply["seed"] == seed and len(reply["data"]) == len(alone[seed]["data"])
+        for mine, theirs in zip(reply["data"], alone[seed]["data"], strict=True):
+            a, b = (np.asarray(decode_png(x["b64_json"]), dtype=np.int16) for x in (mine, theirs))
+            assert a.shape == b.shape and np.abs(a - b).max() <= 1, seed
+
+
 def test_serve_compiles_its_sizes_before_ready_and_serves_a_further_size_eagerly(tmp_path):
     """``compile.mode: regional`` served (``aot_eager``: the capture without code generation, seconds): the two
     ``compile.warmup_sizes`` compile on every rank before the server says ready, one line each; requests of those

@@ -154,3 +154,30 @@ def test_a_bad_work_budget_names_the_key_and_what_it_takes(setting):
 
     with pytest.raises(ConfigError, match=r"serve.max_queued_work: .*'auto' or a number of megapixel-steps > 0"):
         XfuseConfig(serve={"max_queued_work": setting})
+
+
+def test_a_batch_takes_the_queued_requests_of_the_first_ones_key_in_queue_order():
+    """``next_batch``: the next request and the queued ones it can share a pipeline call with (one image each; the
+    same size, steps, guidance, negative prompt and adapters; not over ``max_pixels``), up to ``max_batch``; the
+    others keep their order; a cancelled one never runs; each finished request frees its place in ``running``."""
+
+    def job(seed, **kw):
+        return GenerationJob(**{**dict(prompt=f"p{seed}", negative_prompt=None, width=64, height=64, num_images=1,
+                                       num_inference_steps=4, guidance_scale=5.0, seed=seed), **kw})  # fmt: skip
+
+    s = service(max_queue=8)
+    s.set_ready(LIMITS)
+    queued = [job(1), job(2, width=128), job(3), job(4, lora=(("style", 1.0),)), job(5, num_images=2), job(6), job(7)]
+    futures = [s.submit(j) for j in queued]
+    futures[5].cancel()  # its client hung up while it waited
+    batch = s.next_batch(0.1, max_batch=3, max_pixels=64 * 64)
+    assert [p.job.seed for p in batch] == [1, 3, 7] and s.health()[1]["running"]
+    assert futures[5].cancelled()
+    assert [p.job.seed for p in s._queue] == [2, 4, 5]  # the others, in their order
+    for pending in batch:
+        s.finish(pending, GenerationResult(["image"], pending.job.seed, 0.0, 3.0, batch=3))
+    assert not s.health()[1]["running"] and s._seconds_per_work == pytest.approx(1.0 / job(1).work)
+    assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=64 * 64)] == [2]  # too large: alone
+    assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=128 * 128)] == [4]  # its own adapters
+    assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=128 * 128)] == [5]  # two images: alone
+    assert s.next_batch(0.05, max_batch=3, max_pixels=128 * 128) == []

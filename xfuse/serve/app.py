@@ -155,6 +155,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
                 "created": int(time.time()),
                 "data": [{"b64_json": data} for data in encoded],
                 "seed": result.seed,
+                "batch": result.batch,  # the requests generated in one pipeline call with this one (serve.max_batch)
                 "timings": {"queue_s": round(result.queue_wait_s, 4), "generation_s": round(result.generation_s, 4)},
             }
         except RequestError as err:

@@ -74,23 +74,31 @@ def use_adapters(pipe, lora) -> None:
     pipe.set_adapters([name for name, _ in lora], adapter_weights=[weight for _, weight in lora])
 
 
-def run_job(pipe, job: dict[str, Any]):
-    """This rank's share of one request (every rank makes the same call; rank 0 gets the output)."""
+def run_jobs(pipe, jobs: list[dict[str, Any]]):
+    """This rank's share of one request, or of a batch of requests of one ``batch_key`` in one pipeline call: the
+    prompts as a list, one generator per request seeded with its seed (diffusers draws each sample's noise from its
+    own generator, as the request alone draws it). Every rank makes the same call; rank 0 gets the output, its
+    images in the jobs' order."""
+    import torch
+
+    job = jobs[0]
     if job["lora"] or (hasattr(pipe, "get_list_adapters") and pipe.get_list_adapters()):  # a server with adapters
         use_adapters(pipe, job["lora"])
-    return pipe(
-        **image_call_kwargs(
-            prompt=job["prompt"],
-            negative_prompt=job["negative_prompt"],
-            width=job["width"],
-            height=job["height"],
-            num_inference_steps=job["num_inference_steps"],
-            guidance_scale=job["guidance_scale"],
-            seed=job["seed"],
-            num_images=job["num_images"],
-            spec=pipe.spec,
-        )
+    call = image_call_kwargs(
+        prompt=job["prompt"],
+        negative_prompt=job["negative_prompt"],
+        width=job["width"],
+        height=job["height"],
+        num_inference_steps=job["num_inference_steps"],
+        guidance_scale=job["guidance_scale"],
+        seed=job["seed"],
+        num_images=job["num_images"],
+        spec=pipe.spec,
     )
+    if len(jobs) > 1:
+        call["prompt"] = [j["prompt"] for j in jobs]
+        call["generator"] = [torch.Generator().manual_seed(j["seed"]) for j in jobs]
+    return pipe(**call)
 
 
 def server_loop(
@@ -101,6 +109,8 @@ def server_loop(
     heartbeat_interval_s: float,
     drain: DrainSignal,
     http_alive: Callable[[], bool] = lambda: True,
+    max_batch: int = 1,
+    batch_max_pixels: int = 0,
 ) -> None:
     """Rank 0: serve until a drain is requested (on any rank), then shut every rank down in order. Raises on any
     failure of any rank, or when the HTTP thread has stopped; the caller turns that into 503s and a non-zero exit."""
@@ -124,8 +134,9 @@ def server_loop(
 
     last_round = time.monotonic()
     while not draining():
-        pending = service.next_request(timeout_s=heartbeat_interval_s - (time.monotonic() - last_round))
-        if pending is None:
+        timeout_s = heartbeat_interval_s - (time.monotonic() - last_round)
+        batch = service.next_batch(timeout_s, max_batch, batch_max_pixels)
+        if not batch:
             if draining():
                 break
             if not http_alive():  # nobody can reach this world any more: let it be restarted
@@ -135,17 +146,25 @@ def server_loop(
             answer_round()
             last_round = time.monotonic()
             continue
-        job: GenerationJob = pending.job
-        seed = job.seed if job.seed is not None else secrets.randbelow(2**32)
+        jobs = [_with_seed(pending.job) for pending in batch]
         started = time.monotonic()
-        control.post(JOB, {**job.as_dict(), "seed": seed})
-        output = run_job(pipe, {**job.as_dict(), "seed": seed})
+        control.post(JOB, jobs)
+        output = run_jobs(pipe, jobs)
         answer_round(job_done=True)
         last_round = time.monotonic()
-        service.finish(pending, GenerationResult(output.images, seed, started - pending.enqueued, last_round - started))
+        images = iter(output.images)  # in the jobs' order, each request's n of them
+        for pending, job in zip(batch, jobs, strict=True):
+            mine = [next(images) for _ in range(job["num_images"])]
+            result = GenerationResult(mine, job["seed"], started - pending.enqueued, last_round - started, len(batch))
+            service.finish(pending, result)
     service.start_draining()
     control.post(SHUTDOWN)
     answer_round()
+
+
+def _with_seed(job: GenerationJob) -> dict[str, Any]:
+    """The job as it travels to every rank, with a seed (rank 0 draws one where the request named none)."""
+    return {**job.as_dict(), "seed": job.seed if job.seed is not None else secrets.randbelow(2**32)}
 
 
 def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
@@ -156,7 +175,7 @@ def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
         if kind == TICK:
             control.answer_round(_answer(pipe, drain))
         elif kind == JOB:
-            run_job(pipe, payload)
+            run_jobs(pipe, payload)
             control.answer_round(_answer(pipe, drain, job_done=True))
         elif kind == SHUTDOWN:
             control.answer_round(_answer(pipe, drain))

@@ -349,6 +349,8 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
             heartbeat_interval_s=settings.heartbeat_interval_s,
             drain=drain,
             http_alive=http.thread.is_alive,
+            max_batch=settings.max_batch,
+            batch_max_pixels=settings.batch_max_pixels,
         )
     except BaseException as err:  # noqa: BLE001 - a lost rank or a failed request: the world restarts
         _fail_server(pipe, service, http, err)

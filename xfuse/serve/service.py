@@ -4,7 +4,10 @@ thread (which takes requests, resolves their futures and changes the state). Not
 
 Admission: a request is queued while the queue holds fewer than ``serve.max_queue`` requests and its work
 (``GenerationJob.work``, megapixel-steps) fits in what ``serve.max_queued_work`` leaves (an empty queue takes any
-servable request); otherwise 429 with ``Retry-After`` from the measured seconds per megapixel-step.
+servable request); otherwise 429 with ``Retry-After`` from the measured seconds per megapixel-step. With
+``serve.max_batch`` > 1 the loop takes, with the next request, the queued requests it can run in the same pipeline
+call (``batch_key``: one image each, the same size, steps, guidance, negative prompt and adapters, at most
+``serve.batch_max_pixels``), in their queue order; the others keep their places.
 
 States: ``starting`` (the model loads) -> ``ready`` -> ``draining`` (SIGTERM/SIGINT: no new requests, the running one
 finishes, queued ones get 503) or ``broken`` (a rank died or stalled: every pending request gets 503 and the process
@@ -13,9 +16,9 @@ exits non-zero so the launcher restarts the world).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,6 +61,7 @@ class GenerationResult:
     seed: int
     queue_wait_s: float
     generation_s: float
+    batch: int = 1  # the requests of the pipeline call that made it
 
 
 class Service:
@@ -81,9 +85,11 @@ class Service:
         self.state, self.reason = STARTING, "loading the model"
         self.limits: RequestLimits | None = None
         self.drain_requested = False
-        self.running: PendingRequest | None = None
-        self._queue: queue.Queue[PendingRequest] = queue.Queue(maxsize=max_queue)
+        self.running: list[PendingRequest] = []  # the request (or batch of requests) being generated
+        self.max_queue = max_queue
+        self._queue: collections.deque[PendingRequest] = collections.deque()  # under the lock
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)  # notified when a request is queued
         self._mean_generation_s = 1.0  # for Retry-After until a request measured the seconds per work unit
         self._seconds_per_work: float | None = None  # seconds per megapixel-step, updated after every request
         self._queued_work = 0.0  # megapixel-steps of the queued requests (under the lock)
@@ -103,24 +109,29 @@ class Service:
                     f"(serve.max_queued_work) and this request needs {job.work:.3g}; retry in {retry} s",
                     retry,
                 )
-            try:
-                self._queue.put_nowait(pending)
-            except queue.Full:
+            if len(self._queue) >= self.max_queue:
                 retry = self._retry_after_s()
                 raise QueueFull(
-                    f"the queue is full ({self._queue.maxsize} requests wait behind the running one); retry in "
-                    f"{retry} s",
+                    f"the queue is full ({self.max_queue} requests wait behind the running one); retry in {retry} s",
                     retry,
-                ) from None
+                )
+            self._queue.append(pending)
             self._queued_work += job.work
-            self.metrics.queue_depth.set(self._queue.qsize())
-            self.metrics.queued_work.set(self._queued_work)
+            self._queue_changed()
+            self._queued.notify()
         return pending.future
+
+    def _queue_changed(self) -> None:
+        """(Under the lock.) The gauges of the queue, after it changed."""
+        if not self._queue:
+            self._queued_work = 0.0  # (a sum of floats that drifted from zero)
+        self.metrics.queue_depth.set(len(self._queue))
+        self.metrics.queued_work.set(self._queued_work)
 
     def _retry_after_s(self) -> int:
         """Seconds until the queued work (and the running request, about one more) is done, as measured so far."""
         if self._seconds_per_work is None:  # nothing measured yet: the recent mean per request
-            return max(1, math.ceil((self._queue.qsize() + 1) * self._mean_generation_s))
+            return max(1, math.ceil((len(self._queue) + 1) * self._mean_generation_s))
         return max(1, math.ceil(self._queued_work * self._seconds_per_work + self._mean_generation_s))
 
     def check_accepting(self) -> None:
@@ -137,7 +148,7 @@ class Service:
         state, reason = self.state, self.reason
         if state == READY and self.drain_requested:
             state, reason = DRAINING, "shutting down"
-        if state == READY and self.running is None and max(ages) > self._stale_after_s:
+        if state == READY and not self.running and max(ages) > self._stale_after_s:
             worst = max(range(len(ages)), key=ages.__getitem__)
             state, reason = BROKEN, f"rank {worst} has not answered a heartbeat for {ages[worst]:.1f} s"
         body = {
@@ -146,9 +157,9 @@ class Service:
             "model": self.limits.model_name if self.limits else None,
             "world_size": self.world_size,
             "ranks": [{"rank": r, "heartbeat_age_s": round(age, 3)} for r, age in enumerate(ages)],
-            "queue": self._queue.qsize(),
+            "queue": len(self._queue),
             "queued_work": round(self._queued_work, 6),  # megapixel-steps
-            "running": self.running is not None,
+            "running": bool(self.running),
         }
         return (200 if state == READY else 503), body
 
@@ -161,41 +172,68 @@ class Service:
 
     def next_request(self, timeout_s: float) -> PendingRequest | None:
         """The next queued request, waiting at most ``timeout_s`` (``None`` sooner once a drain is requested: a
-        signal handler cannot wake a blocked ``get``); requests past their deadline are answered 503."""
+        signal handler cannot wake a blocked wait); requests past their deadline are answered 503."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            try:
-                pending = self._queue.get(timeout=max(0.0, min(DRAIN_POLL_S, deadline - time.monotonic())))
-            except queue.Empty:
+            with self._queued:
+                self._queued.wait_for(lambda: self._queue, max(0.0, min(DRAIN_POLL_S, deadline - time.monotonic())))
+                pending = self._take(0) if self._queue else None
+            if pending is None:
                 if self.drain_requested or time.monotonic() >= deadline:
                     return None
                 continue
-            self._dequeued(pending)
-            if time.monotonic() > pending.deadline:
-                waited = time.monotonic() - pending.enqueued
-                _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
-            # False: its client hung up while it waited (the HTTP side cancelled the future): never run it. From
-            # here on the future cannot be cancelled, so answering it cannot fail.
-            elif pending.future.set_running_or_notify_cancel():
-                self.running = pending
-                self.metrics.running.set(1)
+            if self._start(pending):
                 return pending
 
-    def _dequeued(self, pending: PendingRequest) -> None:
-        """``pending`` left the queue (taken, or answered without running): its work no longer waits."""
-        with self._lock:
-            self._queued_work = max(0.0, self._queued_work - pending.job.work) if self._queue.qsize() else 0.0
-            self.metrics.queue_depth.set(self._queue.qsize())
-            self.metrics.queued_work.set(self._queued_work)
+    def next_batch(self, timeout_s: float, max_batch: int, max_pixels: int) -> list[PendingRequest]:
+        """The next queued request and, up to ``max_batch`` in all, the queued requests of its ``batch_key`` (in
+        queue order; a request of more than ``max_pixels`` pixels runs alone); empty if none came in ``timeout_s``."""
+        first = self.next_request(timeout_s)
+        if first is None:
+            return []
+        key = batch_key(first.job, max_pixels)
+        batch = [first]
+        while key is not None and len(batch) < max_batch:
+            with self._lock:
+                index = next((i for i, p in enumerate(self._queue) if batch_key(p.job, max_pixels) == key), None)
+                pending = None if index is None else self._take(index)
+            if pending is None:
+                break
+            if self._start(pending):
+                batch.append(pending)
+        return batch
+
+    def _take(self, index: int) -> PendingRequest:
+        """(Under the lock.) Remove the queued request at ``index``: its work no longer waits."""
+        pending = self._queue[index]
+        del self._queue[index]
+        self._queued_work = max(0.0, self._queued_work - pending.job.work)
+        self._queue_changed()
+        return pending
+
+    def _start(self, pending: PendingRequest) -> bool:
+        """Whether ``pending``, taken from the queue, runs: one past its deadline is answered 503; one whose client
+        hung up while it waited (the HTTP side cancelled its future) never runs. From here on its future cannot be
+        cancelled, so answering it cannot fail."""
+        if time.monotonic() > pending.deadline:
+            waited = time.monotonic() - pending.enqueued
+            _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
+            return False
+        if not pending.future.set_running_or_notify_cancel():
+            return False
+        self.running.append(pending)
+        self.metrics.running.set(len(self.running))
+        return True
 
     def finish(self, pending: PendingRequest, result: GenerationResult) -> None:
-        self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s
-        per_work = result.generation_s / max(pending.job.work, 1e-9)
+        # a batch of k requests of one key took generation_s for all of them: each one's share is 1/k
+        self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s / result.batch
+        per_work = result.generation_s / result.batch / max(pending.job.work, 1e-9)
         self._seconds_per_work = (
             per_work if self._seconds_per_work is None else (0.8 * self._seconds_per_work + 0.2 * per_work)
         )
-        self.running = None
-        self.metrics.running.set(0)
+        self.running.remove(pending)
+        self.metrics.running.set(len(self.running))
         self.metrics.queue_wait.observe(result.queue_wait_s)
         self.metrics.generation.observe(result.generation_s)
         pending.future.set_result(result)
@@ -214,22 +252,18 @@ class Service:
             self.metrics.ready.set(0)
             error = Unavailable(f"the service is broken and restarting: {reason}", code="service_broken")
             failed = self._fail_queued(error)
-            if self.running is not None:
-                failed += _fail(self.running, error)
-                self.running = None
-                self.metrics.running.set(0)
+            for running in self.running:
+                failed += _fail(running, error)
+            self.running = []
+            self.metrics.running.set(0)
             return failed
 
     def _fail_queued(self, error: RequestError) -> int:
         failed = 0
-        while True:
-            try:
-                failed += _fail(self._queue.get_nowait(), error)
-            except queue.Empty:
-                self._queued_work = 0.0
-                self.metrics.queue_depth.set(0)
-                self.metrics.queued_work.set(0)
-                return failed
+        while self._queue:
+            failed += _fail(self._queue.popleft(), error)
+        self._queue_changed()
+        return failed
 
 
 def _fail(pending: PendingRequest, error: RequestError) -> int:
@@ -238,3 +272,12 @@ def _fail(pending: PendingRequest, error: RequestError) -> int:
     except concurrent.futures.InvalidStateError:  # answered already, or cancelled by a client that hung up
         return 0
     return 1
+
+
+def batch_key(job: GenerationJob, max_pixels: int) -> tuple | None:
+    """What requests must share to run in one pipeline call (``None``: this one runs alone): one image each (a
+    request's ``n`` images draw their noise from its one generator), the same size, steps, guidance, negative prompt
+    and adapters, and at most ``max_pixels`` pixels (``serve.batch_max_pixels``: where batching stops paying)."""
+    if job.num_images != 1 or job.width * job.height > max_pixels:
+        return None
+    return (job.width, job.height, job.num_inference_steps, job.guidance_scale, job.negative_prompt, job.lora)
