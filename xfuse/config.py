@@ -30,7 +30,7 @@ YAML layout (every key optional)::
                  lora: {}, controlnet: null, control_image: null, controlnet_conditioning_scale: 1.0,
                  control_guidance_start: 0.0, control_guidance_end: 1.0}   # xfuse generate's LoRA and ControlNet
     serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_queued_work: auto,
-               max_images_per_request: 4,
+               max_images_per_request: 4, max_batch: 1, batch_max_pixels: 65536,
                max_side: 2048, max_pixels: 4194304, max_steps: 100, max_prompt_chars: 4000,
                max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
                heartbeat_timeout_s: 2.0, lora_adapters: {}}   # xfuse serve only; generation: the requests' defaults

@@ -434,7 +434,7 @@ BAD_DICTS = [
     ("serve_port_too_big", {"serve": {"port": 70000}}, "serve.port", ["from 0 to 65535", "(got 70000)"]),
     ("serve_host_empty", {"serve": {"host": ""}}, "serve.host", ["non-empty string"]),
     ("serve_max_queue_zero", {"serve": {"max_queue": 0}}, "serve.max_queue", [">= 1", "(got 0)"]),
-    ("serve_unknown_key", {"serve": {"max_batch": 4}}, "serve.max_batch", ["unknown key", "max_queue"]),
+    ("serve_unknown_key", {"serve": {"batch_size": 4}}, "serve.batch_size", ["unknown key", "max_queue"]),
     (
         "serve_heartbeat_slow",
         {"serve": {"heartbeat_interval_s": 5}},
