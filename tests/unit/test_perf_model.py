@@ -344,3 +344,16 @@ def test_a_controlnet_is_counted_by_the_plan_and_the_performance_model():
     pixart = load_config(None, ["model=pixart-small"])
     with pytest.raises(ConfigError, match="--controlnet-layers"):
         plan_report(pixart, None, controlnet_layers=4)
+
+
+def test_overlapping_requests_could_recover_the_idle_ranks_and_more_of_them_at_higher_degrees():
+    """``Prediction.overlap_gain``: the loop over its busiest stage's own work, what a world that overlaps requests
+    could reach at most (issue 59's continuous serving). Degree 1 has nothing to recover; on PCIe L40s the idle share
+    (fill, drain, the warm-up step) grows with the degree, and so does the bound."""
+    gains = []
+    for n in (1, 2, 4, 8):
+        p = _predict("flux-dev", machine("l40", "pcie", n), steps=20, pipefusion_degree=n, warmup_steps=1,
+                     num_patches=n if n > 1 else None)  # fmt: skip
+        assert p.overlap_gain == pytest.approx(p.loop / (p.loop - p.waiting))
+        gains.append(p.overlap_gain)
+    assert gains[0] == 1.0 and 1.0 < gains[1] < gains[2] < gains[3] < 1.5, gains

@@ -171,6 +171,15 @@ class Prediction:
         """What the loop spends beyond the busiest stage's work: fill, drain, waits for hand-offs."""
         return max(self.loop - self.compute - self.sequence_comm - self.cfg_comm, 0.0)
 
+    @property
+    def overlap_gain(self) -> float:
+        """How much more denoising throughput a world that overlaps requests could reach than one request at a time,
+        at most: the loop's makespan over its busiest stage's own work. Another request's tasks can fill the fill,
+        the drain and the warm-up steps' idle ranks (``waiting``); the busiest stage's work stays the bound. 1.0: no
+        idle time to recover (degree 1)."""
+        busy = self.loop - self.waiting
+        return self.loop / busy if busy > 0 else 1.0
+
 
 @functools.lru_cache(maxsize=256)
 def _schedule(
