@@ -36,7 +36,9 @@ class ServeMetrics:
             "Megapixel-steps waiting behind the running request (serve.max_queued_work)",
             registry=reg,
         )
-        self.running = Gauge("xfuse_requests_running", "Requests being generated (a batch of up to serve.max_batch)", registry=reg)
+        self.running = Gauge(
+            "xfuse_requests_running", "Requests being generated (a batch of up to serve.max_batch)", registry=reg
+        )
         self.ready = Gauge("xfuse_ready", "1 while /health answers 200", registry=reg)
         self.sent_bytes = Counter(
             "xfuse_sent_bytes", "Bytes a rank sent to other ranks for requests", ["rank"], registry=reg
