@@ -181,3 +181,13 @@ def test_a_batch_takes_the_queued_requests_of_the_first_ones_key_in_queue_order(
     assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=128 * 128)] == [4]  # its own adapters
     assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=128 * 128)] == [5]  # two images: alone
     assert s.next_batch(0.05, max_batch=3, max_pixels=128 * 128) == []
+
+
+def test_a_broken_world_answers_every_request_of_the_running_batch_and_the_queue():
+    s = service(max_queue=4)
+    s.set_ready(LIMITS)
+    futures = [s.submit(GenerationJob(f"p{i}", None, 64, 64, 1, 4, 5.0, i)) for i in range(4)]
+    assert len(s.next_batch(0.1, max_batch=3, max_pixels=64 * 64)) == 3
+    assert s.set_broken("rank 1 was lost (SIGKILL)") == 4
+    assert all("rank 1 was lost" in str(f.exception(timeout=1)) for f in futures)
+    assert s.health()[1]["running"] is False and s.metrics.running._value.get() == 0
