@@ -80,7 +80,8 @@ def test_plain_http_routes(world):
         response = http.post("/v1/images/generations", json={"prompt": "a boat", "seed": 3})
         assert response.status_code == 200
         body = response.json()
-        assert set(body) == {"created", "data", "seed", "timings"} and body["seed"] == 3
+        assert set(body) == {"created", "data", "seed", "batch", "timings"} and body["seed"] == 3
+        assert body["batch"] == 1  # serve.max_batch: 1, one request per pipeline call
         assert decode_png(body["data"][0]["b64_json"]).size == (128, 128)  # the config's default size
         # No seed: the server draws one and says which; asking again with it gives the same image.
         first = http.post("/v1/images/generations", json={"prompt": "a boat"}).json()
@@ -96,6 +97,7 @@ def test_plain_http_routes(world):
         "xfuse_queue_wait_seconds_bucket",
         "xfuse_generation_seconds_count",
         "xfuse_queue_depth",
+        "xfuse_queued_work",
         'xfuse_sent_bytes_total{rank="1"}',
         'xfuse_heartbeat_age_seconds{rank="1"}',
         "xfuse_images_generated_total",
@@ -244,7 +246,7 @@ def test_full_queue_answers_429_with_retry_after(world):
             assert int(response.headers["Retry-After"]) >= 1
             error = response.json()["error"]
             assert error["code"] == "queue_full"
-            said.add(re.sub(r"[\d.]+", "N", error["message"]))
+            said.add(re.sub(r"\d+(\.\d+)?", "N", error["message"]))
     assert (
         "the queue holds N of its N megapixel-steps of work (serve.max_queued_work) and this request needs N; "
         "retry in N s" in said
