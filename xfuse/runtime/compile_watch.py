@@ -49,7 +49,8 @@ class CompileWatch:
     # --- dynamo's callbacks (main thread, inside torch.compile) -------------------------------------------
     def _compile_started(self, args) -> None:
         with self._lock:
-            self._since = time.monotonic()
+            if self._label is not None:  # (another pipeline's request, or none: not this watch's to count)
+                self._since = time.monotonic()
 
     def _compile_ended(self, args) -> None:
         with self._lock:
