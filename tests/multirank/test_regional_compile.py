@@ -80,11 +80,14 @@ def test_compiles_are_bounded_by_the_shapes_a_served_life_meets(world2):
     """A 2-stage pipelined world (2 patches, one warm-up step), ``max_shapes`` 2, torch's own counters per rank: the
     warm-up of a size compiles every graph a 20-step request of that size needs (the whole image, then the patches:
     nothing compiles after it); ten requests over two sizes compile the second size once and nothing after it; a
-    third size compiles nothing, runs eagerly, is counted, and still answers."""
+    third size compiles nothing, runs eagerly, is counted, and still answers. A request of a compiled shape waits
+    ``comm.timeout_s``, not the compile bound (read at every step of the 20-step request)."""
     parallel = {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1, "placement": "linear"}
     sizes, third = [(128, 128), (128, 96)], (96, 96)
     results = world2.run_ok(compile_counts_over_requests, "flux-tiny", parallel, sizes, third, timeout=300)
-    for rank, (graphs, compiled, eager, frames, _) in enumerate(results):
+    bounds_seen = set().union(*(seen for *_, (seen, _) in results))
+    assert bounds_seen == {results[0][5][1]}, bounds_seen  # a compiled shape's request waits comm.timeout_s, no more
+    for rank, (graphs, compiled, eager, frames, _, _) in enumerate(results):
         assert graphs["warm-up"] > graphs["start"], (rank, graphs)  # it compiled
         assert graphs["20 steps"] == graphs["warm-up"], (rank, graphs)  # a request of the warmed size: nothing new
         assert graphs["each size once"] > graphs["20 steps"], (rank, graphs)  # the second size compiled

@@ -26,7 +26,13 @@ def compile_counts_over_requests(preset, parallel, sizes, third):
     graphs = {"start": compile_counts()["graphs"]}
     warm_up_compile(pipe, call(sizes[0], 1), [sizes[0]])
     graphs["warm-up"] = compile_counts()["graphs"]
-    pipe(**call(sizes[0], 20), output_type="latent")
+    seen: set[float] = set()  # every channel's wait bound at each step of a request of a compiled shape
+
+    def note_bounds(pipeline, step, timestep, kwargs):
+        seen.update(c.timeout_s for c in pipe.context.all_channels)
+        return {}
+
+    pipe(**call(sizes[0], 20), output_type="latent", callback_on_step_end=note_bounds)
     graphs["20 steps"] = compile_counts()["graphs"]
     for index in range(10):
         pipe(**call(sizes[index % len(sizes)], 4), output_type="latent")
@@ -36,6 +42,7 @@ def compile_counts_over_requests(preset, parallel, sizes, third):
     out = pipe(**call(third, 4), output_type="latent")
     graphs["third size"] = compile_counts()["graphs"]
     compiled = {engine: len(shapes) for engine, shapes in pipe.compiler.shapes.items()}
+    timeouts = (seen, pipe.config.comm.timeout_s)  # (seen on the rank that steps the scheduler; none elsewhere)
     frames = dict(dynamo_utils.counters["frames"])  # dynamo's own: frames it was asked to compile ("total", "ok")
     third_latents = None if out is None else torch.as_tensor(out.images).shape
-    return graphs, compiled, pipe.compiler.eager_requests, frames, third_latents
+    return graphs, compiled, pipe.compiler.eager_requests, frames, third_latents, timeouts

@@ -216,16 +216,18 @@ class PipeFusionPipelineBase:
         monitor, patches = self.context.monitor, self.parallel.resolved_num_patches
         return StageCompiler(section, self.context.rank, monitor, patches, cache)
 
-    def _compile_bounds(self) -> contextlib.ExitStack:
+    @contextlib.contextmanager
+    def _compile_bounds(self):
         """While a request compiles new shapes: every wait for a message on every rank, and this rank's host
         deadline, bounded by ``XfuseConfig.longest_wait_s`` (every rank decides alike: the request's shape is the
-        same everywhere)."""
-        stack = contextlib.ExitStack()
-        for channels in self.context.all_channels:
-            stack.enter_context(channels.bounded_by(self.config.longest_wait_s))
-        if self.context.host_deadline is not None:
-            stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
-        return stack
+        same everywhere). Nothing is bounded until it is entered: ``StageCompiler`` enters it for compiling
+        requests only, and a request of a compiled shape keeps the plain ``comm.timeout_s``."""
+        with contextlib.ExitStack() as stack:
+            for channels in self.context.all_channels:
+                stack.enter_context(channels.bounded_by(self.config.longest_wait_s))
+            if self.context.host_deadline is not None:
+                stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
+            yield
 
     def _control_blocks(self, pipeline) -> int:
         """Blocks of a ControlNet the embedding rank runs beside its stage (``ShardedControlNetMixin``); 0: none."""
