@@ -26,3 +26,15 @@ class WorldFailure(RuntimeError):
 
 class CompileTimeout(RuntimeError):
     """A rank spent longer than ``compile.timeout_s`` compiling one request shape; the world stops, naming it."""
+
+
+class RequestCancelled(RuntimeError):
+    """A pipeline call stopped between two denoising steps because global rank 0's ``cancel_if`` condition held
+    (``xfuse serve``: the request's client went away); raised on every rank alike, the world stays healthy."""
+
+    def __init__(self, stopped_at: int, num_steps: int):
+        self.stopped_at, self.num_steps = stopped_at, num_steps
+        super().__init__(
+            f"the request was cancelled before step {stopped_at} of {num_steps} (rank 0's cancel_if condition held); "
+            f"every rank ran steps 0-{stopped_at - 1} and stopped"
+        )

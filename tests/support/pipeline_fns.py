@@ -175,3 +175,42 @@ def heap_after_build_pipeline(config_path):
     faults = block_pass_faults()  # with the start-up heap still frozen, as in xfuse's own ranks
     gc.unfreeze()
     return frozen, tracked, faults
+
+
+def run_with_a_cancel(folder, parallel, call, stop_before, family="hunyuandit", cache=None, repeat_call=None):
+    """Every rank: ``call`` run whole, then cancelled before step ``stop_before`` (rank 0's ``cancel_if`` condition
+    turns true at its ``stop_before``-th ask: asked once per step, from step 1), then ``repeat_call`` (default:
+    ``call``) whole. Returns this rank's ``whole`` and ``again`` images (rank 0; ``None`` elsewhere), the
+    ``RequestCancelled`` it got (``stopped_at`` and message), the steps of every task it computed in the cancelled
+    call (from the trace) and, on rank 0, how often the condition was asked."""
+    import torch.distributed as dist
+
+    from xfuse.errors import RequestCancelled
+    from xfuse.families.registry import MODEL_SPECS
+    from xfuse.parallel.trace import COMPUTE
+
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60},
+                                                                cache=cache)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_cancellation()
+
+    def whole(kwargs):
+        kwargs = dict(kwargs)
+        generator = generators(kwargs)  # (pops the seed)
+        out = pipe(**kwargs, generator=generator)
+        return None if out is None else as_array(out)
+
+    first = whole(call)
+    asks = []
+    pipe.enable_trace()
+    try:
+        with pipe.cancel_if(lambda: asks.append(len(asks)) or len(asks) >= stop_before):
+            whole(call)
+        cancelled = None
+    except RequestCancelled as err:
+        cancelled = dict(stopped_at=err.stopped_at, num_steps=err.num_steps, message=str(err))
+    computed = sorted({e["args"]["step"] for e in pipe.trace_events() if e["tid"] == COMPUTE and "step" in e["args"]})
+    pipe.enable_trace(False)
+    again = whole(repeat_call or call)
+    return dict(rank=dist.get_rank() if dist.is_initialized() else 0, whole=first, again=again, cancelled=cancelled,
+                computed_steps=computed, asks=len(asks))  # fmt: skip

@@ -6,15 +6,18 @@ from itertools import pairwise
 import pytest
 
 from xfuse.families.registry import HUNYUANDIT
+from xfuse.parallel import schedule as schedule_module
 from xfuse.parallel.schedule import (
     COLLECT,
     Message,
     ScheduleDeadlock,
     Task,
+    action_step,
     batch_parts,
     build_schedule,
     check_protocol,
     protocol,
+    stop_points,
 )
 from xfuse.parallel.stage_plan import stage_plan
 
@@ -285,3 +288,50 @@ def test_control_residuals_go_from_hop0_to_each_ranks_first_segment_and_keep_the
     assert len(sent) == units * len(ranks)
     with pytest.raises(ValueError, match="control_ranks"):
         build_schedule(plan, STEPS, warmup, degree + 1, parts, control_ranks=(plan.embed_rank,))
+
+
+def stop_cases():
+    for degree in (2, 3, 4, 8):
+        for placement in ("balanced", "folded", "linear"):
+            for m in sorted({degree + 1, 2 * degree}):
+                for warmup, parts in ((0, 1), (1, 1), (1, 2), (STEPS, 2)):
+                    yield degree, placement, m, warmup, parts
+
+
+@pytest.mark.parametrize("degree,placement,num_patches,warmup,parts", list(stop_cases()))
+@pytest.mark.parametrize("flags", [False, True])
+def test_a_request_stopped_before_any_step_keeps_the_protocol(degree, placement, num_patches, warmup, parts, flags):
+    """Between-step cancellation: every rank waits at each stop point for rank 0's decision, taken one step ahead,
+    and a request stopped before step S runs the tasks of steps < S and the messages they need: deadlock-free and
+    matched for every S, and for the request that runs to the end under the same waits."""
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, warmup, num_patches, parts, step_flags=flags)
+    for stop in (None, *range(1, STEPS)):
+        check_protocol(schedule, 2, decider=plan.embed_rank, stop_at=stop)
+
+
+@pytest.mark.parametrize("degree,placement", [(2, "linear"), (3, "folded"), (4, "balanced")])
+def test_stop_points_are_where_a_rank_first_serves_a_step(degree, placement):
+    """Every action before a rank's stop point for S serves steps < S only (so a rank that learns of the stop there
+    has done nothing a stopped request would not do); the action at it serves S or later; the points ascend."""
+    plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, 1, degree + 1, 2)
+    for rank in range(degree):
+        program = protocol(schedule, rank, 2)
+        points = stop_points(schedule, program)
+        assert sorted(points) == list(range(1, STEPS)) and list(points.values()) == sorted(points.values())
+        for stop, point in points.items():
+            assert all(action_step(schedule, a, t) < stop for a, t in program[:point])
+            assert action_step(schedule, *program[point]) >= stop
+
+
+def test_a_decision_taken_at_the_deciders_own_stop_point_can_deadlock(monkeypatch):
+    """The checker is not vacuous about the decision: rank 0 deciding at its stop point for S (instead of S - 1)
+    lets rank 0 wait on a send that rank 2 would receive only after rank 1 learned the decision (3 ranks, linear,
+    M = 6, no warm-up)."""
+    plan = stage_plan(NUM_LAYERS, 3, "linear", skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
+    schedule = build_schedule(plan, STEPS, 0, 6)
+    check_protocol(schedule, 2, decider=0)
+    monkeypatch.setattr(schedule_module, "decision_points", stop_points)
+    with pytest.raises(ScheduleDeadlock, match="the decision of rank 0"):
+        check_protocol(schedule, 2, decider=0)

@@ -22,11 +22,23 @@ import torch
 
 from xfuse.comm.p2p import P2PChannels, PendingRecv, PendingSend, Recv, Send
 from xfuse.config import CacheConfig
+from xfuse.parallel.cancellation import Cancellation
 from xfuse.parallel.control_routing import ControlRouting
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.rank_latents import RankLatents
 from xfuse.parallel.request import DenoiseRequest
-from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task, batch_parts, build_schedule, protocol
+from xfuse.parallel.schedule import (
+    COLLECT,
+    Action,
+    Message,
+    Schedule,
+    Task,
+    batch_parts,
+    build_schedule,
+    decision_points,
+    protocol,
+    stop_points,
+)
 from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import CachedSegments, StepCache, first_pipelined_step
@@ -47,7 +59,8 @@ class PipeFusionEngine:
         lookahead: tasks whose receives are posted ahead (≤ ``comm.max_inflight``).
         cache: step caching (``xfuse.parallel.step_cache``); ``None`` or method ``off``: every step computed.
 
-    After each ``denoise``, ``cache_decisions`` holds this rank's per-step caching decisions (True: computed).
+    After each ``denoise``, ``cache_decisions`` holds this rank's per-step caching decisions (True: computed) and
+    ``stopped_at`` the step a cancelled request stopped before (``None``: it ran to the end).
     """
 
     def __init__(
@@ -70,9 +83,10 @@ class PipeFusionEngine:
         self.warmup_steps, self.lookahead = warmup_steps, lookahead
         self.cache = cache if cache is not None and cache.enabled else None
         self.cache_decisions: list[bool] = []
+        self.stopped_at: int | None = None
         self.host_deadline = host_deadline  # ages the host between tasks (comm.host_timeout_s)
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
-        self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict]] = OrderedDict()
+        self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict, tuple]] = OrderedDict()
 
     def _program(self, num_steps: int, grid: PatchGrid, parts: int, control_ranks: tuple[int, ...] = ()):
         flags = self.cache is not None
@@ -86,16 +100,27 @@ class PipeFusionEngine:
             schedule = build_schedule(self.plan, *key)
             # Each task's message lists, computed once per request shape instead of on every use in the loop.
             messages = {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}
-            self._schedules[key] = (schedule, protocol(schedule, self.pipe_rank, self.lookahead), messages)
+            program = protocol(schedule, self.pipe_rank, self.lookahead)
+            # program index -> the steps whose stop is read (any rank) or decided (the decider) there
+            stops = _by_index(stop_points(schedule, program)), _by_index(decision_points(schedule, program))
+            self._schedules[key] = (schedule, program, messages, stops)
         return self._schedules[key]
 
     @torch.no_grad()
-    def denoise(self, request: DenoiseRequest, grid: PatchGrid, tracer: Tracer | None = None) -> torch.Tensor | None:
+    def denoise(
+        self,
+        request: DenoiseRequest,
+        grid: PatchGrid,
+        tracer: Tracer | None = None,
+        cancellation: Cancellation | None = None,
+    ) -> torch.Tensor | None:
         """Run the denoising loop; return the final latents on the embedding rank (0), ``None`` elsewhere.
 
         Whole-image steps go through the route in batch parts where the transformer batch splits
         (``xfuse.parallel.schedule.batch_parts``). With a ``tracer``, every segment computed and every wait on a
-        message is recorded on the timeline.
+        message is recorded on the timeline. With a ``cancellation``, the request may stop before any step after
+        the first, on every rank alike (``xfuse.parallel.cancellation``): then ``stopped_at`` says where, and the
+        result is ``None`` on every rank.
         """
         span = tracer.span if tracer is not None else null_span
         rows = [band.num_rows for band in grid]
@@ -105,13 +130,18 @@ class PipeFusionEngine:
             if request.control is not None and self.cache is not None:
                 raise ValueError("step caching with ControlNet residuals is not supported")
             control_ranks = () if request.control is None else request.control.ranks(self.plan)
-            schedule, program, messages = self._program(len(request.timesteps), grid, parts, control_ranks)
+            schedule, program, messages, stops = self._program(len(request.timesteps), grid, parts, control_ranks)
             run = _Run(self, request, grid, schedule, messages, tracer)
+            self.stopped_at = None
+            if cancellation is not None:
+                cancellation.begin_run()
+                run.stops = _Stops(cancellation, *stops)
             aged = contextlib.nullcontext() if self.host_deadline is None else self.host_deadline.request(run.describe)
             try:
                 with aged:
                     return run.execute(program)
             finally:
+                self.stopped_at = None if run.stops is None else run.stops.stopped
                 decisions = {} if run.cache is None else run.cache.decisions
                 self.cache_decisions = [decisions.get(step, True) for step in range(len(request.timesteps))]
 
@@ -142,6 +172,7 @@ class _Run:
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
+        self.stops: _Stops | None = None  # with cancellation: where this rank learns whether the request stops
         self.stage.begin_request(grid)
         control = request.control
         self.controls: ControlRouting | None = None  # with a ControlNet: this rank's share of its residuals
@@ -180,8 +211,11 @@ class _Run:
         hidden_dtype = self.request.hidden_dtype or latent_dtype
         sends: list[Send] = []
         send_owner: list[Task] = []
+        stopped = None if self.stops is None else self.stops.stopped
         for task in send_tasks:
             for m, tensor in self.outgoing.pop(task, {}).items():
+                if stopped is not None and m.needed_at >= stopped:
+                    continue  # a stopped request runs no task of that step: nobody receives it
                 sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch, m.part))
                 send_owner.append(task)
         recvs: list[Recv] = []
@@ -215,17 +249,32 @@ class _Run:
         last_of_step = {t.step: t for t in self.schedule.orders[self.pipe_rank] if t.hop != COLLECT}
         prepare: int | None = None  # the pipelined step whose per-step work is due once the sends are posted
         deadline = self.engine.host_deadline
+        stops = self.stops
         i = 0
         while i < len(program):
+            if stops is not None:
+                stops.turn(i)
+                if stops.skips(program[i][1]):  # a stopped request: no task of this step or a later one runs
+                    i += 1
+                    continue
             action, task = program[i]
             if prepare is not None and action not in (Action.SEND, Action.POST):
-                with self.span(f"s{prepare} prepare", COMPUTE, step=prepare, prepare=True):
-                    self.stage.prepare_step(self._cond(prepare))
+                if stops is None or stops.stopped is None or prepare < stops.stopped:
+                    with self.span(f"s{prepare} prepare", COMPUTE, step=prepare, prepare=True):
+                        self.stage.prepare_step(self._cond(prepare))
                 prepare = None
             if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call
                 send_tasks: list[Task] = []
                 post_tasks: list[Task] = []
                 while i < len(program) and program[i][0] in (Action.SEND, Action.POST):
+                    if stops is not None and stops.may_wait(i):  # what is collected goes before a wait
+                        self._exchange(send_tasks, post_tasks)
+                        send_tasks, post_tasks = [], []
+                    if stops is not None:
+                        stops.turn(i)
+                        if stops.skips(program[i][1]):
+                            i += 1
+                            continue
                     (send_tasks if program[i][0] == Action.SEND else post_tasks).append(program[i][1])
                     i += 1
                 self._exchange(send_tasks, post_tasks)
@@ -250,6 +299,10 @@ class _Run:
                         prepare = task.step + 1
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
+        if stops is not None and stops.stopped is not None:
+            if self.recvs or self.sends:  # the stop points guarantee neither; a schedule bug if they remain
+                raise RuntimeError(f"a request stopped before step {stops.stopped} left messages in flight")
+            return None  # its state (this run) is dropped with it; the buffers stay for the next request
         return self.latents.finish()
 
     def describe(self, place) -> str:
@@ -366,3 +419,48 @@ class _Run:
             return self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
         controls = self.controls.take(key, segment.blocks)
         return self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, controls=controls)
+
+
+def _by_index(points: dict[int, int]) -> dict[int, tuple[int, ...]]:
+    """``{step: program index}`` -> ``{program index: its steps, ascending}``."""
+    by_index: dict[int, list[int]] = {}
+    for stop, index in sorted(points.items()):
+        by_index.setdefault(index, []).append(stop)
+    return {index: tuple(stops) for index, stops in by_index.items()}
+
+
+class _Stops:
+    """One run's cancellation on one rank: at which program indices it learns whether the request stops before a
+    step (``reads``; ``xfuse.parallel.schedule.stop_points``), where the decider decides (``decides``), and the step
+    the request stopped before (``stopped``)."""
+
+    def __init__(self, cancellation: Cancellation, reads: dict, decides: dict):
+        self.cancellation = cancellation
+        self.reads = reads
+        self.decides = decides if cancellation.is_decider else {}
+        self.decided: int | None = None  # the decider's: the step it decided to stop before
+        self.stopped: int | None = None
+        self._turned = -1  # the last index whose turn was taken: a decision is taken once
+
+    def may_wait(self, index: int) -> bool:
+        """Whether the turn at ``index`` may wait for the decider (so what this rank has to send goes first)."""
+        return self.stopped is None and not self.cancellation.is_decider and index in self.reads
+
+    def turn(self, index: int) -> None:
+        """At program ``index``: the decider decides the steps due here; then every rank learns the ones due."""
+        if self.stopped is not None or index <= self._turned:
+            return
+        self._turned = index
+        if self.decided is None:
+            for stop in self.decides.get(index, ()):
+                if self.cancellation.decide(stop):
+                    self.decided = stop  # nothing further is decided
+                    break
+        for stop in self.reads.get(index, ()):
+            decider = self.cancellation.is_decider
+            if (self.decided == stop) if decider else self.cancellation.read(stop):
+                self.stopped = stop
+                return
+
+    def skips(self, task: Task) -> bool:
+        return self.stopped is not None and task.step >= self.stopped

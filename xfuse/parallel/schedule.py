@@ -83,6 +83,11 @@ class Message:
     def channel(self) -> str:
         return f"skip:{self.block}" if self.kind == "skip" else self.kind
 
+    @property
+    def needed_at(self) -> int:
+        """The diffusion step of the task that receives it: a latent is the model input of the step after."""
+        return self.step + 1 if self.kind == "latent" else self.step
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -349,28 +354,84 @@ def protocol(schedule: Schedule, rank: int, lookahead: int) -> list[tuple[Action
     return actions
 
 
+def action_step(schedule: Schedule, action: Action, task: Task) -> int:
+    """The latest diffusion step an action of a protocol serves: its task's; a send's, its receivers' latest."""
+    if action == Action.SEND:
+        return max([task.step, *(m.needed_at for m in schedule.sends(task))])
+    return task.step
+
+
+def stop_points(schedule: Schedule, program: list[tuple[Action, Task]]) -> dict[int, int]:
+    """Where a rank running ``program`` must know whether its request stops before step S, for every S in
+    1 … num_steps - 1: the index of its first action that serves step S or a later one (``action_step``).
+
+    A request stopped before step S runs, on every rank, the actions of the tasks of steps < S only and sends only
+    the messages those tasks receive (``Message.needed_at`` < S); the actions before every rank's stop point are
+    exactly those, so each rank can switch from wherever its stop point is. Every rank receives the decision for S
+    from one *decider* rank, which takes it at its own stop point for S - 1 (``decision_points``): a rank that waits
+    at its stop point for S then waits only on work the decider needed before its stop point for S - 1, which
+    ``check_protocol`` with ``decider`` shows cannot be circular.
+    """
+    points: dict[int, int] = {}
+    last = schedule.num_steps - 1
+    for i, (action, task) in enumerate(program):
+        reached = min(action_step(schedule, action, task), last)
+        while len(points) < reached:
+            points[len(points) + 1] = i
+    while len(points) < last:  # (every rank has tasks in every step; kept total for any program)
+        points[len(points) + 1] = len(program)
+    return points
+
+
+def decision_points(schedule: Schedule, program: list[tuple[Action, Task]]) -> dict[int, int]:
+    """The decider's ``program`` index at which it decides whether the request stops before step S: its stop point
+    for S - 1 (the start, for S = 1), one step ahead of every rank's need."""
+    points = stop_points(schedule, program)
+    return {stop: 0 if stop == 1 else points[stop - 1] for stop in points}
+
+
 class ScheduleDeadlock(RuntimeError):
     pass
 
 
-def check_protocol(schedule: Schedule, lookahead: int) -> None:
+def check_protocol(schedule: Schedule, lookahead: int, *, decider: int | None = None, stop_at: int | None = None):
     """Run every rank's ``protocol`` against each other with rendezvous semantics (a send completes only once its
     receive is posted, as on gloo and for large NCCL messages); raise ``ScheduleDeadlock`` naming what each
-    blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match."""
+    blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match.
+
+    With a ``decider`` rank, every other rank also waits at each of its ``stop_points`` for the decider to reach
+    its ``decision_points`` for that step; with ``stop_at`` S, the decider stops the request before step S there,
+    and every rank then runs only what a stopped request runs (``stop_points``)."""
     ranks = sorted(schedule.orders)
+    limit = schedule.num_steps + 1 if stop_at is None else stop_at  # tasks of steps >= limit do not run
+
+    def sends(task: Task) -> list[Message]:
+        return [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
+
+    def recvs(task: Task) -> list[Message]:
+        return schedule.recvs(task) if task.step < limit else []
+
     # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
     sent: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
     posted: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
     for rank in ranks:
         for task in schedule.orders[rank]:
-            for m in schedule.sends(task):
+            for m in sends(task):
                 sent[(m.src, m.dst)].append(m)
-            for m in schedule.recvs(task):
+            for m in recvs(task):
                 posted[(m.src, m.dst)].append(m)
     for pair in sent:
         assert sent[pair] == posted[pair], f"messages {pair[0]} -> {pair[1]} disagree"
 
     programs = {r: protocol(schedule, r, lookahead) for r in ranks}
+    gates: dict[int, dict[int, int]] = {r: {} for r in ranks}  # rank -> {its stop point: decider's index to await}
+    if decider is not None:
+        decided = decision_points(schedule, programs[decider])
+        for rank in ranks:
+            if rank != decider:
+                for stop, point in stop_points(schedule, programs[rank]).items():
+                    if stop <= limit:  # once stopped, nothing further is decided
+                        gates[rank][point] = max(gates[rank].get(point, 0), decided[stop])
     pc = dict.fromkeys(ranks, 0)
     n_sent = {pair: 0 for pair in sent}  # messages issued per pair so far
     n_posted = {pair: 0 for pair in sent}
@@ -380,13 +441,15 @@ def check_protocol(schedule: Schedule, lookahead: int) -> None:
             index[m] = i
 
     def blocked(rank):
+        if decider is not None and pc[decider] < gates[rank].get(pc[rank], 0):
+            return f"the decision of rank {decider} (at its action {gates[rank][pc[rank]]})"
         action, task = programs[rank][pc[rank]]
         if action == Action.WAIT_RECV:
-            for m in schedule.recvs(task):
+            for m in recvs(task):
                 if n_sent[(m.src, m.dst)] <= index[m]:
                     return m
         if action == Action.WAIT_SEND:
-            for m in schedule.sends(task):
+            for m in sends(task):
                 if n_posted[(m.src, m.dst)] <= index[m]:
                     return m
         return None
@@ -398,10 +461,10 @@ def check_protocol(schedule: Schedule, lookahead: int) -> None:
             while pc[rank] < len(programs[rank]) and blocked(rank) is None:
                 action, task = programs[rank][pc[rank]]
                 if action == Action.POST:
-                    for m in schedule.recvs(task):
+                    for m in recvs(task):
                         n_posted[(m.src, m.dst)] += 1
                 elif action == Action.SEND:
-                    for m in schedule.sends(task):
+                    for m in sends(task):
                         n_sent[(m.src, m.dst)] += 1
                 pc[rank] += 1
                 progress = True

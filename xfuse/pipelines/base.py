@@ -26,8 +26,9 @@ from xfuse.config import (
     ParallelConfig,
     XfuseConfig,
 )
-from xfuse.errors import ConfigError
+from xfuse.errors import ConfigError, RequestCancelled
 from xfuse.families.spec import ModelSpec
+from xfuse.parallel.cancellation import Cancellation
 from xfuse.parallel.engine import PipeFusionEngine
 from xfuse.parallel.patch_grid import patch_grid
 from xfuse.parallel.request import DenoiseRequest
@@ -52,6 +53,7 @@ from xfuse.pipelines.text_placement import place_text_encoders, text_components
 from xfuse.pipelines.text_placement import text_placement as resolve_text_placement
 from xfuse.runtime.compile_cache import CompileCache
 from xfuse.runtime.handshake import config_hash, handshake
+from xfuse.runtime.monitor import default_store
 from xfuse.runtime.peak import PhasePeak, peak_cuda_mib, peak_rss_mib, phase_peak
 from xfuse.runtime.world import ParallelContext
 
@@ -198,6 +200,9 @@ class PipeFusionPipelineBase:
                 module.to(context.device)
         self.engine = self._engine(self.stage)
         self._interrupt, self._callback_error = False, None
+        self._cancellation: Cancellation | None = None  # enable_cancellation()
+        self._stopped: int | None = None  # the step (of the whole call) a cancelled call stopped before
+        self._steps_run = 0  # engine steps this call's earlier runs took (a two-expert call runs twice)
         self._cache_counts: tuple[int, int] = (0, 0)
         self._tracer: Tracer | None = None
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
@@ -228,6 +233,31 @@ class PipeFusionPipelineBase:
             if self.context.host_deadline is not None:
                 stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
             yield
+
+    def enable_cancellation(self) -> None:
+        """Let a call stop between two denoising steps when global rank 0's ``cancel_if`` condition holds (``xfuse
+        serve`` does, for a client that went away). Call it on every rank, before the calls it applies to: every
+        rank then learns at each step whether the call goes on (``xfuse.parallel.cancellation``; one store round
+        trip per step and rank)."""
+        self._cancellation = Cancellation(
+            rank=self.context.rank,
+            world_size=self.context.world_size,
+            store=default_store() if self.context.world_size > 1 else None,
+            timeout_s=self.comm.timeout_s,
+        )
+
+    @contextlib.contextmanager
+    def cancel_if(self, condition: Callable[[], bool]):
+        """On global rank 0 (other ranks follow its decisions; elsewhere the condition is never asked): the calls
+        made inside stop before the next step once ``condition()`` returns True, raising ``RequestCancelled`` on
+        every rank. Asked once per step, from the calling thread; needs ``enable_cancellation()``."""
+        if self._cancellation is None:
+            raise RuntimeError("cancel_if needs enable_cancellation() on every rank first")
+        self._cancellation.condition = condition
+        try:
+            yield
+        finally:
+            self._cancellation.condition = None
 
     def _control_blocks(self, pipeline) -> int:
         """Blocks of a ControlNet the embedding rank runs beside its stage (``ShardedControlNetMixin``); 0: none."""
@@ -444,13 +474,16 @@ class PipeFusionPipelineBase:
                 latents = self.collectives.shared_latents(lambda: recipe.prepare_latents(generator))
                 request = recipe.request(text, latents, timesteps, generator)
             final = self._denoise(request)
-            self.collectives.sync_generator(recipe.generator, self._observer())
-            if self.context.is_output:
-                with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
-                    result = recipe.decode(final)  # the family's decode calls _decode_latents
-            elif self._decode_shape is not None:
-                with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
-                    self.band_decode.decode(None, self._decode_shape)
+            if self._stopped is None:  # (a stopped call: every rank knows it, and skips the rest alike)
+                self.collectives.sync_generator(recipe.generator, self._observer())
+                if self.context.is_output:
+                    with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
+                        result = recipe.decode(final)  # the family's decode calls _decode_latents
+                elif self._decode_shape is not None:
+                    with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
+                        self.band_decode.decode(None, self._decode_shape)
+        if self._stopped is not None:
+            raise RequestCancelled(self._stopped, len(timesteps))
         if self._callback_error is not None:  # a refused callback change: raised once every peer is done
             raise self._callback_error
         return result
@@ -569,7 +602,9 @@ class PipeFusionPipelineBase:
 
     # ------------------------------------------------------------------------------- the driver's steps, in order
     def _begin_call(self) -> None:
-        self._interrupt, self._callback_error = False, None
+        self._interrupt, self._callback_error, self._stopped, self._steps_run = False, None, None, 0
+        if self._cancellation is not None:
+            self._cancellation.begin_call()
         self._decode_peak = None  # what this rank's part of the call's decode added at its peak
         self._cache_counts = (0, 0)  # (steps computed, skipped) by step caching in this call
         for channels in self.context.all_channels:
@@ -599,10 +634,14 @@ class PipeFusionPipelineBase:
             framed = self.compiler.request(engine, shape, self._compile_bounds(), f"latents {latents_shape}")
         try:
             with framed:
-                final = engine.denoise(request, grid, self._tracer)
+                final = engine.denoise(request, grid, self._tracer, self._cancellation)
         finally:
             if progress is not None:
                 progress.close()
+        if engine.stopped_at is not None:  # on every rank alike: nothing after the loop runs
+            self._stopped = self._steps_run + engine.stopped_at
+            return None
+        self._steps_run += len(request.timesteps)
         if engine.cache is not None:
             computed, skipped = _counts(engine.cache_decisions)  # two experts: two runs in one call
             self._cache_counts = (self._cache_counts[0] + computed, self._cache_counts[1] + skipped)

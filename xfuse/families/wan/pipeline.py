@@ -310,7 +310,7 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         final = None
         if request.high is not None:
             final = super()._denoise(request.high, self.engine)
-            if request.low is None:
+            if request.low is None or self._stopped is not None:  # (stopped: every rank skips the second alike)
                 return final
             final = self.collectives.from_rank0(final if self.context.is_output else None)  # (B, C, F*H, W), grid
         assert request.low is not None and self.engine_2 is not None
