@@ -212,23 +212,54 @@ def _generations(url: str) -> float:
     return float(re.search(r"^xfuse_generation_seconds_count (\S+)", metrics, re.M).group(1))
 
 
+STOPPED = r"rank (\d): request stopped before step (\d+) of 20 on every rank"
+
+
+def _cancelled(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return float(re.search(r"^xfuse_cancelled_requests_total (\S+)", metrics, re.M).group(1))
+
+
 def test_clients_that_hang_up_do_not_hurt_the_world(world):
+    """A client that hangs up while its request waits: it never runs. One that hangs up while its request is
+    generated: every rank stops it before the same next step (said on each rank's stderr, counted in /metrics), and
+    the world's next request is the image that request gets when nothing was cancelled before it."""
     # Long enough (~2 s here) to still run when the next client hangs up 0.6 s later: 256 px took 0.5 s.
     long = {"prompt": "long", "num_inference_steps": 20, "size": "512x512"}
+    after = {"prompt": "after", "seed": 2}
     before = _generations(world.url)
+    expected = _generate(world.url, after)
+    assert expected.status_code == 200
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_generate, world.url, {**long, "seed": 1})
         time.sleep(0.3)
         with pytest.raises(httpx.TimeoutException):  # hangs up while its request waits in the queue
             httpx.post(f"{world.url}/v1/images/generations", json=long, headers=world.headers, timeout=0.3)
         assert running.result().status_code == 200
+    cancelled, stopped_lines = _cancelled(world.url), len(re.findall(STOPPED, world.stderr()))
     with pytest.raises(httpx.TimeoutException):  # hangs up while its request is being generated
-        httpx.post(f"{world.url}/v1/images/generations", json=long, headers=world.headers, timeout=0.3)
-    time.sleep(1.5)
-    assert _generate(world.url, {"prompt": "after", "seed": 2}).status_code == 200
+        httpx.post(f"{world.url}/v1/images/generations", json=long, headers=world.headers, timeout=0.6)
+    stops = poll_stderr(world, STOPPED, after=stopped_lines, count=2)
+    assert {rank for rank, _ in stops} == {"0", "1"} and len({step for _, step in stops}) == 1, stops
+    assert 1 <= int(stops[0][1]) < 20
+    assert _cancelled(world.url) - cancelled == 1
+    again = _generate(world.url, after)
+    assert again.status_code == 200
+    assert again.json()["data"][0]["b64_json"] == expected.json()["data"][0]["b64_json"]  # the same PNG bytes
     assert httpx.get(f"{world.url}/health").status_code == 200
-    # The running, the hung-up running one, the last one; the one whose client left while it waited never ran.
+    # The first "after", the running one, the second "after"; the queued one never ran, the cancelled one stopped.
     assert _generations(world.url) - before == 3
+
+
+def poll_stderr(world, pattern: str, *, after: int, count: int, timeout: float = 30.0) -> list[tuple[str, ...]]:
+    """The ``count`` matches of ``pattern`` in the world's stderr that follow its first ``after``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, world.stderr())
+        if len(found) >= after + count:
+            return found[after : after + count]
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} new lines like {pattern!r} in {timeout} s:\n{world.stderr()[-3000:]}")
 
 
 def test_full_queue_answers_429_with_retry_after(world):

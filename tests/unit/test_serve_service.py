@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from xfuse.errors import RequestCancelled
+from xfuse.serve.loop import _all_abandoned
 from xfuse.serve.metrics import ServeMetrics
 from xfuse.serve.protocol import GenerationJob, RequestLimits
 from xfuse.serve.service import GenerationResult, QueueFull, Service, Unavailable
@@ -129,7 +131,7 @@ def test_request_whose_client_hung_up_while_queued_is_never_taken():
     gone, kept = s.submit(JOB), s.submit(JOB)
     assert gone.cancel()  # what the HTTP side does when the client disconnects
     taken = s.next_request(timeout_s=0.1)
-    assert taken.future is kept and not kept.cancel()  # taken: it runs to the end, answering it cannot fail
+    assert taken.future is kept and not kept.cancel()  # taken: its future cannot be cancelled, answering it cannot fail
     s.finish(taken, GenerationResult([], 1, 0.0, 0.1))
     assert kept.result(timeout=1).seed == 1
 
@@ -191,3 +193,23 @@ def test_a_broken_world_answers_every_request_of_the_running_batch_and_the_queue
     assert s.set_broken("rank 1 was lost (SIGKILL)") == 4
     assert all("rank 1 was lost" in str(f.exception(timeout=1)) for f in futures)
     assert s.health()[1]["running"] is False and s.metrics.running._value.get() == 0
+
+
+def test_a_running_batch_stops_once_every_client_of_it_went_away():
+    """``abandon`` (the HTTP side, for a client that hung up on a running request) marks it; the loop's ``cancel_if``
+    condition holds once every request of the batch is marked; ``stopped`` frees their places in ``running`` and
+    counts them. A queued request's future is cancelled instead (``abandon`` does not find it)."""
+    s = service(max_queue=4)
+    s.set_ready(LIMITS)
+    futures = [s.submit(GenerationJob(f"p{i}", None, 64, 64, 1, 4, 5.0, i)) for i in range(3)]
+    batch = s.next_batch(0.1, max_batch=2, max_pixels=64 * 64)
+    assert [p.job.seed for p in batch] == [0, 1]
+    assert not s.abandon(futures[2]) and futures[2].cancel()  # queued: never runs
+    assert s.abandon(futures[0]) and not _all_abandoned(batch)  # the other client still waits: go on
+    assert s.abandon(futures[1]) and _all_abandoned(batch)
+    stopped = RequestCancelled(2, 4)
+    s.stopped(batch, stopped)
+    assert s.running == [] and s.health()[1]["running"] is False
+    assert s.metrics.cancelled._value.get() == 2 and s.metrics.running._value.get() == 0
+    assert all(f.exception(timeout=1) is stopped for f in futures[:2])
+    assert not s.abandon(futures[0])  # (no longer running)

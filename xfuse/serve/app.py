@@ -61,14 +61,16 @@ async def _client_hung_up(request: Request) -> None:
         pass
 
 
-async def _wait_or_hang_up(request: Request, future: concurrent.futures.Future):
-    """The request's result; ``None`` if its client hung up while it still waited in the queue (then it is cancelled:
-    the engine loop skips it). Once generating, it runs to the end whatever the client does."""
+async def _wait_or_hang_up(request: Request, future: concurrent.futures.Future, service: Service):
+    """The request's result; ``None`` if its client hung up first: waiting in the queue, it is cancelled (the
+    engine loop skips it); generating, every rank stops it before its next step (``Service.abandon``)."""
     waiting = asyncio.wrap_future(future)
     hang_up = asyncio.ensure_future(_client_hung_up(request))
     try:
         await asyncio.wait({waiting, hang_up}, return_when=asyncio.FIRST_COMPLETED)
-        if not waiting.done() and future.cancel():  # cancel() fails once the loop has taken it
+        if not waiting.done():
+            if not future.cancel():  # cancel() fails once the loop has taken it
+                service.abandon(future)
             return None
         return await waiting
     finally:
@@ -144,8 +146,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
             service.check_accepting()  # 503 that says why (starting, draining, broken) before any parsing
             job = parse_request(body, service.limits)
             future = service.submit(job)
-            result = await _wait_or_hang_up(request, future)
-            if result is None:  # the client hung up while its request waited: it never ran, nobody to answer
+            result = await _wait_or_hang_up(request, future, service)
+            if result is None:  # the client hung up: its request never ran, or stopped between steps
                 status = 499  # nginx's "client closed request", for the metrics
                 return Response(status_code=499)
             encoded = await asyncio.to_thread(_png_b64, result.images)  # off the event loop: PNG is CPU work

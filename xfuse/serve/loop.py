@@ -10,6 +10,7 @@ worker that returned 0 would leave rank 0 serving alone).
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -19,9 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from xfuse.build import image_call_kwargs
+from xfuse.errors import RequestCancelled
 from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane
 from xfuse.serve.protocol import GenerationJob
 from xfuse.serve.service import GenerationResult, Service
+from xfuse.stderr import clock, write_stderr
 
 # Under torchrun the agent is every rank's parent. If it is killed (SIGKILL reaches no child), the ranks are
 # re-parented and would go on serving with nobody to restart them: a rank that notices stops the world.
@@ -101,6 +104,19 @@ def run_jobs(pipe, jobs: list[dict[str, Any]]):
     return pipe(**call)
 
 
+def run_cancellable(pipe, jobs: list[dict[str, Any]]):
+    """``run_jobs``, or the ``RequestCancelled`` every rank gets alike when rank 0 stopped the call between steps
+    (its clients went away), said once per rank."""
+    try:
+        return run_jobs(pipe, jobs)
+    except RequestCancelled as stopped:
+        write_stderr(
+            f"[xfuse {clock()}] rank {pipe.context.rank}: request stopped before step {stopped.stopped_at} of "
+            f"{stopped.num_steps} on every rank: its client went away"
+        )
+        return stopped
+
+
 def server_loop(
     pipe,
     control: ControlPlane,
@@ -149,9 +165,13 @@ def server_loop(
         jobs = [_with_seed(pending.job) for pending in batch]
         started = time.monotonic()
         control.post(JOB, jobs)
-        output = run_jobs(pipe, jobs)
+        with pipe.cancel_if(functools.partial(_all_abandoned, batch)):  # asked once per step
+            output = run_cancellable(pipe, jobs)
         answer_round(job_done=True)
         last_round = time.monotonic()
+        if isinstance(output, RequestCancelled):
+            service.stopped(batch, output)
+            continue
         images = iter(output.images)  # in the jobs' order, each request's n of them
         for pending, job in zip(batch, jobs, strict=True):
             mine = [next(images) for _ in range(job["num_images"])]
@@ -160,6 +180,11 @@ def server_loop(
     service.start_draining()
     control.post(SHUTDOWN)
     answer_round()
+
+
+def _all_abandoned(batch: list) -> bool:
+    """Whether every request of a running batch lost its client (one that still waits keeps the call going)."""
+    return all(pending.abandoned for pending in batch)
 
 
 def _with_seed(job: GenerationJob) -> dict[str, Any]:
@@ -175,7 +200,7 @@ def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
         if kind == TICK:
             control.answer_round(_answer(pipe, drain))
         elif kind == JOB:
-            run_jobs(pipe, payload)
+            run_cancellable(pipe, payload)
             control.answer_round(_answer(pipe, drain, job_done=True))
         elif kind == SHUTDOWN:
             control.answer_round(_answer(pipe, drain))

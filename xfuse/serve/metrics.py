@@ -40,6 +40,11 @@ class ServeMetrics:
             "xfuse_requests_running", "Requests being generated (a batch of up to serve.max_batch)", registry=reg
         )
         self.ready = Gauge("xfuse_ready", "1 while /health answers 200", registry=reg)
+        self.cancelled = Counter(
+            "xfuse_cancelled_requests",
+            "Requests stopped between two denoising steps on every rank because their clients went away",
+            registry=reg,
+        )  # exported as xfuse_cancelled_requests_total
         self.sent_bytes = Counter(
             "xfuse_sent_bytes", "Bytes a rank sent to other ranks for requests", ["rank"], registry=reg
         )

@@ -309,6 +309,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     try:
         pipe = build_pipeline(config)
         pipe.set_progress_bar_config(disable=True)
+        pipe.enable_cancellation()  # every rank: a request whose client went away stops between two steps
         load_adapters(pipe, config.serve.lora_adapters)
         limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
         if service is not None and pipe.compiler is not None:  # /health: 503 "starting (compiling ...)" meanwhile

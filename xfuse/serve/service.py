@@ -53,6 +53,7 @@ class PendingRequest:
     enqueued: float  # time.monotonic()
     deadline: float  # not started by then: 503, never reaches the ranks
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    abandoned: bool = False  # its client went away while it was generated: the engine stops it between steps
 
 
 @dataclass
@@ -219,11 +220,32 @@ class Service:
             waited = time.monotonic() - pending.enqueued
             _fail(pending, Unavailable(f"the request waited {waited:.1f} s in the queue", code="queue_timeout"))
             return False
-        if not pending.future.set_running_or_notify_cancel():
-            return False
-        self.running.append(pending)
+        with self._lock:  # running once abandon() can find it: a client that hangs up from here on is heard
+            if not pending.future.set_running_or_notify_cancel():
+                return False
+            self.running.append(pending)
         self.metrics.running.set(len(self.running))
         return True
+
+    def abandon(self, future: concurrent.futures.Future) -> bool:
+        """The HTTP thread: the client of the running request whose future this is went away; the engine loop's
+        ``cancel_if`` condition sees it at the next step (a whole batch stops once all its clients are gone).
+        Whether it was running."""
+        with self._lock:
+            for pending in self.running:
+                if pending.future is future:
+                    pending.abandoned = True
+                    return True
+        return False
+
+    def stopped(self, batch: list[PendingRequest], error: Exception) -> None:
+        """The running ``batch`` stopped between steps (``RequestCancelled``): nobody waits for its answer."""
+        with self._lock:
+            for pending in batch:
+                self.running.remove(pending)
+                _fail(pending, error)
+            self.metrics.running.set(len(self.running))
+        self.metrics.cancelled.inc(len(batch))
 
     def finish(self, pending: PendingRequest, result: GenerationResult) -> None:
         # a batch of k requests of one key took generation_s for all of them: each one's share is 1/k
