@@ -68,3 +68,73 @@ def test_sigterm_on_a_worker_drains_the_whole_world(tmp_path):
         assert world.wait(timeout=30) == 0, world.stderr()[-3000:]
         assert "drained; every rank answered the shutdown" in world.stderr()
         assert left_behind(world) == []
+
+
+# Several requests in flight: four of one size run as one batch behind a blocker of another size, two more wait.
+BATCHED = (f"comm.timeout_s={TIMEOUT_S}", "serve.max_batch=4", "serve.max_queued_work=100")
+BLOCKER = {"prompt": "blocker", "num_inference_steps": 30, "size": "256x256"}
+IN_BATCH = {"num_inference_steps": 40, "size": "128x128"}
+QUEUED = {"num_inference_steps": 4, "size": "64x128"}
+
+
+def _running(world) -> float:
+    metrics = httpx.get(f"{world.url}/metrics").text
+    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("xfuse_requests_running ")))
+
+
+def _batch_in_flight(world, pool):
+    """The blocker, then four requests that run as one batch and two that wait behind it; returns their futures
+    once the batch runs (``xfuse_requests_running`` is 4)."""
+    post = lambda body: pool.submit(  # noqa: E731
+        httpx.post, f"{world.url}/v1/images/generations", json=body, timeout=60
+    )
+    blocker = post(BLOCKER)
+    time.sleep(0.5)
+    batch = [post({**IN_BATCH, "prompt": f"in batch {i}", "seed": i}) for i in range(4)]
+    time.sleep(0.3)
+    queued = [post({**QUEUED, "prompt": f"queued {i}"}) for i in range(2)]
+    deadline = time.monotonic() + 60
+    while _running(world) != 4:
+        assert time.monotonic() < deadline and not any(f.done() for f in batch), world.stderr()[-3000:]
+        time.sleep(0.02)
+    return blocker, batch, queued
+
+
+def test_a_worker_killed_under_a_batch_answers_every_request_in_flight(tmp_path):
+    """SIGKILL of rank 1 while a batch of four runs and two wait: every one of the six clients gets 503 naming the
+    rank, readiness names it, every survivor exits non-zero, nothing is left behind."""
+    world = ServedWorld(tmp_path, settings=BATCHED)
+    try:
+        pids = world.rank_pids()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            blocker, batch, queued = _batch_in_flight(world, pool)
+            assert blocker.result(timeout=60).status_code == 200
+            os.kill(pids[1], signal.SIGKILL)
+            named_after, last = poll_health(world.url, lambda r: r is None or _names_rank_1(r), 3.0)
+            assert named_after is not None, (last.json() if last is not None else None, world.stderr()[-3000:])
+            for future in batch + queued:
+                response = future.result(timeout=TIMEOUT_S + 5)
+                assert response.status_code == 503, response.text
+                error = response.json()["error"]
+                assert error["code"] == "service_broken" and "rank 1" in error["message"], error
+        assert world.wait(timeout=TIMEOUT_S + 10) != 0
+        assert left_behind(world) == []
+    finally:
+        world.close()
+
+
+def test_sigterm_lets_the_batch_in_flight_finish_and_turns_the_queue_away(tmp_path):
+    """SIGTERM on rank 0 while a batch of four runs and two wait: the four are answered with their images (batch 4),
+    the two waiting get 503 (draining), every rank exits 0."""
+    with ServedWorld(tmp_path, settings=BATCHED) as world:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            blocker, batch, queued = _batch_in_flight(world, pool)
+            os.kill(world.rank_pids()[0], signal.SIGTERM)
+            for future in batch:
+                response = future.result(timeout=60)
+                assert response.status_code == 200 and response.json()["batch"] == 4, response.text
+            for future in queued:
+                response = future.result(timeout=60)
+                assert response.status_code == 503 and response.json()["error"]["code"] == "service_draining"
+        assert world.wait(timeout=30) == 0, world.stderr()[-3000:]
+        assert left_behind(world) == []
