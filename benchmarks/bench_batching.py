@@ -1,13 +1,14 @@
 """Where batching served requests pays on this machine: ``serve.max_batch`` 1 against 4, a real 2-rank served world.
 
-    python benchmarks/bench_batching.py [--sizes 128,256,512] [--clients 8] [--rounds 3] [--out benchmarks/results]
+    python benchmarks/bench_batching.py [--sizes 128,256,512] [--clients 1,2,4,8] [--rounds 3] [--out ...]
 
 For each size: ``xfuse serve`` (the tiny preset, degree 2, 2 patches, one warm-up step, 8 steps) started once with
 ``serve.max_batch=1`` and once with 4 (``serve.batch_max_pixels`` above every size, so batching is never refused by
-size); each round, ``--clients`` concurrent clients post one request each (distinct seeds) and the round's wall time
-gives the throughput (images per minute); per-request client latency gives p50 and p95. Median and min–max over the
-rounds; the last column is batched over one at a time. The crossover, the largest size where batching still raises
-throughput, is what ``serve.batch_max_pixels`` is set from. JSON + Markdown (``batching.{json,md}``).
+size). For each number of concurrent clients, each round posts 8 requests (distinct seeds): each client posts its
+share one after another, as a closed-loop load of that concurrency. The round's wall time gives the throughput
+(images per minute); per-request client latency gives p50 and p95. Median and min–max over the rounds; the last
+column is batched over one at a time. The crossover, the largest size where batching still raises throughput, is
+what ``serve.batch_max_pixels`` is set from. JSON + Markdown (``batching.{json,md}``).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(size: int, max_batch: int, clients: int, rounds: int, steps: int) -> dict:
+def measure(size: int, max_batch: int, client_counts: list[int], rounds: int, steps: int, per_round: int) -> dict:
     settings = (f"serve.max_batch={max_batch}", f"serve.batch_max_pixels={4096 * 4096}", "serve.max_queue=64",
                 "serve.max_queued_work=1000", "serve.max_side=1024")  # fmt: skip
     body = {"prompt": "a lighthouse at dusk", "size": f"{size}x{size}", "num_inference_steps": steps}
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp, ServedWorld(Path(tmp), settings=settings) as world:
 
         def one(seed: int) -> tuple[float, int]:
@@ -52,37 +54,50 @@ def measure(size: int, max_batch: int, clients: int, rounds: int, steps: int) ->
             return time.perf_counter() - start, response.json()["batch"]
 
         one(0)  # the first call warms up
-        per_minute, latencies, batches = [], [], []
-        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-            for r in range(rounds):
-                start = time.perf_counter()
-                answers = list(pool.map(one, range(1 + r * clients, 1 + (r + 1) * clients)))
-                per_minute.append(60 * clients / (time.perf_counter() - start))
-                latencies += [latency for latency, _ in answers]
-                batches += [batch for _, batch in answers]
-    return {
-        "images_per_minute": _spread(per_minute),
-        "p50_s": _percentile(latencies, 0.5),
-        "p95_s": _percentile(latencies, 0.95),
-        "mean_batch": statistics.mean(batches),
-    }
+        seed = 1
+        for clients in client_counts:
+
+            def client(seeds: range) -> list[tuple[float, int]]:
+                return [one(s) for s in seeds]  # one request after another: a closed loop
+
+            per_minute, latencies, batches = [], [], []
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                for _ in range(rounds):
+                    shares = [range(seed + c, seed + per_round, clients) for c in range(clients)]
+                    seed += per_round
+                    start = time.perf_counter()
+                    answers = [a for share in pool.map(client, shares) for a in share]
+                    per_minute.append(60 * per_round / (time.perf_counter() - start))
+                    latencies += [latency for latency, _ in answers]
+                    batches += [batch for _, batch in answers]
+            rows[str(clients)] = {
+                "images_per_minute": _spread(per_minute),
+                "p50_s": _percentile(latencies, 0.5),
+                "p95_s": _percentile(latencies, 0.95),
+                "mean_batch": statistics.mean(batches),
+            }
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="128,256,512")
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", default="1,2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--per-round", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    rows = {}
+    client_counts = [int(c) for c in args.clients.split(",")]
+    rows: dict = {}
     for size in map(int, args.sizes.split(",")):
-        alone = measure(size, 1, args.clients, args.rounds, args.steps)
-        batched = measure(size, 4, args.clients, args.rounds, args.steps)
-        gain = batched["images_per_minute"]["median"] / alone["images_per_minute"]["median"]
-        rows[str(size)] = {"one_at_a_time": alone, "batched_4": batched, "gain": gain}
-        print(size, json.dumps(rows[str(size)]), flush=True)
+        alone = measure(size, 1, client_counts, args.rounds, args.steps, args.per_round)
+        batched = measure(size, 4, client_counts, args.rounds, args.steps, args.per_round)
+        for clients in map(str, client_counts):
+            a, b = alone[clients], batched[clients]
+            gain = b["images_per_minute"]["median"] / a["images_per_minute"]["median"]
+            rows.setdefault(str(size), {})[clients] = {"one_at_a_time": a, "batched_4": b, "gain": gain}
+            print(size, clients, json.dumps(rows[str(size)][clients]), flush=True)
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
         "settings": vars(args),
@@ -96,20 +111,22 @@ def main() -> None:
         return f"{stat['median']:.1f} ({stat['min']:.1f}–{stat['max']:.1f})"
 
     lines = [
-        f"Machine: {report['machine']}; tiny preset, degree 2, {args.steps} steps, {args.clients} concurrent clients, "
+        f"Machine: {report['machine']}; tiny preset, degree 2, {args.steps} steps; each round {args.per_round} "
+        f"requests from the given number of concurrent clients (each posting its share one after another), "
         f"{args.rounds} rounds.",
         "",
-        "| size | one at a time: images/min | p50 / p95 | batched (max 4): images/min | p50 / p95 | mean batch "
-        "| gain |",
-        "|---|---|---|---|---|---|---|",
+        "| size | clients | one at a time: images/min | p50 / p95 | batched (max 4): images/min | p50 / p95 "
+        "| mean batch | gain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for size, row in rows.items():
-        a, b = row["one_at_a_time"], row["batched_4"]
-        lines.append(
-            f"| {size}² | {fmt(a['images_per_minute'])} | {a['p50_s']:.2f} / {a['p95_s']:.2f} s "
-            f"| {fmt(b['images_per_minute'])} | {b['p50_s']:.2f} / {b['p95_s']:.2f} s | {b['mean_batch']:.1f} "
-            f"| {row['gain']:.2f}x |"
-        )
+    for size, by_clients in rows.items():
+        for clients, row in by_clients.items():
+            a, b = row["one_at_a_time"], row["batched_4"]
+            lines.append(
+                f"| {size}² | {clients} | {fmt(a['images_per_minute'])} | {a['p50_s']:.2f} / {a['p95_s']:.2f} s "
+                f"| {fmt(b['images_per_minute'])} | {b['p50_s']:.2f} / {b['p95_s']:.2f} s | {b['mean_batch']:.1f} "
+                f"| {row['gain']:.2f}x |"
+            )
     with open(os.path.join(args.out, "batching.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

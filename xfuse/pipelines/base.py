@@ -234,11 +234,14 @@ class PipeFusionPipelineBase:
                 stack.enter_context(self.context.host_deadline.bounded_by(self.config.longest_wait_s))
             yield
 
-    def enable_cancellation(self) -> None:
+    def enable_cancellation(self, enabled: bool = True) -> None:
         """Let a call stop between two denoising steps when global rank 0's ``cancel_if`` condition holds (``xfuse
-        serve`` does, for a client that went away). Call it on every rank, before the calls it applies to: every
-        rank then learns at each step whether the call goes on (``xfuse.parallel.cancellation``; one store round
-        trip per step and rank)."""
+        serve`` does, for a client that went away). Call it on every rank alike, before the calls it applies to:
+        every rank then learns at each step whether the call goes on (``xfuse.parallel.cancellation``; one store
+        round trip per step and rank)."""
+        if not enabled:
+            self._cancellation = None
+            return
         self._cancellation = Cancellation(
             rank=self.context.rank,
             world_size=self.context.world_size,
