@@ -35,9 +35,12 @@ order (no tags), so they must all go from one sender segment to one receiver seg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from xfuse.parallel.stage_plan import SkipEdge, StagePlan
 
@@ -64,6 +67,7 @@ class Task:
     patch: int | None  # None: the whole image
     hop: int  # route segment index, or COLLECT
     part: int | None = None  # batch part of a whole-image step streamed in parts; None: the whole batch
+    request: int = 0  # which request of a stream of requests (``xfuse.parallel.request_stream``); 0 alone
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Message:
     patch: int | None
     block: int = -1  # producer block of a skip
     part: int | None = None  # batch part of a whole-image step (``Task.part``); None: the whole batch
+    request: int = 0  # the request of the tasks that send and receive it (``Task.request``)
 
     @property
     def channel(self) -> str:
@@ -111,14 +116,7 @@ class Schedule:
         return max(end for _, end in self.times.values())
 
     def recv_post_times(self, lookahead: int) -> dict[Message, float]:
-        """Simulated time at which each message's receive is posted (``lookahead`` tasks ahead of its task)."""
-        result = {}
-        for order in self.orders.values():
-            for i, task in enumerate(order):
-                when = 0.0 if i < lookahead else self.times[order[i - lookahead]][1]
-                for m in self.recvs(task):
-                    result[m] = when
-        return result
+        return _recv_post_times(self, lookahead)
 
     def patches_of(self, step: int) -> tuple[int | None, ...]:
         return (None,) if step < self.warmup_steps else tuple(range(self.num_patches))
@@ -147,7 +145,7 @@ class Schedule:
                 patch = task.patch if prev >= self.warmup_steps else None
                 out.append(Message("latent", plan.output_rank, rank, prev, patch))
         if task.hop == COLLECT:
-            return out
+            return _of_request(out, task.request)
         segment = plan.route[task.hop]
         for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
             if edge.consumer in segment.blocks:
@@ -160,7 +158,7 @@ class Schedule:
                 out.append(Message("cache", src, rank, task.step, task.patch, part=task.part))
             if rank in self.control_ranks and task.hop == self.first_hop(rank):
                 out.append(Message("control", plan.embed_rank, rank, task.step, task.patch, part=task.part))
-        return out
+        return _of_request(out, task.request)
 
     def carries_flag(self, task: Task) -> bool:
         """Whether ``task``'s hand-offs carry its step's caching decision: the step's first task (patch 0, or the
@@ -195,7 +193,24 @@ class Schedule:
             out.extend(
                 Message("control", rank, dst, task.step, task.patch, part=task.part) for dst in self.control_ranks
             )
-        return out
+        return _of_request(out, task.request)
+
+
+def _recv_post_times(schedule: TaskGraph, lookahead: int) -> dict[Message, float]:
+    """Simulated time at which each message's receive is posted (``lookahead`` tasks ahead of its task), for a
+    ``Schedule`` or a stream of them (``xfuse.parallel.request_stream``)."""
+    result = {}
+    for order in schedule.orders.values():
+        for i, task in enumerate(order):
+            when = 0.0 if i < lookahead else schedule.times[order[i - lookahead]][1]
+            for m in schedule.recvs(task):
+                result[m] = when
+    return result
+
+
+def _of_request(messages: list[Message], request: int) -> list[Message]:
+    """``messages`` of request ``request`` of a stream (a request alone is request 0: unchanged)."""
+    return messages if request == 0 else [dataclasses.replace(m, request=request) for m in messages]
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,70 +236,137 @@ def batch_parts(model_batch: int, degree: int) -> int:
     return max(p for p in range(1, min(model_batch, degree) + 1) if model_batch % p == 0)
 
 
-def _simulate(
-    plan: StagePlan, num_steps: int, warmup_steps: int, num_patches: int, parts: int, patch_tokens: tuple[int, ...]
-):
-    """Event-driven list scheduling of every task; returns per-rank orders and each task's (start, end) time."""
-    hops = len(plan.route)
-    mean_tokens = sum(patch_tokens) / num_patches
-    weight = [tokens / mean_tokens for tokens in patch_tokens]  # a patch's cost relative to a mean patch
-    whole_parts: list[int | None] = list(range(parts)) if parts > 1 else [None]
-    # (step, patch, batch part): the warm-up's whole images part by part, then the patch stream
-    units: list[tuple[int, int | None, int | None]] = [(s, None, k) for s in range(warmup_steps) for k in whole_parts]
-    units += [(s, p, None) for s in range(warmup_steps, num_steps) for p in range(num_patches)]  # the patch stream
+@dataclass(frozen=True)
+class StreamShape:
+    """What the simulation needs of one request of a stream: steps, whole-image (warm-up) steps streamed in
+    ``batch_parts`` parts, each patch's tokens through every block (``PatchGrid.cost_tokens``), and when it arrives
+    (in the simulation's units; its first task starts no sooner)."""
 
-    def previous(step, patch):  # the unit whose output layer produced this unit's latent (all parts of a step)
-        if step == 0:
+    num_steps: int
+    warmup_steps: int
+    batch_parts: int
+    patch_tokens: tuple[int, ...]
+    arrival: float = 0.0
+
+    @property
+    def num_patches(self) -> int:
+        return len(self.patch_tokens)
+
+
+def _simulate(plan: StagePlan, shapes: list[StreamShape]):
+    """Event-driven list scheduling of every task of the requests ``shapes`` (one request alone, or several in
+    flight: request r's tasks are ``Task.request`` r); returns per-rank orders and each task's (start, end) time, in
+    units of one block on a mean patch of the first request.
+
+    A *unit* is a request's whole-image step (or one batch part of it) or one patch of a pipelined step. The first
+    segment takes, among each request's next unit, the one that can start first (the earlier request on a tie):
+    so a request's units enter while an earlier one's whole-image steps or its fill and drain leave the ranks idle.
+    Every later segment runs the units in the order the first segment took them, and each request's units come in
+    its own stream order (its stale K/V semantics are the request's alone). Messages between two ranks match in
+    issue order, so on a linear route (where the output rank sends each step's latent rows back) the first segment
+    also takes the units that receive latents, and the collects of final latents, in the order they were sent.
+    """
+    hops = len(plan.route)
+    mean_tokens = sum(shapes[0].patch_tokens) / shapes[0].num_patches
+    # a patch's cost relative to a mean patch of the first request; a request's mean patch's (1.0 for the first)
+    weights = [[tokens / mean_tokens for tokens in shape.patch_tokens] for shape in shapes]
+    scale = [1.0] + [sum(shape.patch_tokens) / shape.num_patches / mean_tokens for shape in shapes[1:]]
+    whole_parts = [list(range(shape.batch_parts)) if shape.batch_parts > 1 else [None] for shape in shapes]
+    # each request's units in its stream order, its final latents' collects (linear) after them
+    streams: list[list[Task]] = []
+    linear = plan.output_rank != plan.embed_rank
+    for r, shape in enumerate(shapes):
+        warmup, steps = shape.warmup_steps, shape.num_steps
+        units = [Task(s, None, 0, k, r) for s in range(warmup) for k in whole_parts[r]]
+        units += [Task(s, p, 0, None, r) for s in range(warmup, steps) for p in range(shape.num_patches)]
+        if linear:
+            units += [
+                Task(steps, p, COLLECT, None, r) for p in ((None,) if warmup == steps else range(shape.num_patches))
+            ]
+        streams.append(units)
+
+    def producer(task: Task) -> Task | None:  # the last segment's task whose output is this unit's model input
+        if task.step == 0:
             return None
-        return (step - 1, None, whole_parts[-1]) if step - 1 < warmup_steps else (step - 1, patch, None)
+        if task.step - 1 < shapes[task.request].warmup_steps:
+            return Task(task.step - 1, None, hops - 1, whole_parts[task.request][-1], task.request)
+        return Task(task.step - 1, task.patch, hops - 1, None, task.request)
+
+    def takes_latent(task: Task) -> bool:  # receives a latent message (``Schedule.recvs``): linear routes only
+        prev = task.step - 1
+        warmup = shapes[task.request].warmup_steps
+        return linear and prev >= 0 and (prev >= warmup or task.patch in (None, 0)) and task.part in (None, 0)
 
     times: dict[Task, tuple[float, float]] = {}
     orders: dict[int, list[Task]] = {r: [] for r in range(plan.degree)}
     free_at = dict.fromkeys(range(plan.degree), 0.0)
-    next_unit = [0] * hops  # each segment runs the units in stream order
+    entered: list[Task] = []  # the units as the first segment took them
+    next_entry = [0] * len(shapes)  # each request's next unit to enter
+    next_unit = [0] * hops  # each later segment runs the entered units in order
+    latents: list[Task] = []  # linear: the latents sent back, as the producing tasks, in the order they were sent
     # A patch enters no sooner than the busiest rank can take another one (its blocks per patch after the previous
     # entry): entering faster only queues work that collides later on routes with uneven chunks.
     period = max(len(plan.blocks_of(rank)) for rank in range(plan.degree))
-    last_entry: tuple[float, int] | None = None  # (start, patch) of the last patch that entered the route
-    for _ in range(len(units) * hops):
-        best: tuple[tuple[float, int], Task] | None = None
+    last_entry: list[tuple[float, float] | None] = [None] * len(shapes)  # per request: (start, weight) of its last
+    collects = sum(t.hop == COLLECT for units in streams for t in units)
+    expected = (sum(len(units) for units in streams) - collects) * hops + collects  # every unit at every segment
+    while len(times) < expected:
+        best: tuple[tuple[float, int, int], Task] | None = None
         for hop in range(hops):
-            if next_unit[hop] == len(units):
-                continue
-            step, patch, part = units[next_unit[hop]]
-            if hop > 0:
-                dep = times.get(Task(step, patch, hop - 1, part))
+            if hop == 0:
+                candidates = [streams[r][next_entry[r]] for r in range(len(shapes)) if next_entry[r] < len(streams[r])]
+            elif next_unit[hop] < len(entered):
+                unit = entered[next_unit[hop]]
+                candidates = [Task(unit.step, unit.patch, hop, unit.part, unit.request)]
             else:
-                prev = previous(step, patch)
-                dep = (0.0, 0.0) if prev is None else times.get(Task(prev[0], prev[1], hops - 1, prev[2]))
-            if dep is None:
                 continue
-            if hop == 0 and patch is not None and last_entry is not None:
-                dep = (dep[0], max(dep[1], last_entry[0] + period * weight[last_entry[1]]))
-            rank = plan.route[hop].rank
-            # Earliest start; among equals the task nearest the start of the route (fill before drain). Preferring
-            # the furthest task instead leaves bubbles on folded routes (e.g. N=3, M=3: 33 % slower per step).
-            key = (max(dep[1], free_at[rank]), hop)
-            if best is None or key < best[0]:
-                best = (key, Task(step, patch, hop, part))
+            for task in candidates:
+                if hop > 0:
+                    dep = times.get(Task(task.step, task.patch, hop - 1, task.part, task.request))
+                else:
+                    made = producer(task)
+                    if made is not None and takes_latent(task) and (not latents or latents[0] != made):
+                        continue  # another latent comes first on the pair's stream
+                    arrival = shapes[task.request].arrival
+                    dep = (arrival, arrival) if made is None else times.get(made)
+                    entry = last_entry[task.request]
+                    if dep is not None and task.patch is not None and task.hop == 0 and entry is not None:
+                        dep = (dep[0], max(dep[1], entry[0] + period * entry[1]))
+                if dep is None:
+                    continue
+                # Earliest start; among equals the task nearest the start of the route (fill before drain; preferring
+                # the furthest instead leaves bubbles on folded routes, e.g. N=3, M=3: 33 % slower per step), then
+                # the earlier request.
+                key = (max(dep[1], free_at[plan.route[hop].rank]), hop, task.request)
+                if best is None or key < best[0]:
+                    best = (key, task)
         assert best is not None  # a unit is always ready: its dependencies come earlier in the stream
-        (start, _), task = best
-        rank = plan.route[task.hop].rank
-        # A whole image costs M mean patches; a batch part of it its share of the batch.
-        size = num_patches / len(whole_parts) if task.patch is None else weight[task.patch]
-        cost = len(plan.route[task.hop].blocks) * size
+        (start, _, _), task = best
+        if task.hop == COLLECT:  # the final latents arrive on the embedding rank: no compute
+            cost = 0.0
+            rank = plan.embed_rank
+        else:
+            rank = plan.route[task.hop].rank
+            # A whole image costs its patches; a batch part of it its share of the batch.
+            weight = weights[task.request]
+            whole = shapes[task.request].num_patches * scale[task.request]
+            size = whole / len(whole_parts[task.request]) if task.patch is None else weight[task.patch]
+            cost = len(plan.route[task.hop].blocks) * size
         times[task] = (start, start + cost)
-        if task.hop == 0 and task.patch is not None:
-            last_entry = (start, task.patch)
+        if task.hop in (0, COLLECT):
+            next_entry[task.request] += 1
+            if takes_latent(task):
+                latents.pop(0)
+        if task.hop == 0:
+            entered.append(task)
+            if task.patch is not None:
+                last_entry[task.request] = (start, weights[task.request][task.patch])
+        elif task.hop > 0:
+            next_unit[task.hop] += 1
+        if linear and task.hop == hops - 1 and task.part in (None, whole_parts[task.request][-1]):
+            latents.append(task)  # its stepped rows go back to the embedding rank
         free_at[rank] = start + cost
         orders[rank].append(task)
-        next_unit[task.hop] += 1
-    if plan.output_rank != plan.embed_rank:  # linear: receive the final latents
-        last_step, last_patch, last_part = units[-1]
-        for patch in (None,) if last_patch is None else range(num_patches):
-            t = max(times[Task(last_step, patch, hops - 1, last_part)][1], free_at[plan.embed_rank])
-            times[Task(num_steps, patch, COLLECT)] = (t, t)
-            orders[plan.embed_rank].append(Task(num_steps, patch, COLLECT))
     return orders, times
 
 
@@ -313,7 +395,7 @@ def build_schedule(
     if patch_tokens is not None and (len(patch_tokens) != num_patches or min(patch_tokens) < 1):
         raise ValueError(f"need one positive token count per patch (got {patch_tokens} for {num_patches} patches)")
     tokens = (1,) * num_patches if patch_tokens is None else tuple(patch_tokens)
-    orders, times = _simulate(plan, num_steps, warmup_steps, num_patches, batch_parts, tokens)
+    orders, times = _simulate(plan, [StreamShape(num_steps, warmup_steps, batch_parts, tokens)])
     return Schedule(
         plan,
         num_steps,
@@ -327,7 +409,27 @@ def build_schedule(
     )
 
 
-def protocol(schedule: Schedule, rank: int, lookahead: int) -> list[tuple[Action, Task]]:
+class TaskGraph(Protocol):
+    """What ``protocol`` and ``check_protocol`` read: a ``Schedule``, or a stream of requests'
+    (``xfuse.parallel.request_stream.RequestStream``)."""
+
+    @property
+    def plan(self) -> StagePlan: ...
+
+    @property
+    def orders(self) -> dict[int, tuple[Task, ...]]: ...
+
+    @property
+    def times(self) -> dict[Task, tuple[float, float]]: ...
+
+    def recvs(self, task: Task) -> list[Message]: ...
+
+    def sends(self, task: Task) -> list[Message]: ...
+
+    def recv_post_times(self, lookahead: int) -> dict[Message, float]: ...
+
+
+def protocol(schedule: TaskGraph, rank: int, lookahead: int) -> list[tuple[Action, Task]]:
     """The communication protocol of ``rank`` as the engine runs it: a list of (action, task) pairs.
 
     Actions: ``post`` (the task's receives), ``wait_recv``, ``compute``, ``send`` (the task's sends, issued with the
@@ -394,7 +496,7 @@ class ScheduleDeadlock(RuntimeError):
     pass
 
 
-def check_protocol(schedule: Schedule, lookahead: int, *, decider: int | None = None, stop_at: int | None = None):
+def check_protocol(schedule: TaskGraph, lookahead: int, *, decider: int | None = None, stop_at: int | None = None):
     """Run every rank's ``protocol`` against each other with rendezvous semantics (a send completes only once its
     receive is posted, as on gloo and for large NCCL messages); raise ``ScheduleDeadlock`` naming what each
     blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match.
@@ -403,7 +505,9 @@ def check_protocol(schedule: Schedule, lookahead: int, *, decider: int | None = 
     its ``decision_points`` for that step; with ``stop_at`` S, the decider stops the request before step S there,
     and every rank then runs only what a stopped request runs (``stop_points``)."""
     ranks = sorted(schedule.orders)
-    limit = schedule.num_steps + 1 if stop_at is None else stop_at  # tasks of steps >= limit do not run
+    if decider is not None or stop_at is not None:
+        assert isinstance(schedule, Schedule), "a request stops alone: check one request's schedule"
+    limit = math.inf if stop_at is None else stop_at  # tasks of steps >= limit do not run
 
     def sends(task: Task) -> list[Message]:
         return [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
@@ -426,6 +530,7 @@ def check_protocol(schedule: Schedule, lookahead: int, *, decider: int | None = 
     programs = {r: protocol(schedule, r, lookahead) for r in ranks}
     gates: dict[int, dict[int, int]] = {r: {} for r in ranks}  # rank -> {its stop point: decider's index to await}
     if decider is not None:
+        assert isinstance(schedule, Schedule)
         decided = decision_points(schedule, programs[decider])
         for rank in ranks:
             if rank != decider:
