@@ -2,19 +2,21 @@
 
     python benchmarks/bench_batching.py [--sizes 128,256,512] [--clients 1,2,4,8] [--rounds 3] [--out ...]
 
-For each size: ``xfuse serve`` (the tiny preset, degree 2, 2 patches, one warm-up step, 8 steps) started once with
-``serve.max_batch=1`` and once with 4 (``serve.batch_max_pixels`` above every size, so batching is never refused by
-size). For each number of concurrent clients, each round posts 8 requests (distinct seeds): each client posts its
-share one after another, as a closed-loop load of that concurrency. The round's wall time gives the throughput
-(images per minute); per-request client latency gives p50 and p95. Median and min–max over the rounds; the last
-column is batched over one at a time. The crossover, the largest size where batching still raises throughput, is
-what ``serve.batch_max_pixels`` is set from. JSON + Markdown (``batching.{json,md}``).
+For each size: ``xfuse serve`` (the tiny preset, degree 2, 2 patches, one warm-up step, 8 steps) started with
+``serve.max_batch=1`` and with 4, side by side (``serve.batch_max_pixels`` above every size, so batching is never
+refused by size). For each number of concurrent clients, each round posts ``--per-round`` requests (distinct seeds)
+to one world and then the other (the order alternating by round, so the machine's drift falls on both): each client
+posts its share one after another, a closed-loop load of that concurrency. The round's wall time gives the
+throughput (images per minute); per-request client latency gives p50 and p95. Median and min–max over the rounds;
+the last column is batched over one at a time. The crossover, the largest size where batching still raises
+throughput, is what ``serve.batch_max_pixels`` is set from. JSON + Markdown (``batching.{json,md}``).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import platform
@@ -40,42 +42,59 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(size: int, max_batch: int, client_counts: list[int], rounds: int, steps: int, per_round: int) -> dict:
-    settings = (f"serve.max_batch={max_batch}", f"serve.batch_max_pixels={4096 * 4096}", "serve.max_queue=64",
-                "serve.max_queued_work=1000", "serve.max_side=1024")  # fmt: skip
-    body = {"prompt": "a lighthouse at dusk", "size": f"{size}x{size}", "num_inference_steps": steps}
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp, ServedWorld(Path(tmp), settings=settings) as world:
+SETTINGS = (
+    "serve.batch_max_pixels=16777216",
+    "serve.max_queue=64",
+    "serve.max_queued_work=1000",
+    "serve.max_side=1024",
+)
+MAX_BATCH = {"one_at_a_time": 1, "batched_4": 4}
 
-        def one(seed: int) -> tuple[float, int]:
+
+def measure(size: int, client_counts: list[int], rounds: int, steps: int, per_round: int) -> dict:
+    """Both worlds (``serve.max_batch`` 1 and 4) started side by side; each round runs on one and then the other,
+    the order alternating, so drift of the machine falls on both alike (the idle world only answers heartbeats)."""
+    body = {"prompt": "a lighthouse at dusk", "size": f"{size}x{size}", "num_inference_steps": steps}
+    rows: dict = {label: {} for label in MAX_BATCH}
+    with contextlib.ExitStack() as stack:
+        worlds = {}
+        for label, max_batch in MAX_BATCH.items():
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            worlds[label] = stack.enter_context(ServedWorld(tmp, settings=(f"serve.max_batch={max_batch}", *SETTINGS)))
+
+        def one(url: str, seed: int) -> tuple[float, int]:
             start = time.perf_counter()
-            response = httpx.post(f"{world.url}/v1/images/generations", json={**body, "seed": seed}, timeout=600)
+            response = httpx.post(f"{url}/v1/images/generations", json={**body, "seed": seed}, timeout=600)
             response.raise_for_status()
             return time.perf_counter() - start, response.json()["batch"]
 
-        one(0)  # the first call warms up
+        for world in worlds.values():
+            one(world.url, 0)  # the first call warms up
         seed = 1
         for clients in client_counts:
-
-            def client(seeds: range) -> list[tuple[float, int]]:
-                return [one(s) for s in seeds]  # one request after another: a closed loop
-
-            per_minute, latencies, batches = [], [], []
+            runs = {label: {"per_minute": [], "latencies": [], "batches": []} for label in MAX_BATCH}
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                for _ in range(rounds):
+                for r in range(rounds):
                     shares = [range(seed + c, seed + per_round, clients) for c in range(clients)]
                     seed += per_round
-                    start = time.perf_counter()
-                    answers = [a for share in pool.map(client, shares) for a in share]
-                    per_minute.append(60 * per_round / (time.perf_counter() - start))
-                    latencies += [latency for latency, _ in answers]
-                    batches += [batch for _, batch in answers]
-            rows[str(clients)] = {
-                "images_per_minute": _spread(per_minute),
-                "p50_s": _percentile(latencies, 0.5),
-                "p95_s": _percentile(latencies, 0.95),
-                "mean_batch": statistics.mean(batches),
-            }
+                    for label in list(MAX_BATCH)[:: 1 if r % 2 == 0 else -1]:
+                        url = worlds[label].url
+
+                        def client(seeds: range, url: str = url) -> list[tuple[float, int]]:
+                            return [one(url, s) for s in seeds]  # one request after another: a closed loop
+
+                        start = time.perf_counter()
+                        answers = [a for share in pool.map(client, shares) for a in share]
+                        runs[label]["per_minute"].append(60 * per_round / (time.perf_counter() - start))
+                        runs[label]["latencies"] += [latency for latency, _ in answers]
+                        runs[label]["batches"] += [batch for _, batch in answers]
+            for label, run in runs.items():
+                rows[label][str(clients)] = {
+                    "images_per_minute": _spread(run["per_minute"]),
+                    "p50_s": _percentile(run["latencies"], 0.5),
+                    "p95_s": _percentile(run["latencies"], 0.95),
+                    "mean_batch": statistics.mean(run["batches"]),
+                }
     return rows
 
 
@@ -83,18 +102,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="128,256,512")
     parser.add_argument("--clients", default="1,2,4,8")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--per-round", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--per-round", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
     rows: dict = {}
     for size in map(int, args.sizes.split(",")):
-        alone = measure(size, 1, client_counts, args.rounds, args.steps, args.per_round)
-        batched = measure(size, 4, client_counts, args.rounds, args.steps, args.per_round)
+        measured = measure(size, client_counts, args.rounds, args.steps, args.per_round)
         for clients in map(str, client_counts):
-            a, b = alone[clients], batched[clients]
+            a, b = measured["one_at_a_time"][clients], measured["batched_4"][clients]
             gain = b["images_per_minute"]["median"] / a["images_per_minute"]["median"]
             rows.setdefault(str(size), {})[clients] = {"one_at_a_time": a, "batched_4": b, "gain": gain}
             print(size, clients, json.dumps(rows[str(size)][clients]), flush=True)

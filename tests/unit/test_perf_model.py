@@ -357,3 +357,22 @@ def test_overlapping_requests_could_recover_the_idle_ranks_and_more_of_them_at_h
         assert p.overlap_gain == pytest.approx(p.loop / (p.loop - p.waiting))
         gains.append(p.overlap_gain)
     assert gains[0] == 1.0 and 1.0 < gains[1] < gains[2] < gains[3] < 1.5, gains
+
+
+@pytest.mark.parametrize("device,link", [("l40", "pcie"), ("h100", "nvlink")])
+def test_streamed_requests_recover_idle_ranks_within_the_bound_and_more_at_higher_degrees(device, link):
+    """``predict_stream``: four FLUX.1-dev requests (1024 px, 20 steps, one warm-up step, M = N) streamed through the
+    pipeline (``xfuse.parallel.request_stream``), replayed with the model's durations, against one at a time: a gain
+    at every degree that grows with it, and never above ``Prediction.overlap_gain``'s bound (the busiest stage's own
+    work). Degree 1 has nothing to recover."""
+    from xfuse.perf.model import predict, predict_stream
+
+    gains = []
+    for n in (1, 2, 4, 8):
+        config = _config("flux-dev", 1024, 20, pipefusion_degree=n, warmup_steps=1, num_patches=n if n > 1 else None)
+        where = machine(device, link, n)
+        gain = predict_stream(workload(config), config.parallel, where, FITTED, requests=4)
+        bound = predict(workload(config), config.parallel, where, FITTED).overlap_gain
+        assert gain <= bound * (1 + 1e-9), (n, gain, bound)
+        gains.append(gain)
+    assert gains[0] == pytest.approx(1.0) and 1.0 < gains[1] < gains[2] < gains[3], gains
