@@ -61,6 +61,9 @@ def test_beats_and_bounded_waits_keep_it_quiet():
         time.sleep(0.6)
         waits["now"] = False
         watch.beat("the task after the wait")
+        with watch.in_wait():  # a wait bounded elsewhere (rank 0's stop decision, by comm.timeout_s): not aged
+            time.sleep(0.6)
+        watch.beat("the task after the decision")
     time.sleep(0.6)  # after the request: a served rank idles between requests, unaged
     assert stuck.errors == []
     watch.stop()

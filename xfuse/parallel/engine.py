@@ -135,7 +135,8 @@ class PipeFusionEngine:
             self.stopped_at = None
             if cancellation is not None:
                 cancellation.begin_run()
-                run.stops = _Stops(cancellation, *stops)
+                reads, decides = stops
+                run.stops = _Stops(cancellation, reads, decides, self.host_deadline)
             aged = contextlib.nullcontext() if self.host_deadline is None else self.host_deadline.request(run.describe)
             try:
                 with aged:
@@ -434,8 +435,9 @@ class _Stops:
     step (``reads``; ``xfuse.parallel.schedule.stop_points``), where the decider decides (``decides``), and the step
     the request stopped before (``stopped``)."""
 
-    def __init__(self, cancellation: Cancellation, reads: dict, decides: dict):
+    def __init__(self, cancellation: Cancellation, reads: dict, decides: dict, deadline: HostDeadline | None = None):
         self.cancellation = cancellation
+        self.deadline = deadline  # a wait for the decider is bounded by comm.timeout_s: not the host's stall
         self.reads = reads
         self.decides = decides if cancellation.is_decider else {}
         self.decided: int | None = None  # the decider's: the step it decided to stop before
@@ -457,8 +459,12 @@ class _Stops:
                     self.decided = stop  # nothing further is decided
                     break
         for stop in self.reads.get(index, ()):
-            decider = self.cancellation.is_decider
-            if (self.decided == stop) if decider else self.cancellation.read(stop):
+            if self.cancellation.is_decider:
+                stopping = self.decided == stop
+            else:
+                with contextlib.nullcontext() if self.deadline is None else self.deadline.in_wait():
+                    stopping = self.cancellation.read(stop)
+            if stopping:
                 self.stopped = stop
                 return
 

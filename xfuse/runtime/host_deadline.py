@@ -82,6 +82,7 @@ class HostDeadline:
         self._describe: Callable[[object], str] = str
         self._armed_at = 0.0  # when faulthandler's timer was last set
         self._active = False
+        self._in_wait = False  # inside another bounded wait of the loop (``in_wait``)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,6 +124,16 @@ class HostDeadline:
                 if self._active:
                     self._arm(time.monotonic())
 
+    @contextlib.contextmanager
+    def in_wait(self):
+        """A wait of the loop's own that is bounded elsewhere (a stop decision from rank 0, bounded by
+        ``comm.timeout_s`` and named by it): not aged, like a wait for a message."""
+        self._in_wait = True
+        try:
+            yield
+        finally:
+            self._in_wait = False
+
     def beat(self, place: object) -> None:
         """The host finished ``place`` (a task of the loop): start aging again."""
         with self._lock:
@@ -142,7 +153,7 @@ class HostDeadline:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            waiting = self.waiting()  # outside the lock: it asks the channels
+            waiting = self.waiting() or self._in_wait  # outside the lock: it asks the channels
             now = time.monotonic()
             with self._lock:
                 if not self._active:
