@@ -8,13 +8,14 @@ the answer for step S at its own stop point for S, where it normally finds it al
 before S then runs, on every rank, the tasks of the steps before S and nothing else, sends only what those need,
 and returns no latents; the pipeline raises ``RequestCancelled`` on every rank (``XfusePipeline._run``).
 
-Keys: ``xfuse/stop/<call>/<run>/<step>`` (``run``: a two-expert call runs the engine twice). The decider deletes a
-call's keys in the next call, after that call's first collective, when every rank has read them: a service that
-runs for weeks keeps at most one call's keys.
+Keys: ``xfuse/stop/<cancellation>/<call>/<run>/<step>`` (``run``: a two-expert call runs the engine twice). The
+decider deletes a call's keys in the next call, after that call's first collective, when every rank has read them:
+a service that runs for weeks keeps at most one call's keys.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -22,6 +23,9 @@ from xfuse.comm.errors import CommTimeout
 
 STOP_KEY = "xfuse/stop"
 DECIDER = 0  # the global rank that decides
+# Each Cancellation's keys have their own prefix: every rank makes its pipelines' cancellations in the same order, so
+# the n-th of rank 0 and the n-th of rank 1 share one, and two pipelines in one world never read each other's.
+_MADE = itertools.count()
 
 
 class Cancellation:
@@ -31,14 +35,16 @@ class Cancellation:
         rank, world_size: this rank's place in the world.
         store: the world's c10d store (``None`` for a world of one rank, which decides alone).
         timeout_s: how long a rank waits for the decider's answer (``comm.timeout_s``).
+        space: the keys' namespace, the same on every rank (default: the n-th cancellation made in this process).
     """
 
-    def __init__(self, *, rank: int, world_size: int, store, timeout_s: float):
+    def __init__(self, *, rank: int, world_size: int, store, timeout_s: float, space: str | None = None):
         if world_size > 1 and store is None:
             raise ValueError("cancellation in a world of more than one rank needs the world's store")
         self.rank, self.world_size, self.store, self.timeout_s = rank, world_size, store, timeout_s
         self.condition: Callable[[], bool] | None = None  # the decider's: True once the request should stop
         self._call, self._run = 0, 0
+        self._prefix = f"{STOP_KEY}/{next(_MADE) if space is None else space}"
         self._written: list[str] = []  # the keys the decider wrote and has not deleted yet
         self._stale: list[str] = []  # the previous call's keys: read by every rank once this call began
 
@@ -56,7 +62,7 @@ class Cancellation:
         self._run += 1
 
     def _key(self, stop: int) -> str:
-        return f"{STOP_KEY}/{self._call}/{self._run}/{stop}"
+        return f"{self._prefix}/{self._call}/{self._run}/{stop}"
 
     def decide(self, stop: int) -> bool:
         """The decider: whether the request stops before step ``stop`` (its ``condition``), published for the
