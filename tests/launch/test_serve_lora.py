@@ -3,9 +3,12 @@ the tiny SD3, real HTTP on loopback, the ``openai`` client (requests pick adapte
 --lora``; every image equals diffusers' own pipeline called with the same adapters (exact mode: warm-up = all
 steps)."""
 
+import concurrent.futures
 import os
 import signal
+import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -34,7 +37,7 @@ def adapters(tmp_path_factory):
 def world(tmp_path_factory, adapters):
     listed = ", ".join(f"{name}: {path}" for name, path in adapters.items())
     settings = (f"model={PRESET}", "parallel.warmup_steps=4", "generation.width=96", "generation.height=128",
-                f"serve.lora_adapters={{{listed}}}", "comm.timeout_s=30")  # fmt: skip
+                f"serve.lora_adapters={{{listed}}}", "comm.timeout_s=30", "serve.max_batch=4")  # fmt: skip
     served = ServedWorld(tmp_path_factory.mktemp("serve"), settings=settings)
     yield served
     served.close()
@@ -82,6 +85,32 @@ def test_twenty_requests_alternating_adapters_equal_direct_calls_with_memory_fla
     # Same prompt and seed under each mix: the adapters are what differ.
     base = direct(pipe, None, 0).astype(int)
     assert all(np.abs(direct(pipe, mix, 0).astype(int) - base).max() > 2 for mix in ("a", "b", {"a": 0.7, "b": 0.4}))
+
+
+def test_batches_never_mix_adapters_and_each_image_is_its_own_adapters(world, adapters):
+    """``serve.max_batch: 4``: two requests with adapter a and two with b queue together behind a running one; each
+    pair runs as one pipeline call (``batch`` 2: requests of different adapters never share one) and each image is
+    diffusers' with its request's adapter and seed (within one 8-bit level, exact mode)."""
+    pipe = load_pipeline(PRESET)
+    pipe.set_progress_bar_config(disable=True)
+    for name, path in adapters.items():
+        pipe.load_lora_weights(path, adapter_name=name)
+    url = f"{world.url}/v1/images/generations"
+    blocker = {"prompt": "busy", "size": "512x512", "num_inference_steps": 30, "seed": 0}
+    bodies = {seed: {"prompt": f"a cat {seed}", "size": "96x128", "seed": seed, "num_inference_steps": STEPS,
+                     "guidance_scale": GUIDANCE, "lora": mix} for seed, mix in ((31, "a"), (32, "b"), (33, "a"),
+                                                                                (34, "b"))}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        running = pool.submit(httpx.post, url, json=blocker, timeout=120)
+        time.sleep(0.5)
+        assert not running.done()
+        posted = pool.map(lambda body: httpx.post(url, json=body, timeout=120), bodies.values())
+        replies = dict(zip(bodies, posted, strict=True))
+        assert running.result().status_code == 200
+    for seed, reply in replies.items():
+        assert reply.status_code == 200 and reply.json()["batch"] == 2, (seed, reply.text[:300])
+        got = np.asarray(decode_png(reply.json()["data"][0]["b64_json"])).astype(int)
+        assert np.abs(got - direct(pipe, bodies[seed]["lora"], seed).astype(int)).max() <= 1, seed
 
 
 def test_models_lists_the_adapters_and_unknown_ones_are_refused(world):
