@@ -212,10 +212,9 @@ class _Run:
         hidden_dtype = self.request.hidden_dtype or latent_dtype
         sends: list[Send] = []
         send_owner: list[Task] = []
-        stopped = None if self.stops is None else self.stops.stopped
         for task in send_tasks:
             for m, tensor in self.outgoing.pop(task, {}).items():
-                if stopped is not None and m.needed_at >= stopped:
+                if self.stops is not None and not self.stops.reaches(m.needed_at):
                     continue  # a stopped request runs no task of that step: nobody receives it
                 sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch, m.part))
                 send_owner.append(task)
@@ -251,16 +250,18 @@ class _Run:
         prepare: int | None = None  # the pipelined step whose per-step work is due once the sends are posted
         deadline = self.engine.host_deadline
         stops = self.stops
+
+        def runs(index: int) -> bool:  # with cancellation: the turn at ``index`` taken, whether its action runs
+            return stops is None or stops.runs(index, program[index][1])
+
         i = 0
         while i < len(program):
-            if stops is not None:
-                stops.turn(i)
-                if stops.skips(program[i][1]):  # a stopped request: no task of this step or a later one runs
-                    i += 1
-                    continue
+            if not runs(i):  # a stopped request: no task of the step it stopped before, or a later one, runs
+                i += 1
+                continue
             action, task = program[i]
             if prepare is not None and action not in (Action.SEND, Action.POST):
-                if stops is None or stops.stopped is None or prepare < stops.stopped:
+                if stops is None or stops.reaches(prepare):
                     with self.span(f"s{prepare} prepare", COMPUTE, step=prepare, prepare=True):
                         self.stage.prepare_step(self._cond(prepare))
                 prepare = None
@@ -271,11 +272,9 @@ class _Run:
                     if stops is not None and stops.may_wait(i):  # what is collected goes before a wait
                         self._exchange(send_tasks, post_tasks)
                         send_tasks, post_tasks = [], []
-                    if stops is not None:
-                        stops.turn(i)
-                        if stops.skips(program[i][1]):
-                            i += 1
-                            continue
+                    if not runs(i):
+                        i += 1
+                        continue
                     (send_tasks if program[i][0] == Action.SEND else post_tasks).append(program[i][1])
                     i += 1
                 self._exchange(send_tasks, post_tasks)
@@ -468,5 +467,11 @@ class _Stops:
                 self.stopped = stop
                 return
 
-    def skips(self, task: Task) -> bool:
-        return self.stopped is not None and task.step >= self.stopped
+    def runs(self, index: int, task: Task) -> bool:
+        """Take the turn at program ``index`` (once); whether its action, on ``task``, runs."""
+        self.turn(index)
+        return self.reaches(task.step)
+
+    def reaches(self, step: int) -> bool:
+        """Whether the request runs ``step`` (all of them, unless it stopped before this one or an earlier one)."""
+        return self.stopped is None or step < self.stopped
