@@ -34,7 +34,14 @@ import pytest
 
 from tests.support.lora_fns import save_lora
 from tests.support.oracle_inputs import oracle_latents
-from tests.support.pipeline_fns import check_against_diffusers, load_error, reference_runner, run_calls
+from tests.support.pipeline_fns import (
+    check_against_diffusers,
+    entered_in_flight,
+    load_error,
+    reference_runner,
+    run_calls,
+    run_streamed_and_alone,
+)
 from tests.support.world import World
 from xfuse.families.registry import FAMILIES, transformer_config
 from xfuse.parallel.vae_decode import BAND_DECODED_VAES
@@ -193,3 +200,24 @@ def test_the_parallel_vae_decode(worlds, saved, spec):
     results = worlds(2).run_ok(run_calls, folder, parallel, [call], family=spec.name, timeout=600)
     check_against_diffusers(results, {"base": {}}, reference, call, output_class=output, callback_steps=())
     assert results[0][0]["decode_ranks"] == 2
+
+
+@pytest.mark.parametrize("warmup_steps", [1, 0])
+@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
+def test_each_call_of_a_stream_is_bitwise_the_call_alone(worlds, saved, spec, warmup_steps):
+    """Two calls of different seeds, prompts and step counts as one stream (``run_stream``) at pp2, pipelined
+    (without warm-up the first step's patches attend to what their call wrote so far, and an MMDiT's text K/V come
+    from the step's first patch): each image is the call's alone, bit for bit, and the second call's tasks ran
+    before the first's last."""
+    folder, _, _ = saved(spec)
+    call = base_call(spec)
+    calls = [dict(call, seed=1), dict(call, seed=2, prompt="a lighthouse at dusk", num_inference_steps=STEPS - 1)]
+    parallel = {"pipefusion_degree": 2, "num_patches": 3, "warmup_steps": warmup_steps}
+    results = worlds(2).run_ok(run_streamed_and_alone, folder, parallel, calls, family=spec.name, timeout=600)
+    rank0 = results[0]
+    for index in range(len(calls)):
+        assert np.array_equal(rank0["streamed"][index], rank0["alone"][index]), index
+        assert np.array_equal(rank0["again"][index], rank0["alone"][index]), index
+    assert not np.array_equal(rank0["alone"][0], rank0["alone"][1])
+    assert all(sorted({task[0] for task in r["tasks"]}) == [0, 1] for r in results)
+    assert entered_in_flight(results, 1)  # the second call's first task ran before the first call's last ended

@@ -122,6 +122,13 @@ def generators(call):
     return torch.Generator().manual_seed(seed)
 
 
+def with_generator(call):
+    """``call`` with its ``seed`` (or ``seeds``) made into its ``generator`` (``generators``)."""
+    call = dict(call)
+    generator = generators(call)  # (pops the seed)
+    return dict(call, generator=generator)
+
+
 def reference_runner(pipe):
     """``run(call) -> (images, callback log)`` of a diffusers pipeline on a call dict (``seed``/``seeds`` become
     generators); ``run.pipe`` is the pipeline."""
@@ -214,3 +221,53 @@ def run_with_a_cancel(folder, parallel, call, stop_before, family="hunyuandit", 
     again = whole(repeat_call or call)
     return dict(rank=dist.get_rank() if dist.is_initialized() else 0, whole=first, again=again, cancelled=cancelled,
                 computed_steps=computed, asks=len(asks))  # fmt: skip
+
+
+def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit"):
+    """Every rank: ``calls`` run one at a time, then as one stream (``run_stream``), then alone again. Returns
+    rank 0's images of each (``None`` elsewhere) and, from this rank's trace of the stream, every task it computed
+    as (request, start, end) in wall-clock microseconds (ranks on one machine line up)."""
+    import torch.distributed as dist
+
+    from xfuse.families.registry import MODEL_SPECS
+    from xfuse.parallel.trace import COMPUTE
+
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    pipe.set_progress_bar_config(disable=True)
+
+    def images(outputs):
+        return [None if out is None else as_array(out) for out in outputs]
+
+    alone = images([pipe(**with_generator(call)) for call in calls])
+    pipe.enable_trace()
+    streamed = images(pipe.run_stream([with_generator(call) for call in calls]))
+    tasks = [(e["args"]["request"], e["ts"], e["ts"] + e["dur"]) for e in pipe.trace_events()
+             if e["tid"] == COMPUTE and "request" in e["args"]]  # fmt: skip
+    pipe.enable_trace(False)
+    again = images([pipe(**with_generator(call)) for call in calls])
+    return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again, tasks=tasks)
+
+
+def entered_in_flight(results, call: int) -> bool:
+    """Whether, over every rank's trace of a stream (``run_streamed_and_alone``), call ``call``'s first task started
+    before the last task of an earlier call ended: it entered the pipeline while an earlier one was still in it
+    (one call at a time, it would start after that call is decoded)."""
+    tasks = [task for r in results for task in r["tasks"]]
+    last_end = max(end for request, _, end in tasks if request < call)
+    return min(start for request, start, _ in tasks if request == call) < last_end
+
+
+def stream_refusal(folder, parallel, calls, cache=None, family="hunyuandit"):
+    """Every rank: the error ``run_stream(calls)`` raises on this layout, then whether a call alone still runs."""
+    from xfuse.families.registry import MODEL_SPECS
+
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60},
+                                                                cache=cache)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    try:
+        pipe.run_stream([with_generator(call) for call in calls])
+        error = None
+    except ValueError as err:
+        error = str(err)
+    out = pipe(**with_generator(calls[0]))
+    return dict(error=error, after=None if out is None else as_array(out).shape)

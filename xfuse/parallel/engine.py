@@ -27,11 +27,14 @@ from xfuse.parallel.control_routing import ControlRouting
 from xfuse.parallel.patch_grid import PatchGrid
 from xfuse.parallel.rank_latents import RankLatents
 from xfuse.parallel.request import DenoiseRequest
+from xfuse.parallel.request_state import RequestStates
+from xfuse.parallel.request_stream import RequestStream, build_stream
 from xfuse.parallel.schedule import (
     COLLECT,
     Action,
     Message,
     Schedule,
+    StreamShape,
     Task,
     batch_parts,
     build_schedule,
@@ -86,25 +89,44 @@ class PipeFusionEngine:
         self.stopped_at: int | None = None
         self.host_deadline = host_deadline  # ages the host between tasks (comm.host_timeout_s)
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
-        self._schedules: OrderedDict[tuple, tuple[Schedule, list, dict, tuple]] = OrderedDict()
+        self._schedules: OrderedDict[tuple, tuple[Schedule | RequestStream, list, dict, tuple]] = OrderedDict()
+        self._states: RequestStates | None = None  # with streams: each request in flight's stage state
 
-    def _program(self, num_steps: int, grid: PatchGrid, parts: int, control_ranks: tuple[int, ...] = ()):
-        flags = self.cache is not None
-        steps = (num_steps, min(self.warmup_steps, num_steps))
-        key = (*steps, grid.num_patches, parts, grid.cost_tokens, flags, control_ranks)
+    def _cached(self, key: tuple, build):
+        """The program of ``key`` (a request's or a stream's shape): built once by ``build()``, the most recent
+        ``MAX_CACHED_PROGRAMS`` kept."""
         if key in self._schedules:
             self._schedules.move_to_end(key)
         else:  # pure and cached: computed once per request shape
             while len(self._schedules) >= MAX_CACHED_PROGRAMS:
                 self._schedules.popitem(last=False)
+            self._schedules[key] = build()
+        return self._schedules[key]
+
+    def _program(self, num_steps: int, grid: PatchGrid, parts: int, control_ranks: tuple[int, ...] = ()):
+        flags = self.cache is not None
+        steps = (num_steps, min(self.warmup_steps, num_steps))
+        key = (*steps, grid.num_patches, parts, grid.cost_tokens, flags, control_ranks)
+
+        def build():
             schedule = build_schedule(self.plan, *key)
-            # Each task's message lists, computed once per request shape instead of on every use in the loop.
-            messages = {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}
             program = protocol(schedule, self.pipe_rank, self.lookahead)
             # program index -> the steps whose stop is read (any rank) or decided (the decider) there
             stops = _by_index(stop_points(schedule, program)), _by_index(decision_points(schedule, program))
-            self._schedules[key] = (schedule, program, messages, stops)
-        return self._schedules[key]
+            return schedule, program, self._messages(schedule), stops
+
+        return self._cached(key, build)
+
+    def _messages(self, schedule: Schedule | RequestStream) -> dict:
+        """Each task's message lists (receives, sends), computed once per request shape, not on every use."""
+        return {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}
+
+    def _stream_program(self, shapes: tuple[StreamShape, ...]):
+        def build():
+            stream = build_stream(self.plan, list(shapes))
+            return stream, protocol(stream, self.pipe_rank, self.lookahead), self._messages(stream), ()
+
+        return self._cached(("stream", shapes), build)
 
     @torch.no_grad()
     def denoise(
@@ -131,20 +153,75 @@ class PipeFusionEngine:
                 raise ValueError("step caching with ControlNet residuals is not supported")
             control_ranks = () if request.control is None else request.control.ranks(self.plan)
             schedule, program, messages, stops = self._program(len(request.timesteps), grid, parts, control_ranks)
+            if self._states is not None:
+                self._states.use(0)  # a request alone runs in the stage's own state
             run = _Run(self, request, grid, schedule, messages, tracer)
             self.stopped_at = None
+            executor = _Executor(self, [run], program)
             if cancellation is not None:
                 cancellation.begin_run()
                 reads, decides = stops
-                run.stops = _Stops(cancellation, reads, decides, self.host_deadline)
+                executor.stops = _Stops(cancellation, reads, decides, self.host_deadline)
             aged = contextlib.nullcontext() if self.host_deadline is None else self.host_deadline.request(run.describe)
             try:
                 with aged:
-                    return run.execute(program)
+                    executor.execute()
             finally:
-                self.stopped_at = None if run.stops is None else run.stops.stopped
+                self.stopped_at = None if executor.stops is None else executor.stops.stopped
                 decisions = {} if run.cache is None else run.cache.decisions
                 self.cache_decisions = [decisions.get(step, True) for step in range(len(request.timesteps))]
+            # a stopped request's state (this run) is dropped with it; the buffers stay for the next request
+            return None if self.stopped_at is not None else run.latents.finish()
+
+    @torch.no_grad()
+    def denoise_stream(
+        self, requests: list[DenoiseRequest], grids: list[PatchGrid], tracer: Tracer | None = None
+    ) -> list[torch.Tensor | None]:
+        """Denoise ``requests`` (on ``grids``, in arrival order) as one stream through the pipeline
+        (``xfuse.parallel.request_stream``): a request's tasks enter the route while the one before it fills,
+        drains, or runs its whole-image steps. Each request keeps its own latents, scheduler, generator and stage
+        state (``xfuse.parallel.request_state``), so each result is the request's alone, bit for bit. Returns each
+        request's final latents on the embedding rank (0), ``None`` elsewhere.
+
+        Every rank of the pipeline calls it with the same requests' shapes. Not with step caching or a ControlNet
+        (each request's decisions and residuals would cross the others'), and not with cancellation.
+        """
+        if not requests or len(requests) != len(grids):
+            raise ValueError(f"a stream needs one grid per request (got {len(requests)} requests, {len(grids)} grids)")
+        if len(requests) == 1:
+            return [self.denoise(requests[0], grids[0], tracer)]
+        if self.cache is not None:
+            raise ValueError("a stream of several requests does not run with step caching (cache.method: off)")
+        if any(request.control is not None for request in requests):
+            raise ValueError("a stream of several requests does not run with ControlNet residuals")
+        if self._states is None:
+            self._states = RequestStates(self.stage.request_state_holders())
+        shapes = tuple(
+            StreamShape(
+                len(request.timesteps),
+                min(self.warmup_steps, len(request.timesteps)),
+                batch_parts(request.model_batch, self.plan.degree),
+                grid.cost_tokens,
+            )  # fmt: skip
+            for request, grid in zip(requests, grids, strict=True)
+        )
+        span = tracer.span if tracer is not None else null_span
+        stream, program, messages, _ = self._stream_program(shapes)
+        with span("denoise", LOOP, requests=len(requests), steps=[shape.num_steps for shape in shapes]):
+            runs = []
+            try:
+                for index, (request, grid) in enumerate(zip(requests, grids, strict=True)):
+                    self._states.use(index)  # its ``begin_request`` starts its own state
+                    own = {task: lists for task, lists in messages.items() if task.request == index}
+                    runs.append(_Run(self, request, grid, stream.requests[index], own, tracer, in_stream=True))
+                deadline = self.host_deadline
+                aged = contextlib.nullcontext() if deadline is None else deadline.request(runs[0].describe)
+                with aged:
+                    _Executor(self, runs, program, self._states).execute()
+            finally:
+                self._states.use(0)
+            self.stopped_at, self.cache_decisions = None, []
+            return [run.latents.finish() for run in runs]
 
 
 class _Run:
@@ -158,8 +235,10 @@ class _Run:
         schedule: Schedule,
         messages: dict,
         tracer: Tracer | None = None,
+        in_stream: bool = False,
     ):
         self.engine, self.request, self.grid, self.schedule = engine, request, grid, schedule
+        self.in_stream = in_stream  # one of several requests in flight (its labels name it)
         self.recv_msgs = {t: r for t, (r, _) in messages.items()}  # task -> messages it receives, in order
         self.send_msgs = {t: s for t, (_, s) in messages.items()}  # task -> messages it sends, in order
         self.span = tracer.span if tracer is not None else null_span
@@ -173,7 +252,6 @@ class _Run:
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
-        self.stops: _Stops | None = None  # with cancellation: where this rank learns whether the request stops
         self.stage.begin_request(grid)
         control = request.control
         self.controls: ControlRouting | None = None  # with a ControlNet: this rank's share of its residuals
@@ -207,31 +285,14 @@ class _Run:
         return hidden
 
     # --- communication --------------------------------------------------------------------------------------
-    def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
-        group, latent_dtype = self.engine.group_ranks, self.request.latents.dtype
-        hidden_dtype = self.request.hidden_dtype or latent_dtype
-        sends: list[Send] = []
-        send_owner: list[Task] = []
-        for task in send_tasks:
-            for m, tensor in self.outgoing.pop(task, {}).items():
-                if self.stops is not None and not self.stops.reaches(m.needed_at):
-                    continue  # a stopped request runs no task of that step: nobody receives it
-                sends.append(Send(group[m.dst], m.channel, tensor, m.step, m.patch, m.part))
-                send_owner.append(task)
-        recvs: list[Recv] = []
-        posted: list[Message] = []
-        for task in post_tasks:
-            for m in self.recv_msgs[task]:
-                dtype = latent_dtype if m.kind == "latent" else hidden_dtype
-                recvs.append(Recv(group[m.src], m.channel, self._shape(m), dtype, m.step, m.patch, m.part))
-                posted.append(m)
-        if not sends and not recvs:
-            return
-        assert self.engine.channels is not None  # messages flow only between ranks, and then the engine has channels
-        send_handles, recv_handles = self.engine.channels.exchange(sends, recvs)
-        for task, handle in zip(send_owner, send_handles, strict=True):
-            self.sends.setdefault(task, []).append(handle)
-        self.recvs.update(zip(posted, recv_handles, strict=True))
+    def send(self, m: Message, tensor: torch.Tensor) -> Send:
+        return Send(self.engine.group_ranks[m.dst], m.channel, tensor, m.step, m.patch, m.part)
+
+    def recv(self, m: Message) -> Recv:
+        dtype = self.request.latents.dtype
+        if m.kind != "latent":
+            dtype = self.request.hidden_dtype or dtype
+        return Recv(self.engine.group_ranks[m.src], m.channel, self._shape(m), dtype, m.step, m.patch, m.part)
 
     def _received(self, task: Task) -> dict[Message, torch.Tensor]:
         received = {}
@@ -244,66 +305,10 @@ class _Run:
         for m in self.recv_msgs[task]:
             self.recvs.pop(m).release()
 
-    # --- the loop -------------------------------------------------------------------------------------------
-    def execute(self, program) -> torch.Tensor | None:
-        last_of_step = {t.step: t for t in self.schedule.orders[self.pipe_rank] if t.hop != COLLECT}
-        prepare: int | None = None  # the pipelined step whose per-step work is due once the sends are posted
-        deadline = self.engine.host_deadline
-        stops = self.stops
-
-        def runs(index: int) -> bool:  # with cancellation: the turn at ``index`` taken, whether its action runs
-            return stops is None or stops.runs(index, program[index][1])
-
-        i = 0
-        while i < len(program):
-            if not runs(i):  # a stopped request: no task of the step it stopped before, or a later one, runs
-                i += 1
-                continue
-            action, task = program[i]
-            if prepare is not None and action not in (Action.SEND, Action.POST):
-                if stops is None or stops.reaches(prepare):
-                    with self.span(f"s{prepare} prepare", COMPUTE, step=prepare, prepare=True):
-                        self.stage.prepare_step(self._cond(prepare))
-                prepare = None
-            if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call
-                send_tasks: list[Task] = []
-                post_tasks: list[Task] = []
-                while i < len(program) and program[i][0] in (Action.SEND, Action.POST):
-                    if stops is not None and stops.may_wait(i):  # what is collected goes before a wait
-                        self._exchange(send_tasks, post_tasks)
-                        send_tasks, post_tasks = [], []
-                    if not runs(i):
-                        i += 1
-                        continue
-                    (send_tasks if program[i][0] == Action.SEND else post_tasks).append(program[i][1])
-                    i += 1
-                self._exchange(send_tasks, post_tasks)
-                continue
-            if action == Action.WAIT_SEND and task in self.sends:
-                with self.span("send wait", COMM, step=task.step, patch=task.patch):
-                    for handle in self.sends.pop(task):
-                        handle.wait()
-                if deadline is not None:
-                    deadline.beat((Action.WAIT_SEND, task))
-            elif action == Action.COMPUTE:
-                self._compute(task, self._received(task))
-                self._release(task)
-                if deadline is not None:
-                    deadline.beat((Action.COMPUTE, task))
-                if last_of_step.get(task.step) == task:
-                    if self.request.on_progress is not None:
-                        self.request.on_progress(task.step)
-                    # the next step's first patch need not carry its per-step work: done here, after this task's
-                    # sends, while the other ranks compute (pipelined steps: patch passes on the whole batch)
-                    if self.cache is None and self.schedule.warmup_steps <= task.step + 1 < self.schedule.num_steps:
-                        prepare = task.step + 1
-            # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
-            i += 1
-        if stops is not None and stops.stopped is not None:
-            if self.recvs or self.sends:  # the stop points guarantee neither; a schedule bug if they remain
-                raise RuntimeError(f"a request stopped before step {stops.stopped} left messages in flight")
-            return None  # its state (this run) is dropped with it; the buffers stay for the next request
-        return self.latents.finish()
+    def compute(self, task: Task) -> None:
+        """Run ``task`` on the messages it received (waited for here, right before use), then release them."""
+        self._compute(task, self._received(task))
+        self._release(task)
 
     def describe(self, place) -> str:
         """A host deadline's place, (action, task), in words (formatted only when reported)."""
@@ -314,10 +319,11 @@ class _Run:
         where = "whole" if task.patch is None else f"p{task.patch}"
         if task.part is not None:
             where += f" b{task.part}"  # batch part
+        who = f"request {task.request} " if self.in_stream else ""
         if task.hop == COLLECT:
-            return f"s{task.step - 1} {where} collect"
+            return f"{who}s{task.step - 1} {where} collect"
         blocks = self.plan.route[task.hop].blocks
-        return f"s{task.step} {where} blocks {blocks[0]}-{blocks[-1]}"
+        return f"{who}s{task.step} {where} blocks {blocks[0]}-{blocks[-1]}"
 
     def _cond(self, step: int):
         if step not in self.conds:
@@ -354,7 +360,7 @@ class _Run:
             hidden = by_kind["hidden"][0][1]
             streams = {kind: by_kind[kind][0][1] for kind in plan.streams if kind in by_kind}
         else:
-            hidden, streams = self.local.pop(Task(step, patch, task.hop - 1, task.part))
+            hidden, streams = self.local.pop(Task(step, patch, task.hop - 1, task.part, task.request))
         # Whole-image K/V are read only by the first pipelined step: only the last warm-up step stores them (with
         # caching every computed one does, as the last may be skipped).
         keep_kv = band is not None or (
@@ -366,7 +372,8 @@ class _Run:
         control = self.request.control
         residuals: list[torch.Tensor] = []  # hop 0 with ControlNet: every residual of the control model's pass
         stepped: torch.Tensor | None = None  # the output rank's stepped rows, once a step's last part is in
-        with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop):
+        which = {"request": task.request} if self.in_stream else {}
+        with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop, **which):
             cond = self._cond(step)  # the step's conditioning (timestep embedding): model work, once per step
             part = None if task.part is None else self.latents.part(task.part)
             if part is not None:
@@ -419,6 +426,111 @@ class _Run:
             return self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
         controls = self.controls.take(key, segment.blocks)
         return self.stage.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, controls=controls)
+
+
+class _Executor:
+    """Runs a rank's ``program`` (``xfuse.parallel.schedule.protocol``) over the runs of the requests in it: one
+    request alone, or a stream of them (``Task.request`` indexes ``runs``; each task's work is its request's run,
+    in its request's stage state, switched by ``states``). A slot's sends and the receives posted after it go out
+    in one coalesced exchange, whichever requests they belong to, in the program's order: messages between two
+    ranks match in issue order."""
+
+    def __init__(self, engine: PipeFusionEngine, runs: list[_Run], program, states: RequestStates | None = None):
+        self.engine, self.runs, self.program, self.states = engine, runs, program, states
+        self.stops: _Stops | None = None  # with cancellation (a request alone): where this rank learns if it stops
+
+    def _use(self, request: int) -> None:
+        if self.states is not None:
+            self.states.use(request)
+
+    def execute(self) -> None:
+        program, stops, deadline = self.program, self.stops, self.engine.host_deadline
+        pipe_rank = self.engine.pipe_rank
+        last_of_step = [{t.step: t for t in run.schedule.orders[pipe_rank] if t.hop != COLLECT} for run in self.runs]
+        prepare: tuple[int, int] | None = None  # (request, pipelined step) whose per-step work is due after the sends
+
+        def runs(index: int) -> bool:  # with cancellation: the turn at ``index`` taken, whether its action runs
+            return stops is None or stops.runs(index, program[index][1])
+
+        i = 0
+        while i < len(program):
+            if not runs(i):  # a stopped request: no task of the step it stopped before, or a later one, runs
+                i += 1
+                continue
+            action, task = program[i]
+            if prepare is not None and action not in (Action.SEND, Action.POST):
+                request, step = prepare
+                if stops is None or stops.reaches(step):
+                    with self.runs[request].span(f"s{step} prepare", COMPUTE, step=step, prepare=True):
+                        self._use(request)
+                        self.engine.stage.prepare_step(self.runs[request]._cond(step))
+                prepare = None
+            if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call
+                send_tasks: list[Task] = []
+                post_tasks: list[Task] = []
+                while i < len(program) and program[i][0] in (Action.SEND, Action.POST):
+                    if stops is not None and stops.may_wait(i):  # what is collected goes before a wait
+                        self._exchange(send_tasks, post_tasks)
+                        send_tasks, post_tasks = [], []
+                    if not runs(i):
+                        i += 1
+                        continue
+                    (send_tasks if program[i][0] == Action.SEND else post_tasks).append(program[i][1])
+                    i += 1
+                self._exchange(send_tasks, post_tasks)
+                continue
+            run = self.runs[task.request]
+            if action == Action.WAIT_SEND and task in run.sends:
+                with run.span("send wait", COMM, step=task.step, patch=task.patch):
+                    for handle in run.sends.pop(task):
+                        handle.wait()
+                if deadline is not None:
+                    deadline.beat((Action.WAIT_SEND, task))
+            elif action == Action.COMPUTE:
+                self._use(task.request)
+                run.compute(task)
+                if deadline is not None:
+                    deadline.beat((Action.COMPUTE, task))
+                if last_of_step[task.request].get(task.step) == task:
+                    if run.request.on_progress is not None:
+                        run.request.on_progress(task.step)
+                    # the next step's first patch need not carry its per-step work: done here, after this task's
+                    # sends, while the other ranks compute (pipelined steps: patch passes on the whole batch)
+                    if run.cache is None and run.schedule.warmup_steps <= task.step + 1 < run.schedule.num_steps:
+                        prepare = (task.request, task.step + 1)
+            # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
+            i += 1
+        if stops is not None and stops.stopped is not None and any(run.recvs or run.sends for run in self.runs):
+            # the stop points guarantee neither; a schedule bug if they remain
+            raise RuntimeError(f"a request stopped before step {stops.stopped} left messages in flight")
+
+    def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
+        """Issue ``send_tasks``' outgoing messages and post ``post_tasks``' receives in one coalesced call."""
+        sends: list[Send] = []
+        send_owner: list[Task] = []
+        for task in send_tasks:
+            run = self.runs[task.request]
+            for m, tensor in run.outgoing.pop(task, {}).items():
+                if self.stops is not None and not self.stops.reaches(m.needed_at):
+                    continue  # a stopped request runs no task of that step: nobody receives it
+                sends.append(run.send(m, tensor))
+                send_owner.append(task)
+        recvs: list[Recv] = []
+        posted: list[Message] = []
+        for task in post_tasks:
+            self._use(task.request)  # a receive's shape is of its request's image
+            for m in self.runs[task.request].recv_msgs[task]:
+                recvs.append(self.runs[task.request].recv(m))
+                posted.append(m)
+        if not sends and not recvs:
+            return
+        channels = self.engine.channels
+        assert channels is not None  # messages flow only between ranks, and then the engine has channels
+        send_handles, recv_handles = channels.exchange(sends, recvs)
+        for task, sent in zip(send_owner, send_handles, strict=True):
+            self.runs[task.request].sends.setdefault(task, []).append(sent)
+        for m, received in zip(posted, recv_handles, strict=True):
+            self.runs[m.request].recvs[m] = received
 
 
 def _by_index(points: dict[int, int]) -> dict[int, tuple[int, ...]]:

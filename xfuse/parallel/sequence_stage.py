@@ -40,6 +40,12 @@ class SequenceParallelStage:
         self._num_tokens = grid.num_tokens
         self.inner.begin_request(grid)
 
+    def request_state_holders(self) -> tuple[object, ...]:
+        raise ValueError(
+            "a stream of several requests does not run under sequence parallelism (its exchanges are learnt per "
+            "request): run them one at a time, or with parallel.ulysses_degree and parallel.ring_degree 1"
+        )
+
     def begin_task(self, step: int, patch: int | None) -> None:
         self.sequence.begin_task(step, patch)
         self.inner.begin_task(step, patch)

@@ -46,6 +46,11 @@ class Stage(Protocol):
     def begin_request(self, grid: PatchGrid) -> None:
         """Start a request on the image ``grid`` describes: forget every K/V and per-request cache."""
 
+    def request_state_holders(self) -> tuple[object, ...]:
+        """The objects that keep the state of the request in flight, each naming its attributes in a
+        ``REQUEST_STATE`` tuple: what the engine switches between requests of a stream
+        (``xfuse.parallel.request_state``)."""
+
     def begin_task(self, step: int, patch: int | None) -> None:
         """The engine is about to compute a task of (step, patch) (``None``: a whole-image step)."""
 

@@ -24,6 +24,10 @@ from xfuse.parallel.stage import BatchPart
 class StaleKVCache:
     """K/V buffers of all self-attention layers one rank runs, keyed by global layer index."""
 
+    # one request's (``xfuse.parallel.request_state``): every attribute but the family's text order
+    REQUEST_STATE = ("_k", "_v", "_valid", "tokens", "store_whole", "part", "num_tokens", "text_slots", "_joint_k",
+                     "_joint_v", "_text_written")  # fmt: skip
+
     def __init__(self) -> None:
         self._k: dict[int, torch.Tensor] = {}
         self._v: dict[int, torch.Tensor] = {}

@@ -13,8 +13,9 @@ prompts, set its timesteps, draw its latents, build the engine's request and dec
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ from xfuse.errors import ConfigError, RequestCancelled
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.cancellation import Cancellation
 from xfuse.parallel.engine import PipeFusionEngine
-from xfuse.parallel.patch_grid import patch_grid
+from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.scheduler_state import draws_serial_noise
 from xfuse.parallel.sequence import SequenceParallel
@@ -206,6 +207,7 @@ class PipeFusionPipelineBase:
         self._cache_counts: tuple[int, int] = (0, 0)
         self._tracer: Tracer | None = None
         self._buffer_shape: tuple | None = None  # the request shape the pooled receive buffers were made for
+        self._recipes: list[CallRecipe] | None = None  # run_stream: the calls' recipes, collected instead of run
         self._decode_peak: PhasePeak | None = None  # the last call's decode on this rank (xfuse.runtime.peak)
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
 
@@ -459,37 +461,103 @@ class PipeFusionPipelineBase:
         8. rank 0 decodes and returns diffusers' output (every rank decoding a band of the latent with it when the
            call decodes in parallel, see ``parallel.vae_parallel``); every other rank returns ``None``.
         """
+        if self._recipes is not None:  # run_stream collects the calls' recipes; it runs them together
+            self._recipes.append(recipe)
+            return None
         self._check_call(recipe)
         self._begin_call()
         result = None
         span = self._tracer.span if self._tracer is not None else null_span
         # from here on every rank communicates: a failure anywhere stops everyone
         with self.context.monitor.guard(), span("call", CALL):
-            if self.text_group is not None and not self.context.is_output:
-                with span("text encoder layers", CALL):
-                    self.text_group.serve()  # this rank's layers of rank 0's text-encoder calls
-            text = self.collectives.broadcast_tensors(self._encoding(recipe.encode), span)
-            if recipe.encode_draws:
-                self.collectives.generator_of_rank0(recipe.generator)
-            with span("prepare", CALL):
-                timesteps = recipe.timesteps()
-                generator = self.collectives.shared_generator(recipe.generator)
-                latents = self.collectives.shared_latents(lambda: recipe.prepare_latents(generator))
-                request = recipe.request(text, latents, timesteps, generator)
+            request, timesteps = self._prepare(recipe, span)
             final = self._denoise(request)
             if self._stopped is None:  # (a stopped call: every rank knows it, and skips the rest alike)
-                self.collectives.sync_generator(recipe.generator, self._observer())
-                if self.context.is_output:
-                    with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
-                        result = recipe.decode(final)  # the family's decode calls _decode_latents
-                elif self._decode_shape is not None:
-                    with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
-                        self.band_decode.decode(None, self._decode_shape)
+                result = self._finish(recipe, final, span)
         if self._stopped is not None:
             raise RequestCancelled(self._stopped, len(timesteps))
         if self._callback_error is not None:  # a refused callback change: raised once every peer is done
             raise self._callback_error
         return result
+
+    def _prepare(self, recipe: CallRecipe, span) -> tuple[Any, torch.Tensor]:
+        """Steps 2-6 of ``_run``: the prompts encoded and broadcast, the timesteps, generator and latents; returns
+        the engine's request (Wan 2.2's: two runs) and the call's timesteps."""
+        if self.text_group is not None and not self.context.is_output:
+            with span("text encoder layers", CALL):
+                self.text_group.serve()  # this rank's layers of rank 0's text-encoder calls
+        text = self.collectives.broadcast_tensors(self._encoding(recipe.encode), span)
+        if recipe.encode_draws:
+            self.collectives.generator_of_rank0(recipe.generator)
+        with span("prepare", CALL):
+            timesteps = recipe.timesteps()
+            generator = self.collectives.shared_generator(recipe.generator)
+            latents = self.collectives.shared_latents(lambda: recipe.prepare_latents(generator))
+            return recipe.request(text, latents, timesteps, generator), timesteps
+
+    def _finish(self, recipe: CallRecipe, final, span) -> Any:
+        """Step 8 of ``_run``: the generator as serial diffusers leaves it, and the decode (rank 0's output)."""
+        self.collectives.sync_generator(recipe.generator, self._observer())
+        if self.context.is_output:
+            with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
+                return recipe.decode(final)  # the family's decode calls _decode_latents
+        if self._decode_shape is not None:
+            with span("decode", CALL), phase_peak(self.context.device) as self._decode_peak:
+                self.band_decode.decode(None, self._decode_shape)
+        return None
+
+    @torch.no_grad()
+    def run_stream(self, calls: Sequence[dict[str, Any]]) -> list[Any]:
+        """Run several calls as one stream through the pipeline: ``calls[i]`` are the keyword arguments of one
+        ``__call__``; returns what each call returns, in order (rank 0's outputs, ``None`` elsewhere).
+
+        The calls' tasks are scheduled together (``xfuse.parallel.request_stream``): the next call's patches enter
+        the first stage while the one before it drains the last, and one call's whole-image steps share the ranks
+        with another's patches. Each call keeps its own scheduler (a copy taken after its timesteps are set),
+        generator, latents and stale K/V, so each output is the one the call alone returns, bit for bit; the calls
+        are prepared (text, latents) one after another, denoised together, then decoded one after another. Every
+        rank calls it with the same calls. Calls of one size, or of several (each keeps its own buffers).
+
+        Refused before any communication: step caching, a ControlNet, a compiled stage, sequence parallelism and
+        Wan 2.2's two experts (run those one call at a time). Not stopped by ``cancel_if``.
+        """
+        if not calls:
+            raise ValueError("run_stream needs at least one call")
+        if self.engine.cache is not None:
+            raise ValueError(f"run_stream does not run with step caching (cache.method: {self.engine.cache.method!r})")
+        if self._control_blocks(self.pipeline):
+            raise ValueError("run_stream does not run ControlNet pipelines: call them one at a time")
+        if self.compiler is not None:
+            raise ValueError("run_stream does not run compiled stages (compile.mode: off)")
+        self.engine.stage.request_state_holders()  # raises where the stage cannot keep several requests
+        recipes: list[CallRecipe] = []
+        self._recipes = recipes
+        try:
+            for call in calls:
+                self(**call)  # the family's own checks, then _run collects the recipe
+        finally:
+            self._recipes = None
+        decode_shapes = []
+        for recipe in recipes:
+            self._check_call(recipe)
+            decode_shapes.append(self._decode_shape)
+        self._begin_call()
+        span = self._tracer.span if self._tracer is not None else null_span
+        results = []
+        with self.context.monitor.guard(), span("call", CALL, calls=len(recipes)):
+            requests = []
+            for index, recipe in enumerate(recipes):
+                request, _ = self._prepare(recipe, span)
+                if not isinstance(request, DenoiseRequest):  # (on every rank alike)
+                    raise ValueError(f"calls[{index}]: a request of two experts does not run in a stream")
+                request.scheduler = copy.deepcopy(request.scheduler)  # its own: the next call sets the timesteps
+                requests.append(request)
+            finals = self._denoise_stream(requests)
+            for recipe, final, self._decode_shape in zip(recipes, finals, decode_shapes, strict=True):
+                results.append(self._finish(recipe, final, span))
+        if self._callback_error is not None:
+            raise self._callback_error
+        return results
 
     def _encoding(self, encode: Callable[[], dict[str, torch.Tensor]]) -> Callable[[], dict[str, torch.Tensor]]:
         """Rank 0's ``encode``, ending the text group's serving after it (with a split text encoder)."""
@@ -613,19 +681,46 @@ class PipeFusionPipelineBase:
         for channels in self.context.all_channels:
             channels.counters.reset()  # rank_stats() reports the last call
 
+    def _grid(self, request: DenoiseRequest) -> PatchGrid:
+        """The request's patch grid: the step's first patch carries the plan's streams (an MMDiT's text) through
+        every block, so patches are cut by cost."""
+        latents = request.latents  # (B, C, H, W) as the engine sees them (FLUX's packed tokens, a video's frames)
+        lead_tokens = sum(shape[1] for shape in request.stream_shapes.values())  # (B, T, hidden) each
+        height, width = latents.shape[-2:]
+        return patch_grid(height, width, self.parallel.resolved_num_patches, self.stage.patch_size, lead_tokens)
+
+    def _size_buffers(self, shape: tuple) -> None:
+        """Keep the pooled receive buffers for requests of ``shape``; a new shape drops those of the last one."""
+        if shape != self._buffer_shape:
+            for channels in self.context.all_channels:
+                channels.reset_buffers()
+            self._buffer_shape = shape
+
+    def _denoise_stream(self, requests: list[DenoiseRequest]) -> list[torch.Tensor | None]:
+        """The engine's stream of ``requests`` (``PipeFusionEngine.denoise_stream``), one progress bar on rank 0."""
+        grids = [self._grid(request) for request in requests]
+        self._size_buffers(tuple((g.token_rows, g.token_cols, g.cost_tokens, tuple(r.latents.shape), r.latents.dtype)
+                                 for g, r in zip(grids, requests, strict=True)))  # fmt: skip
+        total = sum(len(request.timesteps) for request in requests)
+        progress = self.pipeline.progress_bar(total=total) if self.context.is_output else None
+        if progress is not None:
+            for request in requests:
+                request.on_progress = lambda step: progress.update()
+        try:
+            finals = self.engine.denoise_stream(requests, grids, self._tracer)
+        finally:
+            if progress is not None:
+                progress.close()
+        self._steps_run += total
+        return finals
+
     def _denoise(self, request: DenoiseRequest, engine: PipeFusionEngine | None = None):
         """The engine's (``self.engine``'s unless given) denoising loop with a progress bar on rank 0; the final
         latents on rank 0, else ``None``."""
         latents = request.latents  # (B, C, H, W) as the engine sees them (FLUX's packed tokens, a video's frames)
-        # The step's first patch carries the plan's streams (an MMDiT's text) through every block: cut by cost.
-        lead_tokens = sum(shape[1] for shape in request.stream_shapes.values())  # (B, T, hidden) each
-        height, width = latents.shape[-2:]
-        grid = patch_grid(height, width, self.parallel.resolved_num_patches, self.stage.patch_size, lead_tokens)
+        grid = self._grid(request)
         shape = (grid.token_rows, grid.token_cols, grid.cost_tokens, tuple(latents.shape), latents.dtype)
-        if shape != self._buffer_shape:  # a new request shape: drop the receive buffers sized for the last one
-            for channels in self.context.all_channels:
-                channels.reset_buffers()
-            self._buffer_shape = shape
+        self._size_buffers(shape)  # a new request shape: drop the receive buffers sized for the last one
         # One update per step the engine runs (a second-order scheduler's steps are its timesteps).
         progress = self.pipeline.progress_bar(total=len(request.timesteps)) if self.context.is_output else None
         if progress is not None:

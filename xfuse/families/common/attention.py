@@ -85,6 +85,7 @@ class CachedCrossAttnProcessor:
     """
 
     MAX_TEXTS = 16  # the whole batch's text and one per batch part (at most one part per rank)
+    REQUEST_STATE = ("_kv",)  # the request's text K/V (``xfuse.parallel.request_state``)
 
     def __init__(self) -> None:
         # id(text) -> (text, its K/V); the text is held so that its id is not reused while the entry lives

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 import torch
 from diffusers.models.attention_processor import Attention
@@ -54,6 +55,8 @@ class JointKV:
     a FLUX single-stream block's attention sees (its processor cannot tell text from image by itself).
     ``text_total``: the whole text's tokens (a rank under sequence parallelism holds a chunk of them).
     """
+
+    REQUEST_STATE: ClassVar[tuple[str, ...]] = ("text", "reuse_text", "text_tokens", "text_total")  # beside image's
 
     image: StaleKVCache = field(default_factory=StaleKVCache)
     text: dict = field(default_factory=dict)

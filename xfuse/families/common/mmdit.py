@@ -64,6 +64,9 @@ class JointStage(ShardedStage):
         super().begin_request(grid)  # the batch parts' slices of the previous request's text
         self.joint.begin_request(self.attention.begin_request(grid))
 
+    def request_state_holders(self) -> tuple[object, ...]:
+        return (*super().request_state_holders(), self.joint)
+
     def text_tokens(self) -> slice:
         """The text tokens this rank holds of the current request's text (all of them, or its SP chunk)."""
         return self.attention.hidden_tokens(slice(0, self.joint.text_total))

@@ -37,6 +37,9 @@ class ShardedStage(nn.Module):
     """
 
     spec: ClassVar[ModelSpec]
+    # attributes of the request in flight (``xfuse.parallel.request_state``); the K/V cache and the cross-attention
+    # processors keep the rest (``request_state_holders``)
+    REQUEST_STATE: ClassVar[tuple[str, ...]] = ("num_tokens", "_request_rows")
     blocks_attrs: ClassVar[tuple[str, ...]]
     embed_modules: ClassVar[tuple[str, ...]]
     output_modules: ClassVar[tuple[str, ...]]
@@ -83,6 +86,11 @@ class ShardedStage(nn.Module):
         self._request_rows.clear()
         for cross in self._cross:
             cross.reset()
+
+    def request_state_holders(self) -> tuple[object, ...]:
+        """The objects that keep the request in flight's state, each naming it in ``REQUEST_STATE`` (the ``Stage``
+        method): this stage, its K/V cache, its cross-attention processors."""
+        return (self, self.kv_cache, *self._cross)
 
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         """``cond`` for ``part``'s rows of the batch (the ``Stage`` method). A family's conditioning names its

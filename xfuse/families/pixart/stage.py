@@ -41,6 +41,8 @@ class PixArtConditioning:
 class PixArtStage(ShardedStage):
     """The part of a ``PixArtTransformer2DModel`` that one pipeline rank runs (the ``Stage`` the engine calls)."""
 
+    REQUEST_STATE = (*ShardedStage.REQUEST_STATE, "_positions")  # the request's position table
+
     spec = PIXART_SIGMA
     blocks_attrs = ("transformer_blocks",)
     embed_modules = ("pos_embed",)

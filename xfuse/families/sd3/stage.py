@@ -24,6 +24,8 @@ from xfuse.parallel.stage_plan import StagePlan
 class SD3Stage(JointStage):
     """The part of an ``SD3Transformer2DModel`` that one pipeline rank runs (the ``Stage`` the engine calls)."""
 
+    REQUEST_STATE = (*JointStage.REQUEST_STATE, "_positions")  # the request's position window
+
     spec = STABLE_DIFFUSION_3
     blocks_attrs = ("transformer_blocks",)
     embed_modules = ("pos_embed",)

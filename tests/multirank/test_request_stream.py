@@ -1,0 +1,81 @@
+"""Several calls as one stream through the pipeline (``XfusePipeline.run_stream``, ``PipeFusionEngine.
+denoise_stream``) on real gloo ranks: each call's image is bitwise the one the same call gets alone in the same
+processes (so each keeps its own scheduler, generator, latents and stale K/V), the calls really overlap (a later
+call's tasks run on a rank before an earlier call's last one), and the calls after the stream are unchanged by it.
+Linear, folded and balanced pipelines with M > N and warm-up, the exact mode, CFG parallel, mixed sizes, steps,
+seeds and prompts; what a stream refuses, named before any communication. Every family: ``test_conformance``."""
+
+import numpy as np
+import pytest
+
+from tests.support.pipeline_fns import entered_in_flight, run_streamed_and_alone, stream_refusal
+from tests.support.world import World
+from xfuse.families.hunyuandit.presets import save_tiny_pipeline
+
+BASE = dict(output_type="np", use_resolution_binning=False)
+CALLS = [  # mixed steps, seeds, prompts and sizes
+    dict(BASE, prompt="a red house by a lake", height=128, width=96, num_inference_steps=6, seed=3),
+    dict(BASE, prompt="a lighthouse at dusk", height=128, width=96, num_inference_steps=4, seed=5),
+    dict(BASE, prompt="a red house by a lake", height=96, width=128, num_inference_steps=5, seed=7),
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "HunyuanDiT-tiny")
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4, start_timeout=240) as w:
+        yield w
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pipefusion_degree": 4, "placement": "linear", "num_patches": 5, "warmup_steps": 1},
+        {"pipefusion_degree": 4, "placement": "folded", "num_patches": 4, "warmup_steps": 1},
+        {"pipefusion_degree": 4, "placement": "balanced", "num_patches": 4, "warmup_steps": 2},
+        {"pipefusion_degree": 4, "placement": "linear", "num_patches": 2, "warmup_steps": 0},
+        {"pipefusion_degree": 4, "placement": "linear", "warmup_steps": 100},  # exact: whole-image steps
+        {"pipefusion_degree": 2, "cfg_degree": 2, "num_patches": 3, "warmup_steps": 1},
+    ],
+    ids=["linear", "folded", "balanced", "no-warmup", "exact", "cfg2-pp2"],
+)
+def test_each_streamed_call_is_bitwise_the_call_alone(world4, folder, parallel):
+    results = world4.run_ok(run_streamed_and_alone, folder, parallel, CALLS, timeout=300)
+    rank0 = results[0]
+    runs = zip(rank0["alone"], rank0["streamed"], rank0["again"], strict=True)
+    for index, (alone, streamed, again) in enumerate(runs):
+        assert streamed.shape == alone.shape, index
+        assert np.array_equal(streamed, alone), (index, float(np.abs(streamed - alone).max()))
+        assert np.array_equal(again, alone), index  # the stream left nothing behind
+    assert not np.array_equal(rank0["alone"][0][:, :96], rank0["alone"][2][:, :96])  # the calls differ
+    for r in results[1:]:
+        assert r["streamed"] == [None] * len(CALLS)
+    assert all(sorted({task[0] for task in r["tasks"]}) == [0, 1, 2] for r in results)
+    assert entered_in_flight(results, 1) and entered_in_flight(results, 2)
+
+
+@pytest.mark.parametrize(
+    "parallel,cache,message",
+    [
+        (
+            {"pipefusion_degree": 2, "ulysses_degree": 2, "num_patches": 2, "warmup_steps": 1},
+            None,
+            "does not run under sequence parallelism",
+        ),
+        (
+            {"pipefusion_degree": 4, "num_patches": 4, "warmup_steps": 1},
+            {"method": "first_block", "threshold": 0.2},
+            "run_stream does not run with step caching (cache.method: 'first_block')",
+        ),
+    ],  # fmt: skip
+    ids=["ulysses", "step-caching"],
+)
+def test_what_a_stream_refuses_is_named_on_every_rank_before_it_communicates(world4, folder, parallel, cache, message):
+    results = world4.run_ok(stream_refusal, folder, parallel, CALLS[:2], cache=cache, timeout=300)
+    for r in results:
+        assert r["error"] is not None and message in r["error"], r
+    assert results[0]["after"] == (1, 128, 96, 3)  # the world is whole: the next call runs
