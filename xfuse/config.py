@@ -30,7 +30,7 @@ YAML layout (every key optional)::
                  lora: {}, controlnet: null, control_image: null, controlnet_conditioning_scale: 1.0,
                  control_guidance_start: 0.0, control_guidance_end: 1.0}   # xfuse generate's LoRA and ControlNet
     serve:    {host: 127.0.0.1, port: 8000, model_name: null, max_queue: 8, max_queued_work: auto,
-               max_images_per_request: 4, max_batch: 1, batch_max_pixels: 262144,
+               max_images_per_request: 4, max_batch: 1, batch_max_pixels: 262144, max_inflight: 1,
                max_side: 2048, max_pixels: 4194304, max_steps: 100, max_prompt_chars: 4000,
                max_body_bytes: 1048576, request_timeout_s: 300.0, heartbeat_interval_s: 1.0,
                heartbeat_timeout_s: 2.0, lora_adapters: {}}   # xfuse serve only; generation: the requests' defaults
@@ -487,6 +487,10 @@ class ServeConfig(_Section):
     # adapters, at most batch_max_pixels pixels); 1: one request at a time
     max_batch: PositiveInt = 1
     batch_max_pixels: Annotated[int, Field(ge=256)] = 512 * 512  # measured: batches of 4 still 1.12x at 512² here
+    # pipeline calls (each a batch, or one request) the loop streams through the pipeline together when they queue
+    # together with the same adapters: the next one's patches enter while the last one's leave
+    # (xfuse.parallel.request_stream); not with sequence parallelism or step caching; 1: one call at a time
+    max_inflight: PositiveInt = 1
     max_side: Annotated[int, Field(ge=16)] = 2048  # pixels, width and height alike
     max_pixels: Annotated[int, Field(ge=256)] = 2048 * 2048  # width x height
     max_steps: PositiveInt = 100  # the largest ``num_inference_steps``
@@ -580,6 +584,27 @@ class XfuseConfig(_Section):
                 f"must be below comm.timeout_s ({self.comm.timeout_s} s), or idle ranks waiting for the next "
                 f"heartbeat time out (got {self.serve.heartbeat_interval_s!r})",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _streams_run_what_one_stage_state_holds(self) -> Self:
+        if self.serve is None or self.serve.max_inflight == 1:
+            return self
+        p = self.parallel
+        conflicts = [
+            ("parallel.ulysses_degree", p.ulysses_degree != 1, "1"),
+            ("parallel.ring_degree", p.ring_degree != 1, "1"),
+            ("cache.method", self.cache.enabled, "off"),
+            ("compile.mode", self.compile.enabled, "off"),
+        ]
+        for key, conflicts_with_streams, allowed in conflicts:
+            if conflicts_with_streams:
+                raise ConfigError(
+                    "serve.max_inflight",
+                    f"streams calls through the pipeline only with {key} {allowed} (each request's sequence-"
+                    f"parallel exchanges, caching decisions and compiled shapes are its own); use 1, or {key} "
+                    f"{allowed} (got {self.serve.max_inflight})",
+                )
         return self
 
     @model_validator(mode="after")

@@ -397,17 +397,21 @@ def test_the_mmdit_families_serve_under_torchrun(tmp_path, preset):
         assert served.wait(timeout=60) == 0, served.stderr()[-3000:]
 
 
-def test_batched_requests_each_equal_the_same_request_served_alone(tmp_path):
-    """``serve.max_batch: 4``: requests that queue together behind a running one and share a size, steps, guidance
-    and adapters run as one pipeline call, each with its own seed's noise, so each image equals the same request
-    served alone (pipelined, 2 ranks, PNGs within one level); a request of another size, or of two images, runs
-    alone; each response says how many requests its call held."""
+def test_batched_and_streamed_requests_each_equal_the_same_request_served_alone(tmp_path):
+    """``serve.max_batch: 4``, ``serve.max_inflight: 4``: requests that queue together behind a running one and
+    share a size, steps, guidance and adapters run as one pipeline call, each with its own seed's noise, so each
+    image equals the same request served alone (pipelined, 2 ranks, PNGs within one level); a request of another
+    size, of two images or of other steps is a call of its own, and the four calls are streamed through the
+    pipeline together, each of those images byte for byte the request's alone; each response says how many
+    requests its call held and how many calls its stream."""
     bodies = {seed: {"prompt": f"a lake {seed}", "seed": seed} for seed in (1, 2, 3, 4)}
     bodies[5] = {"prompt": "a lake 5", "seed": 5, "size": "128x96"}
     bodies[6] = {"prompt": "a lake 6", "seed": 6, "n": 2}
-    with ServedWorld(tmp_path, nproc=2, settings=("serve.max_batch=4", "serve.max_queue=8")) as served:
+    bodies[7] = {"prompt": "a lake 7", "seed": 7, "num_inference_steps": 3}
+    settings = ("serve.max_batch=4", "serve.max_inflight=4", "serve.max_queue=8")
+    with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
         alone = {seed: _generate(served.url, body).json() for seed, body in bodies.items()}  # one at a time
-        assert {reply["batch"] for reply in alone.values()} == {1}
+        assert {(reply["batch"], reply["stream"]) for reply in alone.values()} == {(1, 1)}
         blocker = {"prompt": "busy", "seed": 0, "size": "384x384", "num_inference_steps": 20}  # ~2 s here
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             running = pool.submit(_generate, served.url, blocker)
@@ -417,10 +421,13 @@ def test_batched_requests_each_equal_the_same_request_served_alone(tmp_path):
             assert running.result().status_code == 200
     replies = {seed: response.json() for seed, response in together.items()}
     assert [replies[seed]["batch"] for seed in (1, 2, 3, 4)] == [4] * 4, replies
-    assert replies[5]["batch"] == replies[6]["batch"] == 1
+    assert replies[5]["batch"] == replies[6]["batch"] == replies[7]["batch"] == 1
+    assert {reply["stream"] for reply in replies.values()} == {4}
     for seed, reply in replies.items():
         assert reply["seed"] == seed and len(reply["data"]) == len(alone[seed]["data"])
         for mine, theirs in zip(reply["data"], alone[seed]["data"], strict=True):
+            if seed > 4:  # a call of its own in the stream: the request's image alone
+                assert mine["b64_json"] == theirs["b64_json"], seed
             a, b = (np.asarray(decode_png(x["b64_json"]), dtype=np.int16) for x in (mine, theirs))
             assert a.shape == b.shape and np.abs(a - b).max() <= 1, seed
 

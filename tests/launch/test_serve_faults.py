@@ -70,11 +70,13 @@ def test_sigterm_on_a_worker_drains_the_whole_world(tmp_path):
         assert left_behind(world) == []
 
 
-# Several requests in flight: four of one size run as one batch behind a blocker of another size, two more wait.
-BATCHED = (f"comm.timeout_s={TIMEOUT_S}", "serve.max_batch=4", "serve.max_queued_work=100")
+# Several requests in flight: behind a blocker of another size, four of one size run as one batch streamed through
+# the pipeline with a second call (a batch of two of another size); two more (a third size) wait.
+BATCHED = (f"comm.timeout_s={TIMEOUT_S}", "serve.max_batch=4", "serve.max_inflight=2", "serve.max_queued_work=100")
 BLOCKER = {"prompt": "blocker", "num_inference_steps": 30, "size": "256x256"}
 IN_BATCH = {"num_inference_steps": 40, "size": "128x128"}
-QUEUED = {"num_inference_steps": 4, "size": "64x128"}
+IN_STREAM = {"num_inference_steps": 30, "size": "64x128"}
+QUEUED = {"num_inference_steps": 4, "size": "128x64"}
 
 
 def _running(world) -> float:
@@ -83,26 +85,29 @@ def _running(world) -> float:
 
 
 def _batch_in_flight(world, pool):
-    """The blocker, then four requests that run as one batch and two that wait behind it; returns their futures
-    once the batch runs (``xfuse_requests_running`` is 4)."""
+    """The blocker, then four requests that run as one batch streamed with a call of two more, and two that wait
+    behind them; returns the futures of the blocker, the six in flight and the two waiting once the stream runs
+    (``xfuse_requests_running`` is 6)."""
     post = lambda body: pool.submit(  # noqa: E731
         httpx.post, f"{world.url}/v1/images/generations", json=body, timeout=60
     )
     blocker = post(BLOCKER)
     time.sleep(0.5)
     batch = [post({**IN_BATCH, "prompt": f"in batch {i}", "seed": i}) for i in range(4)]
+    batch += [post({**IN_STREAM, "prompt": f"in stream {i}", "seed": i}) for i in range(2)]
     time.sleep(0.3)
     queued = [post({**QUEUED, "prompt": f"queued {i}"}) for i in range(2)]
     deadline = time.monotonic() + 60
-    while _running(world) != 4:
+    while _running(world) != 6:
         assert time.monotonic() < deadline and not any(f.done() for f in batch), world.stderr()[-3000:]
         time.sleep(0.02)
     return blocker, batch, queued
 
 
-def test_a_worker_killed_under_a_batch_answers_every_request_in_flight(tmp_path):
-    """SIGKILL of rank 1 while a batch of four runs and two wait: every one of the six clients gets 503 naming the
-    rank, readiness names it, every survivor exits non-zero, nothing is left behind."""
+def test_a_worker_killed_under_a_stream_answers_every_request_in_flight(tmp_path):
+    """SIGKILL of rank 1 while a stream of two calls (a batch of four, a batch of two) runs and two requests wait:
+    every one of the eight clients gets 503 naming the rank, readiness names it, every survivor exits non-zero,
+    nothing is left behind."""
     world = ServedWorld(tmp_path, settings=BATCHED)
     try:
         pids = world.rank_pids()
@@ -123,16 +128,18 @@ def test_a_worker_killed_under_a_batch_answers_every_request_in_flight(tmp_path)
         world.close()
 
 
-def test_sigterm_lets_the_batch_in_flight_finish_and_turns_the_queue_away(tmp_path):
-    """SIGTERM on rank 0 while a batch of four runs and two wait: the four are answered with their images (batch 4),
-    the two waiting get 503 (draining), every rank exits 0."""
+def test_sigterm_lets_the_stream_in_flight_finish_and_turns_the_queue_away(tmp_path):
+    """SIGTERM on rank 0 while a stream of two calls (a batch of four, a batch of two) runs and two requests wait:
+    the six are answered with their images (batch 4 or 2, stream 2), the two waiting get 503 (draining), every rank
+    exits 0."""
     with ServedWorld(tmp_path, settings=BATCHED) as world:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             blocker, batch, queued = _batch_in_flight(world, pool)
             os.kill(world.rank_pids()[0], signal.SIGTERM)
-            for future in batch:
+            for future, size in zip(batch, [4] * 4 + [2] * 2, strict=True):
                 response = future.result(timeout=60)
-                assert response.status_code == 200 and response.json()["batch"] == 4, response.text
+                assert response.status_code == 200, response.text
+                assert (response.json()["batch"], response.json()["stream"]) == (size, 2), response.text
             for future in queued:
                 response = future.result(timeout=60)
                 assert response.status_code == 503 and response.json()["error"]["code"] == "service_draining"

@@ -448,6 +448,18 @@ BAD_DICTS = [
         ["below comm.timeout_s (0.5 s)"],
     ),
     (
+        "serve_streams_with_ulysses",
+        {"serve": {"max_inflight": 2}, "parallel": {"ulysses_degree": 2}},
+        "serve.max_inflight",
+        ["only with parallel.ulysses_degree 1", "use 1, or parallel.ulysses_degree 1 (got 2)"],
+    ),
+    (
+        "serve_streams_with_step_caching",
+        {"serve": {"max_inflight": 4}, "cache": {"method": "first_block"}},
+        "serve.max_inflight",
+        ["only with cache.method off", "(got 4)"],
+    ),
+    (
         "vae_parallel_unknown",
         {"parallel": {"vae_parallel": "always"}},
         "parallel.vae_parallel",

@@ -17,6 +17,12 @@ JOB = GenerationJob("p", None, 64, 64, 1, 4, 5.0, 1)
 LIMITS = RequestLimits("tiny", 64, 64, 4, 5.0, None, 2, 512, 512 * 512, 100, 100, check_size=lambda w, h: None)
 
 
+def job(seed, **kw) -> GenerationJob:
+    """A 64² request of 4 steps, one image, seeded ``seed``; ``kw`` changes any field."""
+    return GenerationJob(**{**dict(prompt=f"p{seed}", negative_prompt=None, width=64, height=64, num_images=1,
+                                   num_inference_steps=4, guidance_scale=5.0, seed=seed), **kw})  # fmt: skip
+
+
 def service(**kw) -> Service:
     args = dict(max_queue=2, request_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=2.0)
     return Service(world_size=2, metrics=ServeMetrics(world_size=2, info={}), **{**args, **kw})
@@ -163,10 +169,6 @@ def test_a_batch_takes_the_queued_requests_of_the_first_ones_key_in_queue_order(
     same size, steps, guidance, negative prompt and adapters; not over ``max_pixels``), up to ``max_batch``; the
     others keep their order; a cancelled one never runs; each finished request frees its place in ``running``."""
 
-    def job(seed, **kw):
-        return GenerationJob(**{**dict(prompt=f"p{seed}", negative_prompt=None, width=64, height=64, num_images=1,
-                                       num_inference_steps=4, guidance_scale=5.0, seed=seed), **kw})  # fmt: skip
-
     s = service(max_queue=8)
     s.set_ready(LIMITS)
     queued = [job(1), job(2, width=128), job(3), job(4, lora=(("style", 1.0),)), job(5, num_images=2), job(6), job(7)]
@@ -177,12 +179,34 @@ def test_a_batch_takes_the_queued_requests_of_the_first_ones_key_in_queue_order(
     assert futures[5].cancelled()
     assert [p.job.seed for p in s._queue] == [2, 4, 5]  # the others, in their order
     for pending in batch:
-        s.finish(pending, GenerationResult(["image"], pending.job.seed, 0.0, 3.0, batch=3))
+        s.finish(pending, GenerationResult(["image"], pending.job.seed, 0.0, 3.0, batch=3, sharing=3))
     assert not s.health()[1]["running"] and s._seconds_per_work == pytest.approx(1.0 / job(1).work)
     assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=64 * 64)] == [2]  # too large: alone
     assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=128 * 128)] == [4]  # its own adapters
     assert [p.job.seed for p in s.next_batch(0.1, max_batch=3, max_pixels=128 * 128)] == [5]  # two images: alone
     assert s.next_batch(0.05, max_batch=3, max_pixels=128 * 128) == []
+
+
+def test_a_stream_takes_calls_of_the_same_adapters_each_a_batch_in_queue_order():
+    s = service(max_queue=8)
+    s.set_ready(LIMITS)
+    style = (("style", 1.0),)
+    queued = [job(1), job(2, width=128), job(3, lora=style), job(4), job(5, width=128), job(6, num_images=2)]
+    futures = [s.submit(j) for j in queued]
+    futures[3].cancel()  # its client hung up while it waited: never runs
+    stream = s.next_stream(0.1, max_batch=2, max_pixels=128 * 128, max_inflight=3)
+    # calls: [1] (its batch key's other request, 4, is gone), [2, 5] (one size), then [6] (two images: alone)
+    assert [[p.job.seed for p in batch] for batch in stream] == [[1], [2, 5], [6]]
+    assert [p.job.seed for p in s._queue] == [3]  # other adapters: the next stream's
+    assert len(s.running) == 4
+    s.finish(stream[0][0], GenerationResult(["image"], 1, 0.0, 4.0, batch=1, stream=3, sharing=4))
+    assert s._seconds_per_work == pytest.approx(1.0 / job(1).work)  # its share of the stream's 4 s: a quarter
+    for batch in stream[1:]:
+        for pending in batch:
+            s.finish(pending, GenerationResult(["image"], pending.job.seed, 0.0, 4.0, len(batch), 3, 4))
+    assert not s.running
+    assert [[p.job.seed for p in b] for b in s.next_stream(0.1, 2, 128 * 128, 3)] == [[3]]
+    assert s.next_stream(0.05, 2, 128 * 128, 3) == []
 
 
 def test_a_broken_world_answers_every_request_of_the_running_batch_and_the_queue():

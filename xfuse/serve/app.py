@@ -158,6 +158,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int) ->
                 "data": [{"b64_json": data} for data in encoded],
                 "seed": result.seed,
                 "batch": result.batch,  # the requests generated in one pipeline call with this one (serve.max_batch)
+                "stream": result.stream,  # the pipeline calls streamed with its own (serve.max_inflight)
                 "timings": {"queue_s": round(result.queue_wait_s, 4), "generation_s": round(result.generation_s, 4)},
             }
         except RequestError as err:

@@ -77,16 +77,13 @@ def use_adapters(pipe, lora) -> None:
     pipe.set_adapters([name for name, _ in lora], adapter_weights=[weight for _, weight in lora])
 
 
-def run_jobs(pipe, jobs: list[dict[str, Any]]):
-    """This rank's share of one request, or of a batch of requests of one ``batch_key`` in one pipeline call: the
-    prompts as a list, one generator per request seeded with its seed (diffusers draws each sample's noise from its
-    own generator, as the request alone draws it). Every rank makes the same call; rank 0 gets the output, its
-    images in the jobs' order."""
+def job_call(pipe, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pipeline call of one request, or of a batch of requests of one ``batch_key``: the prompts as a list, one
+    generator per request seeded with its seed (diffusers draws each sample's noise from its own generator, as the
+    request alone draws it)."""
     import torch
 
     job = jobs[0]
-    if job["lora"] or (hasattr(pipe, "get_list_adapters") and pipe.get_list_adapters()):  # a server with adapters
-        use_adapters(pipe, job["lora"])
     call = image_call_kwargs(
         prompt=job["prompt"],
         negative_prompt=job["negative_prompt"],
@@ -101,20 +98,28 @@ def run_jobs(pipe, jobs: list[dict[str, Any]]):
     if len(jobs) > 1:
         call["prompt"] = [j["prompt"] for j in jobs]
         call["generator"] = [torch.Generator().manual_seed(j["seed"]) for j in jobs]
-    return pipe(**call)
+    return call
 
 
-def run_cancellable(pipe, jobs: list[dict[str, Any]]):
-    """``run_jobs``, or the ``RequestCancelled`` every rank gets alike when rank 0 stopped the call between steps
-    (its clients went away), said once per rank."""
+def run_calls(pipe, calls: list[list[dict[str, Any]]]) -> list:
+    """This rank's share of the pipeline calls of one turn of the loop (each a batch of jobs, ``job_call``), with
+    their adapters (one set for all of them: ``Service.next_stream``): one call alone, or several streamed through
+    the pipeline together (``run_stream``). Every rank makes the same calls; rank 0 gets the outputs, in order, a
+    call alone's as the ``RequestCancelled`` every rank gets alike when rank 0 stopped it between steps (its clients
+    went away), said once per rank. A stream is not stopped between steps: its requests run to the end."""
+    lora = calls[0][0]["lora"]
+    if lora or (hasattr(pipe, "get_list_adapters") and pipe.get_list_adapters()):  # a server with adapters
+        use_adapters(pipe, lora)
+    if len(calls) > 1:
+        return pipe.run_stream([job_call(pipe, jobs) for jobs in calls])
     try:
-        return run_jobs(pipe, jobs)
+        return [pipe(**job_call(pipe, calls[0]))]
     except RequestCancelled as stopped:
         write_stderr(
             f"[xfuse {clock()}] rank {pipe.context.rank}: request stopped before step {stopped.stopped_at} of "
             f"{stopped.num_steps} on every rank: its client went away"
         )
-        return stopped
+        return [stopped]
 
 
 def server_loop(
@@ -127,6 +132,7 @@ def server_loop(
     http_alive: Callable[[], bool] = lambda: True,
     max_batch: int = 1,
     batch_max_pixels: int = 0,
+    max_inflight: int = 1,
 ) -> None:
     """Rank 0: serve until a drain is requested (on any rank), then shut every rank down in order. Raises on any
     failure of any rank, or when the HTTP thread has stopped; the caller turns that into 503s and a non-zero exit."""
@@ -151,8 +157,8 @@ def server_loop(
     last_round = time.monotonic()
     while not draining():
         timeout_s = heartbeat_interval_s - (time.monotonic() - last_round)
-        batch = service.next_batch(timeout_s, max_batch, batch_max_pixels)
-        if not batch:
+        stream = service.next_stream(timeout_s, max_batch, batch_max_pixels, max_inflight)
+        if not stream:
             if draining():
                 break
             if not http_alive():  # nobody can reach this world any more: let it be restarted
@@ -162,21 +168,24 @@ def server_loop(
             answer_round()
             last_round = time.monotonic()
             continue
-        jobs = [_with_seed(pending.job) for pending in batch]
+        calls = [[_with_seed(pending.job) for pending in batch] for batch in stream]
         started = time.monotonic()
-        control.post(JOB, jobs)
-        with pipe.cancel_if(functools.partial(_all_abandoned, batch)):  # asked once per step
-            output = run_cancellable(pipe, jobs)
+        control.post(JOB, calls)
+        with pipe.cancel_if(functools.partial(_all_abandoned, stream[0])):  # a call alone: asked once per step
+            outputs = run_calls(pipe, calls)
         answer_round(job_done=True)
         last_round = time.monotonic()
-        if isinstance(output, RequestCancelled):
-            service.stopped(batch, output)
-            continue
-        images = iter(output.images)  # in the jobs' order, each request's n of them
-        for pending, job in zip(batch, jobs, strict=True):
-            mine = [next(images) for _ in range(job["num_images"])]
-            result = GenerationResult(mine, job["seed"], started - pending.enqueued, last_round - started, len(batch))
-            service.finish(pending, result)
+        sharing = sum(len(batch) for batch in stream)  # the requests that shared the generation time
+        for batch, jobs, output in zip(stream, calls, outputs, strict=True):
+            if isinstance(output, RequestCancelled):
+                service.stopped(batch, output)
+                continue
+            images = iter(output.images)  # in the jobs' order, each request's n of them
+            for pending, job in zip(batch, jobs, strict=True):
+                mine = [next(images) for _ in range(job["num_images"])]
+                result = GenerationResult(mine, job["seed"], started - pending.enqueued, last_round - started,
+                                          len(batch), len(stream), sharing)  # fmt: skip
+                service.finish(pending, result)
     service.start_draining()
     control.post(SHUTDOWN)
     answer_round()
@@ -200,7 +209,7 @@ def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
         if kind == TICK:
             control.answer_round(_answer(pipe, drain))
         elif kind == JOB:
-            run_cancellable(pipe, payload)
+            run_calls(pipe, payload)
             control.answer_round(_answer(pipe, drain, job_done=True))
         elif kind == SHUTDOWN:
             control.answer_round(_answer(pipe, drain))

@@ -352,6 +352,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
             http_alive=http.thread.is_alive,
             max_batch=settings.max_batch,
             batch_max_pixels=settings.batch_max_pixels,
+            max_inflight=settings.max_inflight,
         )
     except BaseException as err:  # noqa: BLE001 - a lost rank or a failed request: the world restarts
         _fail_server(pipe, service, http, err)

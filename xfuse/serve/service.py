@@ -7,7 +7,8 @@ Admission: a request is queued while the queue holds fewer than ``serve.max_queu
 servable request); otherwise 429 with ``Retry-After`` from the measured seconds per megapixel-step. With
 ``serve.max_batch`` > 1 the loop takes, with the next request, the queued requests it can run in the same pipeline
 call (``batch_key``: one image each, the same size, steps, guidance, negative prompt and adapters, at most
-``serve.batch_max_pixels``), in their queue order; the others keep their places.
+``serve.batch_max_pixels``), in their queue order; the others keep their places. With ``serve.max_inflight`` > 1 it
+takes up to that many such calls of the same adapters (``next_stream``), streamed through the pipeline together.
 
 States: ``starting`` (the model loads) -> ``ready`` -> ``draining`` (SIGTERM/SIGINT: no new requests, the running one
 finishes, queued ones get 503) or ``broken`` (a rank died or stalled: every pending request gets 503 and the process
@@ -63,6 +64,8 @@ class GenerationResult:
     queue_wait_s: float
     generation_s: float
     batch: int = 1  # the requests of the pipeline call that made it
+    stream: int = 1  # the pipeline calls streamed through the pipeline together with its own (serve.max_inflight)
+    sharing: int = 1  # the requests whose generation took generation_s together (a batch's, or a stream's)
 
 
 class Service:
@@ -190,19 +193,47 @@ class Service:
         """The next queued request and, up to ``max_batch`` in all, the queued requests of its ``batch_key`` (in
         queue order; a request of more than ``max_pixels`` pixels runs alone); empty if none came in ``timeout_s``."""
         first = self.next_request(timeout_s)
-        if first is None:
+        return [] if first is None else self._batch_of(first, max_batch, max_pixels)
+
+    def next_stream(
+        self, timeout_s: float, max_batch: int, max_pixels: int, max_inflight: int
+    ) -> list[list[PendingRequest]]:
+        """The next batch (``next_batch``) and, up to ``max_inflight`` batches in all, batches of the queued
+        requests with the same LoRA adapters (the weights every call of a stream runs with), in queue order: the
+        pipeline calls the loop streams through the pipeline together. Empty if nothing came in ``timeout_s``."""
+        first = self.next_batch(timeout_s, max_batch, max_pixels)
+        if not first:
             return []
+        stream, adapters = [first], first[0].job.lora
+        while len(stream) < max_inflight:
+            head = self._take_first(lambda job: job.lora == adapters)
+            if head is None:
+                break
+            stream.append(self._batch_of(head, max_batch, max_pixels))
+        return stream
+
+    def _batch_of(self, first: PendingRequest, max_batch: int, max_pixels: int) -> list[PendingRequest]:
+        """``first`` and, up to ``max_batch`` in all, the queued requests of its ``batch_key``, in queue order."""
         key = batch_key(first.job, max_pixels)
         batch = [first]
         while key is not None and len(batch) < max_batch:
-            with self._lock:
-                index = next((i for i, p in enumerate(self._queue) if batch_key(p.job, max_pixels) == key), None)
-                pending = None if index is None else self._take(index)
+            pending = self._take_first(lambda job: batch_key(job, max_pixels) == key)
             if pending is None:
                 break
-            if self._start(pending):
-                batch.append(pending)
+            batch.append(pending)
         return batch
+
+    def _take_first(self, accepts) -> PendingRequest | None:
+        """The first queued request whose job ``accepts``, taken and started (``_start``); ``None`` if none is
+        queued now (never waits)."""
+        while True:
+            with self._lock:
+                index = next((i for i, p in enumerate(self._queue) if accepts(p.job)), None)
+                pending = None if index is None else self._take(index)
+            if pending is None:
+                return None
+            if self._start(pending):
+                return pending
 
     def _take(self, index: int) -> PendingRequest:
         """(Under the lock.) Remove the queued request at ``index``: its work no longer waits."""
@@ -248,9 +279,9 @@ class Service:
         self.metrics.cancelled.inc(len(batch))
 
     def finish(self, pending: PendingRequest, result: GenerationResult) -> None:
-        # a batch of k requests of one key took generation_s for all of them: each one's share is 1/k
-        self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s / result.batch
-        per_work = result.generation_s / result.batch / max(pending.job.work, 1e-9)
+        # a batch (or a stream) of k requests took generation_s for all of them: each one's share is 1/k
+        self._mean_generation_s = 0.8 * self._mean_generation_s + 0.2 * result.generation_s / result.sharing
+        per_work = result.generation_s / result.sharing / max(pending.job.work, 1e-9)
         self._seconds_per_work = (
             per_work if self._seconds_per_work is None else (0.8 * self._seconds_per_work + 0.2 * per_work)
         )
