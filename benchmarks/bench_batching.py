@@ -1,15 +1,17 @@
-"""Where batching served requests pays on this machine: ``serve.max_batch`` 1 against 4, a real 2-rank served world.
+"""Where batching and streaming served requests pay on this machine: one request at a time, against
+``serve.max_inflight: 4`` (calls streamed through the pipeline) and ``serve.max_batch: 4`` (one call of several), a
+real 2-rank served world each.
 
     python benchmarks/bench_batching.py [--sizes 128,256,512] [--clients 1,2,4,8] [--rounds 3] [--out ...]
 
-For each size: ``xfuse serve`` (the tiny preset, degree 2, 2 patches, one warm-up step, 8 steps) started with
-``serve.max_batch=1`` and with 4, side by side (``serve.batch_max_pixels`` above every size, so batching is never
-refused by size). For each number of concurrent clients, each round posts ``--per-round`` requests (distinct seeds)
-to one world and then the other (the order alternating by round, so the machine's drift falls on both): each client
-posts its share one after another, a closed-loop load of that concurrency. The round's wall time gives the
-throughput (images per minute); per-request client latency gives p50 and p95. Median and min–max over the rounds;
-the last column is batched over one at a time. The crossover, the largest size where batching still raises
-throughput, is what ``serve.batch_max_pixels`` is set from. JSON + Markdown (``batching.{json,md}``).
+For each size: ``xfuse serve`` (the tiny preset, degree 2, 2 patches, one warm-up step, 8 steps) started three
+times side by side (``serve.batch_max_pixels`` above every size, so batching is never refused by size). For each
+number of concurrent clients, each round posts ``--per-round`` requests (distinct seeds) to each world in turn (the
+order rotating by round, so the machine's drift falls on all alike): each client posts its share one after another,
+a closed-loop load of that concurrency. The round's wall time gives the throughput (images per minute); per-request
+client latency gives p50 and p95. Median and min–max over the rounds; the gains are over one at a time. The
+crossover, the largest size where batching still raises throughput, is what ``serve.batch_max_pixels`` is set from.
+JSON + Markdown (``batching.{json,md}``).
 """
 
 from __future__ import annotations
@@ -48,52 +50,60 @@ SETTINGS = (
     "serve.max_queued_work=1000",
     "serve.max_side=1024",
 )
-MAX_BATCH = {"one_at_a_time": 1, "batched_4": 4}
+WORLDS = {  # label -> (serve.max_batch, serve.max_inflight)
+    "one_at_a_time": (1, 1),
+    "streamed_4": (1, 4),
+    "batched_4": (4, 1),
+}
 
 
 def measure(size: int, client_counts: list[int], rounds: int, steps: int, per_round: int) -> dict:
-    """Both worlds (``serve.max_batch`` 1 and 4) started side by side; each round runs on one and then the other,
-    the order alternating, so drift of the machine falls on both alike (the idle world only answers heartbeats)."""
+    """The worlds (``WORLDS``) started side by side; each round runs on each in turn, the order rotating, so drift
+    of the machine falls on all alike (the idle worlds only answer heartbeats)."""
     body = {"prompt": "a lighthouse at dusk", "size": f"{size}x{size}", "num_inference_steps": steps}
-    rows: dict = {label: {} for label in MAX_BATCH}
+    rows: dict = {label: {} for label in WORLDS}
     with contextlib.ExitStack() as stack:
         worlds = {}
-        for label, max_batch in MAX_BATCH.items():
+        for label, (max_batch, max_inflight) in WORLDS.items():
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            worlds[label] = stack.enter_context(ServedWorld(tmp, settings=(f"serve.max_batch={max_batch}", *SETTINGS)))
+            settings = (f"serve.max_batch={max_batch}", f"serve.max_inflight={max_inflight}", *SETTINGS)
+            worlds[label] = stack.enter_context(ServedWorld(tmp, settings=settings))
 
-        def one(url: str, seed: int) -> tuple[float, int]:
+        def one(url: str, seed: int) -> tuple[float, int, int]:
             start = time.perf_counter()
             response = httpx.post(f"{url}/v1/images/generations", json={**body, "seed": seed}, timeout=600)
             response.raise_for_status()
-            return time.perf_counter() - start, response.json()["batch"]
+            return time.perf_counter() - start, response.json()["batch"], response.json()["stream"]
 
         for world in worlds.values():
             one(world.url, 0)  # the first call warms up
         seed = 1
         for clients in client_counts:
-            runs = {label: {"per_minute": [], "latencies": [], "batches": []} for label in MAX_BATCH}
+            runs = {label: {"per_minute": [], "latencies": [], "batches": [], "streams": []} for label in WORLDS}
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                 for r in range(rounds):
                     shares = [range(seed + c, seed + per_round, clients) for c in range(clients)]
                     seed += per_round
-                    for label in list(MAX_BATCH)[:: 1 if r % 2 == 0 else -1]:
+                    order = list(WORLDS)[r % len(WORLDS) :] + list(WORLDS)[: r % len(WORLDS)]
+                    for label in order if r % 2 == 0 else order[::-1]:
                         url = worlds[label].url
 
-                        def client(seeds: range, url: str = url) -> list[tuple[float, int]]:
+                        def client(seeds: range, url: str = url) -> list[tuple[float, int, int]]:
                             return [one(url, s) for s in seeds]  # one request after another: a closed loop
 
                         start = time.perf_counter()
                         answers = [a for share in pool.map(client, shares) for a in share]
                         runs[label]["per_minute"].append(60 * per_round / (time.perf_counter() - start))
-                        runs[label]["latencies"] += [latency for latency, _ in answers]
-                        runs[label]["batches"] += [batch for _, batch in answers]
+                        runs[label]["latencies"] += [latency for latency, _, _ in answers]
+                        runs[label]["batches"] += [batch for _, batch, _ in answers]
+                        runs[label]["streams"] += [stream for _, _, stream in answers]
             for label, run in runs.items():
                 rows[label][str(clients)] = {
                     "images_per_minute": _spread(run["per_minute"]),
                     "p50_s": _percentile(run["latencies"], 0.5),
                     "p95_s": _percentile(run["latencies"], 0.95),
                     "mean_batch": statistics.mean(run["batches"]),
+                    "mean_stream": statistics.mean(run["streams"]),
                 }
     return rows
 
@@ -112,10 +122,11 @@ def main() -> None:
     for size in map(int, args.sizes.split(",")):
         measured = measure(size, client_counts, args.rounds, args.steps, args.per_round)
         for clients in map(str, client_counts):
-            a, b = measured["one_at_a_time"][clients], measured["batched_4"][clients]
-            gain = b["images_per_minute"]["median"] / a["images_per_minute"]["median"]
-            rows.setdefault(str(size), {})[clients] = {"one_at_a_time": a, "batched_4": b, "gain": gain}
-            print(size, clients, json.dumps(rows[str(size)][clients]), flush=True)
+            row = {label: measured[label][clients] for label in WORLDS}
+            base = row["one_at_a_time"]["images_per_minute"]["median"]
+            row["gains"] = {label: row[label]["images_per_minute"]["median"] / base for label in WORLDS}
+            rows.setdefault(str(size), {})[clients] = row
+            print(size, clients, json.dumps(row["gains"]), flush=True)
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
         "settings": vars(args),
@@ -131,19 +142,22 @@ def main() -> None:
     lines = [
         f"Machine: {report['machine']}; tiny preset, degree 2, {args.steps} steps; each round {args.per_round} "
         f"requests from the given number of concurrent clients (each posting its share one after another), "
-        f"{args.rounds} rounds.",
+        f"{args.rounds} rounds. Streamed: `serve.max_inflight: 4`; batched: `serve.max_batch: 4`.",
         "",
-        "| size | clients | one at a time: images/min | p50 / p95 | batched (max 4): images/min | p50 / p95 "
-        "| mean batch | gain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size | clients | one at a time: images/min | p50 / p95 | streamed: images/min | p50 / p95 | mean stream "
+        "| gain | batched: images/min | p50 / p95 | mean batch | gain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, by_clients in rows.items():
         for clients, row in by_clients.items():
-            a, b = row["one_at_a_time"], row["batched_4"]
+            a, s, b = row["one_at_a_time"], row["streamed_4"], row["batched_4"]
+            gains = row["gains"]
             lines.append(
                 f"| {size}² | {clients} | {fmt(a['images_per_minute'])} | {a['p50_s']:.2f} / {a['p95_s']:.2f} s "
+                f"| {fmt(s['images_per_minute'])} | {s['p50_s']:.2f} / {s['p95_s']:.2f} s | {s['mean_stream']:.1f} "
+                f"| {gains['streamed_4']:.2f}x "
                 f"| {fmt(b['images_per_minute'])} | {b['p50_s']:.2f} / {b['p95_s']:.2f} s | {b['mean_batch']:.1f} "
-                f"| {row['gain']:.2f}x |"
+                f"| {gains['batched_4']:.2f}x |"
             )
     with open(os.path.join(args.out, "batching.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -37,13 +37,14 @@ def adapters(tmp_path_factory):
 def world(tmp_path_factory, adapters):
     listed = ", ".join(f"{name}: {path}" for name, path in adapters.items())
     settings = (f"model={PRESET}", "parallel.warmup_steps=4", "generation.width=96", "generation.height=128",
-                f"serve.lora_adapters={{{listed}}}", "comm.timeout_s=30", "serve.max_batch=4")  # fmt: skip
+                f"serve.lora_adapters={{{listed}}}", "comm.timeout_s=30", "serve.max_batch=4",
+                "serve.max_inflight=4")  # fmt: skip
     served = ServedWorld(tmp_path_factory.mktemp("serve"), settings=settings)
     yield served
     served.close()
 
 
-def direct(pipe, mix, seed):
+def direct(pipe, mix, seed, steps=STEPS):
     """diffusers' own pipeline, the same call as the server makes, with the same adapters active."""
     if mix is None:
         pipe.disable_lora()
@@ -52,7 +53,7 @@ def direct(pipe, mix, seed):
         pipe.enable_lora()
         pipe.set_adapters(list(weights), adapter_weights=list(weights.values()))
     kwargs = image_call_kwargs(prompt=f"a cat {seed}", negative_prompt=None, width=SIZE[0], height=SIZE[1],
-                               num_inference_steps=STEPS, guidance_scale=GUIDANCE, seed=seed,
+                               num_inference_steps=steps, guidance_scale=GUIDANCE, seed=seed,
                                spec=model_spec(PRESET))  # fmt: skip
     with torch.no_grad():
         return np.asarray(pipe(**kwargs).images[0])
@@ -87,10 +88,12 @@ def test_twenty_requests_alternating_adapters_equal_direct_calls_with_memory_fla
     assert all(np.abs(direct(pipe, mix, 0).astype(int) - base).max() > 2 for mix in ("a", "b", {"a": 0.7, "b": 0.4}))
 
 
-def test_batches_never_mix_adapters_and_each_image_is_its_own_adapters(world, adapters):
-    """``serve.max_batch: 4``: two requests with adapter a and two with b queue together behind a running one; each
-    pair runs as one pipeline call (``batch`` 2: requests of different adapters never share one) and each image is
-    diffusers' with its request's adapter and seed (within one 8-bit level, exact mode)."""
+def test_batches_and_streams_never_mix_adapters_and_each_image_is_its_own_adapters(world, adapters):
+    """``serve.max_batch: 4``, ``serve.max_inflight: 4``: two requests with adapter a and two with b queue together
+    behind a running one, and one more of each with other steps; each pair runs as one pipeline call (``batch`` 2:
+    requests of different adapters never share one), streamed with the call of the third request of its adapter
+    (``stream`` 2: nor do they share a stream), and each image is diffusers' with its request's adapter, steps and
+    seed (within one 8-bit level, exact mode)."""
     pipe = load_pipeline(PRESET)
     pipe.set_progress_bar_config(disable=True)
     for name, path in adapters.items():
@@ -100,7 +103,9 @@ def test_batches_never_mix_adapters_and_each_image_is_its_own_adapters(world, ad
     bodies = {seed: {"prompt": f"a cat {seed}", "size": "96x128", "seed": seed, "num_inference_steps": STEPS,
                      "guidance_scale": GUIDANCE, "lora": mix} for seed, mix in ((31, "a"), (32, "b"), (33, "a"),
                                                                                 (34, "b"))}  # fmt: skip
-    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+    for seed in (35, 36):  # a call of its own (35: adapter a, as 31; 36: b), streamed with its adapter's pair
+        bodies[seed] = {**bodies[seed - 4], "prompt": f"a cat {seed}", "seed": seed, "num_inference_steps": STEPS - 1}
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
         running = pool.submit(httpx.post, url, json=blocker, timeout=120)
         time.sleep(0.5)
         assert not running.done()
@@ -108,9 +113,11 @@ def test_batches_never_mix_adapters_and_each_image_is_its_own_adapters(world, ad
         replies = dict(zip(bodies, posted, strict=True))
         assert running.result().status_code == 200
     for seed, reply in replies.items():
-        assert reply.status_code == 200 and reply.json()["batch"] == 2, (seed, reply.text[:300])
+        assert reply.status_code == 200, (seed, reply.text[:300])
+        assert (reply.json()["batch"], reply.json()["stream"]) == (1 if seed > 34 else 2, 2), (seed, reply.text[:300])
         got = np.asarray(decode_png(reply.json()["data"][0]["b64_json"])).astype(int)
-        assert np.abs(got - direct(pipe, bodies[seed]["lora"], seed).astype(int)).max() <= 1, seed
+        expected = direct(pipe, bodies[seed]["lora"], seed, bodies[seed]["num_inference_steps"])
+        assert np.abs(got - expected.astype(int)).max() <= 1, seed
 
 
 def test_models_lists_the_adapters_and_unknown_ones_are_refused(world):

@@ -8,7 +8,12 @@ seeds and prompts; what a stream refuses, named before any communication. Every 
 import numpy as np
 import pytest
 
-from tests.support.pipeline_fns import entered_in_flight, run_streamed_and_alone, stream_refusal
+from tests.support.pipeline_fns import (
+    entered_in_flight,
+    run_stream_with_a_stop,
+    run_streamed_and_alone,
+    stream_refusal,
+)
 from tests.support.world import World
 from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 
@@ -79,3 +84,31 @@ def test_what_a_stream_refuses_is_named_on_every_rank_before_it_communicates(wor
     for r in results:
         assert r["error"] is not None and message in r["error"], r
     assert results[0]["after"] == (1, 128, 96, 3)  # the world is whole: the next call runs
+
+
+@pytest.mark.parametrize(
+    "parallel,stop_call,stop_before",
+    [
+        ({"pipefusion_degree": 4, "placement": "linear", "num_patches": 5, "warmup_steps": 1}, 0, 3),
+        ({"pipefusion_degree": 4, "placement": "folded", "num_patches": 4, "warmup_steps": 1}, 1, 1),
+        ({"pipefusion_degree": 4, "placement": "linear", "warmup_steps": 100}, 2, 4),  # exact: whole-image steps
+        ({"pipefusion_degree": 2, "cfg_degree": 2, "num_patches": 3, "warmup_steps": 1}, 1, 2),
+    ],
+    ids=["linear-first", "folded-second", "exact-third", "cfg2-pp2-second"],
+)
+def test_a_call_of_a_stream_stops_on_every_rank_and_the_others_are_each_the_call_alone(
+    world4, folder, parallel, stop_call, stop_before
+):
+    results = world4.run_ok(run_stream_with_a_stop, folder, parallel, CALLS, stop_call, stop_before, timeout=300)
+    steps = CALLS[stop_call]["num_inference_steps"]
+    for r in results:
+        stopped = r["streamed"][stop_call]
+        assert stopped is not None and stopped["stopped_at"] == stop_before, (r["rank"], stopped)
+        assert f"cancelled before step {stop_before} of {steps}" in stopped["message"]
+        assert r["computed_steps"] == list(range(stop_before)), (r["rank"], r["computed_steps"])
+    rank0 = results[0]
+    assert rank0["asks"] == stop_before  # asked once per step, up to the one that stops it
+    for index in range(len(CALLS)):
+        if index != stop_call:
+            assert np.array_equal(rank0["streamed"][index], rank0["alone"][index]), index
+        assert np.array_equal(rank0["again"][index], rank0["alone"][index]), index

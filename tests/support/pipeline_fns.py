@@ -271,3 +271,41 @@ def stream_refusal(folder, parallel, calls, cache=None, family="hunyuandit"):
         error = str(err)
     out = pipe(**with_generator(calls[0]))
     return dict(error=error, after=None if out is None else as_array(out).shape)
+
+
+def run_stream_with_a_stop(folder, parallel, calls, stop_call, stop_before, family="hunyuandit"):
+    """Every rank: ``calls`` alone, then as one stream in which call ``stop_call`` is stopped before its step
+    ``stop_before`` (rank 0's condition for it turns true at its ``stop_before``-th ask: asked once per step, from
+    step 1; the other calls have none), then alone again. Returns rank 0's images (``None`` elsewhere), the stream's
+    entries (an image, or the stop's ``stopped_at`` and message), the steps of every task of the stopped call this
+    rank computed (from the trace), and on rank 0 how often the condition was asked."""
+    import torch.distributed as dist
+
+    from xfuse.errors import RequestCancelled
+    from xfuse.families.registry import MODEL_SPECS
+    from xfuse.parallel.trace import COMPUTE
+
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_cancellation()
+
+    def images(outputs):
+        return [None if out is None else as_array(out) for out in outputs]
+
+    alone = images([pipe(**with_generator(call)) for call in calls])
+    asks: list[int] = []
+    stop_if = [None] * len(calls)
+    stop_if[stop_call] = lambda: asks.append(len(asks)) or len(asks) >= stop_before
+    pipe.enable_trace()
+    outputs = pipe.run_stream([with_generator(call) for call in calls], stop_if=stop_if)
+    streamed = [
+        dict(stopped_at=out.stopped_at, message=str(out)) if isinstance(out, RequestCancelled)
+        else None if out is None else as_array(out)
+        for out in outputs
+    ]  # fmt: skip
+    computed = sorted({e["args"]["step"] for e in pipe.trace_events()
+                       if e["tid"] == COMPUTE and e["args"].get("request") == stop_call})  # fmt: skip
+    pipe.enable_trace(False)
+    again = images([pipe(**with_generator(call)) for call in calls])
+    return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again, computed_steps=computed,
+                asks=len(asks))  # fmt: skip

@@ -64,12 +64,26 @@ def test_a_reader_that_hears_nothing_is_named_within_the_timeout():
     assert caught.value.peer == 0 and caught.value.step == 4
 
 
+def test_each_request_of_a_stream_has_its_own_condition_and_answers():
+    """In a stream each request's condition is asked for that request's steps, and its answers are read apart."""
+    store = dist.HashStore()
+    decider, reader = pair(store)
+    asked = []
+    decider.conditions = [lambda: asked.append(0) or False, None, lambda: asked.append(2) or True]
+    for c in (decider, reader):
+        c.begin_call()
+        c.begin_run()
+    assert [decider.decide(1, request) for request in (0, 1, 2)] == [False, False, True]
+    assert [reader.read(1, request) for request in (2, 1, 0)] == [True, False, False]
+    assert asked == [0, 2]  # request 1 has no condition: never stopped, nothing asked
+
+
 def test_each_cancellation_made_has_its_own_namespace():
     made = [Cancellation(rank=0, world_size=1, store=None, timeout_s=1.0) for _ in range(2)]
     for c in made:
         c.begin_call()
         c.begin_run()
-    assert made[0]._key(1) != made[1]._key(1)
+    assert made[0]._key(1, 0) != made[1]._key(1, 0)
 
 
 def test_a_world_of_ranks_needs_its_store():

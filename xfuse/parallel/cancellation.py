@@ -8,9 +8,14 @@ the answer for step S at its own stop point for S, where it normally finds it al
 before S then runs, on every rank, the tasks of the steps before S and nothing else, sends only what those need,
 and returns no latents; the pipeline raises ``RequestCancelled`` on every rank (``XfusePipeline._run``).
 
-Keys: ``xfuse/stop/<cancellation>/<call>/<run>/<step>`` (``run``: a two-expert call runs the engine twice). The
-decider deletes a call's keys in the next call, after that call's first collective, when every rank has read them:
-a service that runs for weeks keeps at most one call's keys.
+In a stream of requests (``XfusePipeline.run_stream``) each request stops on its own: the decider asks each
+request's condition (``conditions``) at that request's decision points, and a stopped request's tasks no longer run
+while the others' go on.
+
+Keys: ``xfuse/stop/<cancellation>/<call>/<run>/<request>/<step>`` (``run``: a two-expert call runs the engine
+twice; ``request``: the request of a stream, 0 alone). The decider deletes a call's keys in the next call, after
+that call's first collective, when every rank has read them: a service that runs for weeks keeps at most one call's
+keys.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Cancellation:
             raise ValueError("cancellation in a world of more than one rank needs the world's store")
         self.rank, self.world_size, self.store, self.timeout_s = rank, world_size, store, timeout_s
         self.condition: Callable[[], bool] | None = None  # the decider's: True once the request should stop
+        # the decider's, in a stream: each request's condition (None: that request is never stopped)
+        self.conditions: list[Callable[[], bool] | None] | None = None
         self._call, self._run = 0, 0
         self._prefix = f"{STOP_KEY}/{next(_MADE) if space is None else space}"
         self._written: list[str] = []  # the keys the decider wrote and has not deleted yet
@@ -61,34 +68,37 @@ class Cancellation:
         """Every rank, before each run of the engine in the call."""
         self._run += 1
 
-    def _key(self, stop: int) -> str:
-        return f"{self._prefix}/{self._call}/{self._run}/{stop}"
+    def _key(self, stop: int, request: int) -> str:
+        return f"{self._prefix}/{self._call}/{self._run}/{request}/{stop}"
 
-    def decide(self, stop: int) -> bool:
-        """The decider: whether the request stops before step ``stop`` (its ``condition``), published for the
-        others."""
+    def decide(self, stop: int, request: int = 0) -> bool:
+        """The decider: whether the request (``request`` of a stream) stops before step ``stop`` (its condition),
+        published for the others."""
         assert self.is_decider
-        stopping = self.condition is not None and bool(self.condition())
+        condition = self.condition if self.conditions is None else self.conditions[request]
+        stopping = condition is not None and bool(condition())
         if self.world_size > 1:
             for key in self._stale:  # the previous call's: this call's first collective is behind every rank
                 self.store.delete_key(key)
             self._stale = []
-            key = self._key(stop)
+            key = self._key(stop, request)
             self.store.set(key, b"1" if stopping else b"0")
             self._written.append(key)
         return stopping
 
-    def read(self, stop: int) -> bool:
-        """The others: the decider's answer for step ``stop``, waiting at most ``timeout_s`` for it."""
+    def read(self, stop: int, request: int = 0) -> bool:
+        """The others: the decider's answer for step ``stop`` (of ``request`` of a stream), waiting at most
+        ``timeout_s`` for it."""
         assert not self.is_decider
-        key = self._key(stop)
+        key = self._key(stop, request)
         try:
             self.store.wait([key], timedelta(seconds=self.timeout_s))
         except RuntimeError as err:  # c10d's DistStoreError (a RuntimeError) on timeout or a lost store
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CommTimeout(
                 f"rank {self.rank}: no word from rank {DECIDER} within {self.timeout_s:.1f} s (comm.timeout_s) on "
-                f"whether the request stops before step {stop}: {cause}",
+                f"whether the request{f' {request} of the stream' if request else ''} stops before step {stop}: "
+                f"{cause}",
                 rank=self.rank,
                 peer=DECIDER,
                 op="recv",

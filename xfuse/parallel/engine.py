@@ -87,6 +87,7 @@ class PipeFusionEngine:
         self.cache = cache if cache is not None and cache.enabled else None
         self.cache_decisions: list[bool] = []
         self.stopped_at: int | None = None
+        self.stream_stopped: dict[int, int] = {}  # after denoise_stream: request -> the step it stopped before
         self.host_deadline = host_deadline  # ages the host between tasks (comm.host_timeout_s)
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule | RequestStream, list, dict, tuple]] = OrderedDict()
@@ -111,9 +112,7 @@ class PipeFusionEngine:
         def build():
             schedule = build_schedule(self.plan, *key)
             program = protocol(schedule, self.pipe_rank, self.lookahead)
-            # program index -> the steps whose stop is read (any rank) or decided (the decider) there
-            stops = _by_index(stop_points(schedule, program)), _by_index(decision_points(schedule, program))
-            return schedule, program, self._messages(schedule), stops
+            return schedule, program, self._messages(schedule), _stop_indices(schedule, program, 1)
 
         return self._cached(key, build)
 
@@ -124,7 +123,8 @@ class PipeFusionEngine:
     def _stream_program(self, shapes: tuple[StreamShape, ...]):
         def build():
             stream = build_stream(self.plan, list(shapes))
-            return stream, protocol(stream, self.pipe_rank, self.lookahead), self._messages(stream), ()
+            program = protocol(stream, self.pipe_rank, self.lookahead)
+            return stream, program, self._messages(stream), _stop_indices(stream, program, len(shapes))
 
         return self._cached(("stream", shapes), build)
 
@@ -167,7 +167,7 @@ class PipeFusionEngine:
                 with aged:
                     executor.execute()
             finally:
-                self.stopped_at = None if executor.stops is None else executor.stops.stopped
+                self.stopped_at = None if executor.stops is None else executor.stops.stopped.get(0)
                 decisions = {} if run.cache is None else run.cache.decisions
                 self.cache_decisions = [decisions.get(step, True) for step in range(len(request.timesteps))]
             # a stopped request's state (this run) is dropped with it; the buffers stay for the next request
@@ -175,7 +175,11 @@ class PipeFusionEngine:
 
     @torch.no_grad()
     def denoise_stream(
-        self, requests: list[DenoiseRequest], grids: list[PatchGrid], tracer: Tracer | None = None
+        self,
+        requests: list[DenoiseRequest],
+        grids: list[PatchGrid],
+        tracer: Tracer | None = None,
+        cancellation: Cancellation | None = None,
     ) -> list[torch.Tensor | None]:
         """Denoise ``requests`` (on ``grids``, in arrival order) as one stream through the pipeline
         (``xfuse.parallel.request_stream``): a request's tasks enter the route while the one before it fills,
@@ -183,13 +187,21 @@ class PipeFusionEngine:
         state (``xfuse.parallel.request_state``), so each result is the request's alone, bit for bit. Returns each
         request's final latents on the embedding rank (0), ``None`` elsewhere.
 
+        With a ``cancellation``, each request may stop before any of its steps after the first, on every rank alike,
+        while the others run on (the decider asks each request's condition, ``Cancellation.conditions``): then
+        ``stream_stopped`` maps it to the step it stopped before, and its result is ``None`` on every rank.
+
         Every rank of the pipeline calls it with the same requests' shapes. Not with step caching or a ControlNet
-        (each request's decisions and residuals would cross the others'), and not with cancellation.
+        (each request's decisions and residuals would cross the others').
         """
         if not requests or len(requests) != len(grids):
             raise ValueError(f"a stream needs one grid per request (got {len(requests)} requests, {len(grids)} grids)")
+        self.stream_stopped = {}
         if len(requests) == 1:
-            return [self.denoise(requests[0], grids[0], tracer)]
+            final = self.denoise(requests[0], grids[0], tracer, cancellation)
+            if self.stopped_at is not None:
+                self.stream_stopped = {0: self.stopped_at}
+            return [final]
         if self.cache is not None:
             raise ValueError("a stream of several requests does not run with step caching (cache.method: off)")
         if any(request.control is not None for request in requests):
@@ -206,7 +218,7 @@ class PipeFusionEngine:
             for request, grid in zip(requests, grids, strict=True)
         )
         span = tracer.span if tracer is not None else null_span
-        stream, program, messages, _ = self._stream_program(shapes)
+        stream, program, messages, (reads, decides) = self._stream_program(shapes)
         with span("denoise", LOOP, requests=len(requests), steps=[shape.num_steps for shape in shapes]):
             runs = []
             try:
@@ -214,14 +226,20 @@ class PipeFusionEngine:
                     self._states.use(index)  # its ``begin_request`` starts its own state
                     own = {task: lists for task, lists in messages.items() if task.request == index}
                     runs.append(_Run(self, request, grid, stream.requests[index], own, tracer, in_stream=True))
+                executor = _Executor(self, runs, program, self._states)
+                if cancellation is not None:
+                    cancellation.begin_run()
+                    executor.stops = _Stops(cancellation, reads, decides, self.host_deadline)
                 deadline = self.host_deadline
                 aged = contextlib.nullcontext() if deadline is None else deadline.request(runs[0].describe)
                 with aged:
-                    _Executor(self, runs, program, self._states).execute()
+                    executor.execute()
             finally:
                 self._states.use(0)
             self.stopped_at, self.cache_decisions = None, []
-            return [run.latents.finish() for run in runs]
+            self.stream_stopped = {} if executor.stops is None else dict(executor.stops.stopped)
+            # a stopped request's state (its run) is dropped with it
+            return [None if i in self.stream_stopped else run.latents.finish() for i, run in enumerate(runs)]
 
 
 class _Run:
@@ -253,6 +271,7 @@ class _Run:
         self.sends: dict[Task, list[PendingSend]] = {}
         self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
         self.stage.begin_request(grid)
+        self.whole_tokens = self.stage.hidden_tokens(None)  # of the whole image: the request's (read in its state)
         control = request.control
         self.controls: ControlRouting | None = None  # with a ControlNet: this rank's share of its residuals
         if control is not None:
@@ -277,7 +296,8 @@ class _Run:
         batch = self.request.model_batch if m.part is None else self.latents.part_size
         if m.kind in self.plan.streams:  # (B_model, ...), a batch part's rows of it (an SP rank: its chunk)
             return (batch, *self.stage.stream_shape(m.kind, self.request.stream_shapes[m.kind])[1:])
-        held = self.stage.hidden_tokens(None if m.patch is None else self.grid[m.patch])  # all, or an SP chunk
+        # the tokens held: all, or an SP chunk (of the whole image: this request's, whichever request's state is in)
+        held = self.whole_tokens if m.patch is None else self.stage.hidden_tokens(self.grid[m.patch])
         hidden = (batch, held.stop - held.start, self.stage.hidden_size)  # (B_model or a part's rows, tokens, hidden)
         if m.kind == "control":  # the receiver's residuals stacked: (residuals, B, tokens, hidden)
             assert self.controls is not None
@@ -460,7 +480,7 @@ class _Executor:
             action, task = program[i]
             if prepare is not None and action not in (Action.SEND, Action.POST):
                 request, step = prepare
-                if stops is None or stops.reaches(step):
+                if stops is None or stops.reaches(step, request):
                     with self.runs[request].span(f"s{step} prepare", COMPUTE, step=step, prepare=True):
                         self._use(request)
                         self.engine.stage.prepare_step(self.runs[request]._cond(step))
@@ -500,9 +520,9 @@ class _Executor:
                         prepare = (task.request, task.step + 1)
             # WAIT_RECV is folded into COMPUTE: the buffers are waited for right before use.
             i += 1
-        if stops is not None and stops.stopped is not None and any(run.recvs or run.sends for run in self.runs):
-            # the stop points guarantee neither; a schedule bug if they remain
-            raise RuntimeError(f"a request stopped before step {stops.stopped} left messages in flight")
+        for request, stop in {} if stops is None else stops.stopped.items():
+            if self.runs[request].recvs or self.runs[request].sends:  # the stop points guarantee neither
+                raise RuntimeError(f"request {request}, stopped before step {stop}, left messages in flight")
 
     def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
         """Issue ``send_tasks``' outgoing messages and post ``post_tasks``' receives in one coalesced call."""
@@ -511,14 +531,13 @@ class _Executor:
         for task in send_tasks:
             run = self.runs[task.request]
             for m, tensor in run.outgoing.pop(task, {}).items():
-                if self.stops is not None and not self.stops.reaches(m.needed_at):
+                if self.stops is not None and not self.stops.reaches(m.needed_at, task.request):
                     continue  # a stopped request runs no task of that step: nobody receives it
                 sends.append(run.send(m, tensor))
                 send_owner.append(task)
         recvs: list[Recv] = []
         posted: list[Message] = []
         for task in post_tasks:
-            self._use(task.request)  # a receive's shape is of its request's image
             for m in self.runs[task.request].recv_msgs[task]:
                 recvs.append(self.runs[task.request].recv(m))
                 posted.append(m)
@@ -533,57 +552,71 @@ class _Executor:
             self.runs[m.request].recvs[m] = received
 
 
-def _by_index(points: dict[int, int]) -> dict[int, tuple[int, ...]]:
-    """``{step: program index}`` -> ``{program index: its steps, ascending}``."""
-    by_index: dict[int, list[int]] = {}
+def _by_index(points: dict[tuple[int, int], int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """``{(request, step): program index}`` -> ``{program index: its (request, step)s, ascending}``."""
+    by_index: dict[int, list[tuple[int, int]]] = {}
     for stop, index in sorted(points.items()):
         by_index.setdefault(index, []).append(stop)
     return {index: tuple(stops) for index, stops in by_index.items()}
 
 
+def _stop_indices(graph: Schedule | RequestStream, program, requests: int):
+    """Where this rank reads (any rank) and decides (the decider) whether each request stops before each step:
+    ``{program index: ((request, step), ...)}`` each (``stop_points``, ``decision_points``)."""
+    reads, decides = {}, {}
+    for request in range(requests):
+        for stop, index in stop_points(graph, program, request).items():
+            reads[(request, stop)] = index
+        for stop, index in decision_points(graph, program, request).items():
+            decides[(request, stop)] = index
+    return _by_index(reads), _by_index(decides)
+
+
 class _Stops:
-    """One run's cancellation on one rank: at which program indices it learns whether the request stops before a
-    step (``reads``; ``xfuse.parallel.schedule.stop_points``), where the decider decides (``decides``), and the step
-    the request stopped before (``stopped``)."""
+    """One run's cancellation on one rank (a request alone, or each request of a stream): at which program indices
+    it learns whether a request stops before a step (``reads``; ``xfuse.parallel.schedule.stop_points``), where the
+    decider decides (``decides``), and the step each stopped request stopped before (``stopped``)."""
 
     def __init__(self, cancellation: Cancellation, reads: dict, decides: dict, deadline: HostDeadline | None = None):
         self.cancellation = cancellation
         self.deadline = deadline  # a wait for the decider is bounded by comm.timeout_s: not the host's stall
         self.reads = reads
         self.decides = decides if cancellation.is_decider else {}
-        self.decided: int | None = None  # the decider's: the step it decided to stop before
-        self.stopped: int | None = None
+        self.decided: dict[int, int] = {}  # the decider's: request -> the step it decided to stop it before
+        self.stopped: dict[int, int] = {}  # request -> the step it stopped before
         self._turned = -1  # the last index whose turn was taken: a decision is taken once
 
     def may_wait(self, index: int) -> bool:
         """Whether the turn at ``index`` may wait for the decider (so what this rank has to send goes first)."""
-        return self.stopped is None and not self.cancellation.is_decider and index in self.reads
+        if self.cancellation.is_decider:
+            return False
+        return any(request not in self.stopped for request, _ in self.reads.get(index, ()))
 
     def turn(self, index: int) -> None:
         """At program ``index``: the decider decides the steps due here; then every rank learns the ones due."""
-        if self.stopped is not None or index <= self._turned:
+        if index <= self._turned:
             return
         self._turned = index
-        if self.decided is None:
-            for stop in self.decides.get(index, ()):
-                if self.cancellation.decide(stop):
-                    self.decided = stop  # nothing further is decided
-                    break
-        for stop in self.reads.get(index, ()):
+        for request, stop in self.decides.get(index, ()):
+            if request not in self.decided and self.cancellation.decide(stop, request):
+                self.decided[request] = stop  # nothing further is decided for it
+        for request, stop in self.reads.get(index, ()):
+            if request in self.stopped:
+                continue
             if self.cancellation.is_decider:
-                stopping = self.decided == stop
+                stopping = self.decided.get(request) == stop
             else:
                 with contextlib.nullcontext() if self.deadline is None else self.deadline.in_wait():
-                    stopping = self.cancellation.read(stop)
+                    stopping = self.cancellation.read(stop, request)
             if stopping:
-                self.stopped = stop
-                return
+                self.stopped[request] = stop
 
     def runs(self, index: int, task: Task) -> bool:
         """Take the turn at program ``index`` (once); whether its action, on ``task``, runs."""
         self.turn(index)
-        return self.reaches(task.step)
+        return self.reaches(task.step, task.request)
 
-    def reaches(self, step: int) -> bool:
-        """Whether the request runs ``step`` (all of them, unless it stopped before this one or an earlier one)."""
-        return self.stopped is None or step < self.stopped
+    def reaches(self, step: int, request: int = 0) -> bool:
+        """Whether ``request`` runs ``step`` (all of them, unless it stopped before this one or an earlier one)."""
+        stopped = self.stopped.get(request)
+        return stopped is None or step < stopped

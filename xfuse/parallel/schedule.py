@@ -456,16 +456,23 @@ def protocol(schedule: TaskGraph, rank: int, lookahead: int) -> list[tuple[Actio
     return actions
 
 
-def action_step(schedule: Schedule, action: Action, task: Task) -> int:
+def action_step(schedule: TaskGraph, action: Action, task: Task) -> int:
     """The latest diffusion step an action of a protocol serves: its task's; a send's, its receivers' latest."""
     if action == Action.SEND:
         return max([task.step, *(m.needed_at for m in schedule.sends(task))])
     return task.step
 
 
-def stop_points(schedule: Schedule, program: list[tuple[Action, Task]]) -> dict[int, int]:
+def _steps_of(graph: TaskGraph, request: int) -> int:
+    """The steps of request ``request`` of ``graph`` (a request alone is request 0)."""
+    return graph.num_steps if isinstance(graph, Schedule) else graph.requests[request].num_steps  # type: ignore[attr-defined]
+
+
+def stop_points(graph: TaskGraph, program: list[tuple[Action, Task]], request: int = 0) -> dict[int, int]:
     """Where a rank running ``program`` must know whether its request stops before step S, for every S in
-    1 … num_steps - 1: the index of its first action that serves step S or a later one (``action_step``).
+    1 … num_steps - 1: the index of its first action that serves step S or a later one (``action_step``). In a
+    stream of requests (``xfuse.parallel.request_stream``) each request stops on its own: its points are among its
+    own actions (``request``), and the other requests' actions run on.
 
     A request stopped before step S runs, on every rank, the actions of the tasks of steps < S only and sends only
     the messages those tasks receive (``Message.needed_at`` < S); the actions before every rank's stop point are
@@ -475,45 +482,51 @@ def stop_points(schedule: Schedule, program: list[tuple[Action, Task]]) -> dict[
     ``check_protocol`` with ``decider`` shows cannot be circular.
     """
     points: dict[int, int] = {}
-    last = schedule.num_steps - 1
+    last = _steps_of(graph, request) - 1
     for i, (action, task) in enumerate(program):
-        reached = min(action_step(schedule, action, task), last)
-        while len(points) < reached:
-            points[len(points) + 1] = i
+        if task.request == request:
+            reached = min(action_step(graph, action, task), last)
+            while len(points) < reached:
+                points[len(points) + 1] = i
     while len(points) < last:  # (every rank has tasks in every step; kept total for any program)
         points[len(points) + 1] = len(program)
     return points
 
 
-def decision_points(schedule: Schedule, program: list[tuple[Action, Task]]) -> dict[int, int]:
+def decision_points(graph: TaskGraph, program: list[tuple[Action, Task]], request: int = 0) -> dict[int, int]:
     """The decider's ``program`` index at which it decides whether the request stops before step S: its stop point
-    for S - 1 (the start, for S = 1), one step ahead of every rank's need."""
-    points = stop_points(schedule, program)
-    return {stop: 0 if stop == 1 else points[stop - 1] for stop in points}
+    for S - 1 (its first action of the request, for S = 1), one step ahead of every rank's need."""
+    points = stop_points(graph, program, request)
+    first = next((i for i, (_, task) in enumerate(program) if task.request == request), len(program))
+    return {stop: first if stop == 1 else points[stop - 1] for stop in points}
 
 
 class ScheduleDeadlock(RuntimeError):
     pass
 
 
-def check_protocol(schedule: TaskGraph, lookahead: int, *, decider: int | None = None, stop_at: int | None = None):
+def check_protocol(
+    schedule: TaskGraph, lookahead: int, *, decider: int | None = None, stop_at: int | dict[int, int] | None = None
+):
     """Run every rank's ``protocol`` against each other with rendezvous semantics (a send completes only once its
     receive is posted, as on gloo and for large NCCL messages); raise ``ScheduleDeadlock`` naming what each
     blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match.
 
     With a ``decider`` rank, every other rank also waits at each of its ``stop_points`` for the decider to reach
-    its ``decision_points`` for that step; with ``stop_at`` S, the decider stops the request before step S there,
-    and every rank then runs only what a stopped request runs (``stop_points``)."""
+    its ``decision_points`` for that step (in a stream: each request's); with ``stop_at`` S (in a stream: request ->
+    S), the decider stops the request before step S there, and every rank then runs only what a stopped request
+    runs (``stop_points``), the other requests of a stream all of theirs."""
     ranks = sorted(schedule.orders)
-    if decider is not None or stop_at is not None:
-        assert isinstance(schedule, Schedule), "a request stops alone: check one request's schedule"
-    limit = math.inf if stop_at is None else stop_at  # tasks of steps >= limit do not run
+    requests = range(1 if isinstance(schedule, Schedule) else len(schedule.requests))  # type: ignore[attr-defined]
+    stops = {} if stop_at is None else stop_at if isinstance(stop_at, dict) else {0: stop_at}
+    limits = [stops.get(request, math.inf) for request in requests]  # per request: its tasks of steps >= it do not run
 
     def sends(task: Task) -> list[Message]:
+        limit = limits[task.request]
         return [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
 
     def recvs(task: Task) -> list[Message]:
-        return schedule.recvs(task) if task.step < limit else []
+        return schedule.recvs(task) if task.step < limits[task.request] else []
 
     # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
     sent: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
@@ -530,13 +543,13 @@ def check_protocol(schedule: TaskGraph, lookahead: int, *, decider: int | None =
     programs = {r: protocol(schedule, r, lookahead) for r in ranks}
     gates: dict[int, dict[int, int]] = {r: {} for r in ranks}  # rank -> {its stop point: decider's index to await}
     if decider is not None:
-        assert isinstance(schedule, Schedule)
-        decided = decision_points(schedule, programs[decider])
-        for rank in ranks:
-            if rank != decider:
-                for stop, point in stop_points(schedule, programs[rank]).items():
-                    if stop <= limit:  # once stopped, nothing further is decided
-                        gates[rank][point] = max(gates[rank].get(point, 0), decided[stop])
+        for request in requests:
+            decided = decision_points(schedule, programs[decider], request)
+            for rank in ranks:
+                if rank != decider:
+                    for stop, point in stop_points(schedule, programs[rank], request).items():
+                        if stop <= limits[request]:  # once stopped, nothing further is decided
+                            gates[rank][point] = max(gates[rank].get(point, 0), decided[stop])
     pc = dict.fromkeys(ranks, 0)
     n_sent = {pair: 0 for pair in sent}  # messages issued per pair so far
     n_posted = {pair: 0 for pair in sent}

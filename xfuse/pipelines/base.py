@@ -507,7 +507,9 @@ class PipeFusionPipelineBase:
         return None
 
     @torch.no_grad()
-    def run_stream(self, calls: Sequence[dict[str, Any]]) -> list[Any]:
+    def run_stream(
+        self, calls: Sequence[dict[str, Any]], stop_if: Sequence[Callable[[], bool] | None] | None = None
+    ) -> list[Any]:
         """Run several calls as one stream through the pipeline: ``calls[i]`` are the keyword arguments of one
         ``__call__``; returns what each call returns, in order (rank 0's outputs, ``None`` elsewhere).
 
@@ -518,11 +520,20 @@ class PipeFusionPipelineBase:
         are prepared (text, latents) one after another, denoised together, then decoded one after another. Every
         rank calls it with the same calls. Calls of one size, or of several (each keeps its own buffers).
 
+        ``stop_if`` (global rank 0, with ``enable_cancellation()`` on every rank): one condition per call (``None``:
+        never stopped), asked once per step of its call as ``cancel_if``'s is; a call whose condition holds stops
+        before its next step on every rank while the others run on, and its entry in the result is the
+        ``RequestCancelled`` every rank gets alike (returned, not raised).
+
         Refused before any communication: step caching, a ControlNet, a compiled stage, sequence parallelism and
-        Wan 2.2's two experts (run those one call at a time). Not stopped by ``cancel_if``.
+        Wan 2.2's two experts (run those one call at a time).
         """
         if not calls:
             raise ValueError("run_stream needs at least one call")
+        if stop_if is not None and len(stop_if) != len(calls):
+            raise ValueError(f"stop_if needs one condition (or None) per call: {len(stop_if)} for {len(calls)} calls")
+        if stop_if is not None and self._cancellation is None:
+            raise RuntimeError("run_stream's stop_if needs enable_cancellation() on every rank first")
         if self.engine.cache is not None:
             raise ValueError(f"run_stream does not run with step caching (cache.method: {self.engine.cache.method!r})")
         if self._control_blocks(self.pipeline):
@@ -543,18 +554,29 @@ class PipeFusionPipelineBase:
             decode_shapes.append(self._decode_shape)
         self._begin_call()
         span = self._tracer.span if self._tracer is not None else null_span
-        results = []
-        with self.context.monitor.guard(), span("call", CALL, calls=len(recipes)):
-            requests = []
-            for index, recipe in enumerate(recipes):
-                request, _ = self._prepare(recipe, span)
-                if not isinstance(request, DenoiseRequest):  # (on every rank alike)
-                    raise ValueError(f"calls[{index}]: a request of two experts does not run in a stream")
-                request.scheduler = copy.deepcopy(request.scheduler)  # its own: the next call sets the timesteps
-                requests.append(request)
-            finals = self._denoise_stream(requests)
-            for recipe, final, self._decode_shape in zip(recipes, finals, decode_shapes, strict=True):
-                results.append(self._finish(recipe, final, span))
+        results: list[Any] = []
+        if self._cancellation is not None:
+            self._cancellation.conditions = list(stop_if) if stop_if is not None else [None] * len(recipes)
+        try:
+            with self.context.monitor.guard(), span("call", CALL, calls=len(recipes)):
+                requests = []
+                for index, recipe in enumerate(recipes):
+                    request, _ = self._prepare(recipe, span)
+                    if not isinstance(request, DenoiseRequest):  # (on every rank alike)
+                        raise ValueError(f"calls[{index}]: a request of two experts does not run in a stream")
+                    request.scheduler = copy.deepcopy(request.scheduler)  # its own: the next call sets the timesteps
+                    requests.append(request)
+                finals = self._denoise_stream(requests)
+                stopped = self.engine.stream_stopped  # the same on every rank: nothing after the loop runs for them
+                for index, (recipe, final) in enumerate(zip(recipes, finals, strict=True)):
+                    if index in stopped:
+                        results.append(RequestCancelled(stopped[index], len(requests[index].timesteps)))
+                        continue
+                    self._decode_shape = decode_shapes[index]
+                    results.append(self._finish(recipe, final, span))
+        finally:
+            if self._cancellation is not None:
+                self._cancellation.conditions = None
         if self._callback_error is not None:
             raise self._callback_error
         return results
@@ -707,7 +729,7 @@ class PipeFusionPipelineBase:
             for request in requests:
                 request.on_progress = lambda step: progress.update()
         try:
-            finals = self.engine.denoise_stream(requests, grids, self._tracer)
+            finals = self.engine.denoise_stream(requests, grids, self._tracer, self._cancellation)
         finally:
             if progress is not None:
                 progress.close()

@@ -101,25 +101,31 @@ def job_call(pipe, jobs: list[dict[str, Any]]) -> dict[str, Any]:
     return call
 
 
-def run_calls(pipe, calls: list[list[dict[str, Any]]]) -> list:
+def run_calls(pipe, calls: list[list[dict[str, Any]]], stop_if: list | None = None) -> list:
     """This rank's share of the pipeline calls of one turn of the loop (each a batch of jobs, ``job_call``), with
     their adapters (one set for all of them: ``Service.next_stream``): one call alone, or several streamed through
-    the pipeline together (``run_stream``). Every rank makes the same calls; rank 0 gets the outputs, in order, a
-    call alone's as the ``RequestCancelled`` every rank gets alike when rank 0 stopped it between steps (its clients
-    went away), said once per rank. A stream is not stopped between steps: its requests run to the end."""
+    the pipeline together (``run_stream``). Every rank makes the same calls; rank 0 gets the outputs, in order, and
+    asks ``stop_if`` (one condition per call) once per step of a streamed call (a call alone: the ``cancel_if``
+    around it). A call stopped between steps (its clients went away) is the ``RequestCancelled`` every rank gets
+    alike, said once per rank."""
     lora = calls[0][0]["lora"]
     if lora or (hasattr(pipe, "get_list_adapters") and pipe.get_list_adapters()):  # a server with adapters
         use_adapters(pipe, lora)
     if len(calls) > 1:
-        return pipe.run_stream([job_call(pipe, jobs) for jobs in calls])
-    try:
-        return [pipe(**job_call(pipe, calls[0]))]
-    except RequestCancelled as stopped:
-        write_stderr(
-            f"[xfuse {clock()}] rank {pipe.context.rank}: request stopped before step {stopped.stopped_at} of "
-            f"{stopped.num_steps} on every rank: its client went away"
-        )
-        return [stopped]
+        outputs = pipe.run_stream([job_call(pipe, jobs) for jobs in calls], stop_if=stop_if)
+    else:
+        try:
+            outputs = [pipe(**job_call(pipe, calls[0]))]
+        except RequestCancelled as stopped:
+            outputs = [stopped]
+    for index, output in enumerate(outputs):
+        if isinstance(output, RequestCancelled):
+            which = f"call {index + 1} of {len(calls)} of a stream" if len(calls) > 1 else "request"
+            write_stderr(
+                f"[xfuse {clock()}] rank {pipe.context.rank}: {which} stopped before step {output.stopped_at} of "
+                f"{output.num_steps} on every rank: its client went away"
+            )
+    return outputs
 
 
 def server_loop(
@@ -171,8 +177,9 @@ def server_loop(
         calls = [[_with_seed(pending.job) for pending in batch] for batch in stream]
         started = time.monotonic()
         control.post(JOB, calls)
-        with pipe.cancel_if(functools.partial(_all_abandoned, stream[0])):  # a call alone: asked once per step
-            outputs = run_calls(pipe, calls)
+        stop_if = [functools.partial(_all_abandoned, batch) for batch in stream]  # each asked once per step
+        with pipe.cancel_if(stop_if[0]):  # (a call alone's)
+            outputs = run_calls(pipe, calls, stop_if if len(stream) > 1 else None)
         answer_round(job_done=True)
         last_round = time.monotonic()
         sharing = sum(len(batch) for batch in stream)  # the requests that shared the generation time

@@ -53,6 +53,8 @@ class _IdentityMemo(nn.Module):
     """``forward`` of the base class, returned again while called with the same, unchanged input tensor."""
 
     _memo: tuple[torch.Tensor, int, torch.Tensor, int] | None = None  # input, its version, output, its version
+    # one request's step (``xfuse.parallel.request_state``): requests streamed together keep their own products
+    REQUEST_STATE = ("_memo",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # not memoised: under autograd (an output belongs to one graph), or for inference tensors (no version

@@ -89,8 +89,10 @@ class ShardedStage(nn.Module):
 
     def request_state_holders(self) -> tuple[object, ...]:
         """The objects that keep the request in flight's state, each naming it in ``REQUEST_STATE`` (the ``Stage``
-        method): this stage, its K/V cache, its cross-attention processors."""
-        return (self, self.kv_cache, *self._cross)
+        method): this stage, its K/V cache, its cross-attention processors and its modulation memos (a request's
+        step's products, kept while another request's tasks run)."""
+        memos = [memo for mod in self.modulation for memo in (mod.silu, mod.linear) if memo is not None]
+        return (self, self.kv_cache, *self._cross, *memos)
 
     def batch_part(self, cond: Any, part: BatchPart) -> Any:
         """``cond`` for ``part``'s rows of the batch (the ``Stage`` method). A family's conditioning names its
