@@ -408,7 +408,7 @@ def test_batched_and_streamed_requests_each_equal_the_same_request_served_alone(
     bodies[5] = {"prompt": "a lake 5", "seed": 5, "size": "128x96"}
     bodies[6] = {"prompt": "a lake 6", "seed": 6, "n": 2}
     bodies[7] = {"prompt": "a lake 7", "seed": 7, "num_inference_steps": 3}
-    settings = ("serve.max_batch=4", "serve.max_inflight=4", "serve.max_queue=8")
+    settings = ("serve.max_batch=4", "serve.max_inflight=4", "serve.max_queue=8", "serve.max_queued_work=100")
     with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
         alone = {seed: _generate(served.url, body).json() for seed, body in bodies.items()}  # one at a time
         assert {(reply["batch"], reply["stream"]) for reply in alone.values()} == {(1, 1)}
@@ -419,6 +419,10 @@ def test_batched_and_streamed_requests_each_equal_the_same_request_served_alone(
             replies_in_order = pool.map(lambda body: _generate(served.url, body), bodies.values())
             together = dict(zip(bodies, replies_in_order, strict=True))
             assert running.result().status_code == 200
+        stream_stop = _a_client_of_a_stream_hangs_up(served)
+    assert stream_stop["other"] == stream_stop["other_alone"]  # the same PNG bytes
+    assert {rank for rank, _ in stream_stop["stops"]} == {"0", "1"}, stream_stop["stops"]
+    assert len({step for _, step in stream_stop["stops"]}) == 1 and int(stream_stop["stops"][0][1]) <= 50
     replies = {seed: response.json() for seed, response in together.items()}
     assert [replies[seed]["batch"] for seed in (1, 2, 3, 4)] == [4] * 4, replies
     assert replies[5]["batch"] == replies[6]["batch"] == replies[7]["batch"] == 1
@@ -430,6 +434,43 @@ def test_batched_and_streamed_requests_each_equal_the_same_request_served_alone(
                 assert mine["b64_json"] == theirs["b64_json"], seed
             a, b = (np.asarray(decode_png(x["b64_json"]), dtype=np.int16) for x in (mine, theirs))
             assert a.shape == b.shape and np.abs(a - b).max() <= 1, seed
+
+
+# (the 100-step request may reach the queue first or second: the two clients post at once)
+STREAM_STOPPED = r"rank (\d): call [12] of 2 of a stream stopped before step (\d+) of 100 on every rank"
+
+
+def _a_client_of_a_stream_hangs_up(served) -> dict:
+    """Behind a blocker, a short request and a 100-step one queue together and run as a stream of two; the second's
+    client hangs up once both run. Returns the first's PNG and the same request's alone, and each rank's line saying
+    where the second stopped (the served world of ``serve.max_inflight`` > 1, no API key)."""
+    import socket
+
+    other = {"prompt": "a lake 8", "seed": 8, "num_inference_steps": 4}
+    other_alone = _generate(served.url, other).json()["data"][0]["b64_json"]
+    lines = len(re.findall(STREAM_STOPPED, served.stderr()))
+    host, port = served.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "long", "seed": 9, "num_inference_steps": 100}'
+    request = (f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(_generate, served.url, {"prompt": "busy", "size": "384x384", "num_inference_steps": 20})
+        time.sleep(0.3)
+        short = pool.submit(_generate, served.url, other)
+        with socket.create_connection((host, int(port))) as hanging:  # a client that goes away while it runs
+            hanging.sendall(request)
+            deadline = time.monotonic() + 60
+            while _running(served.url) < 2:  # the stream of the short one and this one runs
+                assert time.monotonic() < deadline, served.stderr()[-3000:]
+                time.sleep(0.02)
+        stops = poll_stderr(served, STREAM_STOPPED, after=lines, count=2)
+        assert blocker.result().status_code == 200 and short.result().json()["stream"] == 2
+        return {"other": short.result().json()["data"][0]["b64_json"], "other_alone": other_alone, "stops": stops}
+
+
+def _running(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics").text
+    return float(re.search(r"^xfuse_requests_running (\S+)", metrics, re.M).group(1))
 
 
 def test_serve_compiles_its_sizes_before_ready_and_serves_a_further_size_eagerly(tmp_path):
