@@ -2,8 +2,9 @@
 
     python benchmarks/soak_serve.py [--requests 1000] [--clients 8] [--out benchmarks/results]
 
-The world: the tiny preset, degree 2, 2 patches, one warm-up step, ``serve.max_batch=4`` (so batches form under
-load). The requests mix three sizes, 2-6 steps, their own seeds, and every tenth asks for two images; every 40th is
+The world: the tiny preset, degree 2, 2 patches, one warm-up step, ``serve.max_batch=4`` and
+``serve.max_inflight=4`` (so batches form under load, and up to four calls stream through the pipeline together). The
+requests mix three sizes, 2-6 steps, their own seeds, and every tenth asks for two images; every 40th is
 20 steps and its client hangs up 0.05-0.95 s after sending (the request is dropped from the queue, or stopped
 between steps while it runs). Counted: answered 200 (each PNG checked for its size), failed (any other answer or
 error: must be 0), and hang-ups. Every 100 answered requests and after the last, each rank's resident memory
@@ -31,7 +32,8 @@ import httpx  # noqa: E402
 from tests.support.serve_fns import ServedWorld, decode_png  # noqa: E402 - the same launcher the tests use
 
 SIZES = ((128, 128), (64, 128), (128, 64))
-SETTINGS = ("serve.max_batch=4", "serve.max_queue=64", "serve.max_queued_work=1000", "comm.timeout_s=30")
+SETTINGS = ("serve.max_batch=4", "serve.max_inflight=4", "serve.max_queue=64", "serve.max_queued_work=1000",
+            "comm.timeout_s=30")  # fmt: skip
 
 
 def rss_kib(pid: int) -> int:
@@ -55,7 +57,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    counts = {"ok": 0, "failed": 0, "hung_up": 0}
+    counts = {"ok": 0, "failed": 0, "hung_up": 0, "streamed": 0}  # streamed: answered from a stream of > 1 call
     failures: list[str] = []
     samples: list[dict] = []  # every 100 answered requests: each rank's RSS
     lock = threading.Lock()
@@ -80,6 +82,8 @@ def main() -> None:
                     width, height = map(int, body["size"].split("x"))
                     images = [decode_png(d["b64_json"]) for d in response.json()["data"]]
                     ok = len(images) == body.get("n", 1) and all(im.size == (width, height) for im in images)
+                    with lock:
+                        counts["streamed"] += response.json()["stream"] > 1
                 detail = f"{response.status_code} {response.text[:200]}"
             except httpx.HTTPError as err:
                 ok, detail = False, f"{type(err).__name__}: {err}"
@@ -123,11 +127,13 @@ def main() -> None:
     with open(os.path.join(args.out, "soak_serve.json"), "w") as fh:
         json.dump(report, fh, indent=2)
     rows = [
-        f"Machine: {report['machine']}; tiny preset, degree 2, `serve.max_batch=4`; {args.requests} requests from "
+        f"Machine: {report['machine']}; tiny preset, degree 2, `serve.max_batch=4`, `serve.max_inflight=4`; "
+        f"{args.requests} requests from "
         f"{args.clients} concurrent clients in {elapsed:.0f} s (sizes 128x128, 64x128, 128x64; 2-6 steps; n=2 every "
         "tenth; every 40th request is 20 steps and its client hangs up 0.05-0.95 s after sending).",
         "",
-        f"Answered 200: {counts['ok']}; failed: {counts['failed']}; hung up: {counts['hung_up']} (of them stopped "
+        f"Answered 200: {counts['ok']} ({counts['streamed']} of them from a stream of several calls); failed: "
+        f"{counts['failed']}; hung up: {counts['hung_up']} (of them stopped "
         f"between steps on every rank: {cancelled:.0f}; the others were dropped from the queue); `/health` after: "
         f"{health}.",
         "",
