@@ -214,7 +214,7 @@ class PipeFusionEngine:
                 min(self.warmup_steps, len(request.timesteps)),
                 batch_parts(request.model_batch, self.plan.degree),
                 grid.cost_tokens,
-            )  # fmt: skip
+            )
             for request, grid in zip(requests, grids, strict=True)
         )
         span = tracer.span if tracer is not None else null_span

@@ -525,8 +525,8 @@ class PipeFusionPipelineBase:
         before its next step on every rank while the others run on, and its entry in the result is the
         ``RequestCancelled`` every rank gets alike (returned, not raised).
 
-        Refused before any communication: step caching, a ControlNet, a compiled stage, sequence parallelism and
-        Wan 2.2's two experts (run those one call at a time).
+        Refused before any communication: step caching, a ControlNet, a compiled stage and sequence parallelism;
+        a call of two experts (Wan 2.2) on every rank alike once the calls are prepared. Run those one at a time.
         """
         if not calls:
             raise ValueError("run_stream needs at least one call")
