@@ -489,7 +489,7 @@ class ServeConfig(_Section):
     batch_max_pixels: Annotated[int, Field(ge=256)] = 512 * 512  # measured: batches of 4 still 1.12x at 512² here
     # pipeline calls (each a batch, or one request) the loop streams through the pipeline together when they queue
     # together with the same adapters: the next one's patches enter while the last one's leave
-    # (xfuse.parallel.request_stream); not with sequence parallelism or step caching; 1: one call at a time
+    # (xfuse.parallel.request_stream); not with sequence parallelism or compile; 1: one call at a time
     max_inflight: PositiveInt = 1
     max_side: Annotated[int, Field(ge=16)] = 2048  # pixels, width and height alike
     max_pixels: Annotated[int, Field(ge=256)] = 2048 * 2048  # width x height
@@ -594,7 +594,6 @@ class XfuseConfig(_Section):
         conflicts = [
             ("parallel.ulysses_degree", p.ulysses_degree != 1, "1"),
             ("parallel.ring_degree", p.ring_degree != 1, "1"),
-            ("cache.method", self.cache.enabled, "off"),
             ("compile.mode", self.compile.enabled, "off"),
         ]
         for key, conflicts_with_streams, allowed in conflicts:
@@ -602,8 +601,8 @@ class XfuseConfig(_Section):
                 raise ConfigError(
                     "serve.max_inflight",
                     f"streams calls through the pipeline only with {key} {allowed} (each request's sequence-"
-                    f"parallel exchanges, caching decisions and compiled shapes are its own); use 1, or {key} "
-                    f"{allowed} (got {self.serve.max_inflight})",
+                    f"parallel exchanges and compiled shapes are its own); use 1, or {key} {allowed} "
+                    f"(got {self.serve.max_inflight})",
                 )
         return self
 

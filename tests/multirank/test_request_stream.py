@@ -2,8 +2,10 @@
 denoise_stream``) on real gloo ranks: each call's image is bitwise the one the same call gets alone in the same
 processes (so each keeps its own scheduler, generator, latents and stale K/V), the calls really overlap (a later
 call's tasks run on a rank before an earlier call's last one), and the calls after the stream are unchanged by it.
-Linear, folded and balanced pipelines with M > N and warm-up, the exact mode, CFG parallel, mixed sizes, steps,
-seeds and prompts; what a stream refuses, named before any communication. Every family: ``test_conformance``."""
+Linear, folded and balanced pipelines with M > N and warm-up, the exact mode, CFG parallel, step caching (each call
+skips the steps it skips alone), mixed sizes, steps, seeds and prompts; a call of a stream stopped between steps on
+every rank while the others run on; sequence parallelism refused before any communication. Every family:
+``test_conformance``."""
 
 import numpy as np
 import pytest
@@ -36,20 +38,26 @@ def world4():
         yield w
 
 
+FIRST_BLOCK = {"method": "first_block", "threshold": 0.5}  # skips steps of the tiny model's calls
+
+
 @pytest.mark.parametrize(
-    "parallel",
+    "parallel,cache",
     [
-        {"pipefusion_degree": 4, "placement": "linear", "num_patches": 5, "warmup_steps": 1},
-        {"pipefusion_degree": 4, "placement": "folded", "num_patches": 4, "warmup_steps": 1},
-        {"pipefusion_degree": 4, "placement": "balanced", "num_patches": 4, "warmup_steps": 2},
-        {"pipefusion_degree": 4, "placement": "linear", "num_patches": 2, "warmup_steps": 0},
-        {"pipefusion_degree": 4, "placement": "linear", "warmup_steps": 100},  # exact: whole-image steps
-        {"pipefusion_degree": 2, "cfg_degree": 2, "num_patches": 3, "warmup_steps": 1},
+        ({"pipefusion_degree": 4, "placement": "linear", "num_patches": 5, "warmup_steps": 1}, None),
+        ({"pipefusion_degree": 4, "placement": "folded", "num_patches": 4, "warmup_steps": 1}, None),
+        ({"pipefusion_degree": 4, "placement": "balanced", "num_patches": 4, "warmup_steps": 2}, None),
+        ({"pipefusion_degree": 4, "placement": "linear", "num_patches": 2, "warmup_steps": 0}, None),
+        ({"pipefusion_degree": 4, "placement": "linear", "warmup_steps": 100}, None),  # exact: whole-image steps
+        ({"pipefusion_degree": 2, "cfg_degree": 2, "num_patches": 3, "warmup_steps": 1}, None),
+        ({"pipefusion_degree": 4, "placement": "linear", "num_patches": 4, "warmup_steps": 1}, FIRST_BLOCK),
+        ({"pipefusion_degree": 4, "placement": "folded", "warmup_steps": 100}, FIRST_BLOCK),
     ],
-    ids=["linear", "folded", "balanced", "no-warmup", "exact", "cfg2-pp2"],
+    ids=["linear", "folded", "balanced", "no-warmup", "exact", "cfg2-pp2", "first-block", "first-block-exact"],
 )
-def test_each_streamed_call_is_bitwise_the_call_alone(world4, folder, parallel):
-    results = world4.run_ok(run_streamed_and_alone, folder, parallel, CALLS, timeout=300)
+def test_each_streamed_call_is_bitwise_the_call_alone(world4, folder, parallel, cache):
+    """With step caching each call decides its own steps on its own residuals: the same steps skipped as alone."""
+    results = world4.run_ok(run_streamed_and_alone, folder, parallel, CALLS, cache=cache, timeout=300)
     rank0 = results[0]
     runs = zip(rank0["alone"], rank0["streamed"], rank0["again"], strict=True)
     for index, (alone, streamed, again) in enumerate(runs):
@@ -61,28 +69,17 @@ def test_each_streamed_call_is_bitwise_the_call_alone(world4, folder, parallel):
         assert r["streamed"] == [None] * len(CALLS)
     assert all(sorted({task[0] for task in r["tasks"]}) == [0, 1, 2] for r in results)
     assert entered_in_flight(results, 1) and entered_in_flight(results, 2)
+    if cache is not None:
+        computed, skipped = (sum(steps[i] for steps in rank0["cache_steps_alone"]) for i in (0, 1))
+        assert skipped > 0 and tuple(rank0["cache_steps_streamed"]) == (computed, skipped), rank0["cache_steps_alone"]
 
 
-@pytest.mark.parametrize(
-    "parallel,cache,message",
-    [
-        (
-            {"pipefusion_degree": 2, "ulysses_degree": 2, "num_patches": 2, "warmup_steps": 1},
-            None,
-            "does not run under sequence parallelism",
-        ),
-        (
-            {"pipefusion_degree": 4, "num_patches": 4, "warmup_steps": 1},
-            {"method": "first_block", "threshold": 0.2},
-            "run_stream does not run with step caching (cache.method: 'first_block')",
-        ),
-    ],  # fmt: skip
-    ids=["ulysses", "step-caching"],
-)
-def test_what_a_stream_refuses_is_named_on_every_rank_before_it_communicates(world4, folder, parallel, cache, message):
-    results = world4.run_ok(stream_refusal, folder, parallel, CALLS[:2], cache=cache, timeout=300)
+def test_a_stream_under_sequence_parallelism_is_refused_on_every_rank_before_it_communicates(world4, folder):
+    parallel = {"pipefusion_degree": 2, "ulysses_degree": 2, "num_patches": 2, "warmup_steps": 1}
+    results = world4.run_ok(stream_refusal, folder, parallel, CALLS[:2], timeout=300)
     for r in results:
-        assert r["error"] is not None and message in r["error"], r
+        assert r["error"] is not None and "does not run under sequence parallelism" in r["error"], r
+        assert "parallel.ulysses_degree and parallel.ring_degree 1" in r["error"]
     assert results[0]["after"] == (1, 128, 96, 3)  # the world is whole: the next call runs
 
 

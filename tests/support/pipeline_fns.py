@@ -223,29 +223,36 @@ def run_with_a_cancel(folder, parallel, call, stop_before, family="hunyuandit", 
                 computed_steps=computed, asks=len(asks))  # fmt: skip
 
 
-def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit"):
+def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=None):
     """Every rank: ``calls`` run one at a time, then as one stream (``run_stream``), then alone again. Returns
     rank 0's images of each (``None`` elsewhere) and, from this rank's trace of the stream, every task it computed
-    as (request, start, end) in wall-clock microseconds (ranks on one machine line up)."""
+    as (request, start, end) in wall-clock microseconds (ranks on one machine line up). ``cache``: the pipeline's
+    step caching; then also each call's (computed, skipped) steps alone and in the stream."""
     import torch.distributed as dist
 
     from xfuse.families.registry import MODEL_SPECS
     from xfuse.parallel.trace import COMPUTE
 
-    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60},
+                                                                cache=cache)  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
 
     def images(outputs):
         return [None if out is None else as_array(out) for out in outputs]
 
-    alone = images([pipe(**with_generator(call)) for call in calls])
+    alone, steps_alone = [], []
+    for call in calls:
+        alone += images([pipe(**with_generator(call))])
+        steps_alone.append(pipe.local_stats()["cache_steps"])
     pipe.enable_trace()
     streamed = images(pipe.run_stream([with_generator(call) for call in calls]))
+    steps_streamed = pipe.local_stats()["cache_steps"]  # the stream's, summed over its calls
     tasks = [(e["args"]["request"], e["ts"], e["ts"] + e["dur"]) for e in pipe.trace_events()
              if e["tid"] == COMPUTE and "request" in e["args"]]  # fmt: skip
     pipe.enable_trace(False)
     again = images([pipe(**with_generator(call)) for call in calls])
-    return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again, tasks=tasks)
+    return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again, tasks=tasks,
+                cache_steps_alone=steps_alone, cache_steps_streamed=steps_streamed)  # fmt: skip
 
 
 def entered_in_flight(results, call: int) -> bool:
@@ -257,12 +264,11 @@ def entered_in_flight(results, call: int) -> bool:
     return min(start for request, start, _ in tasks if request == call) < last_end
 
 
-def stream_refusal(folder, parallel, calls, cache=None, family="hunyuandit"):
+def stream_refusal(folder, parallel, calls, family="hunyuandit"):
     """Every rank: the error ``run_stream(calls)`` raises on this layout, then whether a call alone still runs."""
     from xfuse.families.registry import MODEL_SPECS
 
-    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60},
-                                                                cache=cache)  # fmt: skip
+    pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60})
     pipe.set_progress_bar_config(disable=True)
     try:
         pipe.run_stream([with_generator(call) for call in calls])

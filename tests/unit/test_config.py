@@ -454,10 +454,10 @@ BAD_DICTS = [
         ["only with parallel.ulysses_degree 1", "use 1, or parallel.ulysses_degree 1 (got 2)"],
     ),
     (
-        "serve_streams_with_step_caching",
-        {"serve": {"max_inflight": 4}, "cache": {"method": "first_block"}},
+        "serve_streams_with_compile",
+        {"serve": {"max_inflight": 4}, "compile": {"mode": "regional"}},
         "serve.max_inflight",
-        ["only with cache.method off", "(got 4)"],
+        ["only with compile.mode off", "(got 4)"],
     ),
     (
         "vae_parallel_unknown",

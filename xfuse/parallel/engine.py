@@ -88,6 +88,7 @@ class PipeFusionEngine:
         self.cache_decisions: list[bool] = []
         self.stopped_at: int | None = None
         self.stream_stopped: dict[int, int] = {}  # after denoise_stream: request -> the step it stopped before
+        self.stream_cache_decisions: list[list[bool]] = []  # after denoise_stream: each request's cache_decisions
         self.host_deadline = host_deadline  # ages the host between tasks (comm.host_timeout_s)
         # The most recent request shapes' programs, oldest first: a long-lived service meets many step counts.
         self._schedules: OrderedDict[tuple, tuple[Schedule | RequestStream, list, dict, tuple]] = OrderedDict()
@@ -121,12 +122,14 @@ class PipeFusionEngine:
         return {t: (schedule.recvs(t), schedule.sends(t)) for t in schedule.orders[self.pipe_rank]}
 
     def _stream_program(self, shapes: tuple[StreamShape, ...]):
+        flags = self.cache is not None  # each step's first task hands its caching decision on
+
         def build():
-            stream = build_stream(self.plan, list(shapes))
+            stream = build_stream(self.plan, list(shapes), step_flags=flags)
             program = protocol(stream, self.pipe_rank, self.lookahead)
             return stream, program, self._messages(stream), _stop_indices(stream, program, len(shapes))
 
-        return self._cached(("stream", shapes), build)
+        return self._cached(("stream", shapes, flags), build)
 
     @torch.no_grad()
     def denoise(
@@ -191,19 +194,21 @@ class PipeFusionEngine:
         while the others run on (the decider asks each request's condition, ``Cancellation.conditions``): then
         ``stream_stopped`` maps it to the step it stopped before, and its result is ``None`` on every rank.
 
-        Every rank of the pipeline calls it with the same requests' shapes. Not with step caching or a ControlNet
-        (each request's decisions and residuals would cross the others').
+        With step caching each request decides its own steps on its own residuals (``StepCache`` per request);
+        ``stream_cache_decisions`` holds each request's decisions after the call.
+
+        Every rank of the pipeline calls it with the same requests' shapes. Not with a ControlNet (its residuals
+        travel per patch of one request: ``ControlRouting``).
         """
         if not requests or len(requests) != len(grids):
             raise ValueError(f"a stream needs one grid per request (got {len(requests)} requests, {len(grids)} grids)")
-        self.stream_stopped = {}
+        self.stream_stopped, self.stream_cache_decisions = {}, []
         if len(requests) == 1:
             final = self.denoise(requests[0], grids[0], tracer, cancellation)
             if self.stopped_at is not None:
                 self.stream_stopped = {0: self.stopped_at}
+            self.stream_cache_decisions = [self.cache_decisions]
             return [final]
-        if self.cache is not None:
-            raise ValueError("a stream of several requests does not run with step caching (cache.method: off)")
         if any(request.control is not None for request in requests):
             raise ValueError("a stream of several requests does not run with ControlNet residuals")
         if self._states is None:
@@ -212,7 +217,8 @@ class PipeFusionEngine:
             StreamShape(
                 len(request.timesteps),
                 min(self.warmup_steps, len(request.timesteps)),
-                batch_parts(request.model_batch, self.plan.degree),
+                # with caching a whole-image step's decision is on its whole batch (``denoise``): no parts
+                1 if self.cache is not None else batch_parts(request.model_batch, self.plan.degree),
                 grid.cost_tokens,
             )
             for request, grid in zip(requests, grids, strict=True)
@@ -238,6 +244,9 @@ class PipeFusionEngine:
                 self._states.use(0)
             self.stopped_at, self.cache_decisions = None, []
             self.stream_stopped = {} if executor.stops is None else dict(executor.stops.stopped)
+            for run in runs:
+                decisions = {} if run.cache is None else run.cache.decisions
+                self.stream_cache_decisions.append([decisions.get(s, True) for s in range(run.schedule.num_steps)])
             # a stopped request's state (its run) is dropped with it
             return [None if i in self.stream_stopped else run.latents.finish() for i, run in enumerate(runs)]
 

@@ -525,7 +525,7 @@ class PipeFusionPipelineBase:
         before its next step on every rank while the others run on, and its entry in the result is the
         ``RequestCancelled`` every rank gets alike (returned, not raised).
 
-        Refused before any communication: step caching, a ControlNet, a compiled stage and sequence parallelism;
+        Refused before any communication: a ControlNet, a compiled stage and sequence parallelism;
         a call of two experts (Wan 2.2) on every rank alike once the calls are prepared. Run those one at a time.
         """
         if not calls:
@@ -534,8 +534,6 @@ class PipeFusionPipelineBase:
             raise ValueError(f"stop_if needs one condition (or None) per call: {len(stop_if)} for {len(calls)} calls")
         if stop_if is not None and self._cancellation is None:
             raise RuntimeError("run_stream's stop_if needs enable_cancellation() on every rank first")
-        if self.engine.cache is not None:
-            raise ValueError(f"run_stream does not run with step caching (cache.method: {self.engine.cache.method!r})")
         if self._control_blocks(self.pipeline):
             raise ValueError("run_stream does not run ControlNet pipelines: call them one at a time")
         if self.compiler is not None:
@@ -734,6 +732,8 @@ class PipeFusionPipelineBase:
             if progress is not None:
                 progress.close()
         self._steps_run += total
+        if self.engine.cache is not None:
+            self._check_cache_decisions(self.engine.stream_cache_decisions)
         return finals
 
     def _denoise(self, request: DenoiseRequest, engine: PipeFusionEngine | None = None):
@@ -763,14 +763,20 @@ class PipeFusionPipelineBase:
             return None
         self._steps_run += len(request.timesteps)
         if engine.cache is not None:
-            computed, skipped = _counts(engine.cache_decisions)  # two experts: two runs in one call
-            self._cache_counts = (self._cache_counts[0] + computed, self._cache_counts[1] + skipped)
-            if self.context.world_size > 1:  # every rank of a group must have taken its first task's decisions
-                decisions = [None] * self.context.world_size
-                mine = (self.context.cfg_rank, engine.cache_decisions)
-                dist.all_gather_object(decisions, mine, group=self.context.control_group)
-                check_decisions(decisions)
+            self._check_cache_decisions([engine.cache_decisions])  # two experts: two runs in one call
         return final
+
+    def _check_cache_decisions(self, runs: list[list[bool]]) -> None:
+        """Count step caching's decisions of the runs just made (each a request's, by step) and check that every
+        rank of a pipeline group took the same ones (each its first task's)."""
+        for decisions in runs:
+            computed, skipped = _counts(decisions)
+            self._cache_counts = (self._cache_counts[0] + computed, self._cache_counts[1] + skipped)
+        if self.context.world_size > 1:
+            gathered: list = [None] * self.context.world_size
+            dist.all_gather_object(gathered, (self.context.cfg_rank, runs), group=self.context.control_group)
+            for index in range(len(runs)):
+                check_decisions([(group, per_run[index]) for group, per_run in gathered])
 
     # ------------------------------------------------------------------- what the families' requests share
     def _cfg_split(self, tensors: dict[str, torch.Tensor], half: int):
