@@ -52,8 +52,19 @@ FIRST_BLOCK = {"method": "first_block", "threshold": 0.5}  # skips steps of the 
         ({"pipefusion_degree": 2, "cfg_degree": 2, "num_patches": 3, "warmup_steps": 1}, None),
         ({"pipefusion_degree": 4, "placement": "linear", "num_patches": 4, "warmup_steps": 1}, FIRST_BLOCK),
         ({"pipefusion_degree": 4, "placement": "folded", "warmup_steps": 100}, FIRST_BLOCK),
+        ({"pipefusion_degree": 4, "num_patches": 4, "warmup_steps": 1, "vae_parallel": "on"}, None),  # decoded by all
     ],
-    ids=["linear", "folded", "balanced", "no-warmup", "exact", "cfg2-pp2", "first-block", "first-block-exact"],
+    ids=[
+        "linear",
+        "folded",
+        "balanced",
+        "no-warmup",
+        "exact",
+        "cfg2-pp2",
+        "first-block",
+        "first-block-exact",
+        "vae-parallel",
+    ],  # fmt: skip
 )
 def test_each_streamed_call_is_bitwise_the_call_alone(world4, folder, parallel, cache):
     """With step caching each call decides its own steps on its own residuals: the same steps skipped as alone."""
@@ -69,6 +80,7 @@ def test_each_streamed_call_is_bitwise_the_call_alone(world4, folder, parallel, 
         assert r["streamed"] == [None] * len(CALLS)
     assert all(sorted({task[0] for task in r["tasks"]}) == [0, 1, 2] for r in results)
     assert entered_in_flight(results, 1) and entered_in_flight(results, 2)
+    assert rank0["decode_ranks"] == (4 if parallel.get("vae_parallel") == "on" else 1)
     if cache is not None:
         computed, skipped = (sum(steps[i] for steps in rank0["cache_steps_alone"]) for i in (0, 1))
         assert skipped > 0 and tuple(rank0["cache_steps_streamed"]) == (computed, skipped), rank0["cache_steps_alone"]

@@ -247,12 +247,14 @@ def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=N
     pipe.enable_trace()
     streamed = images(pipe.run_stream([with_generator(call) for call in calls]))
     steps_streamed = pipe.local_stats()["cache_steps"]  # the stream's, summed over its calls
+    decode_ranks = pipe.decode_ranks  # the ranks the stream's last decode ran on
     tasks = [(e["args"]["request"], e["ts"], e["ts"] + e["dur"]) for e in pipe.trace_events()
              if e["tid"] == COMPUTE and "request" in e["args"]]  # fmt: skip
     pipe.enable_trace(False)
     again = images([pipe(**with_generator(call)) for call in calls])
     return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again, tasks=tasks,
-                cache_steps_alone=steps_alone, cache_steps_streamed=steps_streamed)  # fmt: skip
+                cache_steps_alone=steps_alone, cache_steps_streamed=steps_streamed,
+                decode_ranks=decode_ranks)  # fmt: skip
 
 
 def entered_in_flight(results, call: int) -> bool:
