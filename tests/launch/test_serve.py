@@ -80,8 +80,9 @@ def test_plain_http_routes(world):
         response = http.post("/v1/images/generations", json={"prompt": "a boat", "seed": 3})
         assert response.status_code == 200
         body = response.json()
-        assert set(body) == {"created", "data", "seed", "batch", "timings"} and body["seed"] == 3
+        assert set(body) == {"created", "data", "seed", "batch", "stream", "timings"} and body["seed"] == 3
         assert body["batch"] == 1  # serve.max_batch: 1, one request per pipeline call
+        assert body["stream"] == 1  # serve.max_inflight: 1, one pipeline call at a time
         assert decode_png(body["data"][0]["b64_json"]).size == (128, 128)  # the config's default size
         # No seed: the server draws one and says which; asking again with it gives the same image.
         first = http.post("/v1/images/generations", json={"prompt": "a boat"}).json()
