@@ -16,7 +16,15 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.support.serve_fns import BASE_SETTINGS, ENV, ServedWorld, decode_png, left_behind, peak_rss_kib
+from tests.support.serve_fns import (
+    BASE_SETTINGS,
+    ENV,
+    ServedWorld,
+    decode_png,
+    left_behind,
+    peak_rss_kib,
+    requests_running,
+)
 
 API_KEY = "test-key-0123"
 # A small queue bound for the 429 test that the 8 concurrent clients still fit: all 8 may be waiting at once, since
@@ -461,17 +469,12 @@ def _a_client_of_a_stream_hangs_up(served) -> dict:
         with socket.create_connection((host, int(port))) as hanging:  # a client that goes away while it runs
             hanging.sendall(request)
             deadline = time.monotonic() + 60
-            while _running(served.url) < 2:  # the stream of the short one and this one runs
+            while requests_running(served.url) < 2:  # the stream of the short one and this one runs
                 assert time.monotonic() < deadline, served.stderr()[-3000:]
                 time.sleep(0.02)
         stops = poll_stderr(served, STREAM_STOPPED, after=lines, count=2)
         assert blocker.result().status_code == 200 and short.result().json()["stream"] == 2
         return {"other": short.result().json()["data"][0]["b64_json"], "other_alone": other_alone, "stops": stops}
-
-
-def _running(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics").text
-    return float(re.search(r"^xfuse_requests_running (\S+)", metrics, re.M).group(1))
 
 
 def test_serve_compiles_its_sizes_before_ready_and_serves_a_further_size_eagerly(tmp_path):

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.serve_fns import ServedWorld, left_behind, poll_health
+from tests.support.serve_fns import ServedWorld, left_behind, poll_health, requests_running
 
 TIMEOUT_S = 5.0  # comm.timeout_s: a stalled peer mid-request is noticed by the data plane after this
 LONG_REQUEST = {"prompt": "long", "num_inference_steps": 100, "size": "256x256"}  # several seconds here
@@ -79,11 +79,6 @@ IN_STREAM = {"num_inference_steps": 30, "size": "64x128"}
 QUEUED = {"num_inference_steps": 4, "size": "128x64"}
 
 
-def _running(world) -> float:
-    metrics = httpx.get(f"{world.url}/metrics").text
-    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("xfuse_requests_running ")))
-
-
 def _batch_in_flight(world, pool):
     """The blocker, then four requests that run as one batch streamed with a call of two more, and two that wait
     behind them; returns the futures of the blocker, the six in flight and the two waiting once the stream runs
@@ -98,7 +93,7 @@ def _batch_in_flight(world, pool):
     time.sleep(0.3)
     queued = [post({**QUEUED, "prompt": f"queued {i}"}) for i in range(2)]
     deadline = time.monotonic() + 60
-    while _running(world) != 6:
+    while requests_running(world.url) != 6:
         assert time.monotonic() < deadline and not any(f.done() for f in batch), world.stderr()[-3000:]
         time.sleep(0.02)
     return blocker, batch, queued

@@ -203,3 +203,9 @@ def poll_health(url: str, until, timeout: float, interval: float = 0.05):
             return time.monotonic() - start, last
         time.sleep(interval)
     return None, last
+
+
+def requests_running(url: str) -> float:
+    """The served world's ``xfuse_requests_running`` gauge (its running batch, or every request of its stream)."""
+    metrics = httpx.get(f"{url}/metrics").text
+    return float(re.search(r"^xfuse_requests_running (\S+)", metrics, re.M).group(1))
