@@ -2,10 +2,33 @@
 
 xfuse's tests are offline by design: tiny models are built from configs or saved to temporary folders, never fetched.
 ``HF_HUB_OFFLINE=1`` makes a hub id fail at once instead of retrying for ~23 s; spawned ranks and subprocesses
-inherit it from this process's environment.
+inherit it from this process's environment. Traces of ``xfuse plan`` (``xfuse.perf.trace_cache``) are kept in the
+checkout's ``.cache/xfuse``, shared by the test processes of a run and by the next run, never in the user's own cache.
+
+The summary ends with each tier's count and test time (setup, call and teardown; with parallel workers these add up
+to more than the run's wall time), which ``docs/testing.md`` budgets.
 """
 
 import os
+from collections import defaultdict
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("XFUSE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "xfuse"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    tests: dict[str, set[str]] = defaultdict(set)
+    seconds: dict[str, float] = defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            parts = getattr(report, "nodeid", "").split("/")
+            if len(parts) < 3 or parts[0] != "tests" or not hasattr(report, "duration"):
+                continue
+            tests[parts[1]].add(report.nodeid)
+            seconds[parts[1]] += report.duration
+    if tests:
+        terminalreporter.write_sep("=", "time per tier")
+        for tier in sorted(tests):
+            terminalreporter.write_line(f"{tier:10} {len(tests[tier]):5} tests {seconds[tier]:8.1f} s of test time")

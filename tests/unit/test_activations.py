@@ -90,3 +90,16 @@ def test_a_request_leaves_only_its_text_kv_records_alive(preset):
     held = sum(t.untyped_storage().nbytes() for t in records)
     # + what the request keeps besides (the scheduler's scalars; Z-Image's per-request caption stream and positions)
     assert held <= mode.current <= 1.15 * held
+
+
+def test_a_bf16_trace_casts_without_diffusers_warning_of_modules_it_keeps(capfd):
+    """diffusers' ``ModelMixin.to`` warns on any dtype ("should be kept in float32: []"); ``xfuse plan`` casts the
+    weightless models itself, and a user who asked for a plan reads no warning of it."""
+    from diffusers.utils import logging as diffusers_logging
+
+    from xfuse.perf.activations import _meta_pipeline
+
+    assert diffusers_logging.get_verbosity() <= diffusers_logging.WARNING  # the warning would be shown
+    pipe = _meta_pipeline("flux2-tiny", torch.bfloat16)
+    assert pipe.transformer.dtype == pipe.vae.dtype == torch.bfloat16
+    assert "should be kept in float32" not in capfd.readouterr().err

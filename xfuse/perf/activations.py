@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from xfuse.families.registry import PRESET_MODELS, model_spec, text_encoder_configs
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.engine import PipeFusionEngine
+from xfuse.perf.trace_cache import on_disk
 
 PROMPT = "a photo of a red house by a lake at sunset"  # the request a plan is for: one prompt, unpadded
 
@@ -223,10 +224,10 @@ def _meta_pipeline(model: str, dtype: torch.dtype):
             model_class = getattr(transformers, config["architectures"][0])
             setattr(pipe, name, model_class(model_class.config_class.from_dict(config)).eval())
     pipe = pipe.to("meta")
-    if dtype != torch.float32:  # each model cast (the pipeline's own .to warns about modules it would keep)
-        for component in pipe.components.values():
+    if dtype != torch.float32:  # each model cast: torch's own cast, as diffusers' ModelMixin.to warns on any dtype
+        for component in pipe.components.values():  # ("should be kept in float32: []"), of nothing the user did
             if isinstance(component, torch.nn.Module):
-                component.to(dtype=dtype)
+                torch.nn.Module.to(component, dtype=dtype)
     for module in pipe.transformer.modules():  # tensors kept as plain attributes (Qwen-Image's RoPE tables): the
         for name, value in list(vars(module).items()):  # model's constants, not made by a call
             if isinstance(value, torch.Tensor):
@@ -310,7 +311,17 @@ TRACE_STEPS = 2  # a step after the first, holding what a step keeps for the nex
 TRACE_PARALLEL = {"warmup_steps": TRACE_STEPS}  # one rank, every step a whole-image pass (a rank's largest)
 
 
+def _preset_request(model: str, height: int, width: int, num_frames: int | None = None, *,
+                    negative_prompt: bool = False, dtype: torch.dtype = torch.float32,
+                    trace_decode: bool = False) -> tuple | None:  # fmt: skip
+    """:func:`request_activations`' key on disk: a preset's request (a folder's config may change under its path)."""
+    if model not in PRESET_MODELS:
+        return None
+    return model, height, width, num_frames, negative_prompt, str(dtype), trace_decode
+
+
 @lru_cache(maxsize=32)
+@on_disk(_preset_request)
 def request_activations(model: str, height: int, width: int, num_frames: int | None = None, *,
                         negative_prompt: bool = False, dtype: torch.dtype = torch.float32,
                         trace_decode: bool = False) -> RequestActivations:  # fmt: skip

@@ -33,6 +33,7 @@ from xfuse.parallel.vae_decode import (
 )
 from xfuse.perf.activations import RequestActivations, request_activations
 from xfuse.perf.model import Workload
+from xfuse.perf.trace_cache import on_disk
 from xfuse.perf.vae import ConvScratch, VaeShape, decode_ranks
 from xfuse.perf.video_vae import traced_decode_ranks
 
@@ -47,6 +48,7 @@ def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torc
 
 
 @lru_cache(maxsize=256)
+@on_disk(lambda spec, config, plan: (spec.name, config, plan))
 def _stage_parameter_counts(spec: ModelSpec, config: str, plan) -> tuple[int, ...]:
     """Parameters each rank of ``plan`` keeps of the transformer of ``config`` (its JSON): once per model and plan,
     as ``xfuse plan --auto`` ranks dozens of layouts whose plans repeat (building a weightless model still runs
@@ -76,6 +78,7 @@ def _numel(module: torch.nn.Module) -> int:
 
 
 @lru_cache(maxsize=64)
+@on_disk(lambda model, placement, pipe_degree: (model, placement, pipe_degree) if model in PRESET_MODELS else None)
 def _text_encoder_counts(model: str, placement: str, pipe_degree: int) -> tuple[int, ...]:
     """Parameters each pipeline rank's device holds of ``model``'s text encoders under ``placement`` (an encoder
     that cannot be split stays whole on rank 0 under ``split``)."""

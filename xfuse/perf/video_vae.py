@@ -33,6 +33,7 @@ from xfuse.parallel.video_vae_decode import ParallelWanDecode
 from xfuse.perf.activations import LiveBytes, traced
 from xfuse.perf.measured import REFERENCE
 from xfuse.perf.model import Calibration, Machine
+from xfuse.perf.trace_cache import on_disk
 from xfuse.perf.vae import DecodeTime, Exchange, RankDecode, decode_time
 
 
@@ -130,6 +131,7 @@ def traced_decode_ranks(model: str, *, frames: int, rows: int, cols: int, ranks:
 
 
 @lru_cache(maxsize=64)
+@on_disk(lambda config, dtype, frames, rows, cols, ranks: (config, str(dtype), frames, rows, cols, ranks))
 def _shares(config: str, dtype: torch.dtype, frames: int, rows: int, cols: int, ranks: int) -> tuple[RankDecode, ...]:
     vae = _meta_vae(config, dtype)
     bands = [band.stop - band.start for band in band_rows(rows, ranks)]
