@@ -1,4 +1,4 @@
-"""Loading a family's PipeFusion pipeline (``PipeFusionPipelineBase.from_pretrained`` / ``from_pipe``): the one config
+"""Loading a family's PipeFusion pipeline (``LoadingMixin.from_pretrained`` / ``from_pipe``): the one config
 a pipeline runs with, the world joined, and every rank reading only its own transformer blocks from the folder (rank 0
 alone the text encoders, tokenizers and, unless every rank decodes a band, the VAE).
 """
@@ -9,7 +9,16 @@ from collections.abc import Callable
 
 import torch
 
-from xfuse.config import RuntimeConfig, XfuseConfig, cache_config, comm_config, compile_config, parallel_config
+from xfuse.config import (
+    ParallelConfig,
+    RuntimeConfig,
+    XfuseConfig,
+    cache_config,
+    comm_config,
+    compile_config,
+    parallel_config,
+)
+from xfuse.parallel.vae_decode import vae_on_every_rank
 from xfuse.pipelines.text_placement import load_text_shares, text_placement
 from xfuse.runtime.world import init_parallel
 from xfuse.types import DTYPES
@@ -114,3 +123,79 @@ def shard_loaded(cls, pipeline, parallel, comm, device, config, cache, compile=N
     if config.runtime.torch_dtype() != dtype:
         raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
     return cls(pipeline, init_parallel(config), dtype)
+
+
+class LoadingMixin:
+    """``PipeFusionPipelineBase``'s loading (module docstring): ``from_pretrained``, ``from_pipe``, and what a class
+    tells them before the pipeline is built (the components ranks other than 0 skip, a ControlNet's blocks)."""
+
+    def _control_blocks(self, pipeline) -> int:
+        """Blocks of a ControlNet the embedding rank runs beside its stage (``ShardedControlNetMixin``); 0: none."""
+        return 0
+
+    @classmethod
+    def _control_blocks_of(cls, folder: str, kwargs: dict) -> int:
+        """``_control_blocks`` of the pipeline ``from_pretrained`` is about to load (before it loads)."""
+        return 0
+
+    @classmethod
+    def _rank0_only(cls, parallel: ParallelConfig, world_size: int, vae_class: str | None) -> tuple[str, ...]:
+        """The components ranks other than 0 do not load: ``rank0_components``, less the VAE when every rank may
+        decode a band of the image (``parallel.vae_parallel`` not ``off``, a VAE the bands run: ``vae_class``)."""
+        if not vae_on_every_rank(parallel, world_size, vae_class):
+            return cls.rank0_components
+        return tuple(name for name in cls.rank0_components if name != "vae")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str,
+        parallel=None,
+        comm=None,
+        torch_dtype=None,
+        device=None,
+        *,
+        config: XfuseConfig | None = None,
+        dtype=None,
+        cache=None,
+        compile=None,
+        **kwargs,
+    ):
+        r"""
+        Load a local diffusers folder of this family on every rank.
+
+        Args:
+            pretrained_model_name_or_path (`str`): local folder with `model_index.json` and the pipeline's
+                components, as `save_pretrained` writes it.
+            parallel ([`~xfuse.config.ParallelConfig`] or `dict`): parallel degrees, patches, warm-up, placement.
+            comm ([`~xfuse.config.CommConfig`] or `dict`): backend, timeout, in-flight bound, interface.
+            torch_dtype (`torch.dtype`, *optional*): float32 (default), bfloat16 or float16; `dtype=` is the same
+                (the name diffusers now prefers; give one of them).
+            device (`str` or `torch.device`, *optional*): `cpu` or `cuda` (default: CUDA when available; each
+                rank uses `cuda:LOCAL_RANK`).
+            cache ([`~xfuse.config.CacheConfig`] or `dict`, *optional*): step caching (`method`, `threshold`,
+                `warmup_steps`, `max_skips`; default off).
+            compile ([`~xfuse.config.CompileConfig`] or `dict`, *optional*): regional `torch.compile` of each rank's
+                blocks (`mode`, `backend`, `dynamic`, `max_shapes`, `timeout_s`; default off).
+            config ([`~xfuse.config.XfuseConfig`], *optional*): the whole config instead of the arguments
+                above (what `xfuse generate` and `xfuse serve` pass). Every rank must hold the same: it is compared
+                at start-up with the versions, model config and plan, and a difference raises on every rank.
+            kwargs: passed to the diffusers pipeline's `from_pretrained` (e.g. `scheduler=`).
+
+        Ranks other than 0 do not load the text encoders, tokenizers or VAE; every rank reads only its own
+        transformer blocks from the checkpoint (`transformer/*.safetensors`).
+        """
+        return load_from_folder(cls, pretrained_model_name_or_path, parallel, comm, torch_dtype, device, config, dtype,
+                                cache, kwargs, compile)  # fmt: skip
+
+    @classmethod
+    def from_pipe(cls, pipeline, parallel=None, comm=None, device=None, *, config: XfuseConfig | None = None,
+                  cache=None, compile=None):  # fmt: skip
+        """Parallelise an already loaded diffusers pipeline of this family (the same object on every rank).
+
+        ``config``: the whole config instead of ``parallel``, ``comm``, ``cache``, ``compile`` and ``device`` (its
+        ``runtime.dtype`` must be the pipeline's). The pipeline's transformer is sharded in place (blocks of other
+        ranks are dropped) and ranks other than 0 drop the text encoders and VAE: do not keep using ``pipeline``
+        itself afterwards.
+        """
+        return shard_loaded(cls, pipeline, parallel, comm, device, config, cache, compile)

@@ -19,7 +19,8 @@ from xfuse.families.common.packed import grid_to_packed, packed_to_grid
 from xfuse.families.common.timesteps import shifted_timesteps
 from xfuse.families.flux.spec import FLUX
 from xfuse.families.flux.stage import denoise_request
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 

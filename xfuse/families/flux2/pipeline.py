@@ -18,7 +18,8 @@ from diffusers.pipelines.flux2.pipeline_output import Flux2PipelineOutput
 from xfuse.families.common.packed import grid_to_packed, packed_to_grid
 from xfuse.families.flux2.spec import FLUX2, FLUX2_KLEIN
 from xfuse.families.flux2.stage import denoise_request
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 

@@ -17,7 +17,8 @@ from diffusers.utils import logging
 from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
 from xfuse.families.hunyuandit.stage import denoise_request
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 
 logger = logging.get_logger(__name__)

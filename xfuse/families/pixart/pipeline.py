@@ -15,7 +15,8 @@ from diffusers.pipelines.pixart_alpha import pipeline_pixart_sigma as diffusers_
 from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.pixart.spec import PIXART_SIGMA
 from xfuse.families.pixart.stage import denoise_request
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 
 # Mirrors ``diffusers.PixArtSigmaPipeline.__call__``: the aspect-ratio bins of each transformer sample size.
 _BINS = {size: getattr(diffusers_sigma, f"ASPECT_RATIO_{8 * size}_BIN") for size in (256, 128, 64, 32)}

@@ -17,7 +17,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusi
 from xfuse.families.common.guidance import do_classifier_free_guidance
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
 from xfuse.families.sd3.stage import denoise_request
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 

@@ -22,7 +22,8 @@ from xfuse.families.wan.spec import WAN
 from xfuse.families.wan.stage import FirstFrame, WanStage, denoise_request
 from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 

@@ -16,7 +16,8 @@ from diffusers.pipelines.z_image.pipeline_output import ZImagePipelineOutput
 from xfuse.families.common.timesteps import shifted_timesteps
 from xfuse.families.zimage.spec import Z_IMAGE
 from xfuse.families.zimage.stage import denoise_request
-from xfuse.pipelines.base import CallRecipe, PipeFusionPipelineBase
+from xfuse.pipelines.base import PipeFusionPipelineBase
+from xfuse.pipelines.call_driver import CallRecipe
 from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 
