@@ -23,6 +23,12 @@ frames of 64 px: a coloured shape crossing a plain background in the captioned d
    (the ``flow_prediction`` of the folder's UniPC scheduler: the model predicts noise - clip) at the scheduler's own
    shifted sigmas, 10 % of captions replaced by the empty prompt (``WanPipeline``'s negative prompt for guidance).
 
+After the VAE is trained (or taken with ``--vae-from``) its round trips of the 24 scoring prompts are classified
+(``"recon_accuracy"``): what any transformer's clips on it can at best be read as (the shipped VAE: colour 75 %,
+shape 33.3 %). ``--transformer-from`` continues a trained transformer; ``--lr``, ``--warmup``, ``--empty-captions``
+and ``--shape-weight`` (the loss weighted where the shape is on the latent grid) default to the shipped run's
+settings; ``--latents-cache`` keeps the encoded training clips in a file for the next run with the same VAE.
+
 Never run by CI: the shipped weights are its output. The tokenizer holds every word of the captions' grammar as one
 token (``shapes_video_world.VOCABULARY``).
 """
@@ -112,21 +118,52 @@ def train_vae(vae, steps: int, batch: int, seed: int):
 
 
 @torch.no_grad()
-def encode_clips(vae, n_clips: int, seed: int, fit_statistics: bool):
-    """``n_clips`` training clips and their latents normalised as ``WanPipeline`` reads them, by the VAE's
-    ``latents_mean`` / ``latents_std`` (first fitted per channel to these latents, for a VAE trained in this run)."""
-    clips, latents = [], []
-    for chunk in range(0, n_clips, 32):
-        chunk_clips, tensor = clips_and_tensor(min(32, n_clips - chunk), seed * 100_000 + 90_000 + chunk)
-        clips += chunk_clips
-        latents.append(vae.encode(tensor).latent_dist.mean)  # (b, 3, 13, 64, 64) -> (b, 4, 4, 8, 8)
-    latents = torch.cat(latents)
+def reconstruction_accuracy(vae, classifier, seed: int) -> dict:
+    """The classifier's accuracy (%) per attribute on VAE round trips of the 24 scoring prompts, rendered."""
+    rng = random.Random(seed * 100_000 + 70_000)
+    scenes = world.scoring_clips(24)
+    clips = world.to_tensor([world.render(clip, rng) for clip in scenes])
+    recon = torch.cat([vae.decode(vae.encode(clips[i:i + 8]).latent_dist.mode()).sample.clamp(-1, 1)
+                       for i in range(0, len(clips), 8)])  # fmt: skip
+    logits = classifier(recon)
+    accuracy = {}
+    for name, values in world.ATTRIBUTES.items():
+        read = logits[name].argmax(dim=1).tolist()
+        hits = sum(values[p] == getattr(s, name) for p, s in zip(read, scenes, strict=True))
+        accuracy[name] = round(100 * hits / len(scenes), 1)
+    return accuracy
+
+
+@torch.no_grad()
+def encode_clips(vae, n_clips: int, seed: int, fit_statistics: bool, cache: str | None = None):
+    """``n_clips`` training clips, their latents normalised as ``WanPipeline`` reads them, by the VAE's
+    ``latents_mean`` / ``latents_std`` (first fitted per channel to these latents, for a VAE trained in this run), and
+    where the shape is on the latent grid (B, 1, 4, 8, 8): a latent pixel whose 8 x 8 px of any of its frames (the
+    first frame alone, then 4 by 4) show the shape. ``cache``: a file holding them for this VAE's encoder, read if it
+    exists, else written (the same clips: encoding is most of a short run's time on 2 cores)."""
+    if cache and os.path.exists(cache):
+        saved = torch.load(cache)
+        clips, latents, masks = [world.Clip(*c) for c in saved["clips"]], saved["latents"], saved["masks"]
+        log({"stage": "latents", "cache": cache, "clips": len(clips)})
+    else:
+        clips, latents, masks = [], [], []
+        for chunk in range(0, n_clips, 32):
+            chunk_clips, tensor = clips_and_tensor(min(32, n_clips - chunk), seed * 100_000 + 90_000 + chunk)
+            clips += chunk_clips
+            latents.append(vae.encode(tensor).latent_dist.mean)  # (b, 3, 13, 64, 64) -> (b, 4, 4, 8, 8)
+            shape = ((tensor - tensor[:, :, :1, :1, :1]).abs().sum(dim=1, keepdim=True) > 0.1).float()
+            shape = torch.cat([shape[:, :, :1].repeat(1, 1, 4, 1, 1), shape[:, :, 1:]], dim=2)  # 13 -> 16 frames
+            masks.append(nn.functional.max_pool3d(shape, (4, 8, 8)))  # (b, 1, 16, 64, 64) -> (b, 1, 4, 8, 8)
+        latents, masks = torch.cat(latents), torch.cat(masks)
+        if cache:
+            torch.save({"clips": [(c.color, c.shape, c.background, c.direction) for c in clips], "latents": latents,
+                        "masks": masks}, cache)  # fmt: skip
     if fit_statistics:
         vae.register_to_config(latents_mean=[round(v, 5) for v in latents.mean(dim=(0, 2, 3, 4)).tolist()],
                                latents_std=[round(v, 5) for v in latents.std(dim=(0, 2, 3, 4)).tolist()])  # fmt: skip
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)  # per channel
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    return clips, (latents - mean) / std  # as WanPipeline's decode undoes: latents / (1 / std) + mean
+    return clips, (latents - mean) / std, masks  # as WanPipeline's decode undoes: latents / (1 / std) + mean
 
 
 @torch.no_grad()
@@ -136,10 +173,25 @@ def encode_caption(pipe, caption: str) -> torch.Tensor:
     return embeds[0]
 
 
-def train_transformer(pipe, vae, steps: int, n_clips: int, batch: int, seed: int, fit_statistics: bool):
+def train_transformer(
+    pipe,
+    vae,
+    steps: int,
+    n_clips: int,
+    batch: int,
+    seed: int,
+    fit_statistics: bool,
+    lr: float = 5e-4,
+    warmup: int = 200,
+    empty_captions: float = 0.1,
+    shape_weight: float = 1.0,
+    cache: str | None = None,
+):
+    """Flow matching on the encoded clips; the loss of a latent pixel where the shape is weighted ``shape_weight``
+    times (1: plain MSE)."""
     torch.manual_seed(seed)
     transformer = pipe.transformer
-    clips, latents = encode_clips(vae, n_clips, seed, fit_statistics)
+    clips, latents, masks = encode_clips(vae, n_clips, seed, fit_statistics, cache)
     captions = sorted({c.caption for c in clips} | {""})
     text = {caption: encode_caption(pipe, caption) for caption in captions}
     log({"stage": "transformer", "clips": n_clips, "captions": len(captions),
@@ -147,16 +199,18 @@ def train_transformer(pipe, vae, steps: int, n_clips: int, batch: int, seed: int
          "parameters": sum(p.numel() for p in transformer.parameters()),
          "prediction_type": pipe.scheduler.config.prediction_type})  # fmt: skip
     transformer.train()
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=5e-4, weight_decay=0.0)
-    # 200 steps of warm-up, then a cosine to zero
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
+    # ``warmup`` steps of warm-up, then a cosine to zero
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / 200, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+        optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
     )
     start, generator = time.time(), torch.Generator().manual_seed(seed)
     for step in range(steps):
         index = torch.randint(0, len(clips), (batch,), generator=generator)
         x0 = latents[index]  # (B, 4, 4, 8, 8)
-        words = [clips[i].caption if torch.rand((), generator=generator) > 0.1 else "" for i in index.tolist()]
+        words = [
+            clips[i].caption if torch.rand((), generator=generator) > empty_captions else "" for i in index.tolist()
+        ]
         embeds = torch.stack([text[w] for w in words])  # (B, 512, text_dim)
         # the UniPC scheduler's flow sigmas: uniform, then shifted as FlowMatch / UniPC's flow_shift shifts them
         u = torch.rand(batch, generator=generator)
@@ -167,7 +221,7 @@ def train_transformer(pipe, vae, steps: int, n_clips: int, batch: int, seed: int
         target = noise - x0  # flow_prediction: the scheduler's x0 is sample - sigma * output
         pred = transformer(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=embeds,
                            return_dict=False)[0]  # fmt: skip
-        loss = nn.functional.mse_loss(pred, target)
+        loss = ((pred - target) ** 2 * (1 + (shape_weight - 1) * masks[index])).mean()
         optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
@@ -187,9 +241,16 @@ def main() -> None:
     parser.add_argument("--classifier-steps", type=int, default=300)
     parser.add_argument("--vae-steps", type=int, default=1000)
     parser.add_argument("--vae-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3000, help="transformer steps")
+    parser.add_argument("--steps", type=int, default=3000, help="transformer steps (0: keep the transformer)")
     parser.add_argument("--clips", type=int, default=2000, help="clips encoded for the transformer")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=5e-4, help="the transformer's peak learning rate")
+    parser.add_argument("--warmup", type=int, default=200, help="the transformer's warm-up steps (then a cosine)")
+    parser.add_argument("--empty-captions", type=float, default=0.1, help="the share of empty captions (guidance)")
+    parser.add_argument("--shape-weight", type=float, default=1.0, help="the transformer's loss weight on latent "
+                        "pixels where the shape is (1: plain MSE)")  # fmt: skip
+    parser.add_argument("--latents-cache", help="a file for the encoded training clips (read if it exists)")
+    parser.add_argument("--transformer-from", help="start the transformer from this trained folder's weights")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a few steps of each stage")
     args = parser.parse_args()
@@ -200,6 +261,8 @@ def main() -> None:
     log({"stage": "start", **vars(args), "torch": torch.__version__})
     pipe = build_preset_pipeline("wan-tiny", args.seed, extra_words=world.VOCABULARY, vae_overrides=VAE,
                                  **TRANSFORMER)  # fmt: skip
+    from safetensors.torch import save_file
+
     if args.vae_from:
         from diffusers import AutoencoderKLWan
 
@@ -209,11 +272,33 @@ def main() -> None:
     else:
         classifier = train_classifier(args.classifier_steps, args.seed)
         vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed)
-    train_transformer(pipe, vae, args.steps, args.clips, args.batch, args.seed, fit_statistics=not args.vae_from)
+    if args.transformer_from:
+        from diffusers import WanTransformer3DModel
+
+        transformer = WanTransformer3DModel.from_pretrained(args.transformer_from, subfolder="transformer").eval()
+        pipe.register_modules(transformer=transformer)
+    # what any transformer's clips can at best be read as: the classifier on the VAE's round trips of the scoring
+    # prompts, rendered (shipped VAE: colour 75 %, shape 33.3 %, background and direction 100 %)
+    log({"stage": "vae", "recon_accuracy": reconstruction_accuracy(vae, classifier, args.seed)})
+    if args.steps:
+        train_transformer(
+            pipe,
+            vae,
+            args.steps,
+            args.clips,
+            args.batch,
+            args.seed,
+            lr=args.lr,
+            warmup=args.warmup,
+            empty_captions=args.empty_captions,
+            shape_weight=args.shape_weight,
+            fit_statistics=not args.vae_from,
+            cache=args.latents_cache,
+        )
+    elif not args.vae_from:  # a new VAE's latents' statistics, fitted without training a transformer
+        encode_clips(vae, args.clips, args.seed, fit_statistics=True, cache=args.latents_cache)
     os.makedirs(args.out, exist_ok=True)
     pipe.save_pretrained(args.out, safe_serialization=True)
-    from safetensors.torch import save_file
-
     save_file(classifier.state_dict(), os.path.join(args.out, "attribute_classifier.safetensors"))
     log({"stage": "done", "out": os.path.abspath(args.out), "minutes": round((time.time() - start) / 60, 1)})
 
