@@ -29,7 +29,10 @@ from xfuse.parallel.trace import COMM, COMPUTE, Tracer, null_span
 
 class RequestRun:
     """State of one request on one rank (kept off the engine so requests never share it): its latents, the messages
-    its tasks receive and send, what this rank hands its own next segment, and its step caching and ControlNet share."""
+    its tasks receive and send, what this rank hands its own next segment, and its step caching and ControlNet share.
+
+    ``stage``, ``plan``, ``pipe_rank``, ``group_ranks``: the engine's (``PipeFusionEngine``); ``cache``: its step
+    caching, ``None`` when every step is computed; ``messages``: each of the request's tasks' (receives, sends)."""
 
     def __init__(
         self,
