@@ -4,7 +4,7 @@ guided noise stepped by the scheduler (per patch after warm-up), and the rows th
 Only the embedding rank (it turns latent rows into hidden states) and the output rank (output layer and
 ``scheduler.step``) hold latents; folded, both are pipeline rank 0, linear, the output rank sends the stepped rows
 back to rank 0 as the next step's model input, and the final latents at the end. The engine's loop
-(``xfuse.parallel.engine``) says when; this file keeps what those two ranks know between tasks.
+(``xfuse.parallel.executor``) says when; this file keeps what those two ranks know between tasks.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class _Residuals:
 
 
 class StepCache:
-    """One request's caching state on one rank (``xfuse.parallel.engine`` drives it)."""
+    """One request's caching state on one rank (``xfuse.parallel.request_run`` drives it)."""
 
     def __init__(self, config: CacheConfig, num_tokens: int, first_pipelined: int | None = None):
         # Residuals are kept at their positions in the image (``num_tokens``: the whole image's): under sequence
