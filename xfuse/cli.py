@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 
-from xfuse.config_io import load_config
+from xfuse.config.io import load_config
 from xfuse.errors import ConfigError
 from xfuse.stderr import write_stderr
 

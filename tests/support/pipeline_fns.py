@@ -175,7 +175,7 @@ def heap_after_build_pipeline(config_path):
 
     from tests.support.heap_child import block_pass_faults
     from xfuse.build import build_pipeline
-    from xfuse.config_io import load_config
+    from xfuse.config.io import load_config
     from xfuse.families.registry import resolve
 
     config = load_config(config_path, [])

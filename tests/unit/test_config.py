@@ -25,7 +25,7 @@ from xfuse.config import (
     config_from_dict,
     parallel_config,
 )
-from xfuse.config_io import load_config, parse_override
+from xfuse.config.io import load_config, parse_override
 from xfuse.families.registry import HUNYUANDIT, model_is_preset
 from xfuse.runtime.world import check_world_size
 
@@ -76,7 +76,7 @@ def test_defaults():
 def test_import_has_no_side_effects():
     # No torch import, no process group, no env changes from importing and constructing.
     code = (
-        "import os, sys; before = dict(os.environ); import xfuse.config_io as m; m.load_config(); m.XfuseConfig(); "
+        "import os, sys; before = dict(os.environ); import xfuse.config.io as m; m.load_config(); m.XfuseConfig(); "
         "assert 'torch' not in sys.modules, 'torch imported'; assert dict(os.environ) == before"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
