@@ -174,7 +174,7 @@ def bytes_per_step(args) -> dict:
 
 
 def dit_g2_memory(args) -> dict:
-    from xfuse.config_io import load_config
+    from xfuse.config.io import load_config
     from xfuse.plan_report import plan_report
 
     memory = {}

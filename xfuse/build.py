@@ -3,6 +3,9 @@
 ``xfuse generate`` and ``xfuse serve`` both build their pipeline and call it through here, so a served request and a
 ``generate`` run with the same prompt, size, steps, guidance and seed make the same call and the same image. A video
 family's call (``ModelSpec.video``: Wan) is :func:`video_call_kwargs`, its default clip :func:`default_video_size`.
+
+The functions that need the model read the run's :class:`~xfuse.families.registry.ResolvedModel` (the config's
+``model`` resolved once, ``xfuse.families.registry.resolve``), passed beside the config.
 """
 
 from __future__ import annotations
@@ -14,28 +17,30 @@ from xfuse.errors import ConfigError
 from xfuse.runtime.heap import freeze_startup_heap, keep_freed_heap
 
 if TYPE_CHECKING:
+    from xfuse.families.registry import ResolvedModel
     from xfuse.families.spec import ModelSpec
 
 
-def build_pipeline(config: XfuseConfig):
-    """Load ``config.model`` with its family's PipeFusion pipeline on this rank (joining the world).
+def build_pipeline(config: XfuseConfig, model: ResolvedModel):
+    """Load ``config.model`` (``model``, resolved) with its family's PipeFusion pipeline on this rank (joining the
+    world).
 
     Every rank must hold the same ``config``: it is compared at start-up (``xfuse.runtime.handshake``).
     """
     from xfuse.families.folder import resolve_model
-    from xfuse.families.registry import load_pipeline, model_is_preset
+    from xfuse.families.registry import load_pipeline
 
-    pipeline_class = _pipeline_class(config)
+    pipeline_class = _pipeline_class(config, model)
     dtype = config.runtime.torch_dtype()
     extra = {}
     if config.generation is not None and config.generation.controlnet is not None:
         # every rank reads it (the pipeline keeps it on each group's embedding rank only) and refuses it alike
         extra["controlnet"] = _load_controlnet(pipeline_class, config.generation.controlnet, dtype)
-    if model_is_preset(config.model):  # built-in random-weight model: every rank builds the same one from its seed
-        diffusers_pipe = load_pipeline(config.model, dtype, pipeline_class.diffusers_name(), extra)
+    if model.preset:  # built-in random-weight model: every rank builds the same one from its seed
+        diffusers_pipe = load_pipeline(model.name, dtype, pipeline_class.diffusers_name(), extra)
         pipe = pipeline_class.from_pipe(diffusers_pipe, config=config)
     else:
-        pipe = pipeline_class.from_pretrained(resolve_model(config.model), config=config, **extra)
+        pipe = pipeline_class.from_pretrained(resolve_model(model.name), config=config, **extra)
     freeze_startup_heap()
     keep_freed_heap()
     return pipe
@@ -92,18 +97,18 @@ def _load_controlnet(pipeline_class: type, folder: str, dtype):
     return controlnet
 
 
-def check_lora_family(config: XfuseConfig, key: str) -> None:
+def check_lora_family(model: ResolvedModel, key: str) -> None:
     """``key`` (``generation.lora``, ``serve.lora_adapters``) names LoRA files: refused by name, on every rank before
     any weights load, for a model whose diffusers pipeline has no LoRA loader."""
     from xfuse.errors import ConfigError
-    from xfuse.families.registry import FAMILIES, model_spec
+    from xfuse.families.registry import FAMILIES
 
-    spec = model_spec(config.model)
+    spec = model.spec
     if not hasattr(spec.pipeline_class(), "load_lora_weights"):
         loaders = [f.diffusers_pipeline for f in FAMILIES if hasattr(f.pipeline_class(), "load_lora_weights")]
         raise ConfigError(
             key,
-            f"{config.model} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
+            f"{model.name} is a {spec.name} model, whose diffusers pipeline ({spec.diffusers_pipeline}) has no LoRA "
             f"loader; LoRA adapters are loaded for models of {', '.join(loaders)}",
         )
 
@@ -120,20 +125,20 @@ def load_lora_adapters(pipe, adapters: dict[str, str], key: str) -> None:
             raise ConfigError(key, f"{path!r}: {err}") from None
 
 
-def _pipeline_class(config: XfuseConfig) -> type:
-    """The xfuse class ``config`` runs: its family's (from the preset or ``model_index.json``), or the family's
-    image-to-video pipeline when ``generation.image`` names a first frame."""
+def _pipeline_class(config: XfuseConfig, model: ResolvedModel) -> type:
+    """The xfuse class ``config`` runs: its model's family's (from the preset or ``model_index.json``), or the
+    family's image-to-video pipeline when ``generation.image`` names a first frame."""
     from xfuse.errors import ConfigError
-    from xfuse.families.registry import FAMILIES, model_spec
+    from xfuse.families.registry import FAMILIES
 
-    spec = model_spec(config.model)
+    spec = model.spec
     image = config.generation.image if config.generation is not None else None
     if config.generation is not None and config.generation.controlnet is not None:
         if spec.controlnet is None:
             with_controlnet = [f.diffusers_pipeline for f in FAMILIES if f.controlnet is not None]
             raise ConfigError(
                 "generation.controlnet",
-                f"{config.model} is a {spec.name} model; xfuse runs ControlNets for models of "
+                f"{model.name} is a {spec.name} model; xfuse runs ControlNets for models of "
                 f"{', '.join(with_controlnet)}",
             )
         return spec.pipeline_class_named(f"PipeFusion{spec.controlnet}")
@@ -143,51 +148,44 @@ def _pipeline_class(config: XfuseConfig) -> type:
         raise ConfigError(
             "generation.image",
             f"image-to-video needs a model whose family has an image-to-video pipeline on the same transformer (Wan "
-            f"2.2 TI2V: WanImageToVideoPipeline); {config.model} is a {spec.diffusers_pipeline} model (got {image!r})",
+            f"2.2 TI2V: WanImageToVideoPipeline); {model.name} is a {spec.diffusers_pipeline} model (got {image!r})",
         )
     return spec.pipeline_class_named(f"PipeFusion{spec.image_to_video}")
 
 
-def default_size(config: XfuseConfig) -> tuple[int, int]:
+def default_size(config: XfuseConfig, model: ResolvedModel) -> tuple[int, int]:
     """(width, height) in pixels when a request names none: ``generation.width/height``, else the model's own."""
     from xfuse.config import GenerationConfig
-    from xfuse.families.registry import model_spec, transformer_config
 
-    native = model_spec(config.model).default_side(transformer_config(config.model))
     gen = config.generation or GenerationConfig()  # a config without the section plans the default request
-    return gen.width or native, gen.height or native
+    return gen.width or model.native_side, gen.height or model.native_side
 
 
-def default_video_size(config: XfuseConfig) -> tuple[int, int, int]:
+def default_video_size(config: XfuseConfig, model: ResolvedModel) -> tuple[int, int, int]:
     """(width, height, num_frames) of a video model's clip when a request names none: ``generation.width/height/
     num_frames``, else a preset's own size (its presets module's ``DEFAULT_SIZE``, (height, width, frames)), else the
     diffusers pipeline's defaults (a folder; Wan: 832 x 480 px, 81 frames). A ``num_frames`` the video VAE cannot
     take (Wan: 4k + 1) is refused here, naming ``generation.num_frames``, before any weights load."""
-    from xfuse.families.registry import model_is_preset, model_spec, transformer_config
-
-    spec, gen = model_spec(config.model), config.generation
-    if not spec.video:
-        raise ValueError(f"{config.model} is an image model ({spec.diffusers_pipeline}): use default_size")
-    if model_is_preset(config.model):
-        height, width, frames = spec.preset_builders().DEFAULT_SIZE[config.model]
+    spec, gen = model.spec, config.generation
+    if not model.video:
+        raise ValueError(f"{model.name} is an image model ({spec.diffusers_pipeline}): use default_size")
+    if model.preset:
+        height, width, frames = spec.preset_builders().DEFAULT_SIZE[model.name]
     else:
-        model = transformer_config(config.model)
-        height, width, frames = spec.default_side(model), spec.default_width(model), spec.native_frames
+        height, width, frames = model.native_side, spec.default_width(model.transformer), spec.native_frames
     if gen is not None:
         height, width, frames = gen.height or height, gen.width or width, gen.num_frames or frames
     spec.check_num_frames(frames, "generation.num_frames")
     return width, height, frames
 
 
-def request_size(config: XfuseConfig) -> tuple[int, int, int]:
+def request_size(config: XfuseConfig, model: ResolvedModel) -> tuple[int, int, int]:
     """(width, height, num_frames) of the request ``config`` describes, as ``xfuse generate`` makes it: an image's
     size (``default_size``; 1 frame) or a clip's (``default_video_size``); a config without a ``generation`` section
     plans the defaults."""
-    from xfuse.families.registry import model_spec
-
-    if model_spec(config.model).video:
-        return default_video_size(config)
-    return (*default_size(config), 1)
+    if model.video:
+        return default_video_size(config, model)
+    return (*default_size(config, model), 1)
 
 
 def takes_negative_prompt(spec: ModelSpec) -> bool:

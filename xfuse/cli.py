@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 
-from xfuse.config_io import load_config
+from xfuse.config.io import load_config
 from xfuse.errors import ConfigError
 from xfuse.stderr import write_stderr
 
@@ -222,20 +222,21 @@ def cmd_generate(args) -> int:
         video_call_kwargs,
         warm_up_compile,
     )
-    from xfuse.families.registry import model_spec
+    from xfuse.families.registry import resolve
     from xfuse.runtime.host_deadline import register_stack_dump
 
     register_stack_dump()  # kill -USR1: this rank's stacks on stderr, and it goes on
     config = _auto_layout(args, _run_config(args))
     gen, par = config.generation, config.parallel
-    video = model_spec(config.model).video
+    model = resolve(config.model)  # the one look-up of the run's model; the build and the call read it
+    video = model.video
     if video:  # before any weights load: a num_frames the VAE cannot take is refused naming its key
-        width, height, num_frames = default_video_size(config)
+        width, height, num_frames = default_video_size(config, model)
     else:
-        width, height = default_size(config)
+        width, height = default_size(config, model)
     if gen.lora:
-        check_lora_family(config, "generation.lora")
-    pipe = build_pipeline(config)
+        check_lora_family(model, "generation.lora")
+    pipe = build_pipeline(config, model)
     if gen.lora:  # every rank: its share of each file, then the run's weights
         names = {f"lora{i}": path for i, path in enumerate(gen.lora)}
         load_lora_adapters(pipe, names, "generation.lora")
@@ -256,7 +257,7 @@ def cmd_generate(args) -> int:
         num_inference_steps=gen.num_inference_steps,
         guidance_scale=gen.guidance_scale,
         seed=gen.seed,
-        spec=pipe.spec,
+        spec=model.spec,
     )
     if video:  # image-to-video: every rank reads the first frame (diffusers checks it on every rank)
         from PIL import Image

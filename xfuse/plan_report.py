@@ -9,7 +9,7 @@ import torch
 
 from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, XfuseConfig
-from xfuse.families.registry import model_spec, transformer_config, transformer_count, vae_config
+from xfuse.families.registry import model_spec, resolve, transformer_count, vae_config
 from xfuse.families.spec import ModelSpec
 from xfuse.parallel.costs import KINDS, comm_volume, keeps_stale_kv, speedup_ceiling
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
@@ -232,12 +232,13 @@ def plan_report(
             where = local_machine(config.world_size)
         except ConfigError:  # this machine's GPU has no profile in xfuse.perf.hardware
             where = None
-    spec, model = model_spec(config.model), transformer_config(config.model)
+    resolved = resolve(config.model)
+    spec, model = resolved.spec, resolved.transformer
     patch_size, num_blocks, vae = spec.token_patch(model), spec.num_blocks(model), spec.latent_scale
     hidden = spec.width(model)
     # A config built in Python without a request section plans the default request, as a YAML file without one does.
     generation = config.generation if config.generation is not None else GenerationConfig()
-    width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
+    width, height, num_frames = request_size(config, resolved)  # the image or clip xfuse generate would make
     frames = spec.latent_frames(num_frames)  # a video's latent frames, stacked into the grid's rows
     spec.check_layout(config.parallel, num_blocks=num_blocks, patch_size=patch_size, height=height, width=width,
                       num_heads=spec.num_heads(model), latent_frames=frames)  # fmt: skip

@@ -122,7 +122,7 @@ def test_plan_auto_ranks_every_layout_of_a_world_and_refuses_bad_options_by_name
 def test_generate_auto_runs_the_top_ranked_layout_of_its_world(tmp_path):
     """``--auto`` under torchrun: every rank picks the same layout from the model (rank 0 says which, and what the
     config had), the run uses it (the summary's degrees), and with warm-up = all steps it draws the degree-1 PNG."""
-    from xfuse.config_io import load_config
+    from xfuse.config.io import load_config
     from xfuse.perf.model import machine
     from xfuse.perf.planner import rank_layouts
 

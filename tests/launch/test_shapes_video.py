@@ -16,7 +16,7 @@ from PIL import Image
 from tests.support import REPO
 from tests.support.world import World
 from xfuse.assets import shapes_video_world as world
-from xfuse.config_io import load_config
+from xfuse.config.io import load_config
 from xfuse.families.folder import SHIPPED_MODELS
 from xfuse.families.registry import load_pipeline, model_spec, transformer_config
 

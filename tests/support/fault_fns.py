@@ -6,7 +6,7 @@ import torch.distributed as dist
 def start_with_config(paths):
     """Every rank builds the pipeline from its own YAML file (paths[rank]); returns the error it got."""
     from xfuse import PipeFusionHunyuanDiTPipeline
-    from xfuse.config_io import load_config
+    from xfuse.config.io import load_config
     from xfuse.families.registry import load_pipeline
 
     config = load_config(paths[dist.get_rank()])

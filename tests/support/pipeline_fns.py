@@ -175,9 +175,11 @@ def heap_after_build_pipeline(config_path):
 
     from tests.support.heap_child import block_pass_faults
     from xfuse.build import build_pipeline
-    from xfuse.config_io import load_config
+    from xfuse.config.io import load_config
+    from xfuse.families.registry import resolve
 
-    build_pipeline(load_config(config_path, []))
+    config = load_config(config_path, [])
+    build_pipeline(config, resolve(config.model))
     frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())
     faults = block_pass_faults()  # with the start-up heap still frozen, as in xfuse's own ranks
     gc.unfreeze()

@@ -25,7 +25,7 @@ from xfuse.config import (
     config_from_dict,
     parallel_config,
 )
-from xfuse.config_io import load_config, parse_override
+from xfuse.config.io import load_config, parse_override
 from xfuse.families.registry import HUNYUANDIT, model_is_preset
 from xfuse.runtime.world import check_world_size
 
@@ -76,7 +76,7 @@ def test_defaults():
 def test_import_has_no_side_effects():
     # No torch import, no process group, no env changes from importing and constructing.
     code = (
-        "import os, sys; before = dict(os.environ); import xfuse.config_io as m; m.load_config(); m.XfuseConfig(); "
+        "import os, sys; before = dict(os.environ); import xfuse.config.io as m; m.load_config(); m.XfuseConfig(); "
         "assert 'torch' not in sys.modules, 'torch imported'; assert dict(os.environ) == before"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -810,22 +810,26 @@ def test_default_video_size_and_the_video_call(tmp_path):
     """A video model's clip: the preset's own size (height, width, frames in its presets module), the request's keys
     over it, WanPipeline's defaults for a folder's model; num_frames the VAE cannot take is refused naming its key."""
     from xfuse.build import default_video_size, image_call_kwargs, video_call_kwargs
-    from xfuse.families.registry import model_spec
+    from xfuse.families.registry import model_spec, resolve
+
+    def default_video_size_of(config):
+        return default_video_size(config, resolve(config.model))
+
     from xfuse.families.wan.presets import DEFAULT_SIZE
 
     assert DEFAULT_SIZE["wan-tiny"] == (128, 224, 9)
-    assert default_video_size(XfuseConfig(model="wan-tiny")) == (224, 128, 9)  # (width, height, num_frames)
+    assert default_video_size_of(XfuseConfig(model="wan-tiny")) == (224, 128, 9)  # (width, height, num_frames)
     asked = config_from_dict({"model": "wan-tiny", "generation": {"width": 96, "num_frames": 17}})
-    assert default_video_size(asked) == (96, 128, 17)
-    assert default_video_size(XfuseConfig(model="wan2.1-t2v-1.3b")) == (832, 480, 81)
+    assert default_video_size_of(asked) == (96, 128, 17)
+    assert default_video_size_of(XfuseConfig(model="wan2.1-t2v-1.3b")) == (832, 480, 81)
     folder = model_spec("wan-tiny").save_preset_pipeline(tmp_path / "wan", "wan-tiny")
-    assert default_video_size(XfuseConfig(model=str(folder))) == (832, 480, 81)  # WanPipeline.__call__'s defaults
-    assert default_video_size(XfuseConfig(model="wan-tiny", generation=None)) == (224, 128, 9)
+    assert default_video_size_of(XfuseConfig(model=str(folder))) == (832, 480, 81)  # WanPipeline.__call__'s defaults
+    assert default_video_size_of(XfuseConfig(model="wan-tiny", generation=None)) == (224, 128, 9)
     with pytest.raises(ConfigError) as e:
-        default_video_size(config_from_dict({"model": "wan-tiny", "generation": {"num_frames": 8}}))
+        default_video_size_of(config_from_dict({"model": "wan-tiny", "generation": {"num_frames": 8}}))
     assert e.value.key == "generation.num_frames" and "4k + 1" in str(e.value) and "e.g. 5 or 9 (got 8)" in str(e.value)
     with pytest.raises(ValueError, match="image model"):
-        default_video_size(XfuseConfig(model="tiny"))
+        default_video_size_of(XfuseConfig(model="tiny"))
     request = dict(prompt="p", negative_prompt=None, width=96, height=64, num_inference_steps=2, guidance_scale=5.0,
                    seed=3)  # fmt: skip
     wan, tiny = model_spec("wan-tiny"), model_spec("tiny")
@@ -846,7 +850,7 @@ def test_the_vae_factor_is_the_models_own_where_the_family_reads_it_from_its_vae
     """Wan 2.2 TI2V's VAE is 16 px per latent pixel (AutoencoderKLWan's scale_factor_spatial), Wan 2.1's 8: a model's
     spec carries its own (from a preset's VAE config or a folder's vae/config.json); other families keep theirs."""
     from xfuse.build import _pipeline_class
-    from xfuse.families.registry import model_spec
+    from xfuse.families.registry import model_spec, resolve
     from xfuse.families.wan.spec import WAN
 
     assert model_spec("wan2.2-ti2v-5b").vae_scale_factor == model_spec("wan2.2-ti2v-tiny").latent_scale == 16
@@ -863,8 +867,9 @@ def test_the_vae_factor_is_the_models_own_where_the_family_reads_it_from_its_vae
     image = tmp_path / "first.png"
     image.write_bytes(b"")  # the file's existence is build.check_files' check; reading it is the CLI's
     config = config_from_dict({"model": "wan2.2-ti2v-tiny", "generation": {"image": str(image)}})
-    assert _pipeline_class(config).__name__ == "PipeFusionWanImageToVideoPipeline"
-    assert _pipeline_class(XfuseConfig(model="wan2.2-ti2v-tiny")).__name__ == "PipeFusionWanPipeline"
+    ti2v = resolve("wan2.2-ti2v-tiny")
+    assert _pipeline_class(config, ti2v).__name__ == "PipeFusionWanImageToVideoPipeline"
+    assert _pipeline_class(XfuseConfig(model="wan2.2-ti2v-tiny"), ti2v).__name__ == "PipeFusionWanPipeline"
 
 
 def test_hunyuandit_sweep_configs():

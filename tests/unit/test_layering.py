@@ -142,7 +142,7 @@ def test_the_floors():
 NAMING_ALLOWED = {
     "xfuse.perf.published": "published latencies of released models",
     "xfuse.perf.measured": "pass curves measured per family, and the reference family",
-    "xfuse.config": "the default model (the `tiny` preset)",
+    "xfuse.config.whole": "the default model (the `tiny` preset)",
 }
 
 

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from xfuse.config import ConfigError, config_from_dict, parallel_config
-from xfuse.config_io import load_config
+from xfuse.config.io import load_config
 from xfuse.families.registry import FAMILIES, HUNYUANDIT, model_spec, transformer_config
 from xfuse.parallel.schedule import build_schedule
 from xfuse.parallel.stage_plan import stage_plan

@@ -8,6 +8,7 @@ import pytest
 
 from xfuse.build import check_files
 from xfuse.config import ConfigError, config_from_dict
+from xfuse.families.registry import resolve
 from xfuse.serve.protocol import RequestError, RequestLimits, parse_request
 
 LIMITS = RequestLimits(
@@ -73,8 +74,9 @@ def test_bad_serve_adapters_name_the_key(adapters, key, says):
 def test_an_adapter_named_as_the_model_is_refused_before_start():
     from xfuse.serve.server import check_adapters
 
+    config = config_from_dict({"model": "sd3-tiny", "serve": {"lora_adapters": {"sd3-tiny": "."}}})
     with pytest.raises(ConfigError) as e:
-        check_adapters(config_from_dict({"model": "sd3-tiny", "serve": {"lora_adapters": {"sd3-tiny": "."}}}))
+        check_adapters(config, resolve(config.model))
     assert e.value.key == "serve.lora_adapters" and "has the served model's own name" in str(e.value)
 
 
@@ -101,5 +103,5 @@ def test_generate_only_keys_are_refused_by_serve_before_start():
     for generation, key in (({"lora": {".": 1.0}}, "generation.lora"),
                             ({"controlnet": folder, "control_image": image}, "generation.controlnet")):  # fmt: skip
         with pytest.raises(ConfigError) as e:
-            check_adapters(config_from_dict({"model": "sd3-tiny", "generation": generation}))
+            check_adapters(config_from_dict({"model": "sd3-tiny", "generation": generation}), resolve("sd3-tiny"))
         assert e.value.key == key and "xfuse generate's" in str(e.value)

@@ -145,14 +145,15 @@ def test_request_whose_client_hung_up_while_queued_is_never_taken():
 @pytest.mark.parametrize("setting,budget", [("auto", 8 * 128 * 96 * 4 / 1e6), (12.5, 12.5)])
 def test_the_work_budget_is_a_full_queue_of_default_requests_unless_set(setting, budget):
     from xfuse.config import XfuseConfig
-    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.families.registry import load_pipeline, resolve
     from xfuse.serve.server import request_limits
 
     config = XfuseConfig(model="tiny", parallel={"pipefusion_degree": 1},
                          generation={"width": 128, "height": 96, "num_inference_steps": 4},
                          serve={"max_queue": 8, "max_queued_work": setting})  # fmt: skip
-    pipe = model_spec("tiny").pipeline_class().from_pipe(load_pipeline("tiny"), config=config)
-    assert request_limits(config, pipe).max_queued_work == pytest.approx(budget)
+    model = resolve("tiny")
+    pipe = model.spec.pipeline_class().from_pipe(load_pipeline("tiny"), config=config)
+    assert request_limits(config, model, pipe).max_queued_work == pytest.approx(budget)
 
 
 @pytest.mark.parametrize("setting", [0, -1.0, "half", None])

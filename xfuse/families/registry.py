@@ -3,6 +3,10 @@
 Each family is one folder under ``xfuse/families/`` whose ``spec.py`` describes it (``xfuse.families.spec``);
 adding a family is one more folder and one more line in ``FAMILIES`` below. Reading the registry does not import
 diffusers (torch comes in with the specs' sequence-parallel checks).
+
+A run's ``model`` is resolved here once (:func:`resolve`): ``xfuse generate`` and ``xfuse serve`` make one
+:class:`ResolvedModel` from the config and hand it to ``xfuse.build`` and the server and its loop, which read it and
+look nothing up again.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from functools import cache
+from dataclasses import dataclass
+from functools import cache, cached_property
 
 from xfuse.errors import ConfigError
 from xfuse.families.flux.spec import FLUX
@@ -71,11 +76,48 @@ def _lookups(families: tuple[ModelSpec, ...]) -> tuple[dict[str, ModelSpec], ...
 MODEL_SPECS, PRESET_MODELS, _BY_PIPELINE, PIPELINE_SPECS = _lookups(FAMILIES)
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A ``model`` value (a preset, a shipped model or a local diffusers folder) resolved against the registry: what
+    a run needs to know of its model before and after the weights load, looked up once (:func:`resolve`).
+
+    ``name``: the value as the config gives it. ``spec``: the model's own spec (:func:`model_spec`). ``preset``: a
+    built-in random-weight model (every rank builds it from its seed) rather than a folder. ``transformer`` (its
+    transformer config, no weights loaded) and ``native_side`` (the pixels of the default image side) are read on first
+    use and kept: a folder's ``transformer/config.json`` is read once, where the run first needs it."""
+
+    name: str
+    spec: ModelSpec
+    preset: bool
+
+    @property
+    def video(self) -> bool:
+        """A video family's model (``ModelSpec.video``: Wan): its requests are clips."""
+        return self.spec.video
+
+    @cached_property
+    def transformer(self) -> dict:
+        """The transformer config (:func:`transformer_config`)."""
+        return _transformer_config(self.name, self.spec)
+
+    @cached_property
+    def native_side(self) -> int:
+        """The default image side in pixels: the diffusers pipeline's, from the transformer config."""
+        return self.spec.default_side(self.transformer)
+
+
+def resolve(model: str) -> ResolvedModel:
+    """``model`` (a config's ``model`` value) resolved once: its family, its own spec, whether it is a preset. A
+    ``ConfigError`` naming ``model`` where it is none of the presets, shipped models or diffusers folders xfuse runs."""
+    family = _family(model)
+    spec = family if family.vae_factor_key is None else family.for_vae(vae_config(model))
+    return ResolvedModel(name=model, spec=spec, preset=model in PRESET_MODELS)
+
+
 def model_spec(model: str) -> ModelSpec:
     """The spec of ``model``: its family's, with its own VAE's spatial factor where the family reads it from the VAE
     (Wan 2.2 TI2V-5B's VAE: 16 px, see ``ModelSpec.for_vae``)."""
-    family = _family(model)
-    return family if family.vae_factor_key is None else family.for_vae(vae_config(model))
+    return resolve(model).spec
 
 
 def _family(model: str) -> ModelSpec:
@@ -104,7 +146,10 @@ def _family(model: str) -> ModelSpec:
 
 def transformer_config(model: str) -> dict:
     """The transformer config of ``model`` without loading weights (a preset name or a local folder)."""
-    spec = _family(model)
+    return _transformer_config(model, _family(model))
+
+
+def _transformer_config(model: str, spec: ModelSpec) -> dict:
     if model in PRESET_MODELS:
         return spec.preset_transformer_config(model)
     config = folder_config(model, "transformer")
@@ -118,7 +163,7 @@ def vae_config(model: str) -> dict | None:
     """The VAE config of ``model`` without loading weights: a folder's ``vae/config.json`` (``None`` when it has
     none), or a preset's (its family's ``presets.preset_vae_config``: the arguments its builder makes the VAE with)."""
     if model in PRESET_MODELS:
-        return _family(model).preset_builders().preset_vae_config(model)
+        return PRESET_MODELS[model].preset_builders().preset_vae_config(model)
     return folder_config(model, "vae")
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from xfuse.build import request_size
 from xfuse.config import ConfigError, GenerationConfig, ParallelConfig, XfuseConfig, config_from_dict, parallel_config
-from xfuse.families.registry import model_spec, transformer_config
+from xfuse.families.registry import resolve
 from xfuse.perf.calibration import FITTED
 from xfuse.perf.hardware import DEVICES
 from xfuse.perf.memory import Placed, place_text, text_encoder_bytes
@@ -61,10 +61,11 @@ def local_device() -> str:
 def workload(config: XfuseConfig, controlnet: dict | None = None) -> Workload:
     """The request ``config`` describes (its generation section, or the defaults), at the model's shape; with
     ``controlnet`` (its block counts) a ControlNet run with it (``Workload.controlnet``)."""
-    spec, model = model_spec(config.model), transformer_config(config.model)
+    resolved = resolve(config.model)
+    spec, model = resolved.spec, resolved.transformer
     gen = config.generation if config.generation is not None else GenerationConfig()
     cfg_batch = spec.cfg_batch(gen.guidance_scale, gen.negative_prompt)
-    width, height, num_frames = request_size(config)  # the image or clip xfuse generate would make
+    width, height, num_frames = request_size(config, resolved)  # the image or clip xfuse generate would make
     return Workload(
         spec,
         model,

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xfuse.build import image_call_kwargs
 from xfuse.errors import RequestCancelled
@@ -25,6 +25,9 @@ from xfuse.serve.control import JOB, SHUTDOWN, TICK, ControlPlane
 from xfuse.serve.protocol import GenerationJob
 from xfuse.serve.service import GenerationResult, Service
 from xfuse.stderr import clock, write_stderr
+
+if TYPE_CHECKING:
+    from xfuse.families.registry import ResolvedModel
 
 # Under torchrun the agent is every rank's parent. If it is killed (SIGKILL reaches no child), the ranks are
 # re-parented and would go on serving with nobody to restart them: a rank that notices stops the world.
@@ -77,10 +80,10 @@ def use_adapters(pipe, lora) -> None:
     pipe.set_adapters([name for name, _ in lora], adapter_weights=[weight for _, weight in lora])
 
 
-def job_call(pipe, jobs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The pipeline call of one request, or of a batch of requests of one ``batch_key``: the prompts as a list, one
-    generator per request seeded with its seed (diffusers draws each sample's noise from its own generator, as the
-    request alone draws it)."""
+def job_call(model: ResolvedModel, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pipeline call of one request, or of a batch of requests of one ``batch_key``, to the served ``model``: the
+    prompts as a list, one generator per request seeded with its seed (diffusers draws each sample's noise from its
+    own generator, as the request alone draws it)."""
     import torch
 
     job = jobs[0]
@@ -93,7 +96,7 @@ def job_call(pipe, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         guidance_scale=job["guidance_scale"],
         seed=job["seed"],
         num_images=job["num_images"],
-        spec=pipe.spec,
+        spec=model.spec,
     )
     if len(jobs) > 1:
         call["prompt"] = [j["prompt"] for j in jobs]
@@ -101,7 +104,7 @@ def job_call(pipe, jobs: list[dict[str, Any]]) -> dict[str, Any]:
     return call
 
 
-def run_calls(pipe, calls: list[list[dict[str, Any]]], stop_if: list | None = None) -> list:
+def run_calls(pipe, model: ResolvedModel, calls: list[list[dict[str, Any]]], stop_if: list | None = None) -> list:
     """This rank's share of the pipeline calls of one turn of the loop (each a batch of jobs, ``job_call``), with
     their adapters (one set for all of them: ``Service.next_stream``): one call alone, or several streamed through
     the pipeline together (``run_stream``). Every rank makes the same calls; rank 0 gets the outputs, in order, and
@@ -112,10 +115,10 @@ def run_calls(pipe, calls: list[list[dict[str, Any]]], stop_if: list | None = No
     if lora or (hasattr(pipe, "get_list_adapters") and pipe.get_list_adapters()):  # a server with adapters
         use_adapters(pipe, lora)
     if len(calls) > 1:
-        outputs = pipe.run_stream([job_call(pipe, jobs) for jobs in calls], stop_if=stop_if)
+        outputs = pipe.run_stream([job_call(model, jobs) for jobs in calls], stop_if=stop_if)
     else:
         try:
-            outputs = [pipe(**job_call(pipe, calls[0]))]
+            outputs = [pipe(**job_call(model, calls[0]))]
         except RequestCancelled as stopped:
             outputs = [stopped]
     for index, output in enumerate(outputs):
@@ -130,6 +133,7 @@ def run_calls(pipe, calls: list[list[dict[str, Any]]], stop_if: list | None = No
 
 def server_loop(
     pipe,
+    model: ResolvedModel,
     control: ControlPlane,
     service: Service,
     *,
@@ -179,7 +183,7 @@ def server_loop(
         control.post(JOB, calls)
         stop_if = [functools.partial(_all_abandoned, batch) for batch in stream]  # each asked once per step
         with pipe.cancel_if(stop_if[0]):  # (a call alone's)
-            outputs = run_calls(pipe, calls, stop_if if len(stream) > 1 else None)
+            outputs = run_calls(pipe, model, calls, stop_if if len(stream) > 1 else None)
         answer_round(job_done=True)
         last_round = time.monotonic()
         sharing = sum(len(batch) for batch in stream)  # the requests that shared the generation time
@@ -208,7 +212,7 @@ def _with_seed(job: GenerationJob) -> dict[str, Any]:
     return {**job.as_dict(), "seed": job.seed if job.seed is not None else secrets.randbelow(2**32)}
 
 
-def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
+def worker_loop(pipe, model: ResolvedModel, control: ControlPlane, drain: DrainSignal) -> None:
     """Ranks 1..N-1: follow rank 0 until it says ``shutdown``. Raises on any failure (including rank 0's loss)."""
     while True:
         kind, payload = control.receive()
@@ -216,7 +220,7 @@ def worker_loop(pipe, control: ControlPlane, drain: DrainSignal) -> None:
         if kind == TICK:
             control.answer_round(_answer(pipe, drain))
         elif kind == JOB:
-            run_calls(pipe, payload)
+            run_calls(pipe, model, payload)
             control.answer_round(_answer(pipe, drain, job_done=True))
         elif kind == SHUTDOWN:
             control.answer_round(_answer(pipe, drain))

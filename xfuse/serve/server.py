@@ -9,6 +9,9 @@ then every rank loads its share of the model and enters its loop (``xfuse.serve.
   (``/health`` 503 naming the rank and the cause, every pending request 503), lets those answers go out, and every
   surviving rank exits non-zero, so torchrun or the orchestrator restarts the world. A broken world never exits 0,
   even when the launcher's SIGTERM arrives first.
+
+The served model is resolved once, at the top of :func:`serve` (``xfuse.families.registry.resolve``); the checks,
+the build, the request limits and the loop read that one ``ResolvedModel``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from xfuse.build import (
     build_pipeline,
@@ -32,13 +35,16 @@ from xfuse.build import (
 )
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
-from xfuse.families.registry import model_is_preset, model_spec
+from xfuse.families.registry import resolve
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
 from xfuse.serve.metrics import ServeMetrics
 from xfuse.serve.protocol import RequestLimits, work_of
 from xfuse.serve.service import Service
 from xfuse.stderr import clock, write_stderr
+
+if TYPE_CHECKING:
+    from xfuse.families.registry import ResolvedModel
 
 LINGER_S = 1.5  # a broken rank 0 keeps answering (503) this long, so probes and waiting clients hear why
 NAMING_WAIT_S = 2.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it)
@@ -87,36 +93,37 @@ class HttpServer:
         self.thread.join(timeout_s)
 
 
-def model_name(config: XfuseConfig) -> str:
+def model_name(config: XfuseConfig, model: ResolvedModel) -> str:
     """The id clients use: ``serve.model_name``, else the preset's name or the model folder's name."""
     if config.serve.model_name:
         return config.serve.model_name
-    return config.model if model_is_preset(config.model) else os.path.basename(os.path.normpath(config.model))
+    return model.name if model.preset else os.path.basename(os.path.normpath(model.name))
 
 
-def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
-    """What requests may ask, from the config and the loaded model; the default size must itself be servable."""
-    stage = pipe.stage.config
+def request_limits(config: XfuseConfig, model: ResolvedModel, pipe) -> RequestLimits:
+    """What requests may ask, from the config, its model and the loaded pipeline; the default size must itself be
+    servable."""
+    stage, spec = pipe.stage.config, model.spec
 
     def check_size(width: int, height: int) -> None:
-        pipe.spec.check_layout(
+        spec.check_layout(
             pipe.parallel,
             num_blocks=pipe.num_blocks,
             patch_size=stage.patch_size,
             height=height,
             width=width,
-            num_heads=pipe.spec.num_heads(stage),
+            num_heads=spec.num_heads(stage),
         )
 
-    width, height = default_size(config)
+    width, height = default_size(config, model)
     check_size(width, height)  # a bad generation.width/height fails the start, naming the key
     queued_work = config.serve.max_queued_work
     if queued_work == "auto":  # a full queue of default requests
         queued_work = config.serve.max_queue * work_of(width, height, config.generation.num_inference_steps)
-    check_negative_prompt(pipe.spec, config.generation.negative_prompt)  # fails the start, naming the key
+    check_negative_prompt(spec, config.generation.negative_prompt)  # fails the start, naming the key
     serve, gen = config.serve, config.generation
     return RequestLimits(
-        model_name=model_name(config),
+        model_name=model_name(config, model),
         default_width=width,
         default_height=height,
         default_steps=gen.num_inference_steps,
@@ -131,11 +138,11 @@ def request_limits(config: XfuseConfig, pipe) -> RequestLimits:
         max_queued_work=queued_work,
         # cfg_degree 2 needs each request to batch [uncond, cond]: guidance above the family's threshold (Z-Image's 0);
         # a true-CFG family's batch comes from the negative prompt instead (its pipeline refuses a request without)
-        min_guidance_exclusive=pipe.spec.cfg_above
-        if config.parallel.cfg_degree == 2 and not pipe.spec.negative_prompt_guides
+        min_guidance_exclusive=spec.cfg_above
+        if config.parallel.cfg_degree == 2 and not spec.negative_prompt_guides
         else None,
         adapters=tuple(serve.lora_adapters),
-        no_negative_prompt=None if takes_negative_prompt(pipe.spec) else pipe.spec.diffusers_pipeline,
+        no_negative_prompt=None if takes_negative_prompt(spec) else spec.diffusers_pipeline,
     )
 
 
@@ -207,19 +214,18 @@ def _fail_worker(pipe, err: BaseException) -> NoReturn:
     _exit_now(monitor, 1)
 
 
-def refuse_video_model(config: XfuseConfig) -> None:
+def refuse_video_model(model: ResolvedModel) -> None:
     """A video model (``ModelSpec.video``: Wan) has no place in the Images API: refused by name (``ConfigError``,
     exit 2) on every rank before any port is bound or weights load."""
-    spec = model_spec(config.model)
-    if spec.video:
+    if model.video:
         raise ConfigError(
             "model",
-            f"{config.model} is a video model ({spec.diffusers_pipeline}); xfuse serve answers the OpenAI Images API "
-            f"only: use xfuse generate for clips (got {config.model!r})",
+            f"{model.name} is a video model ({model.spec.diffusers_pipeline}); xfuse serve answers the OpenAI Images "
+            f"API only: use xfuse generate for clips (got {model.name!r})",
         )
 
 
-def check_adapters(config: XfuseConfig) -> None:
+def check_adapters(config: XfuseConfig, model: ResolvedModel) -> None:
     """``serve.lora_adapters`` refused by name on every rank before any port is bound or weights load: a family whose
     diffusers pipeline loads no LoRA, a name that is the model's own (its paths: ``xfuse.build.check_files``); and
     ``generation.lora`` and ``generation.controlnet`` (``xfuse generate``'s: a server's adapters are picked per
@@ -238,9 +244,9 @@ def check_adapters(config: XfuseConfig) -> None:
     adapters = config.serve.lora_adapters
     if not adapters:
         return
-    check_lora_family(config, "serve.lora_adapters")
-    if model_name(config) in adapters:
-        raise ConfigError("serve.lora_adapters", f"adapter {model_name(config)!r} has the served model's own name")
+    check_lora_family(model, "serve.lora_adapters")
+    if (name := model_name(config, model)) in adapters:
+        raise ConfigError("serve.lora_adapters", f"adapter {name!r} has the served model's own name")
 
 
 def load_adapters(pipe, adapters: dict[str, str]) -> None:
@@ -251,7 +257,7 @@ def load_adapters(pipe, adapters: dict[str, str]) -> None:
         pipe.disable_lora()
 
 
-def warm_up(pipe, config: XfuseConfig, limits: RequestLimits) -> None:
+def warm_up(pipe, config: XfuseConfig, model: ResolvedModel, limits: RequestLimits) -> None:
     """``compile.mode: regional``: compile ``compile.warmup_sizes`` (default: the default size) with the default
     request's arguments before serving; a size the model's layout cannot take fails the start, naming the key."""
     if pipe.compiler is None:
@@ -266,14 +272,15 @@ def warm_up(pipe, config: XfuseConfig, limits: RequestLimits) -> None:
         print(f"xfuse serve: compiling {len(sizes)} size(s) before the first request", flush=True)
     call = image_call_kwargs(prompt="warm-up", negative_prompt=limits.default_negative_prompt, width=sizes[0][0],
                              height=sizes[0][1], num_inference_steps=limits.default_steps,
-                             guidance_scale=limits.default_guidance, seed=0, spec=pipe.spec)  # fmt: skip
+                             guidance_scale=limits.default_guidance, seed=0, spec=model.spec)  # fmt: skip
     warm_up_compile(pipe, call, sizes)
 
 
 def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     """Run this rank's part of the service until it is drained (returns 0) or fails (exits non-zero)."""
-    refuse_video_model(config)
-    check_adapters(config)
+    model = resolve(config.model)  # the one look-up of the served model; everything below reads it
+    refuse_video_model(model)
+    check_adapters(config, model)
     rank = int(os.environ.get("RANK", "0"))
     drain = DrainSignal()
     drain.install()
@@ -285,7 +292,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         metrics = ServeMetrics(
             world_size=config.world_size,
             info={
-                "model": model_name(config),
+                "model": model_name(config, model),
                 "pipefusion_degree": str(par.pipefusion_degree),
                 "cfg_degree": str(par.cfg_degree),
                 "num_patches": str(par.resolved_num_patches),
@@ -307,14 +314,14 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         http.start()
         print(f"xfuse serve: listening on {http.url} (starting: loading {config.model})", flush=True)
     try:
-        pipe = build_pipeline(config)
+        pipe = build_pipeline(config, model)
         pipe.set_progress_bar_config(disable=True)
         pipe.enable_cancellation()  # every rank: a request whose client went away stops between two steps
         load_adapters(pipe, config.serve.lora_adapters)
-        limits = request_limits(config, pipe)  # every rank: a bad default size fails everywhere, the same way
+        limits = request_limits(config, model, pipe)  # every rank: a bad default size fails everywhere, the same way
         if service is not None and pipe.compiler is not None:  # /health: 503 "starting (compiling ...)" meanwhile
             service.reason = "compiling the configured sizes before the first request (compile.mode: regional)"
-        warm_up(pipe, config, limits)
+        warm_up(pipe, config, model, limits)
     except BaseException as err:
         if service is not None:
             service.set_broken(f"start-up failed: {type(err).__name__}: {err}")
@@ -331,7 +338,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     )
     if rank != 0:
         try:
-            worker_loop(pipe, control, drain)
+            worker_loop(pipe, model, control, drain)
         except BaseException as err:  # noqa: BLE001 - every way out but shutdown is a failure
             _fail_worker(pipe, err)
         return 0
@@ -345,6 +352,7 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
     try:
         server_loop(
             pipe,
+            model,
             control,
             service,
             heartbeat_interval_s=settings.heartbeat_interval_s,

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from xfuse.config import SECTIONS, TOP_LEVEL_KEYS, XfuseConfig, config_from_dict
+from xfuse.config.whole import SECTIONS, TOP_LEVEL_KEYS, XfuseConfig, config_from_dict
 from xfuse.errors import ConfigError
 
 
