@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from xfuse.families.registry import ResolvedModel
 
 LINGER_S = 1.5  # a broken rank 0 keeps answering (503) this long, so probes and waiting clients hear why
-NAMING_WAIT_S = 2.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it)
+NAMING_WAIT_S = 3.0  # how long a failure report waits for a lost rank's heartbeat to go stale (to name it): its
+# staleness bound (1 s) and a poll, with room for a loaded machine
 
 
 class HttpServer:
@@ -182,10 +183,11 @@ def _fail_server(pipe, service: Service, http: HttpServer, err: BaseException) -
     monitor = pipe.context.monitor
     reason = _one_line(err)
     first = monitor.record(err)
-    service.set_broken(reason)  # from now on /health is 503 with this reason; pending requests are answered
+    service.set_broken(reason, answer=False)  # from now on /health is 503 and nothing new is taken
     silent = _lost_ranks(monitor, err)
     if silent:  # the lost rank first: the gloo or channel error may name only an address
-        service.reason = reason = f"{silent}; {reason}"
+        reason = f"{silent}; {reason}"
+    service.set_broken(reason)  # pending requests answered with the lost rank's name, as /health says it
     own = first.rank == 0
     # (the report adds the silent ranks itself)
     headline = f"rank 0 stopped serving: {_one_line(err)}" + ("" if own else f"\n  first failure in the world: {first}")

@@ -298,11 +298,14 @@ class Service:
             self.metrics.ready.set(0)
             return self._fail_queued(Unavailable("the service is shutting down (draining)", code="service_draining"))
 
-    def set_broken(self, reason: str) -> int:
-        """A rank is lost: answer the running and every queued request 503; return how many were answered."""
+    def set_broken(self, reason: str, *, answer: bool = True) -> int:
+        """A rank is lost: refuse new requests, turn readiness 503 with ``reason``, and (``answer``) answer the
+        running and every queued request 503; return how many were answered."""
         with self._lock:
             self.state, self.reason = BROKEN, reason
             self.metrics.ready.set(0)
+            if not answer:
+                return 0
             error = Unavailable(f"the service is broken and restarting: {reason}", code="service_broken")
             failed = self._fail_queued(error)
             for running in self.running:
