@@ -16,6 +16,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("XFUSE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "xfuse"))
+# A parallel worker (pytest-xdist) gets its share of the cores for torch's threads, read when torch loads: two
+# workers of two threads each on two cores spin against each other (OpenMP waits busily) and double every test's
+# CPU time. Test worlds run their ranks on one thread each already, and torchrun's ranks too.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
 def pytest_terminal_summary(terminalreporter):
