@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The test suite, from a clean clone: sets up .venv (or uses the active environment) and runs pytest.
 #   bash scripts/test.sh           every tier: tests/unit, multirank, launch, netns (what .ci/run runs)
-#   bash scripts/test.sh --fast    the unit tier only: pure tests, no process group, under a minute
-# Other arguments go to pytest (e.g. bash scripts/test.sh --fast -k config -x; -n 0 runs in one process).
-# Test modules run in XFUSE_TEST_WORKERS parallel processes (pytest-xdist; default 2, the cores of this project's
-# machines), each module whole on one worker: its world and fixtures start once, its tests run in order.
+#   bash scripts/test.sh --fast    the unit tier only: pure tests, no process group, about a minute
+# Other arguments go to pytest (e.g. bash scripts/test.sh --fast -k config -x).
+# XFUSE_TEST_WORKERS parallel test processes (pytest-xdist, --dist loadfile: each module whole on one worker, its
+# world and fixtures started once): 2 for the unit tier by default; 0 (one process) for the whole suite until its
+# timing-sensitive drills hold under two modules at once (docs/testing.md says which).
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+workers="${XFUSE_TEST_WORKERS:-0}"
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- tests/unit "$@"
+  workers="${XFUSE_TEST_WORKERS:-2}"
 fi
-python -m pytest -n "${XFUSE_TEST_WORKERS:-2}" --dist loadfile "$@"
+python -m pytest -n "$workers" --dist loadfile "$@"
