@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.serve_fns import ServedWorld, left_behind, poll_health, requests_running
+from tests.support.serve_fns import ServedWorld, gauge, left_behind, poll_health, requests_running
 
 TIMEOUT_S = 5.0  # comm.timeout_s: a stalled peer mid-request is noticed by the data plane after this
 LONG_REQUEST = {"prompt": "long", "num_inference_steps": 100, "size": "256x256"}  # several seconds here
@@ -81,8 +81,9 @@ QUEUED = {"num_inference_steps": 4, "size": "128x64"}
 
 def _batch_in_flight(world, pool):
     """The blocker, then four requests that run as one batch streamed with a call of two more, and two that wait
-    behind them; returns the futures of the blocker, the six in flight and the two waiting once the stream runs
-    (``xfuse_requests_running`` is 6)."""
+    behind them; returns the futures of the blocker, the six in flight and the two waiting once the stream runs and
+    the two are queued (``xfuse_requests_running`` 6, ``xfuse_queue_depth`` 2: a request that reaches the server
+    only after a rank is lost is refused with the reason known then, not answered as one that waited)."""
     post = lambda body: pool.submit(  # noqa: E731
         httpx.post, f"{world.url}/v1/images/generations", json=body, timeout=60
     )
@@ -93,7 +94,7 @@ def _batch_in_flight(world, pool):
     time.sleep(0.3)
     queued = [post({**QUEUED, "prompt": f"queued {i}"}) for i in range(2)]
     deadline = time.monotonic() + 60
-    while requests_running(world.url) != 6:
+    while requests_running(world.url) != 6 or gauge(world.url, "xfuse_queue_depth") != 2:
         assert time.monotonic() < deadline and not any(f.done() for f in batch), world.stderr()[-3000:]
         time.sleep(0.02)
     return blocker, batch, queued
@@ -116,7 +117,7 @@ def test_a_worker_killed_under_a_stream_answers_every_request_in_flight(tmp_path
                 response = future.result(timeout=TIMEOUT_S + 5)
                 assert response.status_code == 503, response.text
                 error = response.json()["error"]
-                assert error["code"] == "service_broken" and "rank 1" in error["message"], error
+                assert error["code"] == "service_broken" and "rank 1" in error["message"], (error, world.stderr()[-3000:])
         assert world.wait(timeout=TIMEOUT_S + 10) != 0
         assert left_behind(world) == []
     finally:

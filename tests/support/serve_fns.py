@@ -205,7 +205,12 @@ def poll_health(url: str, until, timeout: float, interval: float = 0.05):
     return None, last
 
 
+def gauge(url: str, name: str) -> float:
+    """The served world's gauge ``name`` (from ``/metrics``)."""
+    metrics = httpx.get(f"{url}/metrics").text
+    return float(re.search(rf"^{name} (\S+)", metrics, re.M).group(1))
+
+
 def requests_running(url: str) -> float:
     """The served world's ``xfuse_requests_running`` gauge (its running batch, or every request of its stream)."""
-    metrics = httpx.get(f"{url}/metrics").text
-    return float(re.search(r"^xfuse_requests_running (\S+)", metrics, re.M).group(1))
+    return gauge(url, "xfuse_requests_running")
