@@ -117,7 +117,8 @@ def test_a_worker_killed_under_a_stream_answers_every_request_in_flight(tmp_path
                 response = future.result(timeout=TIMEOUT_S + 5)
                 assert response.status_code == 503, response.text
                 error = response.json()["error"]
-                assert error["code"] == "service_broken" and "rank 1" in error["message"], (error, world.stderr()[-3000:])
+                assert error["code"] == "service_broken", error
+                assert "rank 1" in error["message"], (error, world.stderr()[-3000:])
         assert world.wait(timeout=TIMEOUT_S + 10) != 0
         assert left_behind(world) == []
     finally:

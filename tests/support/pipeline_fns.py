@@ -228,12 +228,13 @@ def run_with_a_cancel(folder, parallel, call, stop_before, family="hunyuandit", 
 def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=None):
     """Every rank: ``calls`` run one at a time, then as one stream (``run_stream``), then alone again. Returns
     rank 0's images of each (``None`` elsewhere) and, from this rank's trace of the stream, every task it computed
-    as (request, start, end) in wall-clock microseconds (ranks on one machine line up). ``cache``: the pipeline's
-    step caching; then also each call's (computed, skipped) steps alone and in the stream."""
+    as (request, start, end) in microseconds (``tasks``), and every span of a request, its communication waits as
+    well, in the order this rank ran them (``spans``, same form). ``cache``: the pipeline's step caching; then also
+    each call's (computed, skipped) steps alone and in the stream."""
     import torch.distributed as dist
 
     from xfuse.families.registry import MODEL_SPECS
-    from xfuse.parallel.trace import COMPUTE
+    from xfuse.parallel.trace import COMM, COMPUTE
 
     pipe = MODEL_SPECS[family].pipeline_class().from_pretrained(folder, parallel=parallel, comm={"timeout_s": 60},
                                                                 cache=cache)  # fmt: skip
@@ -250,22 +251,28 @@ def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=N
     streamed = images(pipe.run_stream([with_generator(call) for call in calls]))
     steps_streamed = pipe.local_stats()["cache_steps"]  # the stream's, summed over its calls
     decode_ranks = pipe.decode_ranks  # the ranks the stream's last decode ran on
-    tasks = [(e["args"]["request"], e["ts"], e["ts"] + e["dur"]) for e in pipe.trace_events()
-             if e["tid"] == COMPUTE and "request" in e["args"]]  # fmt: skip
+    spans = sorted(((e["args"]["request"], e["ts"], e["ts"] + e["dur"], e["tid"]) for e in pipe.trace_events()
+                    if e["tid"] in (COMPUTE, COMM) and "request" in e.get("args", {})),
+                   key=lambda span: span[1])  # fmt: skip  (one thread runs them: by start is program order)
     pipe.enable_trace(False)
     again = images([pipe(**with_generator(call)) for call in calls])
-    return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again, tasks=tasks,
+    return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again,
+                tasks=[span[:3] for span in spans if span[3] == COMPUTE], spans=[span[:3] for span in spans],
                 cache_steps_alone=steps_alone, cache_steps_streamed=steps_streamed,
                 decode_ranks=decode_ranks)  # fmt: skip
 
 
 def entered_in_flight(results, call: int) -> bool:
-    """Whether, over every rank's trace of a stream (``run_streamed_and_alone``), call ``call``'s first task started
-    before the last task of an earlier call ended: it entered the pipeline while an earlier one was still in it
-    (one call at a time, it would start after that call is decoded)."""
-    tasks = [task for r in results for task in r["tasks"]]
-    last_end = max(end for request, _, end in tasks if request < call)
-    return min(start for request, start, _ in tasks if request == call) < last_end
+    """Whether, on some rank of a stream (``run_streamed_and_alone``), call ``call``'s first span (a task, or a wait
+    for its messages) came before that rank's last span of an earlier call: the call entered the pipeline while an
+    earlier one was still in it (one call at a time, every rank finishes a call before it starts the next). Spans of
+    one rank run on one thread in its program's order, so this compares no clocks across processes (which a loaded
+    machine reorders: a rank may finish the earlier call's last task before its neighbour starts the next call)."""
+    for r in results:
+        order = [request for request, _, _ in r["spans"]]
+        if call in order and any(request < call for request in order[order.index(call) :]):
+            return True
+    return False
 
 
 def stream_refusal(folder, parallel, calls, family="hunyuandit"):

@@ -82,7 +82,7 @@ class ProgramExecutor:
                 continue
             run = self.runs[task.request]
             if action == Action.WAIT_SEND and task in run.sends:
-                with run.span("send wait", COMM, step=task.step, patch=task.patch):
+                with run.span("send wait", COMM, step=task.step, patch=task.patch, **run.which(task)):
                     for handle in run.sends.pop(task):
                         handle.wait()
                 if deadline is not None:

@@ -112,7 +112,7 @@ class RequestRun:
     def _received(self, task: Task) -> dict[Message, torch.Tensor]:
         received = {}
         for m in self.recv_msgs[task]:
-            with self.span(f"recv {m.channel} from r{m.src}", COMM, step=m.step, patch=m.patch):
+            with self.span(f"recv {m.channel} from r{m.src}", COMM, step=m.step, patch=m.patch, **self.which(task)):
                 received[m] = self.recvs[m].wait()
         return received
 
@@ -129,6 +129,10 @@ class RequestRun:
         """A host deadline's place, (action, task), in words (formatted only when reported)."""
         action, task = place
         return self._label(task) if action == Action.COMPUTE else f"the wait for the sends of {self._label(task)}"
+
+    def which(self, task: Task) -> dict[str, int]:
+        """The trace arguments that name ``task``'s request: in a stream, every span of a request says which."""
+        return {"request": task.request} if self.in_stream else {}
 
     def _label(self, task: Task) -> str:
         where = "whole" if task.patch is None else f"p{task.patch}"
@@ -188,8 +192,7 @@ class RequestRun:
         control = self.request.control
         residuals: list[torch.Tensor] = []  # hop 0 with ControlNet: every residual of the control model's pass
         stepped: torch.Tensor | None = None  # the output rank's stepped rows, once a step's last part is in
-        which = {"request": task.request} if self.in_stream else {}
-        with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop, **which):
+        with self.span(self._label(task), COMPUTE, step=step, patch=patch, hop=task.hop, **self.which(task)):
             cond = self.conditioning(step)  # the step's conditioning (timestep embedding): model work, once per step
             part = None if task.part is None else self.latents.part(task.part)
             if part is not None:
