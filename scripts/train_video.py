@@ -91,7 +91,7 @@ def train_classifier(steps: int, seed: int) -> nn.Module:
     return model.eval()
 
 
-def train_vae(vae, steps: int, batch: int, seed: int):
+def train_vae(vae, steps: int, batch: int, seed: int, classifier: nn.Module | None = None):
     """An autoencoder on the posterior's mean (what the transformer is trained on and the pipeline decodes), the
     shape's pixels weighted 10x: with plain MSE the VAE settles on the background alone (MSE 0.10-0.15 for 600 steps:
     the shape is ~8 % of a frame)."""
@@ -114,6 +114,9 @@ def train_vae(vae, steps: int, batch: int, seed: int):
         if step % 25 == 0 or step == steps - 1:
             log({"stage": "vae", "step": step, "loss": round(loss.item(), 5), "mse": round(error.mean().item(), 5),
                  "s": round(time.time() - start)})  # fmt: skip
+        if classifier is not None and step % 250 == 249:  # how far the round trips read, while it trains
+            log({"stage": "vae", "step": step, "recon_accuracy": reconstruction_accuracy(vae.eval(), classifier, seed)})
+            vae.train()
     return vae.eval()
 
 
@@ -241,6 +244,7 @@ def main() -> None:
     parser.add_argument("--classifier-steps", type=int, default=300)
     parser.add_argument("--vae-steps", type=int, default=1000)
     parser.add_argument("--vae-batch", type=int, default=8)
+    parser.add_argument("--latent-channels", type=int, default=4, help="the VAE's z_dim (the transformer's channels)")
     parser.add_argument("--steps", type=int, default=3000, help="transformer steps (0: keep the transformer)")
     parser.add_argument("--clips", type=int, default=2000, help="clips encoded for the transformer")
     parser.add_argument("--batch", type=int, default=32)
@@ -260,7 +264,7 @@ def main() -> None:
     start = time.time()
     log({"stage": "start", **vars(args), "torch": torch.__version__})
     pipe = build_preset_pipeline("wan-tiny", args.seed, extra_words=world.VOCABULARY, vae_overrides=VAE,
-                                 **TRANSFORMER)  # fmt: skip
+                                 in_channels=args.latent_channels, **TRANSFORMER)  # fmt: skip
     from safetensors.torch import save_file
 
     if args.vae_from:
@@ -271,7 +275,7 @@ def main() -> None:
         pipe.register_modules(vae=vae)
     else:
         classifier = train_classifier(args.classifier_steps, args.seed)
-        vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed)
+        vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed, classifier)
     if args.transformer_from:
         from diffusers import WanTransformer3DModel
 

@@ -251,9 +251,14 @@ def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=N
     streamed = images(pipe.run_stream([with_generator(call) for call in calls]))
     steps_streamed = pipe.local_stats()["cache_steps"]  # the stream's, summed over its calls
     decode_ranks = pipe.decode_ranks  # the ranks the stream's last decode ran on
-    spans = sorted(((e["args"]["request"], e["ts"], e["ts"] + e["dur"], e["tid"]) for e in pipe.trace_events()
-                    if e["tid"] in (COMPUTE, COMM) and "request" in e.get("args", {})),
-                   key=lambda span: span[1])  # fmt: skip  (one thread runs them: by start is program order)
+    spans = sorted(
+        (
+            (e["args"]["request"], e["ts"], e["ts"] + e["dur"], e["tid"])
+            for e in pipe.trace_events()
+            if e["tid"] in (COMPUTE, COMM) and "request" in e.get("args", {})
+        ),
+        key=lambda span: span[1],
+    )  # fmt: skip  (one thread runs them: by start is program order)
     pipe.enable_trace(False)
     again = images([pipe(**with_generator(call)) for call in calls])
     return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again,
