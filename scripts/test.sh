@@ -4,13 +4,11 @@
 #   bash scripts/test.sh --fast    the unit tier only: pure tests, no process group, about a minute
 # Other arguments go to pytest (e.g. bash scripts/test.sh --fast -k config -x).
 # XFUSE_TEST_WORKERS parallel test processes (pytest-xdist, --dist loadfile: each module whole on one worker, its
-# world and fixtures started once): 2 for the unit tier by default; 0 (one process) for the whole suite until its
-# timing-sensitive drills hold under two modules at once (docs/testing.md says which).
+# world and fixtures started once): 2 by default; 0 runs every module in this one process.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-workers="${XFUSE_TEST_WORKERS:-0}"
+workers="${XFUSE_TEST_WORKERS:-2}"
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- tests/unit "$@"
-  workers="${XFUSE_TEST_WORKERS:-2}"
 fi
 python -m pytest -n "$workers" --dist loadfile "$@"
