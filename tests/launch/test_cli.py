@@ -507,11 +507,13 @@ def test_a_second_launch_with_a_warm_compile_cache_generates_nothing(tmp_path):
     """``compile.cache_dir`` with Inductor (the backend whose artefacts a cache keeps): the first launch generates
     every graph's code, the second finds every graph in the cache and generates none, and draws the same image;
     ``xfuse doctor --compile-cache`` reports the key, its torch and the request shape. (How much faster the warm
-    start is, is measured by ``benchmarks/bench_compile.py --cache``, not timed here.)"""
+    start is, is measured by ``benchmarks/bench_compile.py --cache``, not timed here.) No warm-up step: the patches'
+    shapes alone (rank 0: 22 graphs instead of 32, a cold launch 31 s instead of 46 s here), and what is cached is
+    the same kind of thing."""
     cache = tmp_path / "compile-cache"
     args = ["-m", "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", "--set", "model=flux-tiny", "--set",
             "parallel.placement=linear", "--set", "generation.num_inference_steps=3", "--set", "compile.mode=regional",
-            "--set", f"compile.cache_dir={cache}"]  # fmt: skip
+            "--set", "parallel.warmup_steps=0", "--set", f"compile.cache_dir={cache}"]  # fmt: skip
     counts = {}
     for launch in ("cold", "warm"):
         run = torchrun(*args, "--output", str(tmp_path / f"{launch}.png"), timeout=300)
