@@ -251,6 +251,7 @@ def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=N
     streamed = images(pipe.run_stream([with_generator(call) for call in calls]))
     steps_streamed = pipe.local_stats()["cache_steps"]  # the stream's, summed over its calls
     decode_ranks = pipe.decode_ranks  # the ranks the stream's last decode ran on
+    # one thread runs a rank's spans: by start is the order its program ran them
     spans = sorted(
         (
             (e["args"]["request"], e["ts"], e["ts"] + e["dur"], e["tid"])
@@ -258,7 +259,7 @@ def run_streamed_and_alone(folder, parallel, calls, family="hunyuandit", cache=N
             if e["tid"] in (COMPUTE, COMM) and "request" in e.get("args", {})
         ),
         key=lambda span: span[1],
-    )  # fmt: skip  (one thread runs them: by start is program order)
+    )
     pipe.enable_trace(False)
     again = images([pipe(**with_generator(call)) for call in calls])
     return dict(rank=dist.get_rank(), alone=alone, streamed=streamed, again=again,
