@@ -91,29 +91,44 @@ def train_classifier(steps: int, seed: int) -> nn.Module:
     return model.eval()
 
 
-def train_vae(vae, steps: int, batch: int, seed: int, classifier: nn.Module | None = None):
+def train_vae(
+    vae,
+    steps: int,
+    batch: int,
+    seed: int,
+    classifier: nn.Module | None = None,
+    lr: float = 2e-3,
+    critic: nn.Module | None = None,
+    shape_loss: float = 0.0,
+):
     """An autoencoder on the posterior's mean (what the transformer is trained on and the pipeline decodes), the
     shape's pixels weighted 10x: with plain MSE the VAE settles on the background alone (MSE 0.10-0.15 for 600 steps:
-    the shape is ~8 % of a frame)."""
+    the shape is ~8 % of a frame). Pixels alone leave the shape a blob (a circle, square and triangle of 2-3 latent
+    cells differ in a few edge pixels), so ``shape_loss`` adds that weight times the cross-entropy of ``critic``'s
+    shape reading of the decoded clips: a perceptual term from a classifier trained apart (another seed) from the
+    one that scores the round trips, so the score is not the loss."""
     torch.manual_seed(seed)
     vae.train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     start = time.time()
     for step in range(steps):
-        _, clips = clips_and_tensor(batch, seed * 100_000 + 50_000 + step)
+        scenes, clips = clips_and_tensor(batch, seed * 100_000 + 50_000 + step)
         recon = vae.decode(vae.encode(clips).latent_dist.mode()).sample  # (B, 3, 13, 64, 64)
         error = (recon - clips) ** 2
         # the shape: pixels away from the background (the top-left pixel of the first frame, never the shape's)
         shape = (clips - clips[:, :, :1, :1, :1]).abs().sum(dim=1, keepdim=True) > 0.1  # (B, 1, 13, 64, 64)
-        loss = (error * (1 + 9 * shape)).mean()
+        loss = pixels = (error * (1 + 9 * shape)).mean()
+        if critic is not None and shape_loss:
+            labels = torch.tensor([scene.labels()["shape"] for scene in scenes])
+            loss = loss + shape_loss * nn.functional.cross_entropy(critic(recon)["shape"], labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         if step % 25 == 0 or step == steps - 1:
-            log({"stage": "vae", "step": step, "loss": round(loss.item(), 5), "mse": round(error.mean().item(), 5),
-                 "s": round(time.time() - start)})  # fmt: skip
+            log({"stage": "vae", "step": step, "loss": round(loss.item(), 5), "pixels": round(pixels.item(), 5),
+                 "mse": round(error.mean().item(), 5), "s": round(time.time() - start)})  # fmt: skip
         if classifier is not None and step % 250 == 249:  # how far the round trips read, while it trains
             log({"stage": "vae", "step": step, "recon_accuracy": reconstruction_accuracy(vae.eval(), classifier, seed)})
             vae.train()
@@ -244,6 +259,12 @@ def main() -> None:
     parser.add_argument("--classifier-steps", type=int, default=300)
     parser.add_argument("--vae-steps", type=int, default=1000)
     parser.add_argument("--vae-batch", type=int, default=8)
+    parser.add_argument("--vae-lr", type=float, default=2e-3, help="the VAE's peak learning rate (then a cosine)")
+    parser.add_argument("--vae-finetune", action="store_true", help="train the VAE of --vae-from --vae-steps more "
+                        "steps (its latents' statistics fitted again)")  # fmt: skip
+    parser.add_argument("--vae-shape-loss", type=float, default=0.0, help="the VAE's loss weight on a critic "
+                        "classifier's shape cross-entropy of the decoded clips (0: pixels alone)")  # fmt: skip
+    parser.add_argument("--critic-steps", type=int, default=1000, help="the critic classifier's steps (seed + 1)")
     parser.add_argument("--latent-channels", type=int, default=4, help="the VAE's z_dim (the transformer's channels)")
     parser.add_argument("--steps", type=int, default=3000, help="transformer steps (0: keep the transformer)")
     parser.add_argument("--clips", type=int, default=2000, help="clips encoded for the transformer")
@@ -255,27 +276,38 @@ def main() -> None:
                         "pixels where the shape is (1: plain MSE)")  # fmt: skip
     parser.add_argument("--latents-cache", help="a file for the encoded training clips (read if it exists)")
     parser.add_argument("--transformer-from", help="start the transformer from this trained folder's weights")
+    parser.add_argument("--head-dim", type=int, default=TRANSFORMER["attention_head_dim"], help="the transformer's "
+                        "attention head width (4 heads)")  # fmt: skip
+    parser.add_argument("--ffn-dim", type=int, default=TRANSFORMER["ffn_dim"], help="the transformer's MLP width")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a few steps of each stage")
     args = parser.parse_args()
     if args.quick:
-        args.classifier_steps, args.vae_steps, args.steps, args.clips, args.batch = 3, 3, 3, 64, 4
+        args.classifier_steps, args.critic_steps, args.vae_steps, args.steps, args.clips, args.batch = 3, 3, 3, 3, 64, 4
     torch.set_num_threads(args.threads)
     start = time.time()
     log({"stage": "start", **vars(args), "torch": torch.__version__})
+    layout = {**TRANSFORMER, "attention_head_dim": args.head_dim, "ffn_dim": args.ffn_dim}
     pipe = build_preset_pipeline("wan-tiny", args.seed, extra_words=world.VOCABULARY, vae_overrides=VAE,
-                                 in_channels=args.latent_channels, **TRANSFORMER)  # fmt: skip
+                                 in_channels=args.latent_channels, **layout)  # fmt: skip
     from safetensors.torch import save_file
 
+    critic = None
+    if args.vae_shape_loss:
+        critic = train_classifier(args.critic_steps, args.seed + 1).requires_grad_(False)
     if args.vae_from:
         from diffusers import AutoencoderKLWan
 
         classifier = world.load_classifier(args.vae_from)
         vae = AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae").eval()
+        if args.vae_finetune:
+            vae = train_vae(vae, args.vae_steps, args.vae_batch, args.seed + 1, classifier, args.vae_lr, critic,
+                            args.vae_shape_loss)  # fmt: skip
         pipe.register_modules(vae=vae)
     else:
         classifier = train_classifier(args.classifier_steps, args.seed)
-        vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed, classifier)
+        vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed, classifier, args.vae_lr, critic,
+                        args.vae_shape_loss)  # fmt: skip
     if args.transformer_from:
         from diffusers import WanTransformer3DModel
 
@@ -296,10 +328,10 @@ def main() -> None:
             warmup=args.warmup,
             empty_captions=args.empty_captions,
             shape_weight=args.shape_weight,
-            fit_statistics=not args.vae_from,
+            fit_statistics=not args.vae_from or args.vae_finetune,
             cache=args.latents_cache,
         )
-    elif not args.vae_from:  # a new VAE's latents' statistics, fitted without training a transformer
+    elif not args.vae_from or args.vae_finetune:  # a new VAE's latents' statistics, without training a transformer
         encode_clips(vae, args.clips, args.seed, fit_statistics=True, cache=args.latents_cache)
     os.makedirs(args.out, exist_ok=True)
     pipe.save_pretrained(args.out, safe_serialization=True)

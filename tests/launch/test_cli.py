@@ -1,4 +1,7 @@
-"""The xfuse command line, run as a real subprocess."""
+"""The xfuse command line: what it does and prints (``plan``; ``generate`` on one rank and on the module's 2-rank world,
+run as torchrun's ranks run it: ``tests.support.cli_fns``), and as a real subprocess where the process is the case
+(plain ``python -m xfuse``, the examples under torchrun, a world torchrun started too small, a rank refusing a missing
+file, compilation and its cache, ``doctor``'s self-test)."""
 
 import json
 import os
@@ -11,13 +14,37 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.support import REPO
+from tests.support.cli_fns import CliRun, cli_here, cli_rank
+from tests.support.world import World
+
 ENV = dict(os.environ)  # offline: tests/conftest.py
 
 
 def xfuse(*args, timeout=120):
+    """``python -m xfuse ARGS``, a real process."""
     return subprocess.run(
         [sys.executable, "-m", "xfuse", *args], capture_output=True, text=True, env=ENV, timeout=timeout
     )
+
+
+def xfuse_here(*args) -> CliRun:
+    """``xfuse ARGS`` in this process: a command that starts no rank, or a one-rank ``generate``."""
+    return cli_here(list(args), str(REPO))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with World(2) as world:
+        yield world
+
+
+def on_ranks(ranks: World, *args) -> CliRun:
+    """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on the module's world: the first failing rank's exit code (0 if
+    none), rank 0's output (where the command prints) and every rank's errors."""
+    runs = ranks.run_ok(cli_rank, list(args), str(REPO), timeout=240)
+    code = next((run.returncode for run in runs if run.returncode), 0)
+    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
 
 
 def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):
@@ -28,7 +55,7 @@ def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):
 
 
 def test_plan_prints_ranks_blocks_skips_and_bytes():
-    out = xfuse(
+    out = xfuse_here(
         "plan",
         "--config",
         "configs/hunyuandit/pp2.yaml",
@@ -45,7 +72,7 @@ def test_plan_prints_ranks_blocks_skips_and_bytes():
 
 
 def test_plan_folded_has_no_cross_rank_skips_and_uneven_patches():
-    out = xfuse(
+    out = xfuse_here(
         "plan",
         "--config",
         "configs/tiny/pp2.yaml",
@@ -64,7 +91,7 @@ def test_plan_folded_has_no_cross_rank_skips_and_uneven_patches():
 
 
 def test_plan_bad_value_exits_2_naming_the_key():
-    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.num_patches=17")
+    out = xfuse_here("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.num_patches=17")
     assert out.returncode == 2
     assert "parallel.num_patches: must be an integer from 1 to the number of token rows, 16" in out.stderr
 
@@ -91,12 +118,12 @@ def test_generate_degree_1_with_plain_python(tmp_path):
 
 
 def test_plan_with_sequence_parallelism_names_the_degrees_and_refuses_heads_it_cannot_split():
-    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.ulysses_degree=2",
+    out = xfuse_here("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.ulysses_degree=2",
                 "--set", "parallel.ring_degree=2")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "world 8 = pipefusion 2 x cfg 1 x ulysses 2 x ring 2;" in out.stdout
     assert "sequence parallelism: each rank above is a group of 4 ranks (ulysses 2 x ring 2)" in out.stdout
-    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.ulysses_degree=4")
+    out = xfuse_here("plan", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.ulysses_degree=4")
     assert out.returncode == 2
     assert "parallel.ulysses_degree: must be at most the model's 2 attention heads" in out.stderr
     assert "(got 4)" in out.stderr
@@ -105,7 +132,7 @@ def test_plan_with_sequence_parallelism_names_the_degrees_and_refuses_heads_it_c
 def test_plan_auto_ranks_every_layout_of_a_world_and_refuses_bad_options_by_name():
     request = ["--set", "model=flux-small", "--set", "generation.height=512", "--set", "generation.width=512",
                "--set", "generation.num_inference_steps=20"]  # fmt: skip
-    out = xfuse("plan", "--auto", "--gpus", "2", *request)  # this machine: CPU ranks over gloo
+    out = xfuse_here("plan", "--auto", "--gpus", "2", *request)  # this machine: CPU ranks over gloo
     assert out.returncode == 0, out.stderr
     rows = [line.split()[0:2] for line in out.stdout.splitlines() if line.split()[-1:] and "." in line.split()[-1]]
     assert [" ".join(r) for r in rows[:3]] == ["pipefusion 2", "ring 2", "ulysses 2"]
@@ -115,12 +142,12 @@ def test_plan_auto_ranks_every_layout_of_a_world_and_refuses_bad_options_by_name
         (["--gpus", "0"], "--gpus: must be a positive number of devices (got 0)"),
         (["--gpus", "8", "--nodes", "3", "--device", "a100"], "--nodes: must divide --gpus (8) into equal nodes"),
     ):
-        bad = xfuse("plan", "--auto", *options, *request)
+        bad = xfuse_here("plan", "--auto", *options, *request)
         assert bad.returncode == 2 and says in bad.stderr, bad.stderr
 
 
-def test_generate_auto_runs_the_top_ranked_layout_of_its_world(tmp_path):
-    """``--auto`` under torchrun: every rank picks the same layout from the model (rank 0 says which, and what the
+def test_generate_auto_runs_the_top_ranked_layout_of_its_world(ranks, tmp_path):
+    """``--auto`` on 2 ranks: every rank picks the same layout from the model (rank 0 says which, and what the
     config had), the run uses it (the summary's degrees), and with warm-up = all steps it draws the degree-1 PNG."""
     from xfuse.config.io import load_config
     from xfuse.perf.model import machine
@@ -128,7 +155,7 @@ def test_generate_auto_runs_the_top_ranked_layout_of_its_world(tmp_path):
 
     common = ["--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=3",
               "--set", "parallel.warmup_steps=3", "--prompt", "a red house"]  # fmt: skip
-    auto = torchrun("-m", "xfuse", "generate", *common, "--auto", "--output", str(tmp_path / "auto.png"))
+    auto = on_ranks(ranks, "generate", *common, "--auto", "--output", str(tmp_path / "auto.png"))
     assert auto.returncode == 0, auto.stderr[-3000:]
     config = load_config("configs/tiny/pp2.yaml", ["generation.num_inference_steps=3", "parallel.warmup_steps=3"])
     best = rank_layouts(config, 2, machine("cpu", "gloo", 2))[0][0]
@@ -136,13 +163,13 @@ def test_generate_auto_runs_the_top_ranked_layout_of_its_world(tmp_path):
     assert "the config's was pipefusion 2" in auto.stdout
     par = best.parallel
     assert f"on 2 rank(s) (pipefusion {par.pipefusion_degree} x cfg {par.cfg_degree}," in auto.stdout
-    one = xfuse("generate", *common, "--set", "parallel.pipefusion_degree=1", "--output", str(tmp_path / "1.png"))
+    one = xfuse_here("generate", *common, "--set", "parallel.pipefusion_degree=1", "--output", str(tmp_path / "1.png"))
     assert one.returncode == 0, one.stderr
     a, b = (np.asarray(Image.open(tmp_path / name)).astype(int) for name in ("1.png", "auto.png"))
     assert a.shape == b.shape and np.abs(a - b).max() <= 1
 
 
-def test_generate_with_ulysses_under_torchrun_draws_the_degree_1_image(tmp_path):
+def test_generate_with_ulysses_draws_the_degree_1_image(ranks, tmp_path):
     """``parallel.ulysses_degree: 2`` from the command line, exact (warm-up = all steps): the PNG of degree 1, up to
     one level of rounding in a pixel."""
     common = [
@@ -157,9 +184,9 @@ def test_generate_with_ulysses_under_torchrun_draws_the_degree_1_image(tmp_path)
         "--prompt",
         "a red house",
     ]
-    one = xfuse("generate", *common, "--output", str(tmp_path / "1.png"))
+    one = xfuse_here("generate", *common, "--output", str(tmp_path / "1.png"))
     assert one.returncode == 0, one.stderr
-    sp = torchrun("-m", "xfuse", "generate", *common, "--set", "parallel.ulysses_degree=2",
+    sp = on_ranks(ranks, "generate", *common, "--set", "parallel.ulysses_degree=2",
                   "--output", str(tmp_path / "sp.png"))  # fmt: skip
     assert sp.returncode == 0, sp.stderr[-3000:]
     assert "ulysses qkv" in sp.stdout  # the summary's bytes sent, by kind
@@ -167,7 +194,7 @@ def test_generate_with_ulysses_under_torchrun_draws_the_degree_1_image(tmp_path)
     assert a.shape == b.shape and np.abs(a - b).max() <= 1
 
 
-def test_generate_with_the_text_encoder_split_draws_the_same_image(tmp_path):
+def test_generate_with_the_text_encoder_split_draws_the_same_image(ranks, tmp_path):
     """``parallel.text_encoder: split`` from the command line (a preset: ``from_pipe`` shards the loaded encoder):
     FLUX.2 [klein]'s Qwen3 over the two pipeline ranks, its messages in the summary, the PNG of the encoder kept on
     rank 0 bit for bit; the summary names the placement."""
@@ -176,7 +203,7 @@ def test_generate_with_the_text_encoder_split_draws_the_same_image(tmp_path):
               "parallel.warmup_steps=2"]  # fmt: skip
     runs = {}
     for placement in ("rank0", "split"):
-        runs[placement] = torchrun("-m", "xfuse", "generate", *common, "--set", f"parallel.text_encoder={placement}",
+        runs[placement] = on_ranks(ranks, "generate", *common, "--set", f"parallel.text_encoder={placement}",
                                    "--output", str(tmp_path / f"{placement}.png"))  # fmt: skip
         assert runs[placement].returncode == 0, runs[placement].stderr[-3000:]
         assert f"; text encoders {placement})" in runs[placement].stdout
@@ -185,25 +212,12 @@ def test_generate_with_the_text_encoder_split_draws_the_same_image(tmp_path):
     assert np.array_equal(a, b)
 
 
-def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
+def test_generate_with_yaml_and_overrides(ranks, tmp_path):
     target = tmp_path / "pp2.png"
-    out = torchrun(
-        "-m",
-        "xfuse",
-        "generate",
-        "--config",
-        "configs/tiny/pp2.yaml",
-        "--set",
-        "parallel.placement=linear",
-        "--set",
-        "generation.height=192",
-        "--set",
-        "parallel.num_patches=3",
-        "--output",
-        str(target),
-        "--trace",
-        str(tmp_path / "trace.json"),
-    )
+    overrides = ["parallel.placement=linear", "generation.height=192", "parallel.num_patches=3"]
+    sets = [arg for value in overrides for arg in ("--set", value)]
+    out = on_ranks(ranks, "generate", "--config", "configs/tiny/pp2.yaml", *sets, "--output", str(target),
+                   "--trace", str(tmp_path / "trace.json"))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 256x192" in out.stdout and "linear, 3 patches" in out.stdout
     assert "rank 0 sent" in out.stdout and "skip" in out.stdout  # linear sends skips
@@ -230,18 +244,18 @@ def test_generate_under_torchrun_with_yaml_and_overrides(tmp_path):
         assert loop["ts"] <= compute[0][0] and compute[-1][1] <= loop["ts"] + loop["dur"] + 1
 
 
-def test_generate_and_plan_report_step_caching(tmp_path):
+def test_generate_and_plan_report_step_caching(ranks, tmp_path):
     """With a cache section, xfuse plan says what caching does with the plan and xfuse generate how many steps it
     computed and skipped (both ranks having taken the same decisions: the run succeeds)."""
     sets = ["--set", "cache.method=first_block", "--set", "cache.threshold=0.4", "--set", "cache.warmup_steps=2"]
-    out = xfuse("plan", "--config", "configs/tiny/pp2.yaml", *sets)
+    out = xfuse_here("plan", "--config", "configs/tiny/pp2.yaml", *sets)
     assert out.returncode == 0, out.stderr
     assert (
         "step cache: first_block, threshold 0.4: block 0 always runs; each step's first patch decides after it and "
         "carries the decision with its hand-offs (a 1-element message); steps 0-1 always computed, at most 6 of 8 "
         "skipped"
     ) in out.stdout
-    out = torchrun("-m", "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", *sets, "--output",
+    out = on_ranks(ranks, "generate", "--config", "configs/tiny/pp2.yaml", *sets, "--output",
                    str(tmp_path / "c.png"))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("step cache (first_block, threshold 0.4): ")]
@@ -341,18 +355,18 @@ def test_doctor_self_test_fails_on_a_missing_interface():
     assert out.stdout.strip().splitlines()[-1].startswith("self-test: 2-rank gloo p2p on loopback: FAIL")
 
 
-def test_plan_and_generate_detect_pixart_from_the_folder(tmp_path):
+def test_plan_and_generate_detect_pixart_from_the_folder(ranks, tmp_path):
     from xfuse.families.pixart.presets import save_preset_pipeline
 
     folder = save_preset_pipeline(tmp_path / "pixart")
-    planned = xfuse("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
+    planned = xfuse_here("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
     assert planned.returncode == 0, planned.stderr
     assert "(pixart-sigma): 8 blocks" in planned.stdout and "placement linear" in planned.stdout
     assert "cross-rank skips: none" in planned.stdout and "the T5 text is static" in planned.stdout
     output = tmp_path / "pixart.png"
     settings = ("parallel.pipefusion_degree=2", "generation.height=128", "generation.width=96")
     sets = [arg for value in (*settings, "generation.num_inference_steps=3") for arg in ("--set", value)]
-    generated = torchrun("-m", "xfuse", "generate", "--set", f"model={folder}", *sets, "--output", str(output))
+    generated = on_ranks(ranks, "generate", "--set", f"model={folder}", *sets, "--output", str(output))
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert f"wrote {output}: 96x128, 3 steps" in generated.stdout and "linear" in generated.stdout
     assert np.asarray(Image.open(output)).shape == (128, 96, 3)
@@ -362,19 +376,19 @@ def test_plan_and_generate_detect_pixart_from_the_folder(tmp_path):
     "preset, family, blocks",
     [("sd35-tiny", "sd3", "4 blocks"), ("flux-tiny", "flux", "5 blocks")],
 )
-def test_plan_and_generate_detect_the_mmdit_families_from_the_folder(tmp_path, preset, family, blocks):
-    """SD3.5 and FLUX folders: the family from model_index.json, the text stream in the plan, a PNG under torchrun."""
+def test_plan_and_generate_detect_the_mmdit_families_from_the_folder(ranks, tmp_path, preset, family, blocks):
+    """SD3.5 and FLUX folders: the family from model_index.json, the text stream in the plan, a PNG on 2 ranks."""
     from xfuse.families.registry import PRESET_MODELS
 
     folder = PRESET_MODELS[preset].save_preset_pipeline(tmp_path / preset, preset)
-    planned = xfuse("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
+    planned = xfuse_here("plan", "--set", f"model={folder}", "--set", "parallel.pipefusion_degree=2")
     assert planned.returncode == 0, planned.stderr
     assert f"({family}): {blocks}" in planned.stdout and "placement linear" in planned.stdout
     assert "sent text" in planned.stdout and "the text stream" in planned.stdout
     output = tmp_path / f"{preset}.png"
     settings = ("parallel.pipefusion_degree=2", "generation.height=128", "generation.width=96")
     sets = [arg for value in (*settings, "generation.num_inference_steps=3") for arg in ("--set", value)]
-    generated = torchrun("-m", "xfuse", "generate", "--set", f"model={folder}", *sets, "--output", str(output))
+    generated = on_ranks(ranks, "generate", "--set", f"model={folder}", *sets, "--output", str(output))
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert f"wrote {output}: 96x128, 3 steps" in generated.stdout
     assert np.asarray(Image.open(output)).shape == (128, 96, 3)
@@ -383,7 +397,7 @@ def test_plan_and_generate_detect_the_mmdit_families_from_the_folder(tmp_path, p
 def test_plan_prints_the_vae_decode_where_it_runs_its_memory_and_the_whole_image_tensors():
     """The plan's VAE decode (xfuse.perf.vae): the shipped model's VAE at 256 px stays on rank 0 under auto, and is
     costed over both ranks all the same; on, it decodes in bands; --device costs it on that device."""
-    out = xfuse("plan", "--config", "configs/shapes/pp2.yaml", "--device", "cpu", "--link", "gloo")
+    out = xfuse_here("plan", "--config", "configs/shapes/pp2.yaml", "--device", "cpu", "--link", "gloo")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert (
@@ -401,27 +415,28 @@ def test_plan_prints_the_vae_decode_where_it_runs_its_memory_and_the_whole_image
         "decoded image (1, 3, 256, 256) 0.75 MiB (twice while rank 0 joins the bands); post-processed (float32, "
         "NHWC) (1, 256, 256, 3) 0.75 MiB; uint8 pixels (PIL, PNG) (1, 256, 256, 3) 0.19 MiB"
     ) in text
-    on = xfuse("plan", "--config", "configs/shapes/pp2.yaml", "--set", "parallel.vae_parallel=on", "--device", "a100")
+    on = xfuse_here("plan", "--config", "configs/shapes/pp2.yaml", "--set", "parallel.vae_parallel=on",
+                    "--device", "a100")  # fmt: skip
     assert on.returncode == 0, on.stderr
     assert "this request decodes in row bands over the 2 ranks (parallel.vae_parallel on;" in on.stdout
     assert "predicted decode (A100 SXM 80GB, A100 NVLink 3 / NVSwitch): rank 0 alone " in on.stdout
     assert "convolution workspaces not counted" in on.stdout
 
 
-def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_memory(tmp_path):
+def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_memory(ranks, tmp_path):
     """``vae_parallel: auto`` at 512 x 512 px on 2 ranks: the summary says the decode ran on both, each rank sent its
     share of the decode's messages and reports its peak memory; the PNG is the one rank 0 decodes alone (``off``),
     up to one level of rounding in a pixel."""
     common = ["--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=2",
               "--set", "generation.height=512", "--set", "generation.width=512"]  # fmt: skip
-    bands = torchrun("-m", "xfuse", "generate", *common, "--output", str(tmp_path / "bands.png"))
+    bands = on_ranks(ranks, "generate", *common, "--output", str(tmp_path / "bands.png"))
     assert bands.returncode == 0, bands.stderr[-3000:]
     assert "; VAE decode on 2 rank(s); text encoders rank0)" in bands.stdout
     for rank in (0, 1):
         line = next(line for line in bands.stdout.splitlines() if line.startswith(f"  rank {rank} sent"))
         assert "vae halo" in line and "vae kv" in line and re.search(r"peak RSS \d+ MiB", line), line
         assert re.search(r"; decode: sent \d+\.\d\d MiB, \+\d+ MiB resident at its peak$", line), line
-    alone = torchrun("-m", "xfuse", "generate", *common, "--set", "parallel.vae_parallel=off",
+    alone = on_ranks(ranks, "generate", *common, "--set", "parallel.vae_parallel=off",
                      "--output", str(tmp_path / "alone.png"))  # fmt: skip
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert "; VAE decode on 1 rank(s); text encoders rank0)" in alone.stdout and "vae halo" not in alone.stdout

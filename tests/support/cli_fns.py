@@ -1,0 +1,92 @@
+"""The ``xfuse`` command line run inside a process that already imported torch and diffusers: on a test world's ranks
+(``cli_rank``, importable by spawned ranks) as torchrun's ranks run it, and in the test process for one rank
+(``cli_here``). For the tests whose case is what the command does and prints, not its process: a launch costs each
+rank 4-5 s of CPU in imports alone on the test machine. Exit codes, signals, faults and the launcher stay real
+processes (tests/launch/test_launcher.py, test_faults.py, test_exit.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class CliRun:
+    """What one process of the command returned and wrote (``subprocess.CompletedProcess``'s names)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@contextlib.contextmanager
+def _captured_fds() -> Iterator[list[str]]:
+    """File descriptors 1 and 2, and ``sys.stdout`` / ``sys.stderr`` (which pytest points elsewhere), into temporary
+    files for the block: prints, logging, warnings and C++ writes alike; their text in the yielded list, [stdout,
+    stderr], once the block is over."""
+    out: list[str] = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, streams = [os.dup(1), os.dup(2)], (sys.stdout, sys.stderr)
+    files = [tempfile.TemporaryFile(mode="w+b"), tempfile.TemporaryFile(mode="w+b")]
+    try:
+        for fd, file in zip((1, 2), files, strict=True):
+            os.dup2(file.fileno(), fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - closed below
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        yield out
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+            stream.close()
+        sys.stdout, sys.stderr = streams
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        for file in files:
+            file.seek(0)
+            out.append(file.read().decode(errors="replace"))
+            file.close()
+
+
+def _main(argv: list[str], cwd: str, env: dict[str, str]) -> CliRun:
+    """``xfuse.cli.main(argv)`` in ``cwd`` with ``env`` added to the environment (both restored after)."""
+    from xfuse import cli
+
+    before, here = dict(os.environ), os.getcwd()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        with _captured_fds() as text:
+            try:
+                code = cli.main(argv)
+            except SystemExit as exit_:  # argparse's refusals
+                code = exit_.code if isinstance(exit_.code, int) else 1
+            except BaseException:  # noqa: BLE001 - the test reads it as a failed run
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(before)
+    return CliRun(code, *text)
+
+
+def cli_rank(argv: list[str], cwd: str, env: dict[str, str] | None = None) -> CliRun:
+    """On every rank of a ``tests.support.world.World``: the command as a rank of a launched world (``RANK`` and
+    ``WORLD_SIZE`` set, the world's process group already formed, which xfuse joins and leaves standing)."""
+    import torch.distributed as dist
+
+    rank_env = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
+    return _main(argv, cwd, {**rank_env, **(env or {})})
+
+
+def cli_here(argv: list[str], cwd: str, env: dict[str, str] | None = None) -> CliRun:
+    """In this process, as ``python -m xfuse ...`` runs a one-rank world or a command that starts no rank (plan)."""
+    assert "RANK" not in os.environ, "a one-rank command in a process that is a rank of a world"
+    return _main(argv, cwd, env or {})
