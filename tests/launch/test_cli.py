@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 
 from tests.support import REPO
-from tests.support.cli_fns import CliRun, cli_here, cli_rank
+from tests.support.cli_fns import CliRun, cli_here
+from tests.support.cli_fns import on_ranks as run_on_ranks
 from tests.support.world import World
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
@@ -40,11 +41,8 @@ def ranks():
 
 
 def on_ranks(ranks: World, *args) -> CliRun:
-    """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on the module's world: the first failing rank's exit code (0 if
-    none), rank 0's output (where the command prints) and every rank's errors."""
-    runs = ranks.run_ok(cli_rank, list(args), str(REPO), timeout=240)
-    code = next((run.returncode for run in runs if run.returncode), 0)
-    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
+    """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on the module's world (``tests.support.cli_fns.on_ranks``)."""
+    return run_on_ranks(ranks, list(args), str(REPO))
 
 
 def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):

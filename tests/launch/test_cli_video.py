@@ -1,9 +1,10 @@
-"""``xfuse generate`` / ``xfuse serve`` on a video model (Wan 2.1, the ``wan-tiny`` preset), run as real processes.
+"""``xfuse generate`` / ``xfuse serve`` on a video model (Wan 2.1, the ``wan-tiny`` preset).
 
-The generate runs go through a small launcher (:data:`CHILD`, written to the test's folder) that is ``xfuse.cli.main``
-with one addition: the frames handed to the CLI's clip writer are also saved as ``.npy``, so the file written can be
-compared with the pipeline's own frames. With ``HIDE_IMAGEIO_FFMPEG=1`` it first makes ``import imageio_ffmpeg`` fail
-(``sys.modules[name] = None``), as if ``xfuse[video]`` were not installed: the CLI's GIF fallback.
+The 2-rank runs are ``xfuse.cli.main`` on the module's world as torchrun's ranks run it (``tests.support.cli_fns``),
+the frames handed to the CLI's clip writer also saved as ``.npy``, so the file written can be compared with the
+pipeline's own frames. Real processes where the process is the case: the GIF fallback goes through a small launcher
+(:data:`CHILD`, written to the test's folder) that makes ``import imageio_ffmpeg`` fail (``sys.modules[name] =
+None``), as if ``xfuse[video]`` were not installed, and ``xfuse serve``'s refusal at start-up.
 """
 
 import os
@@ -12,9 +13,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from PIL import Image, ImageSequence
 
 from tests.support import REPO
+from tests.support.cli_fns import cli_here, on_ranks
+from tests.support.world import World
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
 
@@ -24,8 +28,7 @@ import sys
 
 import numpy as np
 
-if os.environ.get("HIDE_IMAGEIO_FFMPEG"):
-    sys.modules["imageio_ffmpeg"] = None  # `import imageio_ffmpeg` raises ImportError: as if not installed
+sys.modules["imageio_ffmpeg"] = None  # `import imageio_ffmpeg` raises ImportError: as if not installed
 
 import xfuse.cli as cli
 
@@ -59,12 +62,18 @@ def _run(cmd, env, timeout=180):
     return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **env}, timeout=timeout, cwd=REPO)
 
 
+@pytest.fixture(scope="module")
+def ranks():
+    with World(2) as world:
+        yield world
+
+
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float(10 * np.log10(255**2 / np.mean((a.astype(float) - b.astype(float)) ** 2)))
 
 
-def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(tmp_path):
-    """torchrun, 2 ranks: rank 0 writes an H.264 MP4 at 16 fps that decodes back (imageio's ffmpeg reader) into the
+def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(ranks, tmp_path):
+    """2 ranks: rank 0 writes an H.264 MP4 at 16 fps that decodes back (imageio's ffmpeg reader) into the
     9 frames of 96 x 64 px, the first close to the pipeline's own first frame. Observed (imageio-ffmpeg 0.8.1's
     ffmpeg, quality 5, yuv420p): frame 0 at 28.1 dB PSNR, mean |diff| 7.5 of 255 over RGB (the random model's frames
     are noise-like, the hardest case for the codec; chroma is subsampled), every frame above 21 dB, and the other
@@ -72,9 +81,7 @@ def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(tmp_path):
     import imageio
 
     target, npy = tmp_path / "clip.mp4", tmp_path / "frames.npy"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", _child(tmp_path),
-           "generate", "--config", CONFIG, *SETS, "--output", str(target)]  # fmt: skip
-    out = _run(cmd, {"FRAMES_NPY": str(npy)})
+    out = on_ranks(ranks, ["generate", "--config", CONFIG, *SETS, "--output", str(target)], str(REPO), str(npy))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 9 frames of 96x64 at 16 fps (0.56 s), 3 steps in " in out.stdout, out.stdout
     assert " s on 2 rank(s) (pipefusion 2 x cfg 1, linear, 2 patches, warm-up 1;" in out.stdout
@@ -92,17 +99,16 @@ def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(tmp_path):
     assert max(_psnr(decoded[0], own[k]) for k in range(1, 9)) < 21  # it is frame 0, not any frame
 
 
-def test_generate_decodes_the_clip_over_both_ranks_and_reports_each_ranks_share(tmp_path):
+def test_generate_decodes_the_clip_over_both_ranks_and_reports_each_ranks_share(ranks, tmp_path):
     """``parallel.vae_parallel=on``: the summary says the decode ran on both ranks, and each rank's line its decode's
     bytes sent (halo rows, keys and values; rank 1 its band of the clip) and what the decode added to its memory at
     its peak; the frames are those of rank 0 decoding alone (``off``), up to one level of rounding."""
     frames = {}
     for mode in ("on", "off"):
         npy = tmp_path / f"{mode}.npy"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", _child(tmp_path),
-               "generate", "--config", CONFIG, *SETS, "--set", f"parallel.vae_parallel={mode}",
-               "--output", str(tmp_path / f"{mode}.mp4")]  # fmt: skip
-        out = _run(cmd, {"FRAMES_NPY": str(npy)})
+        argv = ["generate", "--config", CONFIG, *SETS, "--set", f"parallel.vae_parallel={mode}",
+                "--output", str(tmp_path / f"{mode}.mp4")]  # fmt: skip
+        out = on_ranks(ranks, argv, str(REPO), str(npy))
         assert out.returncode == 0, out.stderr[-3000:]
         assert f"; VAE decode on {2 if mode == 'on' else 1} rank(s); text encoders rank0)" in out.stdout, out.stdout
         lines = [next(line for line in out.stdout.splitlines() if line.startswith(f"  rank {r} sent")) for r in (0, 1)]
@@ -126,7 +132,7 @@ def test_generate_without_imageio_ffmpeg_writes_a_gif_and_says_so(tmp_path):
     gif = tmp_path / "clip.gif"
     cmd = [sys.executable, _child(tmp_path), "generate", "--config", CONFIG, *SETS,
            "--set", "parallel.pipefusion_degree=1", "--output", str(asked)]  # fmt: skip
-    out = _run(cmd, {"FRAMES_NPY": str(npy), "HIDE_IMAGEIO_FFMPEG": "1"})
+    out = _run(cmd, {"FRAMES_NPY": str(npy)})
     assert out.returncode == 0, out.stderr[-3000:]
     line = (
         f"xfuse generate: imageio-ffmpeg is not installed, so {gif} is an animated GIF, not an MP4 "
@@ -146,7 +152,7 @@ def test_generate_without_imageio_ffmpeg_writes_a_gif_and_says_so(tmp_path):
     assert np.abs(np.stack([np.asarray(f) for f in frames]).astype(int) - own).mean() < 8
 
 
-def test_generate_image_to_video_on_2_ranks_equals_diffusers(tmp_path):
+def test_generate_image_to_video_on_2_ranks_equals_diffusers(ranks, tmp_path):
     """``--image`` with a Wan 2.2 TI2V model (``wan2.2-ti2v-tiny``): the family's image-to-video pipeline on 2 ranks,
     exact mode (warm-up = all steps), whose frames equal diffusers' ``WanImageToVideoPipeline`` on the same preset and
     first frame within one 8-bit level (observed: 0.003 % of the values one level off, the ranks' single-threaded
@@ -159,10 +165,9 @@ def test_generate_image_to_video_on_2_ranks_equals_diffusers(tmp_path):
     Image.fromarray((np.random.RandomState(1).rand(128, 224, 3) * 255).astype(np.uint8)).save(first)
     size = ("generation.height=128", "generation.width=224", "generation.num_frames=9",
             "generation.num_inference_steps=3", "parallel.warmup_steps=3", "model=wan2.2-ti2v-tiny")  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", _child(tmp_path),
-           "generate", "--config", CONFIG, *[a for v in size for a in ("--set", v)], "--image", str(first),
-           "--output", str(target)]  # fmt: skip
-    out = _run(cmd, {"FRAMES_NPY": str(npy)})
+    argv = ["generate", "--config", CONFIG, *[a for v in size for a in ("--set", v)], "--image", str(first),
+            "--output", str(target)]  # fmt: skip
+    out = on_ranks(ranks, argv, str(REPO), str(npy))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 9 frames of 224x128 at 16 fps (0.56 s), 3 steps in " in out.stdout, out.stdout
     reference = load_pipeline("wan2.2-ti2v-tiny", None, "WanImageToVideoPipeline")
@@ -179,8 +184,7 @@ def test_generate_image_to_video_on_2_ranks_equals_diffusers(tmp_path):
 
 
 def test_generate_refuses_an_image_for_a_model_without_image_to_video():
-    cmd = [sys.executable, "-m", "xfuse", "generate", "--set", "model=flux-tiny", "--image", str(REPO / "README.md")]
-    out = _run(cmd, {}, timeout=60)
+    out = cli_here(["generate", "--set", "model=flux-tiny", "--image", str(REPO / "README.md")], str(REPO))
     assert out.returncode == 2, out.stderr[-2000:]
     assert (
         "generation.image: image-to-video needs a model whose family has an image-to-video pipeline on the same "

@@ -1,17 +1,17 @@
-"""``xfuse generate`` with a ControlNet (``generation.controlnet``, ``generation.control_image``) under torchrun on 2
-ranks: the PNG equals diffusers' own ``StableDiffusion3ControlNetPipeline`` with the same ControlNet, control image and
-call (exact mode: warm-up = all steps), and what the command cannot run is refused naming its key."""
-
-import subprocess
-import sys
+"""``xfuse generate`` with a ControlNet (``generation.controlnet``, ``generation.control_image``) on 2 ranks (the
+module's world, as torchrun's ranks run the command: ``tests.support.cli_fns``): the PNG equals diffusers' own
+``StableDiffusion3ControlNetPipeline`` with the same ControlNet, control image and call (exact mode: warm-up = all
+steps), and what the command cannot run is refused naming its key."""
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 from tests.support import REPO
+from tests.support.cli_fns import CliRun, cli_here, on_ranks
 from tests.support.controlnet_fns import control_image, save_controlnet
-from tests.support.serve_fns import ENV
+from tests.support.world import World
 from xfuse.build import image_call_kwargs
 from xfuse.families.registry import load_pipeline, model_spec
 
@@ -38,21 +38,24 @@ def direct(controlnet_folder, image, scale):
         return np.asarray(pipe(**kwargs).images[0]).astype(int)
 
 
-def generate(*sets: str, output=None, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "xfuse"]
-    cmd += ["generate", *[a for kv in sets for a in ("--set", kv)]]
-    cmd += [] if output is None else ["--output", str(output)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+@pytest.fixture(scope="module")
+def ranks():
+    with World(2) as world:
+        yield world
 
 
-def test_generate_with_a_controlnet_equals_diffusers(tmp_path):
+def generate(ranks: World, *sets: str, output) -> CliRun:
+    return on_ranks(ranks, ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(output)], str(REPO))
+
+
+def test_generate_with_a_controlnet_equals_diffusers(ranks, tmp_path):
     """pp2 in exact mode with a 2-block ControlNet at scale 0.7: one 8-bit level from diffusers' PNG, several from the
     image without the ControlNet; the summary names it."""
     folder = save_controlnet(load_pipeline(PRESET), tmp_path / "controlnet", seed=1, num_layers=2)
     image_path = tmp_path / "edges.png"
     control_image(HEIGHT, WIDTH).save(image_path)
     target = tmp_path / "out.png"
-    out = generate(f"model={PRESET}", "parallel.pipefusion_degree=2", f"parallel.warmup_steps={STEPS}",
+    out = generate(ranks, f"model={PRESET}", "parallel.pipefusion_degree=2", f"parallel.warmup_steps={STEPS}",
                    f"generation.width={WIDTH}", f"generation.height={HEIGHT}",
                    f"generation.num_inference_steps={STEPS}", f"generation.guidance_scale={GUIDANCE}",
                    "generation.prompt=a cat", f"generation.seed={SEED}", f"generation.controlnet={folder}",
@@ -80,8 +83,6 @@ def test_a_controlnet_the_model_cannot_run_is_refused_naming_the_key(tmp_path):
         ((f"model={PRESET}", f"generation.controlnet={not_controlnet}"), "ControlNet (_class_name HunyuanDiT2D"),
     ]
     for sets, says in cases:
-        out = subprocess.run([sys.executable, "-m", "xfuse", "generate", *[a for kv in (*sets, *shared)
-                                                                            for a in ("--set", kv)]],
-                             capture_output=True, text=True, env=ENV, timeout=120)  # fmt: skip
+        out = cli_here(["generate", *[a for kv in (*sets, *shared) for a in ("--set", kv)]], str(REPO))
         assert out.returncode == 2, out.stderr[-2000:]
         assert "generation.controlnet:" in out.stderr and says in out.stderr, out.stderr[-2000:]

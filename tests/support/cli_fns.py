@@ -54,13 +54,25 @@ def _captured_fds() -> Iterator[list[str]]:
             file.close()
 
 
-def _main(argv: list[str], cwd: str, env: dict[str, str]) -> CliRun:
-    """``xfuse.cli.main(argv)`` in ``cwd`` with ``env`` added to the environment (both restored after)."""
+def _main(argv: list[str], cwd: str, env: dict[str, str], frames_npy: str | None = None) -> CliRun:
+    """``xfuse.cli.main(argv)`` in ``cwd`` with ``env`` added to the environment (both restored after).
+    ``frames_npy``: the frames a video run hands to the CLI's clip writer are also saved there (``.npy``), so a test
+    can compare the file written with the pipeline's own frames."""
+    import numpy as np
+
     from xfuse import cli
+
+    write_clip = cli.write_clip
+
+    def recorded(frames, output, fps):
+        np.save(frames_npy, np.stack([np.asarray(frame) for frame in frames]))  # (T, H, W, 3) uint8
+        return write_clip(frames, output, fps)
 
     before, here = dict(os.environ), os.getcwd()
     os.environ.update(env)
     os.chdir(cwd)
+    if frames_npy is not None:
+        cli.write_clip = recorded
     try:
         with _captured_fds() as text:
             try:
@@ -71,22 +83,32 @@ def _main(argv: list[str], cwd: str, env: dict[str, str]) -> CliRun:
                 traceback.print_exc()
                 code = 1
     finally:
+        cli.write_clip = write_clip
         os.chdir(here)
         os.environ.clear()
         os.environ.update(before)
     return CliRun(code, *text)
 
 
-def cli_rank(argv: list[str], cwd: str, env: dict[str, str] | None = None) -> CliRun:
+def cli_rank(argv: list[str], cwd: str, env: dict[str, str] | None = None, frames_npy: str | None = None) -> CliRun:
     """On every rank of a ``tests.support.world.World``: the command as a rank of a launched world (``RANK`` and
     ``WORLD_SIZE`` set, the world's process group already formed, which xfuse joins and leaves standing)."""
     import torch.distributed as dist
 
     rank_env = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
-    return _main(argv, cwd, {**rank_env, **(env or {})})
+    return _main(argv, cwd, {**rank_env, **(env or {})}, frames_npy)
 
 
-def cli_here(argv: list[str], cwd: str, env: dict[str, str] | None = None) -> CliRun:
+def cli_here(argv: list[str], cwd: str, env: dict[str, str] | None = None, frames_npy: str | None = None) -> CliRun:
     """In this process, as ``python -m xfuse ...`` runs a one-rank world or a command that starts no rank (plan)."""
     assert "RANK" not in os.environ, "a one-rank command in a process that is a rank of a world"
-    return _main(argv, cwd, env or {})
+    return _main(argv, cwd, env or {}, frames_npy)
+
+
+def on_ranks(ranks, argv: list[str], cwd: str, frames_npy: str | None = None, timeout: float = 240) -> CliRun:
+    """``torchrun --nproc_per_node=N -m xfuse ARGV`` on the N ranks of ``ranks`` (a ``tests.support.world.World``):
+    the first failing rank's exit code (0 if none), rank 0's output (where the command prints) and every rank's
+    errors."""
+    runs = ranks.run_ok(cli_rank, argv, cwd, None, frames_npy, timeout=timeout)
+    code = next((run.returncode for run in runs if run.returncode), 0)
+    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
