@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from tests.support import REPO
+from tests.support.cli_fns import on_ranks
 from tests.support.world import World
 from xfuse.assets import shapes_world as shapes
 from xfuse.config.io import load_config
@@ -67,9 +68,14 @@ def serial_images():
 
 
 @pytest.fixture(scope="module")
-def pipelined_images():
+def ranks():
     with World(2, start_timeout=300) as world:
-        return world.run_ok(xfuse_rank, timeout=900)[0]
+        yield world
+
+
+@pytest.fixture(scope="module")
+def pipelined_images(ranks):
+    return ranks.run_ok(xfuse_rank, timeout=900)[0]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -111,18 +117,11 @@ def test_pipelined_default_keeps_the_prompt_adherence(serial_images, pipelined_i
     assert max(diffs) < 8, diffs
 
 
-def test_the_demo_config_generates_under_torchrun(tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
-        + ["generate", "--config", "configs/shapes/pp2.yaml", "-o", str(tmp_path / "demo.png")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_the_demo_config_generates_on_2_ranks(ranks, tmp_path):
+    """The demo's command (scripts/demo.sh runs it under the launcher: tests/launch/test_launcher.py) on the module's
+    world, as torchrun's ranks run it."""
+    argv = ["generate", "--config", "configs/shapes/pp2.yaml", "-o", str(tmp_path / "demo.png")]
+    out = on_ranks(ranks, argv, str(REPO))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'demo.png'}: 256x256, 20 steps" in out.stdout
     scene = shapes.Scene("red", "circle", "white", "on the left")  # the config's prompt

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from tests.support import REPO
+from tests.support.cli_fns import on_ranks
 from tests.support.world import World
 from xfuse.assets import shapes_video_world as world
 from xfuse.config.io import load_config
@@ -57,9 +58,14 @@ def serial_clips():
 
 
 @pytest.fixture(scope="module")
-def pipelined_clips():
-    with World(2, start_timeout=300) as ranks:
-        return ranks.run_ok(xfuse_rank, timeout=900)[0]
+def ranks():
+    with World(2, start_timeout=300) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def pipelined_clips(ranks):
+    return ranks.run_ok(xfuse_rank, timeout=900)[0]
 
 
 def test_the_name_is_the_shipped_folder():
@@ -96,18 +102,11 @@ def test_pipelined_default_keeps_the_prompt_adherence(serial_clips, pipelined_cl
     assert max(diffs) < MAX_MEAN_ABS_DIFF, diffs
 
 
-def test_the_demo_config_generates_under_torchrun(tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
-        + ["generate", "--config", "configs/shapes-video/pp2.yaml", "-o", str(tmp_path / "demo.gif")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_the_demo_config_generates_on_2_ranks(ranks, tmp_path):
+    """The demo's command (scripts/demo.sh runs it under the launcher: tests/launch/test_launcher.py) on the module's
+    world, as torchrun's ranks run it."""
+    argv = ["generate", "--config", "configs/shapes-video/pp2.yaml", "-o", str(tmp_path / "demo.gif")]
+    out = on_ranks(ranks, argv, str(REPO))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'demo.gif'}: 13 frames of 64x64 at 8 fps (1.62 s), 20 steps" in out.stdout, out.stdout
     gif = Image.open(tmp_path / "demo.gif")
