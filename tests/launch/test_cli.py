@@ -443,7 +443,7 @@ def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_mem
 
 
 @pytest.mark.parametrize("model", ["tiny", "flux-tiny"])
-def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_compiled(tmp_path, model):
+def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_compiled(ranks, tmp_path, model):
     """``compile.mode: regional`` under torchrun (``aot_eager``: dynamo's capture without code generation, so the
     test takes seconds): the request's size compiled before it runs, each rank saying so in one line, and the
     pipelined image of the eager run. With FLUX.1, rank 1's first compile made 8 s slower (a fault drill): rank 0,
@@ -452,11 +452,13 @@ def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_c
               "--set", "generation.num_inference_steps=3", "--set", "compile.backend=aot_eager",
               "--set", "compile.timeout_s=60"]  # fmt: skip
     slow = {"XFUSE_FAULT": "slow_compile:1:8"} if model == "flux-tiny" else {}
-    runs = {}
-    for mode in ("off", "regional"):
-        runs[mode] = torchrun("-m", "xfuse", "generate", *common, "--set", f"compile.mode={mode}", "--output",
-                              str(tmp_path / f"{mode}.png"), env=slow if mode == "regional" else None)  # fmt: skip
-        assert runs[mode].returncode == 0, runs[mode].stderr[-3000:]
+    runs = {  # eager on the module's world; compiled in processes of their own (dynamo's caches live in a process)
+        "off": on_ranks(ranks, "generate", *common, "--set", "compile.mode=off", "--output", str(tmp_path / "off.png")),
+        "regional": torchrun("-m", "xfuse", "generate", *common, "--set", "compile.mode=regional", "--output",
+                             str(tmp_path / "regional.png"), env=slow),
+    }  # fmt: skip
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-3000:]
     stderr = runs["regional"].stderr
     lines = re.findall(r"rank (\d): compile.mode regional: shape 1 of 1 \(256x256\): (\d+) graph\(s\) in ([\d.]+) s of "
                        r"compiling; its denoising took", stderr)  # fmt: skip
