@@ -1,12 +1,15 @@
 """Train the shipped ``shapes-video`` model on this CPU: a clip classifier, a Wan VAE and a Wan transformer.
 
-    python scripts/train_video.py --steps 3000 --out /tmp/shapes-video | tee vae_log.jsonl   # classifier, VAE
-    python scripts/train_video.py --vae-from /tmp/shapes-video --steps 8000 | tee transformer_log.jsonl
+    python scripts/train_video.py --latent-channels 16 --vae-steps 1000 --steps 0 --out /tmp/vae16   # classifier, VAE
+    python scripts/train_video.py --vae-from /tmp/vae16 --vae-finetune --vae-steps 600 --vae-lr 3e-4 \
+        --vae-critic-loss 0.2 --vae-critic-attributes shape --latent-channels 16 --steps 0 --out /tmp/vae16s
+    python scripts/train_video.py --vae-from /tmp/vae16s --vae-finetune --vae-steps 600 --vae-lr 2e-4 \
+        --vae-critic-loss 0.1 --latent-channels 16 --head-dim 32 --ffn-dim 512 --steps 8000   # the shipped folder
     python scripts/train_video.py --quick        # a few steps of each stage, to check the script runs
 
-The shipped folder is the second command's (its ``train_log.jsonl``: the first run's lines, then the second's): the
-transformer trains in minutes once the VAE exists (17 of the first run's 23 minutes), so it was trained longer on
-that VAE.
+The shipped folder is the third command's (its ``train_log.jsonl``: the three runs' lines; docs/models.md has what
+each reached). The defaults are the first, 4-channel weights' (2026-11-27): ``--steps 3000``, then ``--vae-from``
+that folder with ``--steps 8000``.
 
 Stages (each logged with its time and losses, seed fixed), on clips of ``xfuse.assets.shapes_video_world`` (13
 frames of 64 px: a coloured shape crossing a plain background in the captioned direction):
@@ -100,13 +103,14 @@ def train_vae(
     lr: float = 2e-3,
     critic: nn.Module | None = None,
     critic_loss: float = 0.0,
+    critic_attributes: tuple[str, ...] = tuple(world.ATTRIBUTES),
 ):
     """An autoencoder on the posterior's mean (what the transformer is trained on and the pipeline decodes), the
     shape's pixels weighted 10x: with plain MSE the VAE settles on the background alone (MSE 0.10-0.15 for 600 steps:
     the shape is ~8 % of a frame). Pixels alone leave the shape a blob (a circle, square and triangle of 2-3 latent
     cells differ in a few edge pixels), so ``critic_loss`` adds that weight times the cross-entropy of ``critic``'s
-    reading of the decoded clips, summed over the attributes (a shape term alone bought shape with motion: round
-    trips read direction 83 % instead of 100 %): a perceptual term from a classifier trained apart (another seed)
+    reading of the decoded clips, summed over ``critic_attributes`` (a shape term alone bought shape with motion:
+    round trips read direction 83 % instead of 100 %): a perceptual term from a classifier trained apart (another seed)
     from the one that scores the round trips, so the score is not the loss."""
     torch.manual_seed(seed)
     vae.train()
@@ -122,7 +126,7 @@ def train_vae(
         loss = pixels = (error * (1 + 9 * shape)).mean()
         if critic is not None and critic_loss:
             read = critic(recon)
-            for name in world.ATTRIBUTES:
+            for name in critic_attributes:
                 labels = torch.tensor([scene.labels()[name] for scene in scenes])
                 loss = loss + critic_loss * nn.functional.cross_entropy(read[name], labels)
         optimizer.zero_grad()
@@ -267,6 +271,8 @@ def main() -> None:
                         "steps (its latents' statistics fitted again)")  # fmt: skip
     parser.add_argument("--vae-critic-loss", type=float, default=0.0, help="the VAE's loss weight on a critic "
                         "classifier's cross-entropy of the decoded clips (0: pixels alone)")  # fmt: skip
+    parser.add_argument("--vae-critic-attributes", default=",".join(world.ATTRIBUTES), help="the attributes the "
+                        "critic's term reads, comma-separated")  # fmt: skip
     parser.add_argument("--critic-steps", type=int, default=1000, help="the critic classifier's steps (seed + 1)")
     parser.add_argument("--latent-channels", type=int, default=4, help="the VAE's z_dim (the transformer's channels)")
     parser.add_argument("--steps", type=int, default=3000, help="transformer steps (0: keep the transformer)")
@@ -305,12 +311,12 @@ def main() -> None:
         vae = AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae").eval()
         if args.vae_finetune:
             vae = train_vae(vae, args.vae_steps, args.vae_batch, args.seed + 1, classifier, args.vae_lr, critic,
-                            args.vae_critic_loss)  # fmt: skip
+                            args.vae_critic_loss, tuple(args.vae_critic_attributes.split(",")))  # fmt: skip
         pipe.register_modules(vae=vae)
     else:
         classifier = train_classifier(args.classifier_steps, args.seed)
         vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed, classifier, args.vae_lr, critic,
-                        args.vae_critic_loss)  # fmt: skip
+                        args.vae_critic_loss, tuple(args.vae_critic_attributes.split(",")))  # fmt: skip
     if args.transformer_from:
         from diffusers import WanTransformer3DModel
 

@@ -24,9 +24,9 @@ from xfuse.families.registry import load_pipeline, model_spec, transformer_confi
 MODEL = "shapes-video"
 CLIPS = world.scoring_clips(24)[::3]  # 8 prompts: every colour, shape and direction, both backgrounds
 CALL = world.SCORING_CALL
-SERIAL_MIN_MEAN = 55.0  # % mean attribute accuracy serial diffusers must reach on CLIPS; measured 68.75, chance ~32
+SERIAL_MIN_MEAN = 65.0  # % mean attribute accuracy serial diffusers must reach on CLIPS; measured 78.1, chance ~32
 PIPELINED_MARGIN = 10.0  # points of mean accuracy pipelined mode may lose against serial at the default settings
-MAX_MEAN_ABS_DIFF = 4.0  # 0-255 levels, per clip, pipelined default against serial; measured at most 1.91
+MAX_MEAN_ABS_DIFF = 4.0  # 0-255 levels per clip, pipelined default against serial (4-channel weights: at most 1.91)
 
 
 def generate(pipe):
@@ -71,7 +71,7 @@ def pipelined_clips(ranks):
 def test_the_name_is_the_shipped_folder():
     config = load_config(None, [f"model={MODEL}"])
     assert model_spec(config.model).name == model_spec(MODEL).name == "wan"
-    assert transformer_config(MODEL)["num_layers"] == 4 and transformer_config(MODEL)["in_channels"] == 4
+    assert transformer_config(MODEL)["num_layers"] == 4 and transformer_config(MODEL)["in_channels"] == 16
     assert type(load_pipeline(MODEL)).__name__ == "WanPipeline"
 
 
@@ -116,4 +116,5 @@ def test_the_demo_config_generates_on_2_ranks(ranks, tmp_path):
         frames.append(np.asarray(gif.convert("RGB")))
     clip = world.Clip("red", "circle", "white", "to the right")  # the config's prompt
     hits = world.attribute_hits(world.load_classifier(), [frames], [clip])
-    assert hits["background"] == [True] and hits["direction"] == [True], hits
+    # the prompt's colour, background and direction (its circle is read as another shape: 58 % of shapes are right)
+    assert hits["color"] == [True] and hits["background"] == [True] and hits["direction"] == [True], hits
