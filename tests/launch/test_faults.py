@@ -56,7 +56,8 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=(), config="con
     end = datetime.datetime.now().timestamp()
     day = datetime.date.today()
     assert "terminate called" not in out.stderr, out.stderr[-3000:]  # the error path tears down in order too
-    fault_match = next(m for line in out.stderr.splitlines() if (m := FAULT.search(line)))
+    fault_match = next((m for line in out.stderr.splitlines() if (m := FAULT.search(line))), None)
+    assert fault_match is not None, f"the fault {fault} never fired (rc {out.returncode}):\n{out.stderr[-4000:]}"
     reports = parse_reports(out.stderr, day)
     return out.returncode, out.stderr, at(fault_match.group(1), day), end, reports
 
