@@ -27,8 +27,9 @@ class CliRun:
 @contextlib.contextmanager
 def _captured_fds() -> Iterator[list[str]]:
     """File descriptors 1 and 2, and ``sys.stdout`` / ``sys.stderr`` (which pytest points elsewhere), into temporary
-    files for the block: prints, logging, warnings and C++ writes alike; their text in the yielded list, [stdout,
-    stderr], once the block is over."""
+    files for the block: prints, warnings, C++ writes and handlers made inside it alike (a logging handler made
+    before it keeps the stream it was given); their text in the yielded list, [stdout, stderr], once the block is
+    over."""
     out: list[str] = []
     sys.stdout.flush()
     sys.stderr.flush()
