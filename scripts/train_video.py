@@ -7,10 +7,12 @@
         --vae-critic-loss 0.1 --latent-channels 16 --head-dim 32 --ffn-dim 512 --steps 8000 --out /tmp/video16c
     python scripts/train_video.py --vae-from /tmp/video16c --vae-finetune --vae-steps 800 --vae-lr 2e-4 \
         --vae-critic-loss 0.2 --latent-channels 16 --head-dim 32 --ffn-dim 512 --transformer-from /tmp/video16c \
-        --lr 3e-4 --warmup 100 --steps 5000   # the shipped folder
+        --lr 3e-4 --warmup 100 --steps 5000 --out /tmp/video16d
+    python scripts/train_video.py --vae-from /tmp/video16d --latent-channels 16 --head-dim 32 --ffn-dim 512 \
+        --transformer-from /tmp/video16d --lr 2e-4 --warmup 100 --steps 3000 --shape-weight 3   # the shipped folder
     python scripts/train_video.py --quick        # a few steps of each stage, to check the script runs
 
-The shipped folder is the fourth command's (its ``train_log.jsonl``: the four runs' lines; docs/models.md has what
+The shipped folder is the fifth command's (its ``train_log.jsonl``: the five runs' lines; docs/models.md has what
 each reached). The defaults are the first, 4-channel weights' (2026-11-27): ``--steps 3000``, then ``--vae-from``
 that folder with ``--steps 8000``.
 

@@ -24,7 +24,7 @@ from xfuse.families.registry import load_pipeline, model_spec, transformer_confi
 MODEL = "shapes-video"
 CLIPS = world.scoring_clips(24)[::3]  # 8 prompts: every colour, shape and direction, both backgrounds
 CALL = world.SCORING_CALL
-SERIAL_MIN_MEAN = 65.0  # % mean attribute accuracy serial diffusers must reach on CLIPS; measured 75.0, chance ~32
+SERIAL_MIN_MEAN = 65.0  # % mean attribute accuracy serial diffusers must reach on CLIPS; measured 81.25, chance ~32
 PIPELINED_MARGIN = 10.0  # points of mean accuracy pipelined mode may lose against serial at the default settings
 MAX_MEAN_ABS_DIFF = 4.0  # 0-255 levels per clip, pipelined default against serial (4-channel weights: at most 1.91)
 
@@ -116,5 +116,5 @@ def test_the_demo_config_generates_on_2_ranks(ranks, tmp_path):
         frames.append(np.asarray(gif.convert("RGB")))
     clip = world.Clip("red", "circle", "white", "to the right")  # the config's prompt
     hits = world.attribute_hits(world.load_classifier(), [frames], [clip])
-    # the prompt's colour, background and direction (its circle is read as another shape: 62.5 % of shapes are right)
+    # the prompt's colour, background and direction (its circle is read as another shape: 2 in 3 shapes are right)
     assert hits["color"] == [True] and hits["background"] == [True] and hits["direction"] == [True], hits
