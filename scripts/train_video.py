@@ -262,6 +262,16 @@ def train_transformer(
     return transformer.eval()
 
 
+def attribute_names(text: str) -> tuple[str, ...]:
+    """``--vae-critic-attributes``: comma-separated names of ``shapes_video_world.ATTRIBUTES``, refused before any
+    training if one is not."""
+    names = tuple(text.split(","))
+    unknown = [name for name in names if name not in world.ATTRIBUTES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(world.ATTRIBUTES)}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
@@ -276,8 +286,8 @@ def main() -> None:
                         "steps (its latents' statistics fitted again)")  # fmt: skip
     parser.add_argument("--vae-critic-loss", type=float, default=0.0, help="the VAE's loss weight on a critic "
                         "classifier's cross-entropy of the decoded clips (0: pixels alone)")  # fmt: skip
-    parser.add_argument("--vae-critic-attributes", default=",".join(world.ATTRIBUTES), help="the attributes the "
-                        "critic's term reads, comma-separated")  # fmt: skip
+    parser.add_argument("--vae-critic-attributes", type=attribute_names, default=tuple(world.ATTRIBUTES),
+                        help="the attributes the critic's term reads, comma-separated (default: all)")  # fmt: skip
     parser.add_argument("--critic-steps", type=int, default=1000, help="the critic classifier's steps (seed + 1)")
     parser.add_argument("--latent-channels", type=int, default=4, help="the VAE's z_dim (the transformer's channels)")
     parser.add_argument("--steps", type=int, default=3000, help="transformer steps (0: keep the transformer)")
@@ -316,12 +326,12 @@ def main() -> None:
         vae = AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae").eval()
         if args.vae_finetune:
             vae = train_vae(vae, args.vae_steps, args.vae_batch, args.seed + 1, classifier, args.vae_lr, critic,
-                            args.vae_critic_loss, tuple(args.vae_critic_attributes.split(",")))  # fmt: skip
+                            args.vae_critic_loss, args.vae_critic_attributes)  # fmt: skip
         pipe.register_modules(vae=vae)
     else:
         classifier = train_classifier(args.classifier_steps, args.seed)
         vae = train_vae(pipe.vae, args.vae_steps, args.vae_batch, args.seed, classifier, args.vae_lr, critic,
-                        args.vae_critic_loss, tuple(args.vae_critic_attributes.split(",")))  # fmt: skip
+                        args.vae_critic_loss, args.vae_critic_attributes)  # fmt: skip
     if args.transformer_from:
         from diffusers import WanTransformer3DModel
 

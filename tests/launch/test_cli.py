@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support import REPO
 from tests.support.cli_fns import CliRun, cli_here
-from tests.support.cli_fns import on_ranks as run_on_ranks
+from tests.support.cli_fns import on_ranks as on_ranks_argv
 from tests.support.world import World
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
@@ -31,18 +30,12 @@ def xfuse(*args, timeout=120):
 
 def xfuse_here(*args) -> CliRun:
     """``xfuse ARGS`` in this process: a command that starts no rank, or a one-rank ``generate``."""
-    return cli_here(list(args), str(REPO))
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    with World(2) as world:
-        yield world
+    return cli_here(list(args))
 
 
 def on_ranks(ranks: World, *args) -> CliRun:
     """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on the module's world (``tests.support.cli_fns.on_ranks``)."""
-    return run_on_ranks(ranks, list(args), str(REPO))
+    return on_ranks_argv(ranks, list(args))
 
 
 def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):

@@ -13,12 +13,10 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from PIL import Image, ImageSequence
 
 from tests.support import REPO
 from tests.support.cli_fns import cli_here, on_ranks
-from tests.support.world import World
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
 
@@ -62,12 +60,6 @@ def _run(cmd, env, timeout=180):
     return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **env}, timeout=timeout, cwd=REPO)
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with World(2) as world:
-        yield world
-
-
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float(10 * np.log10(255**2 / np.mean((a.astype(float) - b.astype(float)) ** 2)))
 
@@ -81,7 +73,7 @@ def test_generate_writes_an_mp4_of_the_clip_on_2_ranks(ranks, tmp_path):
     import imageio
 
     target, npy = tmp_path / "clip.mp4", tmp_path / "frames.npy"
-    out = on_ranks(ranks, ["generate", "--config", CONFIG, *SETS, "--output", str(target)], str(REPO), str(npy))
+    out = on_ranks(ranks, ["generate", "--config", CONFIG, *SETS, "--output", str(target)], frames_npy=str(npy))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 9 frames of 96x64 at 16 fps (0.56 s), 3 steps in " in out.stdout, out.stdout
     assert " s on 2 rank(s) (pipefusion 2 x cfg 1, linear, 2 patches, warm-up 1;" in out.stdout
@@ -108,7 +100,7 @@ def test_generate_decodes_the_clip_over_both_ranks_and_reports_each_ranks_share(
         npy = tmp_path / f"{mode}.npy"
         argv = ["generate", "--config", CONFIG, *SETS, "--set", f"parallel.vae_parallel={mode}",
                 "--output", str(tmp_path / f"{mode}.mp4")]  # fmt: skip
-        out = on_ranks(ranks, argv, str(REPO), str(npy))
+        out = on_ranks(ranks, argv, frames_npy=str(npy))
         assert out.returncode == 0, out.stderr[-3000:]
         assert f"; VAE decode on {2 if mode == 'on' else 1} rank(s); text encoders rank0)" in out.stdout, out.stdout
         lines = [next(line for line in out.stdout.splitlines() if line.startswith(f"  rank {r} sent")) for r in (0, 1)]
@@ -167,7 +159,7 @@ def test_generate_image_to_video_on_2_ranks_equals_diffusers(ranks, tmp_path):
             "generation.num_inference_steps=3", "parallel.warmup_steps=3", "model=wan2.2-ti2v-tiny")  # fmt: skip
     argv = ["generate", "--config", CONFIG, *[a for v in size for a in ("--set", v)], "--image", str(first),
             "--output", str(target)]  # fmt: skip
-    out = on_ranks(ranks, argv, str(REPO), str(npy))
+    out = on_ranks(ranks, argv, frames_npy=str(npy))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {target}: 9 frames of 224x128 at 16 fps (0.56 s), 3 steps in " in out.stdout, out.stdout
     reference = load_pipeline("wan2.2-ti2v-tiny", None, "WanImageToVideoPipeline")
@@ -184,7 +176,7 @@ def test_generate_image_to_video_on_2_ranks_equals_diffusers(ranks, tmp_path):
 
 
 def test_generate_refuses_an_image_for_a_model_without_image_to_video():
-    out = cli_here(["generate", "--set", "model=flux-tiny", "--image", str(REPO / "README.md")], str(REPO))
+    out = cli_here(["generate", "--set", "model=flux-tiny", "--image", str(REPO / "README.md")])
     assert out.returncode == 2, out.stderr[-2000:]
     assert (
         "generation.image: image-to-video needs a model whose family has an image-to-video pipeline on the same "

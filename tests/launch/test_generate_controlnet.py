@@ -4,7 +4,6 @@ module's world, as torchrun's ranks run the command: ``tests.support.cli_fns``):
 steps), and what the command cannot run is refused naming its key."""
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
@@ -38,14 +37,8 @@ def direct(controlnet_folder, image, scale):
         return np.asarray(pipe(**kwargs).images[0]).astype(int)
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with World(2) as world:
-        yield world
-
-
 def generate(ranks: World, *sets: str, output) -> CliRun:
-    return on_ranks(ranks, ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(output)], str(REPO))
+    return on_ranks(ranks, ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(output)])
 
 
 def test_generate_with_a_controlnet_equals_diffusers(ranks, tmp_path):
@@ -83,6 +76,6 @@ def test_a_controlnet_the_model_cannot_run_is_refused_naming_the_key(tmp_path):
         ((f"model={PRESET}", f"generation.controlnet={not_controlnet}"), "ControlNet (_class_name HunyuanDiT2D"),
     ]
     for sets, says in cases:
-        out = cli_here(["generate", *[a for kv in (*sets, *shared) for a in ("--set", kv)]], str(REPO))
+        out = cli_here(["generate", *[a for kv in (*sets, *shared) for a in ("--set", kv)]])
         assert out.returncode == 2, out.stderr[-2000:]
         assert "generation.controlnet:" in out.stderr and says in out.stderr, out.stderr[-2000:]

@@ -170,7 +170,6 @@ def test_adapters_for_a_family_without_lora_are_refused_before_start(tmp_path):
     import subprocess
     import sys
 
-    from tests.support import REPO
     from tests.support.cli_fns import cli_here
     from tests.support.serve_fns import ENV
 
@@ -182,5 +181,5 @@ def test_adapters_for_a_family_without_lora_are_refused_before_start(tmp_path):
     assert out.returncode == 2
     says = "serve.lora_adapters: tiny is a hunyuandit model, whose diffusers pipeline (HunyuanDiTPipeline) has no LoRA"
     assert says in out.stderr, out.stderr[-2000:]
-    out = cli_here(["generate", "--set", "model=tiny", "--lora", str(tmp_path)], str(REPO))  # refused before it runs
+    out = cli_here(["generate", "--set", "model=tiny", "--lora", str(tmp_path)])  # refused before it runs
     assert out.returncode == 2 and "generation.lora: tiny is a hunyuandit model" in out.stderr, out.stderr[-2000:]

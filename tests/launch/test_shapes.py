@@ -13,9 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.support import REPO
 from tests.support.cli_fns import on_ranks
-from tests.support.world import World
 from xfuse.assets import shapes_world as shapes
 from xfuse.config.io import load_config
 from xfuse.families.folder import SHIPPED_MODELS
@@ -68,12 +66,6 @@ def serial_images():
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    with World(2, start_timeout=300) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
 def pipelined_images(ranks):
     return ranks.run_ok(xfuse_rank, timeout=900)[0]
 
@@ -121,7 +113,7 @@ def test_the_demo_config_generates_on_2_ranks(ranks, tmp_path):
     """The demo's command (scripts/demo.sh runs it under the launcher: tests/launch/test_launcher.py) on the module's
     world, as torchrun's ranks run it."""
     argv = ["generate", "--config", "configs/shapes/pp2.yaml", "-o", str(tmp_path / "demo.png")]
-    out = on_ranks(ranks, argv, str(REPO))
+    out = on_ranks(ranks, argv)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'demo.png'}: 256x256, 20 steps" in out.stdout
     scene = shapes.Scene("red", "circle", "white", "on the left")  # the config's prompt

@@ -13,9 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.support import REPO
 from tests.support.cli_fns import on_ranks
-from tests.support.world import World
 from xfuse.assets import shapes_video_world as world
 from xfuse.config.io import load_config
 from xfuse.families.folder import SHIPPED_MODELS
@@ -55,12 +53,6 @@ def serial_clips():
     pipe = load_pipeline(MODEL)  # diffusers' own WanPipeline, loader and loop
     pipe.set_progress_bar_config(disable=True)
     return generate(pipe)
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    with World(2, start_timeout=300) as world:
-        yield world
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +98,7 @@ def test_the_demo_config_generates_on_2_ranks(ranks, tmp_path):
     """The demo's command (scripts/demo.sh runs it under the launcher: tests/launch/test_launcher.py) on the module's
     world, as torchrun's ranks run it."""
     argv = ["generate", "--config", "configs/shapes-video/pp2.yaml", "-o", str(tmp_path / "demo.gif")]
-    out = on_ranks(ranks, argv, str(REPO))
+    out = on_ranks(ranks, argv)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'demo.gif'}: 13 frames of 64x64 at 8 fps (1.62 s), 20 steps" in out.stdout, out.stdout
     gif = Image.open(tmp_path / "demo.gif")

@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tests.support import REPO
+
 
 @dataclass
 class CliRun:
@@ -91,7 +93,9 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], frames_npy: str | None
     return CliRun(code, *text)
 
 
-def cli_rank(argv: list[str], cwd: str, env: dict[str, str] | None = None, frames_npy: str | None = None) -> CliRun:
+def cli_rank(
+    argv: list[str], cwd: str = str(REPO), env: dict[str, str] | None = None, frames_npy: str | None = None
+) -> CliRun:
     """On every rank of a ``tests.support.world.World``: the command as a rank of a launched world (``RANK`` and
     ``WORLD_SIZE`` set, the world's process group already formed, which xfuse joins and leaves standing)."""
     import torch.distributed as dist
@@ -100,13 +104,17 @@ def cli_rank(argv: list[str], cwd: str, env: dict[str, str] | None = None, frame
     return _main(argv, cwd, {**rank_env, **(env or {})}, frames_npy)
 
 
-def cli_here(argv: list[str], cwd: str, env: dict[str, str] | None = None, frames_npy: str | None = None) -> CliRun:
+def cli_here(
+    argv: list[str], cwd: str = str(REPO), env: dict[str, str] | None = None, frames_npy: str | None = None
+) -> CliRun:
     """In this process, as ``python -m xfuse ...`` runs a one-rank world or a command that starts no rank (plan)."""
     assert "RANK" not in os.environ, "a one-rank command in a process that is a rank of a world"
     return _main(argv, cwd, env or {}, frames_npy)
 
 
-def on_ranks(ranks, argv: list[str], cwd: str, frames_npy: str | None = None, timeout: float = 240) -> CliRun:
+def on_ranks(
+    ranks, argv: list[str], cwd: str = str(REPO), frames_npy: str | None = None, timeout: float = 240
+) -> CliRun:
     """``torchrun --nproc_per_node=N -m xfuse ARGV`` on the N ranks of ``ranks`` (a ``tests.support.world.World``):
     the first failing rank's exit code (0 if none), rank 0's output (where the command prints) and every rank's
     errors."""
