@@ -1,7 +1,7 @@
 """The xfuse command line: what it does and prints (``plan``; ``generate`` on one rank and on the module's 2-rank world,
 run as torchrun's ranks run it: ``tests.support.cli_fns``), and as a real subprocess where the process is the case
-(plain ``python -m xfuse``, the examples under torchrun, a world torchrun started too small, a rank refusing a missing
-file, compilation and its cache, ``doctor``'s self-test)."""
+(plain ``python -m xfuse``, the examples under torchrun, a world torchrun started too small, the launcher refusing a
+missing file, compilation and its cache, ``doctor``'s self-test)."""
 
 import json
 import os
@@ -264,10 +264,11 @@ def test_generate_refuses_a_world_that_does_not_match():
     assert "torchrun --nproc_per_node=2)" in out.stderr
 
 
-def test_generate_refuses_a_missing_file_by_name_before_any_rank_talks(tmp_path):
+def test_generate_refuses_a_missing_file_by_name_before_any_rank_talks(ranks, tmp_path):
     """The files a config names (generation.lora, image, controlnet, control_image) are checked where generate starts
     (``xfuse.build.check_files``): exit 2 naming the key, from the launcher before it starts the ranks, and from every
-    rank under torchrun before any communication."""
+    rank of a launched world before any communication (on the module's world: under torchrun the first rank to exit
+    gets the other killed, sometimes before it has printed)."""
     image = str(tmp_path / "control.png")
     Image.new("RGB", (64, 64)).save(image)
     cases = [
@@ -280,8 +281,8 @@ def test_generate_refuses_a_missing_file_by_name_before_any_rank_talks(tmp_path)
         out = xfuse("generate", "--config", "configs/tiny/pp2.yaml", *args, timeout=60)
         assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
         assert "rank 1" not in out.stderr and "Traceback" not in out.stderr
-    out = torchrun("-m", "xfuse", "generate", "--config", os.path.abspath("configs/tiny/pp2.yaml"), *cases[0][0])
-    assert out.returncode != 0
+    out = on_ranks(ranks, "generate", "--config", "configs/tiny/pp2.yaml", *cases[0][0])
+    assert out.returncode == 2
     for rank in (0, 1):
         assert f"xfuse generate: rank {rank}: error: {cases[0][1]}" in out.stderr, out.stderr[-2000:]
 

@@ -57,6 +57,23 @@ def _captured_fds() -> Iterator[list[str]]:
             file.close()
 
 
+@contextlib.contextmanager
+def _process_heap_left_alone() -> Iterator[None]:
+    """``build_pipeline``'s process-wide settings skipped for the block: ``gc.freeze`` and glibc's ``mallopt`` (never
+    trim, mmap threshold at its ceiling) belong to a process xfuse owns, and the test process is pytest's worker, where
+    they would stay for every later test (a 48 MiB tensor then comes from the untrimmed heap already resident, and
+    tests/unit/test_peak.py's phase read 0 MiB in a CI run). tests/launch/test_heap.py and test_pipeline.py check the
+    settings themselves in real ranks; the world's ranks (``cli_rank``) apply them as xfuse's ranks do."""
+    from xfuse import build
+
+    kept = build.freeze_startup_heap, build.keep_freed_heap
+    build.freeze_startup_heap, build.keep_freed_heap = lambda: None, lambda: False
+    try:
+        yield
+    finally:
+        build.freeze_startup_heap, build.keep_freed_heap = kept
+
+
 def _main(argv: list[str], cwd: str, env: dict[str, str], frames_npy: str | None = None) -> CliRun:
     """``xfuse.cli.main(argv)`` in ``cwd`` with ``env`` added to the environment (both restored after).
     ``frames_npy``: the frames a video run hands to the CLI's clip writer are also saved there (``.npy``), so a test
@@ -107,9 +124,11 @@ def cli_rank(
 def cli_here(
     argv: list[str], cwd: str = str(REPO), env: dict[str, str] | None = None, frames_npy: str | None = None
 ) -> CliRun:
-    """In this process, as ``python -m xfuse ...`` runs a one-rank world or a command that starts no rank (plan)."""
+    """In this process, as ``python -m xfuse ...`` runs a one-rank world or a command that starts no rank (plan), but
+    leaving this process's collector and C heap as they are (``_process_heap_left_alone``)."""
     assert "RANK" not in os.environ, "a one-rank command in a process that is a rank of a world"
-    return _main(argv, cwd, env or {}, frames_npy)
+    with _process_heap_left_alone():
+        return _main(argv, cwd, env or {}, frames_npy)
 
 
 def on_ranks(
