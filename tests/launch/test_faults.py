@@ -62,7 +62,9 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=(), config="con
     return out.returncode, out.stderr, at(fault_match.group(1), day), end, reports
 
 
-@pytest.mark.parametrize("degree", [2, 4, 8])
+# 2 ranks: the victim's one peer; 8: every survivor, six of them never its neighbour, names it within 5 s (a run at
+# 4 ranks, between the two, showed nothing they do not).
+@pytest.mark.parametrize("degree", [2, 8])
 def test_killed_rank_stops_every_rank_quickly_naming_it(tmp_path, degree):
     timeout_s, victim = 30, degree - 1
     rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, f"kill:{victim}:2", timeout_s)
@@ -75,7 +77,9 @@ def test_killed_rank_stops_every_rank_quickly_naming_it(tmp_path, degree):
         assert when - fault_t < 5 and f"rank {victim}" in text, text  # each names the lost rank
 
 
-@pytest.mark.parametrize("degree", [2, 4])
+# 4 ranks: the first rank to time out may wait on a rank that waits on the stalled one, and the chain still ends at
+# it (at 2 ranks, with the same assertions, the waiting rank is the stalled one's only peer: nothing more shown).
+@pytest.mark.parametrize("degree", [4])
 def test_stalled_rank_gives_comm_timeout_with_rank_peer_op_step_patch(tmp_path, degree):
     timeout_s, victim = 3, 1
     rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, f"stall:{victim}:2", timeout_s)
@@ -255,7 +259,8 @@ def test_a_host_frozen_holding_the_interpreter_lock_is_ended_by_faulthandler(tmp
     assert end_t - fault_t < comm_timeout_s
 
 
-@pytest.mark.parametrize("degree", [2, 4])
+# 4 ranks: ranks that never talk to rank 1 report its exception too (at 2 ranks, the same assertions, nothing more).
+@pytest.mark.parametrize("degree", [4])
 def test_exception_in_a_forward_stops_every_rank_naming_it(tmp_path, degree):
     rc, stderr, fault_t, end_t, reports = launch(tmp_path, degree, "raise:1:1", 30)
     assert rc != 0 and end_t - fault_t < 10
