@@ -482,7 +482,7 @@ def test_serve_compiles_its_sizes_before_ready_and_serves_a_further_size_eagerly
     ``compile.warmup_sizes`` compile on every rank before the server says ready, one line each; requests of those
     sizes compile nothing more; a third size (past ``compile.max_shapes`` 2) is answered, eagerly on every rank, and
     said once."""
-    settings = ("model=flux-tiny", "generation.width=96", "generation.height=128", "compile.mode=regional",
+    settings = ("model=tiny", "generation.width=96", "generation.height=128", "compile.mode=regional",
                 "compile.backend=aot_eager", "compile.max_shapes=2",
                 "compile.warmup_sizes=[96x128, 128x128]")  # fmt: skip
     with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
@@ -494,14 +494,14 @@ def test_serve_compiles_its_sizes_before_ready_and_serves_a_further_size_eagerly
                                  before), before[-3000:]  # fmt: skip
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
         for size in ("96x128", "128x128", "96x128", "64x64"):
-            result = client.images.generate(model="flux-tiny", prompt="a lake", size=size, extra_body={"seed": 4})
+            result = client.images.generate(model="tiny", prompt="a lake", size=size, extra_body={"seed": 4})
             assert decode_png(result.data[0].b64_json).size == tuple(map(int, size.split("x")))
         os.kill(served.rank_pids()[0], signal.SIGTERM)  # rank 0 drains the world
         assert served.wait(timeout=60) == 0, served.stderr()[-3000:]
         after = served.stderr()[len(before) :]
     assert "compile.mode regional" not in after, after[-3000:]  # the warmed sizes compiled nothing more
     for rank in (0, 1):
-        assert after.count(f"rank {rank}: compile.max_shapes = 2 shapes compiled; latents 1x16x4x4 runs eagerly") == 1
+        assert after.count(f"rank {rank}: compile.max_shapes = 2 shapes compiled; latents 1x4x8x8 runs eagerly") == 1
 
 
 @pytest.mark.parametrize(
