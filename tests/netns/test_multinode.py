@@ -7,7 +7,6 @@ every rank, naming it; a node that loses its link must not strand anyone. Nothin
 
 import datetime
 import re
-import subprocess
 import sys
 import time
 
@@ -15,8 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.netns import DECOY_ADDRESSES, NODE_ADDRESSES, ROOT, TwoNodes, unusable_reason
+from tests.support.cli_fns import on_ranks
+from tests.support.netns import DECOY_ADDRESSES, NODE_ADDRESSES, TwoNodes, unusable_reason
 from tests.support.reports import parse_reports
+from tests.support.world import World
 
 REASON = unusable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two-node tests: {REASON}")
@@ -45,27 +46,25 @@ def run_two_nodes(nodes, tmp_path, name, args, timeout_s=120):
     return [p.returncode for p in procs], [log.read_text() for log in logs], ends
 
 
-def run_single_node(tmp_path, name, args):
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "xfuse"]
-        + ["generate", *TINY, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+@pytest.fixture(scope="module")
+def single_node():
+    """The single-node reference's 4 ranks, on loopback in the root namespace: ``xfuse generate`` run as torchrun's
+    ranks run it (``tests.support.cli_fns``); a 4-rank ``torchrun`` of its own cost each layout 10 s of imports and drew
+    the same PNG bit for bit."""
+    with World(4, start_timeout=300) as world:
+        yield world
 
 
 @pytest.mark.parametrize("layout", ["pp4", "cfg2_pp2"])
-def test_two_node_image_equals_single_node_bit_for_bit(nodes, tmp_path, layout):
+def test_two_node_image_equals_single_node_bit_for_bit(nodes, single_node, tmp_path, layout):
     args = {"pp4": PP4, "cfg2_pp2": CFG2_PP2}[layout]
     two, one = tmp_path / "two.png", tmp_path / "one.png"
     named = [*args, "--set", "comm.socket_ifname=xfnet", "-o", str(two)]
     codes, logs, _ = run_two_nodes(nodes, tmp_path, layout, named)
     assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert "on 4 rank(s)" in "".join(logs)
-    run_single_node(tmp_path, layout, [*args, "-o", str(one)])
+    alone = on_ranks(single_node, ["generate", *TINY, *args, "-o", str(one)])
+    assert alone.returncode == 0, alone.stderr[-3000:]
     assert np.array_equal(np.asarray(Image.open(two)), np.asarray(Image.open(one)))
 
 
