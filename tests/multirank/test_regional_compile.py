@@ -84,7 +84,7 @@ def test_compiles_are_bounded_by_the_shapes_a_served_life_meets(world2):
     ``comm.timeout_s``, not the compile bound (read at every step of the 20-step request)."""
     parallel = {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1, "placement": "linear"}
     sizes, third = [(128, 128), (128, 96)], (96, 96)
-    results = world2.run_ok(compile_counts_over_requests, "flux-tiny", parallel, sizes, third, timeout=300)
+    results = world2.run_ok(compile_counts_over_requests, "tiny", parallel, sizes, third, timeout=300)
     bounds_seen = set().union(*(seen for *_, (seen, _) in results))
     assert bounds_seen == {results[0][5][1]}, bounds_seen  # a compiled shape's request waits comm.timeout_s, no more
     for rank, (graphs, compiled, eager, frames, _, _) in enumerate(results):
