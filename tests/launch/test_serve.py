@@ -419,7 +419,9 @@ def test_batched_and_streamed_requests_each_equal_the_same_request_served_alone(
     bodies[7] = {"prompt": "a lake 7", "seed": 7, "num_inference_steps": 3}
     settings = ("serve.max_batch=4", "serve.max_inflight=4", "serve.max_queue=8", "serve.max_queued_work=100")
     with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
-        alone = {seed: _generate(served.url, body).json() for seed, body in bodies.items()}  # one at a time
+        replies = {seed: _generate(served.url, body) for seed, body in bodies.items()}  # one at a time
+        assert all(reply.status_code == 200 for reply in replies.values()), [r.text[:500] for r in replies.values()]
+        alone = {seed: reply.json() for seed, reply in replies.items()}
         assert {(reply["batch"], reply["stream"]) for reply in alone.values()} == {(1, 1)}
         blocker = {"prompt": "busy", "seed": 0, "size": "384x384", "num_inference_steps": 20}  # ~2 s here
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
