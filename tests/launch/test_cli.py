@@ -511,8 +511,8 @@ def test_a_second_launch_with_a_warm_compile_cache_generates_nothing(tmp_path):
     every graph's code, the second finds every graph in the cache and generates none, and draws the same image;
     ``xfuse doctor --compile-cache`` reports the key, its torch and the request shape. (How much faster the warm
     start is, is measured by ``benchmarks/bench_compile.py --cache``, not timed here.) No warm-up step: the patches'
-    shapes alone, on HunyuanDiT's tiny preset (rank 0: 9 graphs; FLUX.1's tiny preset compiles 22 and made this test
-    65 s instead of 36), and what is cached is the same kind of thing."""
+    shapes alone, on HunyuanDiT's tiny preset (rank 0: 9 graphs to generate, FLUX.1's tiny preset 22), and what is
+    cached is the same kind of thing."""
     cache = tmp_path / "compile-cache"
     args = ["-m", "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", "--set", "compile.mode=regional",
             "--set", "generation.num_inference_steps=3", "--set", "parallel.warmup_steps=0",
