@@ -1,5 +1,8 @@
 """Rank functions for the failure tests (importable by spawned ranks)."""
 
+import os
+import traceback
+
 import torch.distributed as dist
 
 
@@ -49,3 +52,35 @@ def passes_until_the_fault(spec: str, placement: str, timeout_s: float):
     except Exception as err:  # noqa: BLE001 - the test inspects it
         return type(err).__name__, str(err), [tuple(shape) for shape in shapes]
     return None, None, [tuple(shape) for shape in shapes]
+
+
+def generate_then_exit(argv: list[str], env: dict[str, str], log_dir: str) -> None:
+    """On every rank of a fresh ``tests.support.world.World``: ``xfuse generate`` as a rank torchrun started runs it
+    (``RANK`` and ``WORLD_SIZE`` set, ``env`` added: the drill's ``XFUSE_FAULT``), its file descriptors 1 and 2 written
+    to ``log_dir/rank{R}.out`` and ``.err`` from the start (a report written just before ``os._exit`` or a SIGKILL is
+    kept, faulthandler's dump too); then the process ends with the command's exit code, as ``python -m xfuse`` ends.
+    The failure paths end it sooner themselves (``os._exit`` from the monitor's thread, faulthandler's timer, the
+    fault's SIGKILL): the world's ``run`` reads each rank's end as ``RankDied`` with its exit code, the rank's
+    exit code under torchrun."""
+    import sys
+
+    from xfuse import cli
+
+    rank = dist.get_rank()
+    for fd, suffix in ((1, "out"), (2, "err")):
+        log = os.open(os.path.join(log_dir, f"rank{rank}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process ends below
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size()), **env})
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's refusals
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - python -m xfuse would print it and exit 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
