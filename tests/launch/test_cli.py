@@ -1,7 +1,7 @@
 """The xfuse command line: what it does and prints (``plan``; ``generate`` on one rank and on the module's 2-rank world,
-run as torchrun's ranks run it: ``tests.support.cli_fns``), and as a real subprocess where the process is the case
-(plain ``python -m xfuse``, the examples under torchrun, a world torchrun started too small, the launcher refusing a
-missing file, compilation and its cache, ``doctor``'s self-test)."""
+run as torchrun's ranks run it: ``tests.support.cli_fns``; the examples too), and as a real subprocess where the
+process is the case (plain ``python -m xfuse``, an example under torchrun, a world torchrun started too small, the
+launcher refusing a missing file, compilation and its cache, ``doctor``'s self-test)."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.cli_fns import CliRun, cli_here
+from tests.support.cli_fns import CliRun, cli_here, script_on_ranks
 from tests.support.cli_fns import on_ranks as on_ranks_argv
 from tests.support.world import World
 
@@ -287,10 +287,19 @@ def test_generate_refuses_a_missing_file_by_name_before_any_rank_talks(ranks, tm
         assert f"xfuse generate: rank {rank}: error: {cases[0][1]}" in out.stderr, out.stderr[-2000:]
 
 
+def test_the_hunyuandit_example_runs_under_torchrun(tmp_path):
+    """The examples' launch as their docstrings give it (this one also destroys the group it made when it is done);
+    the other examples' case is their code, run on the module's world below."""
+    out = torchrun(os.path.abspath("examples/hunyuandit_pipefusion.py"), "--model", "tiny", "--steps", "2", "--size",
+                   "128", "--output", str(tmp_path / "out.png"), cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"wrote {tmp_path / 'out.png'}" in out.stdout
+    assert len(list(tmp_path.glob("*.png"))) == 1
+
+
 @pytest.mark.parametrize(
     "script,args",
     [
-        ("examples/hunyuandit_pipefusion.py", ["--model", "tiny", "--steps", "2", "--size", "128", "--output"]),
         ("examples/from_diffusers.py", ["tiny"]),
         ("examples/pixart_pipefusion.py", ["--model", "pixart-tiny", "--steps", "2", "--output"]),
         ("examples/sd3_pipefusion.py", ["--model", "sd35-tiny", "--steps", "2", "--output"]),
@@ -300,17 +309,18 @@ def test_generate_refuses_a_missing_file_by_name_before_any_rank_talks(ranks, tm
         ),
     ],
 )
-def test_examples_run_under_torchrun(tmp_path, script, args):
+def test_examples_run_on_two_ranks(ranks, tmp_path, script, args):
     args = [*args, str(tmp_path / "out.png")] if args[-1] == "--output" else args
-    out = torchrun(os.path.abspath(script), *args, cwd=tmp_path)
+    out = script_on_ranks(ranks, os.path.abspath(script), args, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "wrote" in out.stdout
     assert len(list(tmp_path.glob("*.png"))) == 1
 
 
-def test_the_video_example_writes_a_clip_under_torchrun(tmp_path):
+def test_the_video_example_writes_a_clip_on_two_ranks(ranks, tmp_path):
+    script = os.path.abspath("examples/wan_pipefusion.py")
     args = ["--model", "wan-tiny", "--steps", "2", "--height", "64", "--width", "96", "--frames", "9"]
-    out = torchrun(os.path.abspath("examples/wan_pipefusion.py"), *args, "--output", str(tmp_path / "c.mp4"))
+    out = script_on_ranks(ranks, script, [*args, "--output", str(tmp_path / "c.mp4")], str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'c.mp4'}: 9 frames at 16 fps (temporal patches)" in out.stdout
     assert (tmp_path / "c.mp4").stat().st_size > 1000
@@ -318,7 +328,7 @@ def test_the_video_example_writes_a_clip_under_torchrun(tmp_path):
     Image.new("RGB", (224, 128), (200, 40, 40)).save(tmp_path / "first.png")
     args = ["--model", "wan2.2-ti2v-tiny", "--steps", "2", "--height", "128", "--width", "224", "--frames", "9",
             "--image", str(tmp_path / "first.png"), "--patches", "spatial"]  # fmt: skip
-    out = torchrun(os.path.abspath("examples/wan_pipefusion.py"), *args, "--output", str(tmp_path / "i.mp4"))
+    out = script_on_ranks(ranks, script, [*args, "--output", str(tmp_path / "i.mp4")], str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"wrote {tmp_path / 'i.mp4'}: 9 frames at 16 fps (spatial patches)" in out.stdout
 

@@ -1,8 +1,9 @@
 """The ``xfuse`` command line run inside a process that already imported torch and diffusers: on a test world's ranks
 (``cli_rank``, importable by spawned ranks) as torchrun's ranks run it, and in the test process for one rank
-(``cli_here``). For the tests whose case is what the command does and prints, not its process: a launch costs each
-rank 4-5 s of CPU in imports alone on the test machine. Exit codes, signals, faults and the launcher stay real
-processes (tests/launch/test_launcher.py, test_faults.py, test_exit.py)."""
+(``cli_here``); an example script on a world's ranks as torchrun's ranks run it (``script_on_ranks``). For the tests
+whose case is what the command or script does and prints, not its process: a launch costs each rank 4-5 s of CPU in
+imports alone on the test machine. Exit codes, signals, faults and the launcher stay real processes
+(tests/launch/test_launcher.py, test_faults.py, test_exit.py; one example under torchrun in test_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tests.support import REPO
@@ -78,6 +79,14 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], frames_npy: str | None
     """``xfuse.cli.main(argv)`` in ``cwd`` with ``env`` added to the environment (both restored after).
     ``frames_npy``: the frames a video run hands to the CLI's clip writer are also saved there (``.npy``), so a test
     can compare the file written with the pipeline's own frames."""
+    from xfuse import cli
+
+    return _captured_run(lambda: cli.main(argv), cwd, env, frames_npy)
+
+
+def _captured_run(body: Callable[[], int], cwd: str, env: dict[str, str], frames_npy: str | None = None) -> CliRun:
+    """``body()`` (an exit code) in ``cwd`` with ``env`` added to the environment (both restored after), its output
+    captured (``_captured_fds``); ``frames_npy`` as ``_main``'s."""
     import numpy as np
 
     from xfuse import cli
@@ -96,7 +105,7 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], frames_npy: str | None
     try:
         with _captured_fds() as text:
             try:
-                code = cli.main(argv)
+                code = body()
             except SystemExit as exit_:  # argparse's refusals
                 code = exit_.code if isinstance(exit_.code, int) else 1
             except BaseException:  # noqa: BLE001 - the test reads it as a failed run
@@ -138,5 +147,32 @@ def on_ranks(
     the first failing rank's exit code (0 if none), rank 0's output (where the command prints) and every rank's
     errors."""
     runs = ranks.run_ok(cli_rank, argv, cwd, None, frames_npy, timeout=timeout)
+    code = next((run.returncode for run in runs if run.returncode), 0)
+    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
+
+
+def script_rank(path: str, args: list[str], cwd: str) -> CliRun:
+    """On every rank of a ``tests.support.world.World``: ``python PATH ARGS`` as a rank of a launched world runs it
+    (``__main__``, ``sys.argv``, ``RANK`` and ``WORLD_SIZE`` set, the world's process group already formed)."""
+    import runpy
+
+    import torch.distributed as dist
+
+    def run() -> int:
+        argv, sys.argv = sys.argv, [path, *args]
+        try:
+            runpy.run_path(path, run_name="__main__")
+        finally:
+            sys.argv = argv
+        return 0
+
+    rank_env = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
+    return _captured_run(run, cwd, rank_env)
+
+
+def script_on_ranks(ranks, path: str, args: list[str], cwd: str, timeout: float = 240) -> CliRun:
+    """``torchrun --nproc_per_node=N PATH ARGS`` on the N ranks of ``ranks``, read as ``on_ranks`` reads a command;
+    the script must leave the world's process group standing (xfuse's pipelines do: they joined it)."""
+    runs = ranks.run_ok(script_rank, path, args, cwd, timeout=timeout)
     code = next((run.returncode for run in runs if run.returncode), 0)
     return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
