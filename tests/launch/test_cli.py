@@ -16,6 +16,7 @@ from PIL import Image
 
 from tests.support.cli_fns import CliRun, cli_here, script_on_ranks
 from tests.support.cli_fns import on_ranks as on_ranks_argv
+from tests.support.fault_fns import generate_on_a_fresh_world
 from tests.support.world import World
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
@@ -36,6 +37,14 @@ def xfuse_here(*args) -> CliRun:
 def on_ranks(ranks: World, *args) -> CliRun:
     """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on the module's world (``tests.support.cli_fns.on_ranks``)."""
     return on_ranks_argv(ranks, list(args))
+
+
+def on_a_fresh_world(*args, env=None) -> CliRun:
+    """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on a world of its own, closed after: new rank processes (forked
+    from the preloaded server), where nothing was compiled yet, as in a new launch (dynamo's caches live in a
+    process)."""
+    with World(2) as world:
+        return on_ranks_argv(world, list(args), env=env)
 
 
 def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):
@@ -447,7 +456,7 @@ def test_generate_decodes_over_both_ranks_from_512_px_and_reports_each_ranks_mem
 
 
 def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_compiled(ranks, tmp_path):
-    """``compile.mode: regional`` under torchrun (``aot_eager``: dynamo's capture without code generation, so the
+    """``compile.mode: regional`` on two ranks (``aot_eager``: dynamo's capture without code generation, so the
     test takes seconds): the request's size compiled before it runs, each rank saying so in one line, and the
     pipelined image of the eager run. Rank 1's first compile made 8 s slower (a fault drill): rank 0, waiting on it,
     names it and what it compiles, and the run ends well (the bound is 60 s). One family: that every family's
@@ -455,10 +464,10 @@ def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_c
     16 s of launch and said nothing more)."""
     common = ["--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=3",
               "--set", "compile.backend=aot_eager", "--set", "compile.timeout_s=60"]  # fmt: skip
-    runs = {  # eager on the module's world; compiled in processes of their own (dynamo's caches live in a process)
+    runs = {  # eager on the module's world; compiled on ranks of its own (dynamo's caches live in a process)
         "off": on_ranks(ranks, "generate", *common, "--set", "compile.mode=off", "--output", str(tmp_path / "off.png")),
-        "regional": torchrun("-m", "xfuse", "generate", *common, "--set", "compile.mode=regional", "--output",
-                             str(tmp_path / "regional.png"), env={"XFUSE_FAULT": "slow_compile:1:8"}),
+        "regional": on_a_fresh_world("generate", *common, "--set", "compile.mode=regional", "--output",
+                                     str(tmp_path / "regional.png"), env={"XFUSE_FAULT": "slow_compile:1:8"}),
     }  # fmt: skip
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-3000:]
@@ -480,26 +489,12 @@ def test_a_rank_compiling_past_compile_timeout_s_ends_the_world_naming_itself(tm
     (rank 0's own compile must end within it: a few seconds, several times that on a loaded 2-core machine running
     two test modules at once). Rank 1 names itself, the shape and the bound within a poll of it; rank 0 (waiting on
     it) ends naming rank 1's failure as the world's first; every rank exits non-zero, long before the 120 s."""
-    args = [
-        "-m",
-        "xfuse",
-        "generate",
-        "--config",
-        "configs/tiny/pp2.yaml",
-        "--set",
-        "generation.num_inference_steps=3",
-        "--set",
-        "compile.mode=regional",
-        "--set",
-        "compile.backend=aot_eager",
-        "--set",
-        "compile.timeout_s=20",
-        "--output",
-        str(tmp_path / "x.png"),
-    ]
-    run = torchrun(*args, env={"XFUSE_FAULT": "slow_compile:1:120"}, timeout=180)  # fmt: skip
-    assert run.returncode != 0
-    stderr = run.stderr
+    argv = ["generate", "--config", "configs/tiny/pp2.yaml", "--set", "generation.num_inference_steps=3",
+            "--set", "compile.mode=regional", "--set", "compile.backend=aot_eager", "--set", "compile.timeout_s=20",
+            "--output", str(tmp_path / "x.png")]  # fmt: skip
+    # new rank processes that end as the command's do (the failure ends them with os._exit)
+    returncode, stderr, _ = generate_on_a_fresh_world(2, argv, {"XFUSE_FAULT": "slow_compile:1:120"}, tmp_path)
+    assert returncode != 0
     named = ("rank 1: CompileTimeout: rank 1: compiling shape 1 of 1 (256x256) took more than compile.timeout_s = 20 s "
              "(20.")  # fmt: skip
     assert f"rank 1 failed: {named[8:]}" in stderr, stderr[-4000:]
@@ -524,12 +519,12 @@ def test_a_second_launch_with_a_warm_compile_cache_generates_nothing(tmp_path):
     shapes alone, on HunyuanDiT's tiny preset (rank 0: 9 graphs to generate, FLUX.1's tiny preset 22), and what is
     cached is the same kind of thing."""
     cache = tmp_path / "compile-cache"
-    args = ["-m", "xfuse", "generate", "--config", "configs/tiny/pp2.yaml", "--set", "compile.mode=regional",
+    args = ["generate", "--config", "configs/tiny/pp2.yaml", "--set", "compile.mode=regional",
             "--set", "generation.num_inference_steps=3", "--set", "parallel.warmup_steps=0",
             "--set", f"compile.cache_dir={cache}"]  # fmt: skip
     counts = {}
-    for launch in ("cold", "warm"):
-        run = torchrun(*args, "--output", str(tmp_path / f"{launch}.png"), timeout=300)
+    for launch in ("cold", "warm"):  # each on new rank processes: nothing compiled in them, as in a new launch
+        run = on_a_fresh_world(*args, "--output", str(tmp_path / f"{launch}.png"))
         assert run.returncode == 0, run.stderr[-3000:]
         found = re.findall(r"rank (\d): compile.mode regional: shape 1 of 1 \(256x256\): (\d+) graph\(s\), (\d+) from "
                            r"compile.cache_dir, (\d+) generated", run.stderr)  # fmt: skip

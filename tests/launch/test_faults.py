@@ -14,10 +14,15 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tests.support.fault_fns import build_errors, generate_then_exit, passes_until_the_fault, start_with_config
+from tests.support.fault_fns import (
+    build_errors,
+    generate_on_a_fresh_world,
+    passes_until_the_fault,
+    start_with_config,
+)
 from tests.support.pipeline_fns import run_calls
 from tests.support.reports import REPORT, at, parse_reports
-from tests.support.world import RankDied, World
+from tests.support.world import World
 from xfuse.families.hunyuandit.presets import save_tiny_pipeline
 from xfuse.runtime.monitor import LEFT, TERMINATED_KEY, FailureMonitor
 
@@ -60,12 +65,7 @@ def launch(tmp_path, degree, fault, timeout_s, steps=6, settings=(), config="con
         end = datetime.datetime.now().timestamp()
         returncode, stderr = out.returncode, out.stderr
     else:
-        with World(degree) as world:
-            results = world.run(generate_then_exit, argv, {"XFUSE_FAULT": fault}, str(tmp_path), timeout=120)
-            end = datetime.datetime.now().timestamp()
-        stderr = "".join((tmp_path / f"rank{rank}.err").read_text() for rank in range(degree))
-        assert all(isinstance(result.error, RankDied) for result in results), (results, stderr[-3000:])
-        returncode = next((result.error.exitcode for result in results if result.error.exitcode), 0)
+        returncode, stderr, end = generate_on_a_fresh_world(degree, argv, {"XFUSE_FAULT": fault}, tmp_path)
     day = datetime.date.today()
     assert "terminate called" not in stderr, stderr[-3000:]  # the error path tears down in order too
     fault_match = next((m for line in stderr.splitlines() if (m := FAULT.search(line))), None)

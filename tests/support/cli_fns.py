@@ -141,12 +141,17 @@ def cli_here(
 
 
 def on_ranks(
-    ranks, argv: list[str], cwd: str = str(REPO), frames_npy: str | None = None, timeout: float = 240
+    ranks,
+    argv: list[str],
+    cwd: str = str(REPO),
+    frames_npy: str | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
 ) -> CliRun:
-    """``torchrun --nproc_per_node=N -m xfuse ARGV`` on the N ranks of ``ranks`` (a ``tests.support.world.World``):
-    the first failing rank's exit code (0 if none), rank 0's output (where the command prints) and every rank's
-    errors."""
-    runs = ranks.run_ok(cli_rank, argv, cwd, None, frames_npy, timeout=timeout)
+    """``torchrun --nproc_per_node=N -m xfuse ARGV`` on the N ranks of ``ranks`` (a ``tests.support.world.World``), with
+    ``env`` added to their environment: the first failing rank's exit code (0 if none), rank 0's output (where the
+    command prints) and every rank's errors."""
+    runs = ranks.run_ok(cli_rank, argv, cwd, env, frames_npy, timeout=timeout)
     code = next((run.returncode for run in runs if run.returncode), 0)
     return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
 

@@ -84,3 +84,19 @@ def generate_then_exit(argv: list[str], env: dict[str, str], log_dir: str) -> No
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def generate_on_a_fresh_world(degree: int, argv: list[str], env: dict[str, str], log_dir, timeout: float = 120):
+    """``xfuse generate ARGV`` with ``env`` on the ranks of a fresh ``World(degree)`` (``generate_then_exit``); return
+    (the first non-zero exit code of its ranks or 0, every rank's stderr in rank order, the POSIX time the last rank
+    ended)."""
+    import datetime
+
+    from tests.support.world import RankDied, World
+
+    with World(degree) as world:
+        results = world.run(generate_then_exit, argv, env, str(log_dir), timeout=timeout)
+        end = datetime.datetime.now().timestamp()
+    stderr = "".join(open(os.path.join(log_dir, f"rank{rank}.err")).read() for rank in range(degree))
+    assert all(isinstance(result.error, RankDied) for result in results), (results, stderr[-3000:])
+    return next((result.error.exitcode for result in results if result.error.exitcode), 0), stderr, end
