@@ -16,6 +16,7 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.support.cli_fns import on_ranks
 from tests.support.serve_fns import (
     BASE_SETTINGS,
     ENV,
@@ -25,6 +26,7 @@ from tests.support.serve_fns import (
     peak_rss_kib,
     requests_running,
 )
+from tests.support.world import World
 
 API_KEY = "test-key-0123"
 # A small queue bound for the 429 test that the 8 concurrent clients still fit: all 8 may be waiting at once, since
@@ -63,7 +65,7 @@ def test_openai_client_gets_pngs_of_the_requested_size(client):
 
 
 def test_served_image_equals_xfuse_generate(world, client, tmp_path):
-    """The same prompt, size, steps and seed give the same image as ``xfuse generate`` with that config."""
+    """The same prompt, size, steps and seed give the same image as ``xfuse generate`` with that config on 2 ranks."""
     prompt, seed, steps = "a lighthouse at dusk", 1234, 5
     served = client.images.generate(
         prompt=prompt, size="128x96", extra_body={"seed": seed, "num_inference_steps": steps}
@@ -71,9 +73,9 @@ def test_served_image_equals_xfuse_generate(world, client, tmp_path):
     target = tmp_path / "generate.png"
     sets = [*BASE_SETTINGS, *CACHE, "generation.width=128", "generation.height=96", f"generation.seed={seed}"]
     sets += [f"generation.num_inference_steps={steps}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
-    cmd += ["generate", *[a for kv in sets for a in ("--set", kv)], "--prompt", prompt, "--output", str(target)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)
+    argv = ["generate", *[a for kv in sets for a in ("--set", kv)], "--prompt", prompt, "--output", str(target)]
+    with World(2) as ranks:  # as torchrun's ranks run it (tests.support.cli_fns)
+        out = on_ranks(ranks, argv)
     assert out.returncode == 0, out.stderr[-3000:]
     expected = np.asarray(Image.open(target))
     got = np.asarray(decode_png(served.data[0].b64_json))
@@ -395,10 +397,10 @@ def test_degree_1_serves_pixart_with_plain_python(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["sd35-tiny", "flux-tiny"])
-def test_the_mmdit_families_serve_under_torchrun(tmp_path, preset):
+def test_the_mmdit_families_serve_on_two_ranks(tmp_path, preset):
     """SD3.5 and FLUX through the same command: 2 ranks (the text stream crosses them), the openai client."""
     settings = (f"model={preset}", "parallel.pipefusion_degree=2", "generation.width=96", "generation.height=128")
-    with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
+    with ServedWorld(tmp_path, nproc=2, settings=settings, launcher="world") as served:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
         result = client.images.generate(model=preset, prompt="a lake", size="96x128", n=2, extra_body={"seed": 4})
         assert [decode_png(image.b64_json).size for image in result.data] == [(96, 128)] * 2
@@ -418,7 +420,7 @@ def test_batched_and_streamed_requests_each_equal_the_same_request_served_alone(
     bodies[6] = {"prompt": "a lake 6", "seed": 6, "n": 2}
     bodies[7] = {"prompt": "a lake 7", "seed": 7, "num_inference_steps": 3}
     settings = ("serve.max_batch=4", "serve.max_inflight=4", "serve.max_queue=8", "serve.max_queued_work=100")
-    with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
+    with ServedWorld(tmp_path, nproc=2, settings=settings, launcher="world") as served:
         replies = {seed: _generate(served.url, body) for seed, body in bodies.items()}  # one at a time
         assert all(reply.status_code == 200 for reply in replies.values()), [r.text[:500] for r in replies.values()]
         alone = {seed: reply.json() for seed, reply in replies.items()}
@@ -487,7 +489,7 @@ def test_serve_compiles_its_sizes_before_ready_and_serves_a_further_size_eagerly
     settings = ("model=tiny", "generation.width=96", "generation.height=128", "compile.mode=regional",
                 "compile.backend=aot_eager", "compile.max_shapes=2",
                 "compile.warmup_sizes=[96x128, 128x128]")  # fmt: skip
-    with ServedWorld(tmp_path, nproc=2, settings=settings) as served:
+    with ServedWorld(tmp_path, nproc=2, settings=settings, launcher="world") as served:
         before = served.stderr()
         assert "xfuse serve: compiling 2 size(s) before the first request" in served.stdout()
         for rank in (0, 1):

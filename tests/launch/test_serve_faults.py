@@ -1,6 +1,8 @@
 """A served world losing a rank: a worker SIGKILLed or SIGSTOPped while idle and while a request runs. Readiness
 turns 503 naming the rank, the running request is answered 503 (never left hanging), every surviving process exits
-non-zero within ``comm.timeout_s`` + 5 s, and nothing is left behind. One world per case (each is used up)."""
+non-zero within ``comm.timeout_s`` + 5 s, and nothing is left behind. One world per case (each is used up): a test
+world's ranks (``ServedWorld(launcher="world")``: no launcher terminates a survivor, each ends by itself), and under
+torchrun the drain a worker's SIGTERM starts."""
 
 import concurrent.futures
 import os
@@ -23,7 +25,7 @@ def _names_rank_1(response) -> bool:
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("when", ["idle", "busy"])
 def test_lost_worker_is_named_and_the_world_exits_non_zero(tmp_path, sig, when):
-    world = ServedWorld(tmp_path, settings=(f"comm.timeout_s={TIMEOUT_S}",))
+    world = ServedWorld(tmp_path, launcher="world", settings=(f"comm.timeout_s={TIMEOUT_S}",))
     try:
         pids = world.rank_pids()
         # Wait for a heartbeat round, so the worker is in its loop when it goes.
@@ -49,7 +51,7 @@ def test_lost_worker_is_named_and_the_world_exits_non_zero(tmp_path, sig, when):
         while pids[0] in world.rank_pids().values() and time.monotonic() - signalled < TIMEOUT_S + 5:
             time.sleep(0.05)
         assert pids[0] not in world.rank_pids().values(), world.stderr()[-3000:]
-        if sig == "SIGSTOP":  # the stopped rank is no survivor: let it run into its launcher's SIGTERM
+        if sig == "SIGSTOP":  # the stopped rank is no survivor: let it run on and end by itself, no launcher here
             os.kill(pids[1], signal.SIGCONT)
         assert world.wait(timeout=TIMEOUT_S + 10) != 0
         stderr = world.stderr()
@@ -104,7 +106,7 @@ def test_a_worker_killed_under_a_stream_answers_every_request_in_flight(tmp_path
     """SIGKILL of rank 1 while a stream of two calls (a batch of four, a batch of two) runs and two requests wait:
     every one of the eight clients gets 503 naming the rank, readiness names it, every survivor exits non-zero,
     nothing is left behind."""
-    world = ServedWorld(tmp_path, settings=BATCHED)
+    world = ServedWorld(tmp_path, launcher="world", settings=BATCHED)
     try:
         pids = world.rank_pids()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -129,7 +131,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_turns_the_queue_away(tmp_p
     """SIGTERM on rank 0 while a stream of two calls (a batch of four, a batch of two) runs and two requests wait:
     the six are answered with their images (batch 4 or 2, stream 2), the two waiting get 503 (draining), every rank
     exits 0."""
-    with ServedWorld(tmp_path, settings=BATCHED) as world:
+    with ServedWorld(tmp_path, launcher="world", settings=BATCHED) as world:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             blocker, batch, queued = _batch_in_flight(world, pool)
             os.kill(world.rank_pids()[0], signal.SIGTERM)

@@ -39,7 +39,7 @@ def world(tmp_path_factory, adapters):
     settings = (f"model={PRESET}", "parallel.warmup_steps=4", "generation.width=96", "generation.height=128",
                 f"serve.lora_adapters={{{listed}}}", "comm.timeout_s=30", "serve.max_batch=4",
                 "serve.max_inflight=4")  # fmt: skip
-    served = ServedWorld(tmp_path_factory.mktemp("serve"), settings=settings)
+    served = ServedWorld(tmp_path_factory.mktemp("serve"), settings=settings, launcher="world")
     yield served
     served.close()
 

@@ -181,3 +181,36 @@ def script_on_ranks(ranks, path: str, args: list[str], cwd: str, timeout: float 
     runs = ranks.run_ok(script_rank, path, args, cwd, timeout=timeout)
     code = next((run.returncode for run in runs if run.returncode), 0)
     return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
+
+
+def command_then_exit(argv: list[str], env: dict[str, str], out_path: str, err_path: str) -> None:
+    """On every rank of a ``tests.support.world.World``: ``xfuse ARGV`` as a rank torchrun started runs it (``RANK``
+    and ``WORLD_SIZE`` set, ``env`` added: a drill's ``XFUSE_FAULT``), its file descriptors 1 and 2 appended to
+    ``out_path`` and ``err_path`` (``{rank}`` in them: the rank's own files; else the ranks share them, as torchrun's
+    ranks share its output) from the start, so a report written just before ``os._exit`` or a SIGKILL is kept and
+    faulthandler's dump too; then the process ends with the command's exit code, as ``python -m xfuse`` ends. The
+    failure paths end it sooner themselves (``os._exit`` from the monitor's thread, faulthandler's timer, the fault's
+    SIGKILL): the world reads each rank's end as ``RankDied`` with its exit code, the rank's exit code under
+    torchrun."""
+    import torch.distributed as dist
+
+    from xfuse import cli
+
+    rank = dist.get_rank()
+    for fd, path in ((1, out_path), (2, err_path)):
+        log = os.open(path.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process ends below
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size()), **env})
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's refusals
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - python -m xfuse would print it and exit 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

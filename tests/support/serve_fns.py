@@ -15,6 +15,9 @@ import time
 import httpx
 from PIL import Image
 
+from tests.support.cli_fns import command_then_exit
+from tests.support.world import RankDied, World
+
 ENV = dict(os.environ)  # offline: tests/conftest.py
 READY = re.compile(r"xfuse serve: ready on (http://[\d.]+:\d+)")
 
@@ -33,7 +36,10 @@ BASE_SETTINGS = (
 
 class ServedWorld:
     """``torchrun --nproc_per_node=N -m xfuse serve`` (``nproc=1``: plain ``python -m xfuse serve``; ``launcher=
-    "xfuse"``: ``python -m xfuse serve --nproc-per-node N``, the one command that starts its ranks itself)."""
+    "xfuse"``: ``python -m xfuse serve --nproc-per-node N``, the one command that starts its ranks itself;
+    ``launcher="world"``: the command on the ranks of a test world, as torchrun's ranks run it, with no launcher
+    process: new rank processes forked from the preloaded server, which import nothing again, their output in the
+    same two files, each rank's exit code read from its end)."""
 
     def __init__(
         self,
@@ -50,17 +56,25 @@ class ServedWorld:
             arg for kv in (*BASE_SETTINGS, f"parallel.pipefusion_degree={nproc}", *settings) for arg in ("--set", kv)
         ]
         own = ["--nproc-per-node", str(nproc)] if launcher == "xfuse" else []
-        if nproc == 1 or launcher == "xfuse":
-            start = [sys.executable, "-m", "xfuse"]
-        else:
-            start = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            start += ["-m", "xfuse"]
-        cmd = [*start, "serve", *sets, "--port", "0", *own] + (["--api-key", api_key] if api_key else [])
+        argv = ["serve", *sets, "--port", "0", *own] + (["--api-key", api_key] if api_key else [])
         self.api_key = api_key
-        with open(self.log_out, "w") as out, open(self.log_err, "w") as err:
-            # Its own session: the whole tree (launcher and ranks) can be signalled and reaped as one group.
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=ENV, start_new_session=True)
         self.nproc, self.launcher = nproc, launcher
+        self.world: World | None = None
+        self.proc: subprocess.Popen | None = None
+        if launcher == "world":
+            self.log_out.write_text("")
+            self.log_err.write_text("")
+            self.world = World(nproc)
+            self.world.submit(command_then_exit, argv, {}, str(self.log_out), str(self.log_err))
+        else:
+            if nproc == 1 or launcher == "xfuse":
+                start = [sys.executable, "-m", "xfuse"]
+            else:
+                start = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                start += ["-m", "xfuse"]
+            with open(self.log_out, "w") as out, open(self.log_err, "w") as err:
+                # Its own session: the whole tree (launcher and ranks) can be signalled and reaped as one group.
+                self.proc = subprocess.Popen([*start, *argv], stdout=out, stderr=err, env=ENV, start_new_session=True)
         self.url = self._wait_ready(start_timeout)
         self.pids = self.rank_pids()  # torchrun starts every rank in a session of its own: track them by pid
 
@@ -70,7 +84,9 @@ class ServedWorld:
             found = READY.search(self.log_out.read_text())
             if found:
                 return found.group(1)
-            if self.proc.poll() is not None:
+            if self.world is not None and not self.world.alive:
+                raise AssertionError(f"a rank of xfuse serve ended before ready:\n{self.stderr()}")
+            if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"xfuse serve exited ({self.proc.returncode}) before ready:\n{self.stderr()}")
             time.sleep(0.1)
         self.close()
@@ -91,6 +107,8 @@ class ServedWorld:
 
     def rank_pids(self) -> dict[int, int]:
         """Rank -> pid of every live rank process (from /proc: the ranks' RANK environment variable)."""
+        if self.world is not None:
+            return {rank: pid for rank, pid in enumerate(self.world.pids) if alive([pid])}
         if self.nproc == 1 and self.launcher != "xfuse":
             return {0: self.proc.pid}
         ranks = {}
@@ -105,12 +123,20 @@ class ServedWorld:
         return ranks
 
     def wait(self, timeout: float) -> int:
+        """The launcher's exit code; a test world's: the first non-zero exit code of its ranks, or 0."""
+        if self.world is not None:
+            results = self.world.collect(timeout)
+            assert all(isinstance(result.error, RankDied) for result in results), results  # the command ends it
+            return next((result.error.exitcode for result in results if result.error.exitcode), 0)
         return self.proc.wait(timeout=timeout)
 
     def close(self) -> None:
         """Kill whatever is left of the world (the launcher's process group and every rank) and reap the launcher."""
         for pid in alive(getattr(self, "pids", {}).values()):
             os.kill(pid, signal.SIGKILL)
+        if self.world is not None:
+            self.world.close()
+            return
         if self.proc.poll() is None or _group_alive(self.proc.pid):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -163,9 +189,10 @@ def alive(pids) -> list[int]:
 
 
 def left_behind(world: ServedWorld) -> list[int]:
-    """Processes of the world still running: its ranks (each in a session of its own) and its launcher's group."""
+    """Processes of the world still running: its ranks (each in a session of its own) and its launcher's group (a
+    test world has none)."""
     members = []
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if world.proc is not None else ():
         if entry.isdigit():
             try:
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()

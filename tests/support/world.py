@@ -273,6 +273,7 @@ class World:
             raise ValueError(f"world size must be >= 1, got {size}")
         self.size = size
         self._dead: str | None = None  # why the world can no longer run calls
+        self._submitted = "nothing"  # the rank function of the last submit
         self._tmpdir = tempfile.mkdtemp(prefix="xfuse-world-")
         self._procs: list[mp.Process] = []
         self._conns: list[mp.connection.Connection] = []
@@ -344,6 +345,12 @@ class World:
         Raises WorldTimeout (after killing every rank) if not all ranks answer within
         ``timeout`` seconds. A rank whose process ends is reported as ``RankDied``.
         """
+        self.submit(fn, *args, **kwargs)
+        return self.collect(timeout)
+
+    def submit(self, fn: Callable, *args, **kwargs) -> None:
+        """Start ``fn(*args, **kwargs)`` on every rank and return at once (a rank function that runs until the test
+        stops it: a served world); ``collect`` reads the answers."""
         self._check_usable()
         try:
             # Pickle once, before sending anything: an unpicklable fn must not leave half the ranks running.
@@ -358,7 +365,11 @@ class World:
                 c.send_bytes(data)
             except OSError:
                 pass  # the rank is dead; _collect reports it through its sentinel
-        return self._collect(time.monotonic() + timeout, _fn_name(fn), timeout)
+        self._submitted = _fn_name(fn)
+
+    def collect(self, timeout: float = 120.0) -> list[RankResult]:
+        """Every rank's answer to the last ``submit``, in rank order, as ``run`` returns them."""
+        return self._collect(time.monotonic() + timeout, self._submitted, timeout)
 
     def run_ok(self, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> list[Any]:
         """Like ``run`` but return the values; raise WorldError listing every failed rank's traceback."""

@@ -1,6 +1,6 @@
 """``HostDeadline`` in one process: what it names, what it does not age, and that it leaves nothing armed.
 
-The real drills (a stalled host and a frozen one, under torchrun) are in ``tests/launch/test_faults.py``."""
+The real drills (a stalled host and a frozen one, on real rank processes) are in ``tests/launch/test_faults.py``."""
 
 import subprocess
 import sys
