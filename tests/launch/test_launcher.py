@@ -16,7 +16,9 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from tests.support.cli_fns import on_ranks
 from tests.support.serve_fns import BASE_SETTINGS, ENV, READY, ServedWorld, alive, child_pids, left_behind
+from tests.support.world import World
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLOW = {"prompt": "long", "num_inference_steps": 60, "size": "512x512"}  # still running 1 s after it started
@@ -32,21 +34,18 @@ def _xfuse(*args, cwd, timeout=300):
     )
 
 
-def test_generate_starts_its_ranks_and_writes_the_png_torchrun_writes(tmp_path):
-    """``--nproc-per-node 2`` and the config's own world size (no option) against the torchrun launch: equal pixels,
-    exit 0, no traceback and no deprecation warning in the output."""
+def test_generate_starts_its_ranks_and_writes_the_png_its_ranks_write_unlaunched(tmp_path):
+    """``--nproc-per-node 2`` and the config's own world size (no option) against the command's own 2 ranks as
+    torchrun's run it: equal pixels, exit 0, no traceback and no deprecation warning in the output."""
     config = os.path.join(REPO, "configs/tiny/pp2.yaml")
     ours = _xfuse("generate", "--config", config, "--nproc-per-node", "2", "--output", "ours.png", cwd=tmp_path)
     assert ours.returncode == 0, ours.stderr[-3000:]
     implied = _xfuse("generate", "--config", config, "--output", "implied.png", cwd=tmp_path)  # the YAML's world: 2
     assert implied.returncode == 0, implied.stderr[-3000:]
-    torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse",
-         "generate", "--config", config, "--output", "torchrun.png"],
-        capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    pixels = [np.asarray(Image.open(tmp_path / name)) for name in ("ours.png", "implied.png", "torchrun.png")]
+    with World(2) as ranks:  # the command's 2 ranks as torchrun's run it, no launcher (tests.support.cli_fns)
+        launched = on_ranks(ranks, ["generate", "--config", config, "--output", "launched.png"], cwd=str(tmp_path))
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    pixels = [np.asarray(Image.open(tmp_path / name)) for name in ("ours.png", "implied.png", "launched.png")]
     assert np.array_equal(pixels[0], pixels[2]) and np.array_equal(pixels[1], pixels[2])
     for out in (ours, implied):
         assert "on 2 rank(s)" in out.stdout

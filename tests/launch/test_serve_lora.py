@@ -139,21 +139,19 @@ def test_models_lists_the_adapters_and_unknown_ones_are_refused(world):
 def test_generate_applies_its_loras_with_their_weights(adapters, tmp_path):
     """``xfuse generate --lora PATH=WEIGHT`` twice on 2 ranks: the PNG equals diffusers' with both adapters at those
     weights (one 8-bit level), and the summary names them."""
-    import subprocess
-    import sys
-
     from PIL import Image
 
-    from tests.support.serve_fns import ENV
+    from tests.support.cli_fns import on_ranks
+    from tests.support.world import World
 
     target = tmp_path / "lora.png"
     sets = [f"model={PRESET}", "parallel.pipefusion_degree=2", "parallel.warmup_steps=4", "generation.width=96",
             "generation.height=128", f"generation.num_inference_steps={STEPS}", f"generation.guidance_scale={GUIDANCE}",
             "generation.prompt=a cat 7", "generation.seed=7"]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "xfuse"]
-    cmd += ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(target)]
-    cmd += ["--lora", f"{adapters['a']}=0.7", "--lora", f"{adapters['b']}=0.4"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    argv = ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(target)]
+    argv += ["--lora", f"{adapters['a']}=0.7", "--lora", f"{adapters['b']}=0.4"]
+    with World(2) as ranks:  # as torchrun's ranks run it (tests.support.cli_fns)
+        out = on_ranks(ranks, argv)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"LoRA: {adapters['a']} (0.7), {adapters['b']} (0.4)" in out.stdout
     pipe = load_pipeline(PRESET)
