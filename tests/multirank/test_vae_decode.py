@@ -1,7 +1,7 @@
 """The band-parallel VAE decode (``xfuse.parallel.vae_decode``) against diffusers' own ``vae.decode`` of the whole
 latent: every family's VAE, on 2, 3 and 4 ranks of one 4-rank world, square and non-square, latent rows that do not
-divide by the rank count, 1024 and 2048 px; and the pipeline at cfg 2 x pp 2 with the decode over the world against
-the same call decoded by rank 0 alone.
+divide by the rank count, 1024 px (2048 px on 2 ranks); and the pipeline at cfg 2 x pp 2 with the decode over the
+world against the same call decoded by rank 0 alone.
 
 The families' tiny VAEs have the released VAEs' structure (four levels, a mid-block attention, GroupNorm everywhere);
 HunyuanDiT's and PixArt-Σ's are the SDXL layout (4 latent channels, quant convs), SD3's and FLUX's have 16 channels,
@@ -51,15 +51,14 @@ def float64_decode(preset: str, batch: int, height: int, width: int) -> torch.Te
 
 
 # (VAE preset, ranks, height, width, batch): every family at 1024 px on 2, 3 and 4 ranks; non-square with 125 latent
-# rows (uneven bands for 2, 3 and 4 ranks); 2048 px for every family; a batch of two images; one-row bands.
+# rows (uneven bands for 2, 3 and 4 ranks); 2048 px on 2 ranks, the README's case (each family's VAE at 2048 px on
+# 3-4 ranks, 31 s of the suite, showed nothing its 1024 px and uneven cases do not: a band's rows are more, its
+# halos and GroupNorm statistics the same code); a batch of two images; one-row bands.
 CASES = [
     *[(preset, n, 1024, 1024, 1) for preset in ("tiny", "pixart-tiny", "sd3-tiny", "flux-tiny") for n in (2, 3, 4)],
     *[(preset, n, 1000, 768, 1) for preset, n in (("tiny", 3), ("sd3-tiny", 4), ("flux-tiny", 2), ("shapes", 3))],
     ("shapes", 4, 1024, 1024, 1),
     ("tiny", 2, 2048, 2048, 1),
-    ("pixart-tiny", 3, 1536, 2048, 1),
-    ("sd3-tiny", 4, 2048, 2048, 1),
-    ("flux-tiny", 4, 2048, 1536, 1),
     ("sd3-tiny", 3, 520, 392, 2),
     ("tiny", 4, 40, 64, 1),  # 5 latent rows: bands of 2, 1, 1, 1 rows, thinner than two halos
 ]  # fmt: skip
