@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.cli_fns import CliRun, cli_here, script_on_ranks
+from tests.support.cli_fns import CliRun, cli_here, on_a_fresh_world, script_on_ranks
 from tests.support.cli_fns import on_ranks as on_ranks_argv
 from tests.support.fault_fns import generate_on_a_fresh_world
 from tests.support.world import World
@@ -37,14 +37,6 @@ def xfuse_here(*args) -> CliRun:
 def on_ranks(ranks: World, *args) -> CliRun:
     """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on the module's world (``tests.support.cli_fns.on_ranks``)."""
     return on_ranks_argv(ranks, list(args))
-
-
-def on_a_fresh_world(*args, env=None) -> CliRun:
-    """``torchrun --nproc_per_node=2 -m xfuse ARGS`` on a world of its own, closed after: new rank processes (forked
-    from the preloaded server), where nothing was compiled yet, as in a new launch (dynamo's caches live in a
-    process)."""
-    with World(2) as world:
-        return on_ranks_argv(world, list(args), env=env)
 
 
 def torchrun(*args, nproc=2, timeout=180, cwd=None, env=None):
@@ -466,8 +458,8 @@ def test_generate_with_regional_compile_draws_the_eager_image_and_says_what_it_c
               "--set", "compile.backend=aot_eager", "--set", "compile.timeout_s=60"]  # fmt: skip
     runs = {  # eager on the module's world; compiled on ranks of its own (dynamo's caches live in a process)
         "off": on_ranks(ranks, "generate", *common, "--set", "compile.mode=off", "--output", str(tmp_path / "off.png")),
-        "regional": on_a_fresh_world("generate", *common, "--set", "compile.mode=regional", "--output",
-                                     str(tmp_path / "regional.png"), env={"XFUSE_FAULT": "slow_compile:1:8"}),
+        "regional": on_a_fresh_world(["generate", *common, "--set", "compile.mode=regional", "--output",
+                                      str(tmp_path / "regional.png")], env={"XFUSE_FAULT": "slow_compile:1:8"}),
     }  # fmt: skip
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-3000:]
@@ -524,7 +516,7 @@ def test_a_second_launch_with_a_warm_compile_cache_generates_nothing(tmp_path):
             "--set", f"compile.cache_dir={cache}"]  # fmt: skip
     counts = {}
     for launch in ("cold", "warm"):  # each on new rank processes: nothing compiled in them, as in a new launch
-        run = on_a_fresh_world(*args, "--output", str(tmp_path / f"{launch}.png"))
+        run = on_a_fresh_world([*args, "--output", str(tmp_path / f"{launch}.png")])
         assert run.returncode == 0, run.stderr[-3000:]
         found = re.findall(r"rank (\d): compile.mode regional: shape 1 of 1 \(256x256\): (\d+) graph\(s\), (\d+) from "
                            r"compile.cache_dir, (\d+) generated", run.stderr)  # fmt: skip

@@ -16,9 +16,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from tests.support.cli_fns import on_ranks
+from tests.support.cli_fns import on_a_fresh_world
 from tests.support.serve_fns import BASE_SETTINGS, ENV, READY, ServedWorld, alive, child_pids, left_behind
-from tests.support.world import World
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLOW = {"prompt": "long", "num_inference_steps": 60, "size": "512x512"}  # still running 1 s after it started
@@ -42,8 +41,8 @@ def test_generate_starts_its_ranks_and_writes_the_png_its_ranks_write_unlaunched
     assert ours.returncode == 0, ours.stderr[-3000:]
     implied = _xfuse("generate", "--config", config, "--output", "implied.png", cwd=tmp_path)  # the YAML's world: 2
     assert implied.returncode == 0, implied.stderr[-3000:]
-    with World(2) as ranks:  # the command's 2 ranks as torchrun's run it, no launcher (tests.support.cli_fns)
-        launched = on_ranks(ranks, ["generate", "--config", config, "--output", "launched.png"], cwd=str(tmp_path))
+    # the command's 2 ranks as torchrun's run them, no launcher (tests.support.cli_fns)
+    launched = on_a_fresh_world(["generate", "--config", config, "--output", "launched.png"], cwd=str(tmp_path))
     assert launched.returncode == 0, launched.stderr[-3000:]
     pixels = [np.asarray(Image.open(tmp_path / name)) for name in ("ours.png", "implied.png", "launched.png")]
     assert np.array_equal(pixels[0], pixels[2]) and np.array_equal(pixels[1], pixels[2])

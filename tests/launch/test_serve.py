@@ -16,7 +16,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.support.cli_fns import on_ranks
+from tests.support.cli_fns import on_a_fresh_world
 from tests.support.serve_fns import (
     BASE_SETTINGS,
     ENV,
@@ -26,7 +26,6 @@ from tests.support.serve_fns import (
     peak_rss_kib,
     requests_running,
 )
-from tests.support.world import World
 
 API_KEY = "test-key-0123"
 # A small queue bound for the 429 test that the 8 concurrent clients still fit: all 8 may be waiting at once, since
@@ -74,8 +73,7 @@ def test_served_image_equals_xfuse_generate(world, client, tmp_path):
     sets = [*BASE_SETTINGS, *CACHE, "generation.width=128", "generation.height=96", f"generation.seed={seed}"]
     sets += [f"generation.num_inference_steps={steps}"]
     argv = ["generate", *[a for kv in sets for a in ("--set", kv)], "--prompt", prompt, "--output", str(target)]
-    with World(2) as ranks:  # as torchrun's ranks run it (tests.support.cli_fns)
-        out = on_ranks(ranks, argv)
+    out = on_a_fresh_world(argv)  # as torchrun's ranks run it (tests.support.cli_fns)
     assert out.returncode == 0, out.stderr[-3000:]
     expected = np.asarray(Image.open(target))
     got = np.asarray(decode_png(served.data[0].b64_json))

@@ -141,8 +141,7 @@ def test_generate_applies_its_loras_with_their_weights(adapters, tmp_path):
     weights (one 8-bit level), and the summary names them."""
     from PIL import Image
 
-    from tests.support.cli_fns import on_ranks
-    from tests.support.world import World
+    from tests.support.cli_fns import on_a_fresh_world
 
     target = tmp_path / "lora.png"
     sets = [f"model={PRESET}", "parallel.pipefusion_degree=2", "parallel.warmup_steps=4", "generation.width=96",
@@ -150,8 +149,7 @@ def test_generate_applies_its_loras_with_their_weights(adapters, tmp_path):
             "generation.prompt=a cat 7", "generation.seed=7"]  # fmt: skip
     argv = ["generate", *[a for kv in sets for a in ("--set", kv)], "--output", str(target)]
     argv += ["--lora", f"{adapters['a']}=0.7", "--lora", f"{adapters['b']}=0.4"]
-    with World(2) as ranks:  # as torchrun's ranks run it (tests.support.cli_fns)
-        out = on_ranks(ranks, argv)
+    out = on_a_fresh_world(argv)  # as torchrun's ranks run it (tests.support.cli_fns)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"LoRA: {adapters['a']} (0.7), {adapters['b']} (0.4)" in out.stdout
     pipe = load_pipeline(PRESET)

@@ -84,6 +84,32 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], frames_npy: str | None
     return _captured_run(lambda: cli.main(argv), cwd, env, frames_npy)
 
 
+def _exit_code_of(body: Callable[[], int]) -> int:
+    """``body()``'s exit code as ``python -m xfuse`` would end with it: argparse's refusals keep theirs, any other
+    exception is printed (a traceback on stderr) and exits 1."""
+    try:
+        return body()
+    except SystemExit as exit_:  # argparse's refusals
+        return exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the test reads it as a failed run
+        traceback.print_exc()
+        return 1
+
+
+def _rank_env() -> dict[str, str]:
+    """``RANK`` and ``WORLD_SIZE`` of this rank of a test world, as torchrun sets them."""
+    import torch.distributed as dist
+
+    return {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
+
+
+def _as_one_run(runs: list[CliRun]) -> CliRun:
+    """The ranks' runs read as one launch: the first failing rank's exit code (0 if none), rank 0's output (where the
+    command prints) and every rank's errors."""
+    code = next((run.returncode for run in runs if run.returncode), 0)
+    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
+
+
 def _captured_run(body: Callable[[], int], cwd: str, env: dict[str, str], frames_npy: str | None = None) -> CliRun:
     """``body()`` (an exit code) in ``cwd`` with ``env`` added to the environment (both restored after), its output
     captured (``_captured_fds``); ``frames_npy`` as ``_main``'s."""
@@ -104,13 +130,7 @@ def _captured_run(body: Callable[[], int], cwd: str, env: dict[str, str], frames
         cli.write_clip = recorded
     try:
         with _captured_fds() as text:
-            try:
-                code = body()
-            except SystemExit as exit_:  # argparse's refusals
-                code = exit_.code if isinstance(exit_.code, int) else 1
-            except BaseException:  # noqa: BLE001 - the test reads it as a failed run
-                traceback.print_exc()
-                code = 1
+            code = _exit_code_of(body)
     finally:
         cli.write_clip = write_clip
         os.chdir(here)
@@ -124,10 +144,7 @@ def cli_rank(
 ) -> CliRun:
     """On every rank of a ``tests.support.world.World``: the command as a rank of a launched world (``RANK`` and
     ``WORLD_SIZE`` set, the world's process group already formed, which xfuse joins and leaves standing)."""
-    import torch.distributed as dist
-
-    rank_env = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
-    return _main(argv, cwd, {**rank_env, **(env or {})}, frames_npy)
+    return _main(argv, cwd, {**_rank_env(), **(env or {})}, frames_npy)
 
 
 def cli_here(
@@ -149,19 +166,25 @@ def on_ranks(
     env: dict[str, str] | None = None,
 ) -> CliRun:
     """``torchrun --nproc_per_node=N -m xfuse ARGV`` on the N ranks of ``ranks`` (a ``tests.support.world.World``), with
-    ``env`` added to their environment: the first failing rank's exit code (0 if none), rank 0's output (where the
-    command prints) and every rank's errors."""
-    runs = ranks.run_ok(cli_rank, argv, cwd, env, frames_npy, timeout=timeout)
-    code = next((run.returncode for run in runs if run.returncode), 0)
-    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
+    ``env`` added to their environment, read as one launch (``_as_one_run``)."""
+    return _as_one_run(ranks.run_ok(cli_rank, argv, cwd, env, frames_npy, timeout=timeout))
+
+
+def on_a_fresh_world(
+    argv: list[str], cwd: str = str(REPO), env: dict[str, str] | None = None, nproc: int = 2
+) -> CliRun:
+    """``on_ranks`` on a world of its own, closed after: new rank processes (forked from the preloaded server), where
+    nothing ran yet, as in a new launch (dynamo's caches, for one, live in a process)."""
+    from tests.support.world import World
+
+    with World(nproc) as ranks:
+        return on_ranks(ranks, argv, cwd, env=env)
 
 
 def script_rank(path: str, args: list[str], cwd: str) -> CliRun:
     """On every rank of a ``tests.support.world.World``: ``python PATH ARGS`` as a rank of a launched world runs it
     (``__main__``, ``sys.argv``, ``RANK`` and ``WORLD_SIZE`` set, the world's process group already formed)."""
     import runpy
-
-    import torch.distributed as dist
 
     def run() -> int:
         argv, sys.argv = sys.argv, [path, *args]
@@ -171,16 +194,13 @@ def script_rank(path: str, args: list[str], cwd: str) -> CliRun:
             sys.argv = argv
         return 0
 
-    rank_env = {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size())}
-    return _captured_run(run, cwd, rank_env)
+    return _captured_run(run, cwd, _rank_env())
 
 
 def script_on_ranks(ranks, path: str, args: list[str], cwd: str, timeout: float = 240) -> CliRun:
     """``torchrun --nproc_per_node=N PATH ARGS`` on the N ranks of ``ranks``, read as ``on_ranks`` reads a command;
     the script must leave the world's process group standing (xfuse's pipelines do: they joined it)."""
-    runs = ranks.run_ok(script_rank, path, args, cwd, timeout=timeout)
-    code = next((run.returncode for run in runs if run.returncode), 0)
-    return CliRun(code, runs[0].stdout, "".join(run.stderr for run in runs))
+    return _as_one_run(ranks.run_ok(script_rank, path, args, cwd, timeout=timeout))
 
 
 def command_then_exit(argv: list[str], env: dict[str, str], out_path: str, err_path: str) -> None:
@@ -203,14 +223,8 @@ def command_then_exit(argv: list[str], env: dict[str, str], out_path: str, err_p
         os.close(log)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process ends below
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(dist.get_world_size()), **env})
-    try:
-        code = cli.main(argv)
-    except SystemExit as exit_:  # argparse's refusals
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:  # noqa: BLE001 - python -m xfuse would print it and exit 1
-        traceback.print_exc()
-        code = 1
+    os.environ.update({**_rank_env(), **env})
+    code = _exit_code_of(lambda: cli.main(argv))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

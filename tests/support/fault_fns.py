@@ -60,12 +60,11 @@ def generate_on_a_fresh_world(degree: int, argv: list[str], env: dict[str, str],
     import datetime
 
     from tests.support.cli_fns import command_then_exit
-    from tests.support.world import RankDied, World
+    from tests.support.world import World, exit_code
 
     logs = os.path.join(log_dir, "rank{rank}")
     with World(degree) as world:
         results = world.run(command_then_exit, argv, env, logs + ".out", logs + ".err", timeout=timeout)
         end = datetime.datetime.now().timestamp()
     stderr = "".join(open(os.path.join(log_dir, f"rank{rank}.err")).read() for rank in range(degree))
-    assert all(isinstance(result.error, RankDied) for result in results), (results, stderr[-3000:])
-    return next((result.error.exitcode for result in results if result.error.exitcode), 0), stderr, end
+    return exit_code(results, "\n" + stderr[-3000:]), stderr, end

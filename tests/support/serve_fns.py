@@ -16,7 +16,7 @@ import httpx
 from PIL import Image
 
 from tests.support.cli_fns import command_then_exit
-from tests.support.world import RankDied, World
+from tests.support.world import World, exit_code
 
 ENV = dict(os.environ)  # offline: tests/conftest.py
 READY = re.compile(r"xfuse serve: ready on (http://[\d.]+:\d+)")
@@ -125,9 +125,7 @@ class ServedWorld:
     def wait(self, timeout: float) -> int:
         """The launcher's exit code; a test world's: the first non-zero exit code of its ranks, or 0."""
         if self.world is not None:
-            results = self.world.collect(timeout)
-            assert all(isinstance(result.error, RankDied) for result in results), results  # the command ends it
-            return next((result.error.exitcode for result in results if result.error.exitcode), 0)
+            return exit_code(self.world.collect(timeout), "\n" + self.stderr()[-3000:])
         return self.proc.wait(timeout=timeout)
 
     def close(self) -> None:
@@ -189,10 +187,11 @@ def alive(pids) -> list[int]:
 
 
 def left_behind(world: ServedWorld) -> list[int]:
-    """Processes of the world still running: its ranks (each in a session of its own) and its launcher's group (a
-    test world has none)."""
+    """Processes of the world still running: its ranks (each in a session of its own) and its launcher's group."""
+    if world.proc is None:  # a test world's ranks have no launcher
+        return sorted(alive(world.pids.values()))
     members = []
-    for entry in os.listdir("/proc") if world.proc is not None else ():
+    for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankResult", "RemoteError", "RankDied", "WorldTimeout", "WorldError", "World", "run_world"]
+__all__ = ["RankResult", "RemoteError", "RankDied", "WorldTimeout", "WorldError", "World", "exit_code", "run_world"]
 
 _CLOSE = ("close",)
 _CLOSE_GRACE = 5.0  # seconds a rank gets to tear down its group before SIGKILL
@@ -466,6 +466,18 @@ class World:
     def __repr__(self) -> str:
         state = "alive" if self._dead is None else f"dead: {self._dead}"
         return f"World(size={self.size}, pids={self.pids}, {state})"
+
+
+def exit_code(results: list[RankResult], context: str = "") -> int:
+    """The exit code of a call whose rank function ends its process (``os._exit``, as a launched command's ranks end):
+    the first non-zero one of its ranks, or 0. A rank that answered instead of ending is a ``WorldError`` (with
+    ``context``: what the ranks wrote)."""
+    answered = [r for r in results if not isinstance(r.error, RankDied)]
+    if answered:
+        raise WorldError(
+            "ranks answered instead of ending: " + "; ".join(_describe(r) for r in answered) + context, results
+        )
+    return next((r.error.exitcode for r in results if r.error.exitcode), 0)  # type: ignore[union-attr]
 
 
 def run_world(size: int, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> list[RankResult]:
