@@ -132,6 +132,17 @@ class Schedule:
     def rank_of(self, task: Task) -> int:
         return self.plan.embed_rank if task.hop == COLLECT else self.plan.route[task.hop].rank
 
+    @functools.cached_property
+    def _skips_per_hop(self) -> tuple[tuple[tuple[SkipEdge, ...], tuple[SkipEdge, ...]], ...]:
+        """Per route hop: the cross-rank skips its task receives and those it sends, each by producer (the canonical
+        order of ``recvs`` and ``sends``); made once, not for every task's messages."""
+        edges = sorted(self.plan.cross_rank_skips, key=lambda e: e.producer)
+        send_hops = skip_send_hops(self.plan)
+        return tuple(
+            (tuple(e for e in edges if e.consumer in segment.blocks), tuple(e for e in edges if send_hops[e] == hop))
+            for hop, segment in enumerate(self.plan.route)
+        )
+
     def recvs(self, task: Task) -> list[Message]:
         """Messages ``task`` needs before it runs, in the canonical order (latent, skips by producer, hidden, the
         plan's streams)."""
@@ -146,10 +157,8 @@ class Schedule:
                 out.append(Message("latent", plan.output_rank, rank, prev, patch))
         if task.hop == COLLECT:
             return _of_request(out, task.request)
-        segment = plan.route[task.hop]
-        for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
-            if edge.consumer in segment.blocks:
-                out.append(Message("skip", edge.src_rank, rank, task.step, task.patch, edge.producer, task.part))
+        for edge in self._skips_per_hop[task.hop][0]:
+            out.append(Message("skip", edge.src_rank, rank, task.step, task.patch, edge.producer, task.part))
         if task.hop > 0 and plan.route[task.hop - 1].rank != rank:
             src = plan.route[task.hop - 1].rank
             out.append(Message("hidden", src, rank, task.step, task.patch, part=task.part))
@@ -179,10 +188,8 @@ class Schedule:
         last = len(plan.route) - 1
         if task.hop == last and plan.output_rank != plan.embed_rank and self.is_last_part(task):
             out.append(Message("latent", rank, plan.embed_rank, task.step, task.patch))  # once all parts are in
-        send_hops = skip_send_hops(plan)
-        for edge in sorted(plan.cross_rank_skips, key=lambda e: e.producer):
-            if send_hops[edge] == task.hop:
-                out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer, task.part))
+        for edge in self._skips_per_hop[task.hop][1]:
+            out.append(Message("skip", rank, edge.dst_rank, task.step, task.patch, edge.producer, task.part))
         if task.hop < last and plan.route[task.hop + 1].rank != rank:
             dst = plan.route[task.hop + 1].rank
             out.append(Message("hidden", rank, dst, task.step, task.patch, part=task.part))
@@ -429,7 +436,9 @@ class TaskGraph(Protocol):
     def recv_post_times(self, lookahead: int) -> dict[Message, float]: ...
 
 
-def protocol(schedule: TaskGraph, rank: int, lookahead: int) -> list[tuple[Action, Task]]:
+def protocol(
+    schedule: TaskGraph, rank: int, lookahead: int, posted_at: dict[Message, float] | None = None
+) -> list[tuple[Action, Task]]:
     """The communication protocol of ``rank`` as the engine runs it: a list of (action, task) pairs.
 
     Actions: ``post`` (the task's receives), ``wait_recv``, ``compute``, ``send`` (the task's sends, issued with the
@@ -437,20 +446,24 @@ def protocol(schedule: TaskGraph, rank: int, lookahead: int) -> list[tuple[Actio
     waited for only once the simulated timeline says its receiver has posted the matching receive (sends are
     rendezvous on gloo and for large NCCL messages): waiting earlier could block this rank on a receiver that is
     itself waiting for this rank. This also bounds how many sends are in flight by the pipeline's real lag.
+    ``posted_at``: ``schedule.recv_post_times(lookahead)`` where the caller has it (``check_protocol`` makes every
+    rank's protocol from one).
     """
     order = schedule.orders[rank]
-    posted_at = schedule.recv_post_times(lookahead)
+    if posted_at is None:
+        posted_at = schedule.recv_post_times(lookahead)
+    sends = {task: schedule.sends(task) for task in order}  # each task's, made once: a pending task is asked often
     actions = [(Action.POST, t) for t in order[:lookahead]]
     pending: list[Task] = []  # tasks whose sends were issued and not yet waited for
     for i, task in enumerate(order):
         now = schedule.times[task][0]
-        ready = [t for t in pending if all(posted_at[m] <= now for m in schedule.sends(t))]
+        ready = [t for t in pending if all(posted_at[m] <= now for m in sends[t])]
         actions.extend((Action.WAIT_SEND, t) for t in ready)
         pending = [t for t in pending if t not in ready]
         actions += [(Action.WAIT_RECV, task), (Action.COMPUTE, task), (Action.SEND, task)]
         if i + lookahead < len(order):
             actions.append((Action.POST, order[i + lookahead]))
-        if schedule.sends(task):
+        if sends[task]:
             pending.append(task)
     actions.extend((Action.WAIT_SEND, t) for t in pending)
     return actions
@@ -521,12 +534,14 @@ def check_protocol(
     stops = {} if stop_at is None else stop_at if isinstance(stop_at, dict) else {0: stop_at}
     limits = [stops.get(request, math.inf) for request in requests]  # per request: its tasks of steps >= it do not run
 
-    def sends(task: Task) -> list[Message]:
+    # Each task's messages, made once: the run below asks for them at every action of every rank.
+    sends_of: dict[Task, list[Message]] = {}
+    recvs_of: dict[Task, list[Message]] = {}
+    for task in (task for rank in ranks for task in schedule.orders[rank]):
         limit = limits[task.request]
-        return [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
-
-    def recvs(task: Task) -> list[Message]:
-        return schedule.recvs(task) if task.step < limits[task.request] else []
+        sends_of[task] = [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
+        recvs_of[task] = schedule.recvs(task) if task.step < limit else []
+    sends, recvs = sends_of.__getitem__, recvs_of.__getitem__
 
     # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
     sent: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
@@ -540,7 +555,8 @@ def check_protocol(
     for pair in sent:
         assert sent[pair] == posted[pair], f"messages {pair[0]} -> {pair[1]} disagree"
 
-    programs = {r: protocol(schedule, r, lookahead) for r in ranks}
+    posted_at = schedule.recv_post_times(lookahead)
+    programs = {r: protocol(schedule, r, lookahead, posted_at) for r in ranks}
     gates: dict[int, dict[int, int]] = {r: {} for r in ranks}  # rank -> {its stop point: decider's index to await}
     if decider is not None:
         for request in requests:
