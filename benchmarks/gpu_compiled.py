@@ -18,45 +18,38 @@ CPU where there is no GPU, so a test runs the section's three processes.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 import traceback
 
 from benchmarks.bench_pipefusion import spread
-from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, build_on_device, fmt, row_of_process
+from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, build_on_device, fmt
+from benchmarks.own_process import row_in_own_process
 
 STAGES = ("eager", "cold", "warm")
 STAGE_TIMEOUT_S = 420  # a stage's process: the build, the compile (FLUX.1-dev's blocks on an H100) and the calls
 
 
-def _stage_main() -> None:
-    """One stage in this process: its row as the last line of stdout."""
+def stage_row(stage: str, cache_dir: str, repeats: int, quick: bool) -> dict:
+    """One stage's row (``compiled_stages`` makes each in a process of its own)."""
     import torch
 
     from xfuse.families.registry import model_spec
     from xfuse.pipelines.stage_compiler import compile_counts
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("stage", choices=STAGES)
-    parser.add_argument("--cache-dir", required=True)
-    parser.add_argument("--repeats", type=int, required=True)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    preset = "flux-tiny" if args.quick else "flux-dev"
-    side, steps = (QUICK_SIZE, 2) if args.quick else (1024, 20)
+    preset = "flux-tiny" if quick else "flux-dev"
+    side, steps = (QUICK_SIZE, 2) if quick else (1024, 20)
     call = dict(prompt=PROMPT, height=side, width=side, guidance_scale=3.5, num_inference_steps=steps,
                 output_type="latent")  # fmt: skip
     try:
         pipe = build_on_device(preset, device, dtype)
         section = None
-        if args.stage != "eager":
-            section = {"mode": "regional", "cache_dir": args.cache_dir,
-                       "backend": "aot_eager" if args.quick else "inductor"}  # fmt: skip
+        if stage != "eager":
+            section = {"mode": "regional", "cache_dir": cache_dir,
+                       "backend": "aot_eager" if quick else "inductor"}  # fmt: skip
         xfuse_pipe = model_spec(preset).pipeline_class().from_pipe(pipe, parallel={"pipefusion_degree": 1},
                                                                    device=str(device), compile=section)  # fmt: skip
         xfuse_pipe.set_progress_bar_config(disable=True)
@@ -73,11 +66,11 @@ def _stage_main() -> None:
         first = timed()
         row = {"preset": preset, "call": {k: v for k, v in call.items() if k != "prompt"}, "first_s": first}
         row |= compile_counts()
-        if args.stage != "warm":
-            row["seconds"] = spread([timed() for _ in range(args.repeats)])
+        if stage != "warm":
+            row["seconds"] = spread([timed() for _ in range(repeats)])
     except Exception as exc:  # noqa: BLE001 - recorded in the report, with where it came from
         row = {"error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()}
-    print(json.dumps(row, default=str), flush=True)
+    return row
 
 
 def compiled_stages(quick: bool, repeats: int) -> dict:
@@ -86,9 +79,7 @@ def compiled_stages(quick: bool, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as cache_dir:
         for stage in STAGES:
             start = time.monotonic()
-            cmd = [sys.executable, "-m", "benchmarks.gpu_compiled", stage, "--cache-dir", cache_dir, "--repeats",
-                   str(repeats), *["--quick"] * quick]  # fmt: skip
-            row = row_of_process(cmd, STAGE_TIMEOUT_S)
+            row = row_in_own_process(stage_row, (stage, cache_dir, repeats, quick), STAGE_TIMEOUT_S)
             out["stages"][stage] = {**row, "stage_seconds": time.monotonic() - start}
             print(f"compiled {stage}: {time.monotonic() - start:.0f} s", flush=True)
     stages = out["stages"]
@@ -115,7 +106,3 @@ def markdown(section: dict) -> list[str]:
     if "warm_start_factor" in section:
         lines.append(f"A warm launch's first call: {section['warm_start_factor']:.1f}x faster than the cold one's.")
     return lines
-
-
-if __name__ == "__main__":
-    _stage_main()

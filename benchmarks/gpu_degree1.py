@@ -19,18 +19,14 @@ test runs every row's build and calls where there is no GPU.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import time
 import traceback
 import warnings
 from typing import Any
 
 from benchmarks.bench_pipefusion import spread
+from benchmarks.own_process import row_in_own_process
 
 PROMPT = "a red house by a lake"
 
@@ -66,7 +62,6 @@ CASES = (
         note="CFG: two passes a step (diffusers' WanPipeline)",
     ),
 )  # fmt: skip
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASE_TIMEOUT_S = 300  # a case's process: the build, 2 x (1 + repeats) calls and the sync report (Wan's: ~90 s, H100)
 QUICK_SIZE = 64  # px: 4 x 4 tokens of the tiny presets (VAE 8, patch 2)
 
@@ -177,41 +172,23 @@ def degree1(quick: bool, repeats: int) -> dict:
     out: dict = {"device": device, "dtype": dtype, "models": {}}
     for case in CASES:
         start = time.monotonic()
-        cmd = [sys.executable, "-m", "benchmarks.gpu_degree1", case.name, "--repeats", str(repeats)]
-        row = row_of_process([*cmd, *["--quick"] * quick], CASE_TIMEOUT_S)
+        row = row_in_own_process(case_row, (case.name, repeats, quick), CASE_TIMEOUT_S)
         out["models"][case.name] = {**row, "case_seconds": time.monotonic() - start}
         print(f"degree1 {case.name}: {time.monotonic() - start:.0f} s", flush=True)
     return out
 
 
-def row_of_process(cmd: list[str], timeout_s: float) -> dict:
-    """Run ``cmd`` in the repository root; its row is the last line of its stdout (or the error it ended with)."""
-    try:
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish in {timeout_s} s"}
-    if run.returncode != 0:
-        return {"error": f"rc {run.returncode}: {run.stderr[-1000:]}"}
-    return json.loads(run.stdout.splitlines()[-1])
-
-
-def _case_main() -> None:
-    """One case, its row as the last line of stdout (``degree1`` runs this in a process of its own)."""
+def case_row(name: str, repeats: int, quick: bool) -> dict:
+    """The row of the case named ``name`` (``degree1`` makes it in a process of its own)."""
     import torch
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=[case.name for case in CASES])
-    parser.add_argument("--repeats", type=int, required=True)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    case = next(case for case in CASES if case.name == args.case)
-    device = torch.device("cpu" if args.quick and not torch.cuda.is_available() else "cuda")
+    case = next(case for case in CASES if case.name == name)
+    device = torch.device("cpu" if quick and not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     try:
-        row = measure_case(case, device, dtype, args.repeats, args.quick)
+        return measure_case(case, device, dtype, repeats, quick)
     except Exception as exc:  # noqa: BLE001 - recorded in the report, with where it came from
-        row = {"error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()}
-    print(json.dumps(row, default=str), flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()}
 
 
 def sync_report(xfuse_pipe, call: dict, device) -> dict:
@@ -305,7 +282,3 @@ def markdown(d1: dict) -> list[str]:
     if sources:
         out += ["", "Where the synchronisations come from:", "", *sources]
     return out
-
-
-if __name__ == "__main__":
-    _case_main()

@@ -94,6 +94,27 @@ def test_the_compiled_section_runs_eager_cold_and_warm_in_processes_of_their_own
     assert "Compiled stages, `flux-tiny` at degree 1," in md and "| warm | " in md
 
 
+ROWS_THAT_FAIL = """
+import json, os, time
+from benchmarks.own_process import row_in_own_process
+rows = [row_in_own_process(entry, args, timeout, preload=())
+        for entry, args, timeout in [(dict, (), 30), (os._exit, (3,), 30), (time.sleep, (60,), 1), (int, ("x",), 30)]]
+print(json.dumps(rows))
+"""
+
+
+def test_a_rows_process_that_dies_hangs_or_raises_gives_an_error_row_and_the_next_row_runs():
+    """``benchmarks.own_process``: each row in a process of its own (the degree-1 cases, the compiled stages); one
+    that exits without a row, outlives its limit or raises is recorded as the error it was, and the next one runs.
+    (Without the preload: what is checked is the process's end, not what it imported.)"""
+    run = subprocess.run([sys.executable, "-c", ROWS_THAT_FAIL], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain, exited, hung, raised = json.loads(run.stdout.splitlines()[-1])
+    assert plain == {} and exited == {"error": "rc 3: "} and hung == {"error": "did not finish in 1 s"}
+    assert raised["error"] == "ValueError: invalid literal for int() with base 10: 'x'"
+    assert raised["traceback"].startswith("Traceback (most recent call last):")
+
+
 def test_markdown_of_the_gpu_sections():
     timing = {"median": 2.0, "min": 1.9, "max": 2.2, "runs": [1.9, 2.0, 2.2]}
     row = dict(model="FLUX.1-dev", preset="flux-dev", repeats=3, note="batch of 1",
