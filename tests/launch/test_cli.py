@@ -335,7 +335,7 @@ def test_the_video_example_writes_a_clip_on_two_ranks(ranks, tmp_path):
 
 
 def test_doctor_reports_and_passes_its_self_test():
-    out = xfuse("doctor")
+    out = xfuse_here("doctor")  # its self-test's two ranks are spawned processes of their own
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("xfuse 0.1.0, torch ") and "backends: gloo yes" in out.stdout
@@ -346,13 +346,7 @@ def test_doctor_reports_and_passes_its_self_test():
 
 
 def test_doctor_self_test_fails_on_a_missing_interface():
-    out = subprocess.run(
-        [sys.executable, "-m", "xfuse", "doctor", "--timeout", "5"],
-        capture_output=True,
-        text=True,
-        env={**ENV, "GLOO_SOCKET_IFNAME": "nope0"},
-        timeout=120,
-    )
+    out = cli_here(["doctor", "--timeout", "5"], env={"GLOO_SOCKET_IFNAME": "nope0"})  # its spawned ranks read it
     assert out.returncode == 1
     assert "GLOO_SOCKET_IFNAME=nope0" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("self-test: 2-rank gloo p2p on loopback: FAIL")
@@ -533,7 +527,7 @@ def test_a_second_launch_with_a_warm_compile_cache_generates_nothing(tmp_path):
     assert sum(generated for _, _, generated in counts["cold"].values()) > 0, counts
     a, b = (np.asarray(Image.open(tmp_path / f"{launch}.png"), dtype=np.int16) for launch in ("cold", "warm"))
     assert np.array_equal(a, b)
-    doctor = xfuse("doctor", "--compile-cache", str(cache), "--timeout", "20")
+    doctor = xfuse_here("doctor", "--compile-cache", str(cache), "--timeout", "20")
     assert doctor.returncode == 0, doctor.stderr
     assert f"compile cache {cache}: 1 key(s)" in doctor.stdout
     key = (r": hunyuandit \(model config \w+\), torch.float32 on cpu, inductor, dynamic false; torch \S+ "
