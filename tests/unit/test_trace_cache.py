@@ -3,6 +3,8 @@ never read for an uncached call, and never in the way when the folder is broken.
 
 import functools
 import pickle
+import threading
+import time
 import warnings
 
 import pytest
@@ -40,6 +42,32 @@ def test_a_second_call_reads_the_entry_and_other_arguments_trace_anew(folder):
     assert traced(1, "a") == {"args": (1, "a"), "call": 1}  # read back: the function did not run again
     assert traced(2, "a") == {"args": (2, "a"), "call": 2}
     assert calls == [(1, "a"), (2, "a")] and len(entries(folder)) == 2
+
+
+def test_callers_wanting_the_same_missing_entry_at_once_trace_it_once(folder):
+    """Two callers of one entry at once (each opens the entry's lock file, as two processes do): one traces, the
+    other waits on the lock and reads what it wrote. A caller of another entry does not wait: "a"'s trace lasts
+    until "b" has been traced."""
+    calls, b_traced = [], threading.Event()
+
+    @on_disk(lambda name: (name,))
+    def traced(name):
+        calls.append(name)
+        if name == "a":
+            return f"a, traced; b traced meanwhile: {b_traced.wait(timeout=10)}"
+        b_traced.set()
+        return "b, traced"
+
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.update({i: traced("a")})) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)  # both callers of "a" are in: one tracing, one waiting on the lock
+    assert traced("b") == "b, traced"
+    for thread in threads:
+        thread.join(timeout=20)
+    assert results == {0: "a, traced; b traced meanwhile: True", 1: "a, traced; b traced meanwhile: True"}
+    assert calls.count("a") == 1 and len(entries(folder)) == 2
 
 
 def test_a_call_keyed_none_is_never_kept(folder):

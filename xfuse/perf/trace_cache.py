@@ -9,23 +9,29 @@ in xfuse's source) or a config given as text; a model folder on disk is traced e
 
 The folder is ``$XFUSE_CACHE_DIR/traces`` (default ``$XDG_CACHE_HOME/xfuse`` or ``~/.cache/xfuse``); an empty
 ``XFUSE_CACHE_DIR`` turns the cache off. An entry that cannot be read is traced again and rewritten; a folder that
-cannot be written is said once on stderr, and tracing goes on without it.
+cannot be written is said once on stderr, and tracing goes on without it. Processes that want the same missing entry
+at once (the ranks of a node planning ``--auto``, parallel test workers) trace it once: one holds the entry's lock
+file while it traces, the others wait for it (up to ``LOCK_WAIT_S``, then trace it too) and read what it wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import pickle
 import sys
 import tempfile
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 ENV = "XFUSE_CACHE_DIR"
+LOCK_WAIT_S = 600.0  # the longest a process waits for another tracing the entry it wants (a trace takes seconds)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -73,18 +79,54 @@ def on_disk(key: Callable[..., tuple | None]) -> Callable[[F], F]:
                 return fn(*args, **kwargs)
             text = repr((fn.__module__, fn.__qualname__, code_fingerprint(), named))
             path = folder / fn.__name__.strip("_") / f"{hashlib.sha256(text.encode()).hexdigest()}.pkl"
-            try:
-                with open(path, "rb") as entry:
-                    return pickle.load(entry)
-            except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError):
-                pass  # not there yet, or unreadable: traced again below
-            value = fn(*args, **kwargs)
-            _write(path, value)
+            found, value = _read(path)
+            if found:
+                return value
+            with _entry_lock(path):
+                found, value = _read(path)  # written by another process while this one waited
+                if not found:
+                    value = fn(*args, **kwargs)
+                    _write(path, value)
             return value
 
         return cached  # type: ignore[return-value]
 
     return wrap
+
+
+def _read(path: Path) -> tuple[bool, Any]:
+    """``(True, the entry's value)``, or ``(False, None)``: not there yet, or unreadable (traced again)."""
+    try:
+        with open(path, "rb") as entry:
+            return True, pickle.load(entry)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError):
+        return False, None
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """Held while this process traces ``path``'s entry: an exclusive ``flock`` on the lock file beside it, waited for
+    up to ``LOCK_WAIT_S``. A folder that cannot hold the lock file, or a lock held longer, only costs a second trace
+    of the same entry."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 def _write(path: Path, value) -> None:
