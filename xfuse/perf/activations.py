@@ -76,7 +76,9 @@ class LiveBytes(TorchDispatchMode):
             if func is torch.ops.aten.index.Tensor:  # a known mask selects the tokens it keeps, not all of them
                 args = (args[0], [self._positions(i) for i in args[1]], *args[2:])
                 args = (args[0], [i for group in args[1] for i in (group if isinstance(group, tuple) else (group,))])
-            out = func(*args, **kwargs)
+            out = _made_from_shapes(func, args, kwargs)
+            if out is None:
+                out = func(*args, **kwargs)
             if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.is_meta:
                 source = args[0]
                 if not source.is_meta and source.numel() <= SMALL:
@@ -127,6 +129,45 @@ class LiveBytes(TorchDispatchMode):
 
 
 SMALL = 1 << 16  # elements of a CPU tensor moved to the meta device whose values are kept (ids, masks, timesteps)
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.addmm.default: (1, 2), _aten.mm.default: (0, 1), _aten.bmm.default: (0, 1)}  # the two factors
+_BROADCAST = {_aten.add.Tensor, _aten.mul.Tensor, _aten.sub.Tensor, _aten.pow.Tensor_Scalar}
+_FLOAT_UNARY = {_aten.neg.default, _aten.gelu.default, _aten.rsqrt.default, _aten.silu.default}
+
+
+def _made_from_shapes(func, args, kwargs) -> torch.Tensor | None:
+    """The output of one of a trace's commonest ops (matmuls, broadcast arithmetic, activations) on contiguous meta
+    inputs, made from their shapes and dtypes alone: torch's meta kernels for these run its Python references
+    (0.2-0.7 ms an op, most of a trace's time). The output is what those kernels make of contiguous inputs: a new
+    contiguous tensor of the broadcast shape and the promoted dtype. ``None``: not such an op, or inputs torch's own
+    kernel is left to judge (another layout; integers beside a CPU scalar, whose promotion a wrapped number
+    changes)."""
+    if func not in _MATMULS and func not in _BROADCAST and func not in _FLOAT_UNARY:
+        return None
+    metas = [a for a in args if isinstance(a, torch.Tensor) and a.is_meta]
+    scalars = [a for a in args if isinstance(a, torch.Tensor) and not a.is_meta]  # a Python number, wrapped
+    if not metas or not all(t.is_contiguous() for t in metas) or any(t.dim() for t in scalars):
+        return None
+    if func in _MATMULS:
+        first, second = (args[i] for i in _MATMULS[func])
+        if scalars or first.dtype != second.dtype:
+            return None
+        if func is _aten.bmm.default:  # (b, n, m) @ (b, m, p) -> (b, n, p)
+            if first.dim() != 3 or second.dim() != 3 or (first.shape[0], first.shape[2]) != second.shape[:2]:
+                return None
+            shape = (first.shape[0], first.shape[1], second.shape[2])
+        else:  # (n, m) @ (m, p) -> (n, p)
+            if first.dim() != 2 or second.dim() != 2 or first.shape[1] != second.shape[0]:
+                return None
+            shape = (first.shape[0], second.shape[1])
+        return torch.empty(shape, dtype=first.dtype, device="meta")
+    if not all(t.is_floating_point() for t in metas) or any(t.is_complex() for t in scalars):
+        return None
+    if func in _FLOAT_UNARY:
+        return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
+    shape = torch.broadcast_shapes(*(t.shape for t in metas))
+    return torch.empty(shape, dtype=torch.result_type(args[0], args[1]), device="meta")
 
 
 def _to_cpu(func, kwargs) -> bool:
