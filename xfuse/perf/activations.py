@@ -153,6 +153,7 @@ def _made_from_shapes(func, args, kwargs) -> torch.Tensor | None:
         first, second = (args[i] for i in _MATMULS[func])
         if scalars or first.dtype != second.dtype:
             return None
+        shape: tuple[int, ...]
         if func is _aten.bmm.default:  # (b, n, m) @ (b, m, p) -> (b, n, p)
             if first.dim() != 3 or second.dim() != 3 or (first.shape[0], first.shape[2]) != second.shape[:2]:
                 return None
