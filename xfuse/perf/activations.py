@@ -136,13 +136,15 @@ _BROADCAST = {_aten.add.Tensor, _aten.mul.Tensor, _aten.sub.Tensor, _aten.pow.Te
 _FLOAT_UNARY = {_aten.neg.default, _aten.gelu.default, _aten.rsqrt.default, _aten.silu.default}
 
 
-def _made_from_shapes(func, args, kwargs) -> torch.Tensor | None:
-    """The output of one of a trace's commonest ops (matmuls, broadcast arithmetic, activations) on contiguous meta
-    inputs, made from their shapes and dtypes alone: torch's meta kernels for these run its Python references
-    (0.2-0.7 ms an op, most of a trace's time). The output is what those kernels make of contiguous inputs: a new
-    contiguous tensor of the broadcast shape and the promoted dtype. ``None``: not such an op, or inputs torch's own
-    kernel is left to judge (another layout; integers beside a CPU scalar, whose promotion a wrapped number
+def _made_from_shapes(func, args, kwargs) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    """The output of one of a trace's commonest ops (matmuls, broadcast arithmetic, activations, layer norm) on
+    contiguous meta inputs, made from their shapes and dtypes alone: torch's meta kernels for these run its Python
+    references (0.2-2 ms an op, most of a trace's time). The output is what those kernels make of contiguous inputs:
+    a new contiguous tensor of the broadcast shape and the promoted dtype. ``None``: not such an op, or inputs torch's
+    own kernel is left to judge (another layout; integers beside a CPU scalar, whose promotion a wrapped number
     changes)."""
+    if func is _aten.native_layer_norm.default:
+        return _layer_norm_from_shapes(*args)
     if func not in _MATMULS and func not in _BROADCAST and func not in _FLOAT_UNARY:
         return None
     metas = [a for a in args if isinstance(a, torch.Tensor) and a.is_meta]
@@ -169,6 +171,23 @@ def _made_from_shapes(func, args, kwargs) -> torch.Tensor | None:
         return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
     shape = torch.broadcast_shapes(*(t.shape for t in metas))
     return torch.empty(shape, dtype=torch.result_type(args[0], args[1]), device="meta")
+
+
+def _layer_norm_from_shapes(x, normalized_shape, weight, bias, eps) -> tuple[torch.Tensor, ...] | None:
+    """``native_layer_norm``'s (output, mean, rstd) as its meta kernel makes them of a contiguous input: the output
+    like the input, the statistics over the leading dimensions (the normalised ones kept as 1) in float32 for a
+    half-precision input, else in its dtype."""
+    if not (x.is_meta and x.is_contiguous() and x.is_floating_point()):
+        return None
+    if any(t is not None and not t.is_meta for t in (weight, bias)):
+        return None
+    stats_shape = (*x.shape[: x.dim() - len(normalized_shape)], *(1,) * len(normalized_shape))
+    stats_dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device="meta"),
+        torch.empty(stats_shape, dtype=stats_dtype, device="meta"),
+        torch.empty(stats_shape, dtype=stats_dtype, device="meta"),
+    )
 
 
 def _to_cpu(func, kwargs) -> bool:
