@@ -103,3 +103,60 @@ def test_a_bf16_trace_casts_without_diffusers_warning_of_modules_it_keeps(capfd)
     pipe = _meta_pipeline("flux2-tiny", torch.bfloat16)
     assert pipe.transformer.dtype == pipe.vae.dtype == torch.bfloat16
     assert "should be kept in float32" not in capfd.readouterr().err
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+aten = torch.ops.aten
+BF16 = torch.bfloat16
+# (op, args): each made from shapes by the trace's fast path, each compared with torch's own meta kernel
+MADE_FROM_SHAPES = [
+    (aten.addmm.default, (_meta(8), _meta(5, 4), _meta(4, 8))),
+    (aten.addmm.default, (_meta(1, 8, dtype=BF16), _meta(5, 4, dtype=BF16), _meta(4, 8, dtype=BF16))),
+    (aten.mm.default, (_meta(5, 4), _meta(4, 8))),
+    (aten.bmm.default, (_meta(3, 5, 4, dtype=BF16), _meta(3, 4, 8, dtype=BF16))),
+    (aten.add.Tensor, (_meta(2, 1, 8), _meta(3, 1))),  # broadcast both ways
+    (aten.mul.Tensor, (_meta(2, 3, 8, dtype=BF16), _meta(8))),
+    (aten.mul.Tensor, (_meta(2, 3, 8, dtype=BF16), _meta())),  # a 0-dim float32 beside bf16: bf16
+    (aten.mul.Tensor, (_meta(2, 3, dtype=BF16), torch.tensor(0.5))),  # a wrapped Python number
+    (aten.sub.Tensor, (_meta(4, 8, dtype=BF16), _meta(4, 8))),  # bf16 - float32: float32
+    (aten.pow.Tensor_Scalar, (_meta(4, 8, dtype=BF16), 2)),
+    (aten.gelu.default, (_meta(4, 8, dtype=BF16),)),
+    (aten.silu.default, (_meta(2, 4, 8),)),
+    (aten.native_layer_norm.default, (_meta(2, 16, 64, dtype=BF16), [64], _meta(64, dtype=BF16), None, 1e-6)),
+    (aten.native_layer_norm.default, (_meta(4, 8, 6, 32), [6, 32], None, None, 1e-6)),
+]
+
+
+@pytest.mark.parametrize("op, args", MADE_FROM_SHAPES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(MADE_FROM_SHAPES)])
+def test_ops_made_from_shapes_are_what_torchs_meta_kernels_make(op, args):
+    from xfuse.perf.activations import _made_from_shapes
+
+    made, kernel = _made_from_shapes(op, args), op(*args)
+    assert made is not None  # the fast path took it
+    for ours, torchs in zip(
+        made if isinstance(made, tuple) else (made,), kernel if isinstance(kernel, tuple) else (kernel,), strict=True
+    ):
+        assert (ours.shape, ours.dtype, ours.stride(), ours.is_meta) == (
+            torchs.shape,
+            torchs.dtype,
+            torchs.stride(),
+            True,
+        )
+
+
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        (aten.mul.Tensor, (_meta(4, 8).t(), _meta(8, 4))),  # another layout: torch's kernel keeps it
+        (aten.add.Tensor, (_meta(4, 8, dtype=torch.int64), torch.tensor(0.5))),  # an int beside a wrapped float
+        (aten.mm.default, (_meta(5, 4), _meta(4, 8, dtype=BF16))),  # mixed dtypes: torch's kernel refuses them
+        (aten.exp.default, (_meta(4, 8),)),  # not one of the ops
+    ],
+)
+def test_other_inputs_are_left_to_torchs_kernel(op, args):
+    from xfuse.perf.activations import _made_from_shapes
+
+    assert _made_from_shapes(op, args) is None

@@ -76,7 +76,7 @@ class LiveBytes(TorchDispatchMode):
             if func is torch.ops.aten.index.Tensor:  # a known mask selects the tokens it keeps, not all of them
                 args = (args[0], [self._positions(i) for i in args[1]], *args[2:])
                 args = (args[0], [i for group in args[1] for i in (group if isinstance(group, tuple) else (group,))])
-            out = _made_from_shapes(func, args, kwargs)
+            out = _made_from_shapes(func, args)
             if out is None:
                 out = func(*args, **kwargs)
             if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.is_meta:
@@ -136,7 +136,7 @@ _BROADCAST = {_aten.add.Tensor, _aten.mul.Tensor, _aten.sub.Tensor, _aten.pow.Te
 _FLOAT_UNARY = {_aten.neg.default, _aten.gelu.default, _aten.rsqrt.default, _aten.silu.default}
 
 
-def _made_from_shapes(func, args, kwargs) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+def _made_from_shapes(func, args) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
     """The output of one of a trace's commonest ops (matmuls, broadcast arithmetic, activations, layer norm) on
     contiguous meta inputs, made from their shapes and dtypes alone: torch's meta kernels for these run its Python
     references (0.2-2 ms an op, most of a trace's time). The output is what those kernels make of contiguous inputs:
