@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-import traceback
 
 from benchmarks.bench_pipefusion import spread
 from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, build_on_device, fmt
@@ -44,33 +43,30 @@ def stage_row(stage: str, cache_dir: str, repeats: int, quick: bool) -> dict:
     side, steps = (QUICK_SIZE, 2) if quick else (1024, 20)
     call = dict(prompt=PROMPT, height=side, width=side, guidance_scale=3.5, num_inference_steps=steps,
                 output_type="latent")  # fmt: skip
-    try:
-        pipe = build_on_device(preset, device, dtype)
-        section = None
-        if stage != "eager":
-            section = {"mode": "regional", "cache_dir": cache_dir,
-                       "backend": "aot_eager" if quick else "inductor"}  # fmt: skip
-        xfuse_pipe = model_spec(preset).pipeline_class().from_pipe(pipe, parallel={"pipefusion_degree": 1},
-                                                                   device=str(device), compile=section)  # fmt: skip
-        xfuse_pipe.set_progress_bar_config(disable=True)
+    pipe = build_on_device(preset, device, dtype)
+    section = None
+    if stage != "eager":
+        section = {"mode": "regional", "cache_dir": cache_dir,
+                   "backend": "aot_eager" if quick else "inductor"}  # fmt: skip
+    xfuse_pipe = model_spec(preset).pipeline_class().from_pipe(pipe, parallel={"pipefusion_degree": 1},
+                                                               device=str(device), compile=section)  # fmt: skip
+    xfuse_pipe.set_progress_bar_config(disable=True)
 
-        def timed() -> float:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            xfuse_pipe(**call, generator=torch.Generator(device).manual_seed(0))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - start
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        xfuse_pipe(**call, generator=torch.Generator(device).manual_seed(0))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
 
-        first = timed()
-        row = {"preset": preset, "call": {k: v for k, v in call.items() if k != "prompt"}, "first_s": first}
-        row |= compile_counts()
-        if stage != "warm":
-            row["seconds"] = spread([timed() for _ in range(repeats)])
-    except Exception as exc:  # noqa: BLE001 - recorded in the report, with where it came from
-        row = {"error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()}
-    return row
+    first = timed()
+    row = {"preset": preset, "call": {k: v for k, v in call.items() if k != "prompt"}, "first_s": first}
+    row |= compile_counts()
+    if stage != "warm":
+        row["seconds"] = spread([timed() for _ in range(repeats)])
+    return row  # an exception: the error row (``row_in_own_process``)
 
 
 def compiled_stages(quick: bool, repeats: int) -> dict:

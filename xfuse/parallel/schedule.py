@@ -535,22 +535,21 @@ def check_protocol(
     limits = [stops.get(request, math.inf) for request in requests]  # per request: its tasks of steps >= it do not run
 
     # Each task's messages, made once: the run below asks for them at every action of every rank.
-    sends_of: dict[Task, list[Message]] = {}
-    recvs_of: dict[Task, list[Message]] = {}
+    sends: dict[Task, list[Message]] = {}
+    recvs: dict[Task, list[Message]] = {}
     for task in (task for rank in ranks for task in schedule.orders[rank]):
         limit = limits[task.request]
-        sends_of[task] = [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
-        recvs_of[task] = schedule.recvs(task) if task.step < limit else []
-    sends, recvs = sends_of.__getitem__, recvs_of.__getitem__
+        sends[task] = [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
+        recvs[task] = schedule.recvs(task) if task.step < limit else []
 
     # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
     sent: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
     posted: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
     for rank in ranks:
         for task in schedule.orders[rank]:
-            for m in sends(task):
+            for m in sends[task]:
                 sent[(m.src, m.dst)].append(m)
-            for m in recvs(task):
+            for m in recvs[task]:
                 posted[(m.src, m.dst)].append(m)
     for pair in sent:
         assert sent[pair] == posted[pair], f"messages {pair[0]} -> {pair[1]} disagree"
@@ -579,11 +578,11 @@ def check_protocol(
             return f"the decision of rank {decider} (at its action {gates[rank][pc[rank]]})"
         action, task = programs[rank][pc[rank]]
         if action == Action.WAIT_RECV:
-            for m in recvs(task):
+            for m in recvs[task]:
                 if n_sent[(m.src, m.dst)] <= index[m]:
                     return m
         if action == Action.WAIT_SEND:
-            for m in sends(task):
+            for m in sends[task]:
                 if n_posted[(m.src, m.dst)] <= index[m]:
                     return m
         return None
@@ -595,10 +594,10 @@ def check_protocol(
             while pc[rank] < len(programs[rank]) and blocked(rank) is None:
                 action, task = programs[rank][pc[rank]]
                 if action == Action.POST:
-                    for m in recvs(task):
+                    for m in recvs[task]:
                         n_posted[(m.src, m.dst)] += 1
                 elif action == Action.SEND:
-                    for m in sends(task):
+                    for m in sends[task]:
                         n_sent[(m.src, m.dst)] += 1
                 pc[rank] += 1
                 progress = True
