@@ -22,6 +22,7 @@ from xfuse.errors import ConfigError
 from xfuse.parallel.control import control_split
 from xfuse.parallel.patch_grid import check_sequence_chunks, patch_grid
 from xfuse.parallel.stage_plan import StagePlan, stage_plan
+from xfuse.runtime.heap import collector_paused
 
 
 def no_skips(num_blocks: int) -> tuple[tuple[int, int], ...]:
@@ -151,8 +152,9 @@ class ModelSpec:
 
     def _module(self, name: str) -> ModuleType:
         """The family's module ``name`` (``pipeline``, ``stage``, ``presets``, ``controlnet``), imported on first use
-        (torch and diffusers with it)."""
-        return importlib.import_module(f"{self.package}.{name}")
+        (torch and diffusers with it, without the garbage collector's passes over them: ``collector_paused``)."""
+        with collector_paused():
+            return importlib.import_module(f"{self.package}.{name}")
 
     def pipeline_class(self) -> type:
         """The xfuse pipeline class (a ``PipeFusionPipelineBase``): ``pipeline_name`` in ``pipeline.py``."""
