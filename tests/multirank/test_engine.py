@@ -137,6 +137,17 @@ def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
     return engine.denoise(request, patch_grid(height // 8, width // 8, num_patches, 2))
 
 
+_DEGREE1 = {}
+
+
+def degree1_once(*args):
+    """``engine_degree1(*args)``, run once for the pipelined cases that share an M (their degrees and placements
+    differ, the semantics not). The injected-bug tests call ``engine_degree1`` itself, under their bug."""
+    if args not in _DEGREE1:
+        _DEGREE1[args] = engine_degree1(*args)
+    return _DEGREE1[args]
+
+
 def distinct(degree, placement, num_blocks=16):
     """Whether this (degree, placement) plans differently from folded (balanced is folded where N divides B/2)."""
     if placement != "balanced":
@@ -163,7 +174,7 @@ def test_pipelined_is_deterministic_finite_and_close_to_serial(world, degree, nu
     distance = rel_l2(first, serial(scheduler, height, width, steps))
     assert 1e-4 < distance < 0.08
     # The result depends on (M, W) only, not on how many ranks or which placement computed it.
-    assert rel_max(first, engine_degree1(num_patches, 1, scheduler, height, width, steps)) <= 1e-5
+    assert rel_max(first, degree1_once(num_patches, 1, scheduler, height, width, steps)) <= 1e-5
 
 
 def test_one_patch_or_all_rows_and_warmup_zero(world):
