@@ -17,14 +17,43 @@ import numpy as np
 from PIL import Image
 
 from tests.support.cli_fns import on_a_fresh_world
-from tests.support.serve_fns import BASE_SETTINGS, ENV, READY, ServedWorld, alive, child_pids, left_behind
+from tests.support.serve_fns import (
+    BASE_SETTINGS,
+    ENV,
+    READY,
+    ServedWorld,
+    alive,
+    child_pids,
+    left_behind,
+    requests_running,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SLOW = {"prompt": "long", "num_inference_steps": 60, "size": "512x512"}  # still running 1 s after it started
+SLOW = {"prompt": "long", "num_inference_steps": 60, "size": "256x256"}  # 1.3 s on 2 idle ranks of this machine
 
 
 def _generate(url: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+
+
+def _stop_while_a_request_runs(url: str, stop) -> None:
+    """``stop()`` (a signal to the command) lands while a request runs: readiness turns 503 while that request goes
+    on, and it is answered 200, not cut off."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_generate, url, SLOW)
+        while requests_running(url) != 1 and not running.done():
+            time.sleep(0.02)
+        assert not running.done(), running.result()
+        stop()
+        late = None
+        for _ in range(100):
+            late = _generate(url, {"prompt": "after"})
+            if late.status_code == 503:
+                break
+            time.sleep(0.02)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "service_draining", late.text
+        assert not running.done()  # refused while the running request goes on
+        assert running.result().status_code == 200
 
 
 def _xfuse(*args, cwd, timeout=300):
@@ -59,22 +88,11 @@ def test_a_world_size_the_config_cannot_run_is_refused_naming_the_option(tmp_pat
 
 def test_sigterm_to_the_command_drains_and_it_exits_0(tmp_path):
     """As systemd and Kubernetes stop a service: SIGTERM to the process they started (the launcher)."""
-    world = ServedWorld(tmp_path, launcher="xfuse", settings=("serve.max_side=512",))
+    world = ServedWorld(tmp_path, launcher="xfuse")
     try:
         ranks = list(world.rank_pids().values())
         assert len(ranks) == 2
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(_generate, world.url, SLOW)
-            time.sleep(1.0)
-            os.kill(world.proc.pid, signal.SIGTERM)
-            late = None
-            for _ in range(100):  # readiness turns 503 while the running request goes on
-                late = _generate(world.url, {"prompt": "after"})
-                if late.status_code == 503:
-                    break
-                time.sleep(0.02)
-            assert late.status_code == 503 and late.json()["error"]["code"] == "service_draining"
-            assert running.result().status_code == 200  # answered, not cut off
+        _stop_while_a_request_runs(world.url, lambda: os.kill(world.proc.pid, signal.SIGTERM))
         assert world.wait(timeout=60) == 0, world.stderr()[-3000:]
         assert "xfuse serve: stopped by SIGTERM: every rank of 2 exited 0" in world.stderr()
         assert "Traceback" not in world.stderr() + world.stdout()
@@ -86,7 +104,7 @@ def test_sigterm_to_the_command_drains_and_it_exits_0(tmp_path):
 def test_ctrl_c_in_a_terminal_drains_and_it_exits_0():
     """Ctrl-C typed into the terminal the command runs in (a pty): SIGINT reaches the launcher's process group only,
     the ranks drain, the command exits 0 with one line and no traceback."""
-    sets = [arg for kv in (*BASE_SETTINGS, "serve.max_side=512") for arg in ("--set", kv)]
+    sets = [arg for kv in BASE_SETTINGS for arg in ("--set", kv)]
     cmd = [sys.executable, "-m", "xfuse", "serve", *sets, "--port", "0", "--nproc-per-node", "2"]
     master, slave = pty.openpty()
 
@@ -120,18 +138,8 @@ def test_ctrl_c_in_a_terminal_drains_and_it_exits_0():
         assert url is not None, b"".join(output).decode(errors="replace")[-3000:]
         ranks = child_pids(proc.pid)
         assert len(ranks) == 2
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(_generate, url, SLOW)
-            time.sleep(1.0)
-            os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
-            late = None
-            for _ in range(100):  # new requests are refused while the running one goes on
-                late = _generate(url, {"prompt": "after"})
-                if late.status_code == 503:
-                    break
-                time.sleep(0.02)
-            assert late.status_code == 503
-            assert running.result().status_code == 200
+        # Ctrl-C: the terminal sends SIGINT to its foreground process group
+        _stop_while_a_request_runs(url, lambda: os.write(master, b"\x03"))
         assert proc.wait(timeout=60) == 0
         assert alive(ranks) == []
         time.sleep(0.2)
