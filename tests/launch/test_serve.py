@@ -22,12 +22,14 @@ from tests.support.serve_fns import (
     ENV,
     ServedWorld,
     decode_png,
+    gauge,
     left_behind,
     peak_rss_kib,
     requests_running,
 )
 
 API_KEY = "test-key-0123"
+AUTHORIZED = {"Authorization": f"Bearer {API_KEY}"}
 # A small queue bound for the 429 test that the 8 concurrent clients still fit: all 8 may be waiting at once, since
 # they can all arrive before the worker takes the first off the queue (with a bound of 7 the eighth got a 429).
 SETTINGS = ("serve.max_queue=8", "serve.max_images_per_request=3", "serve.max_side=512", "comm.timeout_s=20")
@@ -196,9 +198,7 @@ def test_world_still_serves_after_bad_requests(world, client):
 
 
 def _generate(url: str, body: dict) -> httpx.Response:
-    return httpx.post(
-        f"{url}/v1/images/generations", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
-    )
+    return httpx.post(f"{url}/v1/images/generations", json=body, headers=AUTHORIZED, timeout=120)
 
 
 def test_eight_concurrent_openai_clients_are_all_answered(world):
@@ -217,16 +217,14 @@ def test_eight_concurrent_openai_clients_are_all_answered(world):
 
 
 def _generations(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
-    return float(re.search(r"^xfuse_generation_seconds_count (\S+)", metrics, re.M).group(1))
+    return gauge(url, "xfuse_generation_seconds_count", AUTHORIZED)
 
 
 STOPPED = r"rank (\d): request stopped before step (\d+) of 100 on every rank"
 
 
 def _cancelled(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
-    return float(re.search(r"^xfuse_cancelled_requests_total (\S+)", metrics, re.M).group(1))
+    return gauge(url, "xfuse_cancelled_requests_total", AUTHORIZED)
 
 
 def test_clients_that_hang_up_do_not_hurt_the_world(world):
@@ -360,11 +358,14 @@ def test_sigterm_drains_the_running_request_and_every_rank_exits_0(world):
     """Last in the module: it stops the world."""
     pids = world.rank_pids()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        # 512 px: still running at 1.3 s (60 steps at 256 px ended before the SIGTERM on a quiet machine)
-        running = pool.submit(_generate, world.url, {"prompt": "long", "num_inference_steps": 60, "size": "512x512"})
-        time.sleep(1.0)  # it is being generated now
+        # 1.3 s on a quiet machine; the signal lands once it runs and the next one waits behind it
+        running = pool.submit(_generate, world.url, {"prompt": "long", "num_inference_steps": 60, "size": "256x256"})
+        while requests_running(world.url, AUTHORIZED) != 1 and not running.done():
+            time.sleep(0.02)
         queued = pool.submit(_generate, world.url, {"prompt": "queued", "seed": 1})
-        time.sleep(0.3)
+        while gauge(world.url, "xfuse_queue_depth", AUTHORIZED) != 1 and not running.done():
+            time.sleep(0.02)
+        assert not running.done(), running.result()
         os.kill(pids[0], signal.SIGTERM)
         late = None
         for _ in range(50):  # readiness turns 503 at once, while the running request goes on
@@ -375,6 +376,7 @@ def test_sigterm_drains_the_running_request_and_every_rank_exits_0(world):
         assert late.status_code == 503 and late.json()["status"] == "draining"
         refused = _generate(world.url, {"prompt": "after"})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_draining"
+        assert not running.done()  # refused while the running request goes on
         assert running.result().status_code == 200  # finished, not cut off
         assert queued.result().status_code == 503
     assert world.wait(timeout=30) == 0, world.stderr()[-3000:]  # torchrun: every rank exited 0

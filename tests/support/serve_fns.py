@@ -231,12 +231,12 @@ def poll_health(url: str, until, timeout: float, interval: float = 0.05):
     return None, last
 
 
-def gauge(url: str, name: str) -> float:
-    """The served world's gauge ``name`` (from ``/metrics``)."""
-    metrics = httpx.get(f"{url}/metrics").text
+def gauge(url: str, name: str, headers: dict | None = None) -> float:
+    """The served world's unlabelled metric ``name`` (from ``/metrics``; ``headers``: its API key's)."""
+    metrics = httpx.get(f"{url}/metrics", headers=headers).text
     return float(re.search(rf"^{name} (\S+)", metrics, re.M).group(1))
 
 
-def requests_running(url: str) -> float:
+def requests_running(url: str, headers: dict | None = None) -> float:
     """The served world's ``xfuse_requests_running`` gauge (its running batch, or every request of its stream)."""
-    return gauge(url, "xfuse_requests_running")
+    return gauge(url, "xfuse_requests_running", headers)
