@@ -107,9 +107,16 @@ def video_band_decode(preset, *, ranks, frames, rows, cols, batch=1, approximati
     video = decoder.decode(latents if rank == ranks[0] else None, tuple(latents.shape))
     if rank != ranks[0]:
         return None
+    return video, diffusers_video_decode(preset, batch, frames, rows, cols)
+
+
+@functools.lru_cache(maxsize=4)
+def diffusers_video_decode(preset: str, batch: int, frames: int, rows: int, cols: int) -> torch.Tensor:
+    """diffusers' ``vae.decode`` of ``video_latents_for``'s latents, once per rank for each (preset, clip): as
+    ``diffusers_decode``."""
+    vae = wan_vae(preset)
     with torch.no_grad():
-        expected = vae.decode(latents, return_dict=False)[0]
-    return video, expected
+        return vae.decode(video_latents_for(vae, batch, frames, rows, cols), return_dict=False)[0]
 
 
 def _own_rows_only(decoder, conv, stacked):
