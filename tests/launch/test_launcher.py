@@ -23,9 +23,9 @@ from tests.support.serve_fns import (
     READY,
     ServedWorld,
     alive,
+    await_metrics,
     child_pids,
     left_behind,
-    requests_running,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,9 +41,7 @@ def _stop_while_a_request_runs(url: str, stop) -> None:
     on, and it is answered 200, not cut off."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_generate, url, SLOW)
-        while requests_running(url) != 1 and not running.done():
-            time.sleep(0.02)
-        assert not running.done(), running.result()
+        await_metrics(url, {"xfuse_requests_running": 1}, [running])
         stop()
         late = None
         for _ in range(100):

@@ -21,6 +21,7 @@ from tests.support.serve_fns import (
     BASE_SETTINGS,
     ENV,
     ServedWorld,
+    await_metrics,
     decode_png,
     gauge,
     left_behind,
@@ -360,12 +361,9 @@ def test_sigterm_drains_the_running_request_and_every_rank_exits_0(world):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         # 1.3 s on a quiet machine; the signal lands once it runs and the next one waits behind it
         running = pool.submit(_generate, world.url, {"prompt": "long", "num_inference_steps": 60, "size": "256x256"})
-        while requests_running(world.url, AUTHORIZED) != 1 and not running.done():
-            time.sleep(0.02)
+        await_metrics(world.url, {"xfuse_requests_running": 1}, [running], AUTHORIZED)
         queued = pool.submit(_generate, world.url, {"prompt": "queued", "seed": 1})
-        while gauge(world.url, "xfuse_queue_depth", AUTHORIZED) != 1 and not running.done():
-            time.sleep(0.02)
-        assert not running.done(), running.result()
+        await_metrics(world.url, {"xfuse_queue_depth": 1}, [running], AUTHORIZED)
         os.kill(pids[0], signal.SIGTERM)
         late = None
         for _ in range(50):  # readiness turns 503 at once, while the running request goes on

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.serve_fns import ServedWorld, gauge, left_behind, poll_health, requests_running
+from tests.support.serve_fns import ServedWorld, await_metrics, left_behind, poll_health
 
 TIMEOUT_S = 5.0  # comm.timeout_s: a stalled peer mid-request is noticed by the data plane after this
 LONG_REQUEST = {"prompt": "long", "num_inference_steps": 100, "size": "256x256"}  # several seconds here
@@ -95,10 +95,7 @@ def _batch_in_flight(world, pool):
     batch += [post({**IN_STREAM, "prompt": f"in stream {i}", "seed": i}) for i in range(2)]
     time.sleep(0.3)
     queued = [post({**QUEUED, "prompt": f"queued {i}"}) for i in range(2)]
-    deadline = time.monotonic() + 60
-    while requests_running(world.url) != 6 or gauge(world.url, "xfuse_queue_depth") != 2:
-        assert time.monotonic() < deadline and not any(f.done() for f in batch), world.stderr()[-3000:]
-        time.sleep(0.02)
+    await_metrics(world.url, {"xfuse_requests_running": 6, "xfuse_queue_depth": 2}, batch, log=world.stderr)
     return blocker, batch, queued
 
 

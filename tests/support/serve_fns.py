@@ -237,6 +237,18 @@ def gauge(url: str, name: str, headers: dict | None = None) -> float:
     return float(re.search(rf"^{name} (\S+)", metrics, re.M).group(1))
 
 
-def requests_running(url: str, headers: dict | None = None) -> float:
+def await_metrics(url: str, expected: dict[str, float], running, headers: dict | None = None, log=None,
+                  limit_s: float = 60) -> None:  # fmt: skip
+    """Poll ``/metrics`` until each of ``expected``'s unlabelled metrics reads its value, while every request of
+    ``running`` (futures) is still in flight: one that ends first, or ``limit_s`` passing, fails the test (with the
+    tail of ``log()``, e.g. the world's stderr)."""
+    deadline = time.monotonic() + limit_s
+    while any(gauge(url, name, headers) != value for name, value in expected.items()):
+        ended = [future.result() for future in running if future.done()]
+        assert not ended and time.monotonic() < deadline, (expected, ended, log()[-3000:] if log else "")
+        time.sleep(0.02)
+
+
+def requests_running(url: str) -> float:
     """The served world's ``xfuse_requests_running`` gauge (its running batch, or every request of its stream)."""
-    return gauge(url, "xfuse_requests_running", headers)
+    return gauge(url, "xfuse_requests_running")

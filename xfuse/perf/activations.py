@@ -134,6 +134,7 @@ _aten = torch.ops.aten
 _MATMULS = {_aten.addmm.default: (1, 2), _aten.mm.default: (0, 1), _aten.bmm.default: (0, 1)}  # the two factors
 _BROADCAST = {_aten.add.Tensor, _aten.mul.Tensor, _aten.sub.Tensor, _aten.pow.Tensor_Scalar}
 _FLOAT_UNARY = {_aten.neg.default, _aten.gelu.default, _aten.rsqrt.default, _aten.silu.default}
+_FROM_SHAPES = _MATMULS.keys() | _BROADCAST | _FLOAT_UNARY
 
 
 def _made_from_shapes(func, args) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
@@ -145,7 +146,7 @@ def _made_from_shapes(func, args) -> torch.Tensor | tuple[torch.Tensor, ...] | N
     changes)."""
     if func is _aten.native_layer_norm.default:
         return _layer_norm_from_shapes(*args)
-    if func not in _MATMULS and func not in _BROADCAST and func not in _FLOAT_UNARY:
+    if func not in _FROM_SHAPES:
         return None
     metas = [a for a in args if isinstance(a, torch.Tensor) and a.is_meta]
     scalars = [a for a in args if isinstance(a, torch.Tensor) and not a.is_meta]  # a Python number, wrapped
