@@ -9,6 +9,7 @@ The summary ends with each tier's count and test time (setup, call and teardown;
 to more than the run's wall time), which ``docs/testing.md`` budgets.
 """
 
+import gc
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +23,14 @@ os.environ.setdefault("XFUSE_CACHE_DIR", str(Path(__file__).resolve().parent.par
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+
+def pytest_collection_finish(session):
+    """What the test process imported and collected lives as long as it: the collector never scans it again (as
+    ``tests.support.rank_preload`` does for the ranks); without it each full collection here walks torch, diffusers,
+    transformers and every test module's objects."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -192,7 +192,8 @@ def check_against_diffusers(per_rank, calls, reference, base, *, output_class, c
 def heap_after_build_pipeline(config_path):
     """``xfuse.build.build_pipeline`` on this rank; returns (objects it froze, objects the collector still tracks,
     the page faults of block passes after it: ``tests.support.heap_child.block_pass_faults``) and unfreezes the objects
-    again (the world serves other tests)."""
+    again (the world serves other tests). What the fork server froze (``tests.support.rank_preload``) is unfrozen
+    first, so the count is ``build_pipeline``'s own, as in a rank that imported everything itself."""
     import gc
 
     from tests.support.heap_child import block_pass_faults
@@ -201,6 +202,7 @@ def heap_after_build_pipeline(config_path):
     from xfuse.families.registry import resolve
 
     config = load_config(config_path, [])
+    gc.unfreeze()
     build_pipeline(config, resolve(config.model))
     frozen, tracked = gc.get_freeze_count(), len(gc.get_objects())
     faults = block_pass_faults()  # with the start-up heap still frozen, as in xfuse's own ranks
