@@ -3,6 +3,7 @@ run as torchrun's ranks run it: ``tests.support.cli_fns``; the examples too), an
 process is the case (plain ``python -m xfuse``, an example under torchrun, a world torchrun started too small, the
 launcher refusing a missing file, compilation and its cache, ``doctor``'s self-test)."""
 
+import gc
 import json
 import os
 import re
@@ -107,6 +108,31 @@ def test_generate_degree_1_with_plain_python(tmp_path):
     assert f"wrote {target}: 256x256, 2 steps" in out.stdout and "rank 0 sent 0.00 MiB (nothing)" in out.stdout
     image = np.asarray(Image.open(target))
     assert image.shape == (256, 256, 3) and image.std() > 0
+
+
+def test_generate_starts_up_with_the_collector_paused_and_runs_the_request_with_it_on(tmp_path, monkeypatch):
+    """``xfuse generate``'s start-up (its imports, the config, the load) runs with Python's collector off, the build
+    freezing what it left (``xfuse.runtime.heap``); the request runs with the collector on, as it was before."""
+    from xfuse import build
+
+    states = {}
+    real_build, real_call = build.build_pipeline, build.image_call_kwargs
+
+    def building(config, model):
+        states["build"] = gc.isenabled()
+        return real_build(config, model)
+
+    def calling(**request):
+        states["request"] = gc.isenabled()
+        return real_call(**request)
+
+    monkeypatch.setattr(build, "build_pipeline", building)
+    monkeypatch.setattr(build, "image_call_kwargs", calling)
+    assert gc.isenabled()
+    out = xfuse_here("generate", "--config", "configs/tiny/pp2.yaml", "--set", "parallel.pipefusion_degree=1",
+                     "--set", "generation.num_inference_steps=1", "--output", str(tmp_path / "out.png"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert states == {"build": False, "request": True} and gc.isenabled()
 
 
 def test_plan_with_sequence_parallelism_names_the_degrees_and_refuses_heads_it_cannot_split():

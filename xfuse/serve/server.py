@@ -36,6 +36,7 @@ from xfuse.build import (
 from xfuse.config import XfuseConfig
 from xfuse.errors import ConfigError
 from xfuse.families.registry import resolve
+from xfuse.runtime.heap import collector_paused
 from xfuse.serve.control import ControlPlane, RankLost
 from xfuse.serve.loop import DrainSignal, server_loop, worker_loop
 from xfuse.serve.metrics import ServeMetrics
@@ -316,7 +317,8 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         http.start()
         print(f"xfuse serve: listening on {http.url} (starting: loading {config.model})", flush=True)
     try:
-        pipe = build_pipeline(config, model)
+        with collector_paused():  # the load, to the frozen start-up heap (xfuse.runtime.heap)
+            pipe = build_pipeline(config, model)
         pipe.set_progress_bar_config(disable=True)
         pipe.enable_cancellation()  # every rank: a request whose client went away stops between two steps
         load_adapters(pipe, config.serve.lora_adapters)
