@@ -111,30 +111,48 @@ def _meta(*shape, dtype=torch.float32):
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
-# (op, args): each made from shapes by the trace's fast path, each compared with torch's own meta kernel
+# (op, args, kwargs): each made from shapes by the trace's fast path, each compared with torch's own meta kernel
 MADE_FROM_SHAPES = [
-    (aten.addmm.default, (_meta(8), _meta(5, 4), _meta(4, 8))),
-    (aten.addmm.default, (_meta(1, 8, dtype=BF16), _meta(5, 4, dtype=BF16), _meta(4, 8, dtype=BF16))),
-    (aten.mm.default, (_meta(5, 4), _meta(4, 8))),
-    (aten.bmm.default, (_meta(3, 5, 4, dtype=BF16), _meta(3, 4, 8, dtype=BF16))),
-    (aten.add.Tensor, (_meta(2, 1, 8), _meta(3, 1))),  # broadcast both ways
-    (aten.mul.Tensor, (_meta(2, 3, 8, dtype=BF16), _meta(8))),
-    (aten.mul.Tensor, (_meta(2, 3, 8, dtype=BF16), _meta())),  # a 0-dim float32 beside bf16: bf16
-    (aten.mul.Tensor, (_meta(2, 3, dtype=BF16), torch.tensor(0.5))),  # a wrapped Python number
-    (aten.sub.Tensor, (_meta(4, 8, dtype=BF16), _meta(4, 8))),  # bf16 - float32: float32
-    (aten.pow.Tensor_Scalar, (_meta(4, 8, dtype=BF16), 2)),
-    (aten.gelu.default, (_meta(4, 8, dtype=BF16),)),
-    (aten.silu.default, (_meta(2, 4, 8),)),
-    (aten.native_layer_norm.default, (_meta(2, 16, 64, dtype=BF16), [64], _meta(64, dtype=BF16), None, 1e-6)),
-    (aten.native_layer_norm.default, (_meta(4, 8, 6, 32), [6, 32], None, None, 1e-6)),
+    (aten.addmm.default, (_meta(8), _meta(5, 4), _meta(4, 8)), {}),
+    (aten.addmm.default, (_meta(1, 8, dtype=BF16), _meta(5, 4, dtype=BF16), _meta(4, 8, dtype=BF16)), {}),
+    (aten.addmm.default, (_meta(8, dtype=BF16), _meta(5, 4, dtype=BF16), _meta(8, 4, dtype=BF16).t()), {}),  # Linear's
+    (aten.addmm.default, (_meta(5, 8), _meta(5, 6)[:, :4], _meta(4, 16)[:, ::2]), {"beta": 0.5}),  # sliced factors
+    (aten.mm.default, (_meta(5, 4), _meta(4, 8)), {}),
+    (aten.mm.default, (_meta(4, 5).t(), _meta(1, 8).expand(4, 8)), {}),
+    (aten.bmm.default, (_meta(3, 5, 4, dtype=BF16), _meta(3, 4, 8, dtype=BF16)), {}),
+    (aten.bmm.default, (_meta(3, 5, 4), _meta(3, 8, 4).transpose(1, 2)), {}),
+    (aten.add.Tensor, (_meta(2, 1, 8), _meta(3, 1)), {}),  # broadcast both ways
+    (aten.mul.Tensor, (_meta(2, 3, 8, dtype=BF16), _meta(8)), {}),
+    (aten.mul.Tensor, (_meta(2, 3, 8, dtype=BF16), _meta()), {}),  # a 0-dim float32 beside bf16: bf16
+    (aten.mul.Tensor, (_meta(2, 3, dtype=BF16), torch.tensor(0.5)), {}),  # a wrapped Python number
+    (aten.sub.Tensor, (_meta(4, 8, dtype=BF16), _meta(4, 8)), {}),  # bf16 - float32: float32
+    (aten.div.Tensor, (_meta(2, 16, 3, 4, 4, dtype=BF16), _meta(2, 1, 3, 4, 4, dtype=BF16)), {}),  # F.normalize's
+    (aten.pow.Tensor_Scalar, (_meta(4, 8, dtype=BF16), 2), {}),
+    (aten.gelu.default, (_meta(4, 8, dtype=BF16),), {"approximate": "tanh"}),
+    (aten.silu.default, (_meta(2, 4, 8),), {}),
+    (aten.clamp_min.default, (_meta(2, 1, 3, 4, 4, dtype=BF16), 1e-12), {}),
+    (aten.native_layer_norm.default, (_meta(2, 16, 64, dtype=BF16), [64], _meta(64, dtype=BF16), None, 1e-6), {}),
+    (aten.native_layer_norm.default, (_meta(4, 8, 6, 32), [6, 32], None, None, 1e-6), {}),
+    (aten.native_layer_norm.default, (_meta(2, 64, 16, dtype=BF16).transpose(1, 2), [64], None, None, 1e-6), {}),
+    (aten.native_layer_norm.default, (_meta(2, 32, 64)[:, ::2], [64], _meta(64), _meta(64), 1e-6), {}),
+    (aten.mean.dim, (_meta(2, 16, 64, dtype=BF16), [-1], True), {}),  # an RMS norm's
+    (aten.mean.dim, (_meta(2, 16, 64), [0, 2]), {}),
+    (aten.mean.dim, (_meta(2, 16, 64), None), {}),  # every dimension
+    (aten.linalg_vector_norm.default, (_meta(2, 16, 3, 4, 4, dtype=BF16), 2, [1], True), {}),  # F.normalize's
+    (aten.linalg_vector_norm.default, (_meta(2, 16, 3),), {}),
+    (aten.cat.default, ([_meta(1, 16, 2, 8, 8), _meta(1, 16, 1, 8, 8)], 2), {}),  # a causal cache and a frame
+    (aten.cat.default, ([_meta(3, 4, dtype=BF16), _meta(5, 4, dtype=BF16), _meta(1, 4, dtype=BF16)],), {}),
+    (aten.cat.default, ([_meta(2, 3, 1, 1), _meta(2, 5, 1, 1)], -3), {}),
 ]
 
 
-@pytest.mark.parametrize("op, args", MADE_FROM_SHAPES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(MADE_FROM_SHAPES)])
-def test_ops_made_from_shapes_are_what_torchs_meta_kernels_make(op, args):
+@pytest.mark.parametrize(
+    "op, args, kwargs", MADE_FROM_SHAPES, ids=[f"{op}-{i}" for i, (op, _, _) in enumerate(MADE_FROM_SHAPES)]
+)
+def test_ops_made_from_shapes_are_what_torchs_meta_kernels_make(op, args, kwargs):
     from xfuse.perf.activations import _made_from_shapes
 
-    made, kernel = _made_from_shapes(op, args), op(*args)
+    made, kernel = _made_from_shapes(op, args, kwargs), op(*args, **kwargs)
     assert made is not None  # the fast path took it
     for ours, torchs in zip(
         made if isinstance(made, tuple) else (made,), kernel if isinstance(kernel, tuple) else (kernel,), strict=True
@@ -148,15 +166,20 @@ def test_ops_made_from_shapes_are_what_torchs_meta_kernels_make(op, args):
 
 
 @pytest.mark.parametrize(
-    "op, args",
+    "op, args, kwargs",
     [
-        (aten.mul.Tensor, (_meta(4, 8).t(), _meta(8, 4))),  # another layout: torch's kernel keeps it
-        (aten.add.Tensor, (_meta(4, 8, dtype=torch.int64), torch.tensor(0.5))),  # an int beside a wrapped float
-        (aten.mm.default, (_meta(5, 4), _meta(4, 8, dtype=BF16))),  # mixed dtypes: torch's kernel refuses them
-        (aten.exp.default, (_meta(4, 8),)),  # not one of the ops
+        (aten.mul.Tensor, (_meta(4, 8).t(), _meta(8, 4)), {}),  # another layout: torch's kernel keeps it
+        (aten.add.Tensor, (_meta(4, 8, dtype=torch.int64), torch.tensor(0.5)), {}),  # an int beside a wrapped float
+        (aten.mm.default, (_meta(5, 4), _meta(4, 8, dtype=BF16)), {}),  # mixed dtypes: torch's kernel judges them
+        (aten.addmm.default, (_meta(8, dtype=BF16), _meta(5, 4), _meta(4, 8)), {}),  # a bias of another dtype
+        (aten.mean.dim, (_meta(2, 16, 64, dtype=BF16), [-1], True), {"dtype": torch.float32}),  # a dtype asked for
+        (aten.linalg_vector_norm.default, (_meta(16, 2).t(), 2, [1], True), {}),  # another layout
+        (aten.cat.default, ([_meta(3, 4), _meta(5, 4, dtype=BF16)],), {}),  # mixed dtypes: promoted by torch's kernel
+        (aten.cat.default, ([_meta(4, 3).t(), _meta(5, 4)],), {}),  # another layout
+        (aten.exp.default, (_meta(4, 8),), {}),  # not one of the ops
     ],
 )
-def test_other_inputs_are_left_to_torchs_kernel(op, args):
+def test_other_inputs_are_left_to_torchs_kernel(op, args, kwargs):
     from xfuse.perf.activations import _made_from_shapes
 
-    assert _made_from_shapes(op, args) is None
+    assert _made_from_shapes(op, args, kwargs) is None

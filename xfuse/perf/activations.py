@@ -76,7 +76,7 @@ class LiveBytes(TorchDispatchMode):
             if func is torch.ops.aten.index.Tensor:  # a known mask selects the tokens it keeps, not all of them
                 args = (args[0], [self._positions(i) for i in args[1]], *args[2:])
                 args = (args[0], [i for group in args[1] for i in (group if isinstance(group, tuple) else (group,))])
-            out = _made_from_shapes(func, args)
+            out = _made_from_shapes(func, args, kwargs)
             if out is None:
                 out = func(*args, **kwargs)
             if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.is_meta:
@@ -132,41 +132,35 @@ SMALL = 1 << 16  # elements of a CPU tensor moved to the meta device whose value
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.addmm.default: (1, 2), _aten.mm.default: (0, 1), _aten.bmm.default: (0, 1)}  # the two factors
-_BROADCAST = {_aten.add.Tensor, _aten.mul.Tensor, _aten.sub.Tensor, _aten.pow.Tensor_Scalar}
-_FLOAT_UNARY = {_aten.neg.default, _aten.gelu.default, _aten.rsqrt.default, _aten.silu.default}
+_BROADCAST = {_aten.add.Tensor, _aten.mul.Tensor, _aten.sub.Tensor, _aten.div.Tensor, _aten.pow.Tensor_Scalar}
+_FLOAT_UNARY = {_aten.neg.default, _aten.gelu.default, _aten.rsqrt.default, _aten.silu.default, _aten.clamp_min.default}
+_REDUCTIONS = {_aten.mean.dim: 1, _aten.linalg_vector_norm.default: 2}  # where the reduced dims are
 _FROM_SHAPES = _MATMULS.keys() | _BROADCAST | _FLOAT_UNARY
 
 
-def _made_from_shapes(func, args) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
-    """The output of one of a trace's commonest ops (matmuls, broadcast arithmetic, activations, layer norm) on
-    contiguous meta inputs, made from their shapes and dtypes alone: torch's meta kernels for these run its Python
-    references (0.2-2 ms an op, most of a trace's time). The output is what those kernels make of contiguous inputs:
-    a new contiguous tensor of the broadcast shape and the promoted dtype. ``None``: not such an op, or inputs torch's
-    own kernel is left to judge (another layout; integers beside a CPU scalar, whose promotion a wrapped number
-    changes)."""
+def _made_from_shapes(func, args, kwargs) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    """The output of one of a trace's commonest ops (matmuls, broadcast arithmetic, activations, layer norm, means and
+    norms, concatenation) on meta inputs, made from their shapes and dtypes alone: torch's meta kernels for these run
+    its Python references (0.1-1 ms an op, most of a trace's time). The output is what those kernels make: a new
+    contiguous tensor of the result's shape and dtype (a matmul's and a layer norm's of any input layout; the others'
+    of contiguous inputs). ``None``: not such an op, or inputs torch's own kernel is left to judge (another layout
+    where it matters; mixed dtypes; integers beside a CPU scalar, whose promotion a wrapped number changes; a
+    ``dtype`` argument)."""
     if func is _aten.native_layer_norm.default:
         return _layer_norm_from_shapes(*args)
+    if func in _REDUCTIONS:
+        return _reduced_from_shapes(args, _REDUCTIONS[func], kwargs)
+    if func is _aten.cat.default:
+        return _cat_from_shapes(*args)
     if func not in _FROM_SHAPES:
         return None
     metas = [a for a in args if isinstance(a, torch.Tensor) and a.is_meta]
     scalars = [a for a in args if isinstance(a, torch.Tensor) and not a.is_meta]  # a Python number, wrapped
-    if not metas or not all(t.is_contiguous() for t in metas) or any(t.dim() for t in scalars):
+    if not metas or any(t.dim() for t in scalars):
         return None
-    if func in _MATMULS:
-        first, second = (args[i] for i in _MATMULS[func])
-        if scalars or first.dtype != second.dtype:
-            return None
-        shape: tuple[int, ...]
-        if func is _aten.bmm.default:  # (b, n, m) @ (b, m, p) -> (b, n, p)
-            if first.dim() != 3 or second.dim() != 3 or (first.shape[0], first.shape[2]) != second.shape[:2]:
-                return None
-            shape = (first.shape[0], first.shape[1], second.shape[2])
-        else:  # (n, m) @ (m, p) -> (n, p)
-            if first.dim() != 2 or second.dim() != 2 or first.shape[1] != second.shape[0]:
-                return None
-            shape = (first.shape[0], second.shape[1])
-        return torch.empty(shape, dtype=first.dtype, device="meta")
-    if not all(t.is_floating_point() for t in metas) or any(t.is_complex() for t in scalars):
+    if func in _MATMULS:  # the product is a new contiguous tensor whatever the factors' layout
+        return _matmul_from_shapes(func, args) if not scalars else None
+    if not all(t.is_contiguous() and t.is_floating_point() for t in metas) or any(t.is_complex() for t in scalars):
         return None
     if func in _FLOAT_UNARY:
         return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
@@ -174,11 +168,34 @@ def _made_from_shapes(func, args) -> torch.Tensor | tuple[torch.Tensor, ...] | N
     return torch.empty(shape, dtype=torch.result_type(args[0], args[1]), device="meta")
 
 
+def _matmul_from_shapes(func, args) -> torch.Tensor | None:
+    """``addmm``'s, ``mm``'s or ``bmm``'s product of factors of one dtype (``addmm``'s bias too, broadcast to it)."""
+    first, second = (args[i] for i in _MATMULS[func])
+    if first.dtype != second.dtype:
+        return None
+    shape: tuple[int, ...]
+    if func is _aten.bmm.default:  # (b, n, m) @ (b, m, p) -> (b, n, p)
+        if first.dim() != 3 or second.dim() != 3 or (first.shape[0], first.shape[2]) != second.shape[:2]:
+            return None
+        shape = (first.shape[0], first.shape[1], second.shape[2])
+    else:  # (n, m) @ (m, p) -> (n, p)
+        if first.dim() != 2 or second.dim() != 2 or first.shape[1] != second.shape[0]:
+            return None
+        shape = (first.shape[0], second.shape[1])
+    if func is _aten.addmm.default:
+        bias = args[0]
+        if not bias.is_meta or bias.dtype != first.dtype or bias.dim() > 2:
+            return None
+        if any(b not in (1, s) for b, s in zip(reversed(bias.shape), reversed(shape), strict=False)):
+            return None
+    return torch.empty(shape, dtype=first.dtype, device="meta")
+
+
 def _layer_norm_from_shapes(x, normalized_shape, weight, bias, eps) -> tuple[torch.Tensor, ...] | None:
-    """``native_layer_norm``'s (output, mean, rstd) as its meta kernel makes them of a contiguous input: the output
-    like the input, the statistics over the leading dimensions (the normalised ones kept as 1) in float32 for a
-    half-precision input, else in its dtype."""
-    if not (x.is_meta and x.is_contiguous() and x.is_floating_point()):
+    """``native_layer_norm``'s (output, mean, rstd) as its meta kernel makes them, of any input layout: the output
+    like the input but contiguous, the statistics over the leading dimensions (the normalised ones kept as 1) in
+    float32 for a half-precision input, else in its dtype."""
+    if not (x.is_meta and x.is_floating_point()):
         return None
     if any(t is not None and not t.is_meta for t in (weight, bias)):
         return None
@@ -189,6 +206,37 @@ def _layer_norm_from_shapes(x, normalized_shape, weight, bias, eps) -> tuple[tor
         torch.empty(stats_shape, dtype=stats_dtype, device="meta"),
         torch.empty(stats_shape, dtype=stats_dtype, device="meta"),
     )
+
+
+def _reduced_from_shapes(args, dims_at: int, kwargs) -> torch.Tensor | None:
+    """``mean.dim``'s or ``linalg_vector_norm``'s result of a contiguous float input in its own dtype: the reduced
+    dimensions (all where none are named) dropped, or kept as 1 with ``keepdim``."""
+    x = args[0]
+    if not (x.is_meta and x.is_contiguous() and x.is_floating_point()) or kwargs.get("dtype") is not None:
+        return None
+    dims = args[dims_at] if len(args) > dims_at else None
+    keepdim = bool(args[dims_at + 1]) if len(args) > dims_at + 1 else False
+    if x.dim() == 0:
+        return None
+    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
+    shape = [1 if i in reduced else n for i, n in enumerate(x.shape) if keepdim or i not in reduced]
+    return torch.empty(shape, dtype=x.dtype, device="meta")
+
+
+def _cat_from_shapes(tensors, dim: int = 0) -> torch.Tensor | None:
+    """``cat`` of contiguous meta tensors of one dtype and rank, equal but along ``dim``: contiguous, their sizes
+    along ``dim`` added."""
+    first = tensors[0] if tensors else None
+    if first is None or first.dim() == 0:
+        return None
+    dim %= first.dim()
+    for t in tensors:
+        if not (t.is_meta and t.is_contiguous() and t.dtype == first.dtype and t.dim() == first.dim()):
+            return None
+        if t.shape[:dim] != first.shape[:dim] or t.shape[dim + 1 :] != first.shape[dim + 1 :]:
+            return None
+    shape = (*first.shape[:dim], sum(t.shape[dim] for t in tensors), *first.shape[dim + 1 :])
+    return torch.empty(shape, dtype=first.dtype, device="meta")
 
 
 def _to_cpu(func, kwargs) -> bool:
