@@ -14,6 +14,10 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
+from xfuse.runtime.heap import collector_paused
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("XFUSE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "xfuse"))
@@ -23,6 +27,14 @@ os.environ.setdefault("XFUSE_CACHE_DIR", str(Path(__file__).resolve().parent.par
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection (every test module imported, with torch, diffusers and transformers) with the collector paused, as
+    xfuse's own start-up (``xfuse.runtime.heap.collector_paused``): 7.3 -> 4.7 CPU-s a test process."""
+    with collector_paused():
+        return (yield)
 
 
 def pytest_collection_finish(session):
