@@ -2,12 +2,14 @@
 
 import multiprocessing
 import os
+import re
 import threading
 import time
 
 import pytest
 
 from tests.support import world_fns as fns
+from tests.support.world import _STACKS_WAIT_S as STACKS_WAIT_S
 from tests.support.world import RankDied, RemoteError, World, WorldError, WorldTimeout, run_world
 
 
@@ -84,9 +86,13 @@ def test_hang_times_out_and_kills_everything():
     t0 = time.monotonic()
     with pytest.raises(WorldTimeout) as info:
         w.run(fns.recv_never_matched, timeout=2.0)
-    assert time.monotonic() - t0 < 2.0 + 3.0
+    assert time.monotonic() - t0 < 2.0 + 3.0 + STACKS_WAIT_S
     assert info.value.pending == [0] and info.value.answered[1].value == "done"
     assert "ranks [0] did not answer" in str(info.value) and "rank 1 -> 'done'" in str(info.value)
+    # the rank that did not answer wrote where it was before it was killed (every thread: its main one in the call)
+    stacks = str(info.value).split("rank 0's stacks when it was killed:\n", 1)[1]
+    assert re.search(r'File ".*world_fns\.py", line \d+ in recv_never_matched', stacks), stacks
+    assert "rank 1's stacks" not in str(info.value)  # it answered
     assert not w.alive and all(_gone(pid) for pid in w.pids)
     with pytest.raises(RuntimeError, match="world is dead"):
         w.run(fns.whoami)

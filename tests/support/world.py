@@ -16,6 +16,7 @@ of an importable module (spawned children get the parent's ``sys.path``).
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.context
@@ -39,6 +40,11 @@ __all__ = ["RankResult", "RemoteError", "RankDied", "WorldTimeout", "WorldError"
 
 _CLOSE = ("close",)
 _CLOSE_GRACE = 5.0  # seconds a rank gets to tear down its group before SIGKILL
+# A rank that does not answer in time writes every thread's stack here (faulthandler's C handler, which needs no
+# Python thread to run) before the world kills it: a hang is then read, not guessed. Not SIGUSR1, which xfuse's own
+# commands take for their stacks on stderr (``xfuse.runtime.host_deadline.register_stack_dump``).
+_STACKS_SIGNAL = signal.SIGUSR2
+_STACKS_WAIT_S = 2.0
 
 
 @dataclass
@@ -166,6 +172,8 @@ def _worker_main(rank, size, backend, store_path, threads, env, conn, parent_pid
     parent_stop = threading.Event()
     parent_watcher = threading.Thread(target=_watch_parent, args=(parent_pid, parent_stop), daemon=True)
     parent_watcher.start()
+    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 - open while the rank lives
+    faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -212,6 +220,14 @@ def _worker_main(rank, size, backend, store_path, threads, env, conn, parent_pid
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _stacks_path(store_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_path), f"stacks.{rank}")
+
+
+def _size(path: str) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0
 
 
 # --------------------------------------------------------------------------- parent side
@@ -406,6 +422,7 @@ class World:
                 return [got.get(r) for r in range(self.size)]
         pending = [r for r in range(self.size) if r not in got]
         if pending:
+            stacks = self._stacks_of(pending)
             self._kill_all(f"{what} timed out")
             answered = [got[r] for r in sorted(got)]
             limit = f" after {timeout:g} s" if timeout is not None else ""
@@ -413,7 +430,8 @@ class World:
                 f"{what} timed out{limit}: ranks {pending} did not answer (all ranks killed); "
                 f"answered: {[r for r in sorted(got)]}"
                 + "".join(f"\n  {_describe(r)}" for r in answered)
-                + "".join(f"\n\nrank {r.rank}: {r.traceback}" for r in answered if r.traceback),
+                + "".join(f"\n\nrank {r.rank}: {r.traceback}" for r in answered if r.traceback)
+                + "".join(f"\n\nrank {rank}'s stacks when it was killed:\n{text}" for rank, text in stacks.items()),
                 answered=got,
                 pending=pending,
             )
@@ -421,6 +439,19 @@ class World:
         if died:  # the group is broken now; close() will reap the survivors
             self._dead = "; ".join(str(r.error) for r in died)
         return [got[r] for r in range(self.size)]
+
+    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        """Every thread's stack of each of ``ranks`` still running (``_STACKS_SIGNAL``), as it wrote them."""
+        paths = {}
+        for rank in ranks:
+            if self._procs[rank].exitcode is None:
+                paths[rank] = _stacks_path(os.path.join(self._tmpdir, "store"), rank)
+                os.kill(self.pids[rank], _STACKS_SIGNAL)
+        deadline = time.monotonic() + _STACKS_WAIT_S
+        while time.monotonic() < deadline and not all(_size(p) for p in paths.values()):
+            time.sleep(0.05)
+        time.sleep(0.1)  # the rest of a dump already begun
+        return {rank: open(path).read() if _size(path) else "(none written)\n" for rank, path in paths.items()}
 
     def _read(self, rank: int) -> RankResult:
         """Read the rank's answer; if there is none the process has ended."""
