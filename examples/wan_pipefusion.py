@@ -76,6 +76,8 @@ def main():
     )
     if out is not None:  # global rank 0
         frames = out.frames[0]  # (frames, H, W, 3) floats in [0, 1]
+        # ffmpeg started with no Python run between fork and exec: this process has threads (see xfuse.cli.write_clip)
+        os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
         export_to_video(list(frames), args.output, fps=args.fps)
         print(f"wrote {args.output}: {len(frames)} frames at {args.fps} fps ({args.patches} patches)")
 

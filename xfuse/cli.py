@@ -196,6 +196,11 @@ def write_clip(frames, output: str, fps: int) -> tuple[str, str | None]:
         else:
             from diffusers.utils import export_to_video
 
+            # imageio-ffmpeg starts ffmpeg with a Python preexec_fn (os.setpgrp) unless told not to. A rank has threads
+            # (the failure monitor, gloo's), and a fork that runs Python in the child of a threaded process can
+            # deadlock before exec (subprocess's documentation; imageio-ffmpeg's own workaround is this variable):
+            # rank 0 then blocks for ever writing frames to an ffmpeg that never started.
+            os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
             return export_to_video(frames, output, fps=fps), None
         output = stem + ".gif"
     # GIF frame times are whole centiseconds: 1000 / 16 = 62.5 ms is stored as 60 ms

@@ -116,6 +116,29 @@ def test_generate_decodes_the_clip_over_both_ranks_and_reports_each_ranks_share(
     assert np.abs(frames["on"].astype(int) - frames["off"].astype(int)).max() <= 1
 
 
+def test_the_clip_writer_starts_ffmpeg_with_no_python_between_fork_and_exec(tmp_path, monkeypatch):
+    """A rank is threaded (the failure monitor, gloo's threads): imageio-ffmpeg's default start of ffmpeg runs a
+    Python ``preexec_fn`` in the forked child, which can deadlock before ``exec`` and leave rank 0 writing frames to
+    an ffmpeg that never started (one CI run: rank 0 of a 2-rank clip never answered). The writer turns that off;
+    the clip is still written (every ``Popen`` of the real run recorded)."""
+    from xfuse.cli import write_clip
+
+    monkeypatch.delenv("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", raising=False)
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            started.append((os.path.basename(str(args[0])), kwargs.get("preexec_fn")))
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    frames = [Image.new("RGB", (64, 48), (30 * i, 0, 255 - 30 * i)) for i in range(6)]
+    path, note = write_clip(frames, str(tmp_path / "clip.mp4"), 8)
+    assert note is None and path.endswith("clip.mp4") and os.path.getsize(path) > 0
+    writers = [preexec for name, preexec in started if "ffmpeg" in name]
+    assert writers and writers == [None] * len(writers), started
+
+
 def test_generate_without_imageio_ffmpeg_writes_a_gif_and_says_so(tmp_path):
     """Plain python, one rank, imageio-ffmpeg hidden: an animated GIF beside the MP4 asked for (9 frames of 96 x 64,
     60 ms each: 1000 / 16 fps in whole centiseconds, looping), one stderr line naming the missing package and the
