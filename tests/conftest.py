@@ -29,12 +29,12 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_collection(session):
     """Collection (every test module imported, with torch, diffusers and transformers) with the collector paused, as
     xfuse's own start-up (``xfuse.runtime.heap.collector_paused``): 7.3 -> 4.7 CPU-s a test process."""
     with collector_paused():
-        return (yield)
+        yield
 
 
 def pytest_collection_finish(session):

@@ -215,6 +215,7 @@ def _reduced_from_shapes(args, dims_at: int, kwargs) -> torch.Tensor | None:
     if not (x.is_meta and x.is_contiguous() and x.is_floating_point()) or kwargs.get("dtype") is not None:
         return None
     dims = args[dims_at] if len(args) > dims_at else None
+    dims = [dims] if isinstance(dims, int) else dims
     keepdim = bool(args[dims_at + 1]) if len(args) > dims_at + 1 else False
     if x.dim() == 0:
         return None
