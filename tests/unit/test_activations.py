@@ -172,6 +172,7 @@ def test_ops_made_from_shapes_are_what_torchs_meta_kernels_make(op, args, kwargs
         (aten.add.Tensor, (_meta(4, 8, dtype=torch.int64), torch.tensor(0.5)), {}),  # an int beside a wrapped float
         (aten.mm.default, (_meta(5, 4), _meta(4, 8, dtype=BF16)), {}),  # mixed dtypes: torch's kernel judges them
         (aten.addmm.default, (_meta(8, dtype=BF16), _meta(5, 4), _meta(4, 8)), {}),  # a bias of another dtype
+        (aten.addmm.default, (_meta(3), _meta(5, 4), _meta(4, 8)), {}),  # a bias that does not broadcast: an error
         (aten.mean.dim, (_meta(2, 16, 64, dtype=BF16), [-1], True), {"dtype": torch.float32}),  # a dtype asked for
         (aten.linalg_vector_norm.default, (_meta(16, 2).t(), 2, [1], True), {}),  # another layout
         (aten.cat.default, ([_meta(3, 4), _meta(5, 4, dtype=BF16)],), {}),  # mixed dtypes: promoted by torch's kernel
