@@ -4,6 +4,7 @@ One 8-rank world serves the whole module; a run of degree N uses ranks 0 … N-1
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -137,15 +138,9 @@ def engine_degree1(num_patches, warmup, scheduler, height, width, steps):
     return engine.denoise(request, patch_grid(height // 8, width // 8, num_patches, 2))
 
 
-_DEGREE1 = {}
-
-
-def degree1_once(*args):
-    """``engine_degree1(*args)``, run once for the pipelined cases that share an M (their degrees and placements
-    differ, the semantics not). The injected-bug tests call ``engine_degree1`` itself, under their bug."""
-    if args not in _DEGREE1:
-        _DEGREE1[args] = engine_degree1(*args)
-    return _DEGREE1[args]
+# ``engine_degree1``, run once for the pipelined cases that share an M (their degrees and placements differ, the
+# semantics not). The injected-bug tests call ``engine_degree1`` itself, under their bug.
+degree1_once = functools.cache(engine_degree1)
 
 
 def distinct(degree, placement, num_blocks=16):

@@ -172,7 +172,7 @@ def _worker_main(rank, size, backend, store_path, threads, env, conn, parent_pid
     parent_stop = threading.Event()
     parent_watcher = threading.Thread(target=_watch_parent, args=(parent_pid, parent_stop), daemon=True)
     parent_watcher.start()
-    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 - open while the rank lives
+    stacks = open(_stacks_path(os.path.dirname(store_path), rank), "w")  # noqa: SIM115 - open while the rank lives
     faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)
     try:
         import torch
@@ -222,8 +222,9 @@ def _worker_main(rank, size, backend, store_path, threads, env, conn, parent_pid
     os._exit(code)
 
 
-def _stacks_path(store_path: str, rank: int) -> str:
-    return os.path.join(os.path.dirname(store_path), f"stacks.{rank}")
+def _stacks_path(folder: str, rank: int) -> str:
+    """Where rank ``rank`` of the world whose folder is ``folder`` writes its stacks on ``_STACKS_SIGNAL``."""
+    return os.path.join(folder, f"stacks.{rank}")
 
 
 def _size(path: str) -> int:
@@ -445,7 +446,7 @@ class World:
         paths = {}
         for rank in ranks:
             if self._procs[rank].exitcode is None:
-                paths[rank] = _stacks_path(os.path.join(self._tmpdir, "store"), rank)
+                paths[rank] = _stacks_path(self._tmpdir, rank)
                 os.kill(self.pids[rank], _STACKS_SIGNAL)
         deadline = time.monotonic() + _STACKS_WAIT_S
         while time.monotonic() < deadline and not all(_size(p) for p in paths.values()):
