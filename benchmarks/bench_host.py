@@ -37,8 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_pipefusion import spread  # noqa: E402  (after the path insert, as run directly)
 
 PROMPT = "a red house by a lake"
-SHORT, LONG = 2, 12  # steps of the two calls whose difference is LONG - SHORT steps
+SHORT, LONG = 2, 22  # steps of the two calls whose difference is LONG - SHORT steps
 TOKEN_ROWS = 4  # token rows and columns of the image (a frame of a video)
+PATCHES = 4  # the pipelined call's patches (one rank: the engine's passes, the scheduler stepped per patch)
+# Ops whose result the host reads: ``.item()``/``bool()``/``int()`` of a tensor, a data-dependent shape, a comparison.
+HOST_SYNCS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
 
 
 def family_call(spec) -> dict:
@@ -83,6 +86,44 @@ class OpCounter:
 def _latents(output):
     """The latents of a pipeline's output (``images`` for an image pipeline, ``frames`` for a video one)."""
     return output.frames if hasattr(output, "frames") else output.images
+
+
+def ops_per_step(runner, call: dict) -> dict[str, float]:
+    """The aten ops, by name, one step of ``runner``'s ``call`` issues: those of a ``LONG``-step call less those of a
+    ``SHORT``-step one, over the steps between."""
+    import torch
+
+    counted = {}
+    for steps in (SHORT, LONG):
+        counter = OpCounter()
+        with counter.mode:
+            runner(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+        counted[steps] = counter.counts
+    names = counted[LONG] | counted[SHORT]
+    return {name: (counted[LONG][name] - counted[SHORT][name]) / (LONG - SHORT) for name in names}
+
+
+def passes_ops(pipe, call: dict) -> dict[str, int]:
+    """The aten ops, by name, of every stage pass (``stage.run_segment``) of one ``LONG``-step call of ``pipe``."""
+    import torch
+
+    counter, run_segment = OpCounter(), pipe.stage.run_segment
+
+    def counted(*args, **kwargs):
+        with counter.mode:
+            return run_segment(*args, **kwargs)
+
+    pipe.stage.run_segment = counted
+    try:
+        pipe(**call, num_inference_steps=LONG, generator=torch.Generator().manual_seed(0))
+    finally:
+        del pipe.stage.run_segment  # the class's method again
+    return dict(counter.counts)
+
+
+def host_syncs(ops: dict[str, float]) -> float:
+    """Of ``ops``, those whose result the host reads (on a GPU each waits for the device to drain its queue)."""
+    return sum(ops.get(name, 0) for name in HOST_SYNCS)
 
 
 def transformer_calls(pipe, call: dict, steps: int) -> int:
@@ -141,16 +182,14 @@ def measure_family(preset: str, repeats: int) -> dict:
     # What a call costs besides its steps (the line's intercept): text encoding, preparation, the engine's set-up.
     per_call = {side: [short - SHORT * step for short, step in zip(t[SHORT], per_step[side], strict=True)]
                 for side, t in times.items()}  # fmt: skip
-    ops = {}
-    for side, runner in sides.items():
-        counted = {}
-        for steps in (SHORT, LONG):
-            counter = OpCounter()
-            with counter.mode:
-                runner(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
-            counted[steps] = counter.counts
-        ops[side] = {name: (counted[LONG][name] - counted[SHORT][name]) / (LONG - SHORT)
-                     for name in counted[LONG] | counted[SHORT]}  # fmt: skip
+    ops = {side: ops_per_step(runner, call) for side, runner in sides.items()}
+    # The same call pipelined over PATCHES patches (still one rank): the host syncs a step's patches add.
+    pipelined = spec.pipeline_class().from_pipe(
+        spec.build_preset_pipeline(preset), parallel={"pipefusion_degree": 1, "num_patches": PATCHES, "warmup_steps": 1}
+    )
+    pipelined.set_progress_bar_config(disable=True)
+    syncs_pipelined = host_syncs(ops_per_step(pipelined, call))
+    syncs_in_passes = host_syncs(passes_ops(pipelined, call))
     config = transformer_config(preset)
     blocks = spec.num_blocks(config)
     passes = (transformer_calls(pipe, call, LONG) - transformer_calls(pipe, call, SHORT)) / (LONG - SHORT)
@@ -158,8 +197,10 @@ def measure_family(preset: str, repeats: int) -> dict:
            "blocks": blocks, "transformer_calls_per_step": passes, "latents_max_abs_diff": max_abs_diff}  # fmt: skip
     for side in sides:
         row[side] = {"step_s": spread(per_step[side]), "call_s": spread(per_call[side]),
-                     "ops_per_step": sum(ops[side].values())}  # fmt: skip
+                     "ops_per_step": sum(ops[side].values()), "host_syncs_per_step": host_syncs(ops[side])}  # fmt: skip
         row[side]["block_us"] = 1e6 * row[side]["step_s"]["median"] / (blocks * passes)
+    row["xfuse"]["host_syncs_per_step_pipelined"] = syncs_pipelined
+    row["xfuse"]["host_syncs_in_stage_passes"] = syncs_in_passes
     row["xfuse_over_diffusers"] = row["xfuse"]["step_s"]["median"] / row["diffusers"]["step_s"]["median"]
     extra = {
         name: ops["xfuse"].get(name, 0) - ops["diffusers"].get(name, 0) for name in ops["xfuse"] | ops["diffusers"]
@@ -174,8 +215,9 @@ def markdown(report: dict) -> str:
              f"{report['repeats']}:", "",
              "| preset | blocks | diffusers ms/step | xfuse ms/step | xfuse / diffusers | µs per block pass "
              "(diffusers, xfuse) | ms per call besides its steps (diffusers, xfuse) | aten ops/step (diffusers, "
-             "xfuse) | xfuse's extra ops/step (most) | latents, max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "xfuse) | xfuse's extra ops/step (most) | latents, max abs diff | host syncs/step (diffusers, xfuse, "
+             f"xfuse over {PATCHES} patches) | host syncs in xfuse's stage passes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in report["rows"]:
         d, x = row["diffusers"], row["xfuse"]
 
@@ -187,7 +229,8 @@ def markdown(report: dict) -> str:
                      f"{row['xfuse_over_diffusers']:.2f}x | {d['block_us']:.0f}, {x['block_us']:.0f} | "
                      f"{1e3 * d['call_s']['median']:.1f}, {1e3 * x['call_s']['median']:.1f} | "
                      f"{d['ops_per_step']:.0f}, {x['ops_per_step']:.0f} | {extra} | "
-                     f"{row['latents_max_abs_diff']:.1e} |")  # fmt: skip
+                     f"{row['latents_max_abs_diff']:.1e} | {d['host_syncs_per_step']:g}, {x['host_syncs_per_step']:g}, "
+                     f"{x['host_syncs_per_step_pipelined']:g} | {x['host_syncs_in_stage_passes']:g} |")  # fmt: skip
     return "\n".join(lines)
 
 
