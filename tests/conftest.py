@@ -9,14 +9,13 @@ The summary ends with each tier's count and test time (setup, call and teardown;
 to more than the run's wall time), which ``docs/testing.md`` budgets.
 """
 
-import gc
 import os
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from xfuse.runtime.heap import collector_paused
+from xfuse.runtime.heap import collector_paused, freeze_startup_heap
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -41,8 +40,7 @@ def pytest_collection_finish(session):
     """What the test process imported and collected lives as long as it: the collector never scans it again (as
     ``tests.support.rank_preload`` does for the ranks); without it each full collection here walks torch, diffusers,
     transformers and every test module's objects."""
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
 
 
 def pytest_terminal_summary(terminalreporter):
