@@ -67,20 +67,23 @@ def family_call(spec) -> dict:
     return call
 
 
-class OpCounter:
-    """Every aten op that reaches the dispatcher while it is on, by name (a ``TorchDispatchMode``)."""
+def counting_ops(counts: collections.Counter):
+    """A ``TorchDispatchMode`` that adds every aten op reaching the dispatcher while it is on to ``counts``, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class CountingOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
 
-        counts: collections.Counter = collections.Counter()
+    return CountingOps()
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counts[str(func.overloadpacket.__name__)] += 1
-                return func(*args, **(kwargs or {}))
 
-        self.counts, self.mode = counts, Mode()
+def run(runner, call: dict, steps: int):
+    """``runner``'s ``call`` of ``steps`` steps, its noise seeded alike on every side and run."""
+    import torch
+
+    return runner(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
 
 
 def _latents(output):
@@ -91,34 +94,29 @@ def _latents(output):
 def ops_per_step(runner, call: dict) -> dict[str, float]:
     """The aten ops, by name, one step of ``runner``'s ``call`` issues: those of a ``LONG``-step call less those of a
     ``SHORT``-step one, over the steps between."""
-    import torch
-
-    counted = {}
-    for steps in (SHORT, LONG):
-        counter = OpCounter()
-        with counter.mode:
-            runner(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
-        counted[steps] = counter.counts
+    counted = {steps: collections.Counter() for steps in (SHORT, LONG)}
+    for steps, counts in counted.items():
+        with counting_ops(counts):
+            run(runner, call, steps)
     names = counted[LONG] | counted[SHORT]
     return {name: (counted[LONG][name] - counted[SHORT][name]) / (LONG - SHORT) for name in names}
 
 
 def passes_ops(pipe, call: dict) -> dict[str, int]:
     """The aten ops, by name, of every stage pass (``stage.run_segment``) of one ``LONG``-step call of ``pipe``."""
-    import torch
-
-    counter, run_segment = OpCounter(), pipe.stage.run_segment
+    counts: collections.Counter = collections.Counter()
+    run_segment = pipe.stage.run_segment
 
     def counted(*args, **kwargs):
-        with counter.mode:
+        with counting_ops(counts):
             return run_segment(*args, **kwargs)
 
     pipe.stage.run_segment = counted
     try:
-        pipe(**call, num_inference_steps=LONG, generator=torch.Generator().manual_seed(0))
+        run(pipe, call, LONG)
     finally:
         del pipe.stage.run_segment  # the class's method again
-    return dict(counter.counts)
+    return dict(counts)
 
 
 def host_syncs(ops: dict[str, float]) -> float:
@@ -138,7 +136,7 @@ def transformer_calls(pipe, call: dict, steps: int) -> int:
     handles = [module.register_forward_pre_hook(count) for name, module in pipe.components.items()
                if name.startswith("transformer") and isinstance(module, torch.nn.Module)]  # fmt: skip
     try:
-        pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+        run(pipe, call, steps)
     finally:
         for handle in handles:
             handle.remove()
@@ -148,7 +146,6 @@ def transformer_calls(pipe, call: dict, steps: int) -> int:
 def measure_family(preset: str, repeats: int) -> dict:
     """One family's row: seconds per step of diffusers' and xfuse's call (median, min-max over ``repeats`` slopes),
     the per-block figures and the aten ops a step issues on each side."""
-    import torch
 
     from xfuse.families.registry import model_spec, transformer_config
 
@@ -163,14 +160,12 @@ def measure_family(preset: str, repeats: int) -> dict:
 
     def timed(runner, steps: int) -> float:
         start = time.perf_counter()
-        runner(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+        run(runner, call, steps)
         return time.perf_counter() - start
 
     # The first calls (lazy initialisation, caches, the allocator's growth), which also show the two compute the
     # same latents: the comparison is of one computation's host cost.
-    first = {side: runner(**call, num_inference_steps=SHORT, generator=torch.Generator().manual_seed(0))
-             for side, runner in sides.items()}  # fmt: skip
-    latents = [_latents(out) for out in first.values()]
+    latents = [_latents(run(runner, call, SHORT)) for runner in sides.values()]
     max_abs_diff = (latents[0] - latents[1]).abs().max().item()
     times: dict[str, dict[int, list[float]]] = {side: {SHORT: [], LONG: []} for side in sides}
     for _ in range(repeats):
