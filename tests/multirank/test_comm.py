@@ -28,7 +28,7 @@ from xfuse.comm import (
 )
 from xfuse.comm.bounded_call import call_bounded
 from xfuse.comm.errors import error_from_backend
-from xfuse.comm.p2p import one_per_peer
+from xfuse.comm.p2p import in_order
 from xfuse.comm.watchdog import CommWatchdog
 
 FIELDS = dict(
@@ -219,22 +219,21 @@ class _Op:
 
 
 @pytest.mark.parametrize(
-    "peers, batches",
+    "ops, batches",
     [
         ([], []),
-        ([1, 2], [[1, 2]]),  # one operation per peer: one call, as before
-        ([1, 1, 1, 1], [[1], [1], [1], [1]]),  # two patches' hidden and text from one peer: a call each
-        ([0, 0, 2, 2, 0], [[0, 2], [0, 2], [0]]),  # the k-th with each peer go together, in issue order
-        ([3, 1, 3, 1], [[3, 1], [3, 1]]),
+        ([(1, "up"), (2, "up")], [[1, 2]]),  # one operation per peer: one call
+        ([(1, "up")] * 4, [[1], [1], [1], [1]]),  # two patches' hidden and text from one peer: a call each
+        ([(0, "up"), (2, "up"), (2, "up"), (0, "up")], [[0, 2], [2, 0]]),  # cut before a peer the call has
+        ([(1, "down"), (2, "up"), (3, "up")], [[1], [2, 3]]),  # a call is on one process group
     ],
 )
-def test_one_per_peer_cuts_a_groups_operations_into_calls_of_one_per_peer(peers, batches):
-    items = [(peer, i) for i, peer in enumerate(peers)]
-    cut = one_per_peer(items, lambda item: item[0])
-    assert [[peer for peer, _ in batch] for batch in cut] == batches
-    assert sorted(item for batch in cut for item in batch) == sorted(items)  # nothing lost, nothing twice
-    for batch in cut:  # within a call, and across the calls for one peer, the issue order is kept
-        assert [i for _, i in batch] == sorted(i for _, i in batch)
+def test_in_order_cuts_operations_into_calls_of_one_per_peer_and_group_keeping_their_order(ops, batches):
+    groups = {"up": object(), "down": object()}
+    items = [(peer, groups[group], i) for i, (peer, group) in enumerate(ops)]
+    cut = in_order(items, lambda item: (item[0], item[1]))
+    assert [[peer for peer, _, _ in batch] for batch in cut] == batches
+    assert [item for batch in cut for item in batch] == items  # nothing lost, nothing twice, the order kept
 
 
 @pytest.mark.parametrize("main_thread_raises", [True, False], ids=["main-thread-raises", "stuck-main-thread"])
@@ -334,11 +333,12 @@ def test_stream_ordered_waits_deliver_the_same_and_the_watchdog_retires_every_op
 def test_a_batch_call_holds_one_operation_per_peer_whatever_the_exchanges_hold(world, separate_groups):
     """NCCL leaves it undefined when two ranks group the operations between them differently (NVIDIA/nccl#1279):
     however an exchange's messages differ from its peer's, each ``batch_isend_irecv`` call holds at most one
-    operation per peer, in the pair's order, and everything arrives."""
+    operation per peer and one process group, in the exchange's order, and everything arrives."""
     zero, one, two = world.run_ok(fns.grouped_unlike, separate_groups, timeout=60)
     assert zero["calls"] == [[("send", 1)]] * 4  # one call per message, two exchanges of two
-    # rank 1's one exchange: its k-th receive from rank 0 with its k-th send to rank 2 (receives first)
-    assert one["calls"] == [[("recv", 0), ("send", 2)]] * 4
+    # rank 1's one exchange: its four receives from rank 0, then its four sends to rank 2, in order (both "up" under
+    # direction groups), the last receive and the first send in one call
+    assert one["calls"] == [[("recv", 0)]] * 3 + [[("recv", 0), ("send", 2)]] + [[("send", 2)]] * 3
     assert two["calls"] == [[("recv", 1)]] * 4
     assert zero["bad"] == one["bad"] == two["bad"] == []
 

@@ -76,7 +76,7 @@ def run_engine(
         pipe_rank=rank,
         group_ranks=list(range(degree)),
         warmup_steps=warmup,
-        lookahead=max_inflight,
+        max_inflight=max_inflight,
         cache=None if cache is None else cache_config(cache),
     )
     grid = patch_grid(height // 8, width // 8, num_patches, pipe.transformer.config.patch_size)

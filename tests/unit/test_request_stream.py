@@ -6,16 +6,9 @@ own schedule; and the schedule alone recovers more of the idle ranks the deeper 
 import pytest
 
 from xfuse.families.registry import HUNYUANDIT
+from xfuse.parallel.protocol import check_protocol, protocol, served_step, stop_points
 from xfuse.parallel.request_stream import build_stream, overlap_gain
-from xfuse.parallel.schedule import (
-    StreamShape,
-    Task,
-    action_step,
-    build_schedule,
-    check_protocol,
-    protocol,
-    stop_points,
-)
+from xfuse.parallel.schedule import StreamShape, Task, build_schedule
 from xfuse.parallel.stage_plan import stage_plan
 
 NUM_LAYERS = 16
@@ -44,13 +37,15 @@ def cases():
 
 @pytest.mark.parametrize("degree,placement,mix", list(cases()))
 def test_a_stream_keeps_the_protocol_and_each_requests_own_order(degree, placement, mix):
-    """Matched and deadlock-free for lookahead 1 and 2; every task of every request once; every segment runs the
-    units in the one order the first segment took them, and each request's in its own stream order."""
+    """Matched and deadlock-free for 1 and 2 receive buffers, on gloo and under NCCL's rules; every task of every
+    request once; every segment runs the units in the one order the first segment took them, and each request's in
+    its own stream order."""
     plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
     shapes = mixes(degree)[mix]
     stream = build_stream(plan, shapes)
-    for lookahead in (1, 2):
-        check_protocol(stream, lookahead)
+    for max_inflight in (1, 2):
+        for rules in ("gloo", "nccl"):
+            check_protocol(stream, max_inflight, rules=rules)
     for r, shape in enumerate(shapes):
         alone = build_schedule(plan, shape.num_steps, shape.warmup_steps, shape.num_patches, shape.batch_parts)
         mine = sorted((t for order in stream.orders.values() for t in order if t.request == r), key=_unit)
@@ -69,21 +64,21 @@ def test_a_stream_keeps_the_protocol_and_each_requests_own_order(degree, placeme
 def test_each_request_of_a_stream_stops_on_its_own_without_a_deadlock(degree, placement, mix):
     """Rank 0 decides for each request one step ahead at its own stop points among that request's actions; every
     other rank reads each request's decision at its stop points (``stop_points(..., request)``): deadlock-free for
-    lookahead 1 and 2 with every request asked every step, and with any one request stopped before any of its
-    steps (the others run whole), or every request stopped at once."""
+    1 and 2 receive buffers (and NCCL's rules) with every request asked every step, and with any one request stopped
+    before any of its steps (the others run whole), or every request stopped at once."""
     plan = stage_plan(NUM_LAYERS, degree, placement, skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
     shapes = mixes(degree)[mix]
     stream = build_stream(plan, shapes)
-    for lookahead in (1, 2):
-        check_protocol(stream, lookahead, decider=0)
+    for max_inflight, rules in ((1, "gloo"), (2, "gloo"), (2, "nccl")):
+        check_protocol(stream, max_inflight, rules=rules, decider=0)
         for r, shape in enumerate(shapes):
             for stop in range(1, shape.num_steps):
-                check_protocol(stream, lookahead, decider=0, stop_at={r: stop})
-        check_protocol(stream, lookahead, decider=0, stop_at={r: 1 for r in range(len(shapes))})
+                check_protocol(stream, max_inflight, rules=rules, decider=0, stop_at={r: stop})
+        check_protocol(stream, max_inflight, rules=rules, decider=0, stop_at={r: 1 for r in range(len(shapes))})
 
 
 def test_a_stream_stop_point_is_the_requests_first_action_of_the_step():
-    """A request's stop points fall on its own actions: the first that serves the step (``action_step``); the other
+    """A request's stop points fall on its own actions: the first that serves the step (``served_step``); the other
     requests' actions before it serve any of their steps."""
     plan = stage_plan(NUM_LAYERS, 3, "linear", skips=HUNYUANDIT.skip_pairs(NUM_LAYERS))
     stream = build_stream(plan, mixes(3)["mixed"])
@@ -92,9 +87,9 @@ def test_a_stream_stop_point_is_the_requests_first_action_of_the_step():
         for r, shape in enumerate(stream.requests):
             for stop, point in stop_points(stream, program, r).items():
                 action, task = program[point]
-                assert task.request == r and action_step(stream, action, task) >= stop, (rank, r, stop)
+                assert task.request == r and served_step(task) >= stop, (rank, r, stop)
                 before = [(a, t) for a, t in program[:point] if t.request == r]
-                assert all(action_step(stream, a, t) < stop for a, t in before), (rank, r, stop)
+                assert all(served_step(t) < stop for a, t in before), (rank, r, stop)
             assert sorted(stop_points(stream, program, r)) == list(range(1, shape.num_steps))
 
 

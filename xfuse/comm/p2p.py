@@ -44,10 +44,11 @@ Rules this module enforces or makes natural (see docs/design.md §5):
   current stream, and the next receive into that buffer is queued behind it.
   NCCL coalesces a batch into one Work, so waiting on one receive of a batch also
   orders the stream after that batch's sends.
-* A batch (one NCCL group) holds at most one operation per peer (``one_per_peer``):
-  NCCL does not define what happens when two ranks group the operations between
-  them differently, and one rank's exchange may hold several parts' receives
-  from a peer that sends them one exchange at a time.
+* Operations go out in the caller's order (``issue``; ``exchange`` posts receives
+  first), in batches (one NCCL group each) that hold at most one operation per peer
+  (``in_order``): NCCL does not define what happens when two ranks group the
+  operations between them differently, and one rank's call may hold several parts'
+  receives from a peer that sends them one call at a time.
 
 Not thread-safe: one engine thread drives the channels.
 """
@@ -73,7 +74,7 @@ from .groups import DirectionGroups
 from .stats import OpLog, OpRecord, TrafficCounters, WaitState
 from .watchdog import CommWatchdog
 
-__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels", "one_per_peer"]
+__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels", "in_order"]
 
 T = TypeVar("T")
 
@@ -108,27 +109,27 @@ class Recv:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
-def one_per_peer(items: Sequence[T], peer_of: Callable[[T], int]) -> list[list[T]]:
-    """``items`` (operations of one process group, in issue order) cut into batches, one ``batch_isend_irecv`` call
-    (one NCCL group) each, that hold at most one operation per peer: batch k holds every peer's k-th operation.
+def in_order(items: Sequence[T], peer_and_group: Callable[[T], tuple[int, object]]) -> list[list[T]]:
+    """``items`` (operations in issue order) cut into batches, one ``batch_isend_irecv`` call (one NCCL group) each:
+    in order, a batch ending before an item whose peer it already has or whose process group differs (a call is
+    on one group).
 
-    NCCL leaves it undefined when two ranks group the operations between them differently (NVIDIA/nccl#1279), and
-    the engine's exchanges do: a rank posts the receives of two parts (hidden and text stream each) in one exchange
-    while its peer sends them one part per exchange. That grouping ran on one H100 at two ranks
-    (``benchmarks/gpu_nccl_probe.py --grouped-unlike``), and was not what stopped FLUX.2 [klein] there
-    (``docs/performance/gpu.md``), but NCCL does not promise it. With one operation per peer in a group, the
-    operations between two ranks are grouped alike on both sides whatever each side's exchanges hold: a pair's
-    messages match one by one, in order.
+    With at most one operation per peer in a group, the operations between two ranks are grouped alike on both
+    sides whatever each side's calls hold (NCCL leaves it undefined when two ranks group them differently,
+    NVIDIA/nccl#1279): a pair's messages match one by one, in order. Keeping the order (instead of gathering each
+    peer's k-th operation into batch k) keeps the one order of messages the engine issues
+    (``xfuse.parallel.protocol``): a group completes only once all its operations have.
     """
     batches: list[list[T]] = []
-    count: dict[int, int] = {}  # peer -> operations with it placed so far
+    peers: set[int] = set()
+    group: object = None
     for item in items:
-        peer = peer_of(item)
-        k = count.get(peer, 0)
-        count[peer] = k + 1
-        if k == len(batches):
+        peer, item_group = peer_and_group(item)
+        if not batches or peer in peers or item_group is not group:
             batches.append([])
-        batches[k].append(item)
+            peers, group = set(), item_group
+        batches[-1].append(item)
+        peers.add(peer)
     return batches
 
 
@@ -289,10 +290,17 @@ class P2PChannels:
     def exchange(
         self, sends: Sequence[Send] = (), recvs: Sequence[Recv] = ()
     ) -> tuple[list[PendingSend], list[PendingRecv]]:
-        """Post all ``recvs`` and ``sends`` at once (receives first); return their handles in the same order.
+        """Post all ``recvs``, then all ``sends`` (``issue``); return their handles in the same order."""
+        handles = self.issue([*recvs, *sends])
+        return handles[len(recvs) :], handles[: len(recvs)]  # type: ignore[return-value]
 
-        Ops are grouped by direction group, "up" group first, so the issue order is the same on every rank; each
-        group's ops go out in ``batch_isend_irecv`` calls of at most one op per peer (``one_per_peer``). Raises
+    def issue(self, ops: Sequence[Send | Recv]) -> list[PendingSend | PendingRecv]:
+        """Post ``ops`` in their order, and return their handles in the same order.
+
+        They go out in ``batch_isend_irecv`` calls (one NCCL group each) cut by ``in_order``: in order, a call ending
+        before an operation whose peer it already has or whose direction group differs. The order is the caller's
+        to choose: the engine issues every rank's operations in one order of messages
+        (``xfuse.parallel.protocol``), which is what makes NCCL's streams unable to deadlock. Raises
         InflightLimitError / ValueError before posting anything.
         """
         self._raise_expired()
@@ -300,41 +308,39 @@ class P2PChannels:
             raise CommError(f"rank {self.rank}: channels unusable after an earlier failure: {self.failure}")
         if self.closed:
             raise CommError(f"rank {self.rank}: channels closed (xfuse.runtime.world.shutdown); build a new pipeline")
-        for s in sends:
-            self._check_send(s)
-        for r in recvs:
-            self._check_peer(r.peer, r.kind)
-        slots = self._acquire_all(recvs)
-        if self._cuda_events:  # a reused buffer: its last reader must be done on the device before it is overwritten
-            stream = torch.cuda.current_stream(self.device)
-            for slot in slots:
-                if slot.read_done is not None:
-                    stream.wait_event(slot.read_done)
-
+        recvs = [op for op in ops if isinstance(op, Recv)]
+        for op in ops:
+            if isinstance(op, Send):
+                self._check_send(op)
+            else:
+                self._check_peer(op.peer, op.kind)
+        slots = iter(self._acquire_all(recvs))
         now = time.monotonic()
-        posted: list[tuple[dist.ProcessGroup | None, dist.P2POp, _Pending]] = []
-        recv_handles: list[PendingRecv] = []
-        send_handles: list[PendingSend] = []
-        for r, slot in zip(recvs, slots, strict=True):
-            rec = OpRecord("recv", r.kind, r.peer, r.shape, r.dtype, slot.tensor.nbytes, r.step, r.patch, now, r.part)
-            recv = PendingRecv(self, None, rec, slot)
-            group = self.groups.group_for(r.peer, self.rank)
-            posted.append((group, dist.P2POp(dist.irecv, slot.tensor, r.peer, group), recv))
-            recv_handles.append(recv)
-        for s in sends:
-            t = s.tensor
-            rec = OpRecord("send", s.kind, s.peer, tuple(t.shape), t.dtype, t.nbytes, s.step, s.patch, now, s.part)
-            send = PendingSend(self, None, rec, t)
-            group = self.groups.group_for(self.rank, s.peer)
-            posted.append((group, dist.P2POp(dist.isend, t, s.peer, group), send))
-            send_handles.append(send)
+        posted: list[tuple[dist.ProcessGroup | None, dist.P2POp, PendingSend | PendingRecv]] = []
+        for op in ops:
+            if isinstance(op, Recv):
+                slot = next(slots)
+                if self._cuda_events and slot.read_done is not None:  # a reused buffer: its last reader goes first
+                    torch.cuda.current_stream(self.device).wait_event(slot.read_done)
+                tensor, nbytes = slot.tensor, slot.tensor.nbytes
+                rec = OpRecord("recv", op.kind, op.peer, op.shape, op.dtype, nbytes, op.step, op.patch, now, op.part)
+                group = self.groups.group_for(op.peer, self.rank)
+                posted.append(
+                    (group, dist.P2POp(dist.irecv, tensor, op.peer, group), PendingRecv(self, None, rec, slot))
+                )
+            else:
+                tensor, nbytes = op.tensor, op.tensor.nbytes
+                shape = tuple(tensor.shape)
+                rec = OpRecord("send", op.kind, op.peer, shape, tensor.dtype, nbytes, op.step, op.patch, now, op.part)
+                group = self.groups.group_for(self.rank, op.peer)
+                posted.append(
+                    (group, dist.P2POp(dist.isend, tensor, op.peer, group), PendingSend(self, None, rec, tensor))
+                )
         for _, _, pending in posted:
             self.op_log.add(pending.record)
-
-        for group in dict.fromkeys([self.groups.up, self.groups.down]):  # up first; once if shared
-            for batch in one_per_peer([(op, h) for g, op, h in posted if g is group], lambda item: item[1].record.peer):
-                self._post(batch)
-        return send_handles, recv_handles
+        for batch in in_order(posted, lambda item: (item[2].record.peer, item[0])):
+            self._post([(p2p_op, pending) for _, p2p_op, pending in batch])
+        return [pending for _, _, pending in posted]
 
     def connect(self, peers: Sequence[int]) -> None:
         """Form the connections to and from ``peers`` now: every rank of these channels calls this at start-up, with
@@ -345,19 +351,23 @@ class P2PChannels:
         from the last stage before it computes its next part, and the last stage sends only once that part has
         arrived, so connecting during the first step holds the first stage's host and the pipeline stops (two ranks
         on one H100, NCCL 2.28 over sockets: ``benchmarks/results/gpu.md``). One exchange of a one-element tensor with
-        every peer, both ways, issued as ``exchange`` issues (up group first), connects every pair symmetrically. The
-        connection traffic is not counted (``counters``); the op log shows it (kind ``connect``, step None).
+        every peer, both ways, connects every pair symmetrically: each rank issues them in one order of messages (by
+        pair, the lower rank's send first), so the matching operations of a pair come in the same order on both ends.
+        The connection traffic is not counted (``counters``); the op log shows it (kind ``connect``, step None).
         """
         token = torch.zeros(1, device=self.device)
-        sends, recvs = self.exchange(
-            [Send(peer, "connect", token, None, None) for peer in peers],
-            [Recv(peer, "connect", (1,), token.dtype, None, None) for peer in peers],
-        )
-        for recv in recvs:
-            recv.wait()
-            recv.release()
-        for send in sends:
-            send.wait()
+        ops: list[tuple[tuple[int, int, int], Send | Recv]] = []
+        for peer in peers:
+            pair = (min(peer, self.rank), max(peer, self.rank))
+            ops.append(((*pair, int(self.rank > peer)), Send(peer, "connect", token, None, None)))
+            ops.append(((*pair, int(peer > self.rank)), Recv(peer, "connect", (1,), token.dtype, None, None)))
+        ops.sort(key=lambda op: op[0])
+        for handle in self.issue([op for _, op in ops]):
+            if isinstance(handle, PendingRecv):
+                handle.wait()
+                handle.release()
+            else:
+                handle.wait()
         if self.device.type == "cuda":  # a stream-ordered wait only queues: the pairs are connected once this returns
             torch.cuda.current_stream(self.device).synchronize()
         self.counters.reset()

@@ -26,11 +26,12 @@ from xfuse.config import CacheConfig
 from xfuse.parallel.cancellation import Cancellation
 from xfuse.parallel.executor import ProgramExecutor
 from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.protocol import protocol
 from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.request_run import RequestRun
 from xfuse.parallel.request_state import RequestStates
 from xfuse.parallel.request_stream import RequestStream, build_stream
-from xfuse.parallel.schedule import Schedule, StreamShape, batch_parts, build_schedule, protocol
+from xfuse.parallel.schedule import Schedule, StreamShape, batch_parts, build_schedule
 from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.stops import RunStops, stop_indices
@@ -48,7 +49,7 @@ class PipeFusionEngine:
         plan, grid: the stage plan and patch grid (the grid is for the request's latent size).
         channels: point-to-point channels; ``group_ranks[i]`` is the global rank of pipeline rank i.
         warmup_steps: whole-image steps (exact, no stale K/V) before patches are pipelined.
-        lookahead: tasks whose receives are posted ahead (≤ ``comm.max_inflight``).
+        max_inflight: receive buffers per channel (``comm.max_inflight``): how far ahead receives are posted.
         cache: step caching (``xfuse.parallel.step_cache``); ``None`` or method ``off``: every step computed.
 
     After each ``denoise``, ``cache_decisions`` holds this rank's per-step caching decisions (True: computed) and
@@ -64,7 +65,7 @@ class PipeFusionEngine:
         pipe_rank: int,
         group_ranks: list[int],
         warmup_steps: int,
-        lookahead: int = 2,
+        max_inflight: int = 2,
         cache: CacheConfig | None = None,
         host_deadline: HostDeadline | None = None,
     ):
@@ -72,7 +73,7 @@ class PipeFusionEngine:
             raise ValueError("a pipeline of more than one rank needs channels")
         self.stage, self.plan, self.channels = stage, plan, channels
         self.pipe_rank, self.group_ranks = pipe_rank, list(group_ranks)
-        self.warmup_steps, self.lookahead = warmup_steps, lookahead
+        self.warmup_steps, self.max_inflight = warmup_steps, max_inflight
         self.cache = cache if cache is not None and cache.enabled else None
         self.cache_decisions: list[bool] = []
         self.stopped_at: int | None = None
@@ -101,7 +102,7 @@ class PipeFusionEngine:
 
         def build():
             schedule = build_schedule(self.plan, *key)
-            program = protocol(schedule, self.pipe_rank, self.lookahead)
+            program = protocol(schedule, self.pipe_rank, self.max_inflight)
             return schedule, program, self._messages(schedule), stop_indices(schedule, program, 1)
 
         return self._cached(key, build)
@@ -115,7 +116,7 @@ class PipeFusionEngine:
 
         def build():
             stream = build_stream(self.plan, list(shapes), step_flags=flags)
-            program = protocol(stream, self.pipe_rank, self.lookahead)
+            program = protocol(stream, self.pipe_rank, self.max_inflight)
             return stream, program, self._messages(stream), stop_indices(stream, program, len(shapes))
 
         return self._cached(("stream", shapes, flags), build)

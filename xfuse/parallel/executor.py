@@ -1,33 +1,35 @@
-"""The loop that runs one rank's program (``xfuse.parallel.schedule.protocol``) over the runs of its requests.
+"""The loop that runs one rank's program (``xfuse.parallel.protocol.protocol``) over the runs of its requests.
 
-The program is the pure order of the rank's actions (post receives, compute a task, issue its sends, wait for them);
+The program is the pure order of the rank's actions (post receives, compute a task, issue sends, wait for them);
 the executor carries it out: each task's work is its request's run (``xfuse.parallel.request_run``), in its request's
-stage state (``xfuse.parallel.request_state``), a slot's sends and the receives posted after it go out in one
-coalesced exchange, and with cancellation a stopped request's actions are skipped (``xfuse.parallel.stops``).
+stage state (``xfuse.parallel.request_state``), the sends and posts between two computes go out in one coalesced
+call in the program's order (the one order of messages that every rank keeps), and with cancellation a stopped
+request's actions are skipped (``xfuse.parallel.stops``).
 """
 
 from __future__ import annotations
 
 from xfuse.comm.p2p import P2PChannels, Recv, Send
+from xfuse.parallel.protocol import Action, Program, served_step
 from xfuse.parallel.request_run import RequestRun
 from xfuse.parallel.request_state import RequestStates
-from xfuse.parallel.schedule import COLLECT, Action, Message, Task
+from xfuse.parallel.schedule import COLLECT, Message, Task
 from xfuse.parallel.stops import RunStops
 from xfuse.parallel.trace import COMM, COMPUTE
 from xfuse.runtime.host_deadline import HostDeadline
 
 
 class ProgramExecutor:
-    """Runs a rank's ``program`` (``xfuse.parallel.schedule.protocol``) over the runs of the requests in it: one
+    """Runs a rank's ``program`` (``xfuse.parallel.protocol.protocol``) over the runs of the requests in it: one
     request alone, or a stream of them (``Task.request`` indexes ``runs``; each task's work is its request's run,
-    in its request's stage state, switched by ``states``). A slot's sends and the receives posted after it go out
-    in one coalesced exchange, whichever requests they belong to, in the program's order: messages between two
-    ranks match in issue order."""
+    in its request's stage state, switched by ``states``). The sends and posts between two computes go out in one
+    coalesced call, whichever requests they belong to, in the program's order: messages between two ranks match in
+    issue order, and every rank issues in the one order of messages."""
 
     def __init__(
         self,
         runs: list[RequestRun],
-        program,
+        program: Program,
         channels: P2PChannels | None,
         *,
         states: RequestStates | None = None,
@@ -50,14 +52,15 @@ class ProgramExecutor:
         prepare: tuple[int, int] | None = None  # (request, pipelined step) whose per-step work is due after the sends
 
         def runs(index: int) -> bool:  # with cancellation: the turn at ``index`` taken, whether its action runs
-            return stops is None or stops.runs(index, program[index][1])
+            item = program[index][1]
+            return stops is None or stops.runs(index, served_step(item), item.request)
 
         i = 0
         while i < len(program):
             if not runs(i):  # a stopped request: no task of the step it stopped before, or a later one, runs
                 i += 1
                 continue
-            action, task = program[i]
+            action, item = program[i]
             if prepare is not None and action not in (Action.SEND, Action.POST):
                 request, step = prepare
                 if stops is None or stops.reaches(step, request):
@@ -66,28 +69,28 @@ class ProgramExecutor:
                         self._use(request)
                         due.stage.prepare_step(due.conditioning(step))
                 prepare = None
-            if action in (Action.SEND, Action.POST):  # coalesce a task's sends with the next posts: one batch call
-                send_tasks: list[Task] = []
-                post_tasks: list[Task] = []
+            if action in (Action.SEND, Action.POST):  # the sends and posts up to the next compute: one call
+                ops: list[tuple[Action, Message]] = []
                 while i < len(program) and program[i][0] in (Action.SEND, Action.POST):
                     if stops is not None and stops.may_wait(i):  # what is collected goes before a wait
-                        self._exchange(send_tasks, post_tasks)
-                        send_tasks, post_tasks = [], []
-                    if not runs(i):
-                        i += 1
-                        continue
-                    (send_tasks if program[i][0] == Action.SEND else post_tasks).append(program[i][1])
+                        self._issue(ops)
+                        ops = []
+                    if runs(i):
+                        ops.append(program[i])  # type: ignore[arg-type]
                     i += 1
-                self._exchange(send_tasks, post_tasks)
+                self._issue(ops)
                 continue
-            run = self.runs[task.request]
-            if action == Action.WAIT_SEND and task in run.sends:
-                with run.span("send wait", COMM, step=task.step, patch=task.patch, **run.which(task)):
-                    for handle in run.sends.pop(task):
-                        handle.wait()
+            run = self.runs[item.request]
+            if action == Action.WAIT_SEND and item in run.sends:
+                assert isinstance(item, Message)
+                with run.span(f"send wait {item.channel} to r{item.dst}", COMM, step=item.step, patch=item.patch,
+                              **run.which(item)):  # fmt: skip
+                    run.sends.pop(item).wait()
                 if deadline is not None:
-                    deadline.beat((Action.WAIT_SEND, task))
+                    deadline.beat((Action.WAIT_SEND, item))
             elif action == Action.COMPUTE:
+                task = item
+                assert isinstance(task, Task)
                 self._use(task.request)
                 run.compute(task)
                 if deadline is not None:
@@ -105,29 +108,21 @@ class ProgramExecutor:
             if self.runs[request].recvs or self.runs[request].sends:  # the stop points guarantee neither
                 raise RuntimeError(f"request {request}, stopped before step {stop}, left messages in flight")
 
-    def _exchange(self, send_tasks: list[Task], post_tasks: list[Task]) -> None:
-        """Issue ``send_tasks``' outgoing messages and post ``post_tasks``' receives in one coalesced call."""
-        sends: list[Send] = []
-        send_owner: list[Task] = []
-        for task in send_tasks:
-            run = self.runs[task.request]
-            for m, tensor in run.outgoing.pop(task, {}).items():
-                if self.stops is not None and not self.stops.reaches(m.needed_at, task.request):
-                    continue  # a stopped request runs no task of that step: nobody receives it
-                sends.append(run.send(m, tensor))
-                send_owner.append(task)
-        recvs: list[Recv] = []
-        posted: list[Message] = []
-        for task in post_tasks:
-            for m in self.runs[task.request].recv_msgs[task]:
-                recvs.append(self.runs[task.request].recv(m))
-                posted.append(m)
-        if not sends and not recvs:
+    def _issue(self, ops: list[tuple[Action, Message]]) -> None:
+        """Issue the sends and post the receives of ``ops`` in one coalesced call, in their order."""
+        if not ops:
             return
         channels = self.channels
         assert channels is not None  # messages flow only between ranks, and then the engine has channels
-        send_handles, recv_handles = channels.exchange(sends, recvs)
-        for task, sent in zip(send_owner, send_handles, strict=True):
-            self.runs[task.request].sends.setdefault(task, []).append(sent)
-        for m, received in zip(posted, recv_handles, strict=True):
-            self.runs[m.request].recvs[m] = received
+        outgoing: list[Send | Recv] = []
+        for action, m in ops:
+            run = self.runs[m.request]
+            if action == Action.SEND:
+                outgoing.append(run.send(m, run.outgoing.pop(m)))
+            else:
+                outgoing.append(run.recv(m))
+        for (action, m), handle in zip(ops, channels.issue(outgoing), strict=True):
+            if action == Action.SEND:
+                self.runs[m.request].sends[m] = handle  # type: ignore[assignment]
+            else:
+                self.runs[m.request].recvs[m] = handle  # type: ignore[assignment]

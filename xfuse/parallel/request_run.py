@@ -18,9 +18,10 @@ from xfuse.comm.p2p import PendingRecv, PendingSend, Recv, Send
 from xfuse.config import CacheConfig
 from xfuse.parallel.control_routing import ControlRouting
 from xfuse.parallel.patch_grid import PatchGrid
+from xfuse.parallel.protocol import Action
 from xfuse.parallel.rank_latents import RankLatents
 from xfuse.parallel.request import DenoiseRequest
-from xfuse.parallel.schedule import COLLECT, Action, Message, Schedule, Task
+from xfuse.parallel.schedule import COLLECT, Message, Schedule, Task
 from xfuse.parallel.stage import Stage
 from xfuse.parallel.stage_plan import StagePlan
 from xfuse.parallel.step_cache import CachedSegments, StepCache, first_pipelined_step
@@ -54,6 +55,7 @@ class RequestRun:
         self.in_stream = in_stream  # one of several requests in flight (its labels name it)
         self.recv_msgs = {t: r for t, (r, _) in messages.items()}  # task -> messages it receives, in order
         self.send_msgs = {t: s for t, (_, s) in messages.items()}  # task -> messages it sends, in order
+        self.producer = {m: t for t, sent in self.send_msgs.items() for m in sent}  # message -> the task sending it
         self.span = tracer.span if tracer is not None else null_span
         self.plan, self.stage, self.pipe_rank = plan, stage, pipe_rank
         self.latents = RankLatents(request, grid, schedule, self.plan, self.pipe_rank)
@@ -63,8 +65,8 @@ class RequestRun:
         self.skips: dict[tuple, dict[int, torch.Tensor]] = {}  # (step, patch) -> producer block -> output
         self.conds: dict[int, Any] = {}
         self.recvs: dict[Message, PendingRecv] = {}
-        self.sends: dict[Task, list[PendingSend]] = {}
-        self.outgoing: dict[Task, dict[Message, torch.Tensor]] = {}
+        self.sends: dict[Message, PendingSend] = {}  # issued, not yet waited for
+        self.outgoing: dict[Message, torch.Tensor] = {}  # computed, not yet issued (the one order may hold it back)
         self.stage.begin_request(grid)
         self.whole_tokens = self.stage.hidden_tokens(None)  # of the whole image: the request's (read in its state)
         control = request.control
@@ -126,13 +128,16 @@ class RequestRun:
         self._release(task)
 
     def describe(self, place) -> str:
-        """A host deadline's place, (action, task), in words (formatted only when reported)."""
-        action, task = place
-        return self._label(task) if action == Action.COMPUTE else f"the wait for the sends of {self._label(task)}"
+        """A host deadline's place, (action, task) or (action, message), in words (formatted only when reported)."""
+        action, item = place
+        if action == Action.COMPUTE:
+            return self._label(item)
+        return f"the wait for the send of {item.channel} to rank {item.dst} from {self._label(self.producer[item])}"
 
-    def which(self, task: Task) -> dict[str, int]:
-        """The trace arguments that name ``task``'s request: in a stream, every span of a request says which."""
-        return {"request": task.request} if self.in_stream else {}
+    def which(self, item: Task | Message) -> dict[str, int]:
+        """The trace arguments that name the request of ``item`` (a task or a message): in a stream, every span of a
+        request says which."""
+        return {"request": item.request} if self.in_stream else {}
 
     def _label(self, task: Task) -> str:
         where = "whole" if task.patch is None else f"p{task.patch}"
@@ -232,8 +237,7 @@ class RequestRun:
                     outgoing[m] = next_rows.contiguous()
         elif not last_hop and plan.route[task.hop + 1].rank == self.pipe_rank:
             self.local[task] = (hidden, streams)  # picked up by this rank's next segment
-        if outgoing:
-            self.outgoing[task] = outgoing
+        self.outgoing.update(outgoing)
 
     def _segment(self, task: Task, hidden, cond, band, skips, keep_kv, streams, key, flag) -> torch.Tensor:
         """The task's segment: run by the stage, with the ControlNet residuals its blocks add; under step caching as

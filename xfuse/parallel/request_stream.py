@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from xfuse.parallel.schedule import Message, Schedule, StreamShape, Task, _recv_post_times, _simulate
+from xfuse.parallel.schedule import Message, Schedule, StreamShape, Task, _simulate
 from xfuse.parallel.stage_plan import StagePlan
 
 
@@ -39,9 +39,6 @@ class RequestStream:
 
     def sends(self, task: Task) -> list[Message]:
         return self.requests[task.request].sends(task)
-
-    def recv_post_times(self, lookahead: int) -> dict[Message, float]:
-        return _recv_post_times(self, lookahead)
 
     @property
     def makespan(self) -> float:

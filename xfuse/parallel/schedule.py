@@ -1,8 +1,8 @@
 """The PipeFusion schedule: what every rank computes, in what order, and what it sends and receives.
 
-A pure function of (plan, steps, warm-up, patches, batch parts): no torch, no processes. The engine executes it;
-the tests check it without processes (every send list matches its receiver's list in order, and the protocol cannot
-deadlock).
+A pure function of (plan, steps, warm-up, patches, batch parts): no torch, no processes. Each rank's program (the
+order of its posts, computes, sends and waits) and the proof that the programs match and cannot deadlock are
+``xfuse.parallel.protocol``'s; the engine executes them.
 
 A *task* is one route segment run on one patch of one step (``patch=None``: the whole image, a warm-up step).
 Warm-up steps run the route on the whole image, split into *batch parts* where the transformer batch allows
@@ -37,28 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 from xfuse.parallel.stage_plan import SkipEdge, StagePlan
 
 COLLECT = -1  # hop of the tasks that receive the final latents on the embedding rank (linear placement)
-
-
-class Action(str, Enum):
-    """What a rank's protocol does next with a task (``protocol``); a ``str`` so programs print and compare as
-    their names."""
-
-    POST = "post"  # post the task's receives
-    WAIT_RECV = "wait_recv"  # wait for them (the engine folds this into COMPUTE: buffers are waited for before use)
-    COMPUTE = "compute"
-    SEND = "send"  # issue the task's sends (coalesced with the next POSTs into one call)
-    WAIT_SEND = "wait_send"  # wait for sends, once the timeline says their receivers posted them
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, order=True)
@@ -114,9 +98,6 @@ class Schedule:
     def makespan(self) -> float:
         """The simulated loop's length, in units of one block on a mean patch (no communication, no overheads)."""
         return max(end for _, end in self.times.values())
-
-    def recv_post_times(self, lookahead: int) -> dict[Message, float]:
-        return _recv_post_times(self, lookahead)
 
     def patches_of(self, step: int) -> tuple[int | None, ...]:
         return (None,) if step < self.warmup_steps else tuple(range(self.num_patches))
@@ -201,18 +182,6 @@ class Schedule:
                 Message("control", rank, dst, task.step, task.patch, part=task.part) for dst in self.control_ranks
             )
         return _of_request(out, task.request)
-
-
-def _recv_post_times(schedule: TaskGraph, lookahead: int) -> dict[Message, float]:
-    """Simulated time at which each message's receive is posted (``lookahead`` tasks ahead of its task), for a
-    ``Schedule`` or a stream of them (``xfuse.parallel.request_stream``)."""
-    result = {}
-    for order in schedule.orders.values():
-        for i, task in enumerate(order):
-            when = 0.0 if i < lookahead else schedule.times[order[i - lookahead]][1]
-            for m in schedule.recvs(task):
-                result[m] = when
-    return result
 
 
 def _of_request(messages: list[Message], request: int) -> list[Message]:
@@ -432,177 +401,3 @@ class TaskGraph(Protocol):
     def recvs(self, task: Task) -> list[Message]: ...
 
     def sends(self, task: Task) -> list[Message]: ...
-
-    def recv_post_times(self, lookahead: int) -> dict[Message, float]: ...
-
-
-def protocol(
-    schedule: TaskGraph, rank: int, lookahead: int, posted_at: dict[Message, float] | None = None
-) -> list[tuple[Action, Task]]:
-    """The communication protocol of ``rank`` as the engine runs it: a list of (action, task) pairs.
-
-    Actions: ``post`` (the task's receives), ``wait_recv``, ``compute``, ``send`` (the task's sends, issued with the
-    next ``post`` in one coalesced call) and ``wait_send``. Receives are posted ``lookahead`` tasks ahead. A send is
-    waited for only once the simulated timeline says its receiver has posted the matching receive (sends are
-    rendezvous on gloo and for large NCCL messages): waiting earlier could block this rank on a receiver that is
-    itself waiting for this rank. This also bounds how many sends are in flight by the pipeline's real lag.
-    ``posted_at``: ``schedule.recv_post_times(lookahead)`` where the caller has it (``check_protocol`` makes every
-    rank's protocol from one).
-    """
-    order = schedule.orders[rank]
-    if posted_at is None:
-        posted_at = schedule.recv_post_times(lookahead)
-    sends = {task: schedule.sends(task) for task in order}  # each task's, made once: a pending task is asked often
-    actions = [(Action.POST, t) for t in order[:lookahead]]
-    pending: list[Task] = []  # tasks whose sends were issued and not yet waited for
-    for i, task in enumerate(order):
-        now = schedule.times[task][0]
-        ready = [t for t in pending if all(posted_at[m] <= now for m in sends[t])]
-        actions.extend((Action.WAIT_SEND, t) for t in ready)
-        pending = [t for t in pending if t not in ready]
-        actions += [(Action.WAIT_RECV, task), (Action.COMPUTE, task), (Action.SEND, task)]
-        if i + lookahead < len(order):
-            actions.append((Action.POST, order[i + lookahead]))
-        if sends[task]:
-            pending.append(task)
-    actions.extend((Action.WAIT_SEND, t) for t in pending)
-    return actions
-
-
-def action_step(schedule: TaskGraph, action: Action, task: Task) -> int:
-    """The latest diffusion step an action of a protocol serves: its task's; a send's, its receivers' latest."""
-    if action == Action.SEND:
-        return max([task.step, *(m.needed_at for m in schedule.sends(task))])
-    return task.step
-
-
-def _steps_of(graph: TaskGraph, request: int) -> int:
-    """The steps of request ``request`` of ``graph`` (a request alone is request 0)."""
-    return graph.num_steps if isinstance(graph, Schedule) else graph.requests[request].num_steps  # type: ignore[attr-defined]
-
-
-def stop_points(graph: TaskGraph, program: list[tuple[Action, Task]], request: int = 0) -> dict[int, int]:
-    """Where a rank running ``program`` must know whether its request stops before step S, for every S in
-    1 … num_steps - 1: the index of its first action that serves step S or a later one (``action_step``). In a
-    stream of requests (``xfuse.parallel.request_stream``) each request stops on its own: its points are among its
-    own actions (``request``), and the other requests' actions run on.
-
-    A request stopped before step S runs, on every rank, the actions of the tasks of steps < S only and sends only
-    the messages those tasks receive (``Message.needed_at`` < S); the actions before every rank's stop point are
-    exactly those, so each rank can switch from wherever its stop point is. Every rank receives the decision for S
-    from one *decider* rank, which takes it at its own stop point for S - 1 (``decision_points``): a rank that waits
-    at its stop point for S then waits only on work the decider needed before its stop point for S - 1, which
-    ``check_protocol`` with ``decider`` shows cannot be circular.
-    """
-    points: dict[int, int] = {}
-    last = _steps_of(graph, request) - 1
-    for i, (action, task) in enumerate(program):
-        if task.request == request:
-            reached = min(action_step(graph, action, task), last)
-            while len(points) < reached:
-                points[len(points) + 1] = i
-    while len(points) < last:  # (every rank has tasks in every step; kept total for any program)
-        points[len(points) + 1] = len(program)
-    return points
-
-
-def decision_points(graph: TaskGraph, program: list[tuple[Action, Task]], request: int = 0) -> dict[int, int]:
-    """The decider's ``program`` index at which it decides whether the request stops before step S: its stop point
-    for S - 1 (its first action of the request, for S = 1), one step ahead of every rank's need."""
-    points = stop_points(graph, program, request)
-    first = next((i for i, (_, task) in enumerate(program) if task.request == request), len(program))
-    return {stop: first if stop == 1 else points[stop - 1] for stop in points}
-
-
-class ScheduleDeadlock(RuntimeError):
-    pass
-
-
-def check_protocol(
-    schedule: TaskGraph, lookahead: int, *, decider: int | None = None, stop_at: int | dict[int, int] | None = None
-):
-    """Run every rank's ``protocol`` against each other with rendezvous semantics (a send completes only once its
-    receive is posted, as on gloo and for large NCCL messages); raise ``ScheduleDeadlock`` naming what each
-    blocked rank waits for if they can get stuck, or ``AssertionError`` if a pair's messages do not match.
-
-    With a ``decider`` rank, every other rank also waits at each of its ``stop_points`` for the decider to reach
-    its ``decision_points`` for that step (in a stream: each request's); with ``stop_at`` S (in a stream: request ->
-    S), the decider stops the request before step S there, and every rank then runs only what a stopped request
-    runs (``stop_points``), the other requests of a stream all of theirs."""
-    ranks = sorted(schedule.orders)
-    requests = range(1 if isinstance(schedule, Schedule) else len(schedule.requests))  # type: ignore[attr-defined]
-    stops = {} if stop_at is None else stop_at if isinstance(stop_at, dict) else {0: stop_at}
-    limits = [stops.get(request, math.inf) for request in requests]  # per request: its tasks of steps >= it do not run
-
-    # Each task's messages, made once: the run below asks for them at every action of every rank.
-    sends: dict[Task, list[Message]] = {}
-    recvs: dict[Task, list[Message]] = {}
-    for task in (task for rank in ranks for task in schedule.orders[rank]):
-        limit = limits[task.request]
-        sends[task] = [m for m in schedule.sends(task) if m.needed_at < limit] if task.step < limit else []
-        recvs[task] = schedule.recvs(task) if task.step < limit else []
-
-    # Per (src, dst) pair, the messages in the sender's issue order and the receiver's post order must agree.
-    sent: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
-    posted: dict[tuple[int, int], list[Message]] = {(a, b): [] for a in ranks for b in ranks}
-    for rank in ranks:
-        for task in schedule.orders[rank]:
-            for m in sends[task]:
-                sent[(m.src, m.dst)].append(m)
-            for m in recvs[task]:
-                posted[(m.src, m.dst)].append(m)
-    for pair in sent:
-        assert sent[pair] == posted[pair], f"messages {pair[0]} -> {pair[1]} disagree"
-
-    posted_at = schedule.recv_post_times(lookahead)
-    programs = {r: protocol(schedule, r, lookahead, posted_at) for r in ranks}
-    gates: dict[int, dict[int, int]] = {r: {} for r in ranks}  # rank -> {its stop point: decider's index to await}
-    if decider is not None:
-        for request in requests:
-            decided = decision_points(schedule, programs[decider], request)
-            for rank in ranks:
-                if rank != decider:
-                    for stop, point in stop_points(schedule, programs[rank], request).items():
-                        if stop <= limits[request]:  # once stopped, nothing further is decided
-                            gates[rank][point] = max(gates[rank].get(point, 0), decided[stop])
-    pc = dict.fromkeys(ranks, 0)
-    n_sent = {pair: 0 for pair in sent}  # messages issued per pair so far
-    n_posted = {pair: 0 for pair in sent}
-    index = {}  # message -> its position in its pair's stream
-    for msgs in sent.values():
-        for i, m in enumerate(msgs):
-            index[m] = i
-
-    def blocked(rank):
-        if decider is not None and pc[decider] < gates[rank].get(pc[rank], 0):
-            return f"the decision of rank {decider} (at its action {gates[rank][pc[rank]]})"
-        action, task = programs[rank][pc[rank]]
-        if action == Action.WAIT_RECV:
-            for m in recvs[task]:
-                if n_sent[(m.src, m.dst)] <= index[m]:
-                    return m
-        if action == Action.WAIT_SEND:
-            for m in sends[task]:
-                if n_posted[(m.src, m.dst)] <= index[m]:
-                    return m
-        return None
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in ranks:
-            while pc[rank] < len(programs[rank]) and blocked(rank) is None:
-                action, task = programs[rank][pc[rank]]
-                if action == Action.POST:
-                    for m in recvs[task]:
-                        n_posted[(m.src, m.dst)] += 1
-                elif action == Action.SEND:
-                    for m in sends[task]:
-                        n_sent[(m.src, m.dst)] += 1
-                pc[rank] += 1
-                progress = True
-    stuck = {r: (programs[r][pc[r]], blocked(r)) for r in ranks if pc[r] < len(programs[r])}
-    if stuck:
-        raise ScheduleDeadlock(
-            "ranks wait on each other: " + "; ".join(f"rank {r} at {a} waits for {m}" for r, (a, m) in stuck.items())
-        )

@@ -1,7 +1,7 @@
 """Where a rank learns that a request stops: one run's cancellation, kept against the rank's program.
 
 A request stops before a step on every rank alike (``xfuse.parallel.cancellation``: the decider decides, the others
-read its answer). This file keeps, for one rank's program (``xfuse.parallel.schedule.protocol``) of one request or a
+read its answer). This file keeps, for one rank's program (``xfuse.parallel.protocol.protocol``) of one request or a
 stream of them, the program indices where the decider decides and where every rank learns whether each request stops
 before each step (``stop_points``, ``decision_points``), and which requests have stopped: what the executor
 (``xfuse.parallel.executor``) asks before each action.
@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 
 from xfuse.parallel.cancellation import Cancellation
+from xfuse.parallel.protocol import decision_points, stop_points
 from xfuse.parallel.request_stream import RequestStream
-from xfuse.parallel.schedule import Schedule, Task, decision_points, stop_points
+from xfuse.parallel.schedule import Schedule
 from xfuse.runtime.host_deadline import HostDeadline
 
 
@@ -39,7 +40,7 @@ def stop_indices(graph: Schedule | RequestStream, program, requests: int):
 
 class RunStops:
     """One run's cancellation on one rank (a request alone, or each request of a stream): at which program indices
-    it learns whether a request stops before a step (``reads``; ``xfuse.parallel.schedule.stop_points``), where the
+    it learns whether a request stops before a step (``reads``; ``xfuse.parallel.protocol.stop_points``), where the
     decider decides (``decides``), and the step each stopped request stopped before (``stopped``)."""
 
     def __init__(self, cancellation: Cancellation, reads: dict, decides: dict, deadline: HostDeadline | None = None):
@@ -76,10 +77,11 @@ class RunStops:
             if stopping:
                 self.stopped[request] = stop
 
-    def runs(self, index: int, task: Task) -> bool:
-        """Take the turn at program ``index`` (once); whether its action, on ``task``, runs."""
+    def runs(self, index: int, step: int, request: int = 0) -> bool:
+        """Take the turn at program ``index`` (once); whether its action, which serves ``step`` of ``request``
+        (``xfuse.parallel.protocol.served_step``), runs."""
         self.turn(index)
-        return self.reaches(task.step, task.request)
+        return self.reaches(step, request)
 
     def reaches(self, step: int, request: int = 0) -> bool:
         """Whether ``request`` runs ``step`` (all of them, unless it stopped before this one or an earlier one)."""

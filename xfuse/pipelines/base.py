@@ -181,7 +181,7 @@ class PipeFusionPipelineBase(
             pipe_rank=context.pipe_rank,
             group_ranks=context.pipe_ranks,
             warmup_steps=self.parallel.warmup_steps,
-            lookahead=self.comm.max_inflight,
+            max_inflight=self.comm.max_inflight,
             cache=self.config.cache,
             host_deadline=context.host_deadline,
         )
