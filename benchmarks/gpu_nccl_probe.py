@@ -12,7 +12,7 @@ connection is made then).
     torchrun --standalone --nproc_per_node=2 benchmarks/gpu_nccl_probe.py --grouped-unlike
 
 makes the groups, then the first messages of FLUX.2 [klein] at degree 2 as xfuse posted them before it cut its
-batches to one operation per peer (``xfuse.comm.p2p.one_per_peer``; they stopped both ranks on one H200): rank 0 a
+batches to one operation per peer (``xfuse.comm.p2p.in_order`` since; they stopped both ranks on one H200): rank 0 a
 batch of two sends (hidden, text) to rank 1 on "up" with a receive from rank 1 on "down", then a batch of the next two
 sends; rank 1 one batch of all four receives, then its send on "down". NCCL leaves batches grouped unlike on the two
 sides undefined (NVIDIA/nccl#1279): this says what it does here (``ok``, an error, or the suite's time limit).

@@ -241,7 +241,7 @@ def nccl_one_gpu(steps: int, degrees: tuple[int, ...], progress: Callable[[dict]
                     "reports": _report_lines(err),
                 }
                 progress(result)
-    # last, as it may take its whole time limit: NCCL alone with the batches xfuse posted before ``one_per_peer``
+    # last, as it may take its whole time limit: NCCL alone with the batches xfuse posted before one per peer
     result["nccl_grouped_unlike"] = nccl_alone(env, "--grouped-unlike", timeout=GROUPED_UNLIKE_TIMEOUT_S)
     progress(result)
     return result

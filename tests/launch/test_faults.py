@@ -242,7 +242,7 @@ def test_a_host_stopped_outside_its_waits_is_named_by_the_host_deadline(tmp_path
     assert re.match(
         r"rank 1 failed: HostStalled: rank 1: no task of the denoising loop finished for 3\.\d s "
         r"\(comm.host_timeout_s: 3\) outside a wait for a message; the last one finished was "
-        r"(the wait for the sends of )?s\d (p\d|whole)",
+        r"(the wait for the send of \w+ to rank \d from )?s\d (p\d|whole)",
         text,
     ), stderr[-3000:]
     assert "xfuse/runtime/faults.py" in text and "in _fire" in text  # where the host is: the stalled call

@@ -1,12 +1,14 @@
-"""One process group per direction of travel, so the two directions never block each other.
+"""One process group per direction of travel, so the two directions' transfers can overlap.
 
 On NCCL every process group has its own communicator and CUDA stream, and a large
 send that waits for its receiver stalls everything issued after it on that
 stream. A pipeline sends "up" (to higher ranks) and "down" (to lower ranks) at the
-same time; with a single group a blocked up-send can hold back the down-send its
-peer is waiting for, which deadlocks (xDiT needs two groups even at pp=2). With
-one group per direction, a message ``src -> dst`` travels on ``up`` if ``src < dst``
-and on ``down`` otherwise; sender and receiver compute the same group.
+same time; on one stream a waiting up-send holds back the down-send behind it. The
+engine's one order of messages (``xfuse.parallel.protocol``) keeps that from
+deadlocking on one group or on these two alike (NCCL may also serialise the kernels
+of two communicators); two groups let the directions' transfers overlap where the
+device runs both. A message ``src -> dst`` travels on ``up`` if ``src < dst`` and on
+``down`` otherwise; sender and receiver compute the same group.
 
 gloo has no streams (each operation is its own asynchronous request), so the
 default group serves both directions there.

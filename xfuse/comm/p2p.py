@@ -14,10 +14,11 @@ Usage, once per schedule slot (all of a slot's receives and sends together)::
 Rules this module enforces or makes natural (see docs/design.md §5):
 
 * gloo sends are rendezvous (a send's wait blocks until the peer posted the
-  receive), NCCL's are for large messages. ``exchange`` posts receives before sends
-  and posts everything before anyone waits, so a slot's operations never wait on
-  each other; the caller must still not wait on a send before it has posted
-  (via ``exchange``) the receives that its peer's progress depends on.
+  receive), NCCL's are for large messages. ``issue`` posts everything before anyone
+  waits, so a call's operations never wait on each other; the caller must still not
+  wait on a send before it has posted the receives that its peer's progress depends
+  on, and on NCCL must issue operations in an order both ends of every pair keep
+  (the engine's one order of messages: ``xfuse.parallel.protocol``).
 * No tags: on both backends messages between one (src, dst) pair match in issue
   order, and ``kind`` is only a label. (gloo honours tags, NCCL ignores them;
   tagging on gloo would let CPU tests pass orders that NCCL mismatches.) A

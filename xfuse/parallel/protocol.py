@@ -103,11 +103,13 @@ def message_order(graph: TaskGraph, max_inflight: int) -> MessageOrder:
 
 def protocol(graph: TaskGraph, rank: int, max_inflight: int, order: MessageOrder | None = None) -> Program:
     """The program of ``rank``: its sends, posts and computes in the one order (``message_order``), a task's
-    ``wait_recv`` right before its ``compute``, and each send waited for (``wait_send``) before the first compute
-    of this rank that starts once the timeline says its receiver consumed it (sends are rendezvous on gloo and for
-    large NCCL messages: waiting earlier would hold this rank on a receiver that is busy; this also bounds the sends
-    in flight by the pipeline's real lag). ``order``: ``message_order(graph, max_inflight)`` where the caller has it
-    (``check_protocol`` makes every rank's program from one)."""
+    ``wait_recv`` right before its ``compute``, and each send waited for (``wait_send``) as late as its channel
+    allows: before the compute that produces the channel's next message past ``max_inflight`` outstanding, else at
+    the end. Sends are rendezvous on gloo (and for large NCCL messages with host waits): a wait holds this rank until
+    its receiver posted, which in the one order is no sooner than the send, so waiting early would tie this rank to a
+    receiver running late (compiling, or on a slower device); the channel's bound is the backpressure instead.
+    ``order``: ``message_order(graph, max_inflight)`` where the caller has it (``check_protocol`` makes every rank's
+    program from one)."""
     if order is None:
         order = message_order(graph, max_inflight)
     tasks = graph.orders[rank]
@@ -117,22 +119,22 @@ def protocol(graph: TaskGraph, rank: int, max_inflight: int, order: MessageOrder
         events.extend((order.keys[m], Action.POST, m) for m in graph.recvs(task))
     events.sort(key=lambda event: event[0])
     program: Program = []
-    pending: list[Message] = []  # sends issued and not yet waited for
+    pending: dict[tuple[int, str], list[Message]] = {}  # (dst, channel) -> sends issued, not yet waited for
     for _, action, item in events:
         if action == Action.COMPUTE:
             assert isinstance(item, Task)
-            now = graph.times[item][0]
-            consumed = [m for m in pending if graph.times[order.consumer[m]][0] <= now]
-            program.extend((Action.WAIT_SEND, m) for m in consumed)
-            pending = [m for m in pending if m not in consumed]
+            for m in graph.sends(item):  # the outputs this task adds to its channels
+                outstanding = pending.setdefault((m.dst, m.channel), [])
+                if len(outstanding) >= max_inflight:
+                    program.append((Action.WAIT_SEND, outstanding.pop(0)))
             program += [(Action.WAIT_RECV, item), (Action.COMPUTE, item)]
         else:
             program.append((action, item))
             if action == Action.SEND:
                 assert isinstance(item, Message)
-                pending.append(item)
-    program.extend((Action.WAIT_SEND, m) for m in pending)
-    return program
+                pending.setdefault((item.dst, item.channel), []).append(item)
+    left = sorted((m for sends in pending.values() for m in sends), key=lambda m: order.keys[m])
+    return program + [(Action.WAIT_SEND, m) for m in left]
 
 
 def served_step(item: Item) -> int:
