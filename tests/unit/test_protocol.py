@@ -46,7 +46,8 @@ def test_programs_match_and_cannot_deadlock_on_gloo_or_under_nccls_rules(
     schedule = build_schedule(plan, STEPS, warmup, num_patches, parts)
     check_protocol(schedule, max_inflight)  # asserts pairwise order and the buffers; raises on a deadlock
     check_protocol(schedule, max_inflight, rules="nccl")  # every operation of a device in one issue order
-    if degree <= 4:  # and each direction group on its own stream, as xfuse's NCCL worlds run
+    if degree <= 3:  # and each direction group on its own stream, as xfuse's NCCL worlds run (a relaxation of the
+        # one stream: kept for a few degrees, as evidence)
         check_protocol(schedule, max_inflight, rules="nccl", communicator=direction)
 
 
@@ -197,7 +198,8 @@ def test_a_request_stopped_before_any_step_keeps_the_protocol(degree, placement,
     schedule = build_schedule(plan, STEPS, warmup, num_patches, parts, step_flags=flags)
     for stop in (None, *range(1, STEPS)):
         check_protocol(schedule, 2, decider=plan.embed_rank, stop_at=stop)
-        check_protocol(schedule, 2, rules="nccl", decider=plan.embed_rank, stop_at=stop)
+        if degree <= 4:  # (degree 8 under gloo's rules only: the slowest cases)
+            check_protocol(schedule, 2, rules="nccl", decider=plan.embed_rank, stop_at=stop)
 
 
 @pytest.mark.parametrize("degree,placement", [(2, "linear"), (3, "folded"), (4, "balanced")])

@@ -319,71 +319,82 @@ def check_protocol(
                 gate_of[rank][index] = max(gate_of[rank].get(index, 0), points[j][1])
                 j += 1
 
-    issued: set[Op] = set()
-    complete: set[Op] = set()
-    group_of: dict[Op, tuple[tuple[int, object], int]] = {}  # op -> (its stream, the host step of its group)
+    # The simulation runs on integer ids: message i's receive is 2 i, its send 2 i + 1 (so an op's match is id ^ 1).
+    ids: dict[Message, int] = {}
+    messages: list[Message] = []
+
+    def op_id(op: Op) -> int:
+        m, side = op
+        if m not in ids:
+            ids[m] = len(messages)
+            messages.append(m)
+        return 2 * ids[m] + (side == "send")
+
+    host: dict[int, list[tuple[str, Any, int]]] = {}  # steps with their ops as ids (a compute keeps its task)
+    for rank in ranks:
+        host[rank] = [(kind, [op_id(op) for op in what] if kind != "compute" else what, at)
+                      for kind, what, at in steps[rank]]  # fmt: skip
+    issued = bytearray(2 * len(messages))
+    complete = bytearray(2 * len(messages))
+    group_of: dict[int, tuple[tuple[int, object], int]] = {}  # op -> (its stream, the host step of its group)
     streams: dict[tuple[int, object], list[int]] = {}  # nccl: (rank, communicator) -> incomplete groups, oldest first
     launched: set[tuple[int, int]] = set()  # (rank, host step) of the groups issued
     pc = dict.fromkeys(ranks, 0)
     outstanding: dict[tuple[int, int, str], int] = {}  # (dst, src, channel) -> receives posted, not yet consumed
 
-    def match(op: Op) -> Op:
-        return (op[0], "recv" if op[1] == "send" else "send")
-
     def blocked(rank: int) -> object:
-        kind, what, _ = steps[rank][pc[rank]]
+        kind, what, _ = host[rank][pc[rank]]
         need = gate_of[rank].get(pc[rank])
-        if need is not None and decider is not None and pc[decider] < len(steps[decider]):
-            if steps[decider][pc[decider]][2] < need:
+        if need is not None and decider is not None and pc[decider] < len(host[decider]):
+            if host[decider][pc[decider]][2] < need:
                 return f"the decision of rank {decider} (at its action {need})"
         if kind == "issue" and rules == "nccl" and launch_blocks and (rank, pc[rank]) in launched:
-            return next((op[0] for op in what if match(op) not in issued), None)
+            return next((messages[op // 2] for op in what if not issued[op ^ 1]), None)
         if kind == "wait":
-            return next((op[0] for op in what if op not in complete), None)
+            return next((messages[op // 2] for op in what if not complete[op]), None)
         return None
 
-    def settle() -> None:
-        """nccl: complete what the oldest incomplete group of every stream allows."""
-        again = True
-        while again:
-            again = False
-            for key, queue in streams.items():
-                while queue:
-                    group = steps[key[0]][queue[0]][1]
-                    for op in group:
-                        if op not in complete and match(op) in group_of:
-                            peer_stream, peer_group = group_of[match(op)]
-                            if streams[peer_stream][:1] == [peer_group]:
-                                complete.update((op, match(op)))
-                    if not all(op in complete for op in group):
-                        break
-                    queue.pop(0)
-                    again = True
+    def settle(dirty: set[tuple[int, object]]) -> None:
+        """nccl: complete what the oldest incomplete groups allow, from the streams whose oldest group is new."""
+        while dirty:
+            key = dirty.pop()
+            queue = streams[key]
+            while queue:
+                group = host[key[0]][queue[0]][1]
+                for op in group:
+                    if not complete[op] and issued[op ^ 1]:
+                        peer_stream, peer_group = group_of[op ^ 1]
+                        if streams[peer_stream][:1] == [peer_group]:
+                            complete[op] = complete[op ^ 1] = 1
+                            dirty.add(peer_stream)  # its oldest group may be complete now
+                if not all(complete[op] for op in group):
+                    break
+                queue.pop(0)
 
     progress = True
     while progress:
         progress = False
         for rank in ranks:
-            while pc[rank] < len(steps[rank]) and blocked(rank) is None:
-                kind, what, _ = steps[rank][pc[rank]]
+            while pc[rank] < len(host[rank]) and blocked(rank) is None:
+                kind, what, _ = host[rank][pc[rank]]
                 if kind == "issue" and (rank, pc[rank]) not in launched:
                     launched.add((rank, pc[rank]))
-                    stream = (rank, communicator(what[0][0]))
+                    stream = (rank, communicator(messages[what[0] // 2]))
                     for op in what:
-                        m, side = op
-                        if side == "recv":
+                        m = messages[op // 2]
+                        if not op & 1:  # a receive
                             channel = (m.dst, m.src, m.channel)
                             outstanding[channel] = outstanding.get(channel, 0) + 1
                             assert outstanding[channel] <= max_inflight, (
                                 f"rank {m.dst} posts the receive of {m} with {max_inflight} of its channel outstanding"
                             )
-                        issued.add(op)
+                        issued[op] = 1
                         group_of[op] = (stream, pc[rank])
-                        if rules == "gloo" and match(op) in issued:  # rendezvous: both ends are there
-                            complete.update((op, match(op)))
+                        if rules == "gloo" and issued[op ^ 1]:  # rendezvous: both ends are there
+                            complete[op] = complete[op ^ 1] = 1
                     if rules == "nccl":
                         streams.setdefault(stream, []).append(pc[rank])
-                        settle()
+                        settle({stream})
                         progress = True
                         continue  # the launch may wait for the peers' matching operations
                 elif kind == "compute":
@@ -392,7 +403,7 @@ def check_protocol(
                             outstanding[(m.dst, m.src, m.channel)] -= 1
                 pc[rank] += 1
                 progress = True
-    stuck = {r: (steps[r][pc[r]], blocked(r)) for r in ranks if pc[r] < len(steps[r])}
+    stuck = {r: (host[r][pc[r]], blocked(r)) for r in ranks if pc[r] < len(host[r])}
     unfinished = sorted({key[0] for key, queue in streams.items() if queue})
     if stuck or unfinished:
         raise ScheduleDeadlock(

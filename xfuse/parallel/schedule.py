@@ -124,9 +124,23 @@ class Schedule:
             for hop, segment in enumerate(self.plan.route)
         )
 
+    @functools.cached_property
+    def _messages(self) -> dict[Task, tuple[list[Message], list[Message]]]:
+        """Every task's (receives, sends), made once: programs and their checks ask for them at every action."""
+        return {task: (self._recvs(task), self._sends(task)) for order in self.orders.values() for task in order}
+
     def recvs(self, task: Task) -> list[Message]:
         """Messages ``task`` needs before it runs, in the canonical order (latent, skips by producer, hidden, the
-        plan's streams)."""
+        plan's streams). The list is shared: read it, do not change it."""
+        made = self._messages.get(task)
+        return self._recvs(task) if made is None else made[0]
+
+    def sends(self, task: Task) -> list[Message]:
+        """Messages ``task`` produces, in the same canonical order as the receiver's ``recvs`` (a shared list)."""
+        made = self._messages.get(task)
+        return self._sends(task) if made is None else made[1]
+
+    def _recvs(self, task: Task) -> list[Message]:
         plan, rank = self.plan, self.rank_of(task)
         out: list[Message] = []
         if task.hop in (0, COLLECT) and plan.output_rank != plan.embed_rank:
@@ -160,8 +174,7 @@ class Schedule:
         its batch parts carrying its own rows) owns them."""
         return self.plan.streams if task.patch in (None, 0) else ()
 
-    def sends(self, task: Task) -> list[Message]:
-        """Messages ``task`` produces, in the same canonical order as the receiver's ``recvs``."""
+    def _sends(self, task: Task) -> list[Message]:
         plan, rank = self.plan, self.rank_of(task)
         if task.hop == COLLECT:
             return []

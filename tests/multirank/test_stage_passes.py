@@ -7,7 +7,9 @@ a stage's passes once and replaying them needs (CUDA graphs, ``docs/performance.
 
 Each family's smallest preset, at 4 x 4 tokens (``benchmarks/bench_host.py``'s call), one warm-up step and one
 pipelined step of two patches. A batch part's pass (degree >= 2 under guidance) is a whole-image pass on some of the
-batch's rows: the same code with other row slices."""
+batch's rows: the same code with other row slices. No process group: the module sits in this tier for its cost (a
+trace is seconds per pass, like ``test_regional_compile.py``'s), beside the other compiles, not in the unit tier's
+minute."""
 
 import collections
 
