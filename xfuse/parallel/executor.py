@@ -61,7 +61,14 @@ class ProgramExecutor:
                 i += 1
                 continue
             action, item = program[i]
-            if prepare is not None and action not in (Action.SEND, Action.POST):
+            # a step's per-step work runs at the request's first action here (not a post or send) that serves the
+            # step: past its stop point, so a request stopped before the step never prepares it
+            if (
+                prepare is not None
+                and action not in (Action.SEND, Action.POST)
+                and item.request == prepare[0]
+                and served_step(item) >= prepare[1]
+            ):
                 request, step = prepare
                 if stops is None or stops.reaches(step, request):
                     due = self.runs[request]
