@@ -20,7 +20,8 @@ operation. (The operation with the smallest key not yet complete has every earli
 complete, and both ends reach it: its sender's compute needs only receives with smaller keys.) Posting receives a
 fixed number of tasks ahead, as xfuse did before, issues a receive before a send that its sender's progress depends
 on: under those rules the receive holds the send behind it (FLUX.2 [klein] at degree 2 stopped that way on one H100,
-``docs/performance/gpu.md``), and the NCCL check finds it on the linear routes.
+``docs/performance/gpu.md``), and the NCCL check finds it on every route where a launch may block, and on the linear
+routes of degree >= 3 from the streams alone.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Action(str, Enum):
     # for before use)
     COMPUTE = "compute"
     SEND = "send"  # issue the send of a message (consecutive POSTs and SENDs go out in one coalesced call, in order)
-    WAIT_SEND = "wait_send"  # wait for a send, once the timeline says its receiver consumed it
+    WAIT_SEND = "wait_send"  # wait for a send, as late as its channel's bound allows
 
     def __str__(self) -> str:
         return self.value
