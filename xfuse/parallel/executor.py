@@ -90,8 +90,8 @@ class ProgramExecutor:
             run = self.runs[item.request]
             if action == Action.WAIT_SEND and item in run.sends:
                 assert isinstance(item, Message)
-                with run.span(f"send wait {item.channel} to r{item.dst}", COMM, step=item.step, patch=item.patch,
-                              **run.which(item)):  # fmt: skip
+                label = f"send wait {item.channel} to r{item.dst}"
+                with run.span(label, COMM, step=item.step, patch=item.patch, **run.which(item)):
                     run.sends.pop(item).wait()
                 if deadline is not None:
                     deadline.beat((Action.WAIT_SEND, item))

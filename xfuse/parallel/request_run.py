@@ -66,7 +66,9 @@ class RequestRun:
         self.conds: dict[int, Any] = {}
         self.recvs: dict[Message, PendingRecv] = {}
         self.sends: dict[Message, PendingSend] = {}  # issued, not yet waited for
-        self.outgoing: dict[Message, torch.Tensor] = {}  # computed, not yet issued (the one order may hold it back)
+        # computed, not yet issued (the one order may hold a send back past later computes: each is a tensor of its own,
+        # which no later compute overwrites)
+        self.outgoing: dict[Message, torch.Tensor] = {}
         self.stage.begin_request(grid)
         self.whole_tokens = self.stage.hidden_tokens(None)  # of the whole image: the request's (read in its state)
         control = request.control
