@@ -16,8 +16,15 @@ issues that diffusers does not, by op, is where its extra host time goes.
 
 xfuse's call is ``from_pipe(pipe, parallel={"pipefusion_degree": 1})`` of a second build of the preset (the same
 seed, the same weights): the PipeFusion engine
-with one stage and one patch (``xfuse.parallel.engine``), the call driver and the family's stage. The one-graph column
-the issue asks for (the stage pass captured whole) waits for that capture.
+with one stage and one patch (``xfuse.parallel.engine``), the call driver and the family's stage. The text is
+``TEXT_TOKENS`` long where the pipeline takes ``max_sequence_length`` (HunyuanDiT's 77 + 256 are fixed), so that
+attention over the text is no compute to speak of either.
+
+The one-graph column: a third build whose stage pass (``Stage.run_segment``) is compiled whole by Inductor
+(``torch.compile(fullgraph=True)``, CPU), its step's slope and, for it and xfuse's eager stage, the time inside the
+stage pass alone per block (median over a ``LONG``-step call's passes). On a CPU a compiled graph still issues its
+kernels from Python, one call each; on a GPU a captured pass (CUDA graphs) is one launch: this column is the part of
+the host's cost that compiling alone removes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ PROMPT = "a red house by a lake"
 SHORT, LONG = 2, 22  # steps of the two calls whose difference is LONG - SHORT steps
 TOKEN_ROWS = 4  # token rows and columns of the image (a frame of a video)
 PATCHES = 4  # the pipelined call's patches (one rank: the engine's passes, the scheduler stepped per patch)
+TEXT_TOKENS = 16  # the prompt's tokens where the pipeline takes ``max_sequence_length``
+RECOMPILE_LIMIT = 64  # dynamo's, for the one-graph side: a pass that compiles again in every call still measures
 # Ops whose result the host reads: ``.item()``/``bool()``/``int()`` of a tensor, a data-dependent shape, a comparison.
 HOST_SYNCS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
 
@@ -60,6 +69,8 @@ def family_call(spec) -> dict:
     for flag in ("use_resolution_binning", "clean_caption"):  # binning would make it 1,024 px; cleaning needs ftfy
         if flag in accepted:
             call[flag] = False
+    if "max_sequence_length" in accepted:
+        call["max_sequence_length"] = TEXT_TOKENS
     if "true_cfg_scale" in accepted:
         call.update(true_cfg_scale=2.0, negative_prompt="blurry")
     elif not spec.distilled_guidance:
@@ -119,6 +130,25 @@ def passes_ops(pipe, call: dict) -> dict[str, int]:
     return dict(counts)
 
 
+def pass_seconds(pipe, call: dict) -> list[float]:
+    """The seconds inside each stage pass (``stage.run_segment``) of one ``LONG``-step call of ``pipe``."""
+    seconds: list[float] = []
+    run_segment = pipe.stage.run_segment
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = run_segment(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    pipe.stage.run_segment = timed
+    try:
+        run(pipe, call, LONG)
+    finally:
+        pipe.stage.run_segment = run_segment
+    return seconds
+
+
 def host_syncs(ops: dict[str, float]) -> float:
     """Of ``ops``, those whose result the host reads (on a GPU each waits for the device to drain its queue)."""
     return sum(ops.get(name, 0) for name in HOST_SYNCS)
@@ -145,7 +175,8 @@ def transformer_calls(pipe, call: dict, steps: int) -> int:
 
 def measure_family(preset: str, repeats: int) -> dict:
     """One family's row: seconds per step of diffusers' and xfuse's call (median, min-max over ``repeats`` slopes),
-    the per-block figures and the aten ops a step issues on each side."""
+    the per-block figures and the aten ops a step issues on each side; and xfuse's call with its stage pass compiled
+    as one graph: its step, and the time inside a stage pass per block against xfuse's eager one."""
 
     from xfuse.families.registry import model_spec, transformer_config
 
@@ -178,6 +209,32 @@ def measure_family(preset: str, repeats: int) -> dict:
     per_call = {side: [short - SHORT * step for short, step in zip(t[SHORT], per_step[side], strict=True)]
                 for side, t in times.items()}  # fmt: skip
     ops = {side: ops_per_step(runner, call) for side, runner in sides.items()}
+    # The one-graph side: a third build, its stage pass compiled whole (the first call compiles it). A pass whose
+    # guards fail on a new request's objects compiles again in every call: counted (``graphs_per_call``), and the
+    # recompile limit raised so that the slope, from which a per-call cost cancels, can still be taken.
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graph_pipe = spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel={"pipefusion_degree": 1})
+    graph_pipe.set_progress_bar_config(disable=True)
+    graph_pipe.stage.run_segment = torch.compile(graph_pipe.stage.run_segment, fullgraph=True)
+    one_graph: dict = {}
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        start = time.perf_counter()
+        graph_latents = _latents(run(graph_pipe, call, SHORT))
+        one_graph["compile_s"] = time.perf_counter() - start
+        compiled = counters["stats"]["unique_graphs"]
+        graph_steps: dict[int, list[float]] = {SHORT: [], LONG: []}
+        for _ in range(repeats):
+            for steps in (SHORT, LONG):
+                graph_steps[steps].append(timed(graph_pipe, steps))
+        one_graph["graphs_per_call"] = (counters["stats"]["unique_graphs"] - compiled) / (2 * repeats)
+        one_graph["step_s"] = spread([(long - short) / (LONG - SHORT) for short, long in
+                                      zip(graph_steps[SHORT], graph_steps[LONG], strict=True)])  # fmt: skip
+        one_graph["latents_max_abs_diff_to_eager"] = (graph_latents - latents[1]).abs().max().item()
+        one_graph["pass_s"] = pass_seconds(graph_pipe, call)
+    xfuse_pass_s = pass_seconds(xfuse_pipe, call)
     # The same call pipelined over PATCHES patches (still one rank): the host syncs a step's patches add.
     pipelined = spec.pipeline_class().from_pipe(
         spec.build_preset_pipeline(preset), parallel={"pipefusion_degree": 1, "num_patches": PATCHES, "warmup_steps": 1}
@@ -194,6 +251,11 @@ def measure_family(preset: str, repeats: int) -> dict:
         row[side] = {"step_s": spread(per_step[side]), "call_s": spread(per_call[side]),
                      "ops_per_step": sum(ops[side].values()), "host_syncs_per_step": host_syncs(ops[side])}  # fmt: skip
         row[side]["block_us"] = 1e6 * row[side]["step_s"]["median"] / (blocks * passes)
+    row["xfuse"]["pass_block_us"] = 1e6 * statistics.median(xfuse_pass_s) / blocks
+    if "pass_s" in one_graph:
+        one_graph["pass_block_us"] = 1e6 * statistics.median(one_graph.pop("pass_s")) / blocks
+        one_graph["over_xfuse_pass"] = one_graph["pass_block_us"] / row["xfuse"]["pass_block_us"]
+    row["one_graph"] = one_graph
     row["xfuse"]["host_syncs_per_step_pipelined"] = syncs_pipelined
     row["xfuse"]["host_syncs_in_stage_passes"] = syncs_in_passes
     row["xfuse_over_diffusers"] = row["xfuse"]["step_s"]["median"] / row["diffusers"]["step_s"]["median"]
@@ -204,6 +266,20 @@ def measure_family(preset: str, repeats: int) -> dict:
     return row
 
 
+def one_graph_cells(row: dict) -> str:
+    """The one-graph columns of ``row``: its step, graphs compiled per call past the first, the stage pass's µs per
+    block beside xfuse's eager, and their ratio."""
+    g, x = row["one_graph"], row["xfuse"]
+    step = g["step_s"]
+    if g["graphs_per_call"]:  # each call compiles again: its slope holds compile times, not a step's cost
+        steps = "- (compiles in every call)"
+    else:
+        steps = f"{1e3 * step['median']:.2f} ({1e3 * step['min']:.2f}-{1e3 * step['max']:.2f})"
+    return (f"{steps} | "
+            f"{g['graphs_per_call']:g} | {x['pass_block_us']:.0f}, {g['pass_block_us']:.0f} | "
+            f"{g['over_xfuse_pass']:.2f}x")  # fmt: skip
+
+
 def markdown(report: dict) -> str:
     lines = [f"Host cost per denoising step at {TOKEN_ROWS} x {TOKEN_ROWS} tokens, one torch thread, "
              f"{report['machine']}; slope of {LONG}- and {SHORT}-step calls, median (min-max) of "
@@ -211,8 +287,10 @@ def markdown(report: dict) -> str:
              "| preset | blocks | diffusers ms/step | xfuse ms/step | xfuse / diffusers | µs per block pass "
              "(diffusers, xfuse) | ms per call besides its steps (diffusers, xfuse) | aten ops/step (diffusers, "
              "xfuse) | xfuse's extra ops/step (most) | latents, max abs diff | host syncs/step (diffusers, xfuse, "
-             f"xfuse over {PATCHES} patches) | host syncs in xfuse's stage passes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"xfuse over {PATCHES} patches) | host syncs in xfuse's stage passes | one graph ms/step | graphs "
+             "compiled per later call | µs per block inside a stage pass (xfuse eager, one graph) | one graph / eager "
+             "pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in report["rows"]:
         d, x = row["diffusers"], row["xfuse"]
 
@@ -225,7 +303,8 @@ def markdown(report: dict) -> str:
                      f"{1e3 * d['call_s']['median']:.1f}, {1e3 * x['call_s']['median']:.1f} | "
                      f"{d['ops_per_step']:.0f}, {x['ops_per_step']:.0f} | {extra} | "
                      f"{row['latents_max_abs_diff']:.1e} | {d['host_syncs_per_step']:g}, {x['host_syncs_per_step']:g}, "
-                     f"{x['host_syncs_per_step_pipelined']:g} | {x['host_syncs_in_stage_passes']:g} |")  # fmt: skip
+                     f"{x['host_syncs_per_step_pipelined']:g} | {x['host_syncs_in_stage_passes']:g} | "
+                     + one_graph_cells(row) + " |")  # fmt: skip
     return "\n".join(lines)
 
 
