@@ -113,39 +113,40 @@ def ops_per_step(runner, call: dict) -> dict[str, float]:
     return {name: (counted[LONG][name] - counted[SHORT][name]) / (LONG - SHORT) for name in names}
 
 
-def passes_ops(pipe, call: dict) -> dict[str, int]:
-    """The aten ops, by name, of every stage pass (``stage.run_segment``) of one ``LONG``-step call of ``pipe``."""
-    counts: collections.Counter = collections.Counter()
+def around_passes(pipe, call: dict, around) -> None:
+    """One ``LONG``-step call of ``pipe`` with every stage pass (``stage.run_segment``) run as ``around(run_segment,
+    *args, **kwargs)``; the stage's pass as it was afterwards (the compiled one, on the one-graph side)."""
     run_segment = pipe.stage.run_segment
-
-    def counted(*args, **kwargs):
-        with counting_ops(counts):
-            return run_segment(*args, **kwargs)
-
-    pipe.stage.run_segment = counted
+    pipe.stage.run_segment = lambda *args, **kwargs: around(run_segment, *args, **kwargs)
     try:
         run(pipe, call, LONG)
     finally:
-        del pipe.stage.run_segment  # the class's method again
+        pipe.stage.run_segment = run_segment
+
+
+def passes_ops(pipe, call: dict) -> dict[str, int]:
+    """The aten ops, by name, of every stage pass of one ``LONG``-step call of ``pipe``."""
+    counts: collections.Counter = collections.Counter()
+
+    def counted(run_segment, *args, **kwargs):
+        with counting_ops(counts):
+            return run_segment(*args, **kwargs)
+
+    around_passes(pipe, call, counted)
     return dict(counts)
 
 
 def pass_seconds(pipe, call: dict) -> list[float]:
-    """The seconds inside each stage pass (``stage.run_segment``) of one ``LONG``-step call of ``pipe``."""
+    """The seconds inside each stage pass of one ``LONG``-step call of ``pipe``."""
     seconds: list[float] = []
-    run_segment = pipe.stage.run_segment
 
-    def timed(*args, **kwargs):
+    def timed(run_segment, *args, **kwargs):
         start = time.perf_counter()
         out = run_segment(*args, **kwargs)
         seconds.append(time.perf_counter() - start)
         return out
 
-    pipe.stage.run_segment = timed
-    try:
-        run(pipe, call, LONG)
-    finally:
-        pipe.stage.run_segment = run_segment
+    around_passes(pipe, call, timed)
     return seconds
 
 

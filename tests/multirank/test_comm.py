@@ -26,9 +26,9 @@ from xfuse.comm import (
     TrafficCounters,
     p2p,
 )
+from xfuse.comm.batches import in_order
 from xfuse.comm.bounded_call import call_bounded
 from xfuse.comm.errors import error_from_backend
-from xfuse.comm.p2p import in_order
 from xfuse.comm.watchdog import CommWatchdog
 
 FIELDS = dict(

@@ -5,6 +5,7 @@ ahead) is shown to deadlock under NCCL's rules where the one order of messages d
 
 import pytest
 
+from tests.support.schedule_cases import NUM_LAYERS, STEPS, cases
 from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel import protocol as protocol_module
 from xfuse.parallel.protocol import (
@@ -18,18 +19,6 @@ from xfuse.parallel.protocol import (
 )
 from xfuse.parallel.schedule import Message, Task, build_schedule
 from xfuse.parallel.stage_plan import stage_plan
-
-NUM_LAYERS = 16
-STEPS = 4
-
-
-def cases():
-    for degree in range(1, 9):
-        for placement in ("balanced", "folded", "linear"):
-            for m in sorted({1, degree, 2 * degree, 3}):
-                for warmup in (0, 1, STEPS):
-                    for parts in (1, 2) if warmup else (1,):  # batch parts split whole-image steps only
-                        yield degree, placement, m, warmup, parts
 
 
 def direction(m: Message) -> bool:

@@ -5,22 +5,11 @@ from itertools import pairwise
 
 import pytest
 
+from tests.support.schedule_cases import NUM_LAYERS, STEPS, cases
 from xfuse.families.registry import HUNYUANDIT
 from xfuse.parallel.protocol import check_protocol
 from xfuse.parallel.schedule import COLLECT, Message, Task, batch_parts, build_schedule
 from xfuse.parallel.stage_plan import stage_plan
-
-NUM_LAYERS = 16
-STEPS = 4
-
-
-def cases():
-    for degree in range(1, 9):
-        for placement in ("balanced", "folded", "linear"):
-            for m in sorted({1, degree, 2 * degree, 3}):
-                for warmup in (0, 1, STEPS):
-                    for parts in (1, 2) if warmup else (1,):  # batch parts split whole-image steps only
-                        yield degree, placement, m, warmup, parts
 
 
 @pytest.mark.parametrize("degree,placement,num_patches,warmup,parts", list(cases()))

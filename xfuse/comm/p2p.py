@@ -61,13 +61,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from xfuse.stderr import write_stderr
 
+from .batches import in_order
 from .bounded_call import call_bounded
 from .buffers import BufferSlot, RecvBufferPool
 from .errors import CommError, CommTimeout, InflightLimitError, describe_op, describe_place, error_from_backend
@@ -75,9 +76,8 @@ from .groups import DirectionGroups
 from .stats import OpLog, OpRecord, TrafficCounters, WaitState
 from .watchdog import CommWatchdog
 
-__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels", "in_order"]
+__all__ = ["Send", "Recv", "PendingSend", "PendingRecv", "P2PChannels"]
 
-T = TypeVar("T")
 
 ABORT_WAIT_S = 10.0  # how long a failure waits for NCCL to abort the communicators before it goes on
 
@@ -108,30 +108,6 @@ class Recv:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-
-
-def in_order(items: Sequence[T], peer_and_group: Callable[[T], tuple[int, object]]) -> list[list[T]]:
-    """``items`` (operations in issue order) cut into batches, one ``batch_isend_irecv`` call (one NCCL group) each:
-    in order, a batch ending before an item whose peer it already has or whose process group differs (a call is
-    on one group).
-
-    With at most one operation per peer in a group, the operations between two ranks are grouped alike on both
-    sides whatever each side's calls hold (NCCL leaves it undefined when two ranks group them differently,
-    NVIDIA/nccl#1279): a pair's messages match one by one, in order. Keeping the order (instead of gathering each
-    peer's k-th operation into batch k) keeps the one order of messages the engine issues
-    (``xfuse.parallel.protocol``): a group completes only once all its operations have.
-    """
-    batches: list[list[T]] = []
-    peers: set[int] = set()
-    group: object = None
-    for item in items:
-        peer, item_group = peer_and_group(item)
-        if not batches or peer in peers or item_group is not group:
-            batches.append([])
-            peers, group = set(), item_group
-        batches[-1].append(item)
-        peers.add(peer)
-    return batches
 
 
 def _nbytes(shape: tuple, dtype: torch.dtype) -> int:

@@ -1,7 +1,7 @@
 """A rank's program: the order in which it posts receives, computes, issues sends and waits, and the proof that the
 programs of all ranks can neither mismatch nor deadlock, on gloo and under NCCL's rules.
 
-A pure function of the schedule (``xfuse.parallel.schedule``), like it: no torch, no processes. The executor
+A pure function of the schedule (``xfuse.parallel.schedule``), like it: no tensors, no processes. The executor
 (``xfuse.parallel.executor``) carries a program out; ``check_protocol`` runs every rank's program against the
 others'.
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
+from xfuse.comm.batches import in_order
 from xfuse.parallel.schedule import Message, Schedule, Task, TaskGraph
 
 Item = Task | Message  # what an action of a program acts on: a task (compute, wait for its receives), or a message
@@ -196,18 +197,9 @@ def one_communicator(m: Message) -> object:
 
 
 def in_order_batches(ops: Sequence[Op], communicator: Communicator = one_communicator) -> list[list[Op]]:
-    """How one coalesced call's operations go out as NCCL groups (``xfuse.comm.p2p.P2PChannels.issue``): in their
-    order, a group cut before an operation whose peer it already has or that travels on another communicator."""
-    batches: list[list[Op]] = []
-    peers: set[int] = set()
-    for m, side in ops:
-        peer = m.dst if side == "send" else m.src
-        if not batches or peer in peers or communicator(m) != communicator(batches[-1][0][0]):
-            batches.append([])
-            peers = set()
-        batches[-1].append((m, side))
-        peers.add(peer)
-    return batches
+    """How one coalesced call's operations go out as NCCL groups: ``xfuse.comm.batches.in_order``, by each
+    operation's peer and communicator."""
+    return in_order(ops, lambda op: (op[0].dst if op[1] == "send" else op[0].src, communicator(op[0])))
 
 
 def check_protocol(
@@ -274,8 +266,23 @@ def check_protocol(
                             gates[rank][point] = max(gates[rank].get(point, 0), decided[stop])
 
     # Each rank's program as host steps: ("issue", the ops of one group), ("wait", ops), ("compute", task), each
-    # with the program index it starts at. A call is cut where a decider's gate falls (the executor does too).
-    steps: dict[int, list[tuple[str, Any, int]]] = {}
+    # with the program index it starts at. A call is cut where a decider's gate falls (the executor does too). Ops
+    # are integer ids: message i's receive is 2 i, its send 2 i + 1 (so an op's match is id ^ 1).
+    ids: dict[Message, int] = {}
+    messages: list[Message] = []
+
+    def op_ids(ops: list[Op]) -> list[int]:
+        for m, _ in ops:
+            if m not in ids:
+                ids[m] = len(messages)
+                messages.append(m)
+        return [2 * ids[m] + (side == "send") for m, side in ops]
+
+    def issues(call: list[Op], at: int) -> list[tuple[str, Any, int]]:
+        groups = batches(call, communicator) if rules == "nccl" else [[op] for op in call]
+        return [("issue", op_ids(group), at) for group in groups if group]
+
+    host: dict[int, list[tuple[str, Any, int]]] = {}
     sent: dict[tuple[int, int], list[Message]] = {}  # per (src, dst): the sender's issue order
     posted: dict[tuple[int, int], list[Message]] = {}  # and the receiver's post order
     for rank in ranks:
@@ -285,7 +292,7 @@ def check_protocol(
         for i, (action, item) in enumerate(programs[rank]):
             if action in (Action.POST, Action.SEND):
                 if call and i in gates[rank]:
-                    out.extend(("issue", group, call_at) for group in _groups(call, rules, communicator, batches))
+                    out += issues(call, call_at)
                     call = []
                 if not call:
                     call_at = i
@@ -293,20 +300,18 @@ def check_protocol(
                     call.append((m, side))
                     (sent if side == "send" else posted).setdefault((m.src, m.dst), []).append(m)
                 continue
-            if call:
-                out.extend(("issue", group, call_at) for group in _groups(call, rules, communicator, batches))
-                call = []
+            out += issues(call, call_at)
+            call = []
             if not runs(item):
                 continue
             if action == Action.WAIT_RECV:
-                out.append(("wait", [(m, "recv") for m in graph.recvs(item) if runs(m)], i))  # type: ignore[arg-type]
+                out.append(("wait", op_ids([(m, "recv") for m in graph.recvs(item) if runs(m)]), i))  # type: ignore[arg-type]
             elif action == Action.WAIT_SEND:
                 waited = [item] if isinstance(item, Message) else graph.sends(item)
-                out.append(("wait", [(m, "send") for m in waited if runs(m)], i))
+                out.append(("wait", op_ids([(m, "send") for m in waited if runs(m)]), i))
             elif action == Action.COMPUTE:
                 out.append(("compute", item, i))
-        out.extend(("issue", group, call_at) for group in _groups(call, rules, communicator, batches))
-        steps[rank] = out
+        host[rank] = out + issues(call, call_at)
     for pair in set(sent) | set(posted):
         assert sent.get(pair, []) == posted.get(pair, []), f"messages {pair[0]} -> {pair[1]} disagree"
 
@@ -315,26 +320,11 @@ def check_protocol(
     for rank in ranks:
         points = sorted(gates[rank].items())
         j = 0
-        for index, (_, _, at) in enumerate(steps[rank]):
+        for index, (_, _, at) in enumerate(host[rank]):
             while j < len(points) and points[j][0] <= at:
                 gate_of[rank][index] = max(gate_of[rank].get(index, 0), points[j][1])
                 j += 1
 
-    # The simulation runs on integer ids: message i's receive is 2 i, its send 2 i + 1 (so an op's match is id ^ 1).
-    ids: dict[Message, int] = {}
-    messages: list[Message] = []
-
-    def op_id(op: Op) -> int:
-        m, side = op
-        if m not in ids:
-            ids[m] = len(messages)
-            messages.append(m)
-        return 2 * ids[m] + (side == "send")
-
-    host: dict[int, list[tuple[str, Any, int]]] = {}  # steps with their ops as ids (a compute keeps its task)
-    for rank in ranks:
-        host[rank] = [(kind, [op_id(op) for op in what] if kind != "compute" else what, at)
-                      for kind, what, at in steps[rank]]  # fmt: skip
     issued = bytearray(2 * len(messages))
     complete = bytearray(2 * len(messages))
     group_of: dict[int, tuple[tuple[int, object], int]] = {}  # op -> (its stream, the host step of its group)
@@ -412,10 +402,3 @@ def check_protocol(
             + "; ".join(f"rank {r} at its {step[0]} (action {step[2]}) waits for {m}" for r, (step, m) in stuck.items())
             + "".join(f"; rank {r} has groups that never complete" for r in unfinished if r not in stuck)
         )
-
-
-def _groups(call: list[Op], rules: str, communicator: Communicator, batches) -> list[list[Op]]:
-    """One call's operations as the groups that go out: NCCL's (``batches``), or one at a time (gloo)."""
-    if not call:
-        return []
-    return batches(call, communicator) if rules == "nccl" else [[op] for op in call]

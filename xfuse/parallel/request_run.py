@@ -55,7 +55,6 @@ class RequestRun:
         self.in_stream = in_stream  # one of several requests in flight (its labels name it)
         self.recv_msgs = {t: r for t, (r, _) in messages.items()}  # task -> messages it receives, in order
         self.send_msgs = {t: s for t, (_, s) in messages.items()}  # task -> messages it sends, in order
-        self.producer = {m: t for t, sent in self.send_msgs.items() for m in sent}  # message -> the task sending it
         self.span = tracer.span if tracer is not None else null_span
         self.plan, self.stage, self.pipe_rank = plan, stage, pipe_rank
         self.latents = RankLatents(request, grid, schedule, self.plan, self.pipe_rank)
@@ -134,7 +133,8 @@ class RequestRun:
         action, item = place
         if action == Action.COMPUTE:
             return self._label(item)
-        return f"the wait for the send of {item.channel} to rank {item.dst} from {self._label(self.producer[item])}"
+        producer = next(task for task, sent in self.send_msgs.items() if item in sent)  # (a report: found when asked)
+        return f"the wait for the send of {item.channel} to rank {item.dst} from {self._label(producer)}"
 
     def which(self, item: Task | Message) -> dict[str, int]:
         """The trace arguments that name the request of ``item`` (a task or a message): in a stream, every span of a
