@@ -1,15 +1,19 @@
-"""Every registered family's stage pass is one graph that reads nothing back to the host: for each kind of pass a
-degree-1 engine runs (the whole image, the step's first patch with the plan's streams, a later patch),
-``torch.compile(fullgraph=True)`` traces ``Stage.run_segment`` on CPU with no graph break and no host read in its
-graph, and the eager pass issues no operation whose result the host reads (counted at the dispatcher). What capturing
-a stage's passes once and replaying them needs (CUDA graphs, ``docs/performance.md``). Since torch 2.13 a traced
-``.item()`` is no graph break (it becomes a graph's scalar output), so the graph's nodes are read for host reads.
+"""Every registered family's stage pass is one graph that reads nothing back to the host, and ``compile.mode: graphs``
+runs it so: for each kind of pass a degree-1 engine runs (the whole image, the step's first patch with the plan's
+streams, a later patch), the pipeline's ``CapturedStage`` (``xfuse.parallel.pass_graphs``) runs every pass after a
+request's first of its kind through ``torch.compile(fullgraph=True)`` of ``Stage.run_segment``: no graph break, no
+host read in its graph, the eager pass issues no operation whose result the host reads (counted at the dispatcher),
+the latents equal the eager pipeline's bit for bit, and a second request with another prompt makes no graph again
+(its text K/V go into the same slots). What capturing a stage's passes as CUDA graphs needs (``docs/performance.md``).
+Since torch 2.13 a traced ``.item()`` is no graph break (it becomes a graph's scalar output), so the graph's nodes
+are read for host reads.
 
-Each family's smallest preset, at 4 x 4 tokens (``benchmarks/bench_host.py``'s call), one warm-up step and one
-pipelined step of two patches. A batch part's pass (degree >= 2 under guidance) is a whole-image pass on some of the
-batch's rows: the same code with other row slices. No process group: the module sits in this tier for its cost (a
-trace is seconds per pass, like ``test_regional_compile.py``'s), beside the other compiles, not in the unit tier's
-minute."""
+Each family's smallest preset at 4 x 4 tokens (``benchmarks/bench_host.py``'s call), three whole-image steps (the
+first two keep no K/V, the last keeps them) and two pipelined steps of two patches: the graph passes are the second
+step's whole image and the last step's patches. The graphs run as dynamo traced them (a recording backend): the
+product's own backends are ``test_pass_graphs.py``'s. A batch part's pass (degree >= 2 under guidance) is a whole-image
+pass on some of the batch's rows: the same code with other row slices. No process group: the module sits in this tier
+for its cost (a trace is seconds per pass, like ``test_regional_compile.py``'s), beside the other compiles."""
 
 import collections
 
@@ -24,69 +28,96 @@ PASS_KINDS = ("whole image", "first patch", "later patch")
 # What a traced graph calls that reads a tensor's value on the host (the dispatcher's ``HOST_SYNCS``, as dynamo names
 # them: methods of a tensor, or functions).
 GRAPH_HOST_READS = {"item", "tolist", "nonzero", "_local_scalar_dense", "equal", "is_nonzero", "__bool__"}
-PARALLEL = {"pipefusion_degree": 1, "num_patches": 2, "warmup_steps": 1}
+PARALLEL = {"pipefusion_degree": 1, "num_patches": 2, "warmup_steps": 3}
+STEPS = 5  # warm-up steps 0-2 (a whole-image graph pass at step 1), pipelined steps 3-4 (patch graph passes at 4)
+OTHER_PROMPT = "a lighthouse on a cliff at dusk"  # the second request's
 
 
 def pass_kind(band) -> str:
     return "whole image" if band is None else "first patch" if band.index == 0 else "later patch"
 
 
-def stage_passes(spec, break_in=None) -> dict[str, dict]:
-    """For each pass kind of ``spec``'s smallest preset: ``graph_break`` (None, or what stopped the one-graph trace of
-    its first pass), ``graph_host_reads`` (the traced graph's calls that read a value on the host) and ``host_syncs``
-    (the ops, by name, whose result the host reads, over every eager pass of the kind).
-    ``break_in``: a function every pass calls on its hidden states first (a test's injected host read)."""
-    pipe = spec.pipeline_class().from_pipe(spec.build_preset_pipeline(spec.presets[0]), parallel=PARALLEL)
+def _pipeline(spec, **sections):
+    pipe = spec.pipeline_class().from_pipe(spec.build_preset_pipeline(spec.presets[0]), parallel=PARALLEL, **sections)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _latents(output) -> torch.Tensor:
+    return output.frames if hasattr(output, "frames") else output.images
+
+
+def stage_passes(spec, break_in=None) -> dict:
+    """For each pass kind of ``spec``'s smallest preset: ``graph_break`` (None, or what stopped the one-graph trace of
+    its graph passes), ``graph_host_reads`` (the traced graphs' calls that read a value on the host) and
+    ``host_syncs`` (the ops, by name, whose result the host reads, over every eager pass of the kind); and
+    ``"requests"``: per request, the graphs it made and whether its latents equal the eager pipeline's.
+    ``break_in``: a function every pass calls on its hidden states first (a test's injected host read)."""
+    eager_pipe = _pipeline(spec)
     call = family_call(spec)
-    stage = pipe.stage
-    eager = stage.run_segment
-    if break_in is not None:
+    stage = eager_pipe.stage
+    eager_run = stage.run_segment
 
-        def eager(hidden, *args, _run=stage.run_segment, **kwargs):
+    def with_break(run_segment):
+        if break_in is None:
+            return run_segment
+
+        def broken(hidden, *args, **kwargs):
             break_in(hidden)
-            return _run(hidden, *args, **kwargs)
+            return run_segment(hidden, *args, **kwargs)
 
-    found: dict[str, dict] = {}
+        return broken
+
+    found: dict = {}
 
     def counted(hidden, segment, cond, band, *args, **kwargs):
         syncs = found.setdefault(pass_kind(band), {"host_syncs": collections.Counter()})["host_syncs"]
         ops: collections.Counter = collections.Counter()
         with counting_ops(ops):
-            out = eager(hidden, segment, cond, band, *args, **kwargs)
+            out = with_break(eager_run)(hidden, segment, cond, band, *args, **kwargs)
         syncs.update({name: n for name, n in ops.items() if name in HOST_SYNCS})
         return out
 
     stage.run_segment = counted
-    run(pipe, call, 2)
+    eager = [_latents(run(eager_pipe, {**call, "prompt": prompt}, STEPS)) for prompt in (call["prompt"], OTHER_PROMPT)]
+    stage.run_segment = eager_run
 
     torch._dynamo.reset()
+    graph_pipe = _pipeline(spec, compile={"mode": "graphs"})
+    captured = graph_pipe.engine.stage  # the CapturedStage the engine drives
+    graph_pass = with_break(captured.inner.run_segment)
     graphs: list[torch.fx.GraphModule] = []
 
     def recording(graph: torch.fx.GraphModule, example_inputs):  # tracing only: the graph runs as traced
         graphs.append(graph)
         return graph.forward
 
-    one_graph = torch.compile(eager, fullgraph=True, backend=recording)
+    one_graph = torch.compile(graph_pass, fullgraph=True, backend=recording)
 
     def traced(hidden, segment, cond, band, *args, **kwargs):
         entry = found[pass_kind(band)]
-        if "graph_break" in entry:  # one trace per kind: its later passes run eagerly
-            return eager(hidden, segment, cond, band, *args, **kwargs)
+        if entry.get("graph_break"):  # a kind that broke: its later passes run eagerly
+            return graph_pass(hidden, segment, cond, band, *args, **kwargs)
+        made = len(graphs)
         try:
-            graphs.clear()
             out = one_graph(hidden, segment, cond, band, *args, **kwargs)
-            entry["graph_break"] = None
-            entry["graph_host_reads"] = sorted(
-                {name for graph in graphs for node in graph.graph.nodes if (name := _called(node)) in GRAPH_HOST_READS}
-            )
-            return out
         except torch._dynamo.exc.Unsupported as exc:
             entry["graph_break"] = str(exc).splitlines()[0]
-            return eager(hidden, segment, cond, band, *args, **kwargs)
+            return graph_pass(hidden, segment, cond, band, *args, **kwargs)
+        entry.setdefault("graph_break", None)
+        reads = {
+            name for graph in graphs[made:] for node in graph.graph.nodes if (name := _called(node)) in GRAPH_HOST_READS
+        }
+        entry["graph_host_reads"] = sorted(set(entry.get("graph_host_reads", ())) | reads)
+        return out
 
-    stage.run_segment = traced
-    run(pipe, call, 2)
+    captured.graph_pass = traced
+    found["requests"], found["segments"] = [], len(graph_pipe.plan.route)
+    for prompt, expected in zip((call["prompt"], OTHER_PROMPT), eager, strict=True):
+        made, passes = len(graphs), captured.graph_passes
+        latents = _latents(run(graph_pipe, {**call, "prompt": prompt}, STEPS))
+        found["requests"].append({"graphs": len(graphs) - made, "graph_passes": captured.graph_passes - passes,
+                                  "equal": torch.equal(latents, expected)})  # fmt: skip
     torch._dynamo.reset()
     return found
 
@@ -110,15 +141,28 @@ def passes():
 def test_every_stage_pass_is_one_graph_with_no_host_read(passes, family, kind):
     assert kind in passes[family], f"{family}: no {kind} pass ran"
     found = passes[family][kind]
+    assert "graph_break" in found, f"{family}, {kind}: no pass of this kind ran as a graph"
     assert found["graph_break"] is None, f"{family}, {kind}: {found['graph_break']}"
     assert found["graph_host_reads"] == [] and found["host_syncs"] == {}, f"{family}, {kind}: the host reads back"
+
+
+@pytest.mark.parametrize("family", [spec.name for spec in FAMILIES])
+def test_graph_passes_equal_eager_and_a_new_prompt_makes_no_graph(passes, family):
+    """Per request and segment of the route (HunyuanDiT's has two at degree 1): one whole-image graph pass and one per
+    patch (the later passes of each kind), the latents bit for bit the eager pipeline's; the second request, another
+    prompt, replays the first's graphs."""
+    first, second = passes[family]["requests"]
+    per_request = passes[family]["segments"] * (1 + PARALLEL["num_patches"])
+    assert first["graph_passes"] == second["graph_passes"] == per_request, (first, second)
+    assert first["equal"] and second["equal"], (first, second)
+    assert first["graphs"] == per_request and second["graphs"] == 0, (first, second)
 
 
 def test_a_host_read_or_a_branch_on_a_value_inside_one_familys_pass_is_found():
     """Wan's stage pass (the cheapest family to trace) with an ``.item()`` whose value it uses: every kind of pass
     has ``item`` in its graph and counts ``_local_scalar_dense`` at the dispatcher; with a branch on a tensor's value
-    instead, the one-graph trace breaks, saying why. (A read whose value is unused leaves the graph: only the eager
-    count has it.)"""
+    instead, the one-graph trace breaks, saying why, and the product's ``CapturedStage`` names the pass that broke.
+    (A read whose value is unused leaves the graph: only the eager count has it.)"""
     wan = next(spec for spec in FAMILIES if spec.name == "wan")
     found = stage_passes(wan, break_in=lambda hidden: hidden.mul_(1 + 0 * hidden.sum().item()))  # a read used
     for kind in PASS_KINDS:
@@ -133,3 +177,17 @@ def test_a_host_read_or_a_branch_on_a_value_inside_one_familys_pass_is_found():
     for kind in PASS_KINDS:
         assert found[kind]["graph_break"] == "Data-dependent branching", found[kind]
         assert set(found[kind]["host_syncs"]) == {"_local_scalar_dense"}
+
+    torch._dynamo.reset()
+    pipe = _pipeline(wan, compile={"mode": "graphs", "backend": "eager"})
+    inner = pipe.engine.stage.inner.run_segment
+
+    def branching(hidden, *args, **kwargs):
+        branch(hidden)
+        return inner(hidden, *args, **kwargs)
+
+    pipe.engine.stage.graph_pass = torch.compile(branching, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError, match=r"the stage pass of blocks 0-\d+ over the whole image is not one graph "
+                                           r"\(Data-dependent branching\), as compile.mode graphs"):  # fmt: skip
+        run(pipe, family_call(wan), STEPS)
+    torch._dynamo.reset()

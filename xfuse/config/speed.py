@@ -1,13 +1,15 @@
 """``cache`` and ``compile``: the two ways a run goes faster on the same layout, skipping steps' blocks (step caching)
-and compiling each rank's blocks (regional ``torch.compile``)."""
+and compiling each rank's blocks (regional ``torch.compile``) or each stage pass as one captured graph."""
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
+from typing_extensions import Self
 
 from xfuse.config.section import NonEmptyStr, PositiveInt, Seconds, Section, yaml_switch
+from xfuse.errors import ConfigError
 
 
 class CacheConfig(Section):
@@ -34,10 +36,14 @@ class CacheConfig(Section):
 
 
 class CompileConfig(Section):
-    """Regional ``torch.compile`` of each rank's blocks (``xfuse.parallel.regional_compile``): every block a rank keeps
-    compiled in place, the blocks of one class sharing their graphs, the attention's K/V bookkeeping left eager.
+    """Compiling each rank's stage: its blocks (``regional``), or each stage pass as one graph captured once and
+    replayed (``graphs``, ``regional+graphs``).
 
-    ``mode``: ``off`` or ``regional``. ``backend``: ``torch.compile``'s (``inductor``; ``aot_eager`` traces without
+    ``mode``: ``off``; ``regional`` (``xfuse.parallel.regional_compile``: every block a rank keeps compiled in place,
+    the blocks of one class sharing their graphs, the attention's K/V bookkeeping left eager); ``graphs``
+    (``xfuse.parallel.pass_graphs``: each stage pass traced as one graph per pass kind and captured as a CUDA graph
+    of its eager kernels, replayed every later step); ``regional+graphs`` (the same graphs compiled by Inductor, then
+    captured). On a CPU nothing is captured: the graphs run as traced. ``backend``: ``torch.compile``'s (``inductor``; ``aot_eager`` traces without
     generating code). ``dynamic``: ``torch.compile``'s (false: a graph per shape, and a rank sees few: the whole
     image, its patches, the text's lengths). ``warmup_sizes``: the request sizes (``WIDTHxHEIGHT``) compiled before
     the first request (empty: ``xfuse generate`` its request's size, ``xfuse serve`` its default size).
@@ -48,7 +54,7 @@ class CompileConfig(Section):
     """
 
     SECTION: ClassVar[str] = "compile"
-    mode: Annotated[Literal["off", "regional"], BeforeValidator(yaml_switch)] = "off"
+    mode: Annotated[Literal["off", "regional", "graphs", "regional+graphs"], BeforeValidator(yaml_switch)] = "off"
     backend: NonEmptyStr = "inductor"
     dynamic: bool = False
     warmup_sizes: list[Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]] = Field(
@@ -58,9 +64,24 @@ class CompileConfig(Section):
     cache_dir: NonEmptyStr | None = None
     timeout_s: Seconds = 900.0
 
+    @model_validator(mode="after")
+    def _captured_inductor_is_inductors(self) -> Self:
+        if self.mode == "regional+graphs" and self.backend != "inductor":
+            raise ConfigError(
+                "compile.backend",
+                f"must be 'inductor' with compile.mode regional+graphs (Inductor's kernels captured as CUDA graphs); "
+                f"use mode graphs to capture another backend's eager kernels (got {self.backend!r})",
+            )
+        return self
+
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def graphs(self) -> bool:
+        """Whether each stage pass runs as one captured graph (``graphs``, ``regional+graphs``)."""
+        return self.mode in ("graphs", "regional+graphs")
 
     @property
     def warmup(self) -> list[tuple[int, int]]:

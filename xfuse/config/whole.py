@@ -33,8 +33,8 @@ class XfuseConfig(Section):
 
     @property
     def longest_wait_s(self) -> float:
-        """The bound of the longest wait for a message: ``comm.timeout_s``, and with ``compile.mode: regional``
-        ``compile.timeout_s`` on top (the waits of a request whose peers compile new shapes first: a peer's compile
+        """The bound of the longest wait for a message: ``comm.timeout_s``, and while compiling (any ``compile.mode``
+        but ``off``) ``compile.timeout_s`` on top (the waits of a request whose peers compile new shapes first: a peer's compile
         bound ends the world naming that peer before a wait for it runs out)."""
         return self.comm.timeout_s + (self.compile.timeout_s if self.compile.enabled else 0.0)
 
@@ -94,6 +94,18 @@ class XfuseConfig(Section):
                     f"parallel exchanges and compiled shapes are its own); use 1, or {key} {allowed} "
                     f"(got {self.serve.max_inflight})",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _captured_passes_exchange_outside(self) -> Self:
+        p = self.parallel
+        if self.compile.graphs and p.sequence_degree > 1:
+            raise ConfigError(
+                "compile.mode",
+                f"{self.compile.mode} captures whole stage passes, and sequence parallelism exchanges inside a pass "
+                f"(parallel.ulysses_degree {p.ulysses_degree}, parallel.ring_degree {p.ring_degree}); use off or "
+                f"regional with sequence parallelism, or both degrees 1 (got {self.compile.mode!r})",
+            )
         return self
 
     @model_validator(mode="after")

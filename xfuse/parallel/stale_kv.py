@@ -16,9 +16,25 @@ the one buffer, which then *is* the joint K/V: no per-pass concatenation of the 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from xfuse.parallel.stage import BatchPart
+
+
+def static_slot(*buffers: torch.Tensor) -> None:
+    """Say that ``buffers`` are written in place and read across steps and requests at one address (K/V buffers, text
+    slots): a captured stage pass (``xfuse.parallel.pass_graphs``) reads and writes them where they are instead of
+    copying them into the graph's own inputs each replay (a buffer met at a new address is captured again). Marked
+    when they are made, outside any traced pass (``CapturedStage`` runs a request's first pass of each kind eagerly).
+    Only where dynamo is loaded: a process that compiles nothing never imports it (seconds), and one that compiles
+    imports it before its first pass (``StageCompiler.compile``)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or torch.compiler.is_compiling():
+        return
+    for buffer in buffers:
+        dynamo.mark_static_address(buffer)
 
 
 class StaleKVCache:
@@ -63,6 +79,7 @@ class StaleKVCache:
             # Allocated once per (request shape, dtype): the hot path only copies into it.
             self._joint_k[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
             self._joint_v[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            static_slot(self._joint_k[layer], self._joint_v[layer])
             image = slice(self.text_slots, None) if self.text_first else slice(0, self.num_tokens)
             self._k[layer], self._v[layer] = self._joint_k[layer][:, :, image], self._joint_v[layer][:, :, image]
             self._valid[layer], self._text_written[layer] = 0, False

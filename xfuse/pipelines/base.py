@@ -118,7 +118,7 @@ class PipeFusionPipelineBase(
         stage_class = self.spec.stage_class()
         self.stage = (stage or stage_class(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
-        self.compiler: StageCompiler | None = None  # compile.mode: regional
+        self.compiler: StageCompiler | None = None  # any compile.mode but off
         if self.config.compile.enabled:
             self.compiler = self._compiler(config_hash(dict(config)), dtype)
             self.compiler.compile(self.stage)
@@ -149,7 +149,7 @@ class PipeFusionPipelineBase(
         self._decode_shape: tuple | None = None  # this call's latents for a band-parallel decode (None: rank 0 alone)
 
     def _compiler(self, model_config_hash: str, dtype) -> StageCompiler:
-        """``compile.mode: regional``'s compiler of this rank's stage, with ``compile.cache_dir``'s folder for this
+        """``compile.mode``'s compiler of this rank's stage, with ``compile.cache_dir``'s folder for this
         torch, model, dtype, device, backend and ``dynamic``."""
         section, cache = self.config.compile, None
         if section.cache_dir is not None:
@@ -158,7 +158,7 @@ class PipeFusionPipelineBase(
                                  device=self.context.device.type, backend=section.backend,
                                  dynamic=section.dynamic)  # fmt: skip
         monitor, patches = self.context.monitor, self.parallel.resolved_num_patches
-        return StageCompiler(section, self.context.rank, monitor, patches, cache)
+        return StageCompiler(section, self.context.rank, monitor, patches, cache, self.context.device)
 
     def _engine(self, stage) -> PipeFusionEngine:
         """The engine that runs ``stage`` (this rank's share of a transformer) over the world's pipeline group, inside
@@ -174,6 +174,8 @@ class PipeFusionPipelineBase(
                 channels=context.sp_channels,
             )
             engine_stage = SequenceParallelStage(stage, sequence)
+        if self.compiler is not None:  # the graph modes: each pass after a request's first of its kind one graph
+            engine_stage = self.compiler.engine_stage(engine_stage)
         return PipeFusionEngine(
             engine_stage,
             self.plan,

@@ -1,6 +1,8 @@
-"""``compile.mode: regional`` for one pipeline: what a rank compiles, when, for how long, and what it counts.
+"""``compile.mode`` for one pipeline: what a rank compiles, when, for how long, and what it counts.
 
-``StageCompiler`` compiles a rank's kept blocks (``xfuse.parallel.regional_compile``) and frames every request:
+``StageCompiler`` compiles a rank's kept blocks in place (``regional``: ``xfuse.parallel.regional_compile``), or
+runs the stage the engine drives through one graph per pass kind (``graphs``, ``regional+graphs``:
+``xfuse.parallel.pass_graphs``), and frames every request:
 
 * a request of a shape this engine has compiled runs its graphs;
 * a request of a new shape, while fewer than ``compile.max_shapes`` shapes were compiled, compiles: its waits get the
@@ -23,6 +25,7 @@ import time
 import torch
 
 from xfuse.config import CompileConfig
+from xfuse.parallel.pass_graphs import CapturedStage, compile_pass
 from xfuse.parallel.regional_compile import compile_blocks
 from xfuse.runtime.compile_cache import CompileCache
 from xfuse.runtime.compile_watch import CompileWatch
@@ -31,25 +34,29 @@ from xfuse.stderr import write_stderr
 __all__ = ["StageCompiler", "compile_counts"]
 
 RECOMPILES_PER_SHAPE = 4  # graphs one code object may make per (request shape, block input size): see compile()
+# a stage pass's graphs per (request shape, patch) over a block's: each of a rank's segments (two under step caching)
+GRAPH_KINDS_PER_PATCH = 2
 
 
 def compile_counts() -> dict[str, int]:
     """This process's compile counters from torch's own (0 before dynamo was imported): ``graphs`` dynamo made,
-    ``generated`` graphs Inductor generated code for, ``cached`` graphs Inductor found in its caches."""
+    ``generated`` graphs Inductor generated code for, ``cached`` graphs Inductor found in its caches,
+    ``not_captured`` graphs a capturing backend left uncaptured (it logged why)."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
-        return {"graphs": 0, "generated": 0, "cached": 0}
+        return {"graphs": 0, "generated": 0, "cached": 0, "not_captured": 0}
     counters = utils.counters
     return {
         "graphs": int(counters["stats"]["unique_graphs"]),
         "generated": int(counters["inductor"]["fxgraph_cache_miss"]),
         # a graph AOT autograd's cache returns is looked up in the FX graph cache too: the larger count is the graphs
         "cached": int(max(counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"])),
+        "not_captured": int(counters["inductor"]["cudagraph_skips"]),
     }
 
 
 class StageCompiler:
-    """One pipeline's regional compile (module docstring).
+    """One pipeline's compile (module docstring).
 
     Args:
         section: the config's ``compile`` section.
@@ -57,11 +64,14 @@ class StageCompiler:
         monitor: the process's failure monitor: publishes what this rank compiles, records a compile timeout.
         num_patches: the layout's patches (a request meets at most the whole image and its patches per block).
         cache: ``compile.cache_dir``'s folder for this launch, or ``None``.
+        device: this rank's device (the graph modes capture on CUDA only).
     """
 
-    def __init__(self, section: CompileConfig, rank: int, monitor, num_patches: int, cache: CompileCache | None):
-        self.section, self.rank, self.num_patches, self.cache = section, rank, num_patches, cache
-        self.watch = CompileWatch(rank, section.timeout_s, on_timeout=monitor.fail_from_thread)
+    def __init__(self, section: CompileConfig, rank: int, monitor, num_patches: int, cache: CompileCache | None,
+                 device: torch.device):  # fmt: skip
+        self.section, self.rank, self.num_patches, self.cache, self.device = section, rank, num_patches, cache, device
+        doing = "compiling and capturing" if section.graphs and device.type == "cuda" else "compiling"
+        self.watch = CompileWatch(rank, section.timeout_s, on_timeout=monitor.fail_from_thread, doing=doing)
         monitor.activity_source = self.watch.activity
         self.shapes: dict[int, list[tuple]] = {}  # id(engine) -> the request shapes it compiled, in order
         self.eager_shapes: set[tuple] = set()  # (engine, shape) pairs past max_shapes, said once each
@@ -69,7 +79,8 @@ class StageCompiler:
         self.label: str | None = None  # what the next compiling request is called (a warm-up's "shape 1 of 2 (..)")
 
     def compile(self, stage) -> None:
-        """Compile ``stage``'s kept blocks in place; the graphs are made at the first request of each shape."""
+        """``regional``: compile ``stage``'s kept blocks in place; the graphs are made at the first request of each
+        shape. The graph modes compile nothing in place (``engine_stage``)."""
         import torch._dynamo
 
         if self.cache is not None:
@@ -79,9 +90,23 @@ class StageCompiler:
         # few in two memory layouts (a received buffer, a view); past max_shapes shapes this class runs requests
         # eagerly before torch's limit is reached.
         limit = self.section.max_shapes * RECOMPILES_PER_SHAPE * (self.num_patches + 1)
+        if self.section.graphs:  # one code object, the family's run_segment, for every pass kind
+            limit *= GRAPH_KINDS_PER_PATCH
         torch._dynamo.config.recompile_limit = limit
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
-        compile_blocks(stage, self.section.backend, self.section.dynamic)
+        if not self.section.graphs:
+            compile_blocks(stage, self.section.backend, self.section.dynamic)
+
+    def engine_stage(self, stage):
+        """The stage the engine drives: ``stage`` itself (``regional``), or ``stage`` with each pass after a request's
+        first of its kind run as one graph (the graph modes: ``CapturedStage``)."""
+        if not self.section.graphs:
+            return stage
+        section = self.section
+        cuda = self.device.type == "cuda"
+        return CapturedStage(
+            stage, compile_pass(stage.run_segment, section.mode, section.backend, section.dynamic, cuda)
+        )
 
     @contextlib.contextmanager
     def request(self, engine, shape: tuple, bounds: contextlib.AbstractContextManager, describe: str):
@@ -113,5 +138,7 @@ class StageCompiler:
             self.cache.record(describe)
             cached, generated = after["cached"] - before["cached"], after["generated"] - before["generated"]
             where = f", {cached} from compile.cache_dir, {generated} generated"
-        write_stderr(f"rank {self.rank}: compile.mode regional: {label}: {made} graph(s){where} in {spent:.1f} s of "
-                     f"compiling; its denoising took {time.monotonic() - start:.1f} s")  # fmt: skip
+        if self.section.graphs and self.device.type == "cuda":
+            where += f", {after['not_captured'] - before['not_captured']} not captured (torch's log says why)"
+        write_stderr(f"rank {self.rank}: compile.mode {self.section.mode}: {label}: {made} graph(s){where} in "
+                     f"{spent:.1f} s of compiling; its denoising took {time.monotonic() - start:.1f} s")  # fmt: skip

@@ -36,10 +36,14 @@ class CompileWatch:
         timeout_s: ``compile.timeout_s``: the compile seconds one request shape may take on this rank.
         on_timeout: ``on_timeout(error)``, called on the watch thread; must not return normally.
         poll_s: how often the thread checks the bound.
+        doing: what the activity and the error say the rank is doing (``compiling and capturing`` where the stage's
+            passes are captured as CUDA graphs).
     """
 
-    def __init__(self, rank: int, timeout_s: float, on_timeout: Callable[[BaseException], None], poll_s: float = 0.1):
+    def __init__(self, rank: int, timeout_s: float, on_timeout: Callable[[BaseException], None], poll_s: float = 0.1,
+                 doing: str = "compiling"):  # fmt: skip
         self.rank, self.timeout_s, self.on_timeout, self.poll_s = rank, timeout_s, on_timeout, poll_s
+        self.doing = doing
         self._lock = threading.Lock()
         self._label: str | None = None  # the compiling request's shape, as the lines name it
         self._spent_s = 0.0  # compile seconds of this request's finished compiles
@@ -77,7 +81,7 @@ class CompileWatch:
     def activity(self) -> str | None:
         """``compiling shape 2 of 3 (1024x768) for 41.0 s`` inside a compiling request; else ``None``."""
         label = self._label
-        return None if label is None else f"compiling {label} for {self.compiling_s():.1f} s"
+        return None if label is None else f"{self.doing} {label} for {self.compiling_s():.1f} s"
 
     @contextlib.contextmanager
     def request(self, label: str):
@@ -102,7 +106,7 @@ class CompileWatch:
             if spent > self.timeout_s:
                 self.on_timeout(
                     CompileTimeout(
-                        f"rank {self.rank}: compiling {self._label} took more than compile.timeout_s = "
+                        f"rank {self.rank}: {self.doing} {self._label} took more than compile.timeout_s = "
                         f"{self.timeout_s:g} s ({spent:.1f} s so far); the world stops. Restart with a longer "
                         "compile.timeout_s, a warm compile.cache_dir, or compile.mode: off"
                     )

@@ -9,14 +9,13 @@ off.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0, HunyuanAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 
 from xfuse.families.common.layers import attend, project_heads
 from xfuse.parallel.pass_attention import PassAttention
+from xfuse.parallel.stale_kv import StaleKVCache, static_slot
 
 MIRRORED_PROCESSORS = (AttnProcessor2_0, HunyuanAttnProcessor2_0)
 
@@ -78,34 +77,46 @@ class StaleKVSelfAttnProcessor:
 class CachedCrossAttnProcessor:
     """Cross-attention to the text with its K/V computed once per request (RoPE, if any, on the image queries).
 
-    The cache is keyed on the text tensor object: the engine passes the same tensor for every step and patch of a
-    request, and one per batch part of a whole-image step (``ShardedStage.batch_part`` slices it once per request); a
-    new tensor gets its own entry, the oldest beyond ``MAX_TEXTS`` is dropped. A text mask (PixArt: a bias of shape (B,
-    1, S_text)) is expanded per head as ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` does.
+    The text K/V live in one slot per batch part (the whole batch, or part ``i`` of a whole-image step, as the
+    stage's K/V cache says: ``StaleKVCache.part``): the engine passes the same text for every step and patch of a
+    request part, so the slot is written at the part's first pass of the request and read by every later one. A slot
+    is a buffer written in place (allocated once per text shape, kept between requests): a pass that reads it is the
+    same code on the same tensors in every step and request, so a compiled or captured stage pass
+    (``xfuse.parallel.pass_graphs``) reads the request's text through it and is never made again for a new text.
+    A text mask (PixArt: a bias of shape (B, 1, S_text)) is expanded per head as
+    ``diffusers.models.attention_processor.AttnProcessor2_0.__call__`` does.
     """
 
-    MAX_TEXTS = 16  # the whole batch's text and one per batch part (at most one part per rank)
-    REQUEST_STATE = ("_kv",)  # the request's text K/V (``xfuse.parallel.request_state``)
+    REQUEST_STATE = ("_slots", "_written")  # the request's text K/V (``xfuse.parallel.request_state``)
 
-    def __init__(self) -> None:
-        # id(text) -> (text, its K/V); the text is held so that its id is not reused while the entry lives
-        self._kv: OrderedDict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+    def __init__(self, kv_cache: StaleKVCache) -> None:
+        self.kv_cache = kv_cache  # whose ``part`` says which batch part a pass computes
+        # batch part (None: the whole batch) -> its text K/V buffers, each (B, heads, S_text, head_dim)
+        self._slots: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._written: set[int | None] = set()  # the slots holding this request's text K/V
 
     def reset(self) -> None:
-        self._kv.clear()
+        self._written.clear()
 
     def text_kv(self, attn: Attention, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The text's keys and values, each (B, heads, S_text, head_dim) (diffusers' ``Attention``: per-head norm)."""
         return _heads(attn, text, attn.to_k, attn.norm_k), _heads(attn, text, attn.to_v, None)
 
     def cached(self, attn: Attention, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``text_kv`` of ``text``, computed at its first pass of the request (see the class docstring)."""
-        entry = self._kv.get(id(text))
-        if entry is None:
-            entry = self._kv[id(text)] = (text, self.text_kv(attn, text))
-            if len(self._kv) > self.MAX_TEXTS:
-                self._kv.popitem(last=False)
-        return entry[1]
+        """``text_kv`` of ``text``, computed at its batch part's first pass of the request (the class docstring)."""
+        part = self.kv_cache.part
+        key = None if part is None else part.index
+        if key in self._written:
+            return self._slots[key]
+        key_states, value_states = self.text_kv(attn, text)
+        slot = self._slots.get(key)
+        if slot is None or slot[0].shape != key_states.shape or slot[0].dtype != key_states.dtype:
+            slot = self._slots[key] = (torch.empty_like(key_states), torch.empty_like(value_states))
+            static_slot(*slot)
+        slot[0].copy_(key_states)
+        slot[1].copy_(value_states)
+        self._written.add(key)
+        return slot
 
     def queries(self, attn: Attention, hidden_states: torch.Tensor) -> torch.Tensor:
         """The image tokens' queries, (B, heads, S, head_dim)."""

@@ -76,7 +76,7 @@ class ShardedStage(nn.Module):
         check_attention(block.attn1, cross=False)
         check_attention(block.attn2, cross=True)
         block.attn1.set_processor(StaleKVSelfAttnProcessor(self.attention, index))
-        self._cross.append(CachedCrossAttnProcessor())
+        self._cross.append(CachedCrossAttnProcessor(self.kv_cache))
         block.attn2.set_processor(self._cross[-1])
 
     def begin_request(self, grid: PatchGrid) -> None:

@@ -152,7 +152,7 @@ class WanStage(ShardedStage):
         check_wan_attention(block.attn1, cross=False)
         check_wan_attention(block.attn2, cross=True)
         block.attn1.set_processor(WanStaleKVSelfAttnProcessor(self.attention, index))
-        self._cross.append(WanCachedCrossAttnProcessor())
+        self._cross.append(WanCachedCrossAttnProcessor(self.kv_cache))
         block.attn2.set_processor(self._cross[-1])
 
     def rotary_embedding(self, latents: torch.Tensor, layout: VideoLayout) -> RoPE:

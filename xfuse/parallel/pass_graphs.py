@@ -1,0 +1,155 @@
+"""``compile.mode: graphs`` and ``regional+graphs``: each stage pass one graph, captured once and replayed.
+
+A stage pass (``Stage.run_segment``: one segment's blocks over the whole image, a batch part, or patch p) is the same
+code on tensors of the same shapes in every step after its first: PipeFusion's stale K/V and the text slots are
+buffers written in place at one address (``StaleKVCache``, ``CachedCrossAttnProcessor``; ``static_slot`` marks them),
+and a step's timestep, modulation and RoPE inputs are new tensors of the request's shapes. So a pass can be one graph
+that a GPU replays without the host issuing its kernels one by one (``docs/performance.md``, "The host's cost").
+
+``CapturedStage`` wraps a family's stage (applied from outside, as ``SequenceParallelStage``) and runs a request's
+first pass of each *kind* (segment, patch or whole image, batch part, whether it keeps K/V, carries streams or
+ControlNet residuals) eagerly: that pass allocates the buffers and writes the slots, outside any graph. Every later
+pass of that kind goes through ``torch.compile(fullgraph=True)`` of the family's ``run_segment``: dynamo makes one
+graph per kind and request shape (its guards tell them apart), then
+
+* ``graphs``: torch's ``cudagraphs`` backend captures the graph's own (eager) kernels in a CUDA graph at its first
+  compiled call (CUDA graph trees) and replays it after, the non-static inputs copied into the graph's static ones;
+* ``regional+graphs``: Inductor's kernels for the graph (``mode="reduce-overhead"``), captured the same way.
+
+The P2P exchanges stay outside: a pass runs between them. A replay writes its outputs into the graph's memory pool,
+where the next replay writes again, so the hidden states, skips and streams a pass hands on are copied out (one copy
+each, on CUDA; ``torch.compiler.cudagraph_mark_step_begin`` before each pass says the previous ones are consumed).
+On another device nothing is captured: the same graphs run as traced (``aot_eager``'s eager kernels, or Inductor's),
+which is what CI checks on a CPU (the pass kinds, their guards, the static buffers, the numbers). Sequence parallelism exchanges inside a pass (its all-to-all): these modes refuse it
+(``XfuseConfig``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xfuse.parallel.patch_grid import PatchBand, PatchGrid
+from xfuse.parallel.stage import BatchPart
+from xfuse.parallel.stage_plan import Segment
+
+__all__ = ["GRAPH_MODES", "CapturedStage", "compile_pass"]
+
+# compile.mode -> (backend, torch.compile mode) of the one-graph stage pass on a CUDA device, and on another (nothing
+# captured: torch's capturing backends would skip every graph there, each with a warning); ``None``: compile.backend
+GRAPH_MODES: dict[str, dict[bool, tuple[str | None, str | None]]] = {
+    "graphs": {True: ("cudagraphs", None), False: ("aot_eager", None)},  # the traced graph's eager kernels
+    "regional+graphs": {True: (None, "reduce-overhead"), False: (None, None)},  # Inductor's kernels
+}
+
+
+def compile_pass(run_segment, mode: str, backend: str, dynamic: bool | None, cuda: bool):
+    """``run_segment`` as ``torch.compile`` makes it one graph per pass kind for ``compile.mode`` ``mode``
+    (``GRAPH_MODES``; ``backend``: ``compile.backend``, Inductor's for ``regional+graphs``), captured where ``cuda``."""
+    graph_backend, compile_mode = GRAPH_MODES[mode][cuda]
+    return torch.compile(run_segment, fullgraph=True, backend=graph_backend or backend, mode=compile_mode,
+                         dynamic=dynamic)  # fmt: skip
+
+
+def _copied_out(values: dict, before: dict[Any, int]) -> None:
+    """Replace each tensor of ``values`` that a pass put there (not the one it held before, by identity) with a copy."""
+    for name, tensor in values.items():
+        if before.get(name) != id(tensor):
+            values[name] = tensor.clone()
+
+
+class CapturedStage:
+    """``stage`` (a family's ``Stage``) with every pass after a request's first of its kind run by ``graph_pass``
+    (``compile_pass`` of ``stage.run_segment``; module docstring). Counts ``eager_passes`` and ``graph_passes``."""
+
+    REQUEST_STATE = ("_ran",)  # the pass kinds the request in flight has run (``xfuse.parallel.request_state``)
+
+    def __init__(self, stage, graph_pass):
+        self.inner, self.graph_pass = stage, graph_pass
+        self.hidden_size = stage.hidden_size
+        self._ran: set[tuple] = set()
+        self.eager_passes = self.graph_passes = 0
+
+    def begin_request(self, grid: PatchGrid) -> None:
+        self._ran = set()
+        self.inner.begin_request(grid)
+
+    def request_state_holders(self) -> tuple[object, ...]:
+        return (*self.inner.request_state_holders(), self)
+
+    def begin_task(self, step: int, patch: int | None) -> None:
+        self.inner.begin_task(step, patch)
+
+    def prepare_step(self, cond: Any) -> None:
+        self.inner.prepare_step(cond)
+
+    def hidden_tokens(self, band: PatchBand | None) -> slice:
+        return self.inner.hidden_tokens(band)
+
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        return self.inner.stream_shape(kind, shape)
+
+    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return self.inner.group_sum(values)
+
+    def batch_part(self, cond: Any, part: BatchPart) -> Any:
+        return self.inner.batch_part(cond, part)
+
+    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
+        return self.inner.embed(latent_rows, band)
+
+    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
+        return self.inner.head(hidden, cond, token_cols, band)
+
+    def run_segment(
+        self,
+        hidden: torch.Tensor,
+        segment: Segment,
+        cond: Any,
+        band: PatchBand | None,
+        skips: dict[int, torch.Tensor],
+        keep_kv: bool = True,
+        streams: dict[str, torch.Tensor] | None = None,
+        *,
+        controls: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The family's pass: eagerly the first time the request runs its kind, else its graph (the ``Stage``
+        method's arguments)."""
+        part = cond.part.index if cond.part is not None else None
+        kind = (segment.blocks, None if band is None else band.index, part, keep_kv, tuple(streams or ()),
+                controls is not None)  # fmt: skip
+        extra = {} if controls is None else {"controls": controls}
+        if kind not in self._ran:
+            self._ran.add(kind)
+            self.eager_passes += 1
+            return self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, **extra)
+        self.graph_passes += 1
+        if not hidden.is_cuda:
+            return self._graph(kind, hidden, segment, cond, band, skips, keep_kv, streams, **extra)
+        torch.compiler.cudagraph_mark_step_begin()  # the previous passes' outputs were copied out
+        held_skips = {block: id(tensor) for block, tensor in skips.items()}
+        held_streams = {name: id(tensor) for name, tensor in (streams or {}).items()}
+        out = self._graph(kind, hidden, segment, cond, band, skips, keep_kv, streams, **extra)
+        _copied_out(skips, held_skips)
+        if streams is not None:
+            _copied_out(streams, held_streams)
+        return out.clone()
+
+    def _graph(self, kind: tuple, *args, **kwargs) -> torch.Tensor:
+        """``graph_pass(*args, **kwargs)``; a pass that cannot be one graph (dynamo's ``Unsupported``: a graph
+        break, which ``fullgraph`` refuses) is named, on every rank alike (the same code traced the same way)."""
+        try:
+            return self.graph_pass(*args, **kwargs)
+        except Exception as exc:
+            from torch._dynamo.exc import Unsupported
+
+            if not isinstance(exc, Unsupported):
+                raise
+            blocks, patch, part, keep_kv, streams, controls = kind
+            where = "the whole image" if patch is None else f"patch {patch}"
+            raise RuntimeError(
+                f"the stage pass of blocks {blocks[0]}-{blocks[-1]} over {where}"
+                f"{'' if part is None else f' (batch part {part})'} is not one graph ({str(exc).splitlines()[0]}), "
+                "as compile.mode graphs and regional+graphs need; use compile.mode regional or off for this model"
+            ) from exc
