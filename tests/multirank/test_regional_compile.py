@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from tests.support.compile_fns import compile_counts_over_requests
+from tests.support.compile_fns import compile_counts_over_requests, graph_passes_over_requests
 from tests.support.world import World
 from xfuse.families.registry import load_pipeline, model_spec
 from xfuse.parallel.regional_compile import compile_blocks
@@ -99,3 +99,23 @@ def test_compiles_are_bounded_by_the_shapes_a_served_life_meets(world2):
         assert list(compiled.values()) == [2] and eager == 1, (rank, compiled, eager)
         assert frames["total"] >= frames["ok"] > 0, frames
     assert results[0][4] is not None and results[1][4] is None  # rank 0 answered the eager request
+
+
+def test_graph_passes_equal_eager_over_two_stages_and_past_max_shapes_run_eagerly(world2):
+    """``compile.mode: graphs`` on a 2-stage pipelined world (2 patches, one warm-up step; ``aot_eager`` on this CPU,
+    where nothing is captured: the same graphs as on a GPU, run as traced): the warm-up of a size makes its graphs,
+    its line says so; two 6-step requests of it with other prompts make none and run every pass after its kind's
+    first as a graph (a pass kind per patch), latents equal to the eager pipeline's bit
+    for bit; a request of a second size, past ``max_shapes`` 1, runs eagerly, is said once, and equals eager too."""
+    parallel = {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1, "placement": "linear"}
+    results = world2.run_ok(graph_passes_over_requests, "tiny", parallel, (128, 128), (128, 96), timeout=300)
+    for rank, (rows, eager_requests, stderr) in enumerate(results):
+        assert "compile.mode graphs: shape 1 of 1 (128x128): " in stderr, stderr
+        assert "compile.max_shapes = 1 shapes compiled; latents 1x4x12x16 runs eagerly on every rank" in stderr, stderr
+        first, second, past = rows
+        # eager: the warm-up step's two batch parts (guidance's [uncond, cond] streamed) and step 1's two patches;
+        # graphs: steps 2-5's patches
+        assert first["graphs"] == second["graphs"] == 0 and first["passes"] == second["passes"] == (4, 8), rows
+        assert past["graphs"] == 0 and eager_requests == 1, (rows, eager_requests)
+        if rank == 0:
+            assert first["equal"] and second["equal"] and past["equal"], rows

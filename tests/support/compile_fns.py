@@ -46,3 +46,44 @@ def compile_counts_over_requests(preset, parallel, sizes, third):
     frames = dict(dynamo_utils.counters["frames"])  # dynamo's own: frames it was asked to compile ("total", "ok")
     third_latents = None if out is None else torch.as_tensor(out.images).shape
     return graphs, compiled, pipe.compiler.eager_requests, frames, third_latents, timeouts
+
+
+def graph_passes_over_requests(preset, parallel, size, other_size):
+    """``compile.mode: graphs`` (``max_shapes`` 1) on ``preset`` beside an eager build of the same weights: the
+    warm-up of ``size`` and two requests of it with other prompts, then one of ``other_size`` (past ``max_shapes``:
+    eager); per request the graphs dynamo made, the passes ``CapturedStage`` ran eagerly and as graphs, and whether
+    the final latents (rank 0's) equal the eager pipeline's bit for bit; with what the compiler wrote on stderr."""
+    import contextlib
+    import io
+
+    import torch
+
+    from xfuse.build import image_call_kwargs, warm_up_compile
+    from xfuse.families.registry import load_pipeline, model_spec
+    from xfuse.pipelines.stage_compiler import compile_counts
+
+    spec = model_spec(preset)
+    section = {"mode": "graphs", "backend": "aot_eager", "max_shapes": 1}
+    eager = spec.pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel)
+    graphs = spec.pipeline_class().from_pipe(load_pipeline(preset), parallel=parallel, compile=section)
+    for pipe in (eager, graphs):
+        pipe.set_progress_bar_config(disable=True)
+    captured = graphs.engine.stage
+
+    def call(prompt, size_, steps=6):
+        width, height = size_
+        return image_call_kwargs(prompt=prompt, negative_prompt=None, width=width, height=height,
+                                 num_inference_steps=steps, guidance_scale=4.0, seed=3, spec=spec)  # fmt: skip
+
+    stderr = io.StringIO()
+    rows = []
+    with contextlib.redirect_stderr(stderr):
+        warm_up_compile(graphs, call("a red house", size), [size])
+        for prompt, size_ in (("a red house", size), ("a blue boat on a lake", size), ("a red house", other_size)):
+            made, passes = compile_counts()["graphs"], (captured.eager_passes, captured.graph_passes)
+            out = graphs(**call(prompt, size_), output_type="latent")
+            ran = (captured.eager_passes - passes[0], captured.graph_passes - passes[1])
+            reference = eager(**call(prompt, size_), output_type="latent")
+            equal = None if out is None else torch.equal(torch.as_tensor(out.images), torch.as_tensor(reference.images))
+            rows.append({"graphs": compile_counts()["graphs"] - made, "passes": ran, "equal": equal})
+    return rows, graphs.compiler.eager_requests, stderr.getvalue()

@@ -43,9 +43,10 @@ class CompileConfig(Section):
     the blocks of one class sharing their graphs, the attention's K/V bookkeeping left eager); ``graphs``
     (``xfuse.parallel.pass_graphs``: each stage pass traced as one graph per pass kind and captured as a CUDA graph
     of its eager kernels, replayed every later step); ``regional+graphs`` (the same graphs compiled by Inductor, then
-    captured). On a CPU nothing is captured: the graphs run as traced. ``backend``: ``torch.compile``'s (``inductor``; ``aot_eager`` traces without
-    generating code). ``dynamic``: ``torch.compile``'s (false: a graph per shape, and a rank sees few: the whole
-    image, its patches, the text's lengths). ``warmup_sizes``: the request sizes (``WIDTHxHEIGHT``) compiled before
+    captured). On a CPU nothing is captured: the graphs run as traced. ``backend``: ``torch.compile``'s
+    (``inductor``; ``aot_eager`` traces without generating code; ``regional+graphs`` takes Inductor's).
+    ``dynamic``: ``torch.compile``'s (false: a graph per shape, and a rank sees few: the whole image, its patches,
+    the text's lengths). ``warmup_sizes``: the request sizes (``WIDTHxHEIGHT``) compiled before
     the first request (empty: ``xfuse generate`` its request's size, ``xfuse serve`` its default size).
     ``max_shapes``: request shapes compiled per denoising engine at most; a request of a further shape runs eagerly
     on every rank and is counted. ``cache_dir``: where each rank keeps its compiled artefacts between launches (keyed

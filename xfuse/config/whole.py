@@ -33,9 +33,9 @@ class XfuseConfig(Section):
 
     @property
     def longest_wait_s(self) -> float:
-        """The bound of the longest wait for a message: ``comm.timeout_s``, and while compiling (any ``compile.mode``
-        but ``off``) ``compile.timeout_s`` on top (the waits of a request whose peers compile new shapes first: a peer's compile
-        bound ends the world naming that peer before a wait for it runs out)."""
+        """The bound of the longest wait for a message: ``comm.timeout_s``, and with a ``compile.mode`` other than
+        ``off`` ``compile.timeout_s`` on top (the waits of a request whose peers compile new shapes first: a peer's
+        compile bound ends the world naming that peer before a wait for it runs out)."""
         return self.comm.timeout_s + (self.compile.timeout_s if self.compile.enabled else 0.0)
 
     @field_validator("parallel", "comm", "cache", "compile", "runtime", mode="before")

@@ -20,8 +20,8 @@ The P2P exchanges stay outside: a pass runs between them. A replay writes its ou
 where the next replay writes again, so the hidden states, skips and streams a pass hands on are copied out (one copy
 each, on CUDA; ``torch.compiler.cudagraph_mark_step_begin`` before each pass says the previous ones are consumed).
 On another device nothing is captured: the same graphs run as traced (``aot_eager``'s eager kernels, or Inductor's),
-which is what CI checks on a CPU (the pass kinds, their guards, the static buffers, the numbers). Sequence parallelism exchanges inside a pass (its all-to-all): these modes refuse it
-(``XfuseConfig``).
+which is what CI checks on a CPU (the pass kinds, their guards, the static buffers, the numbers). Sequence
+parallelism exchanges inside a pass (its all-to-all): these modes refuse it (``XfuseConfig``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def _copied_out(values: dict, before: dict[Any, int]) -> None:
 
 class CapturedStage:
     """``stage`` (a family's ``Stage``) with every pass after a request's first of its kind run by ``graph_pass``
-    (``compile_pass`` of ``stage.run_segment``; module docstring). Counts ``eager_passes`` and ``graph_passes``."""
+    (``compile_pass`` of ``stage.run_segment``; module docstring). Counts ``eager_passes`` (a kind's first) and
+    ``graph_passes`` (the others: through ``graph_pass``, which runs eagerly past ``compile.max_shapes``)."""
 
     REQUEST_STATE = ("_ran",)  # the pass kinds the request in flight has run (``xfuse.parallel.request_state``)
 

@@ -8,7 +8,9 @@ runs the stage the engine drives through one graph per pass kind (``graphs``, ``
 * a request of a new shape, while fewer than ``compile.max_shapes`` shapes were compiled, compiles: its waits get the
   compile bound (``XfuseConfig.longest_wait_s``), ``CompileWatch`` times the compiles, publishes "compiling shape 2
   of 3 (1024x768) for 41 s" for the other ranks and ends the world past ``compile.timeout_s``; after it, one line on
-  stderr: what it compiled, in how long, and how much came from ``compile.cache_dir``;
+  stderr: what it compiled, in how long, and how much came from ``compile.cache_dir``. In the graph modes a pass kind
+  compiles at its second pass of a request: a request too short to reach one compiles nothing and leaves its shape
+  new (``warm_up_compile`` runs the warm-up steps and two pipelined ones);
 * a request of a further shape runs eagerly (``torch.compiler.set_stance("force_eager")``) and is counted. Every rank
   decides alike: the request's shape is the same everywhere, so no rank runs compiled beside an eager one.
 
@@ -130,9 +132,11 @@ class StageCompiler:
         with bounds, self.watch.request(label):
             yield
             spent = self.watch.compiling_s()
-        compiled.append(shape)
         after = compile_counts()
         made = after["graphs"] - before["graphs"]
+        if self.section.graphs and not made:  # too short to reach a graph pass (a pass kind's second): not compiled
+            return
+        compiled.append(shape)
         where = ""
         if self.cache is not None:
             self.cache.record(describe)
