@@ -460,6 +460,35 @@ BAD_DICTS = [
         ["only with compile.mode off", "(got 4)"],
     ),
     (
+        "compile_graphs_with_ulysses",
+        {"compile": {"mode": "graphs"}, "parallel": {"ulysses_degree": 2}},
+        "compile.mode",
+        [
+            "graphs captures whole stage passes",
+            "parallel.ulysses_degree 2, parallel.ring_degree 1",
+            "use off or regional with sequence parallelism",
+            "(got 'graphs')",
+        ],
+    ),
+    (
+        "compile_captured_inductor_with_ring",
+        {"compile": {"mode": "regional+graphs"}, "parallel": {"ring_degree": 2}},
+        "compile.mode",
+        ["regional+graphs captures whole stage passes", "(got 'regional+graphs')"],
+    ),
+    (
+        "compile_captured_inductor_other_backend",
+        {"compile": {"mode": "regional+graphs", "backend": "aot_eager"}},
+        "compile.backend",
+        ["must be 'inductor' with compile.mode regional+graphs", "(got 'aot_eager')"],
+    ),
+    (
+        "compile_mode_unknown",
+        {"compile": {"mode": "cudagraphs"}},
+        "compile.mode",
+        ["'off', 'regional', 'graphs', 'regional+graphs'", "(got 'cudagraphs')"],
+    ),
+    (
         "vae_parallel_unknown",
         {"parallel": {"vae_parallel": "always"}},
         "parallel.vae_parallel",
