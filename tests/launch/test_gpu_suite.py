@@ -80,12 +80,16 @@ def test_degree1_runs_every_familys_diffusers_and_xfuse_call_on_the_cpu(quick_re
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU form of the compiled-stages section")
-def test_the_compiled_section_runs_eager_cold_and_warm_in_processes_of_their_own(quick_report):
+def test_the_compiled_section_runs_eager_cold_warm_and_graphs_in_processes_of_their_own(quick_report):
     """FLUX's tiny preset through the section's own path (``aot_eager`` on the CPU): the cold stage compiles graphs,
-    the warm one (the same ``compile.cache_dir``, a new process) makes the same graphs, and the report says so."""
+    the warm one (the same ``compile.cache_dir``, a new process) makes the same graphs, ``graphs`` makes a graph per
+    patch kind and its latents equal the pipelined eager call's (nothing captured on a CPU), and the report says so."""
     report, md = quick_report
     stages = report["compiled"]["stages"]
-    assert list(stages) == ["eager", "cold", "warm"] and all("error" not in row for row in stages.values()), stages
+    assert list(stages) == ["eager", "cold", "warm", "pipelined eager", "graphs"], stages
+    assert all("error" not in row for row in stages.values()), stages
+    assert stages["pipelined eager"]["graphs"] == 0 and stages["graphs"]["graphs"] == stages["graphs"]["patches"]
+    assert stages["graphs"]["max_abs_diff_to_eager"] == 0.0 and "| graphs | " in md
     assert stages["eager"]["graphs"] == 0 and stages["cold"]["graphs"] == stages["warm"]["graphs"] > 0
     assert "seconds" in stages["cold"] and "seconds" not in stages["warm"]  # a warm launch's start is its first call
     assert report["compiled"]["speedup"] == pytest.approx(
