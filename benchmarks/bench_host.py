@@ -20,8 +20,9 @@ with one stage and one patch (``xfuse.parallel.engine``), the call driver and th
 ``TEXT_TOKENS`` long where the pipeline takes ``max_sequence_length`` (HunyuanDiT's 77 + 256 are fixed), so that
 attention over the text is no compute to speak of either.
 
-The one-graph column: a third build whose stage pass (``Stage.run_segment``) is compiled whole by Inductor
-(``torch.compile(fullgraph=True)``, CPU), its step's slope and, for it and xfuse's eager stage, the time inside the
+The one-graph column: a third build with ``compile.mode: regional+graphs`` (``xfuse.parallel.pass_graphs``: every
+stage pass after a request's first of its kind one graph compiled by Inductor; on a CPU nothing is captured), its
+step's slope and, for it and xfuse's eager stage, the time inside the
 stage pass alone per block (median over a ``LONG``-step call's passes). On a CPU a compiled graph still issues its
 kernels from Python, one call each; on a GPU a captured pass (CUDA graphs) is one launch: this column is the part of
 the host's cost that compiling alone removes.
@@ -114,14 +115,16 @@ def ops_per_step(runner, call: dict) -> dict[str, float]:
 
 
 def around_passes(pipe, call: dict, around) -> None:
-    """One ``LONG``-step call of ``pipe`` with every stage pass (``stage.run_segment``) run as ``around(run_segment,
-    *args, **kwargs)``; the stage's pass as it was afterwards (the compiled one, on the one-graph side)."""
-    run_segment = pipe.stage.run_segment
-    pipe.stage.run_segment = lambda *args, **kwargs: around(run_segment, *args, **kwargs)
+    """One ``LONG``-step call of ``pipe`` with every stage pass (``run_segment`` of the stage its engine drives: the
+    family's, or on the one-graph side the ``CapturedStage`` that runs it as graphs) run as ``around(run_segment,
+    *args, **kwargs)``."""
+    stage = pipe.engine.stage
+    run_segment = stage.run_segment
+    stage.run_segment = lambda *args, **kwargs: around(run_segment, *args, **kwargs)
     try:
         run(pipe, call, LONG)
     finally:
-        pipe.stage.run_segment = run_segment
+        stage.run_segment = run_segment
 
 
 def passes_ops(pipe, call: dict) -> dict[str, int]:
@@ -210,16 +213,17 @@ def measure_family(preset: str, repeats: int) -> dict:
     per_call = {side: [short - SHORT * step for short, step in zip(t[SHORT], per_step[side], strict=True)]
                 for side, t in times.items()}  # fmt: skip
     ops = {side: ops_per_step(runner, call) for side, runner in sides.items()}
-    # The one-graph side: a third build, its stage pass compiled whole (the first call compiles it). A pass whose
-    # guards fail on a new request's objects compiles again in every call: counted (``graphs_per_call``), and the
-    # recompile limit raised so that the slope, from which a per-call cost cancels, can still be taken.
+    # The one-graph side: a third build, each stage pass after a request's first of its kind one Inductor graph (the
+    # first call compiles them: compile.mode regional+graphs). A pass whose guards failed on a new request's objects
+    # would compile again in every call: counted (``graphs_per_call``), and the recompile limit raised so that the
+    # slope, from which a per-call cost cancels, could still be taken.
     import torch
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    graph_pipe = spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel={"pipefusion_degree": 1})
+    graph_pipe = spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel={"pipefusion_degree": 1},
+                                                 compile={"mode": "regional+graphs"})  # fmt: skip
     graph_pipe.set_progress_bar_config(disable=True)
-    graph_pipe.stage.run_segment = torch.compile(graph_pipe.stage.run_segment, fullgraph=True)
     one_graph: dict = {}
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         start = time.perf_counter()

@@ -334,10 +334,13 @@ def predicted_latency(r: PlanReport, link: str) -> str:
     controlnet = _controlnet(r.controlnet_layers) if r.controlnet_layers else None
     p = predict(workload(r.config, controlnet), r.config.parallel, where, FITTED)
     outside = f" + {p.outside:.2f} s outside it" if where.device.gpu else " (the loop only on a CPU)"
+    # the model's patch passes are the eager curve (gpu.md, gpu_h200.md): a captured pass is not measured yet
+    mode = r.config.compile.mode
+    priced = "eager stage passes" + (f"; compile.mode {mode} priced as eager, unmeasured" if mode != "off" else "")
     return (
         f"predicted latency ({where.device.name}, {where.link.name}): {p.seconds:.2f} s per "
         f"{'clip' if r.spec.video else 'image'}: loop "
-        f"{p.loop:.2f} s{outside} (xfuse.perf; its error on published points: docs/performance.md)"
+        f"{p.loop:.2f} s{outside} ({priced}; xfuse.perf; its error on published points: docs/performance.md)"
     )
 
 

@@ -283,6 +283,13 @@ def test_plan_predict_uses_the_model_for_the_configs_layout(link):
     expected = predict(workload(config), config.parallel, machine(device, kind, 4), FITTED).seconds
     assert line.startswith(f"predicted latency ({machine(device, kind, 4).device.name}, {LINKS[link].name}): "
                            f"{expected:.2f} s per image")  # fmt: skip
+    assert "(eager stage passes; xfuse.perf;" in line
+
+
+def test_plan_predict_says_a_captured_pass_is_priced_as_eager():
+    config = load_config(None, ["model=flux-dev", "parallel.pipefusion_degree=4", "compile.mode=graphs"])
+    line = predicted_latency(plan_report(config), "h100-nvlink")
+    assert "(eager stage passes; compile.mode graphs priced as eager, unmeasured; xfuse.perf;" in line, line
 
 
 def test_plan_predict_refuses_an_unknown_link_by_its_option():

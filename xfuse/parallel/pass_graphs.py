@@ -83,7 +83,9 @@ class CapturedStage:
         self.inner.begin_task(step, patch)
 
     def prepare_step(self, cond: Any) -> None:
-        self.inner.prepare_step(cond)
+        """Nothing: a family's per-step products (``prefetch_modulation``'s memo, keyed by a tensor's identity) are
+        not what a graph reads (traced, it computes them in the pass), so making them ahead would be work thrown
+        away; a request's eager passes compute theirs."""
 
     def hidden_tokens(self, band: PatchBand | None) -> slice:
         return self.inner.hidden_tokens(band)
