@@ -12,8 +12,9 @@ Each family's smallest preset at 4 x 4 tokens (``benchmarks/bench_host.py``'s ca
 first two keep no K/V, the last keeps them) and two pipelined steps of two patches: the graph passes are the second
 step's whole image and the last step's patches. The graphs run as dynamo traced them (a recording backend): the
 product's own backends are ``test_pass_graphs.py``'s. A batch part's pass (degree >= 2 under guidance) is a whole-image
-pass on some of the batch's rows: the same code with other row slices. No process group: the module sits in this tier
-for its cost (a trace is seconds per pass, like ``test_regional_compile.py``'s), beside the other compiles."""
+pass on some of the batch's rows: the same code with other row slices. Degree 1 in this process, but the product's
+error for a pass that is not one graph, which ends the world it happens in, on a one-rank world of its own. The module
+sits in this tier for its cost (a trace is seconds per pass, like ``test_regional_compile.py``'s)."""
 
 import collections
 
@@ -22,6 +23,8 @@ import torch
 import torch._dynamo
 
 from benchmarks.bench_host import HOST_SYNCS, counting_ops, family_call, run
+from tests.support.compile_fns import a_pass_that_is_not_one_graph
+from tests.support.world import World
 from xfuse.families.registry import FAMILIES
 
 PASS_KINDS = ("whole image", "first patch", "later patch")
@@ -178,16 +181,9 @@ def test_a_host_read_or_a_branch_on_a_value_inside_one_familys_pass_is_found():
         assert found[kind]["graph_break"] == "Data-dependent branching", found[kind]
         assert set(found[kind]["host_syncs"]) == {"_local_scalar_dense"}
 
-    torch._dynamo.reset()
-    pipe = _pipeline(wan, compile={"mode": "graphs", "backend": "eager"})
-    inner = pipe.engine.stage.inner.run_segment
-
-    def branching(hidden, *args, **kwargs):
-        branch(hidden)
-        return inner(hidden, *args, **kwargs)
-
-    pipe.engine.stage.graph_pass = torch.compile(branching, fullgraph=True, backend="eager")
-    with pytest.raises(RuntimeError, match=r"the stage pass of blocks 0-\d+ over the whole image is not one graph "
-                                           r"\(Data-dependent branching\), as compile.mode graphs"):  # fmt: skip
-        run(pipe, family_call(wan), STEPS)
-    torch._dynamo.reset()
+    with World(1) as world:  # the product's error ends the world it happens in: one of its own
+        (error,) = world.run_ok(a_pass_that_is_not_one_graph, wan.presets[0], PARALLEL, STEPS, timeout=120)
+    assert error is not None and error.startswith(
+        "the stage pass of blocks 0-3 over the whole image is not one graph (Data-dependent branching), as "
+        "compile.mode graphs and regional+graphs need; use compile.mode regional or off for this model"
+    ), error

@@ -87,3 +87,32 @@ def graph_passes_over_requests(preset, parallel, size, other_size):
             equal = None if out is None else torch.equal(torch.as_tensor(out.images), torch.as_tensor(reference.images))
             rows.append({"graphs": compile_counts()["graphs"] - made, "passes": ran, "equal": equal})
     return rows, graphs.compiler.eager_requests, stderr.getvalue()
+
+
+def a_pass_that_is_not_one_graph(preset, parallel, steps):
+    """``compile.mode: graphs`` on ``preset`` with a branch on a tensor's value put before the family's stage pass
+    (traced by the ``eager`` backend: dynamo's capture alone): what the call raises, or ``None``. Run on a world of
+    its own: the failure ends this rank's world, as it would a served one."""
+    import torch
+
+    from benchmarks.bench_host import family_call, run
+    from xfuse.families.registry import model_spec
+
+    spec = model_spec(preset)
+    pipe = spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel=parallel,
+                                           compile={"mode": "graphs", "backend": "eager"})  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    captured = pipe.engine.stage
+    family_pass = captured.inner.run_segment
+
+    def branching(hidden, *args, **kwargs):
+        if hidden.sum() > 0:
+            hidden.add_(0)
+        return family_pass(hidden, *args, **kwargs)
+
+    captured.graph_pass = torch.compile(branching, fullgraph=True, backend="eager")
+    try:
+        run(pipe, family_call(spec), steps)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
