@@ -50,9 +50,10 @@ def compile_counts_over_requests(preset, parallel, sizes, third):
 
 def graph_passes_over_requests(preset, parallel, size, other_size):
     """``compile.mode: graphs`` (``max_shapes`` 1) on ``preset`` beside an eager build of the same weights: the
-    warm-up of ``size`` and two requests of it with other prompts, then one of ``other_size`` (past ``max_shapes``:
-    eager); per request the graphs dynamo made, the passes ``CapturedStage`` ran eagerly and as graphs, and whether
-    the final latents (rank 0's) equal the eager pipeline's bit for bit; with what the compiler wrote on stderr."""
+    warm-up of ``size`` and two requests of it with other prompts (warm-up steps + 2 each), then one of
+    ``other_size`` (past ``max_shapes``: eager); per request the graphs dynamo made, the passes ``CapturedStage`` ran
+    eagerly and as graphs, and whether the final latents (rank 0's) equal the eager pipeline's bit for bit; with what
+    the compiler wrote on stderr."""
     import contextlib
     import io
 
@@ -70,7 +71,7 @@ def graph_passes_over_requests(preset, parallel, size, other_size):
         pipe.set_progress_bar_config(disable=True)
     captured = graphs.engine.stage
 
-    def call(prompt, size_, steps=6):
+    def call(prompt, size_, steps=parallel["warmup_steps"] + 2):  # every pass kind twice
         width, height = size_
         return image_call_kwargs(prompt=prompt, negative_prompt=None, width=width, height=height,
                                  num_inference_steps=steps, guidance_scale=4.0, seed=3, spec=spec)  # fmt: skip
