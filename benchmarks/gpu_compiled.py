@@ -13,7 +13,8 @@ Processes on the same random bf16 model (``gpu_degree1.build_on_device``), each 
   the graphs left uncaptured, and the latents' largest difference to the pipelined eager call's (bf16).
 
 ``quick``: the tiny FLUX preset at 64 px, 2 steps, ``aot_eager`` (dynamo's capture without code generation), on the
-CPU where there is no GPU, so a test runs the section's processes (all but ``regional+graphs``: Inductor).
+CPU where there is no GPU, so a test runs the section's processes (``graphs`` over 2 patches; not
+``regional+graphs``: Inductor).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from benchmarks.bench_pipefusion import spread
 from benchmarks.gpu_degree1 import PROMPT, QUICK_SIZE, build_on_device, fmt
 from benchmarks.own_process import row_in_own_process
 
-STAGES = ("eager", "cold", "warm", "pipelined eager", "graphs", "regional+graphs")
+STAGES = ("eager", "cold", "warm", "pipelined eager")
+GRAPH_STAGES = ("graphs", "regional+graphs")  # after STAGES, those asked for
 PIPELINED_PATCHES = 4  # patches of the pipelined stages (a graph per patch kind: 4 traces of the whole model)
 QUICK_PATCHES = 2  # quick: the same path, half the traces
 STAGE_TIMEOUT_S = 420  # a stage's process: the build, the compile (FLUX.1-dev's blocks on an H100) and the calls
@@ -83,27 +85,28 @@ def stage_row(stage: str, cache_dir: str, repeats: int, quick: bool) -> dict:
     return row  # an exception: the error row (``row_in_own_process``)
 
 
-def compiled_stages(quick: bool, repeats: int) -> dict:
-    """The stages, each in a process of its own (a compile's state must not reach the next stage); the captured
-    stages' latents against the pipelined eager call's."""
+def compiled_stages(quick: bool, repeats: int, graph_modes: tuple[str, ...] = ("graphs",)) -> dict:
+    """The stages and the captured ones of ``graph_modes`` (``GRAPH_STAGES``), each in a process of its own (a
+    compile's state must not reach the next stage); the captured stages' latents against the pipelined eager call's.
+    ``quick``: no Inductor over a stage (minutes on a CPU)."""
     import torch
 
     out: dict = {"stages": {}}
     stages = out["stages"]
     with tempfile.TemporaryDirectory() as cache_dir:
-        for stage in STAGES[:-1] if quick else STAGES:  # quick: no Inductor (minutes on a CPU)
+        for stage in STAGES + tuple(m for m in graph_modes if not (quick and m == "regional+graphs")):
             start = time.monotonic()
             row = row_in_own_process(stage_row, (stage, cache_dir, repeats, quick), STAGE_TIMEOUT_S)
             stages[stage] = {**row, "stage_seconds": time.monotonic() - start}
             print(f"compiled {stage}: {time.monotonic() - start:.0f} s", flush=True)
-            if stage in ("graphs", "regional+graphs") and "first_s" in row and "first_s" in stages["pipelined eager"]:
+            if stage in GRAPH_STAGES and "first_s" in row and "first_s" in stages["pipelined eager"]:
                 eager, graphs = (torch.load(f"{cache_dir}/{name}.pt") for name in ("pipelined eager", stage))
                 stages[stage]["max_abs_diff_to_eager"] = (graphs - eager).abs().max().item()
     if all("seconds" in stages[s] for s in ("eager", "cold")):
         out["speedup"] = stages["eager"]["seconds"]["median"] / stages["cold"]["seconds"]["median"]
     if all("first_s" in stages[s] for s in ("cold", "warm")):
         out["warm_start_factor"] = stages["cold"]["first_s"] / stages["warm"]["first_s"]
-    for stage in ("graphs", "regional+graphs"):
+    for stage in GRAPH_STAGES:
         if all("seconds" in stages.get(s, {}) for s in ("pipelined eager", stage)):
             out[f"{stage}_speedup"] = (
                 stages["pipelined eager"]["seconds"]["median"] / stages[stage]["seconds"]["median"]
@@ -131,7 +134,7 @@ def markdown(section: dict) -> list[str]:
         lines.append(f"\nCompiled over eager: {section['speedup']:.2f}x.")
     if "warm_start_factor" in section:
         lines.append(f"A warm launch's first call: {section['warm_start_factor']:.1f}x faster than the cold one's.")
-    for stage in ("graphs", "regional+graphs"):
+    for stage in GRAPH_STAGES:
         if f"{stage}_speedup" in section:
             lines.append(f"`{stage}` over pipelined eager: {section[f'{stage}_speedup']:.2f}x.")
     return lines

@@ -34,8 +34,9 @@ e. multi-rank NCCL on the one GPU: each rank gets its own ``NCCL_HOSTID`` (and `
    ``comm.host_timeout_s`` well inside its limit; one that reaches the limit all the same gets SIGUSR1 first, so that
    its output ends with every rank's stacks.
 f. compiled stages (``benchmarks/gpu_compiled.py``): FLUX.1-dev at 1024 px, 20 steps, degree 1, eager against
-   ``compile.mode: regional`` (Inductor), the cold compile and a warm ``compile.cache_dir``'s start, each in a process
-   of its own (~3-4 min: last, so that a cut-off run keeps the rest).
+   ``compile.mode: regional`` (Inductor), the cold compile and a warm ``compile.cache_dir``'s start, then pipelined
+   over 4 patches eager against ``compile.mode: graphs`` (``--graph-modes`` adds ``regional+graphs``), each in a
+   process of its own (last, so that a cut-off run keeps the rest).
 
 ``--quick`` shrinks every section (tiny model, 256 px, 4 steps, degrees 1-2) so a test can run the suite's CPU parts.
 
@@ -46,8 +47,10 @@ diffusers), after ``bash benchmarks/device_wheels.sh`` here, one call with ``car
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --out $OUT
 
-(about 9 minutes: the patch cost ~1-2 min, the other GPU sections ~2 min each, the CPU speedups ~3; ``--only`` splits
-it over two calls and ``--merge`` joins what they wrote). ``--quick`` runs the patch cost's tiny shapes on the CPU
+(about 9 minutes before the captured stages were added to the compiled section: the patch cost ~1-2 min, the other GPU
+sections ~2 min each, the CPU speedups ~3; the pipelined and ``graphs`` stages add a FLUX.1-dev build, a trace of each
+patch kind and their calls, not measured yet: ``--only`` splits it over two calls, ``--only compiled`` second, and
+``--merge`` joins what they wrote). ``--quick`` runs the patch cost's tiny shapes on the CPU
 when there is no GPU.
 """
 
@@ -69,7 +72,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import ideal_speedup, interleaved_loops, speedups  # noqa: E402 (no torch at import time)
-from benchmarks.gpu_compiled import compiled_stages  # noqa: E402
+from benchmarks.gpu_compiled import GRAPH_STAGES, compiled_stages  # noqa: E402
 from benchmarks.gpu_compiled import markdown as compiled_markdown  # noqa: E402
 from benchmarks.gpu_degree1 import degree1, fmt  # noqa: E402
 from benchmarks.gpu_degree1 import markdown as degree1_markdown  # noqa: E402
@@ -405,6 +408,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (what the test runs)")
     parser.add_argument("--only", help=f"comma-separated sections, of: {', '.join(SECTIONS)}")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the gpu.json files of split runs")
+    parser.add_argument("--graph-modes", default="graphs",
+                        help="the compiled section's captured stages, comma-separated, of: graphs, regional+graphs "
+                             "(Inductor over a whole stage: minutes of compiling at a released shape)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.merge:
         report = merge(args.merge)
@@ -417,6 +423,9 @@ def main(argv=None) -> None:
         parser.error(f"--only: unknown section(s) {unknown}; allowed: {', '.join(SECTIONS)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    graph_modes = tuple(args.graph_modes.split(","))
+    if not set(graph_modes) <= set(GRAPH_STAGES):
+        parser.error(f"--graph-modes: one or more of {', '.join(GRAPH_STAGES)} (got {args.graph_modes!r})")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
@@ -443,7 +452,7 @@ def main(argv=None) -> None:
             (2,) if quick else (2, 4),
             lambda partial: write({**report, "nccl_one_gpu": {**partial, "unfinished": True}}, args.out),
         ),
-        "compiled": lambda: compiled_stages(quick, 1 if quick else 3),
+        "compiled": lambda: compiled_stages(quick, 1 if quick else 3, graph_modes),
     }
     for name in only:
         if skipped and name != "cpu_speedups" and not (quick and name in ("patch_cost", "degree1", "compiled")):
