@@ -109,10 +109,10 @@ def test_graph_passes_equal_eager_over_two_stages_and_past_max_shapes_run_eagerl
     patch), latents equal to the eager pipeline's bit for bit; a request of a second size, past ``max_shapes`` 1, runs
     eagerly, is said once, and equals eager too."""
     parallel = {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 3, "placement": "linear"}
-    results = world2.run_ok(graph_passes_over_requests, "tiny", parallel, (128, 128), (128, 96), timeout=300)
+    results = world2.run_ok(graph_passes_over_requests, "sd3-tiny", parallel, (128, 128), (128, 96), timeout=300)
     for rank, (rows, eager_requests, stderr) in enumerate(results):
         assert "compile.mode graphs: shape 1 of 1 (128x128): " in stderr, stderr
-        assert "compile.max_shapes = 1 shapes compiled; latents 1x4x12x16 runs eagerly on every rank" in stderr, stderr
+        assert "compile.max_shapes = 1 shapes compiled; latents 1x16x12x16 runs eagerly on every rank" in stderr, stderr
         first, second, past = rows
         # eager: step 0's two batch parts, step 2's (the last warm-up step keeps its K/V: another kind) and step 3's
         # two patches; graphs: step 1's batch parts and step 4's patches
