@@ -44,7 +44,8 @@ class CompileConfig(Section):
     (``xfuse.parallel.pass_graphs``: each stage pass traced as one graph per pass kind and captured as a CUDA graph
     of its eager kernels, replayed every later step); ``regional+graphs`` (the same graphs compiled by Inductor, then
     captured). On a CPU nothing is captured: the graphs run as traced. ``backend``: ``torch.compile``'s
-    (``inductor``; ``aot_eager`` traces without generating code; ``regional+graphs`` takes Inductor's).
+    (``inductor``; ``aot_eager`` traces without generating code; ``regional+graphs`` takes Inductor's; ``graphs``
+    reads none: its kernels are the eager ones).
     ``dynamic``: ``torch.compile``'s (false: a graph per shape, and a rank sees few: the whole image, its patches,
     the text's lengths). ``warmup_sizes``: the request sizes (``WIDTHxHEIGHT``) compiled before
     the first request (empty: ``xfuse generate`` its request's size, ``xfuse serve`` its default size).
