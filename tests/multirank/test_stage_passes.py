@@ -26,6 +26,7 @@ from benchmarks.bench_host import HOST_SYNCS, counting_ops, family_call, run
 from tests.support.compile_fns import a_pass_that_is_not_one_graph
 from tests.support.world import World
 from xfuse.families.registry import FAMILIES
+from xfuse.parallel.pass_graphs import EagerKernelGraphs
 
 PASS_KINDS = ("whole image", "first patch", "later patch")
 # What a traced graph calls that reads a tensor's value on the host (the dispatcher's ``HOST_SYNCS``, as dynamo names
@@ -91,9 +92,11 @@ def stage_passes(spec, break_in=None) -> dict:
     graph_pass = with_break(captured.inner.run_segment)
     graphs: list[torch.fx.GraphModule] = []
 
-    def recording(graph: torch.fx.GraphModule, example_inputs):  # tracing only: the graph runs as traced
+    product = EagerKernelGraphs(capture=False)  # compile.mode graphs' own backend, as on a GPU but for the capture
+
+    def recording(graph: torch.fx.GraphModule, example_inputs):
         graphs.append(graph)
-        return graph.forward
+        return product(graph, example_inputs)
 
     one_graph = torch.compile(graph_pass, fullgraph=True, backend=recording)
 
@@ -121,6 +124,7 @@ def stage_passes(spec, break_in=None) -> dict:
         latents = _latents(run(graph_pipe, {**call, "prompt": prompt}, STEPS))
         found["requests"].append({"graphs": len(graphs) - made, "graph_passes": captured.graph_passes - passes,
                                   "equal": torch.equal(latents, expected)})  # fmt: skip
+    found["uncaptured"] = product.uncaptured
     torch._dynamo.reset()
     return found
 
@@ -159,6 +163,14 @@ def test_graph_passes_equal_eager_and_a_new_prompt_makes_no_graph(passes, family
     assert first["graph_passes"] == second["graph_passes"] == per_request, (first, second)
     assert first["equal"] and second["equal"], (first, second)
     assert first["graphs"] == per_request and second["graphs"] == 0, (first, second)
+
+
+@pytest.mark.parametrize("family", [spec.name for spec in FAMILIES])
+def test_every_input_a_graph_pass_writes_has_a_static_address(passes, family):
+    """What a CUDA graph of the pass needs (``EagerKernelGraphs``, the capture left out on a CPU): every input the
+    pass writes in place is one the graph keeps at its address (the K/V buffers and text slots, ``static_slot``), not
+    one copied in before a replay, whose write would be lost."""
+    assert passes[family]["uncaptured"] == [], passes[family]["uncaptured"]
 
 
 def test_a_host_read_or_a_branch_on_a_value_inside_one_familys_pass_is_found():

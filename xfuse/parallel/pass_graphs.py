@@ -12,14 +12,14 @@ ControlNet residuals) eagerly: that pass allocates the buffers and writes the sl
 pass of that kind goes through ``torch.compile(fullgraph=True)`` of the family's ``run_segment``: dynamo makes one
 graph per kind and request shape (its guards tell them apart), then
 
-* ``graphs``: torch's ``cudagraphs`` backend captures the graph's own (eager) kernels in a CUDA graph at its first
-  compiled call (CUDA graph trees) and replays it after, the non-static inputs copied into the graph's static ones;
+* ``graphs``: ``EagerKernelGraphs`` captures the graph's own (eager) kernels in a CUDA graph at its first compiled
+  call (CUDA graph trees) and replays it after, the non-static inputs copied into the graph's static ones;
 * ``regional+graphs``: Inductor's kernels for the graph (``mode="reduce-overhead"``), captured the same way.
 
 The P2P exchanges stay outside: a pass runs between them. A replay writes its outputs into the graph's memory pool,
 where the next replay writes again, so the hidden states, skips and streams a pass hands on are copied out (one copy
 each, on CUDA; ``torch.compiler.cudagraph_mark_step_begin`` before each pass says the previous ones are consumed).
-On another device nothing is captured: the same graphs run as traced (``aot_eager``'s eager kernels, or Inductor's),
+On another device nothing is captured: the same graphs run as traced (AOT autograd's eager kernels, or Inductor's),
 which is what CI checks on a CPU (the pass kinds, their guards, the static buffers, the numbers). Sequence
 parallelism exchanges inside a pass (its all-to-all): these modes refuse it (``XfuseConfig``).
 """
@@ -34,21 +34,65 @@ from xfuse.parallel.patch_grid import PatchBand, PatchGrid
 from xfuse.parallel.stage import BatchPart
 from xfuse.parallel.stage_plan import Segment
 
-__all__ = ["GRAPH_MODES", "CapturedStage", "compile_pass"]
+__all__ = ["CapturedStage", "EagerKernelGraphs", "compile_pass"]
 
-# compile.mode -> (backend, torch.compile mode) of the one-graph stage pass on a CUDA device, and on another (nothing
-# captured: torch's capturing backends would skip every graph there, each with a warning); ``None``: compile.backend
-GRAPH_MODES: dict[str, dict[bool, tuple[str | None, str | None]]] = {
-    "graphs": {True: ("cudagraphs", None), False: ("aot_eager", None)},  # the traced graph's eager kernels
-    "regional+graphs": {True: (None, "reduce-overhead"), False: (None, None)},  # Inductor's kernels
-}
+
+class EagerKernelGraphs:
+    """``compile.mode: graphs``'s ``torch.compile`` backend: AOT autograd's graph of a stage pass run as its own
+    (eager) kernels, no code generated, captured as a CUDA graph by CUDA graph trees where ``capture``.
+
+    What torch's ``cudagraphs`` backend does, with the static inputs Inductor's ``reduce-overhead`` takes: the
+    parameters and the static-address tensors (``static_slot``), from AOT's metadata. torch's own backend counts only
+    the parameters AOT lifts, none when dynamo inlines the modules (its default), so it would copy every weight into
+    the graph's memory before each replay and refuse the K/V buffers' in-place writes. A graph that writes in place
+    into another input (which a replay would write into its own copy) runs uncaptured: said as torch says it (its
+    ``cudagraph_skips`` counter, the compiler's "not captured") and named in ``uncaptured``.
+    """
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.uncaptured: list[str] = []  # per graph left uncaptured: the inputs it writes that are not static
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list):
+        from torch._dynamo.backends.common import aot_autograd
+
+        # the K/V buffers' writes stay in the graph (not applied after it by AOT's wrapper)
+        return aot_autograd(fw_compiler=self._forward, keep_inference_input_mutations=True)(graph, example_inputs)
+
+    def _forward(self, graph: torch.fx.GraphModule, inputs: list):
+        from torch._dynamo.backends.cudagraphs import find_input_mutations, get_device_index, get_stack_traces
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._inductor.compile_fx import cudagraphify, get_static_input_idxs
+        from torch._inductor.cudagraph_utils import get_placeholder_info, log_cudagraph_skip_and_bump_counter
+
+        run = boxed_nop(graph, inputs)
+        static = get_static_input_idxs(0)  # AOT's: the parameters and the static-address tensors
+        mutated = find_input_mutations(graph.graph)
+        written = sorted(mutated - set(static))
+        if written:
+            names = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
+            self.uncaptured.append(", ".join(names[i] for i in written))
+            log_cudagraph_skip_and_bump_counter(
+                f"skipping cudagraphs of a stage pass that writes into inputs with no static address: "
+                f"{self.uncaptured[-1]}"
+            )
+            return run
+        if not self.capture:
+            return run
+        captured = cudagraphify(run, static, device_index=get_device_index(graph), stack_traces=get_stack_traces(graph),
+                                is_backward=False, is_inference=True, placeholders=get_placeholder_info(graph.graph),
+                                mutated_input_idxs=tuple(mutated))  # fmt: skip
+        captured._boxed_call = True  # type: ignore[attr-defined]
+        return captured
 
 
 def compile_pass(run_segment, mode: str, backend: str, dynamic: bool | None, cuda: bool):
-    """``run_segment`` as ``torch.compile`` makes it one graph per pass kind for ``compile.mode`` ``mode``
-    (``GRAPH_MODES``; ``backend``: ``compile.backend``, Inductor's for ``regional+graphs``), captured where ``cuda``."""
-    graph_backend, compile_mode = GRAPH_MODES[mode][cuda]
-    return torch.compile(run_segment, fullgraph=True, backend=graph_backend or backend, mode=compile_mode,
+    """``run_segment`` as ``torch.compile`` makes it one graph per pass kind for ``compile.mode`` ``mode``, captured
+    where ``cuda``: ``graphs`` by ``EagerKernelGraphs``, ``regional+graphs`` by Inductor (``backend``) with
+    ``mode="reduce-overhead"`` (elsewhere Inductor's graphs run as generated)."""
+    if mode == "graphs":
+        return torch.compile(run_segment, fullgraph=True, backend=EagerKernelGraphs(capture=cuda), dynamic=dynamic)
+    return torch.compile(run_segment, fullgraph=True, backend=backend, mode="reduce-overhead" if cuda else None,
                          dynamic=dynamic)  # fmt: skip
 
 

@@ -41,12 +41,10 @@ class StaleKVCache:
     """K/V buffers of all self-attention layers one rank runs, keyed by global layer index."""
 
     # one request's (``xfuse.parallel.request_state``): every attribute but the family's text order
-    REQUEST_STATE = ("_k", "_v", "_valid", "tokens", "store_whole", "part", "num_tokens", "text_slots", "_joint_k",
-                     "_joint_v", "_text_written")  # fmt: skip
+    REQUEST_STATE = ("_valid", "tokens", "store_whole", "part", "num_tokens", "text_slots", "_joint_k", "_joint_v",
+                     "_text_written")  # fmt: skip
 
     def __init__(self) -> None:
-        self._k: dict[int, torch.Tensor] = {}
-        self._v: dict[int, torch.Tensor] = {}
         self._valid: dict[int, int] = {}  # tokens [0, valid) hold K/V of this request
         self.tokens: slice | None = None  # token range of the patch being computed; None = whole image
         self.store_whole = True  # whether a whole-image pass stores its K/V (only the last warm-up step must)
@@ -72,7 +70,9 @@ class StaleKVCache:
 
     def _buffers(self, layer: int, like: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s image K/V buffers, (B, heads, tokens, head_dim) each: views of its joint buffers
-        (B, heads, text_slots + tokens, head_dim), which are the image buffers themselves without text slots."""
+        (B, heads, text_slots + tokens, head_dim), which are the image buffers themselves without text slots. Made
+        per pass, not kept: a pass then reads only the joint buffers, so a traced pass has no two inputs that share
+        memory (AOT autograd would merge them and forget that they have static addresses)."""
         shape = (batch, like.shape[1], self.text_slots + self.num_tokens, like.shape[3])
         k = self._joint_k.get(layer)
         if k is None or k.shape != shape or k.dtype != like.dtype or k.device != like.device:
@@ -80,10 +80,9 @@ class StaleKVCache:
             self._joint_k[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
             self._joint_v[layer] = torch.empty(shape, dtype=like.dtype, device=like.device)
             static_slot(self._joint_k[layer], self._joint_v[layer])
-            image = slice(self.text_slots, None) if self.text_first else slice(0, self.num_tokens)
-            self._k[layer], self._v[layer] = self._joint_k[layer][:, :, image], self._joint_v[layer][:, :, image]
             self._valid[layer], self._text_written[layer] = 0, False
-        return self._k[layer], self._v[layer]
+        image = slice(self.text_slots, None) if self.text_first else slice(0, self.num_tokens)
+        return self._joint_k[layer][:, :, image], self._joint_v[layer][:, :, image]
 
     def joint(
         self, layer: int, text_key: torch.Tensor, text_value: torch.Tensor, fresh: bool
