@@ -4,15 +4,17 @@ streams, a later patch), the pipeline's ``CapturedStage`` (``xfuse.parallel.pass
 request's first of its kind through ``torch.compile(fullgraph=True)`` of ``Stage.run_segment``: no graph break, no
 host read in its graph, the eager pass issues no operation whose result the host reads (counted at the dispatcher),
 the latents equal the eager pipeline's bit for bit, and a second request with another prompt makes no graph again
-(its text K/V go into the same slots). What capturing a stage's passes as CUDA graphs needs (``docs/performance.md``).
+(its text K/V go into the same slots), and every input a graph pass writes in place has a static address. What
+capturing a stage's passes as CUDA graphs needs (``docs/performance.md``).
 Since torch 2.13 a traced ``.item()`` is no graph break (it becomes a graph's scalar output), so the graph's nodes
 are read for host reads.
 
 Each family's smallest preset at 4 x 4 tokens (``benchmarks/bench_host.py``'s call), three whole-image steps (the
 first two keep no K/V, the last keeps them) and two pipelined steps of two patches: the graph passes are the second
-step's whole image and the last step's patches. The graphs run as dynamo traced them (a recording backend): the
-product's own backends are ``test_pass_graphs.py``'s. A batch part's pass (degree >= 2 under guidance) is a whole-image
-pass on some of the batch's rows: the same code with other row slices. Degree 1 in this process, but the product's
+step's whole image and the last step's patches. Each graph is recorded as dynamo traced it, then run by the graphs
+mode's own backend (``EagerKernelGraphs``, the capture left out on a CPU). A batch part's pass (degree >= 2 under
+guidance; ``test_regional_compile.py`` runs them at pipefusion 2) is a whole-image pass on some of the batch's rows:
+the same code with other row slices. Degree 1 in this process, but the product's
 error for a pass that is not one graph, which ends the world it happens in, on a one-rank world of its own. The module
 sits in this tier for its cost (a trace is seconds per pass, like ``test_regional_compile.py``'s)."""
 
