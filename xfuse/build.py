@@ -291,7 +291,7 @@ def control_call_kwargs(generation, control_image) -> dict[str, Any]:
 
 
 def warm_up_compile(pipe, call: dict[str, Any], sizes: list[tuple[int, int]]) -> None:
-    """``compile.mode: regional`` before the first request: ``call`` (a request's arguments) once at each of
+    """Any ``compile.mode`` but ``off``, before the first request: ``call`` (a request's arguments) once at each of
     ``sizes`` ((width, height) pairs), with steps enough to meet every shape a request of that size meets (the
     warm-up steps' whole image, then the patches), to latents only and with a generator of its own (``call``'s is
     left as it was). Each rank prints one line per size (``StageCompiler``). Collective: every rank calls it alike."""

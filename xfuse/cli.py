@@ -279,7 +279,7 @@ def cmd_generate(args) -> int:
         from PIL import Image
 
         call |= control_call_kwargs(gen, Image.open(gen.control_image).convert("RGB"))
-    # compile.mode regional: the configured sizes (default: this request's) compiled first, each rank saying so
+    # any compile.mode but off: the configured sizes (default: this request's) compiled first, each rank saying so
     warm_up_compile(pipe, call, config.compile.warmup or [(call["width"], call["height"])])
     if gen.controlnet is not None:
         import torch

@@ -261,7 +261,7 @@ def load_adapters(pipe, adapters: dict[str, str]) -> None:
 
 
 def warm_up(pipe, config: XfuseConfig, model: ResolvedModel, limits: RequestLimits) -> None:
-    """``compile.mode: regional``: compile ``compile.warmup_sizes`` (default: the default size) with the default
+    """Any ``compile.mode`` but ``off``: compile ``compile.warmup_sizes`` (default: the default size) with the default
     request's arguments before serving; a size the model's layout cannot take fails the start, naming the key."""
     if pipe.compiler is None:
         return
@@ -324,7 +324,8 @@ def serve(config: XfuseConfig, *, api_key: str | None = None) -> int:
         load_adapters(pipe, config.serve.lora_adapters)
         limits = request_limits(config, model, pipe)  # every rank: a bad default size fails everywhere, the same way
         if service is not None and pipe.compiler is not None:  # /health: 503 "starting (compiling ...)" meanwhile
-            service.reason = "compiling the configured sizes before the first request (compile.mode: regional)"
+            mode = config.compile.mode
+            service.reason = f"compiling the configured sizes before the first request (compile.mode: {mode})"
         warm_up(pipe, config, model, limits)
     except BaseException as err:
         if service is not None:
