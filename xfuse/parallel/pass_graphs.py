@@ -6,11 +6,11 @@ buffers written in place at one address (``StaleKVCache``, ``CachedCrossAttnProc
 and a step's timestep, modulation and RoPE inputs are new tensors of the request's shapes. So a pass can be one graph
 that a GPU replays without the host issuing its kernels one by one (``docs/performance.md``, "The host's cost").
 
-``CapturedStage`` wraps a family's stage (applied from outside, as ``SequenceParallelStage``) and runs a request's
-first pass of each *kind* (segment, patch or whole image, batch part, whether it keeps K/V, carries streams or
-ControlNet residuals) eagerly: that pass allocates the buffers and writes the slots, outside any graph. Every later
-pass of that kind goes through ``torch.compile(fullgraph=True)`` of the family's ``run_segment``: dynamo makes one
-graph per kind and request shape (its guards tell them apart), then
+``CapturedStage`` wraps a family's stage (applied from outside: a ``StageWrapper``, as ``SequenceParallelStage`` is)
+and runs a request's first pass of each *kind* (segment, patch or whole image, batch part, whether it keeps K/V,
+carries streams or ControlNet residuals) eagerly: that pass allocates the buffers and writes the slots, outside any
+graph. Every later pass of that kind goes through ``torch.compile(fullgraph=True)`` of the family's ``run_segment``:
+dynamo makes one graph per kind and request shape (its guards tell them apart), then
 
 * ``graphs``: ``EagerKernelGraphs`` captures the graph's own (eager) kernels in a CUDA graph at its first compiled
   call (CUDA graph trees) and replays it after, the non-static inputs copied into the graph's static ones;
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid
-from xfuse.parallel.stage import BatchPart
+from xfuse.parallel.stage import StageWrapper, controls_kwarg
 from xfuse.parallel.stage_plan import Segment
 
 __all__ = ["CapturedStage", "EagerKernelGraphs", "compile_pass"]
@@ -105,7 +105,7 @@ def _copied_out(values: dict, before: dict[Any, int]) -> None:
             values[name] = tensor.clone()
 
 
-class CapturedStage:
+class CapturedStage(StageWrapper):
     """``stage`` (a family's ``Stage``) with every pass after a request's first of its kind run by ``graph_pass``
     (``compile_pass`` of ``stage.run_segment``; module docstring). Counts ``eager_passes`` (a kind's first) and
     ``graph_passes`` (the others: through ``graph_pass``, which runs eagerly past ``compile.max_shapes``)."""
@@ -113,8 +113,8 @@ class CapturedStage:
     REQUEST_STATE = ("_ran",)  # the pass kinds the request in flight has run (``xfuse.parallel.request_state``)
 
     def __init__(self, stage, graph_pass):
-        self.inner, self.graph_pass = stage, graph_pass
-        self.hidden_size = stage.hidden_size
+        super().__init__(stage)
+        self.graph_pass = graph_pass
         self._ran: set[tuple] = set()
         self.eager_passes = self.graph_passes = 0
 
@@ -125,31 +125,10 @@ class CapturedStage:
     def request_state_holders(self) -> tuple[object, ...]:
         return (*self.inner.request_state_holders(), self)
 
-    def begin_task(self, step: int, patch: int | None) -> None:
-        self.inner.begin_task(step, patch)
-
     def prepare_step(self, cond: Any) -> None:
         """Nothing: a family's per-step products (``prefetch_modulation``'s memo, keyed by a tensor's identity) are
         not what a graph reads (traced, it computes them in the pass), so making them ahead would be work thrown
         away; a request's eager passes compute theirs."""
-
-    def hidden_tokens(self, band: PatchBand | None) -> slice:
-        return self.inner.hidden_tokens(band)
-
-    def stream_shape(self, kind: str, shape: tuple) -> tuple:
-        return self.inner.stream_shape(kind, shape)
-
-    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
-        return self.inner.group_sum(values)
-
-    def batch_part(self, cond: Any, part: BatchPart) -> Any:
-        return self.inner.batch_part(cond, part)
-
-    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
-        return self.inner.embed(latent_rows, band)
-
-    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
-        return self.inner.head(hidden, cond, token_cols, band)
 
     def run_segment(
         self,
@@ -168,7 +147,7 @@ class CapturedStage:
         part = cond.part.index if cond.part is not None else None
         kind = (segment.blocks, None if band is None else band.index, part, keep_kv, tuple(streams or ()),
                 controls is not None)  # fmt: skip
-        extra = {} if controls is None else {"controls": controls}
+        extra = controls_kwarg(controls)
         if kind not in self._ran:
             self._ran.add(kind)
             self.eager_passes += 1

@@ -18,17 +18,17 @@ import torch
 
 from xfuse.parallel.patch_grid import PatchBand, PatchGrid, check_sequence_chunks
 from xfuse.parallel.sequence import SequenceParallel
-from xfuse.parallel.stage import BatchPart
+from xfuse.parallel.stage import StageWrapper, controls_kwarg
 from xfuse.parallel.stage_plan import Segment
 
 
-class SequenceParallelStage:
+class SequenceParallelStage(StageWrapper):
     """``stage`` (a family's ``Stage``, built for this rank's pipeline rank) on this rank's token chunks."""
 
     def __init__(self, stage, sequence: SequenceParallel):
-        self.inner, self.sequence = stage, sequence
+        super().__init__(stage)
+        self.sequence = sequence
         stage.attention.sequence = sequence
-        self.hidden_size = stage.hidden_size
         self._num_tokens = 0
 
     def _tokens(self, band: PatchBand | None) -> slice:
@@ -50,20 +50,8 @@ class SequenceParallelStage:
         self.sequence.begin_task(step, patch)
         self.inner.begin_task(step, patch)
 
-    def prepare_step(self, cond: Any) -> None:
-        self.inner.prepare_step(cond)
-
-    def hidden_tokens(self, band: PatchBand | None) -> slice:
-        return self.inner.hidden_tokens(band)
-
-    def stream_shape(self, kind: str, shape: tuple) -> tuple:
-        return self.inner.stream_shape(kind, shape)
-
     def group_sum(self, values: torch.Tensor) -> torch.Tensor:
         return self.sequence.all_sum(values)
-
-    def batch_part(self, cond: Any, part: BatchPart) -> Any:
-        return self.inner.batch_part(cond, part)
 
     def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
         """(B, C, rows, W) -> (B, my chunk's tokens, hidden): the band embedded whole, this rank's chunk kept."""
@@ -81,9 +69,11 @@ class SequenceParallelStage:
         skips: dict[int, torch.Tensor],
         keep_kv: bool = True,
         streams: dict[str, torch.Tensor] | None = None,
+        *,
+        controls: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         self.sequence.begin_pass(self._tokens(band), segment.blocks)
-        out = self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams)
+        out = self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, **controls_kwarg(controls))
         self.sequence.end_pass()
         return out
 

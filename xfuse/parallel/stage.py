@@ -104,3 +104,63 @@ class Stage(Protocol):
     def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
         """(B, band tokens, hidden) -> the transformer's output (B, C_out, rows, W) for the rows covering ``band``
         (``None``: whole rows), zeros at the other bands' tokens of a partial row (``PatchBand.pad``)."""
+
+
+def controls_kwarg(controls: dict[int, torch.Tensor] | None) -> dict[str, Any]:
+    """``run_segment``'s ``controls=`` as a keyword to pass on: none without a ControlNet (the families without a
+    ControlNet pipeline take no ``controls``)."""
+    return {} if controls is None else {"controls": controls}
+
+
+class StageWrapper:
+    """A ``Stage`` applied from outside around another (``inner``): every method is the inner stage's unless the
+    wrapper changes it (``xfuse.parallel.sequence_stage``: a rank's token chunks; ``xfuse.parallel.pass_graphs``:
+    captured passes)."""
+
+    def __init__(self, inner: Stage):
+        self.inner = inner
+        self.hidden_size = inner.hidden_size
+
+    def begin_request(self, grid: PatchGrid) -> None:
+        self.inner.begin_request(grid)
+
+    def request_state_holders(self) -> tuple[object, ...]:
+        return self.inner.request_state_holders()
+
+    def begin_task(self, step: int, patch: int | None) -> None:
+        self.inner.begin_task(step, patch)
+
+    def prepare_step(self, cond: Any) -> None:
+        self.inner.prepare_step(cond)
+
+    def hidden_tokens(self, band: PatchBand | None) -> slice:
+        return self.inner.hidden_tokens(band)
+
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        return self.inner.stream_shape(kind, shape)
+
+    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return self.inner.group_sum(values)
+
+    def batch_part(self, cond: Any, part: BatchPart) -> Any:
+        return self.inner.batch_part(cond, part)
+
+    def embed(self, latent_rows: torch.Tensor, band: PatchBand | None) -> torch.Tensor:
+        return self.inner.embed(latent_rows, band)
+
+    def run_segment(
+        self,
+        hidden: torch.Tensor,
+        segment: Segment,
+        cond: Any,
+        band: PatchBand | None,
+        skips: dict[int, torch.Tensor],
+        keep_kv: bool = True,
+        streams: dict[str, torch.Tensor] | None = None,
+        *,
+        controls: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return self.inner.run_segment(hidden, segment, cond, band, skips, keep_kv, streams, **controls_kwarg(controls))
+
+    def head(self, hidden: torch.Tensor, cond: Any, token_cols: int, band: PatchBand | None = None) -> torch.Tensor:
+        return self.inner.head(hidden, cond, token_cols, band)
