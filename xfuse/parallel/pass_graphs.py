@@ -88,13 +88,13 @@ class EagerKernelGraphs:
         return captured
 
 
-def compile_pass(run_segment, mode: str, backend: str, dynamic: bool | None, cuda: bool):
+def compile_pass(run_segment, mode: str, backend: str, dynamic: bool | None, capture: bool):
     """``run_segment`` as ``torch.compile`` makes it one graph per pass kind for ``compile.mode`` ``mode``, captured
-    where ``cuda``: ``graphs`` by ``EagerKernelGraphs``, ``regional+graphs`` by Inductor (``backend``) with
-    ``mode="reduce-overhead"`` (elsewhere Inductor's graphs run as generated)."""
+    where ``capture`` (a CUDA device): ``graphs`` by ``EagerKernelGraphs``, ``regional+graphs`` by Inductor
+    (``backend``) with ``mode="reduce-overhead"`` (uncaptured, Inductor's graphs run as generated)."""
     if mode == "graphs":
-        return torch.compile(run_segment, fullgraph=True, backend=EagerKernelGraphs(capture=cuda), dynamic=dynamic)
-    return torch.compile(run_segment, fullgraph=True, backend=backend, mode="reduce-overhead" if cuda else None,
+        return torch.compile(run_segment, fullgraph=True, backend=EagerKernelGraphs(capture), dynamic=dynamic)
+    return torch.compile(run_segment, fullgraph=True, backend=backend, mode="reduce-overhead" if capture else None,
                          dynamic=dynamic)  # fmt: skip
 
 

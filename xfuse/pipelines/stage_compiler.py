@@ -66,13 +66,14 @@ class StageCompiler:
         monitor: the process's failure monitor: publishes what this rank compiles, records a compile timeout.
         num_patches: the layout's patches (a request meets at most the whole image and its patches per block).
         cache: ``compile.cache_dir``'s folder for this launch, or ``None``.
-        device: this rank's device (the graph modes capture on CUDA only).
+        device: this rank's device (the graph modes capture on CUDA only: ``captures``).
     """
 
     def __init__(self, section: CompileConfig, rank: int, monitor, num_patches: int, cache: CompileCache | None,
                  device: torch.device):  # fmt: skip
-        self.section, self.rank, self.num_patches, self.cache, self.device = section, rank, num_patches, cache, device
-        doing = "compiling and capturing" if section.graphs and device.type == "cuda" else "compiling"
+        self.section, self.rank, self.num_patches, self.cache = section, rank, num_patches, cache
+        self.captures = section.graphs and device.type == "cuda"  # CUDA graphs made (elsewhere: run as traced)
+        doing = "compiling and capturing" if self.captures else "compiling"
         self.watch = CompileWatch(rank, section.timeout_s, on_timeout=monitor.fail_from_thread, doing=doing)
         monitor.activity_source = self.watch.activity
         self.shapes: dict[int, list[tuple]] = {}  # id(engine) -> the request shapes it compiled, in order
@@ -105,10 +106,8 @@ class StageCompiler:
         if not self.section.graphs:
             return stage
         section = self.section
-        cuda = self.device.type == "cuda"
-        return CapturedStage(
-            stage, compile_pass(stage.run_segment, section.mode, section.backend, section.dynamic, cuda)
-        )
+        graph_pass = compile_pass(stage.run_segment, section.mode, section.backend, section.dynamic, self.captures)
+        return CapturedStage(stage, graph_pass)
 
     @contextlib.contextmanager
     def request(self, engine, shape: tuple, bounds: contextlib.AbstractContextManager, describe: str):
@@ -142,7 +141,7 @@ class StageCompiler:
             self.cache.record(describe)
             cached, generated = after["cached"] - before["cached"], after["generated"] - before["generated"]
             where = f", {cached} from compile.cache_dir, {generated} generated"
-        if self.section.graphs and self.device.type == "cuda":
+        if self.captures:
             where += f", {after['not_captured'] - before['not_captured']} not captured (torch's log says why)"
         write_stderr(f"rank {self.rank}: compile.mode {self.section.mode}: {label}: {made} graph(s){where} in "
                      f"{spent:.1f} s of compiling; its denoising took {time.monotonic() - start:.1f} s")  # fmt: skip
