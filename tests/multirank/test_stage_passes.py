@@ -173,6 +173,7 @@ def test_every_input_a_graph_pass_writes_has_a_static_address(passes, family):
     """What a CUDA graph of the pass needs (``EagerKernelGraphs``, the capture left out on a CPU): every input the
     pass writes in place is one the graph keeps at its address (the K/V buffers and text slots, ``static_slot``), not
     one copied in before a replay, whose write would be lost."""
+    assert passes[family]["requests"][0]["graphs"] > 0  # the backend ran: graphs were made and checked
     assert passes[family]["uncaptured"] == [], passes[family]["uncaptured"]
 
 
