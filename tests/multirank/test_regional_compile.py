@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from tests.support.compile_fns import compile_counts_over_requests, graph_passes_over_requests
+from tests.support.compile_fns import cached_graph_passes, compile_counts_over_requests, graph_passes_over_requests
 from tests.support.world import World
 from xfuse.families.registry import load_pipeline, model_spec
 from xfuse.parallel.regional_compile import compile_blocks
@@ -120,3 +120,23 @@ def test_graph_passes_equal_eager_over_two_stages_and_past_max_shapes_run_eagerl
         assert past["graphs"] == 0 and eager_requests == 1, (rows, eager_requests)
         if rank == 0:
             assert first["equal"] and second["equal"] and past["equal"], rows
+
+
+def test_graph_passes_with_step_caching_take_the_eager_decisions_and_equal_its_latents(world2):
+    """Step caching under ``compile.mode: graphs`` (issue 79): a skipped step's passes (block 0 alone on the embedding
+    rank; none elsewhere) are kinds of their own, so a cached request runs the computed and the skipped steps' passes
+    as graphs. Pipelined on 2 stages (2 patches, one warm-up step), First-Block Cache at 0.3 skips steps of SD3's tiny
+    preset: the graphs build takes the eager build's decisions step by step and its latents equal the eager ones bit
+    for bit, for a second prompt too, which makes no graph."""
+    parallel = {"pipefusion_degree": 2, "num_patches": 2, "warmup_steps": 1}
+    cache = {"method": "first_block", "threshold": 0.3}
+    results = world2.run_ok(cached_graph_passes, "sd3-tiny", parallel, cache, ("a red house", "a blue boat"), 8,
+                            timeout=300)  # fmt: skip
+    for rank, rows in enumerate(results):
+        first, second = rows
+        assert first["graphs"] > 0 and second["graphs"] == 0, (rank, rows)
+        for row in rows:
+            eager, graphs = row["decisions"]
+            assert eager == graphs and False in eager and eager[:2] == [True, True], (rank, row)
+        if rank == 0:
+            assert first["equal"] and second["equal"], rows

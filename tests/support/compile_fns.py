@@ -117,3 +117,31 @@ def a_pass_that_is_not_one_graph(preset, parallel, steps):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def cached_graph_passes(preset, parallel, cache, prompts, steps):
+    """``compile.mode: graphs`` (``aot_eager``) with step caching ``cache`` beside an eager build with the same
+    caching: per prompt the graphs dynamo made, each build's per-step decisions (True: computed) and whether the
+    final latents (rank 0's) are the eager build's bit for bit."""
+    import torch
+
+    from benchmarks.bench_host import family_call
+    from xfuse.families.registry import model_spec
+    from xfuse.pipelines.stage_compiler import compile_counts
+
+    spec = model_spec(preset)
+    builds = [
+        spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel=parallel, cache=cache, **compile)
+        for compile in ({}, {"compile": {"mode": "graphs", "backend": "aot_eager"}})
+    ]
+    for pipe in builds:
+        pipe.set_progress_bar_config(disable=True)
+    rows = []
+    for prompt in prompts:
+        call = dict(family_call(spec), prompt=prompt, num_inference_steps=steps, output_type="latent")
+        made = compile_counts()["graphs"]
+        eager, graphs = (pipe(**call, generator=torch.Generator().manual_seed(0)) for pipe in builds)
+        rows.append({"graphs": compile_counts()["graphs"] - made,
+                     "decisions": [list(pipe.engine.cache_decisions) for pipe in builds],
+                     "equal": None if eager is None else torch.equal(eager.images, graphs.images)})  # fmt: skip
+    return rows

@@ -383,3 +383,34 @@ def test_streamed_requests_recover_idle_ranks_within_the_bound_and_more_at_highe
         assert gain <= bound * (1 + 1e-9), (n, gain, bound)
         gains.append(gain)
     assert gains[0] == pytest.approx(1.0) and 1.0 < gains[1] < gains[2] < gains[3], gains
+
+
+def _predict_skipping(where, skipped, steps=28, **parallel):
+    """``_predict`` of FLUX.1-dev at 1,024 px with step caching on and ``skipped`` steps skipped."""
+    from dataclasses import replace
+
+    from xfuse.perf.model import predict
+
+    config = _config("flux-dev", 1024, steps, **parallel)
+    work = replace(workload(config), cached=True, skipped_steps=frozenset(skipped))
+    return predict(work, config.parallel, where, FITTED).loop
+
+
+@pytest.mark.parametrize("degree,patches", [(2, 2), (2, 4), (4, 4), (8, 8), (8, 16)])
+def test_a_run_of_skipped_steps_saves_its_steps_less_the_pipelines_refill(degree, patches):
+    """Issue 79: a skipped step is decided at its first patch and cannot start a patch before the step before left
+    the route, so under PipeFusion each run of skipped steps drains the pipeline and refills it: it saves its steps
+    less (N - 1) / M of a pipelined step (the replay of the engine's task order; block 0 still runs on rank 0), where
+    Ulysses saves the whole steps."""
+    where = machine("h100", "nvlink", degree)
+    layout = {"pipefusion_degree": degree, "num_patches": patches, "warmup_steps": 1}
+    step = _predict_skipping(where, (), **layout) - _predict_skipping(where, (), steps=27, **layout)
+    uncached = _predict_skipping(where, (), **layout)
+    refill = (degree - 1) / patches
+    for run in ((10,), (10, 11), (10, 11, 12)):
+        saved = (uncached - _predict_skipping(where, run, **layout)) / step
+        assert saved == pytest.approx(len(run) - refill, abs=0.1 * len(run)), (run, saved)
+    ulysses = {"ulysses_degree": degree}
+    step = _predict_skipping(where, (), **ulysses) - _predict_skipping(where, (), steps=27, **ulysses)
+    saved = (_predict_skipping(where, (), **ulysses) - _predict_skipping(where, (10,), **ulysses)) / step
+    assert saved == pytest.approx(1.0, abs=0.1)

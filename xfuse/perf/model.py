@@ -92,6 +92,9 @@ class Workload:
     frames: int = 1  # latent frames of a video (stacked into one tall image: xfuse.parallel.video_layout)
     controlnet: dict | None = None  # a ControlNet's block counts (``num_layers``; FLUX: ``num_single_layers``)
     cached: bool = False  # step caching on (``cache.enabled``): every computed whole-image step stores K/V
+    # Steps step caching skips (which ones is the images' business, so a caller gives a pattern, e.g. a measured
+    # run's): such a step runs the route's first block on the embedding rank and adds cached residuals elsewhere.
+    skipped_steps: frozenset[int] = frozenset()
 
     def control(self) -> ControlResiduals | None:
         """The ControlNet's residual routing (``xfuse.parallel.control``), or ``None`` without one."""
@@ -294,9 +297,13 @@ class _Costs:
         queries = self.grid.num_tokens if task.patch is None else self.grid[task.patch].num_tokens
         batch = self.batch if task.part is None else self.batch / schedule.batch_parts
         first = task.patch in (None, 0)  # the step's first patch (or the whole image) computes the text stream
-        key = (task.hop, queries, first, batch)
+        skipped = task.step in self.work.skipped_steps
+        key = (task.hop, queries, first, batch, skipped)
         if key not in self._durations:
-            blocks = schedule.plan.route[task.hop].blocks + (self.control_blocks if task.hop == 0 else ())
+            blocks = schedule.plan.route[task.hop].blocks
+            if skipped:  # block 0 decides (xfuse.parallel.step_cache); every other block adds its cached residual
+                blocks = blocks[:1] if task.hop == 0 else ()
+            blocks += self.control_blocks if task.hop == 0 else ()
             costs = [self._block_costs(b, queries, first, batch) for b in blocks]
             self._durations[key] = (sum(c for c, _ in costs), sum(s for _, s in costs))
         return self._durations[key]
@@ -346,6 +353,7 @@ def predict(
     control, control_blocks = costs.control, len(costs.control_blocks)
     plan = work.spec.plan(work.num_blocks, parallel, control_blocks)
     control_ranks = () if control is None else control.ranks(plan)
+    split_warmup = split_warmup and not work.cached  # with caching a whole-image step is decided whole: one part
     schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, costs.batch, costs_key, split_warmup,
                          control_blocks, control_ranks)  # fmt: skip
     finish = replay(schedule, costs.duration(schedule), costs.transfer(schedule))
