@@ -15,8 +15,8 @@ two pipelined steps of two patches: the graph passes are the second step's whole
 Each graph is recorded as dynamo traced it, then run by the graphs mode's own backend (``EagerKernelGraphs``, the
 capture left out on a CPU). A batch part's pass (degree >= 2 under guidance; ``test_regional_compile.py`` runs them
 at pipefusion 2) is a whole-image pass on some of the batch's rows: the same code with other row slices. Degree 1 in
-this process, but the product's error for a pass that is not one graph, which ends the world it happens in, on a one-
-rank world of its own. The module sits in this tier for its cost (a trace is seconds per pass, like
+this process, but the product's error for a pass that is not one graph, which ends the world it happens in, on a
+one-rank world of its own. The module sits in this tier for its cost (a trace is seconds per pass, like
 ``test_regional_compile.py``'s)."""
 
 import collections
