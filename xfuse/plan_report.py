@@ -15,7 +15,7 @@ from xfuse.parallel.costs import KINDS, comm_volume, keeps_stale_kv, speedup_cei
 from xfuse.parallel.patch_grid import PatchGrid, patch_grid
 from xfuse.parallel.schedule import batch_parts
 from xfuse.parallel.stage_plan import StagePlan
-from xfuse.parallel.step_cache import always_computed, most_skipped
+from xfuse.parallel.step_cache import always_computed, first_pipelined_step, most_skipped
 from xfuse.parallel.vae_decode import (
     VAE_PARALLEL_MIN_PIXELS,
     VIDEO_BAND_DECODED_VAES,
@@ -375,11 +375,19 @@ def _cache_lines(config: XfuseConfig, steps: int, num_patches: int) -> list[str]
         return []
     always = always_computed(cache, steps, config.parallel.warmup_steps, num_patches)
     most = most_skipped(cache, steps, always)
+    stages = config.parallel.pipefusion_degree
+    # a skipped step cannot start its last patch before the step before left the route (docs/design.md §11)
+    refill = (
+        f"; pipelined over {stages} stages and {num_patches} patches, a run of skipped steps drains and refills the "
+        f"pipeline: it saves its steps less {(stages - 1) / num_patches:.3g} of a pipelined step"
+        if stages > 1 and first_pipelined_step(steps, config.parallel.warmup_steps, num_patches) is not None
+        else ""
+    )
     return [
         f"step cache: {cache.method}, threshold {cache.threshold}: block 0 always runs; each step's first patch "
         f"decides after it and carries the decision with its hand-offs (a 1-element message); steps "
         f"{_ranges(always)} always computed, at most {most} of {steps} skipped (which ones depends on the "
-        "request: xfuse generate prints them, serve counts them in /metrics)"
+        f"request: xfuse generate prints them, serve counts them in /metrics){refill}"
     ]
 
 

@@ -122,16 +122,19 @@ def test_caching_composes_with_sequence_parallelism():
 
 
 @pytest.mark.parametrize(
-    "cache_section,parallel,always,most",
+    "cache_section,parallel,always,most,refill",
     [
-        ({}, {"warmup_steps": 1}, "0-1", 6),  # step 0, and step 1 (the first pipelined)
-        ({"warmup_steps": 3}, {"warmup_steps": 1}, "0-2", 5),
-        ({}, {"warmup_steps": 3}, "0, 3", 6),
-        ({"max_skips": 2}, {"warmup_steps": 3}, "0, 3", 5),  # S S | C | S S C S
-        ({}, {"warmup_steps": 1, "num_patches": 1}, "0", 7),  # one patch: no pass turns to patches
+        ({}, {"warmup_steps": 1}, "0-1", 6, "over 2 stages and 2 patches"),  # step 0, and step 1 (the first pipelined)
+        ({"warmup_steps": 3}, {"warmup_steps": 1}, "0-2", 5, "over 2 stages and 2 patches"),
+        ({}, {"warmup_steps": 3}, "0, 3", 6, "over 2 stages and 2 patches"),
+        ({"max_skips": 2}, {"warmup_steps": 3}, "0, 3", 5, "over 2 stages and 2 patches"),  # S S | C | S S C S
+        ({}, {"warmup_steps": 1, "num_patches": 1}, "0", 7, None),  # one patch: no pass turns to patches
+        ({}, {"warmup_steps": 8}, "0", 7, None),  # exact mode: whole-image steps, nothing to drain
+        ({}, {"warmup_steps": 1, "num_patches": 4}, "0-1", 6, "over 2 stages and 4 patches"),
     ],
 )
-def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel, always, most):
+def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel, always, most, refill):
+    """... and, pipelined, what a run of skipped steps costs: (N - 1) / M of a pipelined step (design §11)."""
     from xfuse.plan_report import format_plan_report, plan_report
 
     config = config_from_dict({
@@ -142,6 +145,14 @@ def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel,
     })  # fmt: skip
     (line,) = [x for x in format_plan_report(plan_report(config)).splitlines() if x.startswith("step cache:")]
     assert f"steps {always} always computed, at most {most} of 8 skipped" in line
+    if refill is None:
+        assert "drains" not in line, line
+    else:
+        patches = int(refill.split()[-2])
+        assert line.endswith(
+            f"; pipelined {refill}, a run of skipped steps drains and refills the pipeline: it saves its steps less "
+            f"{1 / patches:.3g} of a pipelined step"
+        ), line
 
 
 def test_a_half_precision_decision_does_not_overflow():
