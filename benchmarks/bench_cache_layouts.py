@@ -3,6 +3,7 @@ skipped steps' time goes, and what the performance model replays for the same sk
 
     python benchmarks/bench_cache_layouts.py            # degrees 2 and 4; writes benchmarks/results/cache_layouts.*
     python benchmarks/bench_cache_layouts.py --degrees 2 --repeats 3
+    python benchmarks/bench_cache_layouts.py --stream --degrees 2   # cache_layouts_stream.json (below)
 
 The model of issue 79: FLUX.1 with 4 double + 8 single blocks of 8 heads x 64 (``flux-small``'s blocks, twice its
 heads), 512 px, 12 steps, one thread per rank, ``first_block`` at threshold 0.5. Per degree, Ulysses over every rank
@@ -12,6 +13,8 @@ skipped, the gain from caching, the ideal gain (steps / computed steps), the PSN
 serial one (degree 1), and from the engine's trace of the last call: seconds of compute in computed and in skipped
 steps, and seconds waiting on messages (the busiest rank). ``model`` is the performance model's replay of the same
 layout, skipped steps and task order (``xfuse.perf.model``, the CPU rank's figures): the gain it predicts.
+``--stream``: PipeFusion at M = N, three requests one at a time and as one stream (``run_stream``), uncached and
+cached: seconds per request, and whether a stream's other requests recover the refill a skipped step leaves.
 """
 
 from __future__ import annotations
@@ -100,6 +103,60 @@ def rank_runs(degree: int, repeats: int) -> dict:
             image = None if out is None else (np.asarray(out.images[0]) * 255).round().astype(np.uint8)
             rows[key].update(skipped=skipped, trace=trace_seconds(pipe.trace_events(), set(skipped)), image=image)
     return rows
+
+
+STREAM_CALLS = 3  # ``--stream``: requests of one stream (seeds 0, 1, 2)
+
+
+def rank_stream(degree: int, repeats: int) -> dict:
+    """On every rank of a ``degree`` world, PipeFusion at M = N: ``STREAM_CALLS`` requests one at a time and as one
+    stream (``run_stream``: another request's tasks fill a rank's idle time, a skipped step's refill too), uncached and
+    cached, timed in turns; rank 0's seconds per request and each request's skipped steps."""
+    from xfuse.families.registry import model_spec
+
+    parallel = {"pipefusion_degree": degree, "num_patches": degree, "warmup_steps": 1}
+    calls = [dict(CALL, output_type="latent", generator=torch.Generator().manual_seed(s)) for s in range(STREAM_CALLS)]
+    pipes = {}
+    for cached in (False, True):
+        sections = {"cache": CACHE} if cached else {}
+        pipe = model_spec(PRESET).pipeline_class().from_pipe(build_base(), parallel=parallel, **sections)
+        pipe.set_progress_bar_config(disable=True)
+        pipe(**calls[0])  # warm
+        pipes[cached] = pipe
+    runs = {(how, cached): [] for how in ("one at a time", "streamed") for cached in (False, True)}
+    skipped: dict = {}
+    for repeat in range(repeats):
+        keys = list(runs)
+        for how, cached in keys[repeat % len(keys) :] + keys[: repeat % len(keys)]:
+            pipe = pipes[cached]
+            fresh = [dict(c, generator=torch.Generator().manual_seed(seed)) for seed, c in enumerate(calls)]
+            start = time.perf_counter()
+            if how == "streamed":
+                pipe.run_stream(fresh)
+                decisions = pipe.engine.stream_cache_decisions
+            else:
+                decisions = []
+                for call in fresh:
+                    pipe(**call)
+                    decisions.append(list(pipe.engine.cache_decisions))
+            runs[(how, cached)].append((time.perf_counter() - start) / len(calls))
+            skipped[(how, cached)] = [sum(not c for c in d) for d in decisions] if cached else [0] * len(calls)
+    return {"seconds": runs, "skipped": skipped}
+
+
+def stream_table(degree: int, result: dict) -> dict:
+    table = {}
+    for (how, cached), seconds in result["seconds"].items():
+        base = statistics.median(result["seconds"][(how, False)])
+        median = statistics.median(seconds)
+        table[f"pipefusion {degree}, M = {degree}, {how}, {'first_block 0.5' if cached else 'uncached'}"] = {
+            "seconds_per_request_median": round(median, 3),
+            "seconds_min": round(min(seconds), 3),
+            "seconds_max": round(max(seconds), 3),
+            "skipped_per_request": result["skipped"][(how, cached)],
+            "gain_from_caching": round(base / median, 3),
+        }
+    return table
 
 
 def predicted_gain(degree: int, parallel: dict, skipped: list[int]) -> float:
@@ -226,7 +283,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--model-only", action="store_true", help="rewrite the 8-GPU model table of the last report")
+    parser.add_argument("--stream", action="store_true", help="requests one at a time and as one stream")
     args = parser.parse_args()
+    if args.stream:
+        streams = {}
+        for degree in args.degrees:
+            with World(degree, threads_per_rank=1, start_timeout=600) as world:
+                streams[degree] = stream_table(degree, world.run_ok(rank_stream, degree, args.repeats, timeout=7200)[0])
+            print(json.dumps(streams[degree], indent=1), flush=True)
+        report = {"model": f"{PRESET} with {HEADS} heads, {SIZE} px, {STEPS} steps, cache {CACHE}",
+                  "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": streams}  # fmt: skip
+        with open(os.path.join(args.out, "cache_layouts_stream.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        return
     if args.model_only:
         with open(os.path.join(args.out, "cache_layouts.json")) as f:
             report = dict(json.load(f), gpu_model=gpu_model())
