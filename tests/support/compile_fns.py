@@ -131,8 +131,8 @@ def cached_graph_passes(preset, parallel, cache, prompts, steps):
 
     spec = model_spec(preset)
     builds = [
-        spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel=parallel, cache=cache, **compile)
-        for compile in ({}, {"compile": {"mode": "graphs", "backend": "aot_eager"}})
+        spec.pipeline_class().from_pipe(spec.build_preset_pipeline(preset), parallel=parallel, cache=cache, **sections)
+        for sections in ({}, {"compile": {"mode": "graphs", "backend": "aot_eager"}})
     ]
     for pipe in builds:
         pipe.set_progress_bar_config(disable=True)

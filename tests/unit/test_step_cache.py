@@ -124,17 +124,18 @@ def test_caching_composes_with_sequence_parallelism():
 @pytest.mark.parametrize(
     "cache_section,parallel,always,most,refill",
     [
-        ({}, {"warmup_steps": 1}, "0-1", 6, "over 2 stages and 2 patches"),  # step 0, and step 1 (the first pipelined)
-        ({"warmup_steps": 3}, {"warmup_steps": 1}, "0-2", 5, "over 2 stages and 2 patches"),
-        ({}, {"warmup_steps": 3}, "0, 3", 6, "over 2 stages and 2 patches"),
-        ({"max_skips": 2}, {"warmup_steps": 3}, "0, 3", 5, "over 2 stages and 2 patches"),  # S S | C | S S C S
+        ({}, {"warmup_steps": 1}, "0-1", 6, (2, "0.5")),  # step 0, and step 1 (the first pipelined)
+        ({"warmup_steps": 3}, {"warmup_steps": 1}, "0-2", 5, (2, "0.5")),
+        ({}, {"warmup_steps": 3}, "0, 3", 6, (2, "0.5")),
+        ({"max_skips": 2}, {"warmup_steps": 3}, "0, 3", 5, (2, "0.5")),  # S S | C | S S C S
         ({}, {"warmup_steps": 1, "num_patches": 1}, "0", 7, None),  # one patch: no pass turns to patches
-        ({}, {"warmup_steps": 8}, "0", 7, None),  # exact mode: whole-image steps, nothing to drain
-        ({}, {"warmup_steps": 1, "num_patches": 4}, "0-1", 6, "over 2 stages and 4 patches"),
+        ({}, {"warmup_steps": 8}, "0", 7, None),  # exact mode: whole-image steps, no pipeline to drain
+        ({}, {"warmup_steps": 1, "num_patches": 4}, "0-1", 6, (4, "0.25")),
     ],
 )
 def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel, always, most, refill):
-    """... and, pipelined, what a run of skipped steps costs: (N - 1) / M of a pipelined step (design §11)."""
+    """The plan's step-cache line: the steps always computed, the most that can be skipped, and on a pipelined layout
+    what a run of skipped steps costs, (N - 1) / M of a pipelined step (design §11)."""
     from xfuse.plan_report import format_plan_report, plan_report
 
     config = config_from_dict({
@@ -148,10 +149,10 @@ def test_the_plan_line_counts_the_steps_always_computed(cache_section, parallel,
     if refill is None:
         assert "drains" not in line, line
     else:
-        patches = int(refill.split()[-2])
+        patches, fraction = refill
         assert line.endswith(
-            f"; pipelined {refill}, a run of skipped steps drains and refills the pipeline: it saves its steps less "
-            f"{1 / patches:.3g} of a pipelined step"
+            f"; pipelined over 2 stages and {patches} patches, a run of skipped steps drains and refills the "
+            f"pipeline: it saves its steps less {fraction} of a pipelined step"
         ), line
 
 
