@@ -188,10 +188,10 @@ GPU_LAYOUTS = {
     "pipefusion 8, M = 8": {"pipefusion_degree": 8, "num_patches": 8, "warmup_steps": 1},
     "pipefusion 8, M = 16": {"pipefusion_degree": 8, "num_patches": 16, "warmup_steps": 1},
     "pipefusion 8, M = 32": {"pipefusion_degree": 8, "num_patches": 32, "warmup_steps": 1},
-    "pipefusion 2 x ulysses 4, M = 4": {
+    "pipefusion 2 x ulysses 4, M = 2": {
         "pipefusion_degree": 2,
         "ulysses_degree": 4,
-        "num_patches": 4,
+        "num_patches": 2,
         "warmup_steps": 1,
     },
 }
