@@ -301,7 +301,7 @@ def plan_report(
             grid.cost_tokens,
             num_steps=generation.num_inference_steps,
             warmup_steps=par.warmup_steps,
-            batch_parts=batch_parts(batch, par.pipefusion_degree),
+            batch_parts=batch_parts(batch, par.pipefusion_degree, config.cache.enabled),
         ),
         vae=video_vae_plan(config, height, width, frames, where)
         if video_vae

@@ -70,6 +70,21 @@ def test_the_plan_holds_what_each_rank_holds(world2, preset, parallel, negative)
         assert planned_bytes == pytest.approx(peaks.total(), rel=0.10), (rank, peaks, plan)
 
 
+def test_with_step_caching_the_plan_holds_a_whole_image_pass_of_the_whole_batch(world2):
+    """With step caching a whole-image step runs its transformer batch in one part (its decision is on the whole
+    batch: ``batch_parts``), so the busiest pass is twice the parts' under CFG: FLUX.2 [klein]'s batched guidance at
+    pipefusion 2, one warm-up step of four, First-Block Cache at 0 (every step computed)."""
+    preset, parallel, cache = "flux2-klein-tiny", {"pipefusion_degree": 2}, {"method": "first_block", "threshold": 0}
+    call = {**trace_call(preset, SIDE, SIDE), "output_type": "np", "num_inference_steps": STEPS}
+    generation = {"height": SIDE, "width": SIDE, "num_inference_steps": STEPS}
+    config = config_from_dict({"model": preset, "parallel": parallel, "cache": cache, "generation": generation})
+    planned = rank_memory(preset, workload(config), config.parallel, torch.float32)
+    held = world2.run_ok(held_peaks, preset, parallel, call, cache, timeout=600)
+    for rank, peaks in enumerate(held):
+        planned_bytes = planned[rank].kv_bytes + planned[rank].activation_bytes
+        assert planned_bytes == pytest.approx(peaks.total(), rel=0.10), (rank, peaks, planned[rank])
+
+
 @pytest.mark.parametrize("parallel", [{"pipefusion_degree": 2}, {"ulysses_degree": 2}, {"cfg_degree": 2},
                                       {"pipefusion_degree": 2, "num_patches": 1}])  # fmt: skip
 def test_the_plan_counts_stale_kv_only_where_the_engine_keeps_it(world2, parallel):

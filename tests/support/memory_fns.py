@@ -1,13 +1,13 @@
 """Rank functions for the memory tests (importable by spawned ranks)."""
 
 
-def held_peaks(model, parallel, call):
-    """What this rank holds while it runs ``call`` on preset ``model`` under ``parallel``: the peaks of
-    ``xfuse.perf.activations.call_peaks`` (the second of two calls, on real CPU tensors)."""
+def held_peaks(model, parallel, call, cache=None):
+    """What this rank holds while it runs ``call`` on preset ``model`` under ``parallel`` (and step caching
+    ``cache``): the peaks of ``xfuse.perf.activations.call_peaks`` (the second of two calls, on real CPU tensors)."""
     from xfuse.families.registry import load_pipeline, model_spec
     from xfuse.perf.activations import call_peaks
 
-    pipe = model_spec(model).pipeline_class().from_pipe(load_pipeline(model), parallel=parallel)
+    pipe = model_spec(model).pipeline_class().from_pipe(load_pipeline(model), parallel=parallel, cache=cache)
     pipe.set_progress_bar_config(disable=True)
     return call_peaks(pipe, call)
 

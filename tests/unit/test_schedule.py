@@ -39,6 +39,7 @@ def test_every_task_once_and_segments_see_patches_in_stream_order(degree, placem
 )
 def test_batch_parts_are_the_most_even_parts_up_to_one_per_rank(model_batch, degree, parts):
     assert batch_parts(model_batch, degree) == parts
+    assert batch_parts(model_batch, degree, cached=True) == 1  # step caching decides on the whole batch
 
 
 def test_batch_parts_overlap_the_warmup_step():

@@ -164,8 +164,7 @@ class PipeFusionEngine:
         span = tracer.span if tracer is not None else null_span
         rows = [band.num_rows for band in grid]
         with span("denoise", LOOP, steps=len(request.timesteps), patch_rows=rows, patch_tokens=grid.cost_tokens):
-            # With caching, a whole-image step's decision is on its whole batch, as diffusers' on one call: no parts.
-            parts = 1 if self.cache is not None else batch_parts(request.model_batch, self.plan.degree)
+            parts = batch_parts(request.model_batch, self.plan.degree, cached=self.cache is not None)
             if request.control is not None and self.cache is not None:
                 raise ValueError("step caching with ControlNet residuals is not supported")
             control_ranks = () if request.control is None else request.control.ranks(self.plan)
@@ -232,8 +231,7 @@ class PipeFusionEngine:
             StreamShape(
                 len(request.timesteps),
                 min(self.warmup_steps, len(request.timesteps)),
-                # with caching a whole-image step's decision is on its whole batch (``denoise``): no parts
-                1 if self.cache is not None else batch_parts(request.model_batch, self.plan.degree),
+                batch_parts(request.model_batch, self.plan.degree, cached=self.cache is not None),
                 grid.cost_tokens,
             )
             for request, grid in zip(requests, grids, strict=True)

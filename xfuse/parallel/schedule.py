@@ -218,10 +218,14 @@ def skip_send_hops(plan: StagePlan) -> dict[SkipEdge, int]:
     return hops
 
 
-def batch_parts(model_batch: int, degree: int) -> int:
+def batch_parts(model_batch: int, degree: int, cached: bool = False) -> int:
     """How many parts a whole-image step's transformer batch is streamed in: the most, up to one per rank, that
     split ``model_batch`` rows evenly (more parts than ranks only shrink the kernels; a degree-1 run has no route
-    to overlap). CFG's [uncond, cond] batch of one image: 2 parts from degree 2 on."""
+    to overlap). CFG's [uncond, cond] batch of one image: 2 parts from degree 2 on. With step caching (``cached``)
+    one: a whole-image step's decision is on its whole batch, as diffusers' hook decides on one batched call
+    (``xfuse.parallel.step_cache``)."""
+    if cached:
+        return 1
     return max(p for p in range(1, min(model_batch, degree) + 1) if model_batch % p == 0)
 
 

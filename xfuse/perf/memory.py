@@ -270,11 +270,13 @@ def layout_activations(model: str, work: Workload, parallel, dtype: torch.dtype,
                                     dtype_bytes=element,
                                     stream_tokens=dict.fromkeys(plan.streams, work.text_tokens))  # fmt: skip
     kept_share = model_batch / acts.batch / sp
-    # A rank's largest pass: a warm-up step's whole image in batch parts, or a pipelined step's largest patch (the
-    # first carries the whole text) at the whole batch; what a pass makes is per token and sample.
+    # A rank's largest pass: a warm-up step's whole image in batch parts (one with step caching), or a pipelined
+    # step's largest patch (the first carries the whole text) at the whole batch; what a pass makes is per token and
+    # sample.
     whole = grid.num_tokens + grid[0].lead_tokens
     pipelined = parallel.warmup_steps < work.steps and grid.num_patches > 1
-    largest = max(1 / batch_parts(model_batch, plan.degree), max(grid.cost_tokens) / whole if pipelined else 0)
+    largest = max(1 / batch_parts(model_batch, plan.degree, work.cached),
+                  max(grid.cost_tokens) / whole if pipelined else 0)  # fmt: skip
     pass_share = kept_share * largest
     decode = decode_bytes(model, work, parallel, dtype, conv_scratch=conv_scratch) or {0: acts.decode}
     kept, peaks = {}, {}

@@ -196,11 +196,10 @@ class Prediction:
 
 @functools.lru_cache(maxsize=256)
 def _schedule(
-    spec: ModelSpec, num_blocks: int, parallel: ParallelConfig, steps: int, batch: int, costs, split_warmup: bool,
+    spec: ModelSpec, num_blocks: int, parallel: ParallelConfig, steps: int, parts: int, costs,
     control_blocks: int = 0, control_ranks: tuple[int, ...] = (),
 ) -> Schedule:  # fmt: skip
     plan = spec.plan(num_blocks, parallel, control_blocks)
-    parts = batch_parts(batch, parallel.pipefusion_degree) if split_warmup else 1
     warmup = min(parallel.warmup_steps, steps)
     num_patches = parallel.resolved_num_patches
     return build_schedule(plan, steps, warmup, num_patches, parts, costs, control_ranks=control_ranks)
@@ -353,9 +352,9 @@ def predict(
     control, control_blocks = costs.control, len(costs.control_blocks)
     plan = work.spec.plan(work.num_blocks, parallel, control_blocks)
     control_ranks = () if control is None else control.ranks(plan)
-    split_warmup = split_warmup and not work.cached  # with caching a whole-image step is decided whole: one part
-    schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, costs.batch, costs_key, split_warmup,
-                         control_blocks, control_ranks)  # fmt: skip
+    parts = batch_parts(costs.batch, parallel.pipefusion_degree, work.cached) if split_warmup else 1
+    schedule = _schedule(work.spec, work.num_blocks, parallel, work.steps, parts, costs_key, control_blocks,
+                         control_ranks)  # fmt: skip
     finish = replay(schedule, costs.duration(schedule), costs.transfer(schedule))
     compute, sequence = costs.busiest(schedule)
     cfg = 0.0
@@ -383,7 +382,7 @@ def predict_stream(
     if costs.control is not None:
         raise ValueError("predict_stream: a ControlNet's residuals are not streamed")
     plan = work.spec.plan(work.num_blocks, parallel, 0)
-    parts = batch_parts(costs.batch, parallel.pipefusion_degree)
+    parts = batch_parts(costs.batch, parallel.pipefusion_degree, work.cached)
     shape = StreamShape(work.steps, min(parallel.warmup_steps, work.steps), parts, tuple(costs.grid.cost_tokens))
     loops = []
     for count in (1, requests):
