@@ -50,18 +50,23 @@ def layouts(degree: int) -> dict[str, dict]:
     }
 
 
+def transformer_config() -> dict:
+    """The measured model's ``FluxTransformer2DModel`` arguments: ``flux-small``'s with ``HEADS`` heads."""
+    from xfuse.families.flux import presets
+
+    return dict(presets.preset_transformer_config(PRESET), num_attention_heads=HEADS)
+
+
 def build_base():
-    """The diffusers ``FluxPipeline`` of the measured model: ``flux-small`` with ``HEADS`` heads."""
+    """The diffusers ``FluxPipeline`` of the measured model (``transformer_config``)."""
     from diffusers import FluxTransformer2DModel
 
     from xfuse.families.common.presets import seeded
-    from xfuse.families.flux import presets
     from xfuse.families.registry import model_spec
 
     base = model_spec(PRESET).build_preset_pipeline(PRESET)
-    config = dict(presets.preset_transformer_config(PRESET), num_attention_heads=HEADS)
     with seeded(0, "transformer"):
-        base.transformer = FluxTransformer2DModel(**config).eval()
+        base.transformer = FluxTransformer2DModel(**transformer_config()).eval()
     return base
 
 
@@ -161,13 +166,11 @@ def stream_table(degree: int, result: dict) -> dict:
 def predicted_gain(degree: int, parallel: dict, skipped: list[int]) -> float:
     """The performance model's gain from caching for this layout and these skipped steps on CPU ranks."""
     from xfuse.config import ParallelConfig
-    from xfuse.families.flux import presets
     from xfuse.families.registry import model_spec
     from xfuse.perf.calibration import FITTED
     from xfuse.perf.model import Workload, machine, predict
 
-    spec = model_spec(PRESET)
-    config = dict(presets.preset_transformer_config(PRESET), num_attention_heads=HEADS)
+    spec, config = model_spec(PRESET), transformer_config()
     par, where = ParallelConfig(**parallel), machine("cpu", "gloo", degree)
     loops = [
         predict(
