@@ -15,14 +15,24 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
 from types import ModuleType
 from typing import Any
 
 from xfuse.errors import ConfigError
+from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.parallel.control import control_split
 from xfuse.parallel.patch_grid import check_sequence_chunks, patch_grid
 from xfuse.parallel.stage_plan import StagePlan, stage_plan
 from xfuse.runtime.heap import collector_paused
+
+
+@cache
+def _forward_stage(spec: ModelSpec) -> type:
+    """One ``ForwardStage`` class per spec (its ``spec`` a class attribute, as the hand-written stages have)."""
+    from xfuse.families.generic.stage import ForwardStage
+
+    return type(f"{spec.diffusers_transformer}ForwardStage", (ForwardStage,), {"spec": spec})
 
 
 def no_skips(num_blocks: int) -> tuple[tuple[int, int], ...]:
@@ -99,6 +109,8 @@ class ModelSpec:
         control_samples: ``(transformer config, ControlNet config) -> {block: residual}``: which of a ControlNet's
             residuals each transformer block adds (its transformer forward's ``interval_control`` rule); the
             ControlNet config needs only its block counts (``num_layers``, FLUX's ``num_single_layers``).
+        forward: how the generic family runs the transformer's own forward (``xfuse.families.generic``): the family
+            can run as a ``ForwardStage`` (``forward_stage_class``) with no hand-written stage; ``None``: it cannot.
     """
 
     name: str
@@ -133,6 +145,7 @@ class ModelSpec:
     image_to_video: str | None = None
     controlnet: str | None = None
     control_samples: Callable[[dict, dict], dict[int, int]] | None = None
+    forward: ForwardPlan | None = None
 
     @property
     def pipeline_name(self) -> str:
@@ -171,6 +184,12 @@ class ModelSpec:
     def stage_class(self) -> type:
         """The adapter class (the ``Stage`` the engine calls): ``stage_name`` in the family's ``stage.py``."""
         return getattr(self._module("stage"), self.stage_name)
+
+    def forward_stage_class(self) -> type:
+        """The generic family's ``Stage`` for this family's transformer: a ``ForwardStage`` reading ``forward``."""
+        if self.forward is None:
+            raise ValueError(f"the {self.name} family has no ForwardPlan: it runs only its hand-written stage")
+        return _forward_stage(self)
 
     def preset_builders(self) -> ModuleType:
         """The family's ``presets.py``."""

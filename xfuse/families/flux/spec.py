@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xfuse.families.common.flops import attention_flops, linear_flops, mmdit_joint_flops
+from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.spec import ModelSpec, no_skips
 from xfuse.parallel.control import interval_samples
 
@@ -58,4 +59,11 @@ FLUX = ModelSpec(
     native_side=lambda config: 128 * 8,  # FluxPipeline.default_sample_size x its VAE factor
     controlnet="FluxControlNetPipeline",
     control_samples=flux_control_samples,
+    forward=ForwardPlan(
+        blocks=("transformer_blocks", "single_transformer_blocks"),
+        block_returns=("encoder_hidden_states", "hidden_states"),
+        latent_layout="packed",
+        context=(":encoder_hidden_states", ":txt_ids"),
+        text_stream="encoder_hidden_states",
+    ),
 )

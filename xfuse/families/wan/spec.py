@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.spec import ModelSpec, no_skips
 
 
@@ -46,4 +47,5 @@ WAN = ModelSpec(
     native_width=832,  # and width
     crosses_per_patch="hidden states at each hand-off; with linear placement the stepped latent rows (of every frame "
     "the patch covers) back to rank 0 (the UMT5 text is static: projected once per request on every rank)",
+    forward=ForwardPlan(blocks=("blocks",), block_returns=("hidden_states",), latent_layout="video"),
 )

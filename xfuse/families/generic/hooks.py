@@ -1,0 +1,223 @@
+"""The hooks that make one call of a diffusers transformer's ``forward`` one PipeFusion pass (diffusers' own
+``HookRegistry``, as its context parallelism applies its plan).
+
+* ``BandSplitHook`` / ``BandGatherHook``: the model's context-parallel plan applied to a patch instead of a rank:
+  where diffusers splits a sequence across ranks (``ContextParallelInput``), the pass keeps its band's image tokens,
+  and its context (the plan's entries the ``ForwardPlan`` names) whole on the step's first patch, empty on the others;
+  where diffusers gathers it (``ContextParallelOutput``), the band's tokens are put back in a whole-image tensor
+  (zeros elsewhere), so that the forward's own unpatchify runs on the whole latent's shape.
+* ``BlockGateHook``: every block of the chain, run or not as the pass says (``Pass``): blocks before the pass's
+  segment return their inputs, its first block takes the hand-off, the block after it ends the forward with its
+  inputs (``SegmentEnd``), and an epilogue pass gives the last block's outputs from the hand-off.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+PROLOGUE, SEGMENT, EPILOGUE = "prologue", "segment", "epilogue"
+
+
+class SegmentEnd(Exception):
+    """Raised by the first block after a pass's segment (or, in a prologue pass, by the first block): ``inputs`` are
+    that block's streamed inputs (``ForwardPlan.block_returns``), the segment's hand-off."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        super().__init__("the pass's segment ended")
+        self.inputs = inputs
+
+
+@dataclass
+class Pass:
+    """One call of the forward as a PipeFusion pass on this rank.
+
+    ``tokens``: the image tokens the pass computes (``None``: all); ``order``: the model's index of each of the
+    layout's tokens where they differ (Wan's ``spatial`` video layout), else ``None``; ``num_tokens``: the image's.
+    ``owner``: the pass carries the context (a whole-image pass or a step's first patch). ``blocks``: the segment
+    (first, last) a ``segment`` pass runs. ``inputs``: the streamed tensors its first block takes (a ``segment``
+    pass's hand-off; an ``epilogue`` pass's last-block outputs); ``outputs``: the segment's last block's.
+    """
+
+    mode: str
+    tokens: slice | None
+    num_tokens: int
+    owner: bool
+    order: torch.Tensor | None = None
+    blocks: tuple[int, int] = (0, -1)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.tokens is None
+
+
+class PassHolder:
+    """The pass in flight on one stage, which every hook reads (``current`` is set around each forward call)."""
+
+    def __init__(self) -> None:
+        self.current: Pass | None = None
+
+    def get(self, where: str) -> Pass:
+        if self.current is None:
+            raise RuntimeError(f"{where}: called outside a PipeFusion pass (the stage's forward is run by the engine)")
+        return self.current
+
+
+def cut_band(x: torch.Tensor, dim: int, p: Pass, where: str) -> torch.Tensor:
+    """The pass's image tokens of ``x`` along ``dim`` (all of them in a whole-image pass)."""
+    if p.tokens is None:
+        return x
+    if x.shape[dim] != p.num_tokens:
+        raise ValueError(
+            f"{where}: {x.shape[dim]} tokens along dim {dim}, but the image has {p.num_tokens}: an input the plan "
+            "splits that is not the image's tokens must be named in the family's ForwardPlan.context"
+        )
+    if p.order is None:
+        return x.narrow(dim, p.tokens.start, p.tokens.stop - p.tokens.start)
+    return x.index_select(dim, p.order[p.tokens].to(x.device))
+
+
+def put_band(x: torch.Tensor, dim: int, p: Pass) -> torch.Tensor:
+    """``x``'s band tokens along ``dim`` placed in a whole-image tensor (zeros at the other tokens); the inverse of
+    :func:`cut_band` on the band's tokens."""
+    if p.tokens is None:
+        return x
+    shape = list(x.shape)
+    shape[dim] = p.num_tokens
+    whole = x.new_zeros(shape)
+    if p.order is None:
+        whole.narrow(dim, p.tokens.start, p.tokens.stop - p.tokens.start).copy_(x)
+    else:
+        whole.index_copy_(dim, p.order[p.tokens].to(x.device), x)
+    return whole
+
+
+def _parameters(function) -> dict[str, int]:
+    """``name -> position`` of a forward's parameters (``self`` dropped)."""
+    names = [n for n in inspect.signature(function).parameters if n != "self"]
+    return {name: i for i, name in enumerate(names)}
+
+
+def _get(positions: dict[str, int], name: str, args: tuple, kwargs: dict) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    index = positions.get(name)
+    return args[index] if index is not None and index < len(args) else None
+
+
+def _set(positions: dict[str, int], name: str, value, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    index = positions.get(name)
+    if name not in kwargs and index is not None and index < len(args):
+        return (*args[:index], value, *args[index + 1 :]), kwargs
+    return args, {**kwargs, name: value}
+
+
+class BandSplitHook(ModelHook):
+    """A ``ContextParallelInput`` entry of the plan (``entries``: input name or output index -> its spec, or a list of
+    them for a tuple input), applied to the pass: image tokens cut to the band, context whole or empty."""
+
+    def __init__(self, module_id: str, entries: dict, context: set[str], passes: PassHolder):
+        super().__init__()
+        self.module_id, self.entries, self.context, self.passes = module_id, entries, context, passes
+        self.positions: dict[str, int] = {}
+
+    def initialize_hook(self, module):
+        self.positions = _parameters(type(module).forward)
+        return module
+
+    def _cut(self, x, spec, name) -> Any:
+        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.dim() != spec.expected_dims):
+            return x  # as diffusers' split hook: an input of other dimensions is not split
+        p, entry = self.passes.get(self.module_id), f"{self.module_id}:{name}"
+        if entry in self.context:
+            return x if p.owner else x.narrow(spec.split_dim, 0, 0)
+        return cut_band(x, spec.split_dim, p, f"the context-parallel plan's {entry!r}")
+
+    def _cut_value(self, value, spec, name):
+        if isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)):
+            return type(value)(self._cut(x, s, f"{name}.{i}") for i, (x, s) in enumerate(zip(value, spec, strict=True)))
+        return self._cut(value, spec, name)
+
+    def pre_forward(self, module, *args, **kwargs):
+        for name, spec in self.entries.items():
+            if isinstance(name, int) or getattr(spec, "split_output", False):
+                continue
+            value = _get(self.positions, name, args, kwargs)
+            if value is not None:
+                args, kwargs = _set(self.positions, name, self._cut_value(value, spec, name), args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        outputs = [output] if torch.is_tensor(output) else list(output)
+        for index, spec in self.entries.items():
+            if isinstance(index, int):
+                outputs[index] = self._cut_value(outputs[index], spec, str(index))
+        return outputs[0] if torch.is_tensor(output) else type(output)(outputs)
+
+
+class BandGatherHook(ModelHook):
+    """A ``ContextParallelOutput`` entry: the band's tokens of the module's output placed in a whole-image tensor."""
+
+    def __init__(self, module_id: str, specs: list, passes: PassHolder):
+        super().__init__()
+        self.module_id, self.specs, self.passes = module_id, specs, passes
+
+    def post_forward(self, module, output):
+        p = self.passes.get(self.module_id)
+        outputs = [output] if torch.is_tensor(output) else list(output)
+        for i, spec in enumerate(self.specs):
+            x = outputs[i]
+            if spec.expected_dims is None or x.dim() == spec.expected_dims:
+                outputs[i] = put_band(x, spec.gather_dim, p)
+        return outputs[0] if torch.is_tensor(output) else type(output)(outputs)
+
+
+class BlockGateHook(ModelHook):
+    """Block ``index`` of the chain under the pass (the module docstring); ``block_class``'s forward says where its
+    streamed inputs are in a call; a block this rank does not hold (``nn.Identity``) is never run."""
+
+    def __init__(self, index: int, last: int, block_class: type, returns: tuple[str, ...], holds: bool,
+                 passes: PassHolder):  # fmt: skip
+        super().__init__()
+        self.index, self.last, self.returns, self.holds, self.passes = index, last, returns, holds, passes
+        self.positions = _parameters(block_class.forward)
+
+    def streamed(self, args, kwargs) -> dict[str, torch.Tensor]:
+        return {name: _get(self.positions, name, args, kwargs) for name in self.returns}
+
+    def returned(self, values: dict[str, torch.Tensor]):
+        out = tuple(values[name] for name in self.returns)
+        return out[0] if len(out) == 1 else out
+
+    def new_forward(self, module, *args, **kwargs):
+        p, index = self.passes.get(f"block {self.index}"), self.index
+        if p.mode == PROLOGUE:
+            raise SegmentEnd(self.streamed(args, kwargs))
+        if p.mode == EPILOGUE:
+            if index == self.last:
+                return self.returned(self.streamed(args, kwargs) | p.inputs)
+            return self.returned(self.streamed(args, kwargs))
+        first, last = p.blocks
+        if index < first:
+            return self.returned(self.streamed(args, kwargs))
+        if index > last:
+            raise SegmentEnd(self.streamed(args, kwargs))
+        if not self.holds:
+            raise RuntimeError(f"block {index} is in this pass's segment {first}-{last} but this rank does not hold it")
+        if index == first:
+            for name, value in p.inputs.items():
+                args, kwargs = _set(self.positions, name, value, args, kwargs)
+        out = self.fn_ref.original_forward(*args, **kwargs)
+        if index == last:
+            p.outputs = dict(zip(self.returns, (out,) if torch.is_tensor(out) else out, strict=True))
+        return out
+
+
+def register(module: torch.nn.Module, hook: ModelHook, name: str) -> None:
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
