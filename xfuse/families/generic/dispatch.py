@@ -94,7 +94,8 @@ def route_dispatcher(processor: object) -> None:
 
 def _routed(original):
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                              enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):  # fmt: skip
+                              enable_gqa=False, attention_kwargs=None, *, backend=None,
+                              parallel_config=None):  # fmt: skip
         """diffusers' ``dispatch_attention_fn``, or inside a PipeFusion pass the call's attention (module docstring)."""
         call = _CALL.get()
         if call is None or call.kind == "cross":
@@ -102,7 +103,8 @@ def _routed(original):
                             scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                             parallel_config=parallel_config)  # fmt: skip
         options = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa,
-                   "dropout_p": dropout_p, "attention_kwargs": attention_kwargs, "parallel_config": parallel_config}  # fmt: skip
+                   "dropout_p": dropout_p, "attention_kwargs": attention_kwargs,
+                   "parallel_config": parallel_config}  # fmt: skip
         given = sorted(name for name, value in options.items() if value not in (None, False, 0.0, {}))
         if given:
             raise ValueError(

@@ -39,7 +39,12 @@ def forward_request(
     latent input for the transformer batch. ``layout``: a video's frames as the grid (``None``: an image)."""
     from xfuse.parallel.request import DenoiseRequest
 
-    model_batch, model_input = cfg_batch(latents, cfg_scale, cfg_half)
+    model_batch, cfg_input = cfg_batch(latents, cfg_scale, cfg_half)
+    dtype = latents.dtype if hidden_dtype is None else hidden_dtype
+
+    def model_input(rows: torch.Tensor, where: slice = slice(None)) -> torch.Tensor:
+        return cfg_input(rows).to(dtype)  # WanPipeline: latents.to(transformer_dtype)
+
     stream = stage.forward_plan.text_stream
     text_tokens = 0 if stream is None else inputs[stream].shape[1]
 

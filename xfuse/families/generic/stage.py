@@ -89,8 +89,8 @@ class ForwardStage(ShardedStage):
     docstring); the family's ``ModelSpec.forward`` says what the model's forward and plan do not."""
 
     spec: ClassVar  # the family's ModelSpec, whose ``forward`` is a ForwardPlan
-    REQUEST_STATE: ClassVar[tuple[str, ...]] = (*ShardedStage.REQUEST_STATE, "_task_cond", "_task_step", "_step_conds", "_stash",
-                                                     "_latent_height")  # fmt: skip
+    REQUEST_STATE: ClassVar[tuple[str, ...]] = (*ShardedStage.REQUEST_STATE, "_task_cond", "_task_step",
+                                                "_step_conds", "_stash", "_latent_height", "_order")  # fmt: skip
     embed_modules: ClassVar[tuple[str, ...]] = ()  # every rank keeps them: each pass runs the model's prologue
     output_modules: ClassVar[tuple[str, ...]] = ()
 
@@ -116,6 +116,7 @@ class ForwardStage(ShardedStage):
         self._stash: tuple[torch.Tensor, torch.Tensor] | None = None  # (last block's hidden, the forward's output)
         self._stand_ins: dict[tuple, torch.Tensor] = {}
         self._latent_height = 0
+        self._order: tuple[VideoLayout, torch.Tensor] | None = None  # a video layout's token order
         last = len(block_classes) - 1
         for index, block in enumerate(self.blocks):
             holds = index in self.block_ids
@@ -209,10 +210,12 @@ class ForwardStage(ShardedStage):
         self.joint.reuse_text, self.joint.text_total = not owner, text
         self.joint.text_tokens = text if owner else 0
         self.kv_cache.text_slots = text
-        order = None
-        if cond.layout is not None and band is not None and cond.layout.direction != "temporal":
-            order = cond.layout.token_order()
-        tokens = None if band is None else band.tokens
+        order, tokens = None, None if band is None else band.tokens
+        if cond.layout is not None and cond.layout.direction != "temporal":
+            # the layout's token order everywhere, whole-image passes too: the K/V buffers hold it
+            if self._order is None or self._order[0] != cond.layout:
+                self._order = (cond.layout, cond.layout.token_order())  # once per request's layout
+            order, tokens = self._order[1], slice(0, self.num_tokens) if band is None else band.tokens
         self.passes.current = Pass(mode, tokens, self.num_tokens, owner, order, **fields)
         return self.passes.current
 
