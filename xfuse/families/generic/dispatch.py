@@ -105,7 +105,9 @@ def _routed(original):
         options = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa,
                    "dropout_p": dropout_p, "attention_kwargs": attention_kwargs,
                    "parallel_config": parallel_config}  # fmt: skip
-        given = sorted(name for name, value in options.items() if value not in (None, False, 0.0, {}))
+        given = sorted(
+            name for name, value in options.items() if value is not None and (torch.is_tensor(value) or value)
+        )
         if given:
             raise ValueError(
                 f"attention {call.key}: the generic family's stale K/V attention takes no {', '.join(given)} "

@@ -1,0 +1,108 @@
+"""The generic family's parts in one process: its plan's checks, the dispatcher left as diffusers' outside a pass,
+and the refusals a model it cannot run gets, each naming what is missing."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
+
+from tests.support.generic_fns import flux_request
+from tests.support.mmdit_fns import grid_of, prepare_inputs, tiny
+from xfuse.config import ParallelConfig
+from xfuse.families.common.joint import JointKV
+from xfuse.families.flux.spec import FLUX
+from xfuse.families.generic.dispatch import AttentionCall, current_call, route_dispatcher
+from xfuse.families.generic.forward_plan import ForwardPlan
+from xfuse.families.pixart.spec import PIXART_SIGMA
+from xfuse.families.registry import load_pipeline
+from xfuse.parallel.engine import PipeFusionEngine
+
+PLAN = dict(blocks=("blocks",), block_returns=("hidden_states",), latent_layout="video")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"latent_layout": "planar"}, "latent_layout must be one of packed, video (got 'planar')"),
+        ({"hidden": "x"}, "'x' is not among the block's returns ('hidden_states',)"),
+        ({"text_stream": "encoder_hidden_states"}, "'encoder_hidden_states' is not among the block's returns"),
+        ({"context": ("encoder_hidden_states",)}, "context entry 'encoder_hidden_states' must be 'module:input'"),
+    ],
+)
+def test_a_forward_plan_names_what_is_wrong(change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ForwardPlan(**(PLAN | change))
+
+
+def flux_inputs(batch=1, tokens=48, text=16):
+    config = tiny("flux-tiny").transformer.config
+    gen = torch.Generator().manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(batch, tokens, config.in_channels, generator=gen),
+        encoder_hidden_states=torch.randn(batch, text, config.joint_attention_dim, generator=gen),
+        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=gen),
+        timestep=torch.full((batch,), 0.5),
+        guidance=torch.full((batch,), 3.5),
+        txt_ids=torch.zeros(text, 3),
+        img_ids=torch.randn(tokens, 3, generator=gen),
+        return_dict=False,
+    )
+
+
+def test_outside_a_pass_the_dispatcher_is_diffusers_own():
+    """Building a stage routes the model module's dispatcher through xfuse: an untouched transformer of the same
+    class, called outside any PipeFusion pass, gives the same bits as before."""
+    transformer = tiny("flux-tiny").transformer
+    inputs = flux_inputs()
+    with torch.no_grad():
+        before = transformer(**inputs)[0]
+        plan = FLUX.plan(5, ParallelConfig(pipefusion_degree=1))
+        FLUX.forward_stage_class()(copy.deepcopy(transformer), plan, 0)
+        after = transformer(**inputs)[0]
+    assert torch.equal(before, after)
+
+
+def test_a_processor_that_does_not_call_the_dispatcher_is_refused():
+    with pytest.raises(TypeError, match="AttnProcessor2_0 does not call diffusers' dispatch_attention_fn"):
+        route_dispatcher(AttnProcessor2_0())
+
+
+def test_a_model_without_a_context_parallel_plan_is_refused():
+    spec = replace(PIXART_SIGMA, forward=ForwardPlan(**(PLAN | {"blocks": ("transformer_blocks",)})))
+    transformer = load_pipeline("pixart-tiny").transformer
+    plan = spec.plan(spec.num_blocks(transformer.config), ParallelConfig(pipefusion_degree=1))
+    with pytest.raises(ValueError, match="PixArtTransformer2DModel has no context-parallel plan"):
+        spec.forward_stage_class()(transformer, plan, 0)
+
+
+def test_a_family_without_a_forward_plan_has_no_generic_stage():
+    with pytest.raises(ValueError, match="the pixart-sigma family has no ForwardPlan"):
+        PIXART_SIGMA.forward_stage_class()
+
+
+def test_a_masked_attention_inside_a_pass_is_refused_by_name():
+    import diffusers.models.transformers.transformer_flux as flux_module
+
+    route_dispatcher(flux_module.FluxAttnProcessor())
+    q = torch.zeros(1, 4, 2, 8)
+    call = AttentionCall((3, "attn"), "self", JointKV())
+    with current_call(call), pytest.raises(ValueError, match=r"attention \(3, 'attn'\).* takes no attn_mask, scale"):
+        flux_module.dispatch_attention_fn(q, q, q, attn_mask=torch.ones(1, 4, dtype=torch.bool), scale=0.5)
+
+
+def test_a_split_input_that_is_neither_the_image_nor_named_context_is_refused():
+    """FLUX's plan splits its text too: a ForwardPlan that does not name it as context fails at the first patch pass
+    with the plan's entry and both lengths, not with a wrong image."""
+    spec = replace(FLUX, forward=replace(FLUX.forward, context=(":txt_ids",)))
+    pipe = tiny("flux-tiny")
+    plan = spec.plan(5, ParallelConfig(pipefusion_degree=1))
+    stage = spec.forward_stage_class()(copy.deepcopy(pipe.transformer), plan, 0)
+    grid = grid_of(spec, pipe, 128, 96, 2)
+    request, _ = flux_request(stage, prepare_inputs(pipe, height=128, width=96, steps=2, cfg=1.0),
+                              copy.deepcopy(pipe.scheduler), grid)  # fmt: skip
+    engine = PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=1)
+    message = r"plan's ':encoder_hidden_states': 16 tokens along dim 1, but the image has 48"
+    with pytest.raises(ValueError, match=message):
+        engine.denoise(request, grid)
