@@ -36,6 +36,7 @@ from xfuse.families.generic.hooks import (
     BandGatherHook,
     BandSplitHook,
     BlockGateHook,
+    CallMemo,
     Pass,
     PassHolder,
     SegmentEnd,
@@ -122,6 +123,9 @@ class ForwardStage(ShardedStage):
             holds = index in self.block_ids
             register(block, BlockGateHook(index, last, block_classes[index], forward.block_returns, holds, self.passes),
                      "xfuse_gate")  # fmt: skip
+        for name, module in transformer.named_children():  # the prologue's modules (the epilogue's too: harmless);
+            if name not in forward.blocks:  # inside the plan's hooks, so a cut or gather is made for each pass
+                register(module, CallMemo(), "xfuse_memo")
         context = set(forward.context)
         for module_id, entry in cp_plan.items():
             modules = _get_submodule_by_name(transformer, module_id)
