@@ -57,26 +57,16 @@ def setup_rank(preset: str, degree: int, steps: int) -> None:
         grid = mmdit_fns.grid_of(spec, pipe, size["height"], size["width"], 2)
 
         def request(name):
-            stage, scheduler = stages[name], copy.deepcopy(pipe.scheduler)
             fresh = dict(inputs, generator=torch.Generator().manual_seed(0))
-            if name == "generic":
-                return generic_fns.flux_request(stage, fresh, scheduler, grid)[0]
-            return mmdit_fns.request_of(stage, fresh, scheduler, grid)[0]
+            return mmdit_fns.request_of(stages[name], fresh, copy.deepcopy(pipe.scheduler), grid)[0]
     else:
-        from xfuse.families.wan.stage import denoise_request
-
         inputs = wan_fns.prepare_inputs(pipe, steps=steps, guidance_scale=5.0, **size)
         latents = inputs["latents"]
         layout = VideoLayout("temporal", *latents.shape[2:], stages["family"].patch_size)
         grid = patch_grid(layout.grid_height, layout.width, 2, stages["family"].patch_size)
 
         def request(name):
-            stage, scheduler = stages[name], copy.deepcopy(pipe.scheduler)
-            if name == "generic":
-                return generic_fns.wan_request(stage, inputs, scheduler, layout)
-            return denoise_request(stage, latents=latents, layout=layout, timesteps=inputs["timesteps"],
-                                   scheduler=scheduler, prompt_embeds=inputs["prompt_embeds"],
-                                   guidance_scale=5.0)  # fmt: skip
+            return generic_fns.wan_request(stages[name], inputs, copy.deepcopy(pipe.scheduler), layout)
 
     channels = P2PChannels(rank=rank, timeout_s=600, max_inflight=2, device=torch.device("cpu"))
     _RANK.update(stages=stages, plan=plan, grid=grid, request=request, channels=channels, rank=rank)

@@ -12,6 +12,7 @@ DtypeName = Literal["float32", "bfloat16", "float16"]  # torch's names (``getatt
 VaeParallel = Literal["auto", "on", "off"]  # the VAE decode over every rank: xfuse.parallel.vae_decode
 TextEncoderPlacement = Literal["auto", "rank0", "split", "offload"]  # where text encoders run: xfuse.perf.memory
 VideoPatches = Literal["temporal", "spatial"]  # a video's patches: runs of frames or strips of rows (video_layout)
+Adapter = Literal["family", "generic"]  # a rank's share of the model: its family's stage or xfuse.families.generic's
 
 PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
 DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)

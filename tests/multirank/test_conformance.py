@@ -103,6 +103,17 @@ CASES = [
 ]
 
 
+# The generic adapter (``parallel.adapter: generic``: the model's own forward, context-parallel plan and attention
+# dispatcher) on every family whose spec has a ForwardPlan, in the pipeline layouts it runs.
+GENERIC = [spec for spec in FAMILIES if spec.forward is not None]
+GENERIC_CASES = [
+    pytest.param(spec, layout, id=f"{spec.name}-generic-{layout}")
+    for spec in GENERIC
+    for layout in ("pp2", "pp3", "cfg2_pp2")
+    if not ("cfg" in layout and not has_cfg(spec))
+]
+
+
 @pytest.fixture(scope="module")
 def worlds():
     """One world per size, started on first use and kept for the module."""
@@ -145,11 +156,26 @@ def test_exact_mode_equals_diffusers(worlds, saved, spec, layout):
     check_against_diffusers(results, {"base": {}}, reference, call, output_class=output, callback_steps=())
 
 
-@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
-def test_pipelined_is_deterministic_and_equals_the_oracle(worlds, saved, spec):
+@pytest.mark.parametrize("spec,layout", GENERIC_CASES)
+def test_the_generic_adapter_in_exact_mode_equals_diffusers(worlds, saved, spec, layout):
+    size, parallel = LAYOUTS[layout]
+    folder, reference, output = saved(spec)
+    call = base_call(spec)
+    parallel = {**parallel, **EXACT, "adapter": "generic"}
+    results = worlds(size).run_ok(run_calls, folder, parallel, [call], family=spec.name, timeout=600)
+    check_against_diffusers(results, {"base": {}}, reference, call, output_class=output, callback_steps=())
+
+
+ADAPTERS = [pytest.param(spec, "family", id=spec.name) for spec in FAMILIES] + [
+    pytest.param(spec, "generic", id=f"{spec.name}-generic") for spec in GENERIC
+]
+
+
+@pytest.mark.parametrize("spec,adapter", ADAPTERS)
+def test_pipelined_is_deterministic_and_equals_the_oracle(worlds, saved, spec, adapter):
     folder, reference, _ = saved(spec)
     call = {**base_call(spec), "output_type": "latent"}
-    parallel = {"pipefusion_degree": 2, "num_patches": 3, "warmup_steps": 1}
+    parallel = {"pipefusion_degree": 2, "num_patches": 3, "warmup_steps": 1, "adapter": adapter}
     first, second = worlds(2).run_ok(run_calls, folder, parallel, [call, call], family=spec.name, timeout=600)[0]
     assert first["kind"] == second["kind"] == "ok", (first, second)
     assert np.array_equal(first["images"], second["images"])

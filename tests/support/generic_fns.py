@@ -9,56 +9,20 @@ import torch.distributed as dist
 
 
 def flux_request(stage, inputs, scheduler, grid):
-    """A ``forward_request`` of FLUX.1 from ``mmdit_fns.prepare_inputs``: the arguments ``FluxPipeline`` passes its
-    transformer (true CFG batched [negative, positive]); returns it and the packed view of the final grid."""
-    from xfuse.families.common.packed import grid_to_packed, packed_to_grid
-    from xfuse.families.generic.request import forward_request
+    """A generic stage's request of FLUX.1 from ``mmdit_fns.prepare_inputs`` (``flux.stage.denoise_request`` builds it
+    for a ``ForwardStage``), and the packed view of the final grid."""
+    from tests.support.mmdit_fns import request_of
 
-    cfg = inputs["true_cfg_scale"]
-    keys = ("prompt_embeds", "pooled_prompt_embeds")
-    text = {k: torch.cat([inputs[f"negative_{k}"], inputs[k]]) if cfg > 1 else inputs[k] for k in keys}
-    batch = text["prompt_embeds"].shape[0]
-    guidance = inputs["guidance"]
-    forward = dict(encoder_hidden_states=text["prompt_embeds"], pooled_projections=text["pooled_prompt_embeds"],
-                   txt_ids=inputs["text_ids"], img_ids=inputs["latent_image_ids"])  # fmt: skip
-    batched = ("encoder_hidden_states", "pooled_projections")
-    if guidance is not None:
-        forward["guidance"], batched = guidance.expand(batch), (*batched, "guidance")
-    latents = inputs["latents"]  # (B, tokens, C4) packed
-    request = forward_request(
-        stage,
-        latents=packed_to_grid(latents, grid.token_rows).contiguous(),
-        timesteps=inputs["timesteps"],
-        scheduler=scheduler,
-        inputs=forward,
-        batched=batched,
-        timestep=lambda t: t.to(latents.dtype) / 1000,  # FluxPipeline: t.expand(B).to(latents.dtype) / 1000
-        input_shape=(batch, *latents.shape[1:]),
-        cfg_scale=cfg,
-        generator=inputs["generator"],
-    )
-    return request, grid_to_packed
+    return request_of(stage, inputs, scheduler, grid)
 
 
 def wan_request(stage, inputs, scheduler, layout):
-    """A ``forward_request`` of Wan from ``wan_fns.prepare_inputs``: the arguments ``WanPipeline`` passes its
-    transformer (CFG batched [negative, positive]) with the clip in ``layout``."""
-    from xfuse.families.generic.request import forward_request
+    """A request of Wan from ``wan_fns.prepare_inputs`` for either stage (``wan.stage.denoise_request``)."""
+    from xfuse.families.wan.stage import denoise_request
 
-    text, latents = inputs["prompt_embeds"], inputs["latents"]  # (B', S, D), (B, C, F, H, W)
-    return forward_request(
-        stage,
-        latents=layout.to_grid(latents).contiguous(),
-        timesteps=inputs["timesteps"],
-        scheduler=scheduler,
-        inputs={"encoder_hidden_states": text},
-        batched=("encoder_hidden_states",),
-        timestep=lambda t: t,  # WanPipeline: t.expand(B)
-        input_shape=(text.shape[0], *latents.shape[1:]),
-        cfg_scale=inputs["guidance_scale"],
-        layout=layout,
-        hidden_dtype=text.dtype,
-    )
+    return denoise_request(stage, latents=inputs["latents"], layout=layout, timesteps=inputs["timesteps"],
+                           scheduler=scheduler, prompt_embeds=inputs["prompt_embeds"],
+                           guidance_scale=inputs["guidance_scale"])  # fmt: skip
 
 
 def _engine(stage, plan, channels, rank, warmup, request, grid):
@@ -104,7 +68,6 @@ def run_wan_both(degree, direction, num_patches, warmup, *, height, width, num_f
     from xfuse.comm.p2p import P2PChannels
     from xfuse.config import ParallelConfig
     from xfuse.families.registry import model_spec
-    from xfuse.families.wan.stage import denoise_request
     from xfuse.parallel.patch_grid import patch_grid
     from xfuse.parallel.video_layout import VideoLayout
 
@@ -122,12 +85,7 @@ def run_wan_both(degree, direction, num_patches, warmup, *, height, width, num_f
                                     guidance_scale=guidance_scale)  # fmt: skip
             latents, scheduler = inputs["latents"], copy.deepcopy(pipe.scheduler)
             layout = VideoLayout(direction, *latents.shape[2:], stage.patch_size)
-            if stage_class is spec.stage_class():
-                request = denoise_request(stage, latents=latents, layout=layout, timesteps=inputs["timesteps"],
-                                          scheduler=scheduler, prompt_embeds=inputs["prompt_embeds"],
-                                          guidance_scale=guidance_scale)  # fmt: skip
-            else:
-                request = wan_request(stage, inputs, scheduler, layout)
+            request = wan_request(stage, inputs, scheduler, layout)
             grid = patch_grid(layout.grid_height, layout.width, num_patches, stage.patch_size)
             out = _engine(stage, plan, channels, rank, warmup, request, grid)
             outs.append(None if out is None else layout.from_grid(out))

@@ -106,3 +106,24 @@ def test_a_split_input_that_is_neither_the_image_nor_named_context_is_refused():
     message = r"plan's ':encoder_hidden_states': 16 tokens along dim 1, but the image has 48"
     with pytest.raises(ValueError, match=message):
         engine.denoise(request, grid)
+
+
+@pytest.mark.parametrize(
+    "spec,sections,controlnet,why",
+    [
+        (PIXART_SIGMA, {}, False, "the pixart-sigma family has no ForwardPlan"),
+        (FLUX, {"parallel": {"ulysses_degree": 2}}, False, "runs no sequence parallelism yet"),
+        (FLUX, {"parallel": {"ring_degree": 2}}, False, "runs no sequence parallelism yet"),
+        (FLUX, {"compile": {"mode": "regional"}}, False, "runs its passes eagerly"),
+        (FLUX, {}, True, "adds no ControlNet residuals"),
+    ],
+)
+def test_the_generic_adapter_is_refused_by_name_where_it_cannot_run(spec, sections, controlnet, why):
+    from xfuse.config import config_from_dict
+    from xfuse.errors import ConfigError
+
+    parallel = {"adapter": "generic", **sections.pop("parallel", {})}
+    config = config_from_dict({"model": spec.presets[0], "parallel": parallel, **sections})
+    with pytest.raises(ConfigError, match=f"parallel.adapter: must be 'family' here: .*{why}"):
+        spec.check_adapter(config, controlnet=controlnet)
+    spec.check_adapter(config_from_dict({"model": spec.presets[0]}), controlnet=controlnet)  # the family's own: runs

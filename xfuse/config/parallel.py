@@ -10,7 +10,7 @@ from typing_extensions import Self
 
 from xfuse.config.section import PositiveInt, Section, yaml_switch
 from xfuse.errors import ConfigError
-from xfuse.types import Placement, TextEncoderPlacement, VaeParallel, VideoPatches
+from xfuse.types import Adapter, Placement, TextEncoderPlacement, VaeParallel, VideoPatches
 
 MAX_PIPEFUSION_DEGREE = 8
 MAX_SEQUENCE_DEGREE = 16  # Ulysses or Ring ranks of one SP group (16: two nodes of 8)
@@ -39,7 +39,9 @@ class ParallelConfig(Section):
     (``xfuse.parallel.text_encoder_split``; a text encoder whose layers cannot be split stays whole on rank 0);
     ``offload``, on rank 0 with its weights in host memory, each module streamed to the device when it runs;
     ``auto``, the first of these three with which every rank fits its device's memory (``rank0`` where the memory is
-    not known: a CPU).
+    not known: a CPU). ``adapter``: what runs a rank's share of the transformer: ``family``, the family's hand-written
+    stage; ``generic``, the model's own diffusers forward driven through its context-parallel plan and attention
+    dispatcher (``xfuse.families.generic``; a family with a ``ForwardPlan``, checked by ``ModelSpec.check_layout``).
     """
 
     SECTION: ClassVar[str] = "parallel"
@@ -75,6 +77,7 @@ class ParallelConfig(Section):
     vae_parallel: Annotated[VaeParallel, BeforeValidator(yaml_switch)] = "auto"
     video_patches: VideoPatches = "temporal"
     text_encoder: TextEncoderPlacement = "auto"
+    adapter: Adapter = "family"
 
     @model_validator(mode="after")
     def _one_split_entry_per_rank(self) -> Self:

@@ -191,6 +191,30 @@ class ModelSpec:
             raise ValueError(f"the {self.name} family has no ForwardPlan: it runs only its hand-written stage")
         return _forward_stage(self)
 
+    def adapter_class(self, parallel) -> type:
+        """The ``Stage`` class of a rank's share under ``parallel`` (a ParallelConfig): the family's own stage, or with
+        ``parallel.adapter: generic`` the generic family's (``forward_stage_class``)."""
+        return self.forward_stage_class() if parallel.adapter == "generic" else self.stage_class()
+
+    def check_adapter(self, config, controlnet: bool = False) -> None:
+        """Raise :class:`ConfigError` naming ``parallel.adapter`` where ``config`` (an XfuseConfig) asks the generic
+        adapter of what it does not run: a family without a ``ForwardPlan``, sequence parallelism, compiled passes
+        or a ControlNet (``controlnet``). Run at load, before any communication, the same on every rank."""
+        parallel = config.parallel
+        if parallel.adapter != "generic":
+            return
+        why = None
+        if self.forward is None:
+            why = f"the {self.name} family has no ForwardPlan (its spec says how the generic adapter runs its forward)"
+        elif parallel.ulysses_degree > 1 or parallel.ring_degree > 1:
+            why = "the generic adapter runs no sequence parallelism yet (parallel.ulysses_degree and ring_degree 1)"
+        elif config.compile.enabled:
+            why = "the generic adapter runs its passes eagerly (compile.mode off)"
+        elif controlnet:
+            why = "the generic adapter adds no ControlNet residuals"
+        if why is not None:
+            raise ConfigError("parallel.adapter", f"must be 'family' here: {why} (got 'generic')")
+
     def preset_builders(self) -> ModuleType:
         """The family's ``presets.py``."""
         return self._module("presets")

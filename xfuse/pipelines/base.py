@@ -115,7 +115,7 @@ class PipeFusionPipelineBase(
             world_size=context.world_size,
             group=context.control_group,
         )
-        stage_class = self.spec.stage_class()
+        stage_class = self.spec.adapter_class(self.parallel)
         self.stage = (stage or stage_class(pipeline.transformer, self.plan, context.pipe_rank)).to(context.device)
         pipeline.transformer = None  # the stage owns what is left of it
         self.compiler: StageCompiler | None = None  # any compile.mode but off

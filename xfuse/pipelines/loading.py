@@ -74,6 +74,8 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
         compile,
     )  # fmt: skip
     torch_dtype = config.runtime.torch_dtype()
+    control = cls._control_blocks_of(pretrained_model_name_or_path, kwargs)
+    cls.spec.check_adapter(config, controlnet=bool(control))
     context = init_parallel(config)
     if not context.is_output:  # the loading progress bars once, on rank 0, not once per rank
         import transformers
@@ -86,11 +88,10 @@ def load_from_folder(cls, pretrained_model_name_or_path: str, parallel, comm, to
     diffusers_class = getattr(diffusers, cls.diffusers_name())
     model_class = getattr(diffusers, cls.spec.diffusers_transformer)
     transformer = model_class.load_config(pretrained_model_name_or_path, subfolder="transformer", local_files_only=True)
-    control = cls._control_blocks_of(pretrained_model_name_or_path, kwargs)
     plan = cls.spec.plan(cls.spec.num_blocks(transformer), config.parallel, control)
     # Only this rank's blocks are read from the checkpoint; diffusers loads the other components.
     stages = {
-        name: cls.spec.stage_class().from_pretrained(
+        name: cls.spec.adapter_class(config.parallel).from_pretrained(
             pretrained_model_name_or_path, plan, context.pipe_rank, torch_dtype, subfolder=name
         )
         for name in pipeline_transformers(pretrained_model_name_or_path)
@@ -122,6 +123,7 @@ def shard_loaded(cls, pipeline, parallel, comm, device, config, cache, compile=N
     config = one_config(config, source, parallel, comm, lambda: runtime_section(dtype, device), cache, compile)
     if config.runtime.torch_dtype() != dtype:
         raise ValueError(f"runtime.dtype is {config.runtime.dtype!r} but the pipeline's transformer is {dtype}")
+    cls.spec.check_adapter(config, controlnet=getattr(pipeline, "controlnet", None) is not None)
     return cls(pipeline, init_parallel(config), dtype)
 
 

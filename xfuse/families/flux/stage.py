@@ -18,6 +18,8 @@ from xfuse.families.common.joint import StaleFluxAttnProcessor
 from xfuse.families.common.mmdit import JointConditioning, joint_request
 from xfuse.families.common.packed import PackedJointStage
 from xfuse.families.flux.spec import FLUX
+from xfuse.families.generic.request import forward_request
+from xfuse.families.generic.stage import ForwardStage
 from xfuse.parallel.stage_plan import StagePlan
 
 
@@ -47,7 +49,7 @@ class FluxStage(PackedJointStage):
 
 
 def denoise_request(
-    stage: FluxStage,
+    stage: FluxStage | ForwardStage,
     *,
     latents,
     timesteps,
@@ -68,7 +70,21 @@ def denoise_request(
     [negative, positive] and both run in one transformer batch (diffusers runs two calls; per sample they are the
     same computation), combined as ``neg + true_cfg_scale * (pos - neg)``. ``guidance_value``: the (B',) embedded
     guidance of guidance-distilled models (FLUX.1-dev), ``None`` otherwise.
+
+    With ``parallel.adapter: generic`` (a ``ForwardStage``), the request of the transformer's own forward with the
+    arguments ``FluxPipeline`` passes it.
     """
+    if isinstance(stage, ForwardStage):
+        inputs = dict(encoder_hidden_states=prompt_embeds, pooled_projections=pooled_prompt_embeds, txt_ids=text_ids,
+                      img_ids=latent_image_ids)  # fmt: skip
+        batched: tuple[str, ...] = ("encoder_hidden_states", "pooled_projections")
+        if guidance_value is not None:
+            inputs["guidance"], batched = guidance_value, (*batched, "guidance")
+        batch, channels, rows, cols = latents.shape
+        return forward_request(stage, latents=latents, timesteps=timesteps, scheduler=scheduler, inputs=inputs,
+                               batched=batched, timestep=lambda t: t.to(latents.dtype) / 1000,
+                               input_shape=(batch, rows * cols, channels), cfg_scale=true_cfg_scale, cfg_half=cfg_half,
+                               generator=generator, on_step_end=on_step_end)  # fmt: skip
     rope = stage.rotary_embedding(text_ids, latent_image_ids)
 
     def conditioning(timestep: torch.Tensor, text: torch.Tensor) -> JointConditioning:

@@ -24,6 +24,7 @@ def forward_request(
     timestep: Callable[[torch.Tensor], torch.Tensor],
     input_shape: tuple[int, ...],
     cfg_scale: float = 1.0,
+    guide_scale: float | None = None,
     cfg_half=None,
     layout: VideoLayout | None = None,
     hidden_dtype: torch.dtype | None = None,
@@ -34,9 +35,12 @@ def forward_request(
 
     ``latents``: the engine's grid (B, C, rows, W). ``inputs``: the transformer's forward arguments besides its latent
     and timestep, for the transformer batch (with CFG [uncond, cond], or this CFG group's half with ``cfg_half``);
-    ``batched``: those indexed by that batch. ``timestep(t)``: the forward's ``timestep`` at the scheduler's ``t``,
-    expanded to the transformer batch (FluxPipeline passes ``t / 1000``). ``input_shape``: the transformer's whole
-    latent input for the transformer batch. ``layout``: a video's frames as the grid (``None``: an image)."""
+    ``batched``: those indexed by that batch. ``cfg_scale`` > 1 batches [uncond, cond], combined with ``guide_scale``
+    where it is not ``cfg_scale`` (Wan 2.2's second expert's ``guidance_scale_2``). ``timestep(t)``: the forward's
+    ``timestep`` at the scheduler's ``t``, expanded to the transformer batch (FluxPipeline passes ``t / 1000``).
+    ``input_shape``: the transformer's whole latent input (its batch is the transformer batch's wherever given).
+    ``layout``: a video's frames as the grid (``None``: an image). ``hidden_dtype``: the transformer's, where the
+    latents are stepped in another (Wan: float32 latents, a bfloat16 transformer): the latent input is cast to it."""
     from xfuse.parallel.request import DenoiseRequest
 
     model_batch, cfg_input = cfg_batch(latents, cfg_scale, cfg_half)
@@ -45,12 +49,13 @@ def forward_request(
     def model_input(rows: torch.Tensor, where: slice = slice(None)) -> torch.Tensor:
         return cfg_input(rows).to(dtype)  # WanPipeline: latents.to(transformer_dtype)
 
+    shape = (model_batch, *input_shape[1:])  # the transformer's whole latent input
     stream = stage.forward_plan.text_stream
     text_tokens = 0 if stream is None else inputs[stream].shape[1]
 
     def conditioning(step: int, t: torch.Tensor) -> ForwardConditioning:
         kwargs = inputs | {"timestep": timestep(t.expand(model_batch))}
-        cond = ForwardConditioning(kwargs, (*batched, "timestep"), input_shape, text_tokens, layout)
+        cond = ForwardConditioning(kwargs, (*batched, "timestep"), shape, text_tokens, layout)
         return stage.note_conditioning(step, cond)
 
     shapes = {} if stream is None else {TEXT: (model_batch, text_tokens, stage.hidden_size)}
@@ -60,7 +65,9 @@ def forward_request(
         scheduler=scheduler,
         conditioning=conditioning,
         model_input=model_input,
-        guide=guidance(cfg_scale, cfg_half, learned_sigma=False),
+        guide=guidance(
+            cfg_scale if guide_scale is None else guide_scale, cfg_half, learned_sigma=False, batched=cfg_scale > 1
+        ),
         model_batch=model_batch,
         generator=generator,
         on_step_end=on_step_end,

@@ -18,8 +18,9 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
 from xfuse.families.common.guidance import do_classifier_free_guidance
+from xfuse.families.common.sharding import ShardedStage
 from xfuse.families.wan.spec import WAN
-from xfuse.families.wan.stage import FirstFrame, WanStage, denoise_request
+from xfuse.families.wan.stage import FirstFrame, denoise_request
 from xfuse.parallel.request import DenoiseRequest
 from xfuse.parallel.video_layout import VideoLayout
 from xfuse.pipelines.base import PipeFusionPipelineBase
@@ -79,8 +80,8 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
         pipeline.vae_scale_factor_spatial = self.spec.vae_scale_factor
         self.stage_2, self.engine_2 = None, None
         if second is not None:  # the low-noise expert: the same plan, its own blocks and K/V buffers
-            if not isinstance(second, WanStage):  # from_pipe: the diffusers model, sharded here
-                second = WanStage(second, self.plan, context.pipe_rank)
+            if not isinstance(second, ShardedStage):  # from_pipe: the diffusers model, sharded here
+                second = self.spec.adapter_class(self.parallel)(second, self.plan, context.pipe_rank)
             self.stage_2 = second.to(context.device)
             if self.compiler is not None:
                 self.compiler.compile(self.stage_2)

@@ -22,6 +22,8 @@ from xfuse.families.common.attention import CachedCrossAttnProcessor, StaleKVSel
 from xfuse.families.common.guidance import cfg_batch, guidance
 from xfuse.families.common.layers import project_heads, unpatchify
 from xfuse.families.common.sharding import ShardedStage
+from xfuse.families.generic.request import forward_request
+from xfuse.families.generic.stage import ForwardStage
 from xfuse.families.wan.spec import WAN
 from xfuse.parallel.patch_grid import PatchBand
 from xfuse.parallel.stage import BatchPart
@@ -231,7 +233,7 @@ class WanStage(ShardedStage):
 
 
 def denoise_request(
-    stage: WanStage,
+    stage: WanStage | ForwardStage,
     *,
     latents: torch.Tensor,
     layout: VideoLayout,
@@ -253,8 +255,24 @@ def denoise_request(
     once here, with this expert's own text projection.
 
     ``first_frame``: Wan 2.2 TI2V's image-to-video (``FirstFrame``): every transformer input has the image's latents as
-    its first latent frame, whose tokens have timestep 0."""
+    its first latent frame, whose tokens have timestep 0.
+
+    With ``parallel.adapter: generic`` (a ``ForwardStage``), the request of the transformer's own forward with the
+    arguments ``WanPipeline`` passes it."""
     from xfuse.parallel.request import DenoiseRequest
+
+    if isinstance(stage, ForwardStage):
+        if first_frame is not None:
+            raise ValueError(
+                "the generic adapter does not run Wan 2.2 TI2V's image-to-video (parallel.adapter: family)"
+            )
+        return forward_request(stage, latents=layout.to_grid(latents).contiguous(), timesteps=timesteps,
+                               scheduler=scheduler, inputs={"encoder_hidden_states": prompt_embeds},
+                               batched=("encoder_hidden_states",), timestep=lambda t: t,  # WanPipeline: t.expand(B)
+                               input_shape=tuple(latents.shape), cfg_scale=guidance_scale,
+                               guide_scale=expert_guidance_scale, cfg_half=cfg_half,
+                               layout=layout, hidden_dtype=prompt_embeds.dtype, generator=generator,
+                               on_step_end=on_step_end)  # fmt: skip
 
     grid_latents = layout.to_grid(latents).contiguous()  # (B, C, F, H, W) -> (B, C, F*H, W)
     model_batch, model_input = cfg_batch(grid_latents, guidance_scale, cfg_half)
