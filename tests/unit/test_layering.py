@@ -182,7 +182,8 @@ def _names_in_code(path: str, words: set[str]) -> list[tuple[int, str]]:
 
 def _family_folder(name: str) -> str | None:
     parts = name.split(".")
-    if len(parts) > 2 and parts[1] == "families" and parts[2] not in ("common", "spec", "registry", "folder"):
+    shared = ("common", "generic", "spec", "registry", "folder")  # what every family uses: no family's folder
+    if len(parts) > 2 and parts[1] == "families" and parts[2] not in shared:
         return ".".join(parts[:3])
     return None
 

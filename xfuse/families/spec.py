@@ -29,10 +29,9 @@ from xfuse.runtime.heap import collector_paused
 
 @cache
 def _forward_stage(spec: ModelSpec) -> type:
-    """One ``ForwardStage`` class per spec (its ``spec`` a class attribute, as the hand-written stages have)."""
-    from xfuse.families.generic.stage import ForwardStage
-
-    return type(f"{spec.diffusers_transformer}ForwardStage", (ForwardStage,), {"spec": spec})
+    """One ``ForwardStage`` class per spec, found by name as a family's own modules are (``ModelSpec._module``)."""
+    with collector_paused():
+        return importlib.import_module("xfuse.families.generic.stage").forward_stage(spec)
 
 
 def no_skips(num_blocks: int) -> tuple[tuple[int, int], ...]:

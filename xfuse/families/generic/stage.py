@@ -322,3 +322,9 @@ class ForwardStage(ShardedStage):
         self._stash = None
         grid = self._output_grid(output, cond, self.num_tokens // token_cols)  # (B, C_out, rows, W)
         return grid if band is None else grid[:, :, band.latent_rows]
+
+
+def forward_stage(spec) -> type:
+    """The ``ForwardStage`` of a family's ``ModelSpec`` (whose ``forward`` is its ``ForwardPlan``), its ``spec`` a class
+    attribute as the hand-written stages have: ``ModelSpec.forward_stage_class``."""
+    return type(f"{spec.diffusers_transformer}ForwardStage", (ForwardStage,), {"spec": spec})
