@@ -112,8 +112,6 @@ def test_a_split_input_that_is_neither_the_image_nor_named_context_is_refused():
     "spec,sections,controlnet,why",
     [
         (PIXART_SIGMA, {}, False, "the pixart-sigma family has no ForwardPlan"),
-        (FLUX, {"parallel": {"ulysses_degree": 2}}, False, "runs no sequence parallelism yet"),
-        (FLUX, {"parallel": {"ring_degree": 2}}, False, "runs no sequence parallelism yet"),
         (FLUX, {"compile": {"mode": "regional"}}, False, "runs its passes eagerly"),
         (FLUX, {}, True, "adds no ControlNet residuals"),
     ],

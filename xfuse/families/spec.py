@@ -197,16 +197,14 @@ class ModelSpec:
 
     def check_adapter(self, config, controlnet: bool = False) -> None:
         """Raise :class:`ConfigError` naming ``parallel.adapter`` where ``config`` (an XfuseConfig) asks the generic
-        adapter of what it does not run: a family without a ``ForwardPlan``, sequence parallelism, compiled passes
-        or a ControlNet (``controlnet``). Run at load, before any communication, the same on every rank."""
+        adapter of what it does not run: a family without a ``ForwardPlan``, compiled passes or a ControlNet
+        (``controlnet``). Run at load, before any communication, the same on every rank."""
         parallel = config.parallel
         if parallel.adapter != "generic":
             return
         why = None
         if self.forward is None:
             why = f"the {self.name} family has no ForwardPlan (its spec says how the generic adapter runs its forward)"
-        elif parallel.ulysses_degree > 1 or parallel.ring_degree > 1:
-            why = "the generic adapter runs no sequence parallelism yet (parallel.ulysses_degree and ring_degree 1)"
         elif config.compile.enabled:
             why = "the generic adapter runs its passes eagerly (compile.mode off)"
         elif controlnet:

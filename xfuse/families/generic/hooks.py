@@ -36,25 +36,22 @@ class SegmentEnd(Exception):
 class Pass:
     """One call of the forward as a PipeFusion pass on this rank.
 
-    ``tokens``: the image tokens the pass computes (``None``: all); ``order``: the model's index of each of the
-    layout's tokens where they differ (Wan's ``spatial`` video layout), else ``None``; ``num_tokens``: the image's.
-    ``owner``: the pass carries the context (a whole-image pass or a step's first patch). ``blocks``: the segment
-    (first, last) a ``segment`` pass runs. ``inputs``: the streamed tensors its first block takes (a ``segment``
-    pass's hand-off; an ``epilogue`` pass's last-block outputs); ``outputs``: the segment's last block's.
+    ``tokens``: the image tokens the pass computes (``None``: all, in the model's order); ``order``: the model's
+    index of each of the layout's tokens where they differ (Wan's ``spatial`` video layout), else ``None``;
+    ``num_tokens``: the image's. ``text``: the context tokens it carries (``None``: all; a step's later patch none,
+    a sequence-parallel rank its chunk). ``blocks``: the segment (first, last) a ``segment`` pass runs. ``inputs``:
+    the streamed tensors its first block takes (a ``segment`` pass's hand-off; an ``epilogue`` pass's last-block
+    outputs); ``outputs``: the segment's last block's.
     """
 
     mode: str
     tokens: slice | None
     num_tokens: int
-    owner: bool
+    text: slice | None
     order: torch.Tensor | None = None
     blocks: tuple[int, int] = (0, -1)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor] | None = None
-
-    @property
-    def whole(self) -> bool:
-        return self.tokens is None
 
 
 class PassHolder:
@@ -136,7 +133,7 @@ class BandSplitHook(ModelHook):
             return x  # as diffusers' split hook: an input of other dimensions is not split
         p, entry = self.passes.get(self.module_id), f"{self.module_id}:{name}"
         if entry in self.context:
-            return x if p.owner else x.narrow(spec.split_dim, 0, 0)
+            return x if p.text is None else x.narrow(spec.split_dim, p.text.start, p.text.stop - p.text.start)
         return cut_band(x, spec.split_dim, p, f"the context-parallel plan's {entry!r}")
 
     def _cut_value(self, value, spec, name):

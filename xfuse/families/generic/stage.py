@@ -153,7 +153,7 @@ class ForwardStage(ShardedStage):
         text; or in front of it in ``hidden``), ``cross`` where the module attends to another context, else
         ``self``. A later patch carries no text: its modules are those the step's first patch found joint."""
         p = self.passes.get(f"attention {key}")
-        text = self.joint.text_tokens
+        text = self.joint.text_tokens  # this pass's (a sequence-parallel rank's chunk)
         image = self._pass_image_tokens(p)
         if context is not None:
             kind = "joint" if self.forward_plan.text_stream and context.shape[1] == text else "cross"
@@ -175,10 +175,8 @@ class ForwardStage(ShardedStage):
 
     # --- the engine's calls -----------------------------------------------------------------------------------------
     def begin_request(self, grid: PatchGrid) -> None:
-        if self.attention.sequence is not None:
-            raise ValueError("the generic family does not run sequence parallelism yet (ulysses_degree/ring_degree 1)")
         super().begin_request(grid)
-        self.joint.begin_request(grid.num_tokens)
+        self.joint.begin_request(self.attention.begin_request(grid))  # every image K/V, or a Ring rank's chunks
         self._latent_height = grid.latent_height  # the whole grid's rows (a video's: every frame's)
         self._step_conds.clear()
         self._task_cond, self._stash = None, None
@@ -207,21 +205,36 @@ class ForwardStage(ShardedStage):
         """Nothing ahead: the step's conditioning is computed by the model's prologue in each pass."""
 
     def _begin(self, mode: str, cond: ForwardConditioning, band: PatchBand | None, keep_kv: bool = True, **fields):
-        """Point the K/V buffers and the hooks at a pass over ``band`` (``None``: the whole image)."""
+        """Point the K/V buffers and the hooks at a pass over ``band`` (``None``: the whole image). A segment pass
+        under sequence parallelism computes this rank's chunk of the band's tokens and of the text; the prologue
+        (``embed``) and the epilogue (``head``) the whole band, as ``SequenceParallelStage`` hands them."""
         owner = band is None or band.index == 0
         self.begin_pass(cond, band, keep_kv)
-        text = cond.text_tokens
-        self.joint.reuse_text, self.joint.text_total = not owner, text
-        self.joint.text_tokens = text if owner else 0
-        self.kv_cache.text_slots = text
-        order, tokens = None, None if band is None else band.tokens
+        total = cond.text_tokens
+        sequence = mode == SEGMENT and self.attention.sequence is not None
+        text: slice | None = None if owner else slice(0, 0)
+        if sequence and owner:
+            text = self.attention.hidden_tokens(slice(0, total))  # this rank's chunk of the text
+        self.joint.reuse_text, self.joint.text_total = not owner, total
+        self.joint.text_tokens = total if text is None else text.stop - text.start
+        # the K/V buffers keep the text's beside the image's; under sequence parallelism the group joins its chunks
+        self.kv_cache.text_slots = 0 if self.attention.sequence is not None else total
+        tokens = None if band is None else band.tokens
+        if sequence:
+            tokens = self.hidden_tokens(band)
+        order = None
         if cond.layout is not None and cond.layout.direction != "temporal":
-            # the layout's token order everywhere, whole-image passes too: the K/V buffers hold it
             if self._order is None or self._order[0] != cond.layout:
                 self._order = (cond.layout, cond.layout.token_order())  # once per request's layout
-            order, tokens = self._order[1], slice(0, self.num_tokens) if band is None else band.tokens
-        self.passes.current = Pass(mode, tokens, self.num_tokens, owner, order, **fields)
+            # the layout's token order everywhere, whole-image passes too: the K/V buffers hold it
+            order, tokens = self._order[1], slice(0, self.num_tokens) if tokens is None else tokens
+        self.passes.current = Pass(mode, tokens, self.num_tokens, text, order, **fields)
         return self.passes.current
+
+    def stream_shape(self, kind: str, shape: tuple) -> tuple:
+        """The shape this rank holds of the text stream (B, T, hidden): under sequence parallelism its chunk."""
+        tokens = self.attention.hidden_tokens(slice(0, shape[1]))
+        return (shape[0], tokens.stop - tokens.start, *shape[2:])
 
     def _forward(self, cond: ForwardConditioning, latent_input: torch.Tensor):
         """The transformer's forward on one pass; the pass's end (``SegmentEnd``) or the model's output."""
