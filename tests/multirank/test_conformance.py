@@ -183,6 +183,25 @@ def test_the_generic_adapter_pipelined_equals_the_family_under_sequence_parallel
     assert rel_max(reference(call)[0], runs["family"]) > 1e-4  # stale K/V matter: the comparison can fail
 
 
+@pytest.mark.parametrize("spec", GENERIC, ids=[spec.name for spec in GENERIC])
+def test_the_generic_adapter_with_step_caching_equals_the_family(worlds, saved, spec):
+    """First-Block caching at pp2, pipelined (warm-up 1, M = 3), 6 steps: the generic adapter decides and skips as the
+    family does (the same latents), and it skips (not the uncached latents)."""
+    folder, _, _ = saved(spec)
+    call = {**base_call(spec), "output_type": "latent", "num_inference_steps": 6}
+    parallel = {"pipefusion_degree": 2, "num_patches": 3, "warmup_steps": 1}
+    cache = {"method": "first_block", "threshold": 1.0}
+    runs = {}
+    for name, adapter, with_cache in (("family", "family", cache), ("generic", "generic", cache),
+                                      ("uncached", "generic", None)):  # fmt: skip
+        (result,) = worlds(2).run_ok(run_calls, folder, {**parallel, "adapter": adapter}, [call], family=spec.name,
+                                     cache=with_cache, timeout=600)[0]  # fmt: skip
+        assert result["kind"] == "ok", result
+        runs[name] = result["images"]
+    assert rel_max(runs["generic"], runs["family"]) <= 1e-5
+    assert rel_max(runs["uncached"], runs["family"]) > 1e-4  # steps were skipped
+
+
 ADAPTERS = [pytest.param(spec, "family", id=spec.name) for spec in FAMILIES] + [
     pytest.param(spec, "generic", id=f"{spec.name}-generic") for spec in GENERIC
 ]
