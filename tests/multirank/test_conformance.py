@@ -113,6 +113,10 @@ GENERIC_CASES = [
     if not ("ulysses" in layout and heads(spec) % 2) and not ("cfg" in layout and not has_cfg(spec))
 ]
 
+ADAPTERS = [pytest.param(spec, "family", id=spec.name) for spec in FAMILIES] + [
+    pytest.param(spec, "generic", id=f"{spec.name}-generic") for spec in GENERIC
+]
+
 
 @pytest.fixture(scope="module")
 def worlds():
@@ -202,11 +206,6 @@ def test_the_generic_adapter_with_step_caching_equals_the_family(worlds, saved, 
     assert rel_max(runs["uncached"], runs["family"]) > 1e-4  # steps were skipped
 
 
-ADAPTERS = [pytest.param(spec, "family", id=spec.name) for spec in FAMILIES] + [
-    pytest.param(spec, "generic", id=f"{spec.name}-generic") for spec in GENERIC
-]
-
-
 @pytest.mark.parametrize("spec,adapter", ADAPTERS)
 def test_pipelined_is_deterministic_and_equals_the_oracle(worlds, saved, spec, adapter):
     folder, reference, _ = saved(spec)
@@ -230,18 +229,18 @@ def test_an_unknown_argument_is_refused_by_name_on_every_rank(worlds, saved, spe
         assert "unknown_argument" in results[0]["message"]
 
 
-@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
-def test_lora_where_diffusers_has_a_loader(worlds, saved, spec, tmp_path_factory):
+@pytest.mark.parametrize("spec,adapter", ADAPTERS)
+def test_lora_where_diffusers_has_a_loader(worlds, saved, spec, adapter, tmp_path_factory):
     loader = getattr(getattr(diffusers, spec.diffusers_pipeline), "load_lora_weights", None)
     if loader is None:  # nothing promised that diffusers' own pipeline does not have
         assert not hasattr(spec.pipeline_class(), "load_lora_weights"), spec.name
         return
     folder, reference, output = saved(spec)
-    lora = save_lora(reference.pipe, tmp_path_factory.mktemp(f"{spec.name}-lora"), seed=1, rank=4, alpha=8)
+    lora = save_lora(reference.pipe, tmp_path_factory.mktemp(f"{spec.name}-{adapter}-lora"), seed=1, rank=4, alpha=8)
     with_lora = getattr(diffusers, spec.diffusers_pipeline).from_pretrained(folder, local_files_only=True)
     with_lora.load_lora_weights(lora)
     call = base_call(spec)
-    parallel = {"pipefusion_degree": 2, **EXACT}
+    parallel = {"pipefusion_degree": 2, **EXACT, "adapter": adapter}
     results = worlds(2).run_ok(run_calls, folder, parallel, [call], family=spec.name, lora=lora, timeout=600)
     check_against_diffusers(results, {"base": {}}, reference_runner(with_lora), call, output_class=output,
                             callback_steps=())  # fmt: skip
@@ -265,8 +264,8 @@ def test_the_parallel_vae_decode(worlds, saved, spec):
 
 
 @pytest.mark.parametrize("warmup_steps", [1, 0])
-@pytest.mark.parametrize("spec", FAMILIES, ids=[spec.name for spec in FAMILIES])
-def test_each_call_of_a_stream_is_bitwise_the_call_alone(worlds, saved, spec, warmup_steps):
+@pytest.mark.parametrize("spec,adapter", ADAPTERS)
+def test_each_call_of_a_stream_is_bitwise_the_call_alone(worlds, saved, spec, adapter, warmup_steps):
     """Two calls of different seeds, prompts and step counts as one stream (``run_stream``) at pp2, pipelined
     (without warm-up the first step's patches attend to what their call wrote so far, and an MMDiT's text K/V come
     from the step's first patch): each image is the call's alone, bit for bit, and the second call's tasks ran
@@ -274,7 +273,7 @@ def test_each_call_of_a_stream_is_bitwise_the_call_alone(worlds, saved, spec, wa
     folder, _, _ = saved(spec)
     call = base_call(spec)
     calls = [dict(call, seed=1), dict(call, seed=2, prompt="a lighthouse at dusk", num_inference_steps=STEPS - 1)]
-    parallel = {"pipefusion_degree": 2, "num_patches": 3, "warmup_steps": warmup_steps}
+    parallel = {"pipefusion_degree": 2, "num_patches": 3, "warmup_steps": warmup_steps, "adapter": adapter}
     results = worlds(2).run_ok(run_streamed_and_alone, folder, parallel, calls, family=spec.name, timeout=600)
     rank0 = results[0]
     for index in range(len(calls)):
