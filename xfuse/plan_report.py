@@ -263,7 +263,8 @@ def plan_report(
         control_counts = None if control is None else control.counts(plan)
     stale_kv = keeps_stale_kv(grid.num_patches, par.warmup_steps, generation.num_inference_steps,
                               config.cache.enabled)  # fmt: skip
-    held = pipeline_rank_bytes(spec, model, plan, grid, batch=batch, dtype=dtype, experts=experts, stale_kv=stale_kv)
+    held = pipeline_rank_bytes(spec, model, plan, grid, batch=batch, dtype=dtype, experts=experts, stale_kv=stale_kv,
+                               adapter=par.adapter)  # fmt: skip
     device_memory = where.device.memory if where is not None else None
     from xfuse.perf.planner import workload
 

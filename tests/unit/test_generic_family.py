@@ -125,3 +125,20 @@ def test_the_generic_adapter_is_refused_by_name_where_it_cannot_run(spec, sectio
     with pytest.raises(ConfigError, match=f"parallel.adapter: must be 'family' here: .*{why}"):
         spec.check_adapter(config, controlnet=controlnet)
     spec.check_adapter(config_from_dict({"model": spec.presets[0]}), controlnet=controlnet)  # the family's own: runs
+
+
+def test_the_plan_counts_the_non_block_modules_the_generic_adapter_keeps_on_every_rank():
+    """``xfuse plan``'s weights per rank come from the adapter's own sharding of a weightless model: with the generic
+    adapter every rank keeps the embedding and the output layer, which the family keeps on one rank each."""
+    from xfuse.perf.memory import stage_parameter_bytes
+
+    transformer = tiny("flux-tiny").transformer
+    config, plan = dict(transformer.config), FLUX.plan(5, ParallelConfig(pipefusion_degree=2))
+    family = stage_parameter_bytes(FLUX, config, plan, torch.float32)
+    generic = stage_parameter_bytes(FLUX, config, plan, torch.float32, adapter="generic")
+
+    def size(*names):
+        return 4 * sum(p.numel() for name in names for p in getattr(transformer, name).parameters())
+
+    assert generic[0] - family[0] == size("norm_out", "proj_out")  # rank 0 embeds; rank 1 has the output layer
+    assert generic[1] - family[1] == size(*FLUX.stage_class().embed_modules)

@@ -40,22 +40,25 @@ from xfuse.perf.video_vae import traced_decode_ranks
 GIB = 1024**3
 
 
-def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torch.dtype) -> dict[int, int]:
-    """Transformer parameter bytes each rank keeps, from the real sharding applied to a weightless (meta) model."""
+def stage_parameter_bytes(spec: ModelSpec, model_config: dict, plan, dtype: torch.dtype,
+                          adapter: str = "family") -> dict[int, int]:  # fmt: skip
+    """Transformer parameter bytes each rank keeps, from the real sharding applied to a weightless (meta) model by
+    ``adapter``'s stage (``parallel.adapter``: the generic one keeps the non-block modules on every rank)."""
     element = torch.empty((), dtype=dtype).element_size()
     config = json.dumps({k: v for k, v in model_config.items() if not k.startswith("_")}, sort_keys=True)
-    return {rank: n * element for rank, n in enumerate(_stage_parameter_counts(spec, config, plan))}
+    return {rank: n * element for rank, n in enumerate(_stage_parameter_counts(spec, config, plan, adapter))}
 
 
 @lru_cache(maxsize=256)
-@on_disk(lambda spec, config, plan: (spec.name, config, plan))
-def _stage_parameter_counts(spec: ModelSpec, config: str, plan) -> tuple[int, ...]:
-    """Parameters each rank of ``plan`` keeps of the transformer of ``config`` (its JSON): once per model and plan,
-    as ``xfuse plan --auto`` ranks dozens of layouts whose plans repeat (building a weightless model still runs
-    every layer's initialiser: 0.4 s for FLUX.1-dev)."""
+@on_disk(lambda spec, config, plan, adapter: (spec.name, config, plan, adapter))
+def _stage_parameter_counts(spec: ModelSpec, config: str, plan, adapter: str) -> tuple[int, ...]:
+    """Parameters each rank of ``plan`` keeps of the transformer of ``config`` (its JSON): once per model, plan and
+    adapter, as ``xfuse plan --auto`` ranks dozens of layouts whose plans repeat (building a weightless model still
+    runs every layer's initialiser: 0.4 s for FLUX.1-dev)."""
     import diffusers
 
-    model_class, stage_class = getattr(diffusers, spec.diffusers_transformer), spec.stage_class()
+    model_class = getattr(diffusers, spec.diffusers_transformer)
+    stage_class = spec.forward_stage_class() if adapter == "generic" else spec.stage_class()
     counts = []
     for rank in range(plan.degree):
         with torch.device("meta"):
@@ -152,7 +155,7 @@ class RankMemory:
 
 def pipeline_rank_bytes(
     spec: ModelSpec, model_config: dict, plan, grid: PatchGrid, *, batch: int, dtype: torch.dtype, experts: int,
-    stale_kv: bool = True,
+    stale_kv: bool = True, adapter: str = "family",
 ) -> tuple[dict[int, int], dict[int, int]]:  # fmt: skip
     """(parameter bytes, stale K/V buffer bytes) each pipeline rank of ``plan`` keeps: its share of the transformer
     (of each of ``experts`` transformers: Wan 2.2's two) and, where the request keeps them at all (``stale_kv``:
@@ -162,7 +165,7 @@ def pipeline_rank_bytes(
     hidden = spec.width(model_config)
     kv = kv_buffer_bytes(plan, grid, hidden_size=hidden, batch=batch, dtype_bytes=element,
                          attentions=lambda block: spec.attentions_of_block(model_config, block))  # fmt: skip
-    params = stage_parameter_bytes(spec, model_config, plan, dtype)
+    params = stage_parameter_bytes(spec, model_config, plan, dtype, adapter)
     return {rank: n * experts for rank, n in params.items()}, (kv if stale_kv else dict.fromkeys(kv, 0))
 
 
@@ -297,7 +300,7 @@ def _without_text(model: str, work: Workload, parallel, dtype: torch.dtype) -> l
                                      batch=work.cfg_batch // parallel.cfg_degree, dtype=dtype,
                                      experts=transformer_count(model),
                                      stale_kv=keeps_stale_kv(grid.num_patches, parallel.warmup_steps, work.steps,
-                                                             work.cached))  # fmt: skip
+                                                             work.cached), adapter=parallel.adapter)  # fmt: skip
     sp = parallel.ulysses_degree * parallel.ring_degree  # the ranks sharing one pipeline rank's tokens
     vae, raw = vae_weight_bytes(model, dtype), vae_config(model)
     vae_class = None if raw is None else raw.get("_class_name", "AutoencoderKL")
