@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support import mmdit_fns, pixart_fns, wan_fns
-from tests.support.pipefusion_oracle import pipefusion_reference, pipefusion_video_reference
+from tests.support.pipefusion_oracle import pipefusion_ltx_reference, pipefusion_reference, pipefusion_video_reference
 from xfuse.parallel.patch_grid import token_counts
 
 
@@ -97,6 +97,35 @@ def _wan(pipe, call: dict) -> dict:
                                   prompt=call["prompt"], seed=call.get("seed", 0))  # fmt: skip
 
 
+def _ltx(pipe, call: dict) -> dict:
+    """As LTXPipeline.__call__ prepares them: text and masks batched [negative, positive] with CFG, packed float32
+    latents, the timesteps with ``mu`` from the video's tokens, the RoPE's micro-conditions."""
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
+
+    steps, scale = call["num_inference_steps"], call.get("guidance_scale", _default(pipe, "guidance_scale"))
+    generator = torch.Generator().manual_seed(call.get("seed", 0))
+    frames = (call["num_frames"] - 1) // pipe.vae_temporal_compression_ratio + 1
+    height, width = (call[side] // pipe.vae_spatial_compression_ratio for side in ("height", "width"))
+    with torch.no_grad():
+        emb, mask, neg, neg_mask = pipe.encode_prompt(call["prompt"], call.get("negative_prompt"),
+                                                      do_classifier_free_guidance=scale > 1, device="cpu")  # fmt: skip
+        latents = pipe.prepare_latents(1, pipe.transformer.config.in_channels, call["height"], call["width"],
+                                       call["num_frames"], torch.float32, "cpu", generator, None)  # fmt: skip
+        config = pipe.scheduler.config
+        mu = calculate_shift(frames * height * width, config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))  # fmt: skip
+        timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps),
+                                          mu=mu)  # fmt: skip
+    if scale > 1:
+        emb, mask = torch.cat([neg, emb]), torch.cat([neg_mask, mask])
+    rope_scale = (pipe.vae_temporal_compression_ratio / call.get("frame_rate", 25), pipe.vae_spatial_compression_ratio,
+                  pipe.vae_spatial_compression_ratio)  # fmt: skip
+    return dict(latents=latents, timesteps=timesteps, prompt_embeds=emb, prompt_attention_mask=mask,
+                guidance_scale=scale, latent_frames=frames, latent_height=height, latent_width=width,
+                rope_interpolation_scale=rope_scale)  # fmt: skip
+
+
 def _qwen_image(pipe, call: dict) -> dict:
     """As QwenImagePipeline.__call__ prepares them: the prompt's embeddings and, with true CFG, the negative prompt's,
     batched [negative, positive] here (the shorter zero-padded, ``prompt_embeds_mask`` False at its padding), packed
@@ -167,7 +196,8 @@ def _latents(pipe, latents: torch.Tensor, inputs: dict) -> torch.Tensor:
 
 
 # diffusers pipeline class -> (its oracle's inputs from a call, the oracle: image, joint (an image whose text stream
-# the first patch carries through every block) or video, its output_type="latent" result from the loop's latents)
+# the first patch carries through every block), video or packed video (LTX's tokens), its output_type="latent" result
+# from the loop's latents)
 ORACLE_INPUTS = {
     "HunyuanDiTPipeline": (_hunyuandit, "image", _latents),
     "PixArtSigmaPipeline": (_pixart, "image", _latents),
@@ -178,6 +208,7 @@ ORACLE_INPUTS = {
     "WanPipeline": (_wan, "video", _latents),
     "QwenImagePipeline": (_qwen_image, "joint", _latents),
     "ZImagePipeline": (_z_image, "joint", _latents),
+    "LTXPipeline": (_ltx, "packed video", _latents),
 }
 
 
@@ -193,6 +224,8 @@ def oracle_latents(pipe, call: dict, *, num_patches: int, warmup: int, video_pat
     if kind == "video":
         return pipefusion_video_reference(pipe, inputs, direction=video_patches, num_patches=num_patches,
                                           warmup=warmup)  # fmt: skip
+    if kind == "packed video":
+        return pipefusion_ltx_reference(pipe, inputs, num_patches=num_patches, warmup=warmup)
     counts = None  # even bands of whole token rows
     if kind == "joint":  # the first patch carries the text: the patches are cut so that each runs as many tokens
         # token rows: latent rows per token row 2 (SD3's patch size, FLUX's 2 x 2 packing)

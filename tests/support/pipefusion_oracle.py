@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed, get_2d_sincos_pos_embed
+from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotary
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 from diffusers.pipelines.hunyuandit.pipeline_hunyuandit import get_resize_crop_region_for_grid
 
@@ -1270,4 +1271,95 @@ def pipefusion_video_reference(pipe, inputs: dict, *, direction: str, num_patche
                     setattr(scheduler, name, merge(value, [vars(ps)[name] for ps in patch_schedulers]))
     if image is not None:
         latents = (1 - frame_mask) * image + frame_mask * latents
+    return latents
+
+
+# --- packed video (LTX-Video) ---------------------------------------------------------------------------------------
+
+
+class StaleLTXSelfAttention:
+    """diffusers' ``LTXVideoAttnProcessor`` for self-attention (q/k RMSNorm across heads, RoPE on the flat q/k, no
+    mask), except that the K/V of the pass's tokens go through ``KVBuffers`` (token dimension 1)."""
+
+    def __init__(self, buffers: KVBuffers, layer) -> None:
+        self.buffers, self.layer = buffers, layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        assert encoder_hidden_states is None and attention_mask is None
+        query, key = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(hidden_states))
+        query, key = ltx_rotary(query, image_rotary_emb), ltx_rotary(key, image_rotary_emb)
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, attn.to_v(hidden_states)))
+        key, value = self.buffers.update(self.layer, key, value, dim=1)  # (B, S, heads, D)
+        out = dispatch_attention_fn(query, key, value)  # (B, S, heads, D), as the processor calls it
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(query.dtype)))
+
+
+class BandVideoRope(torch.nn.Module):
+    """``LTXVideoRotaryPosEmbed`` of the whole video, answering a forward on a band's tokens with their entries."""
+
+    def __init__(self, rope, buffers: KVBuffers) -> None:
+        super().__init__()
+        self.rope, self.buffers = rope, buffers
+
+    def forward(self, hidden_states, num_frames, height, width, rope_interpolation_scale=None, video_coords=None):
+        whole = torch.empty(hidden_states.shape[0], num_frames * height * width, 1)  # the rope reads its batch only
+        cos, sin = self.rope(whole, num_frames, height, width, rope_interpolation_scale, video_coords)
+        tokens = self.buffers.tokens
+        return (cos, sin) if tokens is None else (cos[:, tokens], sin[:, tokens])
+
+
+def pipefusion_ltx_reference(pipe, inputs: dict, *, num_patches: int, warmup: int):
+    """Final packed (B, tokens, C) latents of PipeFusion on an ``LTXPipeline`` (text-to-video, CFG batched [negative,
+    positive] as one call per band), with the module docstring's semantics: the packed tokens (frame-major) are
+    stacked token rows of ``latent width`` tokens, ``num_patches`` bands of whole rows (the first ``rows % M`` one row
+    taller); a band's pass runs ``LTXVideoTransformer3DModel.forward`` on its own tokens, with their entries of the
+    whole video's RoPE, its self-attention through the whole video's K/V buffers, its cross-attention on the whole
+    text under its mask.
+
+    ``inputs``: ``latents`` packed float32, ``timesteps``, ``prompt_embeds`` and ``prompt_attention_mask`` batched
+    [negative, positive] when ``guidance_scale > 1``, ``guidance_scale``, ``latent_frames``, ``latent_height``,
+    ``latent_width``, ``rope_interpolation_scale``."""
+    transformer = copy.deepcopy(pipe.transformer)
+    buffers = KVBuffers()
+    for layer, block in enumerate(transformer.transformer_blocks):
+        block.attn1.set_processor(StaleLTXSelfAttention(buffers, layer))
+    transformer.rope = BandVideoRope(transformer.rope, buffers)
+    latents = inputs["latents"].clone()
+    frames, height, width = inputs["latent_frames"], inputs["latent_height"], inputs["latent_width"]
+    buffers.num_tokens = frames * height * width
+    bands = [range(band.start * width, band.stop * width) for band in token_row_bands(frames * height, num_patches)]
+    scale, text, mask = inputs["guidance_scale"], inputs["prompt_embeds"], inputs["prompt_attention_mask"]
+
+    def predict(rows: torch.Tensor, t, band: range | None) -> torch.Tensor:
+        buffers.tokens = None if band is None else slice(band.start, band.stop)
+        model_input = (torch.cat([rows] * 2) if scale > 1 else rows).to(text.dtype)
+        noise = transformer(hidden_states=model_input, encoder_hidden_states=text, timestep=t.expand(len(model_input)),
+                            encoder_attention_mask=mask, num_frames=frames, height=height, width=width,
+                            rope_interpolation_scale=inputs["rope_interpolation_scale"],
+                            return_dict=False)[0]  # fmt: skip
+        noise = noise.float()
+        if scale > 1:
+            uncond, cond = noise.chunk(2)
+            noise = uncond + scale * (cond - uncond)
+        return noise
+
+    scheduler = copy.deepcopy(pipe.scheduler)
+    patch_schedulers = None
+    with torch.no_grad():
+        for step, t in enumerate(inputs["timesteps"]):
+            if step < warmup:
+                latents = scheduler.step(predict(latents, t, None), t, latents, return_dict=False)[0]
+                continue
+            if patch_schedulers is None:  # the first pipelined step: each patch its copy, state cut to its tokens
+                patch_schedulers = []
+                for band in bands:
+                    patch_scheduler = copy.copy(scheduler)
+                    region = (slice(None), slice(band.start, band.stop))
+                    for name, value in vars(scheduler).items():
+                        setattr(patch_scheduler, name, _rows_of_state(copy.deepcopy(value), latents.shape, region))
+                    patch_schedulers.append(patch_scheduler)
+            for band, patch_scheduler in zip(bands, patch_schedulers, strict=True):
+                rows = latents[:, band.start : band.stop]
+                noise = predict(rows, t, band)
+                latents[:, band.start : band.stop] = patch_scheduler.step(noise, t, rows.clone(), return_dict=False)[0]
     return latents

@@ -55,7 +55,8 @@ def test_each_pipeline_takes_exactly_its_diffusers_pipelines_arguments(spec, nam
 def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
     """A family folder and its registry line are all it takes: ``xfuse`` exports its classes by the names the spec
     derives from diffusers' (``FluxPipeline`` -> ``PipeFusionFluxPipeline``), found by convention in its package
-    (``pipeline.py``; a ControlNet pipeline in ``controlnet.py``), and its adapter by ``stage_name`` in ``stage.py``."""
+    (``pipeline.py``; a ControlNet pipeline in ``controlnet.py``), and its adapter by ``stage_name`` in ``stage.py``
+    (none: the generic family's, built from its ``ForwardPlan``)."""
     import xfuse
 
     cls = spec.pipeline_class()
@@ -65,7 +66,8 @@ def test_each_pipeline_is_exported_under_diffusers_name_after_pipefusion(spec):
         cls = spec.pipeline_class_named(name)
         assert cls.__name__ == name
         assert getattr(xfuse, name) is cls and name in xfuse.__all__
-    assert spec.stage_class().__name__ == spec.stage_name and spec.stage_class().spec is spec
+    stage_name = spec.stage_name or f"{spec.diffusers_transformer}ForwardStage"
+    assert spec.stage_class().__name__ == stage_name and spec.stage_class().spec is spec
     with pytest.raises(ValueError, match=f"'PipeFusionNope' is not a pipeline of the {spec.name} family"):
         spec.pipeline_class_named("PipeFusionNope")
 

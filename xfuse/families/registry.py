@@ -28,6 +28,7 @@ from xfuse.families.folder import (
     text_encoder_components,
 )
 from xfuse.families.hunyuandit.spec import HUNYUANDIT
+from xfuse.families.ltx.spec import LTX
 from xfuse.families.pixart.spec import PIXART_SIGMA
 from xfuse.families.qwenimage.spec import QWEN_IMAGE
 from xfuse.families.sd3.spec import STABLE_DIFFUSION_3
@@ -45,6 +46,7 @@ FAMILIES: tuple[ModelSpec, ...] = (
     FLUX2_KLEIN,
     QWEN_IMAGE,
     Z_IMAGE,
+    LTX,
 )
 
 

@@ -51,7 +51,8 @@ class ModelSpec:
             pipeline classes, named ``PipeFusion`` + diffusers' names), ``stage.py`` (the adapter), ``presets.py``
             (``preset_transformer_config(name)``, ``build_preset_pipeline(name, seed)``,
             ``save_preset_pipeline(path, name, seed)``) and, with a ControlNet pipeline, ``controlnet.py``.
-        stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls).
+        stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls); ``None``: the family has no
+            hand-written stage, its stage is the generic one (``forward``, which it must then have).
         presets: built-in random-weight models of this family (``model: <preset>``); the first is the smallest, the
             one the conformance suite (``tests/multirank/test_conformance.py``) runs the family's contract on.
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
@@ -116,7 +117,7 @@ class ModelSpec:
     diffusers_pipeline: str
     diffusers_transformer: str
     package: str
-    stage_name: str
+    stage_name: str | None
     presets: tuple[str, ...]
     vae_scale_factor: int
     text_lengths: tuple[int, ...]
@@ -145,6 +146,10 @@ class ModelSpec:
     controlnet: str | None = None
     control_samples: Callable[[dict, dict], dict[int, int]] | None = None
     forward: ForwardPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_name is None and self.forward is None:
+            raise ValueError(f"the {self.name} family needs a stage: a stage_name or a ForwardPlan (forward)")
 
     @property
     def pipeline_name(self) -> str:
@@ -181,7 +186,10 @@ class ModelSpec:
         return getattr(self._module(module), name)
 
     def stage_class(self) -> type:
-        """The adapter class (the ``Stage`` the engine calls): ``stage_name`` in the family's ``stage.py``."""
+        """The adapter class (the ``Stage`` the engine calls): ``stage_name`` in the family's ``stage.py``, or the
+        generic one (``forward_stage_class``) for a family without a hand-written stage."""
+        if self.stage_name is None:
+            return self.forward_stage_class()
         return getattr(self._module("stage"), self.stage_name)
 
     def forward_stage_class(self) -> type:
@@ -192,7 +200,8 @@ class ModelSpec:
 
     def adapter_class(self, parallel) -> type:
         """The ``Stage`` class of a rank's share under ``parallel`` (a ParallelConfig): the family's own stage, or with
-        ``parallel.adapter: generic`` the generic family's (``forward_stage_class``)."""
+        ``parallel.adapter: generic`` the generic family's (``forward_stage_class``; a family without a hand-written
+        stage has only that one)."""
         return self.forward_stage_class() if parallel.adapter == "generic" else self.stage_class()
 
     def check_adapter(self, config, controlnet: bool = False) -> None:

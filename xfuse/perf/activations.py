@@ -455,14 +455,16 @@ def request_activations(model: str, height: int, width: int, num_frames: int | N
 
 
 def _traced_decode(pipe, spec: ModelSpec, height: int, width: int, num_frames: int | None) -> int:
-    """The peak of ``vae.decode`` on one image's (clip's) latents, traced (for Qwen-Image's 3-D VAE, which the bands do
-    not run: a frame axis; Wan's: ``xfuse.perf.video_vae``)."""
+    """The peak of ``vae.decode`` on one image's (clip's) latents, traced (for Qwen-Image's and LTX-Video's 3-D VAEs,
+    which the bands do not run: a frame axis; Wan's: ``xfuse.perf.video_vae``)."""
     vae = pipe.vae
     factor, config = spec.vae_scale_factor, vae.config
     rows = (height // factor, width // factor)
     shape: tuple[int, ...]
     if "z_dim" in config:  # the causal 3-D VAEs (Wan's, Qwen-Image's): (B, C, frames, h, w)
         shape = (1, config["z_dim"], spec.latent_frames(num_frames), *rows)
+    elif spec.video:  # LTX-Video's: (B, C, frames, h, w) too
+        shape = (1, config["latent_channels"], spec.latent_frames(num_frames), *rows)
     else:
         shape = (1, config["latent_channels"], *rows)
     latents = torch.zeros(shape, device="meta", dtype=next(vae.parameters()).dtype)

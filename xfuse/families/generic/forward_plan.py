@@ -26,6 +26,9 @@ class ForwardPlan:
             (``":encoder_hidden_states"``: the forward's own input) or ``"module:index"`` (an output): the step's
             first patch (and a whole-image pass) carries all of them, the other patches none, so the text a block
             updates is computed once a step and its K/V are the ones every later patch attends to.
+        uncut: the context-parallel plan's split inputs the generic family leaves whole on every pass, as
+            ``"module:name"``: a context the blocks only read, through cross-attention (LTX's text and its mask:
+            diffusers splits them over ranks and its attention gathers them back; a patch's queries need all of it).
         hidden: the block input that is the image's hidden states (the hand-off between ranks).
         text_stream: the block input that is a text stream the blocks update (an MMDiT's; the plan's ``"text"``
             stream, handed on with a step's first patch); ``None``: the blocks only read their context.
@@ -40,6 +43,7 @@ class ForwardPlan:
     block_returns: tuple[str, ...]
     latent_layout: str
     context: tuple[str, ...] = ()
+    uncut: tuple[str, ...] = ()
     hidden: str = "hidden_states"
     text_stream: str | None = None
     text_first: bool = True
@@ -51,6 +55,6 @@ class ForwardPlan:
         for name in (self.hidden, self.text_stream):
             if name is not None and name not in self.block_returns:
                 raise ValueError(f"{name!r} is not among the block's returns {self.block_returns}")
-        for entry in self.context:
+        for entry in (*self.context, *self.uncut):
             if ":" not in entry:
                 raise ValueError(f"context entry {entry!r} must be 'module:input' (':name' for the forward's own)")

@@ -119,9 +119,10 @@ class BandSplitHook(ModelHook):
     """A ``ContextParallelInput`` entry of the plan (``entries``: input name or output index -> its spec, or a list of
     them for a tuple input), applied to the pass: image tokens cut to the band, context whole or empty."""
 
-    def __init__(self, module_id: str, entries: dict, context: set[str], passes: PassHolder):
+    def __init__(self, module_id: str, entries: dict, context: set[str], uncut: set[str], passes: PassHolder):
         super().__init__()
-        self.module_id, self.entries, self.context, self.passes = module_id, entries, context, passes
+        self.module_id, self.entries, self.passes = module_id, entries, passes
+        self.context, self.uncut = context, uncut
         self.positions: dict[str, int] = {}
 
     def initialize_hook(self, module):
@@ -132,6 +133,8 @@ class BandSplitHook(ModelHook):
         if not torch.is_tensor(x) or (spec.expected_dims is not None and x.dim() != spec.expected_dims):
             return x  # as diffusers' split hook: an input of other dimensions is not split
         p, entry = self.passes.get(self.module_id), f"{self.module_id}:{name}"
+        if entry in self.uncut:
+            return x
         if entry in self.context:
             return x if p.text is None else x.narrow(spec.split_dim, p.text.start, p.text.stop - p.text.start)
         return cut_band(x, spec.split_dim, p, f"the context-parallel plan's {entry!r}")

@@ -25,6 +25,7 @@ def forward_request(
     input_shape: tuple[int, ...],
     cfg_scale: float = 1.0,
     guide_scale: float | None = None,
+    guidance_rescale: float = 0.0,
     cfg_half=None,
     layout: VideoLayout | None = None,
     hidden_dtype: torch.dtype | None = None,
@@ -36,11 +37,12 @@ def forward_request(
     ``latents``: the engine's grid (B, C, rows, W). ``inputs``: the transformer's forward arguments besides its latent
     and timestep, for the transformer batch (with CFG [uncond, cond], or this CFG group's half with ``cfg_half``);
     ``batched``: those indexed by that batch. ``cfg_scale`` > 1 batches [uncond, cond], combined with ``guide_scale``
-    where it is not ``cfg_scale`` (Wan 2.2's second expert's ``guidance_scale_2``). ``timestep(t)``: the forward's
-    ``timestep`` at the scheduler's ``t``, expanded to the transformer batch (FluxPipeline passes ``t / 1000``).
-    ``input_shape``: the transformer's whole latent input (its batch is the transformer batch's wherever given).
-    ``layout``: a video's frames as the grid (``None``: an image). ``hidden_dtype``: the transformer's, where the
-    latents are stepped in another (Wan: float32 latents, a bfloat16 transformer): the latent input is cast to it."""
+    where it is not ``cfg_scale`` (Wan 2.2's second expert's ``guidance_scale_2``) and rescaled by
+    ``guidance_rescale`` (whole-image steps only). ``timestep(t)``: the forward's ``timestep`` at the scheduler's
+    ``t``, expanded to the transformer batch (FluxPipeline passes ``t / 1000``). ``input_shape``: the transformer's
+    whole latent input (its batch is the transformer batch's wherever given). ``layout``: a video's frames as the grid
+    (``None``: an image). ``hidden_dtype``: the transformer's, where the latents are stepped in another (Wan: float32
+    latents, a bfloat16 transformer): the latent input is cast to it."""
     from xfuse.parallel.request import DenoiseRequest
 
     model_batch, cfg_input = cfg_batch(latents, cfg_scale, cfg_half)

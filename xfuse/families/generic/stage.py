@@ -126,12 +126,12 @@ class ForwardStage(ShardedStage):
         for name, module in transformer.named_children():  # the prologue's modules (the epilogue's too: harmless);
             if name not in forward.blocks:  # inside the plan's hooks, so a cut or gather is made for each pass
                 register(module, CallMemo(), "xfuse_memo")
-        context = set(forward.context)
+        context, uncut = set(forward.context), set(forward.uncut)
         for module_id, entry in cp_plan.items():
             modules = _get_submodule_by_name(transformer, module_id)
             for module in modules if isinstance(modules, list) else [modules]:
                 if isinstance(entry, dict):
-                    hook = BandSplitHook(module_id, entry, context, self.passes)
+                    hook = BandSplitHook(module_id, entry, context, uncut, self.passes)
                 else:
                     specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
                     hook = BandGatherHook(module_id, specs, self.passes)
