@@ -45,6 +45,9 @@ CALLS: dict[str, tuple[dict, int]] = {
     "qwen-image-small": ({"negative_prompt": " "}, 2),
     # CFG at the pipeline's default scale 5 (ZImagePipeline guides above 0) on the empty negative prompt
     "z-image-small": ({"guidance_scale": 5.0}, 2),
+    # LTX-Video through the generic family: CFG at its default scale 3, a 25-frame clip (4 latent frames of 16 x 16
+    # tokens at 512 px), the T5 text cut to 16 tokens
+    "ltx-small": ({"guidance_scale": 3.0, "num_frames": 25, "max_sequence_length": 16}, 2),
 }
 
 _PIPE: dict = {}  # in a rank process: the pipeline setup_rank built, kept between calls
