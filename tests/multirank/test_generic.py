@@ -72,3 +72,32 @@ def test_wan_through_its_own_forward_is_exact_and_pipelined_equals_the_oracle(wo
         assert (generic - family).abs().max().item() <= 1e-5, degree  # float reassociation: 2.5e-6 seen
         assert ((generic - oracle).abs().max() / oracle.abs().max()).item() <= 1e-5, degree
         assert (oracle - serial).abs().max().item() > 1e-3  # stale K/V matter
+
+
+@pytest.fixture(scope="module")
+def ltx_folder(tmp_path_factory):
+    from xfuse.families.ltx.presets import save_preset_pipeline
+
+    return save_preset_pipeline(tmp_path_factory.mktemp("ltx") / "ltx-tiny", "ltx-tiny")
+
+
+def test_ltx_guidance_rescale_equals_diffusers_in_exact_mode_and_is_refused_pipelined(world3, ltx_folder):
+    """``guidance_rescale`` (whole-video statistics of the guided prediction) through the generic family's request:
+    exact mode at pp3 equals ``diffusers.LTXPipeline`` and differs from no rescale; pipelined steps refuse it by name
+    on every rank, before any communication."""
+    import numpy as np
+    from diffusers import LTXPipeline
+
+    from tests.support.pipeline_fns import check_against_diffusers, reference_runner, run_calls
+
+    reference = reference_runner(LTXPipeline.from_pretrained(ltx_folder, local_files_only=True))
+    call = dict(prompt="a red house by a lake", negative_prompt="blurry", height=256, width=192, num_frames=17,
+                num_inference_steps=3, guidance_scale=4.5, guidance_rescale=0.7, output_type="np")  # fmt: skip
+    exact = {"pipefusion_degree": 3, "warmup_steps": 100}
+    results = world3.run_ok(run_calls, ltx_folder, exact, [call], family="ltx", timeout=600)
+    check_against_diffusers(results, {"base": {}}, reference, call, output_class="LTXPipelineOutput", callback_steps=())
+    assert np.abs(results[0][0]["images"] - reference({**call, "guidance_rescale": 0.0})[0]).max() > 1e-3
+    pipelined = world3.run_ok(run_calls, ltx_folder, {"pipefusion_degree": 3, "warmup_steps": 1}, [call],
+                              family="ltx", timeout=600)  # fmt: skip
+    for rank in pipelined:
+        assert rank[0]["kind"] == "error" and "guidance_rescale=0.7 needs whole-video statistics" in rank[0]["message"]

@@ -142,3 +142,16 @@ def test_the_plan_counts_the_non_block_modules_the_generic_adapter_keeps_on_ever
 
     assert generic[0] - family[0] == size("norm_out", "proj_out")  # rank 0 embeds; rank 1 has the output layer
     assert generic[1] - family[1] == size(*FLUX.stage_class().embed_modules)
+
+
+def test_a_family_with_only_the_generic_stage_refuses_compiling_it_whatever_the_adapter():
+    from xfuse.config import config_from_dict
+    from xfuse.errors import ConfigError
+    from xfuse.families.ltx.spec import LTX
+
+    assert not LTX.compiles and FLUX.compiles
+    config = config_from_dict({"model": "ltx-tiny", "compile": {"mode": "regional"}})  # parallel.adapter: family
+    with pytest.raises(
+        ConfigError, match="parallel.adapter: must be 'family' here: the generic adapter runs its passes"
+    ):
+        LTX.check_adapter(config)

@@ -206,10 +206,11 @@ class ModelSpec:
 
     def check_adapter(self, config, controlnet: bool = False) -> None:
         """Raise :class:`ConfigError` naming ``parallel.adapter`` where ``config`` (an XfuseConfig) asks the generic
-        adapter of what it does not run: a family without a ``ForwardPlan``, compiled passes or a ControlNet
+        adapter (``parallel.adapter: generic``, or a family whose only stage is the generic one) of what it does not
+        run: a family without a ``ForwardPlan``, compiled passes or a ControlNet
         (``controlnet``). Run at load, before any communication, the same on every rank."""
         parallel = config.parallel
-        if parallel.adapter != "generic":
+        if parallel.adapter != "generic" and self.stage_name is not None:
             return
         why = None
         if self.forward is None:
@@ -220,6 +221,12 @@ class ModelSpec:
             why = "the generic adapter adds no ControlNet residuals"
         if why is not None:
             raise ConfigError("parallel.adapter", f"must be 'family' here: {why} (got 'generic')")
+
+    @property
+    def compiles(self) -> bool:
+        """Whether ``compile.mode`` can compile the family's own stage: a hand-written one; the generic family's
+        passes run eagerly (``check_adapter`` refuses compiling them by name)."""
+        return self.stage_name is not None
 
     def preset_builders(self) -> ModuleType:
         """The family's ``presets.py``."""

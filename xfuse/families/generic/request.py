@@ -68,7 +68,11 @@ def forward_request(
         conditioning=conditioning,
         model_input=model_input,
         guide=guidance(
-            cfg_scale if guide_scale is None else guide_scale, cfg_half, learned_sigma=False, batched=cfg_scale > 1
+            cfg_scale if guide_scale is None else guide_scale,
+            cfg_half,
+            learned_sigma=False,
+            batched=cfg_scale > 1,
+            guidance_rescale=guidance_rescale,
         ),
         model_batch=model_batch,
         generator=generator,

@@ -135,7 +135,7 @@ class ForwardStage(ShardedStage):
                 else:
                     specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
                     hook = BandGatherHook(module_id, specs, self.passes)
-                register(module, hook, "xfuse_band")
+                register(module, hook, f"xfuse_band:{module_id}")  # a block may have two entries (0 and *)
         for index, block in enumerate(self.blocks):  # after the hooks: the gates' classes are known by index
             if index in self.block_ids:
                 for name, module in block.named_modules():
