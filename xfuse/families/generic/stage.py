@@ -136,8 +136,8 @@ class ForwardStage(ShardedStage):
                     specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
                     hook = BandGatherHook(module_id, specs, self.passes)
                 register(module, hook, f"xfuse_band:{module_id}")  # a block may have two entries (0 and *)
-        for index, block in enumerate(self.blocks):  # after the hooks: the gates' classes are known by index
-            if index in self.block_ids:
+        for index, block in enumerate(self.blocks):  # the attention of the blocks this rank runs: through xfuse's
+            if index in self.block_ids:  # dispatcher, each call classified by the stage
                 for name, module in block.named_modules():
                     if hasattr(module, "processor") and hasattr(module, "set_processor"):
                         route_dispatcher(module.processor)
