@@ -15,11 +15,12 @@ import torch
 from tests.support.memory_fns import held_peaks, stale_kv_held
 from tests.support.world import World
 from xfuse.config import config_from_dict
+from xfuse.families.registry import model_spec
 from xfuse.perf.activations import trace_call
 from xfuse.perf.memory import rank_memory
 from xfuse.perf.planner import workload
 
-SIDE, STEPS = 256, 4
+SIDE, STEPS, FRAMES = 256, 4, 17
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,23 @@ CASES = [
     ("z-image-tiny", {"pipefusion_degree": 2}, False),
     ("z-image-tiny", {"ulysses_degree": 2}, False),
     ("z-image-tiny", {"cfg_degree": 2}, True),
+    ("ltx-tiny", {"pipefusion_degree": 2}, False),  # the generic family: every rank runs the model's prologue
+    ("ltx-tiny", {"ulysses_degree": 2}, False),
 ]
 
 
 @pytest.mark.parametrize("preset,parallel,negative", CASES,
                          ids=[f"{p}-{'_'.join(f'{k}{v}' for k, v in par.items())}" for p, par, _ in CASES])  # fmt: skip
 def test_the_plan_holds_what_each_rank_holds(world2, preset, parallel, negative):
+    frames = FRAMES if model_spec(preset).video else None  # a clip's length, the same in the call and the plan
     call = {
-        **trace_call(preset, SIDE, SIDE, negative_prompt=negative),
+        **trace_call(preset, SIDE, SIDE, frames, negative_prompt=negative),
         "output_type": "np",
         "num_inference_steps": STEPS,
     }
     generation = {"height": SIDE, "width": SIDE, "num_inference_steps": STEPS}
+    if frames is not None:
+        generation["num_frames"] = frames
     if negative:
         generation["negative_prompt"] = call["negative_prompt"]
     config = config_from_dict({"model": preset, "parallel": parallel, "generation": generation})
