@@ -9,6 +9,10 @@
 * ``BlockGateHook``: every block of the chain, run or not as the pass says (``Pass``): blocks before the pass's
   segment return their inputs, its first block takes the hand-off, the block after it ends the forward with its
   inputs (``SegmentEnd``), and an epilogue pass gives the last block's outputs from the hand-off.
+* ``AttentionCallHook``: each call of an attention module of the blocks a rank runs made a current ``AttentionCall``;
+  ``CallMemo``: a prologue module's output kept while its inputs do not change.
+
+A stage's hooks hold its pass state: a stage is not copied (diffusers' hooks reach their modules' originals).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
+
+from xfuse.families.generic.dispatch import current_call
 
 PROLOGUE, SEGMENT, EPILOGUE = "prologue", "segment", "epilogue"
 
@@ -221,6 +227,21 @@ class BlockGateHook(ModelHook):
 
 def register(module: torch.nn.Module, hook: ModelHook, name: str) -> None:
     HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+
+
+class AttentionCallHook(ModelHook):
+    """Makes each call of one attention module a current ``AttentionCall`` (``xfuse.families.generic.dispatch``):
+    ``classify(hidden, context)`` says what the call is from the module's inputs (the stage's ``attention_call``)."""
+
+    def __init__(self, classify):
+        super().__init__()
+        self.classify = classify
+
+    def new_forward(self, module, *args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        context = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+        with current_call(self.classify(hidden, context)):
+            return self.fn_ref.original_forward(*args, **kwargs)
 
 
 class CallMemo(ModelHook):

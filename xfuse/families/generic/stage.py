@@ -17,6 +17,7 @@ that does not embed the latent runs it on a zero stand-in of the latent's shape,
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -27,12 +28,13 @@ from torch import nn
 from xfuse.families.common.joint import JointKV
 from xfuse.families.common.packed import grid_to_packed, packed_to_grid
 from xfuse.families.common.sharding import ShardedStage
-from xfuse.families.generic.dispatch import KINDS, AttentionCall, current_call, route_dispatcher
+from xfuse.families.generic.dispatch import KINDS, AttentionCall, route_dispatcher
 from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.generic.hooks import (
     EPILOGUE,
     PROLOGUE,
     SEGMENT,
+    AttentionCallHook,
     BandGatherHook,
     BandSplitHook,
     BlockGateHook,
@@ -65,24 +67,6 @@ class ForwardConditioning:
     text_tokens: int = 0
     layout: VideoLayout | None = None
     part: BatchPart | None = None
-
-
-class _AttentionCallHook:
-    """Makes each call of one attention module a current ``AttentionCall`` (its kind decided by the stage)."""
-
-    def __init__(self, stage: ForwardStage, key: tuple[int, str]):
-        self.stage, self.key = stage, key
-
-    def wrap(self, module: nn.Module) -> None:
-        forward = module.forward
-
-        def call(*args, **kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            context = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
-            with current_call(self.stage.attention_call(self.key, hidden, context)):
-                return forward(*args, **kwargs)
-
-        module.forward = call
 
 
 class ForwardStage(ShardedStage):
@@ -141,7 +125,7 @@ class ForwardStage(ShardedStage):
                 for name, module in block.named_modules():
                     if hasattr(module, "processor") and hasattr(module, "set_processor"):
                         route_dispatcher(module.processor)
-                        _AttentionCallHook(self, (index, name)).wrap(module)
+                        register(module, AttentionCallHook(partial(self.attention_call, (index, name))), "xfuse_call")
 
     def install_processors(self, block: nn.Module, index: int) -> None:
         """Nothing to swap: the model's own processors run, their attention routed at the dispatcher."""
