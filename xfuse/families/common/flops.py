@@ -1,7 +1,7 @@
 """Floating-point operations of one transformer block on a pass of tokens, from the shapes alone.
 
 The performance model (``xfuse.perf``) costs a task by the FLOPs of its blocks; each family's spec says how its
-block spends them (``ModelSpec.block_flops``) with these two terms. Counted as torch's ``FlopCounterMode`` counts
+block spends them (``ModelSpec.block_flops``) with these terms. Counted as torch's ``FlopCounterMode`` counts
 (tested against it on every family's tiny preset): matrix products only, two operations per multiply-add; norms,
 activations and RoPE are left out (a few per cent of a block at the released widths).
 """
@@ -38,3 +38,13 @@ def mmdit_joint_flops(
     # (SD3's last block: AdaLayerNormContinuous, 2 chunks).
     modulation = linear_flops(1, d, modulations * d) + (linear_flops(1, d, (6 if context_out else 2) * d) if tq else 0)
     return image + context + modulation + attention_flops(queries + tq, keys + text, d)
+
+
+def cross_attention_block_flops(width: int, queries: int, keys: int, text: int, *, text_width: int, ffn: int) -> float:
+    """One block of self-attention, cross-attention to a static text and an MLP (PixArt-Σ's ``BasicTransformerBlock``,
+    Wan's and LTX-Video's blocks): self q/k/v and output, cross q and output on the image tokens, cross k/v on the
+    ``text`` tokens (``text_width`` wide), an MLP of ``ffn`` hidden units; the modulation is a table, no linear."""
+    d = width
+    flops = linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
+    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, text_width, 2 * d) + attention_flops(queries, text, d)
+    return flops + linear_flops(queries, d, ffn) + linear_flops(queries, ffn, d)

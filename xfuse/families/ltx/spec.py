@@ -3,7 +3,7 @@ runs its transformer by (it has no hand-written stage)."""
 
 from __future__ import annotations
 
-from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.families.common.flops import cross_attention_block_flops
 from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.spec import ModelSpec, no_skips
 
@@ -13,9 +13,7 @@ def ltx_block_flops(config: dict, block: int, queries: int, keys: int, text: int
     video's tokens, cross-attention over the projected T5 text (already ``width`` wide), a 4x GELU MLP; its
     modulation is a table plus the step's embedded timestep, not a linear per block."""
     d = config["num_attention_heads"] * config["attention_head_dim"]
-    flops = linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
-    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, d, 2 * d) + attention_flops(queries, text, d)
-    return flops + linear_flops(queries, d, 4 * d) + linear_flops(queries, 4 * d, d)
+    return cross_attention_block_flops(d, queries, keys, text, text_width=d, ffn=4 * d)
 
 
 LTX = ModelSpec(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.families.common.flops import cross_attention_block_flops
 from xfuse.families.spec import ModelSpec, no_skips
 
 
@@ -10,10 +10,8 @@ def pixart_block_flops(config: dict, block: int, queries: int, keys: int, text: 
     """FLOPs of PixArt's ``BasicTransformerBlock`` (``ada_norm_single``: its modulation is a table, not a linear) for
     one batch element (``ModelSpec.block_flops``): self-attention, cross-attention over the projected T5 text
     (``cross_attention_dim`` wide) and the 4x MLP."""
-    d, cross = config["num_attention_heads"] * config["attention_head_dim"], config["cross_attention_dim"]
-    flops = linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
-    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, cross, 2 * d) + attention_flops(queries, text, d)
-    return flops + 2 * linear_flops(queries, d, 4 * d)
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    return cross_attention_block_flops(d, queries, keys, text, text_width=config["cross_attention_dim"], ffn=4 * d)
 
 
 PIXART_SIGMA = ModelSpec(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.families.common.flops import cross_attention_block_flops
 from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.spec import ModelSpec, no_skips
 
@@ -11,10 +11,8 @@ def wan_block_flops(config: dict, block: int, queries: int, keys: int, text: int
     """FLOPs of Wan's ``WanTransformerBlock`` for one batch element (``ModelSpec.block_flops``): self-attention over
     the video's tokens, cross-attention over the projected UMT5 text (already ``width`` wide) and the MLP
     (``ffn_dim``); its modulation is a table plus the step's projected timestep, not a linear per block."""
-    d, ffn = config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"]
-    flops = linear_flops(queries, d, 4 * d) + attention_flops(queries, keys, d)  # self: q, k, v, out
-    flops += linear_flops(queries, d, 2 * d) + linear_flops(text, d, 2 * d) + attention_flops(queries, text, d)
-    return flops + linear_flops(queries, d, ffn) + linear_flops(queries, ffn, d)
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    return cross_attention_block_flops(d, queries, keys, text, text_width=d, ffn=config["ffn_dim"])
 
 
 WAN = ModelSpec(
