@@ -144,14 +144,13 @@ def test_the_plan_counts_the_non_block_modules_the_generic_adapter_keeps_on_ever
     assert generic[1] - family[1] == size(*FLUX.stage_class().embed_modules)
 
 
-def test_a_family_with_only_the_generic_stage_refuses_compiling_it_whatever_the_adapter():
+def test_a_family_with_only_the_generic_stage_refuses_compiling_it_by_its_compile_key():
     from xfuse.config import config_from_dict
     from xfuse.errors import ConfigError
     from xfuse.families.ltx.spec import LTX
 
     assert not LTX.compiles and FLUX.compiles
     config = config_from_dict({"model": "ltx-tiny", "compile": {"mode": "regional"}})  # parallel.adapter: family
-    with pytest.raises(
-        ConfigError, match="parallel.adapter: must be 'family' here: the generic adapter runs its passes"
-    ):
+    message = "compile.mode: must be 'off' for the ltx family: its only stage is the generic one, whose passes run "
+    with pytest.raises(ConfigError, match=message + r"eagerly \(got 'regional'\)"):
         LTX.check_adapter(config)

@@ -198,29 +198,36 @@ class ModelSpec:
             raise ValueError(f"the {self.name} family has no ForwardPlan: it runs only its hand-written stage")
         return _forward_stage(self)
 
+    def runs_generic(self, parallel) -> bool:
+        """Whether a rank's share runs as the generic family's stage under ``parallel`` (a ParallelConfig): asked for
+        (``parallel.adapter: generic``), or the family's only stage (no hand-written one)."""
+        return parallel.adapter == "generic" or self.stage_name is None
+
     def adapter_class(self, parallel) -> type:
-        """The ``Stage`` class of a rank's share under ``parallel`` (a ParallelConfig): the family's own stage, or with
-        ``parallel.adapter: generic`` the generic family's (``forward_stage_class``; a family without a hand-written
-        stage has only that one)."""
-        return self.forward_stage_class() if parallel.adapter == "generic" else self.stage_class()
+        """The ``Stage`` class of a rank's share under ``parallel``: the family's own stage, or the generic family's
+        (``forward_stage_class``) where it ``runs_generic``."""
+        return self.forward_stage_class() if self.runs_generic(parallel) else self.stage_class()
 
     def check_adapter(self, config, controlnet: bool = False) -> None:
-        """Raise :class:`ConfigError` naming ``parallel.adapter`` where ``config`` (an XfuseConfig) asks the generic
-        adapter (``parallel.adapter: generic``, or a family whose only stage is the generic one) of what it does not
-        run: a family without a ``ForwardPlan``, compiled passes or a ControlNet
-        (``controlnet``). Run at load, before any communication, the same on every rank."""
+        """Raise :class:`ConfigError` where ``config`` (an XfuseConfig) asks the generic stage (``runs_generic``) of
+        what it does not run: a family without a ``ForwardPlan``, compiled passes or a ControlNet (``controlnet``),
+        naming the key to change (``parallel.adapter``; ``compile.mode`` for a family whose only stage is the generic
+        one). Run at load, before any communication, the same on every rank."""
         parallel = config.parallel
-        if parallel.adapter != "generic" and self.stage_name is not None:
+        if not self.runs_generic(parallel):
             return
-        why = None
         if self.forward is None:
             why = f"the {self.name} family has no ForwardPlan (its spec says how the generic adapter runs its forward)"
         elif config.compile.enabled:
+            if self.stage_name is None:
+                raise ConfigError("compile.mode", f"must be 'off' for the {self.name} family: its only stage is the "
+                                  f"generic one, whose passes run eagerly (got {config.compile.mode!r})")  # fmt: skip
             why = "the generic adapter runs its passes eagerly (compile.mode off)"
         elif controlnet:
             why = "the generic adapter adds no ControlNet residuals"
-        if why is not None:
-            raise ConfigError("parallel.adapter", f"must be 'family' here: {why} (got 'generic')")
+        else:
+            return
+        raise ConfigError("parallel.adapter", f"must be 'family' here: {why} (got {parallel.adapter!r})")
 
     @property
     def compiles(self) -> bool:
