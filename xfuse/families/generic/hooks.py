@@ -42,8 +42,8 @@ class SegmentEnd(Exception):
 class Pass:
     """One call of the forward as a PipeFusion pass on this rank.
 
-    ``tokens``: the image tokens the pass computes (``None``: all, in the model's order); ``order``: the model's
-    index of each of the layout's tokens where they differ (Wan's ``spatial`` video layout), else ``None``;
+    ``tokens``: the image tokens the pass computes (``None``: all, in the model's order); ``index``: the model's
+    index of each of them where the layout orders tokens otherwise (Wan's ``spatial`` video layout), else ``None``;
     ``num_tokens``: the image's. ``text``: the context tokens it carries (``None``: all; a step's later patch none,
     a sequence-parallel rank its chunk). ``blocks``: the segment (first, last) a ``segment`` pass runs. ``inputs``:
     the streamed tensors its first block takes (a ``segment`` pass's hand-off; an ``epilogue`` pass's last-block
@@ -54,7 +54,7 @@ class Pass:
     tokens: slice | None
     num_tokens: int
     text: slice | None
-    order: torch.Tensor | None = None
+    index: torch.Tensor | None = None  # (tokens,) on the model's device, made once per pass
     blocks: tuple[int, int] = (0, -1)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor] | None = None
@@ -79,11 +79,11 @@ def cut_band(x: torch.Tensor, dim: int, p: Pass, where: str) -> torch.Tensor:
     if x.shape[dim] != p.num_tokens:
         raise ValueError(
             f"{where}: {x.shape[dim]} tokens along dim {dim}, but the image has {p.num_tokens}: an input the plan "
-            "splits that is not the image's tokens must be named in the family's ForwardPlan.context"
+            "splits that is not the image's tokens must be named in the family's ForwardPlan.context or .uncut"
         )
-    if p.order is None:
+    if p.index is None:
         return x.narrow(dim, p.tokens.start, p.tokens.stop - p.tokens.start)
-    return x.index_select(dim, p.order[p.tokens].to(x.device))
+    return x.index_select(dim, p.index)
 
 
 def put_band(x: torch.Tensor, dim: int, p: Pass) -> torch.Tensor:
@@ -94,10 +94,10 @@ def put_band(x: torch.Tensor, dim: int, p: Pass) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = p.num_tokens
     whole = x.new_zeros(shape)
-    if p.order is None:
+    if p.index is None:
         whole.narrow(dim, p.tokens.start, p.tokens.stop - p.tokens.start).copy_(x)
     else:
-        whole.index_copy_(dim, p.order[p.tokens].to(x.device), x)
+        whole.index_copy_(dim, p.index, x)
     return whole
 
 

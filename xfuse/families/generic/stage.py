@@ -206,13 +206,14 @@ class ForwardStage(ShardedStage):
         tokens = None if band is None else band.tokens
         if sequence:
             tokens = self.hidden_tokens(band)
-        order = None
+        index = None
         if cond.layout is not None and cond.layout.direction != "temporal":
-            if self._order is None or self._order[0] != cond.layout:
-                self._order = (cond.layout, cond.layout.token_order())  # once per request's layout
+            if self._order is None or self._order[0] != cond.layout:  # once per request's layout
+                self._order = (cond.layout, cond.layout.token_order(self.transformer.device))
             # the layout's token order everywhere, whole-image passes too: the K/V buffers hold it
-            order, tokens = self._order[1], slice(0, self.num_tokens) if tokens is None else tokens
-        self.passes.current = Pass(mode, tokens, self.num_tokens, text, order, **fields)
+            tokens = slice(0, self.num_tokens) if tokens is None else tokens
+            index = self._order[1][tokens]
+        self.passes.current = Pass(mode, tokens, self.num_tokens, text, index, **fields)
         return self.passes.current
 
     def stream_shape(self, kind: str, shape: tuple) -> tuple:
