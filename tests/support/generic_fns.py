@@ -1,19 +1,12 @@
-"""The generic family (``xfuse.families.generic``) beside the hand-written ones: requests for a ``ForwardStage`` built
-from the inputs the hand-written families' tests prepare (``mmdit_fns``, ``wan_fns``), and rank functions that run
-both stages on the same ranks."""
+"""The generic family (``xfuse.families.generic``) beside the hand-written ones: requests for either stage built from
+the inputs the hand-written families' tests prepare (``mmdit_fns.request_of`` for FLUX.1, ``wan_request`` here; the
+families' ``denoise_request`` builds a ``ForwardStage``'s), and rank functions that run both stages on the same
+ranks."""
 
 import copy
 
 import torch
 import torch.distributed as dist
-
-
-def flux_request(stage, inputs, scheduler, grid):
-    """A generic stage's request of FLUX.1 from ``mmdit_fns.prepare_inputs`` (``flux.stage.denoise_request`` builds it
-    for a ``ForwardStage``), and the packed view of the final grid."""
-    from tests.support.mmdit_fns import request_of
-
-    return request_of(stage, inputs, scheduler, grid)
 
 
 def wan_request(stage, inputs, scheduler, layout):
@@ -36,7 +29,7 @@ def _engine(stage, plan, channels, rank, warmup, request, grid):
 def run_flux_both(degree, num_patches, warmup, *, height, width, steps, cfg):
     """FLUX.1 tiny through the engine on ranks 0 … degree-1, with the generic stage and then the hand-written one;
     rank 0 returns both final latents (packed)."""
-    from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, tiny
+    from tests.support.mmdit_fns import engine_latents, grid_of, prepare_inputs, request_of, tiny
     from xfuse.comm.p2p import P2PChannels
     from xfuse.config import ParallelConfig
     from xfuse.families.registry import model_spec
@@ -51,7 +44,7 @@ def run_flux_both(degree, num_patches, warmup, *, height, width, steps, cfg):
     try:
         generic = spec.forward_stage_class()(copy.deepcopy(pipe.transformer), plan, rank)
         inputs = prepare_inputs(pipe, height=height, width=width, steps=steps, cfg=cfg)
-        request, unpack = flux_request(generic, inputs, copy.deepcopy(pipe.scheduler), grid)
+        request, unpack = request_of(generic, inputs, copy.deepcopy(pipe.scheduler), grid)  # a ForwardStage's
         out = _engine(generic, plan, channels, rank, warmup, request, grid)
         family = spec.stage_class()(copy.deepcopy(pipe.transformer), plan, rank)
         inputs = prepare_inputs(pipe, height=height, width=width, steps=steps, cfg=cfg)

@@ -8,8 +8,7 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
-from tests.support.generic_fns import flux_request
-from tests.support.mmdit_fns import grid_of, prepare_inputs, tiny
+from tests.support.mmdit_fns import grid_of, prepare_inputs, request_of, tiny
 from xfuse.config import ParallelConfig
 from xfuse.families.common.joint import JointKV
 from xfuse.families.flux.spec import FLUX
@@ -56,10 +55,13 @@ def test_outside_a_pass_the_dispatcher_is_diffusers_own():
     class, called outside any PipeFusion pass, gives the same bits as before."""
     transformer = tiny("flux-tiny").transformer
     inputs = flux_inputs()
+    import diffusers.models.transformers.transformer_flux as flux_module
+
     with torch.no_grad():
         before = transformer(**inputs)[0]
         plan = FLUX.plan(5, ParallelConfig(pipefusion_degree=1))
         FLUX.forward_stage_class()(copy.deepcopy(transformer), plan, 0)
+        assert hasattr(flux_module.dispatch_attention_fn, "__wrapped__")  # the FLUX module's calls are routed now
         after = transformer(**inputs)[0]
     assert torch.equal(before, after)
 
@@ -100,7 +102,7 @@ def test_a_split_input_that_is_neither_the_image_nor_named_context_is_refused():
     plan = spec.plan(5, ParallelConfig(pipefusion_degree=1))
     stage = spec.forward_stage_class()(copy.deepcopy(pipe.transformer), plan, 0)
     grid = grid_of(spec, pipe, 128, 96, 2)
-    request, _ = flux_request(stage, prepare_inputs(pipe, height=128, width=96, steps=2, cfg=1.0),
+    request, _ = request_of(stage, prepare_inputs(pipe, height=128, width=96, steps=2, cfg=1.0),
                               copy.deepcopy(pipe.scheduler), grid)  # fmt: skip
     engine = PipeFusionEngine(stage, plan, None, pipe_rank=0, group_ranks=[0], warmup_steps=1)
     message = r"plan's ':encoder_hidden_states': 16 tokens along dim 1, but the image has 48"
