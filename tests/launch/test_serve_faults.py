@@ -15,7 +15,7 @@ import pytest
 from tests.support.serve_fns import ServedWorld, await_metrics, left_behind, poll_health
 
 TIMEOUT_S = 5.0  # comm.timeout_s: a stalled peer mid-request is noticed by the data plane after this
-LONG_REQUEST = {"prompt": "long", "num_inference_steps": 100, "size": "256x256"}  # several seconds here
+LONG_REQUEST = {"prompt": "long", "num_inference_steps": 60, "size": "256x256"}  # several seconds here
 
 
 def _names_rank_1(response) -> bool:
@@ -75,7 +75,7 @@ def test_sigterm_on_a_worker_drains_the_whole_world(tmp_path):
 # Several requests in flight: behind a blocker of another size, four of one size run as one batch streamed through
 # the pipeline with a second call (a batch of two of another size); two more (a third size) wait.
 BATCHED = (f"comm.timeout_s={TIMEOUT_S}", "serve.max_batch=4", "serve.max_inflight=2", "serve.max_queued_work=100")
-BLOCKER = {"prompt": "blocker", "num_inference_steps": 30, "size": "256x256"}
+BLOCKER = {"prompt": "blocker", "num_inference_steps": 60, "size": "256x256"}
 IN_BATCH = {"num_inference_steps": 40, "size": "128x128"}
 IN_STREAM = {"num_inference_steps": 30, "size": "64x128"}
 QUEUED = {"num_inference_steps": 4, "size": "128x64"}
@@ -85,16 +85,20 @@ def _batch_in_flight(world, pool):
     """The blocker, then four requests that run as one batch streamed with a call of two more, and two that wait
     behind them; returns the futures of the blocker, the six in flight and the two waiting once the stream runs and
     the two are queued (``xfuse_requests_running`` 6, ``xfuse_queue_depth`` 2: a request that reaches the server
-    only after a rank is lost is refused with the reason known then, not answered as one that waited)."""
+    only after a rank is lost is refused with the reason known then, not answered as one that waited). Each group is
+    posted once the server holds the one before (its metrics, not a sleep: under a loaded machine a post can take
+    longer than a batch), all eight behind the blocker, so the batch, the stream and the queue are what admission
+    makes of them."""
     post = lambda body: pool.submit(  # noqa: E731
         httpx.post, f"{world.url}/v1/images/generations", json=body, timeout=60
     )
     blocker = post(BLOCKER)
-    time.sleep(0.5)
+    await_metrics(world.url, {"xfuse_requests_running": 1}, [blocker], log=world.stderr)
     batch = [post({**IN_BATCH, "prompt": f"in batch {i}", "seed": i}) for i in range(4)]
     batch += [post({**IN_STREAM, "prompt": f"in stream {i}", "seed": i}) for i in range(2)]
-    time.sleep(0.3)
+    await_metrics(world.url, {"xfuse_queue_depth": 6}, [blocker, *batch], log=world.stderr)
     queued = [post({**QUEUED, "prompt": f"queued {i}"}) for i in range(2)]
+    await_metrics(world.url, {"xfuse_queue_depth": 8}, [blocker, *batch], log=world.stderr)
     await_metrics(world.url, {"xfuse_requests_running": 6, "xfuse_queue_depth": 2}, batch, log=world.stderr)
     return blocker, batch, queued
 
@@ -106,7 +110,7 @@ def test_a_worker_killed_under_a_stream_answers_every_request_in_flight(tmp_path
     world = ServedWorld(tmp_path, launcher="world", settings=BATCHED)
     try:
         pids = world.rank_pids()
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        with concurrent.futures.ThreadPoolExecutor(9) as pool:  # a thread per request
             blocker, batch, queued = _batch_in_flight(world, pool)
             assert blocker.result(timeout=60).status_code == 200
             os.kill(pids[1], signal.SIGKILL)
@@ -129,7 +133,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_turns_the_queue_away(tmp_p
     the six are answered with their images (batch 4 or 2, stream 2), the two waiting get 503 (draining), every rank
     exits 0."""
     with ServedWorld(tmp_path, launcher="world", settings=BATCHED) as world:
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        with concurrent.futures.ThreadPoolExecutor(9) as pool:  # a thread per request
             blocker, batch, queued = _batch_in_flight(world, pool)
             os.kill(world.rank_pids()[0], signal.SIGTERM)
             for future, size in zip(batch, [4] * 4 + [2] * 2, strict=True):

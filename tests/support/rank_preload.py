@@ -23,3 +23,5 @@ for _spec in FAMILIES:
 # in xfuse's own ranks after start-up; without it each full collection in a test rank walks some 430,000 objects,
 # 0.25 s on this machine. (``gc.freeze`` before fork also keeps those pages shared between the ranks.)
 freeze_startup_heap()
+from xfuse.runtime.heap import keep_freed_heap  # noqa: E402
+keep_freed_heap()
