@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
+from tests.support import REPO
 from tests.support.mmdit_fns import grid_of, prepare_inputs, request_of, tiny
 from xfuse.config import ParallelConfig
 from xfuse.families.common.joint import JointKV
@@ -15,7 +16,7 @@ from xfuse.families.flux.spec import FLUX
 from xfuse.families.generic.dispatch import AttentionCall, current_call, route_dispatcher
 from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.pixart.spec import PIXART_SIGMA
-from xfuse.families.registry import load_pipeline
+from xfuse.families.registry import FAMILIES, load_pipeline
 from xfuse.parallel.engine import PipeFusionEngine
 
 PLAN = dict(blocks=("blocks",), block_returns=("hidden_states",), latent_layout="video")
@@ -156,3 +157,41 @@ def test_a_family_with_only_the_generic_stage_refuses_compiling_it_by_its_compil
     message = "compile.mode: must be 'off' for the ltx family: its only stage is the generic one, whose passes run "
     with pytest.raises(ConfigError, match=message + r"eagerly \(got 'regional'\)"):
         LTX.check_adapter(config)
+
+
+HAND_WRITTEN = [spec for spec in FAMILIES if spec.stage_name is not None]
+
+
+@pytest.mark.parametrize("spec", HAND_WRITTEN, ids=lambda spec: spec.name)
+def test_each_hand_written_stage_says_why_and_the_reason_holds(spec):
+    """Every hand-written family says in one line why the generic family does not run it alone, the line is the one
+    ``docs/models.md`` lists, and what it says of diffusers holds for the installed version: a family whose line says
+    diffusers declares no ``_cp_plan`` has none (a diffusers that adds one makes this fail: time to try the generic
+    family on it), and one whose transformer has a plan does not claim otherwise."""
+    import diffusers
+
+    why = spec.hand_written
+    assert why and "\n" not in why and len(why) <= 160, why
+    assert f"| {spec.name} | {why} |" in (REPO / "docs/models.md").read_text(), why
+    has_plan = getattr(getattr(diffusers, spec.diffusers_transformer), "_cp_plan", None) is not None
+    assert ("no _cp_plan" in why) == (not has_plan), (spec.diffusers_transformer, has_plan, why)
+
+
+def test_qwen_images_reason_holds_diffusers_rotary_cannot_take_zero_text_tokens():
+    """Qwen-Image's line: a later patch carries no text tokens, and diffusers' rotary embedding of the text cannot
+    rotate none (when it can, the generic family may run Qwen-Image: this fails to say so)."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    heads, head_dim = 2, 8
+    freqs = torch.polar(torch.ones(0, head_dim // 2), torch.zeros(0, head_dim // 2))  # 0 tokens' rotations
+    with pytest.raises(RuntimeError, match="cannot reshape tensor of 0 elements"):
+        apply_rotary_emb_qwen(torch.zeros(1, 0, heads, head_dim), freqs, use_real=False)
+    assert "zero text tokens" in next(s for s in FAMILIES if s.name == "qwen-image").hand_written
+
+
+def test_a_hand_written_stage_without_its_reason_is_refused():
+    with pytest.raises(ValueError, match=r"the flux family's hand-written stage needs its reason \(hand_written\)"):
+        replace(FLUX, hand_written=None)
+    ltx = next(spec for spec in FAMILIES if spec.stage_name is None)
+    with pytest.raises(ValueError, match="only a hand-written stage has one"):
+        replace(ltx, hand_written="a reason for a stage it does not have")

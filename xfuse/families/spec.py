@@ -53,6 +53,8 @@ class ModelSpec:
             ``save_preset_pipeline(path, name, seed)``) and, with a ControlNet pipeline, ``controlnet.py``.
         stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls); ``None``: the family has no
             hand-written stage, its stage is the generic one (``forward``, which it must then have).
+        hand_written: why the family keeps a hand-written stage (``stage_name``), in one line: what the generic family
+            cannot run of it (``docs/models.md`` lists them); ``None`` exactly where ``stage_name`` is.
         presets: built-in random-weight models of this family (``model: <preset>``); the first is the smallest, the
             one the conformance suite (``tests/multirank/test_conformance.py``) runs the family's contract on.
         vae_scale_factor: pixels per latent row/column (``2 ** (len(vae.block_out_channels) - 1)``).
@@ -146,10 +148,14 @@ class ModelSpec:
     controlnet: str | None = None
     control_samples: Callable[[dict, dict], dict[int, int]] | None = None
     forward: ForwardPlan | None = None
+    hand_written: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage_name is None and self.forward is None:
             raise ValueError(f"the {self.name} family needs a stage: a stage_name or a ForwardPlan (forward)")
+        if (self.stage_name is None) != (self.hand_written is None):
+            raise ValueError(f"the {self.name} family's hand-written stage needs its reason (hand_written), in one "
+                             "line, and only a hand-written stage has one")  # fmt: skip
 
     @property
     def pipeline_name(self) -> str:

@@ -43,6 +43,8 @@ FLUX = ModelSpec(
     diffusers_transformer="FluxTransformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
     stage_name="FluxStage",
+    hand_written="compile.mode and ControlNet run on this stage only; parallel.adapter: generic runs the rest, exact "
+    "(1.02x its time at degree 2)",
     presets=("flux-tiny", "flux-small", "flux-dev", "flux-schnell"),
     vae_scale_factor=8,
     text_lengths=(512,),  # T5 (max_sequence_length); the CLIP prompt gives only the pooled vector

@@ -45,6 +45,8 @@ FLUX2 = ModelSpec(
     diffusers_transformer="Flux2Transformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py beside this file
     stage_name="Flux2Stage",
+    hand_written="its forward joins the text and image streams between the double and single blocks (outside any "
+    "block), which a ForwardPlan cannot state",
     presets=("flux2-tiny", "flux2-small", "flux2-dev"),
     vae_scale_factor=8,
     text_lengths=(512,),  # Flux2Pipeline's max_sequence_length: the prompt is always padded to it
@@ -66,6 +68,8 @@ FLUX2_KLEIN = replace(
     name="flux2-klein",
     diffusers_pipeline="Flux2KleinPipeline",
     stage_name="Flux2KleinStage",
+    hand_written="its forward joins the text and image streams between the double and single blocks (outside any "
+    "block), which a ForwardPlan cannot state",
     presets=("flux2-klein-tiny", "flux2-klein-4b", "flux2-klein-9b"),
     crosses_per_patch="hidden states at each hand-off, plus the text stream (B, 512, hidden) with the step's first "
     "patch only (it owns the text update; later patches reuse its text K/V); with linear placement the stepped "

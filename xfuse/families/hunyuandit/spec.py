@@ -42,6 +42,8 @@ HUNYUANDIT = ModelSpec(
     diffusers_transformer="HunyuanDiT2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
     stage_name="HunyuanDiTStage",
+    hand_written="its long skips (block N - 1 - k adds block k's output) cross the hand-offs, and diffusers declares "
+    "no _cp_plan for it",
     presets=("tiny", "small", "bytes40", "dit-g2"),
     vae_scale_factor=8,  # the SDXL AutoencoderKL: 4 levels, 3 downsamplings
     text_lengths=(77, 256),  # BERT, mT5

@@ -20,6 +20,8 @@ PIXART_SIGMA = ModelSpec(
     diffusers_transformer="PixArtTransformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
     stage_name="PixArtStage",
+    hand_written="diffusers declares no _cp_plan for it, and its cross-attention takes the text's mask (the generic "
+    "route refuses masks)",
     presets=("pixart-tiny", "pixart-small"),
     vae_scale_factor=8,
     text_lengths=(300,),  # T5 (PixArtSigmaPipeline's default max_sequence_length)

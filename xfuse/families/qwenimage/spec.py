@@ -23,6 +23,8 @@ QWEN_IMAGE = ModelSpec(
     diffusers_transformer="QwenImageTransformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py beside this file
     stage_name="QwenImageStage",
+    hand_written="diffusers' apply_rotary_emb_qwen cannot rotate zero text tokens (a reshape by -1), and a later "
+    "patch carries none (it attends to the step's text K/V)",
     presets=("qwen-image-tiny", "qwen-image-small", "qwen-image"),
     vae_scale_factor=8,
     # QwenImagePipeline's max_sequence_length: a prompt keeps its own length (the chat template's 34 leading tokens

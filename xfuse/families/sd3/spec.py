@@ -34,6 +34,7 @@ STABLE_DIFFUSION_3 = ModelSpec(
     diffusers_transformer="SD3Transformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
     stage_name="SD3Stage",
+    hand_written="diffusers declares no _cp_plan for SD3Transformer2DModel",
     presets=("sd3-tiny", "sd35-tiny", "sd3-small", "sd3-medium", "sd3.5-medium", "sd3.5-large"),
     vae_scale_factor=8,
     text_lengths=(77, 256),  # CLIP-L and CLIP-G (side by side, one sequence), T5 (max_sequence_length)

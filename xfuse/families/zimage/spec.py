@@ -39,6 +39,7 @@ Z_IMAGE = ModelSpec(
     diffusers_transformer="ZImageTransformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py beside this file
     stage_name="ZImageStage",
+    hand_written="diffusers declares no _cp_plan for it; its forward pads text and image into one sequence per sample",
     presets=("z-image-tiny", "z-image-small", "z-image-turbo"),
     vae_scale_factor=8,
     # ZImagePipeline's max_sequence_length: a prompt keeps its own length (its valid tokens), at most this
