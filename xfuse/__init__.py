@@ -11,7 +11,11 @@ def __getattr__(name: str):
     from xfuse.families.registry import PIPELINE_SPECS
 
     if name == "__all__":
-        return [*PIPELINE_SPECS, "__version__"]
+        return [*PIPELINE_SPECS, "parallelize", "__version__"]
+    if name == "parallelize":  # a modular pipeline's denoise step on xfuse's loop (xfuse.modular)
+        from xfuse.modular import parallelize
+
+        return parallelize
     if name in PIPELINE_SPECS:
         return PIPELINE_SPECS[name].pipeline_class_named(name)
     raise AttributeError(f"module 'xfuse' has no attribute {name!r}")

@@ -53,6 +53,9 @@ class ModelSpec:
             ``save_preset_pipeline(path, name, seed)``) and, with a ControlNet pipeline, ``controlnet.py``.
         stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls); ``None``: the family has no
             hand-written stage, its stage is the generic one (``forward``, which it must then have).
+        modular_denoise: the denoise step of diffusers' modular pipeline for this transformer (``FluxDenoiseStep``)
+            that ``xfuse.parallelize`` replaces with xfuse's loop; the family's ``modular.py`` maps that step's block
+            state to the engine's request (``None``: no modular pipeline is run).
         hand_written: why the family keeps a hand-written stage (``stage_name``), in one line: what the generic family
             cannot run of it (``docs/models.md`` lists them); ``None`` exactly where ``stage_name`` is.
         presets: built-in random-weight models of this family (``model: <preset>``); the first is the smallest, the
@@ -149,6 +152,7 @@ class ModelSpec:
     control_samples: Callable[[dict, dict], dict[int, int]] | None = None
     forward: ForwardPlan | None = None
     hand_written: str | None = None
+    modular_denoise: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage_name is None and self.forward is None:
@@ -178,6 +182,10 @@ class ModelSpec:
         (torch and diffusers with it, without the garbage collector's passes over them: ``collector_paused``)."""
         with collector_paused():
             return importlib.import_module(f"{self.package}.{name}")
+
+    def modular(self) -> ModuleType:
+        """The family's ``modular.py``: what ``xfuse.parallelize`` runs a modular pipeline's denoise step by."""
+        return self._module("modular")
 
     def pipeline_class(self) -> type:
         """The xfuse pipeline class (a ``PipeFusionPipelineBase``): ``pipeline_name`` in ``pipeline.py``."""

@@ -61,6 +61,7 @@ FLUX = ModelSpec(
     native_side=lambda config: 128 * 8,  # FluxPipeline.default_sample_size x its VAE factor
     controlnet="FluxControlNetPipeline",
     control_samples=flux_control_samples,
+    modular_denoise="FluxDenoiseStep",
     forward=ForwardPlan(
         blocks=("transformer_blocks", "single_transformer_blocks"),
         block_returns=("encoder_hidden_states", "hidden_states"),

@@ -1,0 +1,69 @@
+"""Modular Diffusers as a second face (``xfuse.parallelize``): diffusers' own FLUX.1 modular pipeline
+(``FluxAutoBlocks``) runs its blocks on every rank with xfuse's loop in place of its ``FluxDenoiseStep``, on real gloo
+ranks. Exact mode equals the same modular pipeline run serially by diffusers alone; pipelined, the latents are those
+of the same patches and warm-up at degree 1 (they depend on M and W only), not the serial ones; every rank returns the
+same latents (rank 0's stepped latents are broadcast before the pipeline's next block).
+"""
+
+import pytest
+import torch
+
+from tests.support.modular_fns import flux_modular, modular_latents, parallel_modular_latents
+from tests.support.world import World
+
+EXACT = {"warmup_steps": 100}  # warm-up covers every step
+LAYOUTS = {  # name -> (world size, parallel section)
+    "pp2": (2, {"pipefusion_degree": 2, "num_patches": 3}),
+    "pp3": (3, {"pipefusion_degree": 3, "num_patches": 4}),
+    "pp2_ulysses2": (4, {"pipefusion_degree": 2, "ulysses_degree": 2}),
+    "pp2_generic": (2, {"pipefusion_degree": 2, "num_patches": 3, "adapter": "generic"}),
+}
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    made: dict[int, World] = {}
+
+    def world(size: int) -> World:
+        if size not in made:
+            for other in made.values():  # one world at a time: 4 ranks on this machine's 2 cores
+                other.close()
+            made.clear()
+            made[size] = World(size, start_timeout=240)
+        return made[size]
+
+    yield world
+    for w in made.values():
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return modular_latents(flux_modular())  # diffusers alone
+
+
+def rel_max(actual, expected) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_exact_mode_equals_the_serial_modular_pipeline_on_every_rank(worlds, serial, layout):
+    size, parallel = LAYOUTS[layout]
+    results = worlds(size).run_ok(parallel_modular_latents, {**parallel, **EXACT}, timeout=300)
+    latents, step = results[0]
+    assert step == "ParallelDenoiseStep"
+    assert latents.shape == serial.shape == (1, 4, 16, 12)  # unpacked by the pipeline's own next block
+    assert rel_max(latents, serial) <= 1e-4, layout
+    for rank, (other, _) in enumerate(results[1:], 1):
+        assert torch.equal(other, latents), rank  # every rank goes on with rank 0's latents
+
+
+def test_pipelined_equals_the_same_patches_at_degree_1_not_serial(worlds, serial):
+    """pp2 and pp3 with M = 3 and one warm-up step equal the degree-1 engine's latents for M = 3, W = 1."""
+    pipelined = {"num_patches": 3, "warmup_steps": 1}
+    alone, _ = parallel_modular_latents({"pipefusion_degree": 1, **pipelined})
+    assert rel_max(alone, serial) > 1e-4  # stale K/V matter: a pipelined run that fell back to serial fails
+    for degree in (2, 3):
+        latents, _ = worlds(degree).run_ok(parallel_modular_latents, {"pipefusion_degree": degree, **pipelined},
+                                      timeout=300)[0]  # fmt: skip
+        assert rel_max(latents, alone) <= 1e-5, degree

@@ -1,0 +1,34 @@
+"""``xfuse.parallelize``'s refusals, each naming what is wrong, before any rank communicates: a modular pipeline with
+no transformer loaded, a transformer no family runs a modular denoise step of, and a call argument xfuse's denoise step
+does not run (refused on every rank from its own block state)."""
+
+import types
+
+import pytest
+import torch
+
+import xfuse
+from tests.support.modular_fns import CALL, flux_modular
+from xfuse.families.registry import load_pipeline
+
+
+def test_a_modular_pipeline_without_its_transformer_is_refused():
+    from diffusers.modular_pipelines import FluxAutoBlocks
+
+    with pytest.raises(ValueError, match=r"the modular pipeline has no transformer loaded \(load_components first\)"):
+        xfuse.parallelize(FluxAutoBlocks().init_pipeline(), parallel={"pipefusion_degree": 1})
+
+
+def test_a_transformer_no_family_runs_modularly_is_refused_naming_those_that_do():
+    pipeline = types.SimpleNamespace(transformer=load_pipeline("pixart-tiny").transformer)
+    message = r"no xfuse family runs a modular pipeline of PixArtTransformer2DModel \(families with a modular " \
+              r"denoise step: flux\)"  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        xfuse.parallelize(pipeline, parallel={"pipefusion_degree": 1})
+
+
+def test_joint_attention_kwargs_are_refused_by_name():
+    modular = xfuse.parallelize(flux_modular(), parallel={"pipefusion_degree": 1})
+    with pytest.raises(ValueError, match="joint_attention_kwargs: not run by xfuse's modular FLUX.1 denoise step"):
+        modular(**CALL, joint_attention_kwargs={"scale": 0.5}, generator=torch.Generator().manual_seed(0),
+                output="latents")  # fmt: skip

@@ -1,0 +1,128 @@
+"""Modular Diffusers as a second face: ``xfuse.parallelize(modular_pipeline, parallel=...)`` puts xfuse's denoising
+loop in place of a modular pipeline's denoise step, so the pipeline runs its own blocks (inputs, text encoders,
+timesteps, latents, decode) and PipeFusion runs the loop.
+
+What a family knows of its modular pipeline lives in its folder (``modular.py``: the name of diffusers' denoise step
+it replaces, and how that step's block state becomes the engine's request and back); this module finds the step in the
+pipeline's blocks, builds the family's xfuse pipeline around the same components (``from_pipe``: each rank keeps only
+its blocks of the transformer), and runs it. As with diffusers' own ``enable_parallelism``, every rank runs the whole
+modular pipeline with the same arguments (under ``torchrun``) and every rank returns the same output: the denoised
+latents are broadcast from the rank that stepped them before the pipeline's next block reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _family_of(modular_pipeline):
+    """The registered family whose transformer the modular pipeline holds (and that has a modular denoise step)."""
+    from xfuse.families.registry import FAMILIES
+
+    transformer = getattr(modular_pipeline, "transformer", None)
+    if transformer is None:
+        raise ValueError("parallelize: the modular pipeline has no transformer loaded (load_components first)")
+    name = type(transformer).__name__
+    for spec in FAMILIES:
+        if spec.diffusers_transformer == name and spec.modular_denoise is not None:
+            return spec
+    held = [spec.name for spec in FAMILIES if spec.modular_denoise is not None]
+    raise ValueError(f"parallelize: no xfuse family runs a modular pipeline of {name} (families with a modular "
+                     f"denoise step: {', '.join(held)})")  # fmt: skip
+
+
+def _replace_denoise_step(blocks, step_class: str, make) -> int:
+    """Replace every sub-block of ``blocks`` (recursively) that is diffusers' ``step_class`` with ``make(old)``;
+    the count replaced."""
+    replaced = 0
+    for name, block in list(getattr(blocks, "sub_blocks", {}).items()):
+        if type(block).__name__ == step_class:
+            blocks.sub_blocks[name] = make(block)
+            replaced += 1
+        else:
+            replaced += _replace_denoise_step(block, step_class, make)
+    return replaced
+
+
+def parallelize(modular_pipeline, parallel: dict | None = None, comm: dict | None = None, cache: dict | None = None):
+    """The modular pipeline with its denoise step on xfuse's engine over the world's ranks: a new pipeline of the
+    same blocks (but that step) and the same components.
+
+    ``parallel``, ``comm``, ``cache``: the sections ``from_pretrained`` takes (``parallel.adapter: generic`` runs the
+    transformer's own forward). Call it on every rank after ``load_components``, then call the returned pipeline
+    with the same arguments on every rank. The transformer is sharded in place (each rank keeps its blocks), so the
+    pipeline it was given no longer runs its own denoise step.
+    """
+    spec = _family_of(modular_pipeline)
+    diffusers_class = getattr(__import__("diffusers"), spec.diffusers_pipeline)
+    components = {name: value for name, value in modular_pipeline.components.items() if value is not None}
+    names = set(diffusers_class._get_signature_keys(diffusers_class)[0])
+    xfuse_pipe = spec.pipeline_class().from_pipe(diffusers_class(**{n: components.get(n) for n in names}),
+                                                 parallel=parallel, comm=comm, cache=cache)  # fmt: skip
+    blocks = modular_pipeline.blocks  # (diffusers' property: a copy of the pipeline's blocks)
+    replaced = _replace_denoise_step(blocks, spec.modular_denoise,
+                                     lambda old: ParallelDenoiseStep(old, xfuse_pipe, spec.modular()))  # fmt: skip
+    if replaced == 0:
+        raise ValueError(f"parallelize: the pipeline's blocks have no {spec.modular_denoise} (the denoise step xfuse "
+                         f"replaces for the {spec.name} family)")  # fmt: skip
+    parallel_pipeline = blocks.init_pipeline()
+    parallel_pipeline.update_components(**components)
+    parallel_pipeline.xfuse_pipeline = xfuse_pipe  # what runs the loop (its plan, its context), for the caller to see
+    return parallel_pipeline
+
+
+def _modular_blocks_base():
+    from diffusers.modular_pipelines import ModularPipelineBlocks
+
+    return ModularPipelineBlocks
+
+
+class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
+    """The denoise step xfuse runs: the replaced step's inputs and outputs, the loop on the engine."""
+
+    def __init__(self, replaced, xfuse_pipe, family):
+        self._replaced, self._xfuse, self._family = replaced, xfuse_pipe, family
+        super().__init__()
+
+    def __deepcopy__(self, memo) -> ParallelDenoiseStep:
+        return self  # it holds the rank's engine and process groups: a copy of the blocks shares them
+
+    @property
+    def model_name(self) -> str | None:  # type: ignore[override]
+        return self._replaced.model_name
+
+    @property
+    def description(self) -> str:
+        return f"xfuse's PipeFusion loop in place of {type(self._replaced).__name__} ({self._xfuse.parallel})"
+
+    @property
+    def expected_components(self) -> list:
+        return self._replaced.expected_components
+
+    @property
+    def inputs(self) -> list:
+        return self._replaced.inputs
+
+    @property
+    def intermediate_outputs(self) -> list:
+        return self._replaced.intermediate_outputs
+
+    @torch.no_grad()
+    def __call__(self, components, state) -> tuple[Any, Any]:
+        block_state = self.get_block_state(state)
+        pipe = self._xfuse
+        inputs = self._family.loop_inputs(block_state)  # (its refusals: on every rank, before any message)
+        pipe._begin_call()
+        # from here on every rank communicates: a failure anywhere stops everyone
+        with pipe.context.monitor.guard():
+            # what the loop reads is rank 0's on every rank (each rank ran the blocks before; as xfuse's own
+            # pipelines broadcast rank 0's text and latents, no rank's own draw or encoder can differ)
+            inputs = pipe.collectives.from_rank0(inputs if pipe.context.is_output else None)
+            request, back = self._family.denoise_request(pipe, inputs, block_state.timesteps, components.scheduler)
+            final = pipe._denoise(request)
+            final = pipe.collectives.from_rank0(final)  # every rank goes on with the stepped latents
+        block_state.latents = back(final)
+        self.set_block_state(state, block_state)
+        return components, state
