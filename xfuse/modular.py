@@ -12,9 +12,16 @@ latents are broadcast from the rank that stepped them before the pipeline's next
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+
+from xfuse.errors import ConfigError
+
+# What the modular pipeline does itself on every rank, so xfuse must leave it whole: the text encoders (its encode
+# step runs on every rank) and the VAE (its decode step too). ``auto`` is resolved so; the other values are refused.
+_MODULAR_PLACEMENTS = {"text_encoder": ("rank0", "its text encoder step"), "vae_parallel": ("off", "its decode step")}
 
 
 def _family_of(modular_pipeline):
@@ -31,6 +38,22 @@ def _family_of(modular_pipeline):
     held = [spec.name for spec in FAMILIES if spec.modular_denoise is not None]
     raise ValueError(f"parallelize: no xfuse family runs a modular pipeline of {name} (families with a modular "
                      f"denoise step: {', '.join(held)})")  # fmt: skip
+
+
+def _modular_parallel(parallel: dict | None, family) -> dict:
+    """``parallel`` for the xfuse pipeline a modular pipeline's loop runs on: the placements the modular pipeline
+    needs (``_MODULAR_PLACEMENTS``), and no CFG parallelism where the family's modular step has no CFG batch."""
+    parallel = dict(parallel or {})
+    for key, (value, step) in _MODULAR_PLACEMENTS.items():
+        given = parallel.get(key, "auto")
+        if given not in ("auto", value):
+            raise ConfigError(f"parallel.{key}", f"must be auto or {value} for a modular pipeline, which runs {step} "
+                              f"on every rank (got {given!r})")  # fmt: skip
+        parallel[key] = value
+    if not family.CFG_BATCH and parallel.get("cfg_degree", 1) != 1:
+        raise ConfigError("parallel.cfg_degree", f"must be 1: this modular pipeline's denoise step has no CFG batch "
+                          f"(got {parallel['cfg_degree']})")  # fmt: skip
+    return parallel
 
 
 def _replace_denoise_step(blocks, step_class: str, make) -> int:
@@ -51,19 +74,25 @@ def parallelize(modular_pipeline, parallel: dict | None = None, comm: dict | Non
     same blocks (but that step) and the same components.
 
     ``parallel``, ``comm``, ``cache``: the sections ``from_pretrained`` takes (``parallel.adapter: generic`` runs the
-    transformer's own forward). Call it on every rank after ``load_components``, then call the returned pipeline
-    with the same arguments on every rank. The transformer is sharded in place (each rank keeps its blocks), so the
-    pipeline it was given no longer runs its own denoise step.
+    transformer's own forward); the text encoders and the VAE stay whole on every rank (``parallel.text_encoder``
+    rank0, ``parallel.vae_parallel`` off: the modular pipeline's own steps run them on every rank). Call it on every
+    rank after ``load_components``, then call the returned pipeline with the same arguments on every rank. The
+    transformer is sharded in place (each rank keeps its blocks), so the pipeline it was given no longer runs its own
+    denoise step.
     """
+    import diffusers
+
     spec = _family_of(modular_pipeline)
-    diffusers_class = getattr(__import__("diffusers"), spec.diffusers_pipeline)
+    family = spec.modular()
+    parallel = _modular_parallel(parallel, family)  # (before any communication)
+    diffusers_class = getattr(diffusers, spec.diffusers_pipeline)
     components = {name: value for name, value in modular_pipeline.components.items() if value is not None}
-    names = set(diffusers_class._get_signature_keys(diffusers_class)[0])
+    names = set(inspect.signature(diffusers_class.__init__).parameters) - {"self"}
     xfuse_pipe = spec.pipeline_class().from_pipe(diffusers_class(**{n: components.get(n) for n in names}),
                                                  parallel=parallel, comm=comm, cache=cache)  # fmt: skip
     blocks = modular_pipeline.blocks  # (diffusers' property: a copy of the pipeline's blocks)
     replaced = _replace_denoise_step(blocks, spec.modular_denoise,
-                                     lambda old: ParallelDenoiseStep(old, xfuse_pipe, spec.modular()))  # fmt: skip
+                                     lambda old: ParallelDenoiseStep(old, xfuse_pipe, family))  # fmt: skip
     if replaced == 0:
         raise ValueError(f"parallelize: the pipeline's blocks have no {spec.modular_denoise} (the denoise step xfuse "
                          f"replaces for the {spec.name} family)")  # fmt: skip

@@ -58,6 +58,16 @@ def test_exact_mode_equals_the_serial_modular_pipeline_on_every_rank(worlds, ser
         assert torch.equal(other, latents), rank  # every rank goes on with rank 0's latents
 
 
+def test_every_rank_decodes_the_image_diffusers_decodes(worlds):
+    """The pipeline's own decode step runs on every rank (its VAE left whole): pp2, exact, images as numpy."""
+    serial = modular_latents(flux_modular(), output="images")
+    results = worlds(2).run_ok(parallel_modular_latents, {"pipefusion_degree": 2, **EXACT}, output="images",
+                               timeout=300)  # fmt: skip
+    for rank, (images, _) in enumerate(results):
+        assert images.shape == serial.shape == (1, 128, 96, 3), rank
+        assert abs(images - serial).max() <= 1e-4, rank
+
+
 def test_pipelined_equals_the_same_patches_at_degree_1_not_serial(worlds, serial):
     """pp2 and pp3 with M = 3 and one warm-up step equal the degree-1 engine's latents for M = 3, W = 1."""
     pipelined = {"num_patches": 3, "warmup_steps": 1}

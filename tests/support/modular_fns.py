@@ -21,17 +21,19 @@ def flux_modular():
     return modular
 
 
-def modular_latents(modular, call=CALL, seed=0) -> torch.Tensor:
-    """The pipeline's final latents (unpacked, as its ``unpack_latents`` step leaves them) for ``call``."""
-    return modular(**call, generator=torch.Generator().manual_seed(seed), output="latents")
+def modular_latents(modular, call=CALL, seed=0, output="latents"):
+    """The pipeline's ``output`` for ``call``: its final latents (unpacked, as its ``unpack_latents`` step leaves
+    them), or ``"images"``: its decode's (``output_type`` np)."""
+    extra = {"output_type": "np"} if output == "images" else {}
+    return modular(**call, **extra, generator=torch.Generator().manual_seed(seed), output=output)
 
 
-def parallel_modular_latents(parallel, call=CALL, seed=0):
+def parallel_modular_latents(parallel, call=CALL, seed=0, output="latents"):
     """On a rank: the tiny FLUX.1 modular pipeline through ``xfuse.parallelize(..., parallel=parallel)``, its
-    latents (every rank returns what it holds after the call) and the description of the step that ran the loop."""
+    ``output`` (every rank returns what it holds after the call) and the name of the step that ran the loop."""
     import xfuse
 
     modular = xfuse.parallelize(flux_modular(), parallel=parallel)
-    latents = modular_latents(modular, call, seed)
+    result = modular_latents(modular, call, seed, output)
     step = modular.blocks.sub_blocks["denoise"].sub_blocks["denoise"]
-    return latents, type(step).__name__
+    return result, type(step).__name__

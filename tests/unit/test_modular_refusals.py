@@ -32,3 +32,21 @@ def test_joint_attention_kwargs_are_refused_by_name():
     with pytest.raises(ValueError, match="joint_attention_kwargs: not run by xfuse's modular FLUX.1 denoise step"):
         modular(**CALL, joint_attention_kwargs={"scale": 0.5}, generator=torch.Generator().manual_seed(0),
                 output="latents")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ({"cfg_degree": 2}, r"parallel.cfg_degree: must be 1: this modular pipeline's denoise step has no CFG batch "
+                            r"\(got 2\)"),
+        ({"text_encoder": "split"}, r"parallel.text_encoder: must be auto or rank0 for a modular pipeline, which runs "
+                                    r"its text encoder step on every rank \(got 'split'\)"),
+        ({"vae_parallel": "on"}, r"parallel.vae_parallel: must be auto or off for a modular pipeline, which runs its "
+                                 r"decode step on every rank \(got 'on'\)"),
+    ],
+)  # fmt: skip
+def test_a_layout_the_modular_pipeline_cannot_run_is_refused_by_its_key(parallel, message):
+    from xfuse.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        xfuse.parallelize(flux_modular(), parallel={"pipefusion_degree": 1, **parallel})

@@ -15,6 +15,7 @@ import torch
 from xfuse.families.common.packed import grid_to_packed, packed_to_grid
 from xfuse.families.flux.stage import denoise_request as flux_request
 
+CFG_BATCH = False  # FluxLoopDenoiser makes one transformer call a step (no true CFG)
 LOOP_INPUTS = ("latents", "prompt_embeds", "pooled_prompt_embeds", "txt_ids", "img_ids", "guidance")
 
 
