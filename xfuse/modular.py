@@ -142,14 +142,14 @@ class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
     def __call__(self, components, state) -> tuple[Any, Any]:
         block_state = self.get_block_state(state)
         pipe = self._xfuse
-        inputs = self._family.loop_inputs(block_state)  # (its refusals: on every rank, before any message)
+        inputs = self._family.loop_inputs(block_state, components)  # (its refusals: on every rank, before any message)
         pipe._begin_call()
         # from here on every rank communicates: a failure anywhere stops everyone
         with pipe.context.monitor.guard():
             # what the loop reads is rank 0's on every rank (each rank ran the blocks before; as xfuse's own
             # pipelines broadcast rank 0's text and latents, no rank's own draw or encoder can differ)
             inputs = pipe.collectives.from_rank0(inputs if pipe.context.is_output else None)
-            request, back = self._family.denoise_request(pipe, inputs, block_state.timesteps, components.scheduler)
+            request, back = self._family.denoise_request(pipe, inputs, block_state.timesteps, components)
             final = pipe._denoise(request)
             final = pipe.collectives.from_rank0(final)  # every rank goes on with the stepped latents
         block_state.latents = back(final)

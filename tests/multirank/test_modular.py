@@ -1,14 +1,15 @@
-"""Modular Diffusers as a second face (``xfuse.parallelize``): diffusers' own FLUX.1 modular pipeline
-(``FluxAutoBlocks``) runs its blocks on every rank with xfuse's loop in place of its ``FluxDenoiseStep``, on real gloo
-ranks. Exact mode equals the same modular pipeline run serially by diffusers alone; pipelined, the latents are those
-of the same patches and warm-up at degree 1 (they depend on M and W only), not the serial ones; every rank returns the
-same latents (rank 0's stepped latents are broadcast before the pipeline's next block).
+"""Modular Diffusers as a second face (``xfuse.parallelize``): diffusers' own modular pipelines of FLUX.1
+(``FluxAutoBlocks``) and Wan 2.1 (``WanBlocks``, classifier-free guidance through its guider) run their blocks on every
+rank with xfuse's loop in place of their denoise step, on real gloo ranks. Exact mode equals the same modular pipeline
+run serially by diffusers alone; pipelined, the latents are those of the same patches and warm-up at degree 1 (they
+depend on M and W only), not the serial ones; every rank returns the same latents (rank 0's stepped latents are
+broadcast before the pipeline's next block).
 """
 
 import pytest
 import torch
 
-from tests.support.modular_fns import flux_modular, modular_latents, parallel_modular_latents
+from tests.support.modular_fns import CALLS, flux_modular, modular_latents, modular_pipeline, parallel_modular_latents
 from tests.support.world import World
 
 EXACT = {"warmup_steps": 100}  # warm-up covers every step
@@ -17,7 +18,13 @@ LAYOUTS = {  # name -> (world size, parallel section)
     "pp3": (3, {"pipefusion_degree": 3, "num_patches": 4}),
     "pp2_ulysses2": (4, {"pipefusion_degree": 2, "ulysses_degree": 2}),
     "pp2_generic": (2, {"pipefusion_degree": 2, "num_patches": 3, "adapter": "generic"}),
+    "cfg2_pp2": (4, {"pipefusion_degree": 2, "cfg_degree": 2}),
 }
+CASES = [("flux", name) for name in ("pp2", "pp3", "pp2_ulysses2", "pp2_generic")] + [
+    ("wan", name)
+    for name in ("pp2", "cfg2_pp2", "pp2_generic")  # Wan's guider: a CFG batch the cfg groups split
+]
+SHAPES = {"flux": (1, 4, 16, 12), "wan": (1, 4, 3, 8, 12)}  # FLUX.1 unpacked by the pipeline's own next block
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +45,29 @@ def worlds():
 
 
 @pytest.fixture(scope="module")
-def serial():
-    return modular_latents(flux_modular())  # diffusers alone
+def serials():
+    made: dict[str, torch.Tensor] = {}
+
+    def serial(family: str) -> torch.Tensor:
+        if family not in made:
+            made[family] = modular_latents(modular_pipeline(family), CALLS[family])  # diffusers alone
+        return made[family]
+
+    return serial
 
 
 def rel_max(actual, expected) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_exact_mode_equals_the_serial_modular_pipeline_on_every_rank(worlds, serial, layout):
+@pytest.mark.parametrize("family,layout", CASES)
+def test_exact_mode_equals_the_serial_modular_pipeline_on_every_rank(worlds, serials, family, layout):
     size, parallel = LAYOUTS[layout]
-    results = worlds(size).run_ok(parallel_modular_latents, {**parallel, **EXACT}, timeout=300)
+    results = worlds(size).run_ok(parallel_modular_latents, {**parallel, **EXACT}, family, timeout=300)
     latents, step = results[0]
+    serial = serials(family)
     assert step == "ParallelDenoiseStep"
-    assert latents.shape == serial.shape == (1, 4, 16, 12)  # unpacked by the pipeline's own next block
+    assert latents.shape == serial.shape == SHAPES[family]
     assert rel_max(latents, serial) <= 1e-4, layout
     for rank, (other, _) in enumerate(results[1:], 1):
         assert torch.equal(other, latents), rank  # every rank goes on with rank 0's latents
@@ -68,12 +83,13 @@ def test_every_rank_decodes_the_image_diffusers_decodes(worlds):
         assert abs(images - serial).max() <= 1e-4, rank
 
 
-def test_pipelined_equals_the_same_patches_at_degree_1_not_serial(worlds, serial):
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_pipelined_equals_the_same_patches_at_degree_1_not_serial(worlds, serials, family):
     """pp2 and pp3 with M = 3 and one warm-up step equal the degree-1 engine's latents for M = 3, W = 1."""
     pipelined = {"num_patches": 3, "warmup_steps": 1}
-    alone, _ = parallel_modular_latents({"pipefusion_degree": 1, **pipelined})
-    assert rel_max(alone, serial) > 1e-4  # stale K/V matter: a pipelined run that fell back to serial fails
+    alone, _ = parallel_modular_latents({"pipefusion_degree": 1, **pipelined}, family)
+    assert rel_max(alone, serials(family)) > 1e-4  # stale K/V matter: a run that fell back to serial fails
     for degree in (2, 3):
         latents, _ = worlds(degree).run_ok(parallel_modular_latents, {"pipefusion_degree": degree, **pipelined},
-                                      timeout=300)[0]  # fmt: skip
+                                           family, timeout=300)[0]  # fmt: skip
         assert rel_max(latents, alone) <= 1e-5, degree

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xfuse
-from tests.support.modular_fns import CALL, flux_modular
+from tests.support.modular_fns import CALL, CALLS, flux_modular, modular_pipeline
 from xfuse.families.registry import load_pipeline
 
 
@@ -22,7 +22,7 @@ def test_a_modular_pipeline_without_its_transformer_is_refused():
 def test_a_transformer_no_family_runs_modularly_is_refused_naming_those_that_do():
     pipeline = types.SimpleNamespace(transformer=load_pipeline("pixart-tiny").transformer)
     message = r"no xfuse family runs a modular pipeline of PixArtTransformer2DModel \(families with a modular " \
-              r"denoise step: flux\)"  # fmt: skip
+              r"denoise step: flux, wan\)"  # fmt: skip
     with pytest.raises(ValueError, match=message):
         xfuse.parallelize(pipeline, parallel={"pipefusion_degree": 1})
 
@@ -50,3 +50,23 @@ def test_a_layout_the_modular_pipeline_cannot_run_is_refused_by_its_key(parallel
 
     with pytest.raises(ConfigError, match=message):
         xfuse.parallelize(flux_modular(), parallel={"pipefusion_degree": 1, **parallel})
+
+
+@pytest.mark.parametrize(
+    "guider,message",
+    [
+        ({"guidance_rescale": 0.7}, r"guider.guidance_rescale: .* runs 0.0 only \(got 0.7\)"),
+        ({"use_original_formulation": True}, r"guider.use_original_formulation: .* runs False only \(got True\)"),
+        ({"stop": 0.5}, r"guider.stop: xfuse's modular Wan denoise step runs 1.0 only \(got 0.5\)"),
+        ({"guidance_scale": 0.5}, r"guider.guidance_scale: must be at least 1 \(got 0.5\)"),
+    ],
+)  # fmt: skip
+def test_a_guider_xfuse_does_not_combine_as_diffusers_does_is_refused_by_name(guider, message):
+    """Wan's modular step batches its guider's two calls: a guider whose combination xfuse's loop does not make
+    (rescaled, the original formulation, a step range, a scale below 1) is refused, naming the setting."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    modular = xfuse.parallelize(modular_pipeline("wan"), parallel={"pipefusion_degree": 1})
+    modular.update_components(guider=ClassifierFreeGuidance(**{"guidance_scale": 5.0, **guider}))
+    with pytest.raises(ValueError, match=message):
+        modular(**CALLS["wan"], generator=torch.Generator().manual_seed(0), output="latents")

@@ -19,7 +19,7 @@ CFG_BATCH = False  # FluxLoopDenoiser makes one transformer call a step (no true
 LOOP_INPUTS = ("latents", "prompt_embeds", "pooled_prompt_embeds", "txt_ids", "img_ids", "guidance")
 
 
-def loop_inputs(block_state) -> dict[str, torch.Tensor]:
+def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
     """The tensors of the step's block state the loop reads (rank 0's are broadcast to every rank)."""
     if getattr(block_state, "joint_attention_kwargs", None):
         raise ValueError("joint_attention_kwargs: not run by xfuse's modular FLUX.1 denoise step (a LoRA scale is "
@@ -27,7 +27,7 @@ def loop_inputs(block_state) -> dict[str, torch.Tensor]:
     return {name: getattr(block_state, name) for name in LOOP_INPUTS if getattr(block_state, name) is not None}
 
 
-def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tensor, scheduler):
+def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tensor, components):
     """The engine's request for ``FluxDenoiseStep``'s loop, and how the engine's final grid becomes the step's
     ``latents`` (packed, as ``FluxLoopAfterDenoiser`` leaves them)."""
     latents = inputs["latents"]  # (B, rows * cols, C4), packed
@@ -38,7 +38,7 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tens
         pipe.stage,
         latents=packed_to_grid(latents, rows).contiguous(),  # (B, C4, rows, cols)
         timesteps=timesteps,
-        scheduler=scheduler,
+        scheduler=components.scheduler,
         prompt_embeds=inputs["prompt_embeds"],
         pooled_prompt_embeds=inputs["pooled_prompt_embeds"],
         text_ids=inputs["txt_ids"],

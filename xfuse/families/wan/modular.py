@@ -1,0 +1,77 @@
+"""Wan 2.1's modular pipeline (``diffusers.WanModularPipeline`` of ``WanBlocks``) on xfuse's loop: what
+``WanDenoiseStep``'s block state is to the engine (``xfuse.modular.parallelize`` replaces that step).
+
+The step's inputs are ``WanLoopDenoiser``'s: the latents (B, C, F, H, W) in float32, the transformer's ``dtype``, the
+prompt's and the negative prompt's UMT5 embeddings, which its guider (``ClassifierFreeGuidance``) batches as a
+conditional and an unconditional call; xfuse batches them [negative, positive] in one transformer batch (or one per
+CFG group), combined as the guider combines them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from xfuse.families.wan.stage import denoise_request as wan_request
+from xfuse.parallel.video_layout import VideoLayout
+
+CFG_BATCH = True  # the guider's conditional and unconditional calls: one batch, split by parallel.cfg_degree
+
+
+def _guidance_scale(guider) -> float:
+    """The scale of the pipeline's guider, refused by name where it is not the plain classifier-free guidance every
+    step that xfuse's loop combines (diffusers' ``ClassifierFreeGuidance`` with its defaults but the scale)."""
+    name = type(guider).__name__
+    if name != "ClassifierFreeGuidance":
+        raise ValueError(f"guider: xfuse's modular Wan denoise step runs ClassifierFreeGuidance only (got {name})")
+    refused = {
+        "use_original_formulation": (guider.use_original_formulation, False),
+        "guidance_rescale": (guider.guidance_rescale, 0.0),
+        "start": (getattr(guider, "_start", 0.0), 0.0),
+        "stop": (getattr(guider, "_stop", 1.0), 1.0),
+        "enabled": (getattr(guider, "_enabled", True), True),
+    }
+    for key, (value, runs) in refused.items():
+        if value != runs:
+            raise ValueError(f"guider.{key}: xfuse's modular Wan denoise step runs {runs} only (got {value})")
+    if guider.guidance_scale < 1 and not math.isclose(guider.guidance_scale, 1.0):
+        raise ValueError(f"guider.guidance_scale: must be at least 1 (got {guider.guidance_scale})")
+    return float(guider.guidance_scale)
+
+
+def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
+    """The tensors of the step's block state the loop reads (rank 0's are broadcast to every rank), after the
+    refusals every rank makes alike: attention kwargs, a guider xfuse's loop does not combine as it does."""
+    if getattr(block_state, "attention_kwargs", None):
+        raise ValueError("attention_kwargs: not run by xfuse's modular Wan denoise step (a LoRA scale is set with "
+                         "set_adapters); pass None")  # fmt: skip
+    scale = _guidance_scale(components.guider)
+    inputs = {"latents": block_state.latents, "prompt_embeds": block_state.prompt_embeds.to(block_state.dtype)}
+    if not math.isclose(scale, 1.0):  # the guider's unconditional call
+        inputs["negative_prompt_embeds"] = block_state.negative_prompt_embeds.to(block_state.dtype)
+    return inputs
+
+
+def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tensor, components):
+    """The engine's request for ``WanDenoiseStep``'s loop, and how the engine's final grid becomes the step's
+    ``latents`` (B, C, F, H, W), as ``WanLoopAfterDenoiser`` leaves them."""
+    latents = inputs["latents"]  # (B, C, F, H, W), float32
+    scale = _guidance_scale(components.guider)
+    batch, _, frames, height, width = latents.shape
+    layout = VideoLayout(pipe.parallel.video_patches, frames, height, width, pipe.stage.patch_size)
+    keys = ("prompt_embeds",) if math.isclose(scale, 1.0) else ("negative_prompt_embeds", "prompt_embeds")
+    text, cfg_half = pipe._cfg_split({"prompt_embeds": torch.cat([inputs[k] for k in keys])}, batch)
+    request = wan_request(  # mirrors ``diffusers.modular_pipelines.wan.denoise.WanLoopDenoiser.__call__``
+        pipe.stage,
+        latents=latents,
+        layout=layout,
+        timesteps=timesteps,
+        scheduler=components.scheduler,
+        prompt_embeds=text["prompt_embeds"],
+        guidance_scale=scale if not math.isclose(scale, 1.0) else 1.0,
+        cfg_half=cfg_half,
+    )
+    back: Callable[[torch.Tensor], torch.Tensor] = lambda grid: layout.from_grid(grid).to(latents.dtype)  # noqa: E731
+    return request, back
