@@ -13,6 +13,7 @@ latents are broadcast from the rank that stepped them before the pipeline's next
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -40,6 +41,30 @@ def _family_of(modular_pipeline):
                      f"denoise step: {', '.join(held)})")  # fmt: skip
 
 
+def classifier_free_guidance(guider, step: str) -> tuple[float, float]:
+    """(scale, rescale) of a modular pipeline's guider as xfuse's loop combines a CFG batch, refused by name where it
+    combines otherwise: diffusers' ``ClassifierFreeGuidance`` on every step, the usual formulation, a scale of at
+    least 1 (a scale of 1: no unconditional call, as the guider skips it). ``step``: the modular step, for messages."""
+    name = type(guider).__name__
+    if name != "ClassifierFreeGuidance":
+        raise ValueError(f"guider: xfuse's {step} runs ClassifierFreeGuidance only (got {name})")
+    runs = {  # the settings xfuse's loop combines as the guider does (its step range: the guider's private state)
+        "use_original_formulation": (guider.use_original_formulation, False),
+        "start": (getattr(guider, "_start", 0.0), 0.0),
+        "stop": (getattr(guider, "_stop", 1.0), 1.0),
+        "enabled": (getattr(guider, "_enabled", True), True),
+    }
+    for key, (value, runs_only) in runs.items():
+        if value != runs_only:
+            raise ValueError(f"guider.{key}: xfuse's {step} runs {runs_only} only (got {value})")
+    scale = float(guider.guidance_scale)
+    if math.isclose(scale, 1.0):
+        return 1.0, float(guider.guidance_rescale)
+    if scale < 1:
+        raise ValueError(f"guider.guidance_scale: must be at least 1 (got {scale})")
+    return scale, float(guider.guidance_rescale)
+
+
 def _modular_parallel(parallel: dict | None, family) -> dict:
     """``parallel`` for the xfuse pipeline a modular pipeline's loop runs on: the placements the modular pipeline
     needs (``_MODULAR_PLACEMENTS``), and no CFG parallelism where the family's modular step has no CFG batch."""
@@ -56,16 +81,21 @@ def _modular_parallel(parallel: dict | None, family) -> dict:
     return parallel
 
 
-def _replace_denoise_step(blocks, step_class: str, make) -> int:
-    """Replace every sub-block of ``blocks`` (recursively) that is diffusers' ``step_class`` with ``make(old)``;
-    the count replaced."""
+def _replace_denoise_steps(blocks, step_class: str, make) -> int:
+    """Replace every sub-block of ``blocks`` (recursively) that is diffusers' ``step_class`` with ``make(old)``, and
+    every other denoising loop (a ``LoopSequentialPipelineBlocks``: another task's, e.g. LTX-Video's image-to-video)
+    with a step that refuses to run, naming it (the transformer it would call is sharded); the count replaced."""
+    from diffusers.modular_pipelines import LoopSequentialPipelineBlocks
+
     replaced = 0
     for name, block in list(getattr(blocks, "sub_blocks", {}).items()):
         if type(block).__name__ == step_class:
             blocks.sub_blocks[name] = make(block)
             replaced += 1
+        elif isinstance(block, LoopSequentialPipelineBlocks):
+            blocks.sub_blocks[name] = RefusedDenoiseStep(block, step_class)
         else:
-            replaced += _replace_denoise_step(block, step_class, make)
+            replaced += _replace_denoise_steps(block, step_class, make)
     return replaced
 
 
@@ -91,7 +121,7 @@ def parallelize(modular_pipeline, parallel: dict | None = None, comm: dict | Non
     xfuse_pipe = spec.pipeline_class().from_pipe(diffusers_class(**{n: components.get(n) for n in names}),
                                                  parallel=parallel, comm=comm, cache=cache)  # fmt: skip
     blocks = modular_pipeline.blocks  # (diffusers' property: a copy of the pipeline's blocks)
-    replaced = _replace_denoise_step(blocks, spec.modular_denoise,
+    replaced = _replace_denoise_steps(blocks, spec.modular_denoise,
                                      lambda old: ParallelDenoiseStep(old, xfuse_pipe, family))  # fmt: skip
     if replaced == 0:
         raise ValueError(f"parallelize: the pipeline's blocks have no {spec.modular_denoise} (the denoise step xfuse "
@@ -155,3 +185,41 @@ class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
         block_state.latents = back(final)
         self.set_block_state(state, block_state)
         return components, state
+
+
+class RefusedDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
+    """Another denoising loop of the pipeline's blocks than the one xfuse runs: refused by name when the pipeline
+    routes a call to it (its transformer is sharded over the ranks)."""
+
+    def __init__(self, replaced, runs: str):
+        self._replaced, self._runs = replaced, runs
+        super().__init__()
+
+    def __deepcopy__(self, memo) -> RefusedDenoiseStep:
+        return self
+
+    @property
+    def model_name(self) -> str | None:  # type: ignore[override]
+        return self._replaced.model_name
+
+    @property
+    def description(self) -> str:
+        return f"{type(self._replaced).__name__}, refused: xfuse.parallelize runs {self._runs} only"
+
+    @property
+    def expected_components(self) -> list:
+        return self._replaced.expected_components
+
+    @property
+    def inputs(self) -> list:
+        return self._replaced.inputs
+
+    @property
+    def intermediate_outputs(self) -> list:
+        return self._replaced.intermediate_outputs
+
+    def __call__(self, components, state):
+        raise ValueError(
+            f"parallelize: this call runs {type(self._replaced).__name__}, which xfuse does not run (its "
+            f"loop runs {self._runs}, e.g. text-to-image or text-to-video, not another task's inputs)"
+        )

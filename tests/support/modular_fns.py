@@ -1,16 +1,19 @@
 """diffusers' modular pipelines of the families ``xfuse.parallelize`` runs (FLUX.1's ``FluxAutoBlocks``, Wan 2.1's
-``WanBlocks``) on their tiny presets, and a rank's run of one through ``xfuse.parallelize``
-(``tests/multirank/test_modular.py``)."""
+``WanBlocks``, LTX-Video's ``LTXAutoBlocks``) on their tiny presets, and a rank's run of one through
+``xfuse.parallelize`` (``tests/multirank/test_modular.py``)."""
 
 import torch
 
-CALLS = {  # family -> its modular pipeline's call: FLUX.1 128 x 96 px; Wan 9 frames of 64 x 96 px, CFG 5 (its guider's)
+# family -> its modular pipeline's call: FLUX.1 128 x 96 px; the videos 9 frames, CFG 5 and 3 (their guiders')
+CALLS = {
     "flux": dict(prompt="a red house by a lake", height=128, width=96, num_inference_steps=3, guidance_scale=3.5,
                  max_sequence_length=16),
     "wan": dict(prompt="a red house by a lake", negative_prompt="blurry", height=64, width=96, num_frames=9,
                 num_inference_steps=3, max_sequence_length=16),
+    "ltx": dict(prompt="a red house by a lake", negative_prompt="blurry", height=128, width=96, num_frames=9,
+                num_inference_steps=3, max_sequence_length=16),  # 2 latent frames of 4 x 3: 8 token rows
 }  # fmt: skip
-BLOCKS = {"flux": "FluxAutoBlocks", "wan": "WanBlocks"}  # diffusers.modular_pipelines' blocks of each
+BLOCKS = {"flux": "FluxAutoBlocks", "wan": "WanBlocks", "ltx": "LTXAutoBlocks"}  # diffusers.modular_pipelines' blocks
 CALL = CALLS["flux"]
 
 
@@ -32,6 +35,11 @@ def flux_modular():
     return modular_pipeline("flux")
 
 
+def block_names(blocks) -> list[str]:
+    """The class names of ``blocks`` and every block nested in it."""
+    return [type(blocks).__name__] + [n for b in getattr(blocks, "sub_blocks", {}).values() for n in block_names(b)]
+
+
 def modular_latents(modular, call=CALL, seed=0, output="latents"):
     """The pipeline's ``output`` for ``call``: its final latents (FLUX.1's unpacked, as its ``unpack_latents`` step
     leaves them), or ``"images"``: its decode's (``output_type`` np)."""
@@ -41,10 +49,8 @@ def modular_latents(modular, call=CALL, seed=0, output="latents"):
 
 def parallel_modular_latents(parallel, family="flux", seed=0, output="latents"):
     """On a rank: ``family``'s tiny modular pipeline through ``xfuse.parallelize(..., parallel=parallel)``, its
-    ``output`` (every rank returns what it holds after the call) and the name of the step that ran the loop."""
+    ``output`` (every rank returns what it holds after the call) and the class names of the pipeline's blocks."""
     import xfuse
 
     modular = xfuse.parallelize(modular_pipeline(family), parallel=parallel)
-    result = modular_latents(modular, CALLS[family], seed, output)
-    step = modular.blocks.sub_blocks["denoise"].sub_blocks["denoise"]
-    return result, type(step).__name__
+    return modular_latents(modular, CALLS[family], seed, output), block_names(modular.blocks)

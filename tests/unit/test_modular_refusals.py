@@ -2,6 +2,7 @@
 no transformer loaded, a transformer no family runs a modular denoise step of, and a call argument xfuse's denoise step
 does not run (refused on every rank from its own block state)."""
 
+import re
 import types
 
 import pytest
@@ -22,7 +23,7 @@ def test_a_modular_pipeline_without_its_transformer_is_refused():
 def test_a_transformer_no_family_runs_modularly_is_refused_naming_those_that_do():
     pipeline = types.SimpleNamespace(transformer=load_pipeline("pixart-tiny").transformer)
     message = r"no xfuse family runs a modular pipeline of PixArtTransformer2DModel \(families with a modular " \
-              r"denoise step: flux, wan\)"  # fmt: skip
+              r"denoise step: flux, wan, ltx\)"  # fmt: skip
     with pytest.raises(ValueError, match=message):
         xfuse.parallelize(pipeline, parallel={"pipefusion_degree": 1})
 
@@ -70,3 +71,22 @@ def test_a_guider_xfuse_does_not_combine_as_diffusers_does_is_refused_by_name(gu
     modular.update_components(guider=ClassifierFreeGuidance(**{"guidance_scale": 5.0, **guider}))
     with pytest.raises(ValueError, match=message):
         modular(**CALLS["wan"], generator=torch.Generator().manual_seed(0), output="latents")
+
+
+def test_another_tasks_denoising_loop_is_refused_by_name():
+    """``LTXAutoBlocks`` routes a call with an ``image`` to its image-to-video loop, which xfuse does not run: the call
+    is refused naming it (its transformer is sharded), where the text-to-video call runs."""
+    from PIL import Image
+
+    modular = xfuse.parallelize(modular_pipeline("ltx"), parallel={"pipefusion_degree": 1})
+    image = Image.new("RGB", (CALLS["ltx"]["width"], CALLS["ltx"]["height"]), "red")
+    message = "this call runs LTXImage2VideoDenoiseStep, which xfuse does not run (its loop runs LTXDenoiseStep"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        modular(**CALLS["ltx"], image=image, generator=torch.Generator().manual_seed(0), output="latents")
+    assert modular(**CALLS["ltx"], generator=torch.Generator().manual_seed(0), output="latents").shape == (
+        1,
+        8,
+        2,
+        4,
+        3,
+    )

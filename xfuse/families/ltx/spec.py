@@ -22,6 +22,7 @@ LTX = ModelSpec(
     diffusers_transformer="LTXVideoTransformer3DModel",
     package=__package__,  # pipeline.py, presets.py beside this file
     stage_name=None,  # the generic family's stage, from ``forward``
+    modular_denoise="LTXDenoiseStep",
     presets=("ltx-tiny", "ltx-small", "ltx-video"),
     vae_scale_factor=32,  # AutoencoderKLLTXVideo: 32 px per latent row and column, 8 frames per latent frame
     vae_temporal_factor=8,

@@ -9,36 +9,24 @@ CFG group), combined as the guider combines them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from xfuse.families.wan.stage import denoise_request as wan_request
+from xfuse.modular import classifier_free_guidance
 from xfuse.parallel.video_layout import VideoLayout
 
 CFG_BATCH = True  # the guider's conditional and unconditional calls: one batch, split by parallel.cfg_degree
 
 
 def _guidance_scale(guider) -> float:
-    """The scale of the pipeline's guider, refused by name where it is not the plain classifier-free guidance every
-    step that xfuse's loop combines (diffusers' ``ClassifierFreeGuidance`` with its defaults but the scale)."""
-    name = type(guider).__name__
-    if name != "ClassifierFreeGuidance":
-        raise ValueError(f"guider: xfuse's modular Wan denoise step runs ClassifierFreeGuidance only (got {name})")
-    refused = {
-        "use_original_formulation": (guider.use_original_formulation, False),
-        "guidance_rescale": (guider.guidance_rescale, 0.0),
-        "start": (getattr(guider, "_start", 0.0), 0.0),
-        "stop": (getattr(guider, "_stop", 1.0), 1.0),
-        "enabled": (getattr(guider, "_enabled", True), True),
-    }
-    for key, (value, runs) in refused.items():
-        if value != runs:
-            raise ValueError(f"guider.{key}: xfuse's modular Wan denoise step runs {runs} only (got {value})")
-    if guider.guidance_scale < 1 and not math.isclose(guider.guidance_scale, 1.0):
-        raise ValueError(f"guider.guidance_scale: must be at least 1 (got {guider.guidance_scale})")
-    return float(guider.guidance_scale)
+    """The guider's scale; with no rescaling (``WanLoopDenoiser``'s guider has none by default, and xfuse's Wan loop
+    does not rescale)."""
+    scale, rescale = classifier_free_guidance(guider, "modular Wan denoise step")
+    if rescale != 0.0:
+        raise ValueError(f"guider.guidance_rescale: xfuse's modular Wan denoise step runs 0.0 only (got {rescale})")
+    return scale
 
 
 def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
@@ -49,7 +37,7 @@ def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
                          "set_adapters); pass None")  # fmt: skip
     scale = _guidance_scale(components.guider)
     inputs = {"latents": block_state.latents, "prompt_embeds": block_state.prompt_embeds.to(block_state.dtype)}
-    if not math.isclose(scale, 1.0):  # the guider's unconditional call
+    if scale != 1.0:  # the guider's unconditional call
         inputs["negative_prompt_embeds"] = block_state.negative_prompt_embeds.to(block_state.dtype)
     return inputs
 
@@ -61,7 +49,7 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tens
     scale = _guidance_scale(components.guider)
     batch, _, frames, height, width = latents.shape
     layout = VideoLayout(pipe.parallel.video_patches, frames, height, width, pipe.stage.patch_size)
-    keys = ("prompt_embeds",) if math.isclose(scale, 1.0) else ("negative_prompt_embeds", "prompt_embeds")
+    keys = ("prompt_embeds",) if scale == 1.0 else ("negative_prompt_embeds", "prompt_embeds")
     text, cfg_half = pipe._cfg_split({"prompt_embeds": torch.cat([inputs[k] for k in keys])}, batch)
     request = wan_request(  # mirrors ``diffusers.modular_pipelines.wan.denoise.WanLoopDenoiser.__call__``
         pipe.stage,
@@ -70,7 +58,7 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tens
         timesteps=timesteps,
         scheduler=components.scheduler,
         prompt_embeds=text["prompt_embeds"],
-        guidance_scale=scale if not math.isclose(scale, 1.0) else 1.0,
+        guidance_scale=scale,
         cfg_half=cfg_half,
     )
     back: Callable[[torch.Tensor], torch.Tensor] = lambda grid: layout.from_grid(grid).to(latents.dtype)  # noqa: E731

@@ -1,0 +1,78 @@
+"""LTX-Video's modular pipeline (``diffusers.LTXModularPipeline`` of ``LTXBlocks``, text-to-video) on xfuse's loop:
+what ``LTXDenoiseStep``'s block state is to the engine (``xfuse.modular.parallelize`` replaces that step), through the
+generic family (LTX-Video has no hand-written stage).
+
+The step's inputs are ``LTXLoopDenoiser``'s: the packed latents (B, frames * rows * cols, C) in float32, the
+transformer's ``dtype``, the prompt's and the negative prompt's T5 embeddings and attention masks, which its guider
+(``ClassifierFreeGuidance``) batches as a conditional and an unconditional call (xfuse: one CFG batch [negative,
+positive], split by ``parallel.cfg_degree``), the video's pixel size and frames, and the RoPE's interpolation scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from xfuse.families.common.packed import grid_to_packed, packed_to_grid
+from xfuse.families.generic.request import forward_request
+from xfuse.modular import classifier_free_guidance
+
+CFG_BATCH = True  # the guider's conditional and unconditional calls: one batch, split by parallel.cfg_degree
+STEP = "modular LTX denoise step"
+TEXT = ("prompt_embeds", "prompt_attention_mask")  # the guider's fields, each with its negative_ twin
+
+
+def loop_inputs(block_state, components) -> dict:
+    """What the loop reads of the step's block state (rank 0's is broadcast to every rank), after the refusals every
+    rank makes alike: attention kwargs, a guider xfuse's loop does not combine as it does."""
+    if getattr(block_state, "attention_kwargs", None):
+        raise ValueError(f"attention_kwargs: not run by xfuse's {STEP} (a LoRA scale is set with set_adapters); "
+                         "pass None")  # fmt: skip
+    scale, _ = classifier_free_guidance(components.guider, STEP)
+    names = TEXT + (tuple(f"negative_{name}" for name in TEXT) if scale != 1.0 else ())
+    inputs = {name: getattr(block_state, name) for name in ("latents", *names)}
+    # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``: the latent grid's size
+    inputs["size"] = torch.tensor([
+        (block_state.num_frames - 1) // components.vae_temporal_compression_ratio + 1,
+        block_state.height // components.vae_spatial_compression_ratio,
+        block_state.width // components.vae_spatial_compression_ratio,
+    ])  # fmt: skip
+    inputs["rope_interpolation_scale"] = torch.tensor(block_state.rope_interpolation_scale, dtype=torch.float64)
+    inputs["dtype"] = torch.empty(0, dtype=block_state.dtype)  # (the transformer's dtype, as a tensor's)
+    return inputs
+
+
+def denoise_request(pipe, inputs: dict, timesteps: torch.Tensor, components):
+    """The engine's request for ``LTXDenoiseStep``'s loop, and how the engine's final grid becomes the step's packed
+    ``latents``, as ``LTXLoopAfterDenoiser`` leaves them."""
+    latents = inputs["latents"]  # (B, frames * rows * cols, C), float32
+    dtype = inputs["dtype"].dtype
+    scale, rescale = classifier_free_guidance(components.guider, STEP)
+    frames, rows, cols = (int(n) for n in inputs["size"])
+    keys = [(f"negative_{name}", name) if scale != 1.0 else (name,) for name in TEXT]
+    batched = {name: torch.cat([inputs[k] for k in pair]) for name, pair in zip(TEXT, keys, strict=True)}
+    text, cfg_half = pipe._cfg_split(batched, latents.shape[0])
+    request = forward_request(  # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``
+        pipe.stage,  # on the packed latents viewed as a grid of token rows, frame after frame
+        latents=packed_to_grid(latents, frames * rows).contiguous(),
+        timesteps=timesteps,
+        scheduler=components.scheduler,
+        inputs=dict(
+            encoder_hidden_states=text["prompt_embeds"].to(dtype),
+            encoder_attention_mask=text["prompt_attention_mask"].to(dtype),
+            num_frames=frames,
+            height=rows,
+            width=cols,
+            rope_interpolation_scale=tuple(inputs["rope_interpolation_scale"].tolist()),
+        ),
+        batched=("encoder_hidden_states", "encoder_attention_mask"),
+        timestep=lambda t: t.to(dtype),
+        input_shape=tuple(latents.shape),
+        cfg_scale=scale,
+        guidance_rescale=rescale,
+        cfg_half=cfg_half,
+        hidden_dtype=dtype,  # latent_model_input = latents.to(dtype)
+    )
+    back: Callable[[torch.Tensor], torch.Tensor] = lambda grid: grid_to_packed(grid).to(latents.dtype)  # noqa: E731
+    return request, back
