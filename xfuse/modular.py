@@ -138,23 +138,20 @@ def _modular_blocks_base():
     return ModularPipelineBlocks
 
 
-class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
-    """The denoise step xfuse runs: the replaced step's inputs and outputs, the loop on the engine."""
+class _StandIn(_modular_blocks_base()):  # type: ignore[misc]
+    """A block standing in for one of diffusers' denoising loops in a parallelised pipeline's blocks: the replaced
+    loop's model name, components, inputs and outputs, so the pipeline's state flows through it unchanged."""
 
-    def __init__(self, replaced, xfuse_pipe, family):
-        self._replaced, self._xfuse, self._family = replaced, xfuse_pipe, family
+    def __init__(self, replaced):
+        self._replaced = replaced
         super().__init__()
 
-    def __deepcopy__(self, memo) -> ParallelDenoiseStep:
+    def __deepcopy__(self, memo) -> _StandIn:
         return self  # it holds the rank's engine and process groups: a copy of the blocks shares them
 
     @property
     def model_name(self) -> str | None:  # type: ignore[override]
         return self._replaced.model_name
-
-    @property
-    def description(self) -> str:
-        return f"xfuse's PipeFusion loop in place of {type(self._replaced).__name__} ({self._xfuse.parallel})"
 
     @property
     def expected_components(self) -> list:
@@ -167,6 +164,18 @@ class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
     @property
     def intermediate_outputs(self) -> list:
         return self._replaced.intermediate_outputs
+
+
+class ParallelDenoiseStep(_StandIn):
+    """The denoise step xfuse runs: the replaced step's inputs and outputs, the loop on the engine."""
+
+    def __init__(self, replaced, xfuse_pipe, family):
+        self._xfuse, self._family = xfuse_pipe, family
+        super().__init__(replaced)
+
+    @property
+    def description(self) -> str:
+        return f"xfuse's PipeFusion loop in place of {type(self._replaced).__name__} ({self._xfuse.parallel})"
 
     @torch.no_grad()
     def __call__(self, components, state) -> tuple[Any, Any]:
@@ -176,10 +185,10 @@ class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
         pipe._begin_call()
         # from here on every rank communicates: a failure anywhere stops everyone
         with pipe.context.monitor.guard():
-            # what the loop reads is rank 0's on every rank (each rank ran the blocks before; as xfuse's own
+            # the tensors the loop reads are rank 0's on every rank (each rank ran the blocks before; as xfuse's own
             # pipelines broadcast rank 0's text and latents, no rank's own draw or encoder can differ)
             inputs = pipe.collectives.from_rank0(inputs if pipe.context.is_output else None)
-            request, back = self._family.denoise_request(pipe, inputs, block_state.timesteps, components)
+            request, back = self._family.denoise_request(pipe, inputs, block_state, components)
             final = pipe._denoise(request)
             final = pipe.collectives.from_rank0(final)  # every rank goes on with the stepped latents
         block_state.latents = back(final)
@@ -187,36 +196,17 @@ class ParallelDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
         return components, state
 
 
-class RefusedDenoiseStep(_modular_blocks_base()):  # type: ignore[misc]
+class RefusedDenoiseStep(_StandIn):
     """Another denoising loop of the pipeline's blocks than the one xfuse runs: refused by name when the pipeline
     routes a call to it (its transformer is sharded over the ranks)."""
 
     def __init__(self, replaced, runs: str):
-        self._replaced, self._runs = replaced, runs
-        super().__init__()
-
-    def __deepcopy__(self, memo) -> RefusedDenoiseStep:
-        return self
-
-    @property
-    def model_name(self) -> str | None:  # type: ignore[override]
-        return self._replaced.model_name
+        self._runs = runs
+        super().__init__(replaced)
 
     @property
     def description(self) -> str:
         return f"{type(self._replaced).__name__}, refused: xfuse.parallelize runs {self._runs} only"
-
-    @property
-    def expected_components(self) -> list:
-        return self._replaced.expected_components
-
-    @property
-    def inputs(self) -> list:
-        return self._replaced.inputs
-
-    @property
-    def intermediate_outputs(self) -> list:
-        return self._replaced.intermediate_outputs
 
     def __call__(self, components, state):
         raise ValueError(

@@ -27,7 +27,7 @@ def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
     return {name: getattr(block_state, name) for name in LOOP_INPUTS if getattr(block_state, name) is not None}
 
 
-def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tensor, components):
+def denoise_request(pipe, inputs: dict[str, torch.Tensor], block_state, components):
     """The engine's request for ``FluxDenoiseStep``'s loop, and how the engine's final grid becomes the step's
     ``latents`` (packed, as ``FluxLoopAfterDenoiser`` leaves them)."""
     latents = inputs["latents"]  # (B, rows * cols, C4), packed
@@ -37,7 +37,7 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tens
     request = flux_request(  # mirrors ``diffusers.modular_pipelines.flux.denoise.FluxLoopDenoiser.__call__``
         pipe.stage,
         latents=packed_to_grid(latents, rows).contiguous(),  # (B, C4, rows, cols)
-        timesteps=timesteps,
+        timesteps=block_state.timesteps,
         scheduler=components.scheduler,
         prompt_embeds=inputs["prompt_embeds"],
         pooled_prompt_embeds=inputs["pooled_prompt_embeds"],

@@ -23,40 +23,34 @@ STEP = "modular LTX denoise step"
 TEXT = ("prompt_embeds", "prompt_attention_mask")  # the guider's fields, each with its negative_ twin
 
 
-def loop_inputs(block_state, components) -> dict:
-    """What the loop reads of the step's block state (rank 0's is broadcast to every rank), after the refusals every
-    rank makes alike: attention kwargs, a guider xfuse's loop does not combine as it does."""
+def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
+    """The tensors of the step's block state the loop reads (rank 0's are broadcast to every rank), after the
+    refusals every rank makes alike: attention kwargs, a guider xfuse's loop does not combine as it does."""
     if getattr(block_state, "attention_kwargs", None):
         raise ValueError(f"attention_kwargs: not run by xfuse's {STEP} (a LoRA scale is set with set_adapters); "
                          "pass None")  # fmt: skip
     scale, _ = classifier_free_guidance(components.guider, STEP)
     names = TEXT + (tuple(f"negative_{name}" for name in TEXT) if scale != 1.0 else ())
-    inputs = {name: getattr(block_state, name) for name in ("latents", *names)}
-    # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``: the latent grid's size
-    inputs["size"] = torch.tensor([
-        (block_state.num_frames - 1) // components.vae_temporal_compression_ratio + 1,
-        block_state.height // components.vae_spatial_compression_ratio,
-        block_state.width // components.vae_spatial_compression_ratio,
-    ])  # fmt: skip
-    inputs["rope_interpolation_scale"] = torch.tensor(block_state.rope_interpolation_scale, dtype=torch.float64)
-    inputs["dtype"] = torch.empty(0, dtype=block_state.dtype)  # (the transformer's dtype, as a tensor's)
-    return inputs
+    return {name: getattr(block_state, name) for name in ("latents", *names)}
 
 
-def denoise_request(pipe, inputs: dict, timesteps: torch.Tensor, components):
+def denoise_request(pipe, inputs: dict[str, torch.Tensor], block_state, components):
     """The engine's request for ``LTXDenoiseStep``'s loop, and how the engine's final grid becomes the step's packed
     ``latents``, as ``LTXLoopAfterDenoiser`` leaves them."""
     latents = inputs["latents"]  # (B, frames * rows * cols, C), float32
-    dtype = inputs["dtype"].dtype
+    dtype = block_state.dtype  # the transformer's
     scale, rescale = classifier_free_guidance(components.guider, STEP)
-    frames, rows, cols = (int(n) for n in inputs["size"])
+    # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``: the latent video's size
+    frames = (block_state.num_frames - 1) // components.vae_temporal_compression_ratio + 1
+    rows = block_state.height // components.vae_spatial_compression_ratio
+    cols = block_state.width // components.vae_spatial_compression_ratio
     keys = [(f"negative_{name}", name) if scale != 1.0 else (name,) for name in TEXT]
     batched = {name: torch.cat([inputs[k] for k in pair]) for name, pair in zip(TEXT, keys, strict=True)}
     text, cfg_half = pipe._cfg_split(batched, latents.shape[0])
     request = forward_request(  # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``
         pipe.stage,  # on the packed latents viewed as a grid of token rows, frame after frame
         latents=packed_to_grid(latents, frames * rows).contiguous(),
-        timesteps=timesteps,
+        timesteps=block_state.timesteps,
         scheduler=components.scheduler,
         inputs=dict(
             encoder_hidden_states=text["prompt_embeds"].to(dtype),
@@ -64,7 +58,7 @@ def denoise_request(pipe, inputs: dict, timesteps: torch.Tensor, components):
             num_frames=frames,
             height=rows,
             width=cols,
-            rope_interpolation_scale=tuple(inputs["rope_interpolation_scale"].tolist()),
+            rope_interpolation_scale=block_state.rope_interpolation_scale,
         ),
         batched=("encoder_hidden_states", "encoder_attention_mask"),
         timestep=lambda t: t.to(dtype),

@@ -42,7 +42,7 @@ def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tensor, components):
+def denoise_request(pipe, inputs: dict[str, torch.Tensor], block_state, components):
     """The engine's request for ``WanDenoiseStep``'s loop, and how the engine's final grid becomes the step's
     ``latents`` (B, C, F, H, W), as ``WanLoopAfterDenoiser`` leaves them."""
     latents = inputs["latents"]  # (B, C, F, H, W), float32
@@ -55,7 +55,7 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], timesteps: torch.Tens
         pipe.stage,
         latents=latents,
         layout=layout,
-        timesteps=timesteps,
+        timesteps=block_state.timesteps,
         scheduler=components.scheduler,
         prompt_embeds=text["prompt_embeds"],
         guidance_scale=scale,
