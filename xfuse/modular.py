@@ -34,9 +34,9 @@ def _family_of(modular_pipeline):
         raise ValueError("parallelize: the modular pipeline has no transformer loaded (load_components first)")
     name = type(transformer).__name__
     for spec in FAMILIES:
-        if spec.diffusers_transformer == name and spec.modular_denoise is not None:
+        if spec.diffusers_transformer == name and spec.modular_denoise:
             return spec
-    held = [spec.name for spec in FAMILIES if spec.modular_denoise is not None]
+    held = [spec.name for spec in FAMILIES if spec.modular_denoise]
     raise ValueError(f"parallelize: no xfuse family runs a modular pipeline of {name} (families with a modular "
                      f"denoise step: {', '.join(held)})")  # fmt: skip
 
@@ -81,21 +81,22 @@ def _modular_parallel(parallel: dict | None, family) -> dict:
     return parallel
 
 
-def _replace_denoise_steps(blocks, step_class: str, make) -> int:
-    """Replace every sub-block of ``blocks`` (recursively) that is diffusers' ``step_class`` with ``make(old)``, and
+def _replace_denoise_steps(blocks, step_classes: tuple[str, ...], make) -> int:
+    """Replace every sub-block of ``blocks`` (recursively) that is one of diffusers' ``step_classes`` with
+    ``make(old)``, and
     every other denoising loop (a ``LoopSequentialPipelineBlocks``: another task's, e.g. LTX-Video's image-to-video)
     with a step that refuses to run, naming it (the transformer it would call is sharded); the count replaced."""
     from diffusers.modular_pipelines import LoopSequentialPipelineBlocks
 
     replaced = 0
     for name, block in list(getattr(blocks, "sub_blocks", {}).items()):
-        if type(block).__name__ == step_class:
+        if type(block).__name__ in step_classes:
             blocks.sub_blocks[name] = make(block)
             replaced += 1
         elif isinstance(block, LoopSequentialPipelineBlocks):
-            blocks.sub_blocks[name] = RefusedDenoiseStep(block, step_class)
+            blocks.sub_blocks[name] = RefusedDenoiseStep(block, " or ".join(step_classes))
         else:
-            replaced += _replace_denoise_steps(block, step_class, make)
+            replaced += _replace_denoise_steps(block, step_classes, make)
     return replaced
 
 
@@ -117,17 +118,23 @@ def parallelize(modular_pipeline, parallel: dict | None = None, comm: dict | Non
     parallel = _modular_parallel(parallel, family)  # (before any communication)
     diffusers_class = getattr(diffusers, spec.diffusers_pipeline)
     components = {name: value for name, value in modular_pipeline.components.items() if value is not None}
+    # the diffusers pipeline's arguments: its components, and its configs from the modular pipeline's (Wan 2.2's
+    # boundary_ratio)
     names = set(inspect.signature(diffusers_class.__init__).parameters) - {"self"}
-    xfuse_pipe = spec.pipeline_class().from_pipe(diffusers_class(**{n: components.get(n) for n in names}),
-                                                 parallel=parallel, comm=comm, cache=cache)  # fmt: skip
+    configs = dict(getattr(modular_pipeline, "config", None) or {})
+    arguments = {name: components[name] if name in components else configs.get(name) for name in names}
+    xfuse_pipe = spec.pipeline_class().from_pipe(diffusers_class(**arguments), parallel=parallel, comm=comm,
+                                                 cache=cache)  # fmt: skip
     blocks = modular_pipeline.blocks  # (diffusers' property: a copy of the pipeline's blocks)
     replaced = _replace_denoise_steps(blocks, spec.modular_denoise,
                                      lambda old: ParallelDenoiseStep(old, xfuse_pipe, family))  # fmt: skip
     if replaced == 0:
-        raise ValueError(f"parallelize: the pipeline's blocks have no {spec.modular_denoise} (the denoise step xfuse "
-                         f"replaces for the {spec.name} family)")  # fmt: skip
+        steps = " or ".join(spec.modular_denoise)
+        raise ValueError(f"parallelize: the pipeline's blocks have no {steps} (the denoise step xfuse replaces for the "
+                         f"{spec.name} family)")  # fmt: skip
     parallel_pipeline = blocks.init_pipeline()
-    parallel_pipeline.update_components(**components)
+    kept = {name: configs[name] for name in parallel_pipeline._config_specs if name in configs}  # (Wan 2.2's boundary)
+    parallel_pipeline.update_components(**components, **kept)
     parallel_pipeline.xfuse_pipeline = xfuse_pipe  # what runs the loop (its plan, its context), for the caller to see
     return parallel_pipeline
 
@@ -140,7 +147,7 @@ def _modular_blocks_base():
 
 class _StandIn(_modular_blocks_base()):  # type: ignore[misc]
     """A block standing in for one of diffusers' denoising loops in a parallelised pipeline's blocks: the replaced
-    loop's model name, components, inputs and outputs, so the pipeline's state flows through it unchanged."""
+    loop's model name, components, configs, inputs and outputs, so the pipeline's state flows through it unchanged."""
 
     def __init__(self, replaced):
         self._replaced = replaced
@@ -156,6 +163,10 @@ class _StandIn(_modular_blocks_base()):  # type: ignore[misc]
     @property
     def expected_components(self) -> list:
         return self._replaced.expected_components
+
+    @property
+    def expected_configs(self) -> list:
+        return self._replaced.expected_configs
 
     @property
     def inputs(self) -> list:

@@ -1,16 +1,23 @@
 """Modular Diffusers as a second face (``xfuse.parallelize``): diffusers' own modular pipelines of FLUX.1
-(``FluxAutoBlocks``), Wan 2.1 (``WanBlocks``) and LTX-Video (``LTXAutoBlocks``, the generic family), the videos with
-classifier-free guidance through their guiders, run their blocks on every rank with xfuse's loop in place of their
-denoise step, on real gloo ranks. Exact mode equals the same modular pipeline run serially by diffusers alone;
-pipelined, the latents are those of the same patches and warm-up at degree 1 (they depend on M and W only), not the
-serial ones; every rank returns the same latents (rank 0's stepped latents are broadcast before the pipeline's next
-block).
+(``FluxAutoBlocks``), Wan 2.1 (``WanBlocks``), Wan 2.2's two experts (``Wan22Blocks``) and LTX-Video
+(``LTXAutoBlocks``, the generic family), the videos with classifier-free guidance through their guiders, run their
+blocks on every rank with xfuse's loop in place of their denoise step, on real gloo ranks. Exact mode equals the same
+modular pipeline run serially by diffusers alone; pipelined, the latents are those of the same patches and warm-up at
+degree 1 (they depend on M and W only), not the serial ones; every rank returns the same latents (rank 0's stepped
+latents are broadcast before the pipeline's next block).
 """
 
 import pytest
 import torch
 
-from tests.support.modular_fns import CALLS, flux_modular, modular_latents, modular_pipeline, parallel_modular_latents
+from tests.support.modular_fns import (
+    CALLS,
+    MODULAR,
+    flux_modular,
+    modular_latents,
+    modular_pipeline,
+    parallel_modular_latents,
+)
 from tests.support.world import World
 from xfuse.families.registry import MODEL_SPECS
 
@@ -25,11 +32,13 @@ LAYOUTS = {  # name -> (world size, parallel section)
 CASES = [
     *[("flux", name) for name in ("pp2", "pp3", "pp2_ulysses2", "pp2_generic")],
     *[("wan", name) for name in ("pp2", "cfg2_pp2", "pp2_generic")],  # Wan's guider: a CFG batch the groups split
+    *[("wan2.2", name) for name in ("pp2", "cfg2_pp2")],  # two experts, each with its guider
     *[("ltx", name) for name in ("pp2", "pp3", "cfg2_pp2")],  # (LTX-Video: the generic family only)
 ]
 SHAPES = {
     "flux": (1, 4, 16, 12),
     "wan": (1, 4, 3, 8, 12),
+    "wan2.2": (1, 4, 3, 8, 12),
     "ltx": (1, 8, 2, 4, 3),
 }  # FLUX.1 unpacked by the pipeline's own next block
 
@@ -73,7 +82,7 @@ def test_exact_mode_equals_the_serial_modular_pipeline_on_every_rank(worlds, ser
     results = worlds(size).run_ok(parallel_modular_latents, {**parallel, **EXACT}, family, timeout=300)
     latents, blocks = results[0]
     serial = serials(family)
-    assert "ParallelDenoiseStep" in blocks and MODEL_SPECS[family].modular_denoise not in blocks, blocks
+    assert "ParallelDenoiseStep" in blocks and not set(MODEL_SPECS[MODULAR[family][2]].modular_denoise) & set(blocks)
     assert latents.shape == serial.shape == SHAPES[family]
     assert rel_max(latents, serial) <= 1e-4, layout
     for rank, (other, _) in enumerate(results[1:], 1):
@@ -90,7 +99,7 @@ def test_every_rank_decodes_the_image_diffusers_decodes(worlds):
         assert abs(images - serial).max() <= 1e-4, rank
 
 
-@pytest.mark.parametrize("family", ["flux", "wan", "ltx"])
+@pytest.mark.parametrize("family", ["flux", "wan", "wan2.2", "ltx"])
 def test_pipelined_equals_the_same_patches_at_degree_1_not_serial(worlds, serials, family):
     """pp2 and pp3 with M = 3 and one warm-up step equal the degree-1 engine's latents for M = 3, W = 1."""
     pipelined = {"num_patches": 3, "warmup_steps": 1}

@@ -1,6 +1,6 @@
-"""diffusers' modular pipelines of the families ``xfuse.parallelize`` runs (FLUX.1's ``FluxAutoBlocks``, Wan 2.1's
-``WanBlocks``, LTX-Video's ``LTXAutoBlocks``) on their tiny presets, and a rank's run of one through
-``xfuse.parallelize`` (``tests/multirank/test_modular.py``)."""
+"""diffusers' modular pipelines ``xfuse.parallelize`` runs (FLUX.1's ``FluxAutoBlocks``, Wan 2.1's ``WanBlocks``, Wan
+2.2's two experts' ``Wan22Blocks``, LTX-Video's ``LTXAutoBlocks``) on tiny presets, and a rank's run of one through
+``xfuse.parallelize`` (``tests/multirank/test_modular.py``). Each is named by a key of ``CALLS``."""
 
 import torch
 
@@ -10,23 +10,31 @@ CALLS = {
                  max_sequence_length=16),
     "wan": dict(prompt="a red house by a lake", negative_prompt="blurry", height=64, width=96, num_frames=9,
                 num_inference_steps=3, max_sequence_length=16),
+    "wan2.2": dict(prompt="a red house by a lake", negative_prompt="blurry", height=64, width=96, num_frames=9,
+                   num_inference_steps=4, max_sequence_length=16),  # steps on both sides of the experts' boundary
     "ltx": dict(prompt="a red house by a lake", negative_prompt="blurry", height=128, width=96, num_frames=9,
                 num_inference_steps=3, max_sequence_length=16),  # 2 latent frames of 4 x 3: 8 token rows
 }  # fmt: skip
-BLOCKS = {"flux": "FluxAutoBlocks", "wan": "WanBlocks", "ltx": "LTXAutoBlocks"}  # diffusers.modular_pipelines' blocks
+# key -> (its preset, diffusers.modular_pipelines' blocks, the family)
+MODULAR = {
+    "flux": ("flux-tiny", "FluxAutoBlocks", "flux"),
+    "wan": ("wan-tiny", "WanBlocks", "wan"),
+    "wan2.2": ("wan2.2-tiny", "Wan22Blocks", "wan"),
+    "ltx": ("ltx-tiny", "LTXAutoBlocks", "ltx"),
+}
 CALL = CALLS["flux"]
 
 
-def modular_pipeline(family="flux"):
-    """diffusers' blocks of ``family`` as a pipeline, with the family's smallest preset's components (seeded: the
-    same weights on every rank)."""
+def modular_pipeline(key="flux"):
+    """diffusers' blocks of ``MODULAR[key]`` as a pipeline, with its preset's components (seeded: the same weights
+    on every rank)."""
     import diffusers.modular_pipelines
 
-    from xfuse.families.registry import MODEL_SPECS
+    from xfuse.families.registry import load_pipeline
 
-    spec = MODEL_SPECS[family]
-    pipe = spec.build_preset_pipeline(spec.presets[0])
-    modular = getattr(diffusers.modular_pipelines, BLOCKS[family])().init_pipeline()
+    preset, blocks, _ = MODULAR[key]
+    pipe = load_pipeline(preset)
+    modular = getattr(diffusers.modular_pipelines, blocks)().init_pipeline()
     modular.update_components(**{name: value for name, value in pipe.components.items() if value is not None})
     return modular
 
@@ -48,8 +56,8 @@ def modular_latents(modular, call=CALL, seed=0, output="latents"):
 
 
 def parallel_modular_latents(parallel, family="flux", seed=0, output="latents"):
-    """On a rank: ``family``'s tiny modular pipeline through ``xfuse.parallelize(..., parallel=parallel)``, its
-    ``output`` (every rank returns what it holds after the call) and the class names of the pipeline's blocks."""
+    """On a rank: the tiny modular pipeline ``MODULAR[family]`` through ``xfuse.parallelize(..., parallel=parallel)``,
+    its ``output`` (every rank returns what it holds after the call) and the class names of the pipeline's blocks."""
     import xfuse
 
     modular = xfuse.parallelize(modular_pipeline(family), parallel=parallel)

@@ -90,3 +90,14 @@ def test_another_tasks_denoising_loop_is_refused_by_name():
         4,
         3,
     )
+
+
+def test_wan_2_2s_experts_guided_on_different_batches_are_refused():
+    """Wan 2.2's two guiders: xfuse runs both experts on one CFG batch, so one guiding (scale > 1) where the other does
+    not (scale 1: no unconditional call) is refused, naming guider_2."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    modular = xfuse.parallelize(modular_pipeline("wan2.2"), parallel={"pipefusion_degree": 1})
+    modular.update_components(guider_2=ClassifierFreeGuidance(guidance_scale=1.0))
+    with pytest.raises(ValueError, match=r"guider_2.guidance_scale: must be 1 exactly where guider.guidance_scale is"):
+        modular(**CALLS["wan2.2"], generator=torch.Generator().manual_seed(0), output="latents")

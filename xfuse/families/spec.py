@@ -53,9 +53,9 @@ class ModelSpec:
             ``save_preset_pipeline(path, name, seed)``) and, with a ControlNet pipeline, ``controlnet.py``.
         stage_name: the adapter class in ``stage.py`` (the ``Stage`` the engine calls); ``None``: the family has no
             hand-written stage, its stage is the generic one (``forward``, which it must then have).
-        modular_denoise: the denoise step of diffusers' modular pipeline for this transformer (``FluxDenoiseStep``)
-            that ``xfuse.parallelize`` replaces with xfuse's loop; the family's ``modular.py`` maps that step's block
-            state to the engine's request (``None``: no modular pipeline is run).
+        modular_denoise: the denoise steps of diffusers' modular pipelines for this transformer (``FluxDenoiseStep``;
+            Wan's of 2.1 and of 2.2's two experts) that ``xfuse.parallelize`` replaces with xfuse's loop; the family's
+            ``modular.py`` maps such a step's block state to the engine's request (empty: no modular pipeline).
         hand_written: why the family keeps a hand-written stage (``stage_name``), in one line: what the generic family
             cannot run of it (``docs/models.md`` lists them); ``None`` exactly where ``stage_name`` is.
         presets: built-in random-weight models of this family (``model: <preset>``); the first is the smallest, the
@@ -152,7 +152,7 @@ class ModelSpec:
     control_samples: Callable[[dict, dict], dict[int, int]] | None = None
     forward: ForwardPlan | None = None
     hand_written: str | None = None
-    modular_denoise: str | None = None
+    modular_denoise: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stage_name is None and self.forward is None:

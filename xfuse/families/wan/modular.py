@@ -1,5 +1,6 @@
-"""Wan 2.1's modular pipeline (``diffusers.WanModularPipeline`` of ``WanBlocks``) on xfuse's loop: what
-``WanDenoiseStep``'s block state is to the engine (``xfuse.modular.parallelize`` replaces that step).
+"""Wan's modular pipelines (``diffusers.WanModularPipeline`` of ``WanBlocks``, 2.1, and of ``Wan22Blocks``, 2.2's two
+experts) on xfuse's loop: what ``WanDenoiseStep``'s and ``Wan22DenoiseStep``'s block state is to the engine
+(``xfuse.modular.parallelize`` replaces those steps).
 
 The step's inputs are ``WanLoopDenoiser``'s: the latents (B, C, F, H, W) in float32, the transformer's ``dtype``, the
 prompt's and the negative prompt's UMT5 embeddings, which its guider (``ClassifierFreeGuidance``) batches as a
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from xfuse.families.wan.pipeline import ExpertRuns
 from xfuse.families.wan.stage import denoise_request as wan_request
 from xfuse.modular import classifier_free_guidance
 from xfuse.parallel.video_layout import VideoLayout
@@ -36,6 +38,10 @@ def loop_inputs(block_state, components) -> dict[str, torch.Tensor]:
         raise ValueError("attention_kwargs: not run by xfuse's modular Wan denoise step (a LoRA scale is set with "
                          "set_adapters); pass None")  # fmt: skip
     scale = _guidance_scale(components.guider)
+    if getattr(components, "guider_2", None) is not None:  # Wan 2.2's low-noise expert's: a batch of the same rows
+        if (_guidance_scale(components.guider_2) == 1.0) != (scale == 1.0):
+            raise ValueError("guider_2.guidance_scale: must be 1 exactly where guider.guidance_scale is (xfuse runs "
+                             "both experts on one CFG batch)")  # fmt: skip
     inputs = {"latents": block_state.latents, "prompt_embeds": block_state.prompt_embeds.to(block_state.dtype)}
     if scale != 1.0:  # the guider's unconditional call
         inputs["negative_prompt_embeds"] = block_state.negative_prompt_embeds.to(block_state.dtype)
@@ -51,15 +57,33 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], block_state, componen
     layout = VideoLayout(pipe.parallel.video_patches, frames, height, width, pipe.stage.patch_size)
     keys = ("prompt_embeds",) if scale == 1.0 else ("negative_prompt_embeds", "prompt_embeds")
     text, cfg_half = pipe._cfg_split({"prompt_embeds": torch.cat([inputs[k] for k in keys])}, batch)
-    request = wan_request(  # mirrors ``diffusers.modular_pipelines.wan.denoise.WanLoopDenoiser.__call__``
-        pipe.stage,
-        latents=latents,
-        layout=layout,
-        timesteps=block_state.timesteps,
-        scheduler=components.scheduler,
-        prompt_embeds=text["prompt_embeds"],
-        guidance_scale=scale,
-        cfg_half=cfg_half,
-    )
+
+    def run(stage, latents, first: int, last: int, expert_scale: float | None):
+        return wan_request(  # mirrors ``diffusers.modular_pipelines.wan.denoise.WanLoopDenoiser.__call__``
+            stage,
+            latents=latents,
+            layout=layout,
+            timesteps=block_state.timesteps[first:last],
+            scheduler=components.scheduler,
+            prompt_embeds=text["prompt_embeds"],
+            guidance_scale=scale,
+            expert_guidance_scale=expert_scale,
+            cfg_half=cfg_half,
+        )
+
+    steps = len(block_state.timesteps)
+    if pipe.stage_2 is None:
+        request = run(pipe.stage, latents, 0, steps, None)
+    else:  # mirrors ``diffusers.modular_pipelines.wan.denoise.Wan22LoopDenoiser.__call__``: the high-noise expert
+        # and its guider while t >= the boundary, then the low-noise one's
+        boundary = components.config.boundary_ratio * components.num_train_timesteps
+        switch = int((block_state.timesteps >= boundary).sum())
+        low_scale = _guidance_scale(components.guider_2)
+        request = ExpertRuns(
+            high=run(pipe.stage, latents, 0, switch, None) if switch else None,
+            low=None if switch == steps else lambda grid: run(
+                pipe.stage_2, latents if grid is None else layout.from_grid(grid), switch, steps, low_scale
+            ),
+        )  # fmt: skip
     back: Callable[[torch.Tensor], torch.Tensor] = lambda grid: layout.from_grid(grid).to(latents.dtype)  # noqa: E731
     return request, back

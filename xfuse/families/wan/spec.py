@@ -21,7 +21,7 @@ WAN = ModelSpec(
     diffusers_transformer="WanTransformer3DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py (and controlnet.py) beside this file
     stage_name="WanStage",
-    modular_denoise="WanDenoiseStep",
+    modular_denoise=("WanDenoiseStep", "Wan22DenoiseStep"),
     hand_written="compile.mode and Wan 2.2 TI2V's per-token timesteps run on this stage only; parallel.adapter: "
     "generic runs the rest, exact",
     presets=(
