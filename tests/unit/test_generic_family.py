@@ -29,8 +29,11 @@ PLAN = dict(blocks=("blocks",), block_returns=("hidden_states",), latent_layout=
         ({"hidden": "x"}, "'x' is not among the block's returns ('hidden_states',)"),
         ({"text_stream": "encoder_hidden_states"}, "'encoder_hidden_states' is not among the block's returns"),
         ({"context": ("encoder_hidden_states",)}, "context entry 'encoder_hidden_states' must be 'module:input'"),
+        ({"joined": ("blocks",)}, "joined block lists need the text stream they join (text_stream)"),
+        ({"joined": ("singles",), "block_returns": ("encoder_hidden_states", "hidden_states"),
+          "text_stream": "encoder_hidden_states"}, "joined block list 'singles' is not among the blocks ('blocks',)"),
     ],
-)
+)  # fmt: skip
 def test_a_forward_plan_names_what_is_wrong(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ForwardPlan(**(PLAN | change))

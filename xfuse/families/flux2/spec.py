@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from xfuse.families.common.flops import attention_flops, linear_flops
+from xfuse.families.generic.forward_plan import ForwardPlan
 from xfuse.families.spec import ModelSpec, no_skips
 
 
@@ -45,8 +46,8 @@ FLUX2 = ModelSpec(
     diffusers_transformer="Flux2Transformer2DModel",
     package=__package__,  # pipeline.py, stage.py, presets.py beside this file
     stage_name="Flux2Stage",
-    hand_written="its forward joins the text and image streams between the double and single blocks (outside any "
-    "block), which a ForwardPlan cannot state",
+    hand_written="compile.mode runs on this stage only; parallel.adapter: generic runs the rest, exact (its single "
+    "blocks: ForwardPlan.joined)",
     presets=("flux2-tiny", "flux2-small", "flux2-dev"),
     vae_scale_factor=8,
     text_lengths=(512,),  # Flux2Pipeline's max_sequence_length: the prompt is always padded to it
@@ -61,6 +62,14 @@ FLUX2 = ModelSpec(
     streams=("text",),
     distilled_guidance=True,  # FLUX.2 [dev] embeds guidance_scale; it has no CFG batch
     native_side=lambda config: 128 * 8,  # Flux2Pipeline.default_sample_size x its VAE factor
+    forward=ForwardPlan(
+        blocks=("transformer_blocks", "single_transformer_blocks"),
+        block_returns=("encoder_hidden_states", "hidden_states"),
+        latent_layout="packed",
+        context=(":encoder_hidden_states", ":txt_ids"),
+        text_stream="encoder_hidden_states",
+        joined=("single_transformer_blocks",),  # its forward joins [text, image] before them
+    ),
 )
 
 FLUX2_KLEIN = replace(
@@ -68,8 +77,8 @@ FLUX2_KLEIN = replace(
     name="flux2-klein",
     diffusers_pipeline="Flux2KleinPipeline",
     stage_name="Flux2KleinStage",
-    hand_written="its forward joins the text and image streams between the double and single blocks (outside any "
-    "block), which a ForwardPlan cannot state",
+    hand_written="compile.mode runs on this stage only; parallel.adapter: generic runs the rest, exact (its single "
+    "blocks: ForwardPlan.joined)",
     presets=("flux2-klein-tiny", "flux2-klein-4b", "flux2-klein-9b"),
     crosses_per_patch="hidden states at each hand-off, plus the text stream (B, 512, hidden) with the step's first "
     "patch only (it owns the text update; later patches reuse its text K/V); with linear placement the stepped "

@@ -39,6 +39,8 @@ from xfuse.families.common.joint import (
 from xfuse.families.common.mmdit import JointConditioning, joint_request
 from xfuse.families.common.packed import PackedJointStage
 from xfuse.families.flux2.spec import FLUX2, FLUX2_KLEIN
+from xfuse.families.generic.request import forward_request
+from xfuse.families.generic.stage import ForwardStage
 from xfuse.parallel.stage_plan import StagePlan
 
 
@@ -139,7 +141,7 @@ class Flux2KleinStage(Flux2Stage):
 
 
 def denoise_request(
-    stage: Flux2Stage,
+    stage: Flux2Stage | ForwardStage,
     *,
     latents,
     timesteps,
@@ -153,12 +155,23 @@ def denoise_request(
     generator=None,
     on_step_end=None,
 ):
-    """The engine's ``DenoiseRequest`` for FLUX.2, built from what ``Flux2Pipeline`` prepares.
+    """The engine's ``DenoiseRequest`` for FLUX.2, built from what ``Flux2Pipeline`` prepares (with
+    ``parallel.adapter: generic``, a ``ForwardStage``: the request of the transformer's own forward).
 
     ``latents``: the patchified latents (B, 4 C, H/16, W/16), the engine's grid. ``guidance_value``: the (B',)
     embedded guidance of a guidance-distilled model (FLUX.2 [dev]), ``None`` otherwise. ``cfg_scale > 1``: the text
     is batched [negative, positive] and combined as ``neg + cfg_scale * (pos - neg)``.
     """
+    if isinstance(stage, ForwardStage):  # mirrors ``diffusers.Flux2Pipeline.__call__``'s transformer call
+        inputs = dict(encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=latent_image_ids)
+        batched: tuple[str, ...] = ("encoder_hidden_states",)
+        if guidance_value is not None:
+            inputs["guidance"], batched = guidance_value, (*batched, "guidance")
+        batch, channels, rows, cols = latents.shape
+        return forward_request(stage, latents=latents, timesteps=timesteps, scheduler=scheduler, inputs=inputs,
+                               batched=batched, timestep=lambda t: t.to(latents.dtype) / 1000,
+                               input_shape=(batch, rows * cols, channels), cfg_scale=cfg_scale, cfg_half=cfg_half,
+                               generator=generator, on_step_end=on_step_end)  # fmt: skip
     rope = stage.rotary_embedding(text_ids, latent_image_ids)
 
     def conditioning(timestep: torch.Tensor, text: torch.Tensor) -> Flux2Conditioning:

@@ -34,6 +34,10 @@ class ForwardPlan:
             stream, handed on with a step's first patch); ``None``: the blocks only read their context.
         text_first: the joint attention's sequence is [text, image] (FLUX.1, Qwen-Image) or [image, text].
         latent_input: the forward's argument that takes the latent.
+        joined: the block lists whose blocks take the text stream joined in front of the image's hidden states, in
+            ``hidden`` (B, text + image tokens, D), and return that one tensor (FLUX.2's single-stream blocks, after
+            its forward's ``torch.cat([encoder_hidden_states, hidden_states])``): the pass splits and joins them at the
+            hand-offs, so a rank hands on the text stream and the image's hidden states as with the other lists.
         latent_layout: the transformer's latent input as the engine's grid: ``packed`` (B, rows * cols, C), one
             token per grid cell, row-major (FLUX.1's packed latents); ``video`` (B, C, frames, H, W), the frames
             stacked as the grid's rows (``xfuse.parallel.video_layout``).
@@ -48,6 +52,7 @@ class ForwardPlan:
     text_stream: str | None = None
     text_first: bool = True
     latent_input: str = "hidden_states"
+    joined: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.latent_layout not in LATENT_LAYOUTS:
@@ -55,6 +60,11 @@ class ForwardPlan:
         for name in (self.hidden, self.text_stream):
             if name is not None and name not in self.block_returns:
                 raise ValueError(f"{name!r} is not among the block's returns {self.block_returns}")
+        if self.joined and self.text_stream is None:
+            raise ValueError("joined block lists need the text stream they join (text_stream)")
+        for name in self.joined:
+            if name not in self.blocks:
+                raise ValueError(f"joined block list {name!r} is not among the blocks {self.blocks}")
         for entry in (*self.context, *self.uncut):
             if ":" not in entry:
                 raise ValueError(f"context entry {entry!r} must be 'module:input' (':name' for the forward's own)")

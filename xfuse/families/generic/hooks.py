@@ -45,9 +45,9 @@ class Pass:
     ``tokens``: the image tokens the pass computes (``None``: all, in the model's order); ``index``: the model's
     index of each of them where the layout orders tokens otherwise (Wan's ``spatial`` video layout), else ``None``;
     ``num_tokens``: the image's. ``text``: the context tokens it carries (``None``: all; a step's later patch none,
-    a sequence-parallel rank its chunk). ``blocks``: the segment (first, last) a ``segment`` pass runs. ``inputs``:
-    the streamed tensors its first block takes (a ``segment`` pass's hand-off; an ``epilogue`` pass's last-block
-    outputs); ``outputs``: the segment's last block's.
+    a sequence-parallel rank its chunk); ``text_tokens``: how many tokens of the text stream that is. ``blocks``: the
+    segment (first, last) a ``segment`` pass runs. ``inputs``: the streamed tensors its first block takes (a
+    ``segment`` pass's hand-off; an ``epilogue`` pass's last-block outputs); ``outputs``: the segment's last block's.
     """
 
     mode: str
@@ -58,6 +58,7 @@ class Pass:
     blocks: tuple[int, int] = (0, -1)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor] | None = None
+    text_tokens: int = 0  # the text stream's tokens this pass carries (a joined block's hidden states begin with them)
 
 
 class PassHolder:
@@ -186,42 +187,62 @@ class BandGatherHook(ModelHook):
 
 class BlockGateHook(ModelHook):
     """Block ``index`` of the chain under the pass (the module docstring); ``block_class``'s forward says where its
-    streamed inputs are in a call; a block this rank does not hold (``nn.Identity``) is never run."""
+    streamed inputs are in a call; a block this rank does not hold (``nn.Identity``) is never run. ``joined``: the
+    block takes the text stream ``returns[0]`` joined in front of the hidden states ``returns[1]`` in one input of
+    that name, and returns that tensor (``ForwardPlan.joined``); the pass's hand-offs keep the two apart."""
 
     def __init__(self, index: int, last: int, block_class: type, returns: tuple[str, ...], holds: bool,
-                 passes: PassHolder):  # fmt: skip
+                 passes: PassHolder, joined: bool = False):  # fmt: skip
         super().__init__()
         self.index, self.last, self.returns, self.holds, self.passes = index, last, returns, holds, passes
         self.positions = _parameters(block_class.forward)
+        self.joined = joined
 
-    def streamed(self, args, kwargs) -> dict[str, torch.Tensor]:
+    def streamed(self, args, kwargs, p: Pass) -> dict[str, torch.Tensor]:
+        if self.joined:
+            text, hidden = self.returns
+            both = _get(self.positions, hidden, args, kwargs)  # (B, text + image tokens, D)
+            return {text: both[:, : p.text_tokens], hidden: both[:, p.text_tokens :]}
         return {name: _get(self.positions, name, args, kwargs) for name in self.returns}
 
     def returned(self, values: dict[str, torch.Tensor]):
+        if self.joined:
+            return torch.cat([values[name] for name in self.returns], dim=1)  # [text, image]
         out = tuple(values[name] for name in self.returns)
         return out[0] if len(out) == 1 else out
+
+    def outputs(self, out, p: Pass) -> dict[str, torch.Tensor]:
+        if self.joined:
+            text, hidden = self.returns
+            return {text: out[:, : p.text_tokens], hidden: out[:, p.text_tokens :]}
+        return dict(zip(self.returns, (out,) if torch.is_tensor(out) else out, strict=True))
 
     def new_forward(self, module, *args, **kwargs):
         p, index = self.passes.get(f"block {self.index}"), self.index
         if p.mode == PROLOGUE:
-            raise SegmentEnd(self.streamed(args, kwargs))
+            raise SegmentEnd(self.streamed(args, kwargs, p))
         if p.mode == EPILOGUE:
             if index == self.last:
-                return self.returned(self.streamed(args, kwargs) | p.inputs)
-            return self.returned(self.streamed(args, kwargs))
+                return self.returned(self.streamed(args, kwargs, p) | p.inputs)
+            return self.returned(self.streamed(args, kwargs, p))
         first, last = p.blocks
         if index < first:
-            return self.returned(self.streamed(args, kwargs))
+            return self.returned(self.streamed(args, kwargs, p))
         if index > last:
-            raise SegmentEnd(self.streamed(args, kwargs))
+            raise SegmentEnd(self.streamed(args, kwargs, p))
         if not self.holds:
             raise RuntimeError(f"block {index} is in this pass's segment {first}-{last} but this rank does not hold it")
         if index == first:
-            for name, value in p.inputs.items():
-                args, kwargs = _set(self.positions, name, value, args, kwargs)
+            if self.joined:  # the hand-off joined as the forward joins it; a later patch's text: none
+                hidden = p.inputs[self.returns[1]]
+                text = p.inputs.get(self.returns[0], hidden[:, :0])
+                args, kwargs = _set(self.positions, self.returns[1], torch.cat([text, hidden], dim=1), args, kwargs)
+            else:
+                for name, value in p.inputs.items():
+                    args, kwargs = _set(self.positions, name, value, args, kwargs)
         out = self.fn_ref.original_forward(*args, **kwargs)
         if index == last:
-            p.outputs = dict(zip(self.returns, (out,) if torch.is_tensor(out) else out, strict=True))
+            p.outputs = self.outputs(out, p)
         return out
 
 

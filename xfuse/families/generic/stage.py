@@ -103,10 +103,12 @@ class ForwardStage(ShardedStage):
         self._latent_height = 0
         self._order: tuple[VideoLayout, torch.Tensor] | None = None  # a video layout's token order
         last = len(block_classes) - 1
+        joined = [name in forward.joined for name in forward.blocks for _ in getattr(transformer, name)]
         for index, block in enumerate(self.blocks):
             holds = index in self.block_ids
-            register(block, BlockGateHook(index, last, block_classes[index], forward.block_returns, holds, self.passes),
-                     "xfuse_gate")  # fmt: skip
+            returns = (forward.text_stream, forward.hidden) if joined[index] else forward.block_returns
+            gate = BlockGateHook(index, last, block_classes[index], returns, holds, self.passes, joined[index])
+            register(block, gate, "xfuse_gate")
         for name, module in transformer.named_children():  # the prologue's modules (the epilogue's too: harmless);
             if name not in forward.blocks:  # inside the plan's hooks, so a cut or gather is made for each pass
                 register(module, CallMemo(), "xfuse_memo")
@@ -213,7 +215,8 @@ class ForwardStage(ShardedStage):
             # the layout's token order everywhere, whole-image passes too: the K/V buffers hold it
             tokens = slice(0, self.num_tokens) if tokens is None else tokens
             index = self._order[1][tokens]
-        self.passes.current = Pass(mode, tokens, self.num_tokens, text, index, **fields)
+        self.passes.current = Pass(mode, tokens, self.num_tokens, text, index, **fields,
+                                   text_tokens=self.joint.text_tokens)  # fmt: skip
         return self.passes.current
 
     def stream_shape(self, kind: str, shape: tuple) -> tuple:
