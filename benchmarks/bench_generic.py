@@ -4,7 +4,9 @@
     python benchmarks/bench_generic.py [--steps 8] [--repeats 3] [--json benchmarks/results/generic.json]
 
 FLUX.1 ``flux-small`` (4 double + 8 single blocks of width 256) at 512 x 512 px with its embedded guidance (batch 1,
-16 text tokens) and Wan ``wan-small`` (16 blocks of width 256) at 17 frames of 192 x 336 px with CFG (batch 2), each
+16 text tokens), FLUX.2 ``flux2-small`` (2 double + 10 single blocks of width 256, its single blocks taking [text,
+image] joined: ``ForwardPlan.joined``) likewise, and Wan ``wan-small`` (16 blocks of width 256) at 17 frames of
+192 x 336 px with CFG (batch 2), each
 at degree 1 and degree 2 (M = 2, warm-up 1, linear placement), one torch thread per rank pinned to its own core,
 in gloo worlds set up first and then timed in turns (generic, hand-written, per degree, each round): the loop only
 (``PipeFusionEngine.denoise`` on the inputs the diffusers pipeline prepares), median (min-max) of the rounds.
@@ -27,7 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_pipefusion import pin_to_core  # noqa: E402  (after the path insert, as run directly)
 
-MODELS = {"flux-small": dict(height=512, width=512), "wan-small": dict(height=192, width=336, num_frames=17)}
+MODELS = {
+    "flux-small": dict(height=512, width=512),
+    "wan-small": dict(height=192, width=336, num_frames=17),
+    "flux2-small": dict(height=512, width=512),
+}
 _RANK: dict = {}  # in a rank process: the stages, inputs and grids setup_rank built
 
 
@@ -52,7 +58,10 @@ def setup_rank(preset: str, degree: int, steps: int) -> None:
     size = MODELS[preset]
     stages = {name: cls(copy.deepcopy(pipe.transformer), plan, rank).eval()
               for name, cls in (("generic", spec.forward_stage_class()), ("family", spec.stage_class()))}  # fmt: skip
-    if preset.startswith("flux"):
+    if preset.startswith("flux2"):
+        request = flux2_requests(pipe, stages, steps, **size)
+        grid = mmdit_fns.grid_of(spec, pipe, size["height"], size["width"], 2)
+    elif preset.startswith("flux"):
         inputs = mmdit_fns.prepare_inputs(pipe, height=size["height"], width=size["width"], steps=steps, cfg=1.0)
         grid = mmdit_fns.grid_of(spec, pipe, size["height"], size["width"], 2)
 
@@ -70,6 +79,37 @@ def setup_rank(preset: str, degree: int, steps: int) -> None:
 
     channels = P2PChannels(rank=rank, timeout_s=600, max_inflight=2, device=torch.device("cpu"))
     _RANK.update(stages=stages, plan=plan, grid=grid, request=request, channels=channels, rank=rank)
+
+
+def flux2_requests(pipe, stages, steps: int, *, height: int, width: int):
+    """FLUX.2's loop inputs as ``Flux2Pipeline.__call__`` prepares them (its prompt, latents, timesteps and embedded
+    guidance 4.0), and the engine's request for a stage of ``stages`` on them."""
+    import numpy as np
+    import torch
+    from diffusers.pipelines.flux2 import pipeline_flux2 as diffusers_flux2
+
+    from xfuse.families.common.packed import packed_to_grid
+    from xfuse.families.flux2.stage import denoise_request
+
+    with torch.no_grad():
+        emb, text_ids = pipe.encode_prompt(prompt="a red house by a lake", device="cpu", max_sequence_length=16)
+    channels = pipe.transformer.config.in_channels // 4
+    packed, image_ids = pipe.prepare_latents(1, channels, height, width, torch.float32, "cpu",
+                                             torch.Generator().manual_seed(0), None)  # fmt: skip
+    tokens = packed.shape[1]
+    mu = diffusers_flux2.compute_empirical_mu(image_seq_len=tokens, num_steps=steps)
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+
+    def request(name):
+        scheduler = copy.deepcopy(pipe.scheduler)
+        timesteps = diffusers_flux2.retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas, mu=mu)[0]
+        scheduler.set_begin_index(0)
+        rows = height // (pipe.vae_scale_factor * 2)  # packed token rows
+        return denoise_request(stages[name], latents=packed_to_grid(packed, rows).contiguous(), timesteps=timesteps,
+                               scheduler=scheduler, prompt_embeds=emb, text_ids=text_ids, latent_image_ids=image_ids,
+                               guidance_value=torch.full([1], 4.0))  # fmt: skip
+
+    return request
 
 
 def call_rank(name: str) -> dict:
