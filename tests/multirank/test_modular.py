@@ -31,12 +31,14 @@ LAYOUTS = {  # name -> (world size, parallel section)
 }
 CASES = [
     *[("flux", name) for name in ("pp2", "pp3", "pp2_ulysses2", "pp2_generic")],
+    ("flux-img2img", "pp2"),  # the same denoise step on an image's noised latents and the timesteps left
     *[("wan", name) for name in ("pp2", "cfg2_pp2", "pp2_generic")],  # Wan's guider: a CFG batch the groups split
     *[("wan2.2", name) for name in ("pp2", "cfg2_pp2")],  # two experts, each with its guider
     *[("ltx", name) for name in ("pp2", "pp3", "cfg2_pp2")],  # (LTX-Video: the generic family only)
 ]
 SHAPES = {
     "flux": (1, 4, 16, 12),
+    "flux-img2img": (1, 4, 16, 12),
     "wan": (1, 4, 3, 8, 12),
     "wan2.2": (1, 4, 3, 8, 12),
     "ltx": (1, 8, 2, 4, 3),

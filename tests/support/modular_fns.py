@@ -3,11 +3,14 @@
 ``xfuse.parallelize`` (``tests/multirank/test_modular.py``). Each is named by a key of ``CALLS``."""
 
 import torch
+from PIL import Image
 
 # family -> its modular pipeline's call: FLUX.1 128 x 96 px; the videos 9 frames, CFG 5 and 3 (their guiders')
 CALLS = {
     "flux": dict(prompt="a red house by a lake", height=128, width=96, num_inference_steps=3, guidance_scale=3.5,
                  max_sequence_length=16),
+    "flux-img2img": dict(prompt="a red house by a lake", image=Image.new("RGB", (96, 128), "red"), strength=0.6,
+                         height=128, width=96, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=16),
     "wan": dict(prompt="a red house by a lake", negative_prompt="blurry", height=64, width=96, num_frames=9,
                 num_inference_steps=3, max_sequence_length=16),
     "wan2.2": dict(prompt="a red house by a lake", negative_prompt="blurry", height=64, width=96, num_frames=9,
@@ -18,6 +21,7 @@ CALLS = {
 # key -> (its preset, diffusers.modular_pipelines' blocks, the family)
 MODULAR = {
     "flux": ("flux-tiny", "FluxAutoBlocks", "flux"),
+    "flux-img2img": ("flux-tiny", "FluxAutoBlocks", "flux"),  # an image's latents noised to strength 0.6
     "wan": ("wan-tiny", "WanBlocks", "wan"),
     "wan2.2": ("wan2.2-tiny", "Wan22Blocks", "wan"),
     "ltx": ("ltx-tiny", "LTXAutoBlocks", "ltx"),
