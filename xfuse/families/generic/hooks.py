@@ -217,6 +217,13 @@ class BlockGateHook(ModelHook):
             return {text: out[:, : p.text_tokens], hidden: out[:, p.text_tokens :]}
         return dict(zip(self.returns, (out,) if torch.is_tensor(out) else out, strict=True))
 
+    def passed_on(self, args, kwargs, p: Pass):
+        """What a block outside the pass's segment returns: its streamed inputs (a joined block's one tensor as it
+        came, not split and joined again)."""
+        if self.joined:
+            return _get(self.positions, self.returns[1], args, kwargs)
+        return self.returned(self.streamed(args, kwargs, p))
+
     def new_forward(self, module, *args, **kwargs):
         p, index = self.passes.get(f"block {self.index}"), self.index
         if p.mode == PROLOGUE:
@@ -224,10 +231,10 @@ class BlockGateHook(ModelHook):
         if p.mode == EPILOGUE:
             if index == self.last:
                 return self.returned(self.streamed(args, kwargs, p) | p.inputs)
-            return self.returned(self.streamed(args, kwargs, p))
+            return self.passed_on(args, kwargs, p)
         first, last = p.blocks
         if index < first:
-            return self.returned(self.streamed(args, kwargs, p))
+            return self.passed_on(args, kwargs, p)
         if index > last:
             raise SegmentEnd(self.streamed(args, kwargs, p))
         if not self.holds:
