@@ -190,19 +190,11 @@ class ParallelDenoiseStep(_StandIn):
 
     @torch.no_grad()
     def __call__(self, components, state) -> tuple[Any, Any]:
-        block_state = self.get_block_state(state)
-        pipe = self._xfuse
-        inputs = self._family.loop_inputs(block_state, components)  # (its refusals: on every rank, before any message)
-        pipe._begin_call()
-        # from here on every rank communicates: a failure anywhere stops everyone
-        with pipe.context.monitor.guard():
-            # the tensors the loop reads are rank 0's on every rank (each rank ran the blocks before; as xfuse's own
-            # pipelines broadcast rank 0's text and latents, no rank's own draw or encoder can differ)
-            inputs = pipe.collectives.from_rank0(inputs if pipe.context.is_output else None)
-            request, back = self._family.denoise_request(pipe, inputs, block_state, components)
-            final = pipe._denoise(request)
-            final = pipe.collectives.from_rank0(final)  # every rank goes on with the stepped latents
-        block_state.latents = back(final)
+        block_state, pipe = self.get_block_state(state), self._xfuse
+        tensors = self._family.loop_inputs(block_state, components)  # (its refusals: on every rank, before a message)
+        block_state.latents = pipe.denoise_everywhere(
+            tensors, lambda tensors: self._family.denoise_request(pipe, tensors, block_state, components)
+        )
         self.set_block_state(state, block_state)
         return components, state
 

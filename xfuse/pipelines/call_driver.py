@@ -118,6 +118,18 @@ class CallDriverMixin:
             raise self._callback_error
         return result
 
+    def denoise_everywhere(self, tensors: dict[str, torch.Tensor], request: Callable[[dict], tuple[Any, Callable]]):
+        """One denoising loop that a caller prepared on every rank outside ``_run`` (``xfuse.modular``'s denoise step),
+        in ``_run``'s order: rank 0's ``tensors`` broadcast to every rank (no rank's own draw or encoder can differ),
+        ``request(tensors)`` -> (the engine's request, ``finish``) built on every rank, the loop, and ``finish`` of
+        its final latents, which every rank receives from rank 0. A failure anywhere stops everyone."""
+        self._begin_call()
+        with self.context.monitor.guard():
+            tensors = self.collectives.from_rank0(tensors if self.context.is_output else None)
+            made, finish = request(tensors)
+            final = self._denoise(made)
+            return finish(self.collectives.from_rank0(final))
+
     def _prepare(self, recipe: CallRecipe, span) -> tuple[Any, torch.Tensor]:
         """Steps 2-6 of ``_run``: the prompts encoded and broadcast, the timesteps, generator and latents; returns
         the engine's request (Wan 2.2's: two runs) and the call's timesteps."""

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from xfuse.families.common.packed import grid_to_packed, packed_to_grid
-from xfuse.families.generic.request import forward_request
+from xfuse.families.common.packed import grid_to_packed
+from xfuse.families.ltx.pipeline import denoise_request as ltx_request
 from xfuse.modular import classifier_free_guidance
 
 CFG_BATCH = True  # the guider's conditional and unconditional calls: one batch, split by parallel.cfg_degree
@@ -47,26 +47,19 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], block_state, componen
     keys = [(f"negative_{name}", name) if scale != 1.0 else (name,) for name in TEXT]
     batched = {name: torch.cat([inputs[k] for k in pair]) for name, pair in zip(TEXT, keys, strict=True)}
     text, cfg_half = pipe._cfg_split(batched, latents.shape[0])
-    request = forward_request(  # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``
-        pipe.stage,  # on the packed latents viewed as a grid of token rows, frame after frame
-        latents=packed_to_grid(latents, frames * rows).contiguous(),
+    request = ltx_request(  # mirrors ``diffusers.modular_pipelines.ltx.denoise.LTXLoopDenoiser.__call__``
+        pipe.stage,
+        packed=latents,
+        size=(frames, rows, cols),
+        text=text,
+        rope_interpolation_scale=block_state.rope_interpolation_scale,
         timesteps=block_state.timesteps,
         scheduler=components.scheduler,
-        inputs=dict(
-            encoder_hidden_states=text["prompt_embeds"].to(dtype),
-            encoder_attention_mask=text["prompt_attention_mask"].to(dtype),
-            num_frames=frames,
-            height=rows,
-            width=cols,
-            rope_interpolation_scale=block_state.rope_interpolation_scale,
-        ),
-        batched=("encoder_hidden_states", "encoder_attention_mask"),
-        timestep=lambda t: t.to(dtype),
-        input_shape=tuple(latents.shape),
         cfg_scale=scale,
         guidance_rescale=rescale,
         cfg_half=cfg_half,
-        hidden_dtype=dtype,  # latent_model_input = latents.to(dtype)
+        dtype=dtype,
+        timestep=lambda t: t.to(dtype),
     )
     back: Callable[[torch.Tensor], torch.Tensor] = lambda grid: grid_to_packed(grid).to(latents.dtype)  # noqa: E731
     return request, back

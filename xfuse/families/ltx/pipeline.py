@@ -27,6 +27,41 @@ from xfuse.pipelines.callbacks import callback_tensor_inputs, step_end_callback
 from xfuse.pipelines.lora import ShardedLoraMixin
 
 
+def denoise_request(stage, *, packed: torch.Tensor, size: tuple[int, int, int], text: dict[str, torch.Tensor],
+                    rope_interpolation_scale, timesteps, scheduler, cfg_scale: float, guidance_rescale: float, cfg_half,
+                    dtype: torch.dtype, timestep, generator=None, on_step_end=None):  # fmt: skip
+    """The engine's request of LTX-Video's transformer forward with the arguments ``LTXPipeline.__call__`` (and the
+    modular ``LTXLoopDenoiser``) passes it: ``packed`` latents (B, frames * rows * cols, C) of ``size`` (latent
+    frames, rows, cols) viewed as a grid of token rows, frame after frame; ``text``: this rank's ``prompt_embeds`` and
+    ``prompt_attention_mask`` of the transformer batch ([negative, positive] with CFG); ``dtype``: the transformer's;
+    ``timestep(t)``: the forward's timestep at the scheduler's ``t``."""
+    frames, rows, cols = size
+    inputs = dict(
+        encoder_hidden_states=text["prompt_embeds"].to(dtype),
+        encoder_attention_mask=text["prompt_attention_mask"].to(dtype),
+        num_frames=frames,
+        height=rows,
+        width=cols,
+        rope_interpolation_scale=rope_interpolation_scale,
+    )
+    return forward_request(
+        stage,
+        latents=packed_to_grid(packed, frames * rows).contiguous(),  # (B, C, frames * rows, cols)
+        timesteps=timesteps,
+        scheduler=scheduler,
+        inputs=inputs,
+        batched=("encoder_hidden_states", "encoder_attention_mask"),
+        timestep=timestep,
+        input_shape=tuple(packed.shape),
+        cfg_scale=cfg_scale,
+        guidance_rescale=guidance_rescale,
+        cfg_half=cfg_half,
+        hidden_dtype=dtype,
+        generator=generator,
+        on_step_end=on_step_end,
+    )
+
+
 class PipeFusionLTXPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
     r"""
     Text-to-video with LTX-Video on ``cfg_degree x pipefusion_degree`` ranks (each stage optionally a Ulysses/Ring
@@ -159,27 +194,19 @@ class PipeFusionLTXPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                 pipe.vae_spatial_compression_ratio,
                 pipe.vae_spatial_compression_ratio,
             )  # LTXPipeline's micro-conditions
-            inputs = dict(
-                encoder_hidden_states=model_text["prompt_embeds"],
-                encoder_attention_mask=model_text["prompt_attention_mask"],
-                num_frames=latent_frames,
-                height=latent_height,
-                width=latent_width,
+            return denoise_request(
+                self.stage,
+                packed=packed,
+                size=(latent_frames, latent_height, latent_width),
+                text=model_text,
                 rope_interpolation_scale=rope_interpolation_scale,
-            )
-            return forward_request(
-                self.stage,  # on the packed latents viewed as a grid of token rows, frame after frame
-                latents=packed_to_grid(packed, latent_frames * latent_height).contiguous(),
                 timesteps=timesteps,
                 scheduler=pipe.scheduler,
-                inputs=inputs,
-                batched=("encoder_hidden_states", "encoder_attention_mask"),
-                timestep=lambda t: t,  # LTXPipeline: t.expand(B)
-                input_shape=tuple(packed.shape),
                 cfg_scale=guidance_scale,
                 guidance_rescale=guidance_rescale,
                 cfg_half=cfg_half,
-                hidden_dtype=self.dtype,  # latent_model_input.to(prompt_embeds.dtype)
+                dtype=self.dtype,  # latent_model_input.to(prompt_embeds.dtype)
+                timestep=lambda t: t,  # LTXPipeline: t.expand(B)
                 generator=generator,
                 on_step_end=on_step_end,
             )

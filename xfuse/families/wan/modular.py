@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from xfuse.families.wan.pipeline import ExpertRuns
 from xfuse.families.wan.stage import denoise_request as wan_request
 from xfuse.modular import classifier_free_guidance
 from xfuse.parallel.video_layout import VideoLayout
@@ -71,19 +70,11 @@ def denoise_request(pipe, inputs: dict[str, torch.Tensor], block_state, componen
             cfg_half=cfg_half,
         )
 
-    steps = len(block_state.timesteps)
-    if pipe.stage_2 is None:
-        request = run(pipe.stage, latents, 0, steps, None)
-    else:  # mirrors ``diffusers.modular_pipelines.wan.denoise.Wan22LoopDenoiser.__call__``: the high-noise expert
-        # and its guider while t >= the boundary, then the low-noise one's
-        boundary = components.config.boundary_ratio * components.num_train_timesteps
-        switch = int((block_state.timesteps >= boundary).sum())
-        low_scale = _guidance_scale(components.guider_2)
-        request = ExpertRuns(
-            high=run(pipe.stage, latents, 0, switch, None) if switch else None,
-            low=None if switch == steps else lambda grid: run(
-                pipe.stage_2, latents if grid is None else layout.from_grid(grid), switch, steps, low_scale
-            ),
-        )  # fmt: skip
+    # mirrors ``diffusers.modular_pipelines.wan.denoise.Wan22LoopDenoiser.__call__`` with two experts: the high-noise
+    # one and its guider while t >= the boundary, then the low-noise one's
+    two = pipe.stage_2 is not None
+    boundary = components.config.boundary_ratio * components.num_train_timesteps if two else None
+    low_scale = _guidance_scale(components.guider_2) if two else None
+    request = pipe.expert_runs(run, latents, block_state.timesteps, boundary, low_scale, layout)
     back: Callable[[torch.Tensor], torch.Tensor] = lambda grid: layout.from_grid(grid).to(latents.dtype)  # noqa: E731
     return request, back

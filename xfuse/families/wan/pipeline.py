@@ -262,25 +262,11 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                     first_frame=first_frame[0] if first_frame else None,
                 )
 
-            steps = len(timesteps)
-            if self.stage_2 is None:
-                return run(self.stage, video_latents, 0, steps, None)
-            # Mirrors ``diffusers.WanPipeline.__call__``: the high-noise expert while t >= the boundary.
-            boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
-            switch = int((timesteps >= boundary).sum())
-            scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
-            return ExpertRuns(
-                high=run(self.stage, video_latents, 0, switch, None) if switch else None,
-                low=None
-                if switch == steps
-                else lambda grid: run(
-                    self.stage_2,
-                    video_latents if grid is None else layout().from_grid(grid.to(device)),
-                    switch,
-                    steps,
-                    scale_2,
-                ),
+            boundary = (
+                None if self.stage_2 is None else pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
             )
+            scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+            return self.expert_runs(run, video_latents, timesteps, boundary, scale_2, layout())
 
         return self._run(
             CallRecipe(
@@ -303,6 +289,25 @@ class PipeFusionWanPipeline(ShardedLoraMixin, PipeFusionPipelineBase):
                 latent_frames=self.spec.latent_frames(num_frames),
             )
         )
+
+    def expert_runs(self, run, latents, timesteps, boundary: float | None, low_scale: float | None,
+                    layout: VideoLayout):  # fmt: skip
+        """The request of a call's loop from ``run(stage, latents, first, last, expert_scale)``: one run of the stage,
+        or Wan 2.2's two experts (mirrors ``diffusers.WanPipeline.__call__``): the high-noise expert while the timestep
+        is at least ``boundary``, then the low-noise one from the latents the first left, combined with
+        ``low_scale``. ``layout``: the engine's grid as the video's latents."""
+        steps = len(timesteps)
+        if self.stage_2 is None:
+            return run(self.stage, latents, 0, steps, None)
+        switch = int((timesteps >= boundary).sum())
+        device = self.context.device
+
+        def low(grid: torch.Tensor | None) -> DenoiseRequest:
+            start = latents if grid is None else layout.from_grid(grid.to(device))
+            return run(self.stage_2, start, switch, steps, low_scale)
+
+        return ExpertRuns(high=run(self.stage, latents, 0, switch, None) if switch else None,
+                          low=None if switch == steps else low)  # fmt: skip
 
     def _denoise(self, request, engine=None):
         """One run, or a two-expert request's two: the high-noise expert's, then (from the latents it left, which rank 0
